@@ -1,0 +1,52 @@
+"""The exception tree: one root, local and remote errors kept apart.
+
+Everything the package raises on purpose derives from `PactIngressError`, so the CLI can
+turn any expected failure into one stderr line and an exit code without a traceback.
+Errors caused by a peer's bytes (`RemoteProtocolError`) are distinct from errors in our
+own configuration or state (`ConfigError`, `IdentityError`), as h11 and h2 do.
+"""
+
+from __future__ import annotations
+
+
+class PactIngressError(Exception):
+    """Root of every error this package raises deliberately."""
+
+    exit_code = 1
+
+
+class ConfigError(PactIngressError):
+    """A configuration file is invalid. `messages` are `FILE:LINE: message` lines."""
+
+    exit_code = 2
+
+    def __init__(self, messages: list[str] | str) -> None:
+        if isinstance(messages, str):
+            messages = [messages]
+        self.messages = list(messages)
+        super().__init__("\n".join(self.messages))
+
+
+class UsageError(PactIngressError):
+    """A command was called with arguments that cannot work."""
+
+    exit_code = 2
+
+
+class IdentityError(PactIngressError):
+    """A key, certificate or fingerprint could not be read or does not match."""
+
+
+class RemoteProtocolError(PactIngressError):
+    """A peer sent bytes that violate the protocol we expect from it.
+
+    `alert` names the TLS alert description code to answer with, when one applies.
+    """
+
+    def __init__(self, message: str, *, alert: int | None = None) -> None:
+        super().__init__(message)
+        self.alert = alert
+
+
+class BackendError(PactIngressError):
+    """A backend (address or tunnel) could not be reached or failed mid-way."""
