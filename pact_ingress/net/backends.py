@@ -1,0 +1,133 @@
+"""Opening a stream to a route's backend: a configured address, or the tenant's tunnel.
+
+Both modes (passthrough and terminate) and both kinds of backend go through
+`Backends.connect(route)`, so the router never connects anywhere a config did not name:
+the only inputs are `route.backend` (an address from config) or `route.tenant` (whose
+tunnel connector dials *us*).
+
+Hostnames are resolved off the hot path: `Resolver` caches answers with a TTL and a
+background task refreshes every configured name before it expires, so a new connection
+costs a dict lookup, not a `getaddrinfo` in a worker thread. Only a cold miss (first
+connection after start or reload) waits for a lookup, and concurrent misses for one
+name share it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Iterable
+from typing import Protocol
+
+import trio
+
+from pact_ingress.config import Address, Route
+from pact_ingress.errors import BackendError
+from pact_ingress.logs import log
+
+#: How long a resolved answer is used before it is refreshed. Home-node addresses change
+#: rarely (dynamic DNS updates within minutes); 60 s bounds staleness cheaply.
+DNS_TTL = 60.0
+#: A lookup that has not answered by then counts as failed (resolver down).
+DNS_TIMEOUT = 5.0
+#: Connect attempts to one backend give up after this (a dead host is not waited on).
+CONNECT_TIMEOUT = 5.0
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class Resolver:
+    """Hostname → addresses cache with TTL, refreshed in the background."""
+
+    def __init__(self, ttl: float = DNS_TTL) -> None:
+        self.ttl = ttl
+        self._cache: dict[str, tuple[tuple[str, ...], float]] = {}
+        self._inflight: dict[str, trio.Event] = {}
+        self._names: set[str] = set()
+
+    def watch(self, names: Iterable[str]) -> None:
+        """Names to keep fresh (the configured backend hostnames); replaces the old set."""
+        self._names = {n for n in names if not is_ip(n)}
+        for stale in set(self._cache) - self._names:
+            del self._cache[stale]
+
+    async def resolve(self, host: str) -> tuple[str, ...]:
+        if is_ip(host):
+            return (host,)
+        hit = self._cache.get(host)
+        if hit is not None and hit[1] > trio.current_time():
+            return hit[0]
+        if hit is not None:  # expired: serve the stale answer, refresh behind it
+            return hit[0]
+        return await self._lookup(host)
+
+    async def _lookup(self, host: str) -> tuple[str, ...]:
+        event = self._inflight.get(host)
+        if event is not None:
+            await event.wait()
+            hit = self._cache.get(host)
+            if hit is None:
+                raise BackendError(f"cannot resolve {host}")
+            return hit[0]
+        event = self._inflight[host] = trio.Event()
+        try:
+            with trio.move_on_after(DNS_TIMEOUT):
+                infos = await trio.socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                addrs = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+                self._cache[host] = (addrs, trio.current_time() + self.ttl)
+                return addrs
+            raise BackendError(f"resolving {host} timed out")
+        except OSError as exc:
+            raise BackendError(f"cannot resolve {host}: {exc}") from exc
+        finally:
+            del self._inflight[host]
+            event.set()
+
+    async def refresh_forever(self) -> None:
+        """Re-resolve every watched name each TTL/2; failures keep the last answer."""
+        while True:
+            for name in sorted(self._names):
+                try:
+                    await self._lookup(name)
+                except BackendError as exc:
+                    log.warning("dns_refresh_failed", host=name, error=str(exc))
+            await trio.sleep(self.ttl / 2)
+
+
+class TunnelPool(Protocol):
+    """What the tunnel server offers the router: a stream to a tenant's home node."""
+
+    async def open_stream(self, tenant: str) -> trio.abc.Stream: ...
+
+
+class Backends:
+    """Opens streams to route backends; the router's only way out."""
+
+    def __init__(self, resolver: Resolver | None = None, tunnels: TunnelPool | None = None):
+        self.resolver = resolver or Resolver()
+        self.tunnels = tunnels
+
+    async def connect(self, route: Route) -> trio.abc.Stream:
+        """A connected stream to `route`'s backend, or BackendError."""
+        if route.backend.address is None:
+            if self.tunnels is None:
+                raise BackendError(f"no tunnel for tenant {route.tenant}")
+            return await self.tunnels.open_stream(route.tenant)
+        return await self.connect_address(route.backend.address)
+
+    async def connect_address(self, address: Address) -> trio.SocketStream:
+        addrs = await self.resolver.resolve(address.host)
+        last: Exception | None = None
+        for ip in addrs:
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT):
+                    return await trio.open_tcp_stream(ip, address.port)
+            except (OSError, trio.TooSlowError) as exc:
+                last = exc
+        raise BackendError(f"backend {address} unreachable: {last}")

@@ -1,0 +1,80 @@
+"""In-process counters, kept in one place so the admin endpoint only exposes them.
+
+Every module that counts something imports `STATS` (or receives a `Stats`) and touches
+these metric objects; nothing else keeps its own tallies. The metrics live in a private
+`CollectorRegistry` per `Stats` so tests can run several ingresses in one process without
+their numbers mixing. `recent_refusals` keeps a short, bounded history for the status page.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: How many recent refusals the status page shows; a bounded deque, oldest dropped.
+RECENT_REFUSALS = 50
+
+
+@dataclass(frozen=True)
+class Refusal:
+    at: float  # wall-clock seconds, for display only
+    route: str
+    client_ip: str
+    reason: str
+
+
+class Stats:
+    """All metric families of one ingress (or connector) instance."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "pact_ingress_"
+        self.connections = Counter(
+            p + "connections", "Closed client connections by route, mode and outcome",
+            ["route", "mode", "outcome"], registry=r)
+        self.open_connections = Gauge(
+            p + "open_connections", "Client connections currently open", registry=r)
+        self.bytes = Counter(
+            p + "bytes", "Bytes relayed by route and direction (up = client to backend)",
+            ["route", "direction"], registry=r)
+        self.rejections = Counter(
+            p + "rejections", "Connections refused before routing, by reason",
+            ["reason"], registry=r)
+        self.requests = Counter(
+            p + "http_requests", "Terminated HTTP requests by route and status code",
+            ["route", "status"], registry=r)
+        self.refusals = Counter(
+            p + "refusals", "Requests refused at the edge by route and PACT code",
+            ["route", "code"], registry=r)
+        self.upstream_seconds = Histogram(
+            p + "upstream_response_seconds", "Time to upstream response headers",
+            ["route"], registry=r)
+        self.tunnels = Gauge(
+            p + "tunnels", "Live tunnel connections per tenant", ["tenant"], registry=r)
+        self.tunnel_streams = Gauge(
+            p + "tunnel_streams", "Streams open through tunnels", ["tenant"], registry=r)
+        self.tunnel_events = Counter(
+            p + "tunnel_events", "Tunnel connects, disconnects and refusals by reason",
+            ["tenant", "event"], registry=r)
+        self.cert_expiry = Gauge(
+            p + "certificate_expiry_timestamp_seconds", "Not-after of the served cert",
+            ["host"], registry=r)
+        self.cert_failures = Counter(
+            p + "certificate_failures", "Certificate order failures by host and reason",
+            ["host", "reason"], registry=r)
+        self.reloads = Counter(
+            p + "config_reloads", "Config reloads by result", ["result"], registry=r)
+        self.recent_refusals: collections.deque[Refusal] = collections.deque(
+            maxlen=RECENT_REFUSALS)
+
+    def refused(self, route: str, client_ip: str, reason: str) -> None:
+        """Record a refusal for the status page (counters are incremented by the caller)."""
+        self.recent_refusals.append(Refusal(time.time(), route, client_ip, reason))
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample (tests and the status page); 0 when absent."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else v
