@@ -1,0 +1,219 @@
+"""The running ingress: one root nursery, components wired together, signals handled.
+
+Start order: load config → identity (created on first start) → components → listeners →
+READY. SIGHUP (or `POST /reload` on the admin endpoint) loads the config file again; a
+config that fails validation is refused with its `FILE:LINE` messages logged and the
+running config stays in force. SIGTERM/SIGINT stop the listeners at once, tell tunnel
+connectors to go away, and give open connections `DRAIN_DEADLINE` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pact_ingress import __version__, sdnotify
+from pact_ingress.config import Address, Config, load_config, load_connector_config
+from pact_ingress.errors import ConfigError, PactIngressError
+from pact_ingress.identity import load_identity
+from pact_ingress.logs import log, setup as setup_logs
+from pact_ingress.net.backends import Backends, Resolver
+from pact_ingress.net.router import Router, open_listeners
+from pact_ingress.stats import Stats
+
+#: Seconds open connections get to finish after SIGTERM before they are cancelled.
+#: systemd's default TimeoutStopSec is 90 s; the unit sets 45 s, so stay below that.
+DRAIN_DEADLINE = 30.0
+
+
+def _addr(a: Address) -> tuple[str, int]:
+    return (a.host, a.port)
+
+
+class Ingress:
+    """All components of one running ingress, built from one config."""
+
+    def __init__(self, config: Config, *, stats: Stats | None = None) -> None:
+        from pact_ingress.acme.manager import CertManager
+        from pact_ingress.net.terminate import Terminator
+        from pact_ingress.net.tunnel_server import TunnelServer
+
+        self.config = config
+        self.started = time.time()
+        self.stats = stats or Stats()
+        self.identity = load_identity(config.identity_key, create=True)
+        self.resolver = Resolver()
+        self.tunnels = TunnelServer(identity=self.identity, stats=self.stats)
+        self.backends = Backends(self.resolver, self.tunnels)
+        self.certs = CertManager(state_dir=config.state_dir, stats=self.stats)
+        self.terminator = Terminator(identity=self.identity, backends=self.backends,
+                                     stats=self.stats)
+        self.router = Router(config, stats=self.stats, backends=self.backends,
+                             terminator=self.terminator, certs=self.certs,
+                             tunnels=self.tunnels)
+        self.bound: dict[str, list[tuple[str, int]]] = {}
+        self._apply(config)
+
+    def _apply(self, config: Config) -> None:
+        self.config = config
+        self.resolver.watch(r.backend.address.host for r in config.routes()
+                            if r.backend.address is not None)
+        self.tunnels.update(config)
+        self.certs.update(config)
+        self.terminator.update(config)
+        self.router.update(config)
+
+    async def reload(self) -> tuple[bool, str]:
+        """Load the config file again; keep the running one when the new one is bad."""
+        sdnotify.reloading()
+        try:
+            new = load_config(self.config.path)
+        except ConfigError as exc:
+            self.stats.reloads.labels("error").inc()
+            for line in exc.messages:
+                log.error("reload_refused", error=line)
+            sdnotify.ready()
+            return False, "\n".join(exc.messages)
+        if new.listen != self.config.listen:
+            log.warning("reload_listen_unchanged",
+                        detail="listen addresses change only on restart")
+        self._apply(new)
+        self.stats.reloads.labels("ok").inc()
+        log.info("reloaded", tenants=len(new.tenants), routes=len(new.routes()))
+        sdnotify.ready()
+        return True, f"reloaded: {len(new.tenants)} tenants, {len(new.routes())} routes"
+
+    def status(self) -> dict[str, Any]:
+        """The `/status` document (schema in pact_ingress.admin.server)."""
+        cfg = self.config
+        tunnel_counts = self.tunnels.counts() if hasattr(self.tunnels, "counts") else {}
+        return {
+            "version": __version__,
+            "uptime_s": round(time.time() - self.started, 1),
+            "config": str(cfg.path),
+            "identity": self.identity.fingerprint,
+            "routes": [
+                {"host": r.host, "tenant": r.tenant, "mode": r.mode, "backend": str(r.backend),
+                 "seal": r.seal if r.mode == "terminate" else None}
+                for r in cfg.routes()
+            ],
+            "tenants": [
+                {"name": t.name, "pins": list(t.pins), "tunnels_up": tunnel_counts.get(t.name, 0)}
+                for t in cfg.tenants
+            ],
+            "certs": [info.as_dict() for info in self.certs.inventory()],
+            "counters": {
+                "open_connections": self.router.open_connections,
+            },
+            "recent_refusals": [
+                {"at": r.at, "route": r.route, "client_ip": r.client_ip, "reason": r.reason}
+                for r in list(self.stats.recent_refusals)
+            ],
+        }
+
+    async def run(self, *, task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Serve until SIGTERM/SIGINT (or `stop()`); `task_status.started(self)` when bound."""
+        cfg = self.config
+        listeners = await open_listeners([_addr(a) for a in cfg.listen.tls])
+        self.bound["tls"] = [tuple(l.socket.getsockname()[:2]) for l in listeners]
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self.resolver.refresh_forever)
+            await nursery.start(self.certs.run)
+            if cfg.listen.http:
+                from pact_ingress.net.http_listener import serve_http
+
+                for a in cfg.listen.http:
+                    await nursery.start(serve_http, a, self.certs)
+            if cfg.listen.admin is not None:
+                from pact_ingress.admin.server import serve_admin
+
+                bound = await nursery.start(lambda task_status: serve_admin(
+                    cfg.listen.admin, stats=self.stats, status=self.status,
+                    reload=self.reload, renew=self._renew, task_status=task_status))
+                self.bound["admin"] = [bound]
+            nursery.start_soon(self._signals)
+            nursery.start_soon(sdnotify.watchdog_loop)
+            await nursery.start(self._serve_router, listeners)
+            log.info("serving", tls=[str(a) for a in cfg.listen.tls],
+                     identity=self.identity.fingerprint, routes=len(cfg.routes()))
+            sdnotify.ready()
+            task_status.started(self)
+
+    async def _serve_router(self, listeners: list[trio.SocketListener],
+                            task_status: trio.TaskStatus[None]) -> None:
+        await self.router.serve(listeners, task_status=task_status)
+        # every connection finished or was cancelled at the deadline: we are done
+        await self.terminator.aclose()
+        self._nursery.cancel_scope.cancel()
+
+    async def _renew(self, host: str | None) -> tuple[bool, str]:
+        lines: list[str] = []
+        try:
+            await self.certs.renew(host, progress=lines.append)
+        except PactIngressError as exc:
+            return False, str(exc)
+        return True, "\n".join(lines) or "renewed"
+
+    async def stop(self, deadline: float = DRAIN_DEADLINE) -> None:
+        sdnotify.stopping()
+        log.info("draining", open_connections=self.router.open_connections,
+                 deadline_s=deadline)
+        await self.tunnels.aclose()
+        await self.router.drain(deadline)
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+            async for signum in sigs:
+                if signum == signal.SIGHUP:
+                    await self.reload()
+                else:
+                    await self.stop()
+
+
+def main_serve(path: Path, *, log_format: str = "json") -> int:
+    setup_logs(log_format)
+    config = load_config(path)  # ConfigError → exit 2 in the CLI
+
+    async def run() -> None:
+        await Ingress(config).run()
+
+    try:
+        trio.run(run)
+    except OSError as exc:
+        raise PactIngressError(f"cannot serve: {exc}") from exc
+    log.info("stopped")
+    return 0
+
+
+def main_connect(path: Path, *, log_format: str = "json") -> int:
+    from pact_ingress.net.connector import run_connector
+
+    setup_logs(log_format)
+    cfg = load_connector_config(path)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            nursery.start_soon(_stop_on_signal, stop)
+            nursery.start_soon(run_connector_until, cfg, stop, nursery.cancel_scope)
+
+    async def run_connector_until(cfg: Any, stop: trio.Event, scope: trio.CancelScope) -> None:
+        await run_connector(cfg, stop=stop)
+        scope.cancel()
+
+    trio.run(run)
+    return 0
+
+
+async def _stop_on_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+        async for _ in sigs:
+            sdnotify.stopping()
+            stop.set()
+            return

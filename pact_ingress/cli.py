@@ -1,0 +1,163 @@
+"""`pact-ingress` command line: argument parsing only (DESIGN §2).
+
+Each subcommand parses its arguments and hands a loaded config to the module that does
+the work. Expected failures (`PactIngressError`) become one stderr line each and exit
+code 2 (usage/config) or 1 (runtime); tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pact_ingress import __version__
+from pact_ingress.errors import ConfigError, PactIngressError
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pact_ingress.identity import keygen
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise PactIngressError(f"{out}: exists (use --force to overwrite)")
+    ident = keygen(out, ed25519_key=args.ed25519)
+    print(ident.fingerprint)
+    print(f"key: {ident.key_path} (0600)  cert: {ident.cert_path}", file=sys.stderr)
+    return 0
+
+
+def _cmd_fingerprint(args: argparse.Namespace) -> int:
+    from pact_ingress.identity import fingerprint_file
+
+    print(fingerprint_file(Path(args.file)))
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    from pact_ingress.config import load_config
+
+    cfg = load_config(Path(args.config))
+    routes = cfg.routes()
+    print(f"{args.config}: ok ({len(cfg.tenants)} tenants, {len(routes)} routes)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pact_ingress import app
+
+    return app.main_serve(Path(args.config), log_format=args.log_format)
+
+
+def _cmd_connect(args: argparse.Namespace) -> int:
+    from pact_ingress import app
+
+    return app.main_connect(Path(args.config), log_format=args.log_format)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pact_ingress import demo
+
+    return demo.main(log_format=args.log_format, base_port=args.port)
+
+
+def _cmd_tenant(args: argparse.Namespace) -> int:
+    from pact_ingress import tenants
+
+    cfg = Path(args.config)
+    if args.action == "add":
+        if not args.host:
+            raise ConfigError("tenant add needs --host")
+        added = tenants.add_tenant(cfg, args.name, args.host, mode=args.mode, pin=args.pin,
+                                   backend=args.backend)
+        print(tenants.format_added(added))
+    elif args.action == "list":
+        for t in tenants.list_tenants(cfg):
+            hosts = ", ".join(f"{r.host} ({r.mode} → {r.backend})" for r in t.routes)
+            print(f"{t.name}\tpins={','.join(t.pins)}\t{hosts}")
+    else:
+        if not args.name:
+            raise ConfigError("tenant remove needs NAME")
+        path = tenants.remove_tenant(cfg, args.name)
+        print(f"removed {path}; reload the ingress: systemctl reload pact-ingress")
+    return 0
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from pact_ingress import certs_cli
+
+    return certs_cli.main(Path(args.config), args.action, args.host)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pact_ingress.admin.server import fetch_status, format_status
+    from pact_ingress.config import load_config
+
+    cfg = load_config(Path(args.config))
+    if cfg.listen.admin is None:
+        raise ConfigError(f"{args.config}: listen.admin is not set; no admin endpoint to ask")
+    data = fetch_status(cfg.listen.admin)
+    print(format_status(data))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pact-ingress", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"pact-ingress {__version__}")
+    p.add_argument("--log-format", choices=("json", "text"), default="json",
+                   help="log line format (default: one JSON object per line)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def cmd(name: str, fn: Callable[[argparse.Namespace], int], help_: str,
+            config: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        if config:
+            sp.add_argument("-c", "--config", required=True, help="config file (YAML)")
+        sp.set_defaults(func=fn)
+        return sp
+
+    cmd("serve", _cmd_serve, "run the ingress (SIGHUP reloads, SIGTERM drains)")
+    cmd("connect", _cmd_connect, "run the home-side tunnel connector")
+    demo = cmd("demo", _cmd_demo, "run ingress + demo node + connector on loopback",
+               config=False)
+    demo.add_argument("--port", type=int, default=8443, help="first loopback port to use")
+    kg = cmd("keygen", _cmd_keygen, "new identity key (0600) + self-signed cert",
+             config=False)
+    kg.add_argument("--ed25519", action="store_true", help="Ed25519 instead of ECDSA P-256")
+    kg.add_argument("-o", "--output", required=True, help="key file to write")
+    kg.add_argument("--force", action="store_true", help="overwrite an existing key")
+    fp = cmd("fingerprint", _cmd_fingerprint, "print sha256:… of a key, cert or SPKI file",
+             config=False)
+    fp.add_argument("file")
+    cmd("check-config", _cmd_check_config, "validate a config file")
+    tn = cmd("tenant", _cmd_tenant, "add, list or remove tenants (tenants.d/NAME.yaml)")
+    tn.add_argument("action", choices=("add", "list", "remove"))
+    tn.add_argument("name", nargs="?")
+    tn.add_argument("--host")
+    tn.add_argument("--mode", choices=("passthrough", "terminate"), default="passthrough")
+    tn.add_argument("--pin")
+    tn.add_argument("--backend", default="tunnel")
+    ce = cmd("certs", _cmd_certs, "certificate inventory and forced renewal")
+    ce.add_argument("action", choices=("list", "renew"))
+    ce.add_argument("host", nargs="?")
+    cmd("status", _cmd_status, "ask the running instance for routes, tunnels, certs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "tenant" and args.action in ("add", "remove") and not args.name:
+        parser.error(f"tenant {args.action} needs NAME")
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        for line in exc.messages:
+            print(line, file=sys.stderr)
+        return 2
+    except PactIngressError as exc:
+        print(f"pact-ingress: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
