@@ -1,17 +1,76 @@
 """Configuration: YAML → frozen dataclasses, strictly validated (DESIGN §3).
 
-(Loader to be written: see load_config.) The dataclasses below are the contract every
-other module reads; they are immutable so a reload swaps one object atomically.
+The dataclasses below are the contract every other module reads; they are immutable so
+a reload swaps one object atomically.
+
+Theory of operation
+-------------------
+Every complaint must read ``FILE:LINE: message`` with the line of the offending key or
+value, and *all* complaints of a file come out at once (an operator fixing a config
+should not play whack-a-mole). So the loader never builds plain Python objects from the
+YAML first: it asks PyYAML only for the composed node tree (``yaml.compose`` with the
+SafeLoader: scalars with their resolved tags, and a ``start_mark`` on every node) and
+walks that tree against the schema by hand. Each ``_section`` function takes a node,
+appends errors to a shared `_Ctx` and returns a value or ``None``; nothing raises until
+the end, where `ConfigError` carries every line. A schema library (pydantic, msgspec)
+would give error *paths* that we would have to map back to node marks anyway, and the
+messages we want are domain messages ("a terminate route cannot have seal: none,
+because …"), so the walker is hand-written and small.
+
+Decisions worth knowing:
+
+* Durations: ``250ms``, ``10s``, ``5m``, ``1h``, or a plain number = seconds; > 0.
+* Sizes: a plain integer = bytes, or an integer with a unit: ``B``, binary ``KiB MiB GiB``
+  (powers of 1024) or decimal ``kB MB GB`` (powers of 1000). Units are case-sensitive,
+  so ``6mb`` (millibits?) is refused rather than guessed.
+* Relative paths (identity key, state_dir, cert files, ca_bundle, tsig key file, a
+  ``unix:`` admin socket) resolve against the directory of the *main* config file, also
+  when they appear in an included tenant file: one base for the whole tree.
+* ``include`` is a glob (or a list of globs) relative to the main file's directory; each
+  matching file holds one tenant mapping. No match (e.g. a missing ``tenants.d``) means no
+  extra tenants, not an error.
+* ``identity`` may be omitted: the key then lives at ``STATE_DIR/identity.key``.
+* Route ``mode`` and ``backend`` are required (no silent default for where traffic goes).
+* A terminate route without ``cert`` uses ``acme`` when an ``acme`` block exists;
+  otherwise it must name ``{cert: FILE, key: FILE}``. Cert files need not exist yet
+  (``serve`` may create self-signed demo files). A wildcard terminate host with
+  ``cert: acme`` needs the ``dns-01`` challenge (CAs issue wildcards only over DNS-01).
+* ``client_cert: none|optional|required`` (route, default ``none``) records the home
+  node's transport client-certificate posture (spec §13.4). In passthrough the home node
+  enforces it end to end; in terminate mode ``required`` is refused because such a node is
+  unreachable through a terminating edge by construction.
+* ``seal``, ``mcp_path`` and ``cert`` belong to terminate routes, ``proxy_protocol`` to
+  passthrough routes; giving one to the other kind of route is an error, not a no-op.
+* Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
+  and non-ASCII names (use the ``xn--`` form) are refused.
+* Connector config: ``ingress.address`` may omit the port (443).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import fnmatch
+import glob
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import yaml
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from pact_ingress.errors import ConfigError
+from pact_ingress.identity import is_pin
+
 Mode = Literal["passthrough", "terminate"]
 SealPosture = Literal["required", "optional"]
+ClientCertPosture = Literal["none", "optional", "required"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +128,8 @@ class Route:
     mcp_path: str = "/mcp"
     cert: Literal["acme"] | CertFiles | None = None  # terminate routes only
     limits: Limits = field(default_factory=Limits)
+    # Added by the loader (issue 2): the home node's client-certificate posture, §13.4.
+    client_cert: ClientCertPosture = "none"
 
 
 @dataclass(frozen=True)
@@ -76,6 +137,8 @@ class Tenant:
     name: str
     pins: tuple[str, ...]
     routes: tuple[Route, ...]
+    # Added by the loader: the file that defined this tenant (main file or an include).
+    source: Path | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -112,6 +175,8 @@ class Config:
     acme: Acme | None
     limits: Limits
     tenants: tuple[Tenant, ...]
+    # Added by the loader: the include globs, absolute (resolved against path's directory).
+    includes: tuple[str, ...] = ()
 
     def routes(self) -> tuple[Route, ...]:
         return tuple(r for t in self.tenants for r in t.routes)
@@ -129,3 +194,908 @@ class ConnectorConfig:
     pin: str
     forward: Address
     connections: int = 2
+
+
+# --- caps ---------------------------------------------------------------------------------
+
+#: A config file larger than this is surely not hand-written; refuse instead of parsing.
+MAX_CONFIG_BYTES = 1024 * 1024
+#: Upper bound on files one include may pull in (one per tenant; far above any real VPS).
+MAX_INCLUDED_FILES = 10_000
+#: Mappings and lists walked per load. YAML aliases can make a small file a huge tree
+#: (billion laughs); the schema is shallow, a route costs 1-3, so this is ~30k routes.
+MAX_WALKED_NODES = 100_000
+#: Errors collected before giving up: an operator reads the first screenful anyway.
+MAX_ERRORS = 100
+#: Pins per tenant: one normally, two during a key rotation (spec §2); a few spare.
+MAX_PINS_PER_TENANT = 8
+#: Tenant names become file names (tenants.d/NAME.yaml) and metric labels.
+MAX_TENANT_NAME = 63
+#: Parallel tunnel connections a connector may keep (redundancy, not throughput).
+MAX_TUNNEL_CONNECTIONS = 16
+#: Durations above a day are a typo (e.g. "300" meant as ms) rather than a wish.
+MAX_DURATION_SECONDS = 86_400.0
+
+TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+_LABEL_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?$")
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?$")
+_SIZE_UNITS = {
+    None: 1, "B": 1,
+    "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
+    "kB": 1000, "MB": 1000**2, "GB": 1000**3,
+}  # fmt: skip
+#: Integers in config (counts, bytes) have no useful upper bound; this one keeps them sane.
+_NO_LIMIT = 2**62
+ACME_CHALLENGES = ("tls-alpn-01", "http-01", "dns-01")
+
+_TAG = "tag:yaml.org,2002:"
+_STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "bool", "null"))
+
+
+# --- public value parsers (also used by the CLI and tenants.py) ---------------------------
+
+
+def parse_duration(text: str) -> float:
+    """``"250ms"``, ``"10s"``, ``"5m"``, ``"1h"`` or ``"30"`` → seconds; ValueError if not."""
+    m = _DURATION_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"bad duration {text!r}: use e.g. 250ms, 10s, 5m, 1h")
+    return _check_duration(float(m.group(1)) * _DURATION_UNITS[m.group(2)], text)
+
+
+def _check_duration(seconds: float, text: object) -> float:
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"bad duration {text!r}: must be greater than zero")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"bad duration {text!r}: more than a day")
+    return seconds
+
+
+def parse_size(text: str) -> int:
+    """``"6MiB"``, ``"512KiB"``, ``"1GiB"``, ``"100kB"``, ``"4096"`` → bytes; ValueError if not."""
+    m = _SIZE_RE.match(text.strip())
+    if not m:
+        raise ValueError(
+            f"bad size {text!r}: use an integer with B, KiB, MiB, GiB (1024s) or kB, MB, GB (1000s)"
+        )
+    size = int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    if size <= 0:
+        raise ValueError(f"bad size {text!r}: must be greater than zero")
+    return size
+
+
+def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
+    """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`."""
+    host = text.strip().lower()
+    host = host[:-1] if host.endswith(".") else host
+    if not host.isascii():
+        raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
+    if _is_ip(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
+        raise ValueError(f"{text!r} is an IP address, not a host name")
+    labels = host.split(".")
+    if wildcard and labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.match(x) for x in labels):
+        hint = " ('*' only as the whole first label)" if "*" in host else ""
+        raise ValueError(f"{text!r} is not a valid host name{hint}")
+    return host
+
+
+def parse_address(text: str, *, default_port: int | None = None) -> Address:
+    """``"host:port"``, ``"[v6]:port"``, ``"1.2.3.4:port"`` → Address; ValueError if not."""
+    text = text.strip()
+    host, port = _split_host_port(text, default_port)
+    if host.startswith("["):
+        if not host.endswith("]") or not _is_ipv6(host[1:-1]):
+            raise ValueError(f"{text!r}: brackets hold an IPv6 address only")
+        host = host[1:-1]
+    elif not _is_ip(host):
+        try:
+            host = normalize_hostname(host)
+        except ValueError:
+            raise ValueError(f"{text!r}: {host!r} is not an IP address or host name") from None
+    return Address(host, port)
+
+
+def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise ValueError(f"{text!r}: '[' without ']'")
+        host, rest = text[: close + 1], text[close + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{text!r}: want [IPv6]:PORT")
+        port_text = rest[1:]
+    elif text.count(":") > 1:
+        raise ValueError(f"{text!r}: write IPv6 addresses in brackets, e.g. [2001:db8::1]:443")
+    else:
+        host, _, port_text = text.partition(":")
+    if not host or host == "[]":
+        raise ValueError(f"{text!r}: missing host (want HOST:PORT)")
+    if not port_text:
+        if default_port is None:
+            raise ValueError(f"{text!r}: missing port (want HOST:PORT)")
+        return host, default_port
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: port must be 1..65535")
+    return host, int(port_text)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_ipv6(text: str) -> bool:
+    return _is_ip(text) and ":" in text
+
+
+# --- the walker ---------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """A cap was hit: stop walking; `str(exc)` is the last error line to report."""
+
+
+@dataclass
+class _Ctx:
+    """Errors shared by every file of one load; `file` names the file being walked."""
+
+    file: str
+    base: Path  # directory that relative paths resolve against (the main file's)
+    errors: list[str]
+    budget: list[int]  # one shared, mutable counter
+
+    def at(self, node: Node, message: str) -> None:
+        self.errors.append(f"{self.where(node)}: {message}")
+        if len(self.errors) >= MAX_ERRORS:
+            raise _Stop(f"{self.file}: stopped after {MAX_ERRORS} errors")
+
+    def where(self, node: Node) -> str:
+        return f"{self.file}:{node.start_mark.line + 1}"
+
+    def spend(self) -> None:
+        self.budget[0] -= 1
+        if self.budget[0] < 0:
+            raise _Stop(f"{self.file}: config too large (over {MAX_WALKED_NODES} nodes)")
+
+    def for_file(self, file: str) -> _Ctx:
+        return _Ctx(file, self.base, self.errors, self.budget)
+
+
+@dataclass
+class _Fields:
+    """A checked mapping node: its known keys, each with key and value node."""
+
+    node: MappingNode
+    keys: dict[str, Node] = field(default_factory=dict)
+    values: dict[str, Node] = field(default_factory=dict)
+
+    def get(self, name: str) -> Node | None:
+        """The value node of `name`, or None when absent or YAML null."""
+        node = self.values.get(name)
+        return None if node is None or _is_null(node) else node
+
+    def key(self, name: str) -> Node:
+        return self.keys.get(name, self.node)
+
+
+def _is_null(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and node.tag == _NULL
+
+
+def _kind(node: Node) -> str:
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    names = {_STR: "a string", _INT: "an integer", _FLOAT: "a number", _BOOL: "a boolean"}
+    return names.get(node.tag, "null" if node.tag == _NULL else f"a {node.tag.rsplit(':', 1)[-1]}")
+
+
+def _unknown_key(key: str, what: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(known)})"
+    return f"unknown key {key!r} in {what}{hint}"
+
+
+def _mapping(
+    ctx: _Ctx, node: Node, what: str, known: tuple[str, ...], required: tuple[str, ...] = ()
+) -> _Fields | None:
+    """Check `node` is a mapping with string keys drawn from `known`, `required` present."""
+    ctx.spend()
+    if not isinstance(node, MappingNode):
+        ctx.at(node, f"{what} must be a mapping, got {_kind(node)}")
+        return None
+    fields = _Fields(node)
+    for key_node, value_node in node.value:
+        if key_node.tag == _TAG + "merge":
+            ctx.at(key_node, f"merge keys (<<) are not supported in {what}")
+        elif not isinstance(key_node, ScalarNode) or key_node.tag != _STR:
+            ctx.at(key_node, f"keys in {what} must be strings, got {_kind(key_node)}")
+        elif key_node.value in fields.keys:
+            first = fields.keys[key_node.value].start_mark.line + 1
+            ctx.at(key_node, f"duplicate key {key_node.value!r} in {what} (first on line {first})")
+        elif key_node.value not in known:
+            ctx.at(key_node, _unknown_key(key_node.value, what, known))
+        else:
+            fields.keys[key_node.value] = key_node
+            fields.values[key_node.value] = value_node
+    for name in required:
+        if fields.get(name) is None:
+            ctx.at(fields.key(name), f"{what} needs {name!r}")
+    return fields
+
+
+def _sequence(ctx: _Ctx, node: Node, what: str) -> list[Node]:
+    ctx.spend()
+    if not isinstance(node, SequenceNode):
+        ctx.at(node, f"{what} must be a list, got {_kind(node)}")
+        return []
+    return list(node.value)
+
+
+def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
+    if not isinstance(node, ScalarNode) or node.tag != _STR:
+        ctx.at(node, f"{what} must be a string, got {_kind(node)}")
+        return None
+    if not node.value.strip():
+        ctx.at(node, f"{what} must not be empty")
+        return None
+    return str(node.value)
+
+
+def _strings(ctx: _Ctx, node: Node, what: str) -> list[tuple[str, Node]]:
+    """A list of strings, each with its node (for per-item line numbers)."""
+    out = []
+    for item in _sequence(ctx, node, what):
+        text = _string(ctx, item, f"each item of {what}")
+        if text is not None:
+            out.append((text, item))
+    return out
+
+
+def _choice(ctx: _Ctx, node: Node, what: str, allowed: tuple[str, ...]) -> str | None:
+    text = _string(ctx, node, what)
+    if text is not None and text not in allowed:
+        ctx.at(node, f"{what} must be one of {', '.join(allowed)}; got {text!r}")
+        return None
+    return text
+
+
+def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT) -> int | None:
+    if not isinstance(node, ScalarNode) or node.tag != _INT:
+        ctx.at(node, f"{what} must be an integer, got {_kind(node)}")
+        return None
+    value = int(SafeConstructor().construct_yaml_int(node))
+    if not lo <= value <= hi:
+        bound = f"between {lo} and {hi}" if hi < _NO_LIMIT else f"at least {lo}"
+        ctx.at(node, f"{what} must be {bound}, got {value}")
+        return None
+    return value
+
+
+def _duration(ctx: _Ctx, node: Node, what: str) -> float | None:
+    try:
+        if isinstance(node, ScalarNode) and node.tag in (_INT, _FLOAT):
+            number = float(SafeConstructor().construct_yaml_float(node))
+            return _check_duration(number, node.value)
+        if isinstance(node, ScalarNode) and node.tag == _STR:
+            return parse_duration(node.value)
+    except ValueError as exc:
+        ctx.at(node, f"{what}: {exc}")
+        return None
+    ctx.at(node, f"{what} must be a duration (250ms, 10s, 5m, 1h), got {_kind(node)}")
+    return None
+
+
+def _size(ctx: _Ctx, node: Node, what: str) -> int | None:
+    if isinstance(node, ScalarNode) and node.tag == _INT:
+        return _integer(ctx, node, what)
+    if isinstance(node, ScalarNode) and node.tag == _STR:
+        try:
+            return parse_size(node.value)
+        except ValueError as exc:
+            ctx.at(node, f"{what}: {exc}")
+            return None
+    ctx.at(node, f"{what} must be a size (6MiB, 512KiB, or bytes), got {_kind(node)}")
+    return None
+
+
+def _path(ctx: _Ctx, node: Node, what: str) -> Path | None:
+    text = _string(ctx, node, what)
+    if text is None:
+        return None
+    return _resolve(ctx.base, text)
+
+
+def _resolve(base: Path, text: str) -> Path:
+    path = Path(os.path.expanduser(text))
+    return Path(os.path.normpath(path if path.is_absolute() else base / path))
+
+
+def _address(ctx: _Ctx, node: Node, what: str, default_port: int | None = None) -> Address | None:
+    text = _string(ctx, node, what)
+    if text is None:
+        return None
+    try:
+        return parse_address(text, default_port=default_port)
+    except ValueError as exc:
+        ctx.at(node, f"{what}: {exc}")
+        return None
+
+
+def _hostname(ctx: _Ctx, node: Node, what: str, *, wildcard: bool = False) -> str | None:
+    text = _string(ctx, node, what)
+    if text is None:
+        return None
+    try:
+        return normalize_hostname(text, wildcard=wildcard)
+    except ValueError as exc:
+        ctx.at(node, f"{what}: {exc}")
+        return None
+
+
+# --- reading files ------------------------------------------------------------------------
+
+
+def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
+    if (text := overlay.get(os.path.abspath(path))) is not None:
+        return text
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
+        return None
+    if len(data) > MAX_CONFIG_BYTES:
+        ctx.errors.append(f"{ctx.file}:1: file larger than {MAX_CONFIG_BYTES} bytes")
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        ctx.errors.append(f"{ctx.file}:{line}: not UTF-8 text")
+        return None
+
+
+def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
+    """The node tree of one YAML file, or None (with the error recorded)."""
+    text = _read_text(ctx, path, overlay)
+    if text is None:
+        return None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else 1
+        why = "; ".join(p for p in (exc.context, exc.problem) if p)
+        ctx.errors.append(f"{ctx.file}:{line}: YAML syntax error: {why}")
+        return None
+    except yaml.YAMLError as exc:
+        ctx.errors.append(f"{ctx.file}:1: YAML error: {exc}")
+        return None
+    if node is None:
+        ctx.errors.append(f"{ctx.file}:1: empty file (no YAML document)")
+    return node
+
+
+def _start(path: Path, overlay: Mapping[str, str]) -> tuple[_Ctx, Node | None]:
+    path = Path(path)
+    ctx = _Ctx(str(path), Path(os.path.abspath(path)).parent, [], [MAX_WALKED_NODES])
+    return ctx, _compose(ctx, path, overlay)
+
+
+# --- ingress config -----------------------------------------------------------------------
+
+_TOP_KEYS = ("identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants")
+_LISTEN_KEYS = ("tls", "http", "admin")
+_ACME_KEYS = ("directory", "email", "agree_tos", "challenges", "ca_bundle", "dns01")
+_DNS01_KEYS = ("server", "zone", "tsig_key_file")
+_LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(Limits))
+_DURATION_LIMITS = ("clienthello_timeout", "idle_timeout")
+_SIZE_LIMITS = ("max_body_bytes",)
+_TENANT_KEYS = ("name", "pins", "routes")
+_ROUTE_KEYS = (
+    "host", "mode", "backend", "proxy_protocol", "seal", "mcp_path", "cert", "limits",
+    "client_cert",
+)  # fmt: skip
+_TERMINATE_ONLY = ("seal", "mcp_path", "cert")
+
+
+def load_config(path: Path) -> Config:
+    """Load and validate an ingress config; raise ConfigError with every problem found."""
+    return load_config_with(path, {})
+
+
+def load_config_with(path: Path, overlay: Mapping[Path, str]) -> Config:
+    """`load_config`, with files in `overlay` (path → text) read from memory, not disk.
+
+    An overlay path that an include glob covers is included even if it does not exist
+    on disk: `tenants.add_tenant` validates a new tenant file this way before writing it.
+    """
+    texts = {os.path.abspath(p): text for p, text in overlay.items()}
+    ctx, root = _start(path, texts)
+    config = None
+    if root is not None:
+        try:
+            config = _config(ctx, Path(path), root, texts)
+        except _Stop as stop:
+            ctx.errors.append(str(stop))
+    if ctx.errors or config is None:
+        raise ConfigError(ctx.errors or [f"{path}:1: invalid config"])
+    return config
+
+
+@dataclass
+class _Seen:
+    """Cross-tenant state: names and hosts already claimed, and where."""
+
+    tunnel_hostname: str | None
+    acme: Acme | None
+    limits: Limits
+    names: dict[str, str] = field(default_factory=dict)  # name -> "FILE:LINE"
+    hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # host -> (tenant, where)
+
+
+def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Config | None:
+    top = _mapping(ctx, root, "the config file", _TOP_KEYS, required=("state_dir", "listen"))
+    if top is None:
+        return None
+    state_dir = _path(ctx, n, "state_dir") if (n := top.get("state_dir")) else None
+    identity_key = _identity(ctx, top, state_dir)
+    listen = _listen(ctx, n) if (n := top.get("listen")) else None
+    tunnel = _tunnel(ctx, n) if (n := top.get("tunnel")) else None
+    acme = _acme(ctx, n) if (n := top.get("acme")) else None
+    limits = _limits(ctx, n, Limits(), "limits") if (n := top.get("limits")) else Limits()
+    seen = _Seen(tunnel, acme, limits or Limits())
+    tenants = [t for n in _items(ctx, top, "tenants") if (t := _tenant(ctx, n, seen, path))]
+    patterns = _include_patterns(ctx, n) if (n := top.get("include")) else []
+    for file in _expand_includes(ctx, patterns, path, overlay):
+        tenant = _included_tenant(ctx.for_file(file), Path(file), seen, overlay)
+        tenants += [tenant] if tenant else []
+    if ctx.errors or None in (state_dir, identity_key, listen, limits):
+        return None
+    return Config(
+        path=Path(os.path.abspath(path)),
+        identity_key=identity_key,  # type: ignore[arg-type]
+        state_dir=state_dir,  # type: ignore[arg-type]
+        listen=listen,  # type: ignore[arg-type]
+        tunnel_hostname=tunnel,
+        acme=acme,
+        limits=limits,  # type: ignore[arg-type]
+        tenants=tuple(tenants),
+        includes=tuple(str(_resolve(ctx.base, p)) for p, _ in patterns),
+    )
+
+
+def _items(ctx: _Ctx, fields: _Fields, name: str) -> list[Node]:
+    node = fields.get(name)
+    return [] if node is None else _sequence(ctx, node, name)
+
+
+def _identity(ctx: _Ctx, top: _Fields, state_dir: Path | None) -> Path | None:
+    node = top.get("identity")
+    if node is None:
+        return state_dir / "identity.key" if state_dir else None
+    fields = _mapping(ctx, node, "identity", ("key",), required=("key",))
+    key = fields.get("key") if fields else None
+    return _path(ctx, key, "identity.key") if key else None
+
+
+def _listen(ctx: _Ctx, node: Node) -> Listen | None:
+    fields = _mapping(ctx, node, "listen", _LISTEN_KEYS, required=("tls",))
+    if fields is None:
+        return None
+    tls = _addresses(ctx, fields, "tls")
+    if isinstance(node := fields.get("tls"), SequenceNode) and not node.value:
+        ctx.at(node, "listen.tls needs at least one address")
+    http = _addresses(ctx, fields, "http")
+    admin = _admin(ctx, n) if (n := fields.get("admin")) else None
+    return Listen(tuple(tls), tuple(http), admin)
+
+
+def _addresses(ctx: _Ctx, fields: _Fields, name: str) -> list[Address]:
+    node = fields.get(name)
+    if node is None:
+        return []
+    found = [_address(ctx, n, f"listen.{name}") for _, n in _strings(ctx, node, f"listen.{name}")]
+    return [a for a in found if a is not None]
+
+
+def _admin(ctx: _Ctx, node: Node) -> Address | Path | None:
+    text = _string(ctx, node, "listen.admin")
+    if text is not None and text.startswith("unix:"):
+        if not text[5:].strip():
+            ctx.at(node, "listen.admin: 'unix:' needs a socket path, e.g. unix:/run/x.sock")
+            return None
+        return _resolve(ctx.base, text[5:].strip())
+    return _address(ctx, node, "listen.admin") if text is not None else None
+
+
+def _tunnel(ctx: _Ctx, node: Node) -> str | None:
+    fields = _mapping(ctx, node, "tunnel", ("hostname",), required=("hostname",))
+    host = fields.get("hostname") if fields else None
+    return _hostname(ctx, host, "tunnel.hostname") if host else None
+
+
+def _acme(ctx: _Ctx, node: Node) -> Acme | None:
+    fields = _mapping(ctx, node, "acme", _ACME_KEYS, required=("directory",))
+    if fields is None:
+        return None
+    directory = _acme_directory(ctx, n) if (n := fields.get("directory")) else None
+    email = _acme_email(ctx, n) if (n := fields.get("email")) else None
+    agreed = _agree_tos(ctx, fields)
+    challenges = _challenges(ctx, n) if (n := fields.get("challenges")) else Acme.challenges
+    ca_bundle = _path(ctx, n, "acme.ca_bundle") if (n := fields.get("ca_bundle")) else None
+    dns01 = _dns01(ctx, n) if (n := fields.get("dns01")) else None
+    if challenges and "dns-01" in challenges and fields.get("dns01") is None:
+        where = fields.get("challenges") or fields.node
+        ctx.at(where, "acme: the dns-01 challenge needs an acme.dns01 block "
+               "{server, zone, tsig_key_file}")  # fmt: skip
+    if directory is None or not agreed or challenges is None:
+        return None
+    return Acme(directory, email, True, challenges, ca_bundle, dns01)
+
+
+def _acme_directory(ctx: _Ctx, node: Node) -> str | None:
+    url = _string(ctx, node, "acme.directory")
+    if url is not None and not re.match(r"^https://[^/\s]+", url):
+        ctx.at(node, f"acme.directory must be an https:// URL, got {url!r}")
+        return None
+    return url
+
+
+def _acme_email(ctx: _Ctx, node: Node) -> str | None:
+    email = _string(ctx, node, "acme.email")
+    if email is not None and not re.match(r"^[^@\s]+@[^@\s]+$", email):
+        ctx.at(node, f"acme.email {email!r} is not an e-mail address")
+        return None
+    return email
+
+
+def _agree_tos(ctx: _Ctx, fields: _Fields) -> bool:
+    node = fields.get("agree_tos")
+    if node is not None and node.tag == _BOOL and node.value.lower() in ("true", "yes", "on"):
+        return True
+    ctx.at(node or fields.node, "acme.agree_tos must be true: ordering certificates means "
+           "agreeing to the CA's terms of service, so say so explicitly")  # fmt: skip
+    return False
+
+
+def _challenges(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
+    items = _strings(ctx, node, "acme.challenges")
+    bad = [(t, n) for t, n in items if t not in ACME_CHALLENGES]
+    for text, item in bad:
+        ctx.at(item, f"unknown ACME challenge {text!r} (known: {', '.join(ACME_CHALLENGES)})")
+    names = [t for t, _ in items]
+    if len(set(names)) != len(names):
+        ctx.at(node, "acme.challenges lists a challenge twice")
+    if not items and isinstance(node, SequenceNode):
+        ctx.at(node, "acme.challenges needs at least one challenge")
+    return None if bad or not items or len(set(names)) != len(names) else tuple(names)
+
+
+def _dns01(ctx: _Ctx, node: Node) -> Dns01 | None:
+    fields = _mapping(ctx, node, "acme.dns01", _DNS01_KEYS, required=_DNS01_KEYS)
+    if fields is None or any(fields.get(k) is None for k in _DNS01_KEYS):
+        return None
+    server = _address(ctx, fields.get("server"), "acme.dns01.server", default_port=53)  # type: ignore[arg-type]
+    zone = _hostname(ctx, fields.get("zone"), "acme.dns01.zone")  # type: ignore[arg-type]
+    tsig = _path(ctx, fields.get("tsig_key_file"), "acme.dns01.tsig_key_file")  # type: ignore[arg-type]
+    if server is None or zone is None or tsig is None:
+        return None
+    return Dns01(server, zone + ".", tsig)
+
+
+def _limits(ctx: _Ctx, node: Node, base: Limits, what: str) -> Limits | None:
+    fields = _mapping(ctx, node, what, _LIMIT_KEYS)
+    if fields is None:
+        return None
+    changes = {
+        name: _limit_value(ctx, value_node, f"{what}.{name}", name)
+        for name, value_node in fields.values.items()
+        if not _is_null(value_node)
+    }
+    if None in changes.values():
+        return None
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def _limit_value(ctx: _Ctx, node: Node, what: str, name: str) -> float | int | None:
+    if name in _DURATION_LIMITS:
+        return _duration(ctx, node, what)
+    if name in _SIZE_LIMITS:
+        return _size(ctx, node, what)
+    return _integer(ctx, node, what)
+
+
+def _include_patterns(ctx: _Ctx, node: Node) -> list[tuple[str, Node]]:
+    if isinstance(node, ScalarNode):
+        text = _string(ctx, node, "include")
+        return [(text, node)] if text else []
+    return _strings(ctx, node, "include")
+
+
+def _expand_includes(
+    ctx: _Ctx, patterns: list[tuple[str, Node]], main: Path, overlay: Mapping[str, str]
+) -> list[str]:
+    """Files the include globs match (sorted, main file excluded), plus matching overlays."""
+    base = os.path.dirname(str(main))
+    found: dict[str, str] = {}  # abspath -> display path
+    for pattern, node in patterns:
+        full = os.path.join(base, os.path.expanduser(pattern))
+        for hit in sorted(glob.glob(full)):
+            if os.path.isfile(hit):
+                found.setdefault(os.path.abspath(hit), hit)
+        for virtual in overlay:
+            if fnmatch.fnmatch(virtual, os.path.abspath(full)):
+                shown = os.path.relpath(virtual, os.path.abspath(base or os.curdir))
+                found.setdefault(virtual, os.path.join(base, shown))
+        if len(found) > MAX_INCLUDED_FILES:
+            ctx.at(node, f"include matches more than {MAX_INCLUDED_FILES} files")
+            return []
+    found.pop(os.path.abspath(main), None)
+    return [found[k] for k in sorted(found)]
+
+
+def _included_tenant(
+    ctx: _Ctx, path: Path, seen: _Seen, overlay: Mapping[str, str]
+) -> Tenant | None:
+    root = _compose(ctx, path, overlay)
+    if root is None:
+        return None
+    if isinstance(root, SequenceNode):
+        ctx.at(root, "an included file holds one tenant mapping, not a list")
+        return None
+    return _tenant(ctx, root, seen, path)
+
+
+def _tenant(ctx: _Ctx, node: Node, seen: _Seen, source: Path) -> Tenant | None:
+    fields = _mapping(ctx, node, "tenant", _TENANT_KEYS, required=("name", "pins"))
+    if fields is None:
+        return None
+    name = _tenant_name(ctx, n, seen) if (n := fields.get("name")) else None
+    pins = _pins(ctx, n) if (n := fields.get("pins")) else None
+    routes = [_route(ctx, r, seen, name or "?") for r in _items(ctx, fields, "routes")]
+    if name is None or not pins or None in routes:
+        return None
+    return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)))  # type: ignore[arg-type]
+
+
+def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
+    name = _string(ctx, node, "tenant name")
+    if name is None:
+        return None
+    if not TENANT_NAME_RE.match(name) or len(name) > MAX_TENANT_NAME:
+        ctx.at(node, f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* "
+               f"(at most {MAX_TENANT_NAME} characters): it names a file and a metric label")  # fmt: skip
+        return None
+    if name in seen.names:
+        ctx.at(node, f"tenant {name!r} is defined twice (also at {seen.names[name]})")
+        return None
+    seen.names[name] = ctx.where(node)
+    return name
+
+
+def _pins(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
+    items = _strings(ctx, node, "pins")
+    bad = [(t, n) for t, n in items if not is_pin(t)]
+    for text, item in bad:
+        ctx.at(item, f"pin {text!r} is not 'sha256:' + 43 base64url characters "
+               "(get it with `pact-ingress fingerprint KEYFILE` on the home node)")  # fmt: skip
+    pins = tuple(t for t, _ in items)
+    if not pins and isinstance(node, SequenceNode):
+        ctx.at(node, "a tenant needs at least one pin (its home node's fingerprint)")
+    if len(set(pins)) != len(pins):
+        ctx.at(node, "pins lists the same fingerprint twice")
+    if len(pins) > MAX_PINS_PER_TENANT:
+        ctx.at(node, f"at most {MAX_PINS_PER_TENANT} pins per tenant")
+    ok = pins and not bad and len(set(pins)) == len(pins) <= MAX_PINS_PER_TENANT
+    return pins if ok else None
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+def _route(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> Route | None:
+    fields = _mapping(ctx, node, "route", _ROUTE_KEYS, required=("host", "mode", "backend"))
+    if fields is None:
+        return None
+    host = _route_host(ctx, n, seen, tenant) if (n := fields.get("host")) else None
+    mode = _choice(ctx, n, "mode", ("passthrough", "terminate")) if (n := fields.get("mode")) else None
+    backend = _backend(ctx, n, seen) if (n := fields.get("backend")) else None
+    limits = _limits(ctx, n, seen.limits, "route limits") if (n := fields.get("limits")) else seen.limits
+    client_cert = _choice(ctx, n, "client_cert", ("none", "optional", "required")) if (
+        n := fields.get("client_cert")) else "none"  # fmt: skip
+    if None in (host, mode, backend, limits, client_cert):
+        return None
+    base = Route(host, tenant, mode, backend, limits=limits, client_cert=client_cert)  # type: ignore[arg-type]
+    if mode == "passthrough":
+        return _passthrough(ctx, fields, base)
+    return _terminate(ctx, fields, base, seen)
+
+
+def _route_host(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> str | None:
+    host = _hostname(ctx, node, "route host", wildcard=True)
+    if host is None:
+        return None
+    if host == seen.tunnel_hostname:
+        ctx.at(node, f"host {host!r} is the tunnel hostname; routes cannot claim it")
+        return None
+    if host in seen.hosts:
+        owner, where = seen.hosts[host]
+        whose = "this tenant" if owner == tenant else f"tenant {owner!r}"
+        ctx.at(node, f"host {host!r} is already routed by {whose} (at {where}); "
+               "a host belongs to exactly one route")  # fmt: skip
+        return None
+    seen.hosts[host] = (tenant, ctx.where(node))
+    return host
+
+
+def _backend(ctx: _Ctx, node: Node, seen: _Seen) -> Backend | None:
+    text = _string(ctx, node, "backend")
+    if text is None:
+        return None
+    if text == "tunnel":
+        if seen.tunnel_hostname is None:
+            ctx.at(node, "backend: tunnel needs tunnel.hostname in the config "
+                   "(the SNI name connectors dial)")  # fmt: skip
+            return None
+        return Backend(None)
+    try:
+        return Backend(parse_address(text))
+    except ValueError as exc:
+        ctx.at(node, f"backend must be 'tunnel' or HOST:PORT / [IPv6]:PORT: {exc}")
+        return None
+
+
+def _passthrough(ctx: _Ctx, fields: _Fields, route: Route) -> Route | None:
+    ok = True
+    for name in _TERMINATE_ONLY:
+        if name in fields.keys:
+            ctx.at(fields.keys[name], f"{name!r} applies to terminate routes only: in "
+                   "passthrough the caller's TLS goes to the home node untouched")  # fmt: skip
+            ok = False
+    node = fields.get("proxy_protocol")
+    proxy = _proxy_protocol(ctx, node) if node is not None else "off"
+    if not ok or proxy is None:
+        return None
+    return dataclasses.replace(route, proxy_protocol=proxy)  # type: ignore[arg-type]
+
+
+def _proxy_protocol(ctx: _Ctx, node: Node) -> str | None:
+    # YAML 1.1 reads a bare `off` / `false` as a boolean: accept it as "off".
+    if isinstance(node, ScalarNode) and node.tag == _BOOL:
+        if node.value.lower() in ("false", "no", "off"):
+            return "off"
+        ctx.at(node, "proxy_protocol must be v2 or off (true does not say which version)")
+        return None
+    return _choice(ctx, node, "proxy_protocol", ("off", "v2"))
+
+
+def _terminate(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Route | None:
+    ok = _terminate_refusals(ctx, fields, route)
+    seal = _seal(ctx, n) if (n := fields.get("seal")) else "required"
+    mcp_path = _mcp_path(ctx, n) if (n := fields.get("mcp_path")) else "/mcp"
+    cert = _cert(ctx, fields, route, seen)
+    if not ok or seal is None or mcp_path is None or cert is None:
+        return None
+    return dataclasses.replace(route, seal=seal, mcp_path=mcp_path, cert=cert)  # type: ignore[arg-type]
+
+
+def _terminate_refusals(ctx: _Ctx, fields: _Fields, route: Route) -> bool:
+    ok = True
+    if "proxy_protocol" in fields.keys:
+        ctx.at(fields.keys["proxy_protocol"], "proxy_protocol applies to passthrough routes "
+               "only: a terminate route re-originates its own connection to the backend")  # fmt: skip
+        ok = False
+    if route.client_cert == "required":
+        ctx.at(fields.get("client_cert") or fields.node, "client_cert: required cannot be "
+               "served in terminate mode: a node that requires transport client "
+               "certificates is unreachable through a terminating edge by construction "
+               "(spec §13.4); use mode: passthrough")  # fmt: skip
+        ok = False
+    return ok
+
+
+def _seal(ctx: _Ctx, node: Node) -> str | None:
+    if isinstance(node, ScalarNode) and node.tag == _STR and node.value == "none":
+        ctx.at(node, "seal: none is not allowed on a terminate route: behind a terminating "
+               "edge callers can only be identified by sealed envelopes (spec §10, §13.4); "
+               "use seal: required or optional, or mode: passthrough")  # fmt: skip
+        return None
+    return _choice(ctx, node, "seal", ("required", "optional"))
+
+
+def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
+    path = _string(ctx, node, "mcp_path")
+    if path is not None and not re.match(r"^/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*$", path):
+        ctx.at(node, f"mcp_path must be an absolute URL path like /mcp, got {path!r}")
+        return None
+    return path
+
+
+def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Literal["acme"] | CertFiles | None:
+    node = fields.get("cert")
+    if node is None:
+        if seen.acme is not None:
+            return _acme_cert(ctx, fields.node, route, seen)
+        ctx.at(fields.node, f"terminate route {route.host!r} needs a certificate: "
+               "cert: {cert: FILE, key: FILE}, or an acme block for cert: acme")  # fmt: skip
+        return None
+    if isinstance(node, MappingNode):
+        files = _mapping(ctx, node, "cert", ("cert", "key"), required=("cert", "key"))
+        if files is None or files.get("cert") is None or files.get("key") is None:
+            return None
+        cert = _path(ctx, files.get("cert"), "cert.cert")  # type: ignore[arg-type]
+        key = _path(ctx, files.get("key"), "cert.key")  # type: ignore[arg-type]
+        return CertFiles(cert, key) if cert and key else None
+    if _choice(ctx, node, "cert", ("acme",)) is None:
+        return None
+    if seen.acme is None:
+        ctx.at(node, "cert: acme needs an acme block at the top of the config "
+               "(directory, email, agree_tos: true)")  # fmt: skip
+        return None
+    return _acme_cert(ctx, node, route, seen)
+
+
+def _acme_cert(ctx: _Ctx, node: Node, route: Route, seen: _Seen) -> Literal["acme"] | None:
+    if route.host.startswith("*.") and "dns-01" not in seen.acme.challenges:  # type: ignore[union-attr]
+        ctx.at(node, f"wildcard host {route.host!r} with an ACME certificate needs the dns-01 "
+               "challenge (CAs issue wildcards over DNS-01 only)")  # fmt: skip
+        return None
+    return "acme"
+
+
+# --- connector config ---------------------------------------------------------------------
+
+_CONNECTOR_KEYS = ("identity", "ingress", "forward", "connections")
+_INGRESS_KEYS = ("address", "tunnel_hostname", "pin")
+
+
+def load_connector_config(path: Path) -> ConnectorConfig:
+    """Load and validate a home-side connector config (DESIGN §3); ConfigError if bad."""
+    ctx, root = _start(path, {})
+    config = None
+    if root is not None:
+        try:
+            config = _connector(ctx, Path(path), root)
+        except _Stop as stop:
+            ctx.errors.append(str(stop))
+    if ctx.errors or config is None:
+        raise ConfigError(ctx.errors or [f"{path}:1: invalid connector config"])
+    return config
+
+
+def _connector(ctx: _Ctx, path: Path, root: Node) -> ConnectorConfig | None:
+    top = _mapping(ctx, root, "the connector config", _CONNECTOR_KEYS,
+                   required=("identity", "ingress", "forward"))  # fmt: skip
+    if top is None:
+        return None
+    ident = _mapping(ctx, n, "identity", ("key",), ("key",)) if (n := top.get("identity")) else None
+    key = _path(ctx, n, "identity.key") if ident and (n := ident.get("key")) else None
+    ingress = _mapping(ctx, n, "ingress", _INGRESS_KEYS, _INGRESS_KEYS) if (n := top.get("ingress")) else None
+    address = _address(ctx, n, "ingress.address", 443) if ingress and (n := ingress.get("address")) else None
+    sni = _hostname(ctx, n, "ingress.tunnel_hostname") if ingress and (n := ingress.get("tunnel_hostname")) else None
+    pin = _connector_pin(ctx, n) if ingress and (n := ingress.get("pin")) else None
+    forward = _address(ctx, n, "forward") if (n := top.get("forward")) else None
+    count = _integer(ctx, n, "connections", 1, MAX_TUNNEL_CONNECTIONS) if (n := top.get("connections")) else 2
+    if ctx.errors or None in (key, address, sni, pin, forward, count):
+        return None
+    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count)  # type: ignore[arg-type]
+
+
+def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
+    pin = _string(ctx, node, "ingress.pin")
+    if pin is not None and not is_pin(pin):
+        ctx.at(node, f"ingress.pin {pin!r} is not 'sha256:' + 43 base64url characters "
+               "(`pact-ingress tenant add` prints the ingress's pin)")  # fmt: skip
+        return None
+    return pin
+
