@@ -1,0 +1,387 @@
+"""The admin endpoint: /metrics, /status, the status page, reload and certificate renewal.
+
+Theory of operation
+-------------------
+The admin surface is for the operator of this machine, so by default it is reachable only
+from this machine: a loopback TCP address or a unix socket (`listen.admin`). Binding any
+other address needs two explicit opt-ins, `allow_remote=True` and a bearer `token`; without
+them `serve_admin` raises `ConfigError` before a socket exists. With a token every request
+must carry `Authorization: Bearer <token>` (compared in constant time).
+
+Two browser attacks reach loopback services and are closed here:
+- DNS rebinding (a web page whose name re-resolves to 127.0.0.1 reads /status): on a TCP
+  bind without a token, the `Host` header must name a loopback literal or `localhost`.
+- Cross-site POST (a page submits a form to 127.0.0.1/reload): action endpoints refuse
+  requests that carry browser-only headers (`Origin`, `Sec-Fetch-Site` other than
+  `none`). The CLI client (`client.py`) sends neither; the status page has no forms.
+
+Why hypercorn and not a hand-rolled HTTP/1.1 server: hypercorn is already our HTTP stack
+for terminate routes (pinned, DESIGN §5); it brings h11's strict parsing, keep-alive,
+request-size caps and timeouts for free, and a hand-rolled parser would be a second HTTP
+implementation to harden. We create and bind the listening socket ourselves (to check the
+resolved address, to make the unix socket mode 0600 before it listens, and to report a TCP
+port 0's real port) and hand it to `hypercorn.trio.run.worker_serve(sockets=...)`, the
+same entry point `hypercorn.trio.serve` uses after its own bind. The app is a tiny ASGI
+callable; every handler is a small function returning (status, headers, body).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..config import Address
+from ..errors import ConfigError
+from ..logs import log
+from ..stats import Stats
+from .page import render_page
+
+StatusFn = Callable[[], dict[str, Any]]
+ReloadFn = Callable[[], Awaitable[tuple[bool, str]]]
+RenewFn = Callable[[str | None], Awaitable[tuple[bool, str]]]
+
+#: File mode of the unix admin socket: owner only (the service user; root bypasses it).
+UNIX_SOCKET_MODE = 0o600
+
+#: A token guarding a non-loopback admin bind must be at least this long (~128 bits hex).
+MIN_TOKEN_LENGTH = 32
+
+#: Pending connections on the admin socket; it serves one operator, not the public.
+ADMIN_BACKLOG = 16
+
+#: Largest request head hypercorn buffers for us (h11's default is 16 KiB).
+MAX_REQUEST_HEAD = 16 * 1024
+
+#: Idle keep-alive connections are closed after this many seconds.
+KEEP_ALIVE_SECONDS = 5.0
+
+#: Host header names that are fine on a tokenless loopback bind (DNS-rebinding guard).
+_LOOPBACK_HOSTNAMES = frozenset({"localhost", "localhost.localdomain"})
+
+_HTTP_LOG = logging.getLogger("pact_ingress.admin.http")
+_HTTP_LOG.setLevel(logging.WARNING)  # hypercorn's "Running on …" banner is not for us
+
+Headers = list[tuple[bytes, bytes]]
+Response = tuple[int, Headers, bytes]
+
+
+# ---- binding -------------------------------------------------------------------------
+
+def _is_loopback(ip: str) -> bool:
+    return ipaddress.ip_address(ip.split("%", 1)[0]).is_loopback
+
+
+async def _resolve(addr: Address) -> tuple[int, tuple[Any, ...]]:
+    """(family, sockaddr) of the first address `addr.host` resolves to."""
+    try:
+        infos = await trio.socket.getaddrinfo(addr.host, addr.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"listen.admin {addr}: cannot resolve: {exc}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    return family, sockaddr
+
+
+def _check_remote(addr: Address, ip: str, token: str | None, allow_remote: bool) -> None:
+    if _is_loopback(ip):
+        return
+    if not allow_remote or not token:
+        raise ConfigError(
+            f"listen.admin {addr} ({ip}) is not a loopback address; the admin endpoint "
+            "serves metrics, tenant data and reload to whoever reaches it. Bind 127.0.0.1, "
+            "::1 or a unix socket, or allow remote access explicitly with a token")
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigError(
+            f"listen.admin {addr}: a remote admin token needs at least {MIN_TOKEN_LENGTH} chars")
+
+
+def _bind_tcp(family: int, sockaddr: tuple[Any, ...]) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(sockaddr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"listen.admin unix:{path}: exists and is not a socket")
+    path.unlink()
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, UNIX_SOCKET_MODE)  # before listen(): nobody can connect in between
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _bind(
+    listen: Address | Path, token: str | None, allow_remote: bool
+) -> tuple[socket.socket, Address | Path]:
+    """A bound (not yet listening) socket and the address to report as started."""
+    if isinstance(listen, Path):
+        try:
+            return _bind_unix(listen), listen
+        except OSError as exc:
+            raise ConfigError(f"listen.admin unix:{listen}: {exc.strerror or exc}") from exc
+    family, sockaddr = await _resolve(listen)
+    _check_remote(listen, sockaddr[0], token, allow_remote)
+    try:
+        sock = _bind_tcp(family, sockaddr)
+    except OSError as exc:
+        raise ConfigError(f"listen.admin {listen}: {exc.strerror or exc}") from exc
+    host, port = sock.getsockname()[:2]
+    return sock, Address(host, port)
+
+
+# ---- the ASGI app --------------------------------------------------------------------
+
+def _response(status: int, body: bytes, content_type: str, extra: Headers = ()) -> Response:
+    headers = [
+        (b"content-type", content_type.encode()),
+        (b"cache-control", b"no-store"),
+        (b"x-content-type-options", b"nosniff"),
+        *extra,
+    ]
+    return status, headers, body
+
+
+def _json(status: int, data: dict[str, Any]) -> Response:
+    return _response(status, json.dumps(data, indent=1).encode() + b"\n", "application/json")
+
+
+def _error(status: int, message: str, extra: Headers = ()) -> Response:
+    body = json.dumps({"ok": False, "message": message}).encode() + b"\n"
+    return _response(status, body, "application/json", extra)
+
+
+_PAGE_HEADERS: Headers = [
+    (b"content-security-policy",
+     b"default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+]
+
+
+class AdminApp:
+    """ASGI app for the admin endpoint; see the module docstring for the guards."""
+
+    def __init__(
+        self, *, stats: Stats, status: StatusFn, reload: ReloadFn, renew: RenewFn | None,
+        token: str | None, check_host: bool, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.stats = stats
+        self.status = status
+        self.reload = reload
+        self.renew = renew
+        self.token = token
+        self.check_host = check_host
+        self.clock = clock
+        self._action_lock = trio.Lock()  # one reload or renewal at a time
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        status, headers, body = await self.handle(scope)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    async def _lifespan(receive: Any, send: Any) -> None:
+        for _ in range(2):  # startup, then shutdown
+            message = await receive()
+            kind = message["type"].rsplit(".", 1)[-1]
+            await send({"type": f"lifespan.{kind}.complete"})
+            if kind == "shutdown":
+                return
+
+    async def handle(self, scope: dict[str, Any]) -> Response:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        refused = self._guard(headers)
+        if refused is not None:
+            return refused
+        method, path = scope["method"], scope["path"]
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if method in ("GET", "HEAD") and path in _GETS:
+            status, hdrs, body = _GETS[path](self)
+            return status, hdrs, b"" if method == "HEAD" else body
+        if method == "POST" and path in _POSTS:
+            if _from_browser(headers):
+                return _error(403, "action endpoints do not accept browser requests")
+            return await _POSTS[path](self, query)
+        if path in _GETS or path in _POSTS:
+            allow = b"GET, HEAD" if path in _GETS else b"POST"
+            return _error(405, f"{method} not allowed on {path}", [(b"allow", allow)])
+        return _error(404, f"no such admin resource: {path}")
+
+    def _guard(self, headers: dict[str, str]) -> Response | None:
+        """Token and Host checks; a refusal response, or None to proceed."""
+        if self.token is not None:
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return _error(401, "admin token required", [(b"www-authenticate", b"Bearer")])
+        elif self.check_host and not _loopback_host(headers.get("host", "")):
+            return _error(421, "Host header must name a loopback address")
+        return None
+
+    # -- GET handlers --
+
+    def get_metrics(self) -> Response:
+        return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+
+    def _status_doc(self) -> dict[str, Any] | Response:
+        try:
+            return self.status()
+        except Exception as exc:  # noqa: BLE001 - the page must say so, not drop the connection
+            log.error("admin_status_failed", error=repr(exc))
+            return _error(500, f"status unavailable: {exc!r}")
+
+    def get_status(self) -> Response:
+        doc = self._status_doc()
+        return doc if isinstance(doc, tuple) else _json(200, doc)
+
+    def get_page(self) -> Response:
+        doc = self._status_doc()
+        if isinstance(doc, tuple):
+            return doc
+        page = render_page(doc, now=self.clock()).encode()
+        return _response(200, page, "text/html; charset=utf-8", _PAGE_HEADERS)
+
+    # -- POST handlers --
+
+    async def post_reload(self, query: dict[str, list[str]]) -> Response:
+        async with self._action_lock:
+            ok, message = await self.reload()
+        return _json(200 if ok else 422, {"ok": ok, "message": message})
+
+    async def post_renew(self, query: dict[str, list[str]]) -> Response:
+        if self.renew is None:
+            return _error(404, "certificate renewal is not available on this instance")
+        host = (query.get("host") or [None])[0] or None
+        async with self._action_lock:
+            ok, message = await self.renew(host)
+        return _json(200 if ok else 422, {"ok": ok, "message": message, "host": host})
+
+
+_GETS: dict[str, Callable[[AdminApp], Response]] = {
+    "/": AdminApp.get_page,
+    "/status": AdminApp.get_status,
+    "/metrics": AdminApp.get_metrics,
+}
+_POSTS: dict[str, Callable[[AdminApp, dict[str, list[str]]], Awaitable[Response]]] = {
+    "/reload": AdminApp.post_reload,
+    "/certs/renew": AdminApp.post_renew,
+}
+
+
+def _loopback_host(host: str) -> bool:
+    """True when a Host header names this machine's loopback (any port)."""
+    name = host.strip().lower()
+    if name.startswith("["):
+        name = name[1:].split("]", 1)[0]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if name in _LOOPBACK_HOSTNAMES:
+        return True
+    try:
+        return _is_loopback(name)
+    except ValueError:
+        return False
+
+
+def _from_browser(headers: dict[str, str]) -> bool:
+    """Requests a web page could make carry Origin or a non-'none' Sec-Fetch-Site."""
+    return "origin" in headers or headers.get("sec-fetch-site", "none") != "none"
+
+
+def _hypercorn_config() -> HypercornConfig:
+    config = HypercornConfig()
+    config.errorlog = _HTTP_LOG
+    config.accesslog = None
+    config.include_server_header = False
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    config.h11_max_incomplete_size = MAX_REQUEST_HEAD
+    config.backlog = ADMIN_BACKLOG
+    return config
+
+
+async def serve_admin(
+    listen: Address | Path,
+    *,
+    stats: Stats,
+    status: StatusFn,
+    reload: ReloadFn,
+    renew: RenewFn | None = None,
+    token: str | None = None,
+    allow_remote: bool = False,
+    task_status: trio.TaskStatus[Address | Path] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the admin endpoint until cancelled.
+
+    `task_status.started()` receives the bound address: an `Address` with the real port
+    (for port 0) or the unix socket `Path`. Raises `ConfigError` for a non-loopback bind
+    without `allow_remote` and a token, or when the address cannot be bound.
+    """
+    if token is not None and not token:
+        raise ConfigError("admin token must not be empty")
+    sock, bound = await _bind(listen, token, allow_remote)
+    app = AdminApp(stats=stats, status=status, reload=reload, renew=renew, token=token,
+                   check_host=isinstance(bound, Address))
+    config = _hypercorn_config()
+    try:
+        sock.listen(ADMIN_BACKLOG)
+        sock.setblocking(False)
+        serve = partial(worker_serve, wrap_app(app, config.wsgi_max_body_size, "asgi"),
+                        config, sockets=Sockets([], [sock], []))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve)
+            log.info("admin_listening", address=str(bound if isinstance(bound, Address)
+                                                  else f"unix:{bound}"))
+            task_status.started(bound)
+    finally:
+        sock.close()
+        if isinstance(bound, Path):
+            _unlink_quietly(bound)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
