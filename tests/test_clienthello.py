@@ -312,7 +312,8 @@ def test_no_extensions_at_all_is_legal() -> None:
 
 def test_unknown_server_name_types_are_skipped() -> None:
     message = hello_message(
-        ext(0, vec(2, b"\x07" + vec(2, b"zzz") + b"\x00" + vec(2, b"ok.example"))))
+        ext(0, vec(2, b"\x07" + vec(2, b"zzz") + b"\x00" + vec(2, b"ok.example")))
+    )
     hello = parse_client_hello(frame(message))
     assert hello is not None and hello.sni == "ok.example"
     only_other = hello_message(sni_ext(b"zzz", name_type=7))
@@ -436,6 +437,8 @@ def _answer_with_alert(listener: socket.socket, alert: bytes, seen: list[ClientH
                 return
             buf += chunk
             hello = parse_client_hello(buf)
+        if hello is None:
+            return
         seen.append(hello)
         conn.sendall(alert)
 
@@ -465,9 +468,11 @@ def test_python_ssl_sees_the_alert(alert_server: tuple[int, list[ClientHello]],
                                    expected: str) -> None:  # fmt: skip
     port, seen = alert_server
     ctx = ssl.create_default_context()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        with pytest.raises(ssl.SSLError, match=expected):
-            ctx.wrap_socket(sock, server_hostname="unknown.example")
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as sock,
+        pytest.raises(ssl.SSLError, match=expected),
+    ):
+        ctx.wrap_socket(sock, server_hostname="unknown.example")
     assert seen[0].sni == "unknown.example"
 
 
@@ -475,7 +480,7 @@ def _run_client(argv: list[str]) -> str:
     if shutil.which(argv[0]) is None:
         pytest.skip(f"{argv[0]} not installed")
     out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=30)  # fmt: skip
+                         timeout=30, check=False)  # fmt: skip
     assert out.returncode != 0
     return out.stdout + out.stderr
 
@@ -494,8 +499,17 @@ def test_openssl_s_client_sees_unrecognized_name(
 @pytest.mark.parametrize("alert_server", [tls_alert.UNRECOGNIZED_NAME], indirect=True)
 def test_curl_sees_unrecognized_name(alert_server: tuple[int, list[ClientHello]]) -> None:
     port, seen = alert_server
-    text = _run_client(["curl", "-sS", "--max-time", "10", "--resolve",
-                        f"unknown.example:{port}:127.0.0.1", f"https://unknown.example:{port}/"])
+    text = _run_client(
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "10",
+            "--resolve",
+            f"unknown.example:{port}:127.0.0.1",
+            f"https://unknown.example:{port}/",
+        ]
+    )
     assert "unrecognized name" in text
     assert seen[0].sni == "unknown.example"
 

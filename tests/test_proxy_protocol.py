@@ -3,6 +3,7 @@ consumer (HAProxy) reporting the caller address we encoded."""
 
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import socket
 import subprocess
@@ -129,7 +130,13 @@ def test_decode_errors(data: bytes, reason: str) -> None:
 
 
 ipv4 = st.ip_addresses(v=4).map(str)
-ipv6 = st.ip_addresses(v=6).filter(lambda a: a.ipv4_mapped is None).map(str)
+
+
+def _not_mapped(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    return isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is None
+
+
+ipv6 = st.ip_addresses(v=6).filter(_not_mapped).map(str)
 ports = st.integers(0, 65535)
 
 
@@ -167,7 +174,7 @@ defaults
 frontend fe
     bind 127.0.0.1:{port} accept-proxy
     http-request return status 200 content-type text/plain lf-string "%[src] %[src_port] %[dst] %[dst_port]"
-"""  # noqa: E501
+"""
 
 
 def _free_port() -> int:

