@@ -201,9 +201,10 @@ def _reassemble(data: bytes | bytearray) -> tuple[bytes, int] | None:
             _check_record_header(data, pos, length)
         start = pos + 5
         end = start + length
-        spans.append((start, end if end < n else n))
+        stop = min(n, end)  # a record may still be arriving
+        spans.append((start, stop))
         have_before = have
-        have += (end if end < n else n) - start
+        have += stop - start
         if not need and have >= 4:
             need = _handshake_length(data, spans)
         if need and have >= need:
