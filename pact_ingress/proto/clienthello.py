@@ -59,8 +59,8 @@ from pact_ingress.proto import tls_alert
 
 # A ClientHello (handshake header + body) larger than this is refused. Real hellos are far
 # smaller: ~250-600 bytes classically, ~2 KB with a post-quantum (X25519MLKEM768) key
-# share (Chromium 156 here: 2017 bytes). 16 KiB leaves room for several PQ shares and long PSK tickets
-# while bounding the memory a half-open connection can make us hold.
+# share (Chromium 156 here: 2017 bytes). 16 KiB leaves room for several PQ shares and long
+# PSK tickets while bounding the memory a half-open connection can make us hold.
 MAX_CLIENT_HELLO = 16384
 
 # Handshake records allowed before the ClientHello is complete. TLS stacks send one
