@@ -1,0 +1,378 @@
+"""The edge's seal-posture check for MCP JSON-RPC (DESIGN §4, spec §13.3/§13.4). Pure.
+
+Theory of operation
+-------------------
+A terminate route fronts one home node's MCP endpoint. Before anything reaches the
+node, :func:`check_request` looks at the HTTP request and returns a decision:
+
+* :class:`Forward` — send it on. ``caller_keys`` holds one entry per call to charge to
+  the rate limiter (the I/O layer asks :class:`~pact_ingress.proto.ratelimit.RateLimiter`
+  next, then :func:`refuse_rate_limited` if it says no): a sealed call's key is its
+  header's ``from``; everything else is ``None`` (the IP budgets alone, spec §12).
+* :class:`Refuse` — answer it here with ``http_status``, ``headers`` and ``body``.
+
+What the posture applies to: ``POST`` to the route's ``mcp_path``. The path is compared
+after dropping the query, percent-decoding, collapsing empty and dot segments and
+trailing slashes, so ``/mcp/``, ``//mcp`` or ``/x/../mcp`` — which a backend router may
+serve as the same resource — cannot slip past it. Other methods and paths (``GET`` for
+an SSE stream, ``DELETE`` ending a session, a landing page) are forwarded untouched and
+cost one IP-only unit, so no path is unmetered.
+
+The table (DESIGN §4), per JSON-RPC element:
+
+============================================  ===================  ===================
+element                                       ``seal: required``   ``seal: optional``
+============================================  ===================  ===================
+``initialize``, ``tools/list``, other
+methods, notifications, responses             forward              forward
+``tools/call`` of any tool but sealed_call    ``seal_required``    forward
+``tools/call`` sealed_call, header passes     forward              forward
+``tools/call`` sealed_call, header fails      ``envelope_invalid`` ``envelope_invalid``
+============================================  ===================  ===================
+
+Decisions this module makes (and tests):
+
+* **HTTP status.** A refusal is an MCP tool error inside a JSON-RPC *result*, so it
+  travels as HTTP 200 (``application/json``): that is what MCP clients surface to the
+  calling agent. ``rate_limited`` is also 200 for JSON-RPC, with ``retry_after`` in
+  ``structuredContent`` and a ``Retry-After`` header; a rate-limited non-JSON-RPC
+  request gets a bare 429 with ``Retry-After``.
+* **400s.** Wrong or missing ``Content-Type`` (MCP requires ``application/json``;
+  parameters such as ``charset`` are ignored), a body that is not UTF-8 JSON
+  (``-32700``), or not JSON-RPC 2.0 (``-32600``) — answered as a JSON-RPC error with id
+  ``null`` (or the element's id when it had a valid one). Duplicate member names are a
+  parse error: the node's parser might keep the other duplicate, and a parser
+  differential is exactly how a check gets bypassed.
+* **Batches** (JSON arrays, ≤ ``MAX_BATCH_ELEMENTS``) are checked element by element.
+  If any element is refused the whole batch is refused — nothing of it is forwarded —
+  and the answer is a batch with one entry per refused element (its own code) and one
+  per other *request* (``bad_request``: not processed because a sibling was refused),
+  so every id the client waits for gets an answer. Responses a client posts back to
+  the server are never answered (their ids are the server's, not the client's).
+* **Notifications** (no ``id``) are checked like requests. A refused notification still
+  gets its refusal, with ``"id": null`` — a silent drop would leave a caller that got
+  its framing wrong with no clue.
+* **Rate limited** JSON-RPC requests get one ``rate_limited`` refusal per request id
+  (a batch answer for a batch); a POST carrying only notifications or responses gets a
+  single refusal with ``"id": null``.
+* **Ids** may be strings, integers or null (JSON-RPC 2.0); floats, booleans and
+  structures are invalid requests. Refusals echo the id with its exact type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import unquote
+
+from pact_ingress.config import Route, SealPosture, Tenant
+from pact_ingress.envelope import EnvelopeInvalid, check_header
+
+RpcId = str | int | None
+
+#: Batch cap. MCP 2025-06-18 dropped JSON-RPC batching; clients of 2025-03-26 send a
+#: handful of messages at most. 100 bounds the per-request work (one header check per
+#: element) far above any real batch; the body cap (max_body_bytes) bounds the rest.
+MAX_BATCH_ELEMENTS = 100
+
+SEALED_CALL = "sealed_call"
+JSON_CONTENT_TYPE = "application/json"
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+
+#: Codes used here; all are spec §12 codes.
+SEAL_REQUIRED = "seal_required"
+ENVELOPE_INVALID = "envelope_invalid"
+RATE_LIMITED = "rate_limited"
+BAD_REQUEST = "bad_request"
+
+_WHY_SEAL_REQUIRED = (
+    "this node accepts substantive calls only sealed (X-PACT-SEAL: required); "
+    "send the call inside sealed_call"
+)
+_WHY_SIBLING = "not processed: another call in the same batch was refused"
+_JSON_HEADERS = (("content-type", JSON_CONTENT_TYPE),)
+
+
+@dataclass(frozen=True)
+class McpRequest:
+    """The parts of an HTTP request the posture looks at."""
+
+    method: str  # HTTP method
+    path: str  # request target (path, optionally with ?query)
+    content_type: str | None
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A terminate route's posture: seal requirement, MCP path, the tenant's pins."""
+
+    seal: SealPosture
+    mcp_path: str
+    pins: tuple[str, ...]
+
+    @classmethod
+    def for_route(cls, route: Route, tenant: Tenant) -> Policy:
+        return cls(route.seal, route.mcp_path, tuple(tenant.pins))
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Send the request on after charging one rate-limit unit per `caller_keys` entry.
+
+    `rpc_ids` are the ids of the request elements (what a rate_limited refusal
+    answers); `jsonrpc` is False for requests the posture does not apply to.
+    """
+
+    caller_keys: tuple[str | None, ...]
+    rpc_ids: tuple[RpcId, ...] = ()
+    jsonrpc: bool = False
+    batch: bool = False
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Answer here. `code` is the first refusal's spec §12 code (for metrics/logs);
+    `detail` is a log line that names no body content beyond method and tool names."""
+
+    code: str
+    http_status: int
+    detail: str
+    rpc_ids: tuple[RpcId, ...]
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = _JSON_HEADERS
+
+
+Decision = Forward | Refuse
+
+
+class _Invalid(Exception):
+    """Body is not JSON (`PARSE_ERROR`) or not JSON-RPC (`INVALID_REQUEST`)."""
+
+    def __init__(self, rpc_code: int, message: str, rpc_id: RpcId = None) -> None:
+        super().__init__(message)
+        self.rpc_code, self.message, self.rpc_id = rpc_code, message, rpc_id
+
+
+@dataclass(frozen=True)
+class _Element:
+    kind: Literal["request", "notification", "response"]
+    rpc_id: RpcId
+    label: str  # method (and tool) for the log line
+    caller_key: str | None = None
+    refusal: tuple[str, str] | None = None  # (code, why)
+
+    @property
+    def reply_id(self) -> RpcId:
+        """The id a reply to this element carries: a response's id is the server's."""
+        return self.rpc_id if self.kind == "request" else None
+
+
+# --- public API --------------------------------------------------------------------------
+
+
+def check_request(req: McpRequest, policy: Policy, now: float) -> Decision:
+    """Apply the seal posture of DESIGN §4 to one HTTP request."""
+    if req.method.upper() != "POST" or _norm_path(req.path) != _norm_path(policy.mcp_path):
+        return Forward(caller_keys=(None,))
+    try:
+        _check_content_type(req.content_type)
+        message = _parse(req.body)
+        batch = isinstance(message, list)
+        elements = [_classify(m, policy, now) for m in _elements(message)]
+    except _Invalid as exc:
+        return _invalid(exc)
+    refused = [e for e in elements if e.refusal is not None]
+    if refused:
+        return _refuse(elements, batch)
+    return Forward(
+        caller_keys=tuple(e.caller_key for e in elements),
+        rpc_ids=tuple(e.rpc_id for e in elements if e.kind == "request"),
+        jsonrpc=True,
+        batch=batch,
+    )
+
+
+def refusal_result(code: str, why: str, retry_after: int | None = None) -> dict[str, Any]:
+    """The MCP tool error DESIGN §4 specifies, as a JSON-RPC `result` value."""
+    structured: dict[str, Any] = {"code": code}
+    if retry_after is not None:
+        structured["retry_after"] = retry_after
+    return {
+        "isError": True,
+        "content": [{"type": "text", "text": f"{code}: {why}"}],
+        "structuredContent": structured,
+    }
+
+
+def refuse_rate_limited(forward: Forward, retry_after: int) -> Refuse:
+    """The answer for a request `check_request` forwarded but the rate limiter refused."""
+    retry_after = max(1, int(retry_after))
+    why = f"over the call budget; retry after {retry_after} s"
+    headers = (("retry-after", str(retry_after)),)
+    detail = f"{RATE_LIMITED}: retry after {retry_after} s"
+    if not forward.jsonrpc:
+        body = f"{RATE_LIMITED}: {why}\n".encode()
+        text_headers = (("content-type", "text/plain; charset=utf-8"), *headers)
+        return Refuse(RATE_LIMITED, 429, detail, (), body, text_headers)
+    result = refusal_result(RATE_LIMITED, why, retry_after)
+    ids: tuple[RpcId, ...] = forward.rpc_ids or (None,)
+    replies = [_reply(i, result) for i in ids]
+    payload: Any = replies if forward.batch else replies[0]
+    return Refuse(RATE_LIMITED, 200, detail, ids, _dump(payload), _JSON_HEADERS + headers)
+
+
+# --- path and content type ---------------------------------------------------------------
+
+
+def _norm_path(path: str) -> str:
+    """Path without query, percent-decoded, empty/dot segments resolved, no trailing /."""
+    path = unquote(path.split("?", 1)[0].split("#", 1)[0])
+    segments: list[str] = []
+    for segment in path.split("/"):
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment not in ("", "."):
+            segments.append(segment)
+    return "/" + "/".join(segments)
+
+
+def _check_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != JSON_CONTENT_TYPE:
+        raise _Invalid(INVALID_REQUEST, "Invalid Request: Content-Type must be application/json")
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("duplicate member name")
+    return obj
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse(body: bytes) -> Any:
+    try:
+        return json.loads(
+            body.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
+        )
+    except (ValueError, RecursionError) as exc:  # UnicodeError, JSONDecodeError included
+        raise _Invalid(PARSE_ERROR, "Parse error") from exc
+
+
+def _elements(message: Any) -> list[Any]:
+    if not isinstance(message, list):
+        return [message]
+    if not message:
+        raise _Invalid(INVALID_REQUEST, "Invalid Request: empty batch")
+    if len(message) > MAX_BATCH_ELEMENTS:
+        raise _Invalid(INVALID_REQUEST, f"Invalid Request: batch over {MAX_BATCH_ELEMENTS}")
+    return message
+
+
+def _valid_id(value: object) -> bool:
+    return value is None or isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool)
+    )
+
+
+def _jsonrpc_shape(message: Any) -> tuple[Literal["request", "notification", "response"], RpcId]:
+    """Validate one JSON-RPC 2.0 message; return its kind and id."""
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        raise _Invalid(INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 message")
+    rpc_id = message.get("id")
+    if not _valid_id(rpc_id):
+        raise _Invalid(INVALID_REQUEST, "Invalid Request: id must be a string, integer or null")
+    if "method" in message:
+        if not isinstance(message["method"], str):
+            raise _Invalid(INVALID_REQUEST, "Invalid Request: method is not a string", rpc_id)
+        if not isinstance(message.get("params", {}), (dict, list)):
+            raise _Invalid(INVALID_REQUEST, "Invalid Request: params is not a structure", rpc_id)
+        return ("request" if "id" in message else "notification"), rpc_id
+    if "id" in message and (("result" in message) != ("error" in message)):
+        return "response", rpc_id
+    raise _Invalid(INVALID_REQUEST, "Invalid Request: neither a request nor a response", rpc_id)
+
+
+#: Method and tool names are caller-chosen: log lines carry at most this much of them.
+MAX_LOGGED_NAME = 64
+
+
+def _loggable(name: str) -> str:
+    """A caller-chosen name made safe for a log line: printable ASCII, bounded."""
+    cleaned = "".join(c if " " < c < "\x7f" else "?" for c in name[:MAX_LOGGED_NAME])
+    return cleaned + ("…" if len(name) > MAX_LOGGED_NAME else "")
+
+
+# --- the table ---------------------------------------------------------------------------
+
+
+def _classify(message: Any, policy: Policy, now: float) -> _Element:
+    kind, rpc_id = _jsonrpc_shape(message)
+    if kind == "response" or message["method"] != "tools/call":
+        return _Element(kind, rpc_id, _loggable(message.get("method", "response")))
+    params = message.get("params")
+    tool = params.get("name") if isinstance(params, dict) else None
+    label = f"tools/call {_loggable(tool) if isinstance(tool, str) else '?'}"
+    if tool != SEALED_CALL:
+        if policy.seal == "required":
+            return _Element(kind, rpc_id, label, refusal=(SEAL_REQUIRED, _WHY_SEAL_REQUIRED))
+        return _Element(kind, rpc_id, label)
+    assert isinstance(params, dict)
+    try:
+        header = check_header(params.get("arguments"), now=now, recipient_pins=policy.pins)
+    except EnvelopeInvalid as exc:
+        return _Element(kind, rpc_id, label, refusal=(ENVELOPE_INVALID, exc.reason))
+    return _Element(kind, rpc_id, label, caller_key=header.sender)
+
+
+# --- answers -----------------------------------------------------------------------------
+
+
+def _dump(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def _reply(rpc_id: RpcId, result: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rpc_id, "result": result}
+
+
+def _invalid(exc: _Invalid) -> Refuse:
+    error = {"code": exc.rpc_code, "message": exc.message}
+    body = _dump({"jsonrpc": "2.0", "id": exc.rpc_id, "error": error})
+    return Refuse(BAD_REQUEST, 400, f"{BAD_REQUEST}: {exc.message}", (exc.rpc_id,), body)
+
+
+def _answers(elements: Iterable[_Element]) -> list[tuple[RpcId, str, str]]:
+    """(id, code, why) for every element that gets an answer in a refused request."""
+    answers = []
+    for element in elements:
+        if element.refusal is not None:
+            answers.append((element.reply_id, *element.refusal))
+        elif element.kind == "request":
+            answers.append((element.rpc_id, BAD_REQUEST, _WHY_SIBLING))
+    return answers
+
+
+def _refuse(elements: list[_Element], batch: bool) -> Refuse:
+    answers = _answers(elements)
+    replies = [_reply(rpc_id, refusal_result(code, why)) for rpc_id, code, why in answers]
+    first = next(e for e in elements if e.refusal is not None)
+    assert first.refusal is not None
+    code, why = first.refusal
+    detail = f"{code}: {first.label}: {why}"
+    if batch:
+        detail += f" (batch of {len(elements)} refused)"
+    payload: Any = replies if batch else replies[0]
+    return Refuse(code, 200, detail, tuple(a[0] for a in answers), _dump(payload))
