@@ -254,7 +254,8 @@ def seal(
     )
     ct = context.seal(plaintext, aad=protected)
     sig = _sign(sender_key, protected + enc + ct)
-    return {"protected": b64url(protected), "enc": b64url(enc), "ct": b64url(ct), "sig": b64url(sig)}
+    wire = {"protected": protected, "enc": enc, "ct": ct, "sig": sig}
+    return {name: b64url(value) for name, value in wire.items()}
 
 
 # --- structural decoding (no keys needed) ------------------------------------------------
