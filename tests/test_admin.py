@@ -558,3 +558,9 @@ async def test_status_page_in_chromium() -> None:
     assert shot.stat().st_size > 10_000
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"status page screenshot: {shot}")
+
+
+async def test_empty_token_is_refused() -> None:
+    with pytest.raises(ConfigError, match="must not be empty"):
+        await serve_admin(Address("127.0.0.1", 0), stats=Stats(), status=dict,
+                          reload=Calls().reload, token="")

@@ -73,6 +73,11 @@ MAX_REQUEST_HEAD = 16 * 1024
 #: Idle keep-alive connections are closed after this many seconds.
 KEEP_ALIVE_SECONDS = 5.0
 
+#: A connection that sends nothing for this long is closed (slow-loris bound). hypercorn
+#: applies it to every read, also while our handler runs, so it must exceed the longest
+#: action: POST /certs/renew orders a certificate and the CLI waits up to 120 s for it.
+READ_TIMEOUT_SECONDS = 180
+
 #: Host header names that are fine on a tokenless loopback bind (DNS-rebinding guard).
 _LOOPBACK_HOSTNAMES = frozenset({"localhost", "localhost.localdomain"})
 
@@ -336,6 +341,7 @@ def _hypercorn_config() -> HypercornConfig:
     config.accesslog = None
     config.include_server_header = False
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    config.read_timeout = READ_TIMEOUT_SECONDS
     config.h11_max_incomplete_size = MAX_REQUEST_HEAD
     config.backlog = ADMIN_BACKLOG
     return config
