@@ -56,10 +56,10 @@ import ipaddress
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -115,6 +115,9 @@ class Backend:
 class CertFiles:
     cert: Path
     key: Path
+
+
+CertSource = Literal["acme"] | CertFiles
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def _check_duration(seconds: float, text: object) -> float:
 
 
 def parse_size(text: str) -> int:
-    """``"6MiB"``, ``"512KiB"``, ``"1GiB"``, ``"100kB"``, ``"4096"`` → bytes; ValueError if not."""
+    """``"6MiB"``, ``"512KiB"``, ``"100kB"``, ``"4096"`` → bytes; ValueError if not."""
     m = _SIZE_RE.match(text.strip())
     if not m:
         raise ValueError(
@@ -269,7 +272,7 @@ def parse_size(text: str) -> int:
 def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
     """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`."""
     host = text.strip().lower()
-    host = host[:-1] if host.endswith(".") else host
+    host = host.removesuffix(".")
     if not host.isascii():
         raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
     if _is_ip(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
@@ -372,9 +375,15 @@ class _Ctx:
 class _Fields:
     """A checked mapping node: its known keys, each with key and value node."""
 
+    ctx: _Ctx
     node: MappingNode
     keys: dict[str, Node] = field(default_factory=dict)
     values: dict[str, Node] = field(default_factory=dict)
+
+    def opt(self, name: str, parse: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        """`parse(ctx, value_node, *args)` if `name` is set, else `default`."""
+        node = self.get(name)
+        return default if node is None else parse(self.ctx, node, *args)
 
     def get(self, name: str) -> Node | None:
         """The value node of `name`, or None when absent or YAML null."""
@@ -412,7 +421,7 @@ def _mapping(
     if not isinstance(node, MappingNode):
         ctx.at(node, f"{what} must be a mapping, got {_kind(node)}")
         return None
-    fields = _Fields(node)
+    fields = _Fields(ctx, node)
     for key_node, value_node in node.value:
         if key_node.tag == _TAG + "merge":
             ctx.at(key_node, f"merge keys (<<) are not supported in {what}")
@@ -606,6 +615,7 @@ _ROUTE_KEYS = (
     "client_cert",
 )  # fmt: skip
 _TERMINATE_ONLY = ("seal", "mcp_path", "cert")
+_CLIENT_CERT = ("none", "optional", "required")
 
 
 def load_config(path: Path) -> Config:
@@ -647,15 +657,15 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     top = _mapping(ctx, root, "the config file", _TOP_KEYS, required=("state_dir", "listen"))
     if top is None:
         return None
-    state_dir = _path(ctx, n, "state_dir") if (n := top.get("state_dir")) else None
+    state_dir = top.opt("state_dir", _path, "state_dir")
     identity_key = _identity(ctx, top, state_dir)
-    listen = _listen(ctx, n) if (n := top.get("listen")) else None
-    tunnel = _tunnel(ctx, n) if (n := top.get("tunnel")) else None
-    acme = _acme(ctx, n) if (n := top.get("acme")) else None
-    limits = _limits(ctx, n, Limits(), "limits") if (n := top.get("limits")) else Limits()
+    listen = top.opt("listen", _listen)
+    tunnel = top.opt("tunnel", _tunnel)
+    acme = top.opt("acme", _acme)
+    limits = top.opt("limits", _limits, Limits(), "limits", default=Limits())
     seen = _Seen(tunnel, acme, limits or Limits())
     tenants = [t for n in _items(ctx, top, "tenants") if (t := _tenant(ctx, n, seen, path))]
-    patterns = _include_patterns(ctx, n) if (n := top.get("include")) else []
+    patterns = top.opt("include", _include_patterns, default=[])
     for file in _expand_includes(ctx, patterns, path, overlay):
         tenant = _included_tenant(ctx.for_file(file), Path(file), seen, overlay)
         tenants += [tenant] if tenant else []
@@ -664,11 +674,11 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     return Config(
         path=Path(os.path.abspath(path)),
         identity_key=identity_key,  # type: ignore[arg-type]
-        state_dir=state_dir,  # type: ignore[arg-type]
-        listen=listen,  # type: ignore[arg-type]
+        state_dir=state_dir,
+        listen=listen,
         tunnel_hostname=tunnel,
         acme=acme,
-        limits=limits,  # type: ignore[arg-type]
+        limits=limits,
         tenants=tuple(tenants),
         includes=tuple(str(_resolve(ctx.base, p)) for p, _ in patterns),
     )
@@ -696,7 +706,7 @@ def _listen(ctx: _Ctx, node: Node) -> Listen | None:
     if isinstance(node := fields.get("tls"), SequenceNode) and not node.value:
         ctx.at(node, "listen.tls needs at least one address")
     http = _addresses(ctx, fields, "http")
-    admin = _admin(ctx, n) if (n := fields.get("admin")) else None
+    admin = fields.opt("admin", _admin)
     return Listen(tuple(tls), tuple(http), admin)
 
 
@@ -728,12 +738,12 @@ def _acme(ctx: _Ctx, node: Node) -> Acme | None:
     fields = _mapping(ctx, node, "acme", _ACME_KEYS, required=("directory",))
     if fields is None:
         return None
-    directory = _acme_directory(ctx, n) if (n := fields.get("directory")) else None
-    email = _acme_email(ctx, n) if (n := fields.get("email")) else None
+    directory = fields.opt("directory", _acme_directory)
+    email = fields.opt("email", _acme_email)
     agreed = _agree_tos(ctx, fields)
-    challenges = _challenges(ctx, n) if (n := fields.get("challenges")) else Acme.challenges
-    ca_bundle = _path(ctx, n, "acme.ca_bundle") if (n := fields.get("ca_bundle")) else None
-    dns01 = _dns01(ctx, n) if (n := fields.get("dns01")) else None
+    challenges = fields.opt("challenges", _challenges, default=Acme.challenges)
+    ca_bundle = fields.opt("ca_bundle", _path, "acme.ca_bundle")
+    dns01 = fields.opt("dns01", _dns01)
     if challenges and "dns-01" in challenges and fields.get("dns01") is None:
         where = fields.get("challenges") or fields.node
         ctx.at(where, "acme: the dns-01 challenge needs an acme.dns01 block "
@@ -783,11 +793,11 @@ def _challenges(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
 
 def _dns01(ctx: _Ctx, node: Node) -> Dns01 | None:
     fields = _mapping(ctx, node, "acme.dns01", _DNS01_KEYS, required=_DNS01_KEYS)
-    if fields is None or any(fields.get(k) is None for k in _DNS01_KEYS):
+    if fields is None:
         return None
-    server = _address(ctx, fields.get("server"), "acme.dns01.server", default_port=53)  # type: ignore[arg-type]
-    zone = _hostname(ctx, fields.get("zone"), "acme.dns01.zone")  # type: ignore[arg-type]
-    tsig = _path(ctx, fields.get("tsig_key_file"), "acme.dns01.tsig_key_file")  # type: ignore[arg-type]
+    server = fields.opt("server", _address, "acme.dns01.server", 53)
+    zone = fields.opt("zone", _hostname, "acme.dns01.zone")
+    tsig = fields.opt("tsig_key_file", _path, "acme.dns01.tsig_key_file")
     if server is None or zone is None or tsig is None:
         return None
     return Dns01(server, zone + ".", tsig)
@@ -860,12 +870,13 @@ def _tenant(ctx: _Ctx, node: Node, seen: _Seen, source: Path) -> Tenant | None:
     fields = _mapping(ctx, node, "tenant", _TENANT_KEYS, required=("name", "pins"))
     if fields is None:
         return None
-    name = _tenant_name(ctx, n, seen) if (n := fields.get("name")) else None
-    pins = _pins(ctx, n) if (n := fields.get("pins")) else None
-    routes = [_route(ctx, r, seen, name or "?") for r in _items(ctx, fields, "routes")]
-    if name is None or not pins or None in routes:
+    name = fields.opt("name", _tenant_name, seen)
+    pins = fields.opt("pins", _pins)
+    nodes = _items(ctx, fields, "routes")
+    routes = [r for n in nodes if (r := _route(ctx, n, seen, name or "?")) is not None]
+    if name is None or not pins or len(routes) != len(nodes):
         return None
-    return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)))  # type: ignore[arg-type]
+    return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)))
 
 
 def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
@@ -873,8 +884,8 @@ def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
     if name is None:
         return None
     if not TENANT_NAME_RE.match(name) or len(name) > MAX_TENANT_NAME:
-        ctx.at(node, f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* "
-               f"(at most {MAX_TENANT_NAME} characters): it names a file and a metric label")  # fmt: skip
+        ctx.at(node, f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* (at most "
+               f"{MAX_TENANT_NAME} characters): it names a file and a metric label")  # fmt: skip
         return None
     if name in seen.names:
         ctx.at(node, f"tenant {name!r} is defined twice (also at {seen.names[name]})")
@@ -907,15 +918,14 @@ def _route(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> Route | None:
     fields = _mapping(ctx, node, "route", _ROUTE_KEYS, required=("host", "mode", "backend"))
     if fields is None:
         return None
-    host = _route_host(ctx, n, seen, tenant) if (n := fields.get("host")) else None
-    mode = _choice(ctx, n, "mode", ("passthrough", "terminate")) if (n := fields.get("mode")) else None
-    backend = _backend(ctx, n, seen) if (n := fields.get("backend")) else None
-    limits = _limits(ctx, n, seen.limits, "route limits") if (n := fields.get("limits")) else seen.limits
-    client_cert = _choice(ctx, n, "client_cert", ("none", "optional", "required")) if (
-        n := fields.get("client_cert")) else "none"  # fmt: skip
+    host = fields.opt("host", _route_host, seen, tenant)
+    mode = fields.opt("mode", _choice, "mode", ("passthrough", "terminate"))
+    backend = fields.opt("backend", _backend, seen)
+    limits = fields.opt("limits", _limits, seen.limits, "route limits", default=seen.limits)
+    client_cert = fields.opt("client_cert", _choice, "client_cert", _CLIENT_CERT, default="none")
     if None in (host, mode, backend, limits, client_cert):
         return None
-    base = Route(host, tenant, mode, backend, limits=limits, client_cert=client_cert)  # type: ignore[arg-type]
+    base = Route(host, tenant, mode, backend, limits=limits, client_cert=client_cert)
     if mode == "passthrough":
         return _passthrough(ctx, fields, base)
     return _terminate(ctx, fields, base, seen)
@@ -981,19 +991,19 @@ def _proxy_protocol(ctx: _Ctx, node: Node) -> str | None:
 
 def _terminate(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Route | None:
     ok = _terminate_refusals(ctx, fields, route)
-    seal = _seal(ctx, n) if (n := fields.get("seal")) else "required"
-    mcp_path = _mcp_path(ctx, n) if (n := fields.get("mcp_path")) else "/mcp"
+    seal = fields.opt("seal", _seal, default="required")
+    mcp_path = fields.opt("mcp_path", _mcp_path, default="/mcp")
     cert = _cert(ctx, fields, route, seen)
     if not ok or seal is None or mcp_path is None or cert is None:
         return None
-    return dataclasses.replace(route, seal=seal, mcp_path=mcp_path, cert=cert)  # type: ignore[arg-type]
+    return dataclasses.replace(route, seal=seal, mcp_path=mcp_path, cert=cert)
 
 
 def _terminate_refusals(ctx: _Ctx, fields: _Fields, route: Route) -> bool:
     ok = True
     if "proxy_protocol" in fields.keys:
         ctx.at(fields.keys["proxy_protocol"], "proxy_protocol applies to passthrough routes "
-               "only: a terminate route re-originates its own connection to the backend")  # fmt: skip
+               "only: a terminate route opens its own connection to the backend")  # fmt: skip
         ok = False
     if route.client_cert == "required":
         ctx.at(fields.get("client_cert") or fields.node, "client_cert: required cannot be "
@@ -1021,7 +1031,7 @@ def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
     return path
 
 
-def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Literal["acme"] | CertFiles | None:
+def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource | None:
     node = fields.get("cert")
     if node is None:
         if seen.acme is not None:
@@ -1031,10 +1041,9 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Literal["acm
         return None
     if isinstance(node, MappingNode):
         files = _mapping(ctx, node, "cert", ("cert", "key"), required=("cert", "key"))
-        if files is None or files.get("cert") is None or files.get("key") is None:
+        if files is None:
             return None
-        cert = _path(ctx, files.get("cert"), "cert.cert")  # type: ignore[arg-type]
-        key = _path(ctx, files.get("key"), "cert.key")  # type: ignore[arg-type]
+        cert, key = files.opt("cert", _path, "cert.cert"), files.opt("key", _path, "cert.key")
         return CertFiles(cert, key) if cert and key else None
     if _choice(ctx, node, "cert", ("acme",)) is None:
         return None
@@ -1046,7 +1055,8 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> Literal["acm
 
 
 def _acme_cert(ctx: _Ctx, node: Node, route: Route, seen: _Seen) -> Literal["acme"] | None:
-    if route.host.startswith("*.") and "dns-01" not in seen.acme.challenges:  # type: ignore[union-attr]
+    assert seen.acme is not None
+    if route.host.startswith("*.") and "dns-01" not in seen.acme.challenges:
         ctx.at(node, f"wildcard host {route.host!r} with an ACME certificate needs the dns-01 "
                "challenge (CAs issue wildcards over DNS-01 only)")  # fmt: skip
         return None
@@ -1078,17 +1088,29 @@ def _connector(ctx: _Ctx, path: Path, root: Node) -> ConnectorConfig | None:
                    required=("identity", "ingress", "forward"))  # fmt: skip
     if top is None:
         return None
-    ident = _mapping(ctx, n, "identity", ("key",), ("key",)) if (n := top.get("identity")) else None
-    key = _path(ctx, n, "identity.key") if ident and (n := ident.get("key")) else None
-    ingress = _mapping(ctx, n, "ingress", _INGRESS_KEYS, _INGRESS_KEYS) if (n := top.get("ingress")) else None
-    address = _address(ctx, n, "ingress.address", 443) if ingress and (n := ingress.get("address")) else None
-    sni = _hostname(ctx, n, "ingress.tunnel_hostname") if ingress and (n := ingress.get("tunnel_hostname")) else None
-    pin = _connector_pin(ctx, n) if ingress and (n := ingress.get("pin")) else None
-    forward = _address(ctx, n, "forward") if (n := top.get("forward")) else None
-    count = _integer(ctx, n, "connections", 1, MAX_TUNNEL_CONNECTIONS) if (n := top.get("connections")) else 2
-    if ctx.errors or None in (key, address, sni, pin, forward, count):
+    key = top.opt("identity", _connector_identity)
+    ingress = top.opt("ingress", _connector_ingress)
+    forward = top.opt("forward", _address, "forward")
+    count = top.opt("connections", _integer, "connections", 1, MAX_TUNNEL_CONNECTIONS, default=2)
+    if ctx.errors or None in (key, ingress, forward, count):
         return None
-    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count)  # type: ignore[arg-type]
+    address, sni, pin = ingress
+    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count)
+
+
+def _connector_identity(ctx: _Ctx, node: Node) -> Path | None:
+    fields = _mapping(ctx, node, "identity", ("key",), required=("key",))
+    return fields.opt("key", _path, "identity.key") if fields else None
+
+
+def _connector_ingress(ctx: _Ctx, node: Node) -> tuple[Address, str, str] | None:
+    fields = _mapping(ctx, node, "ingress", _INGRESS_KEYS, required=_INGRESS_KEYS)
+    if fields is None:
+        return None
+    address = fields.opt("address", _address, "ingress.address", 443)
+    sni = fields.opt("tunnel_hostname", _hostname, "ingress.tunnel_hostname")
+    pin = fields.opt("pin", _connector_pin)
+    return None if None in (address, sni, pin) else (address, sni, pin)
 
 
 def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
@@ -1098,4 +1120,3 @@ def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
                "(`pact-ingress tenant add` prints the ingress's pin)")  # fmt: skip
         return None
     return pin
-
