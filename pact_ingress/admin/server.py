@@ -35,7 +35,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,7 @@ _HTTP_LOG = logging.getLogger("pact_ingress.admin.http")
 _HTTP_LOG.setLevel(logging.WARNING)  # hypercorn's "Running on …" banner is not for us
 
 Headers = list[tuple[bytes, bytes]]
+ExtraHeaders = Sequence[tuple[bytes, bytes]]
 Response = tuple[int, Headers, bytes]
 
 
@@ -173,7 +174,9 @@ async def _bind(
 
 # ---- the ASGI app --------------------------------------------------------------------
 
-def _response(status: int, body: bytes, content_type: str, extra: Headers = ()) -> Response:
+def _response(
+    status: int, body: bytes, content_type: str, extra: ExtraHeaders = ()
+) -> Response:
     headers = [
         (b"content-type", content_type.encode()),
         (b"cache-control", b"no-store"),
@@ -187,7 +190,7 @@ def _json(status: int, data: dict[str, Any]) -> Response:
     return _response(status, json.dumps(data, indent=1).encode() + b"\n", "application/json")
 
 
-def _error(status: int, message: str, extra: Headers = ()) -> Response:
+def _error(status: int, message: str, extra: ExtraHeaders = ()) -> Response:
     body = json.dumps({"ok": False, "message": message}).encode() + b"\n"
     return _response(status, body, "application/json", extra)
 
@@ -298,7 +301,8 @@ class AdminApp:
     async def post_renew(self, query: dict[str, list[str]]) -> Response:
         if self.renew is None:
             return _error(404, "certificate renewal is not available on this instance")
-        host = (query.get("host") or [None])[0] or None
+        hosts = query.get("host") or [""]
+        host = hosts[0] or None
         async with self._action_lock:
             ok, message = await self.renew(host)
         return _json(200 if ok else 422, {"ok": ok, "message": message, "host": host})
@@ -373,7 +377,8 @@ async def serve_admin(
     try:
         sock.listen(ADMIN_BACKLOG)
         sock.setblocking(False)
-        serve = partial(worker_serve, wrap_app(app, config.wsgi_max_body_size, "asgi"),
+        asgi: Any = app  # an ASGI callable; hypercorn's Protocol types are stricter than ours
+        serve = partial(worker_serve, wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
                         config, sockets=Sockets([], [sock], []))
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
