@@ -649,6 +649,7 @@ class _Seen:
     tunnel_hostname: str | None
     acme: Acme | None
     limits: Limits
+    broken: frozenset[str] = frozenset()  # top-level blocks present but invalid (no cascade)
     names: dict[str, str] = field(default_factory=dict)  # name -> "FILE:LINE"
     hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # host -> (tenant, where)
 
@@ -663,7 +664,8 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     tunnel = top.opt("tunnel", _tunnel)
     acme = top.opt("acme", _acme)
     limits = top.opt("limits", _limits, Limits(), "limits", default=Limits())
-    seen = _Seen(tunnel, acme, limits or Limits())
+    broken = frozenset(k for k, v in (("tunnel", tunnel), ("acme", acme)) if top.get(k) and not v)
+    seen = _Seen(tunnel, acme, limits or Limits(), broken)
     tenants = [t for n in _items(ctx, top, "tenants") if (t := _tenant(ctx, n, seen, path))]
     patterns = top.opt("include", _include_patterns, default=[])
     for file in _expand_includes(ctx, patterns, path, overlay):
@@ -725,7 +727,22 @@ def _admin(ctx: _Ctx, node: Node) -> Address | Path | None:
             ctx.at(node, "listen.admin: 'unix:' needs a socket path, e.g. unix:/run/x.sock")
             return None
         return _resolve(ctx.base, text[5:].strip())
-    return _address(ctx, node, "listen.admin") if text is not None else None
+    address = _address(ctx, node, "listen.admin") if text is not None else None
+    if address is not None and not _is_loopback(address.host):
+        ctx.at(node, f"listen.admin {str(address)!r} is not a loopback address: the admin "
+               "endpoint can reload the ingress; use 127.0.0.1, [::1], localhost or "
+               "unix:PATH")  # fmt: skip
+        return None
+    return address
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _tunnel(ctx: _Ctx, node: Node) -> str | None:
@@ -953,6 +970,8 @@ def _backend(ctx: _Ctx, node: Node, seen: _Seen) -> Backend | None:
     if text is None:
         return None
     if text == "tunnel":
+        if seen.tunnel_hostname is None and "tunnel" in seen.broken:
+            return None  # the tunnel block's own error says it all
         if seen.tunnel_hostname is None:
             ctx.at(node, "backend: tunnel needs tunnel.hostname in the config "
                    "(the SNI name connectors dial)")  # fmt: skip
@@ -1033,6 +1052,8 @@ def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
 
 def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource | None:
     node = fields.get("cert")
+    if seen.acme is None and "acme" in seen.broken and (node is None or _is_acme(node)):
+        return None  # the acme block's own error says it all
     if node is None:
         if seen.acme is not None:
             return _acme_cert(ctx, fields.node, route, seen)
@@ -1052,6 +1073,10 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource |
                "(directory, email, agree_tos: true)")  # fmt: skip
         return None
     return _acme_cert(ctx, node, route, seen)
+
+
+def _is_acme(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and node.value == "acme"
 
 
 def _acme_cert(ctx: _Ctx, node: Node, route: Route, seen: _Seen) -> Literal["acme"] | None:
