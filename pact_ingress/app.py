@@ -88,31 +88,27 @@ class Ingress:
         return True, f"reloaded: {len(new.tenants)} tenants, {len(new.routes())} routes"
 
     def status(self) -> dict[str, Any]:
-        """The `/status` document (schema in pact_ingress.admin.server)."""
+        """The `/status` document (schema: pact_ingress.admin.schema.STATUS_SCHEMA)."""
+        from pact_ingress.admin import schema
+
         cfg = self.config
-        tunnel_counts = self.tunnels.counts() if hasattr(self.tunnels, "counts") else {}
+        tunnels = self.tunnels.status(cfg)
+        up = {t["tenant"]: t["connections"] for t in tunnels}
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started, 1),
             "config": str(cfg.path),
             "identity": self.identity.fingerprint,
-            "routes": [
-                {"host": r.host, "tenant": r.tenant, "mode": r.mode, "backend": str(r.backend),
-                 "seal": r.seal if r.mode == "terminate" else None}
-                for r in cfg.routes()
+            "routes": schema.routes_from(cfg),
+            "tenants": schema.tenants_from(cfg, up),
+            "tunnels": tunnels,
+            "certs": [
+                {"host": c.host, "issuer": c.issuer, "not_after": schema.iso(c.not_after),
+                 "next_renewal": schema.iso(c.next_renewal), "last_error": c.last_error}
+                for c in self.certs.inventory()
             ],
-            "tenants": [
-                {"name": t.name, "pins": list(t.pins), "tunnels_up": tunnel_counts.get(t.name, 0)}
-                for t in cfg.tenants
-            ],
-            "certs": [info.as_dict() for info in self.certs.inventory()],
-            "counters": {
-                "open_connections": self.router.open_connections,
-            },
-            "recent_refusals": [
-                {"at": r.at, "route": r.route, "client_ip": r.client_ip, "reason": r.reason}
-                for r in list(self.stats.recent_refusals)
-            ],
+            "counters": schema.counters_from(self.stats),
+            "recent_refusals": schema.refusals_from(self.stats),
         }
 
     async def run(self, *, task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED

@@ -91,7 +91,7 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pact_ingress.admin.server import fetch_status, format_status
+    from pact_ingress.admin.client import fetch_status, format_status
     from pact_ingress.config import load_config
 
     cfg = load_config(Path(args.config))

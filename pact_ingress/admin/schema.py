@@ -80,7 +80,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "certs": _list(CERT_SCHEMA),
         "counters": {"type": "object", "additionalProperties": {"type": "number"}},
         "recent_refusals": _list(REFUSAL_SCHEMA),
-    }),
+    }, {"identity": _STR}),
 }
 
 
