@@ -1,0 +1,490 @@
+"""Reverse tunnel, home side: `pact-ingress connect` dials out so the ingress can dial in.
+
+Theory of operation (the protocol and its security argument are in
+`net/tunnel_server.py`; this is the other end of it)
+-----------------------------------------------------
+`cfg.connections` slots each keep one **control connection** to the ingress: TCP to
+`ingress.address`, TLS 1.3 with SNI `tunnel_hostname`, ALPN `pact-tunnel/1`, our PACT key
+as client certificate, and the ingress accepted only if its key's fingerprint is
+`ingress.pin` (stdlib ssl verifies nothing else; `identity.check_pin`). Over it we send
+HELLO, answer and send heartbeats, and receive TOKENs.
+
+Every TOKEN makes us dial one **data connection** (ALPN `pact-tunnel-data/1`, same
+pinned mutual TLS), present the token, get DATA_OK, and unwrap TLS (close_notify both
+ways). The connection then waits, raw, in the ingress's pool. The first bytes the
+ingress sends mean "this is a stream now": we connect `forward` and relay with
+`splice.relay` (kernel splice, both ends plain TCP). An EOF before any byte means the
+ingress retired the idle connection. Data connections live in the connector's root
+nursery, not the control connection's: a control connection dying (or being replaced)
+never breaks a stream that is already flowing; only idle, not yet used data connections
+of a dead control connection are closed (their path is presumably dead too).
+
+Reconnects: a slot whose control connection fails waits `Backoff.next()` — exponential
+from BACKOFF_BASE, capped at BACKOFF_CAP, with jitter so a fleet of connectors does not
+reconnect in lockstep after an ingress restart — and resets the backoff once a
+connection stayed up HEALTHY_PERIOD. A GOAWAY(SHUTDOWN) from the ingress sets a floor
+(`retry_after`) under the next delay.
+
+Graceful stop (`shutdown` event, set by the CLI on SIGTERM): GOAWAY(DRAINING) on every
+control connection (the ingress stops using us for new streams and closes our idle data
+connections), wait for those to go, close the control connections, then let running
+streams finish until `grace` runs out; whatever is left is cancelled.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import ssl
+from dataclasses import dataclass, field
+
+import trio
+
+from pact_ingress.config import ConnectorConfig
+from pact_ingress.errors import IdentityError, RemoteProtocolError
+from pact_ingress.identity import Identity, PinMismatch, check_pin, load_identity
+from pact_ingress.identity import pinned_client_context
+from pact_ingress.logs import log
+from pact_ingress.net.splice import relay
+from pact_ingress.net.tunnel_server import (
+    ALPN_CONTROL,
+    ALPN_DATA,
+    CONTROL_READ,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_MISSES,
+    set_keepalive,
+)
+from pact_ingress.proto import tls_alert
+from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.stats import Stats
+
+#: Connecting (TCP) to the ingress or to `forward` gives up after this.
+CONNECT_TIMEOUT = 10.0
+#: TLS handshake plus the first answer (WELCOME / DATA_OK) must come within this.
+HANDSHAKE_TIMEOUT = 10.0
+#: Reconnect delays: 0.5 s, 1 s, 2 s, … capped at 30 s (issue 5), each × a random factor
+#: in [0.5, 1) ("equal jitter").
+BACKOFF_BASE = 0.5
+BACKOFF_CAP = 30.0
+#: A control connection that stayed up this long counts as healthy: backoff restarts.
+HEALTHY_PERIOD = 60.0
+#: Default time given to running streams after SIGTERM.
+DRAIN_GRACE = 30.0
+#: After GOAWAY(DRAINING), how long we wait for the ingress to retire our idle data
+#: connections before closing the control connections anyway.
+DRAIN_IDLE_WAIT = 5.0
+#: Data connections being set up or idle per control connection. The ingress caps its
+#: own grants (POOL_MAX + waiters); this guards against a misbehaving ingress.
+MAX_PENDING_DATA = 256
+#: A stream with no byte either way for this long is closed. The ingress's route idle
+#: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
+RELAY_IDLE_TIMEOUT = 3600.0
+#: Bytes read to get a stream's first chunk (then the kernel splices the rest).
+FIRST_READ = 64 * 1024
+#: Best-effort sends on the way out.
+GOAWAY_TIMEOUT = 1.0
+
+_NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
+               trio.TooSlowError, RemoteProtocolError, IdentityError)
+
+
+class Backoff:
+    """Jittered exponential backoff. Pure: the caller sleeps; `rng` is injectable."""
+
+    def __init__(self, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP,
+                 rng: random.Random | None = None) -> None:
+        self.base = base
+        self.cap = cap
+        self.rng = rng or random.Random()
+        self.attempt = 0
+
+    def next(self) -> float:
+        ceiling = min(self.cap, self.base * (2 ** min(self.attempt, 32)))
+        self.attempt += 1
+        return ceiling * (0.5 + self.rng.random() / 2)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@dataclass
+class _Attempt:
+    """One control-connection attempt of a slot: when (if) it came up."""
+
+    connected_at: float | None = None
+
+    def up_for(self) -> float:
+        if self.connected_at is None:
+            return 0.0
+        return trio.current_time() - self.connected_at
+
+
+class _Goaway(Exception):
+    def __init__(self, msg: tf.Goaway) -> None:
+        super().__init__(f"{msg.code.name}: {msg.reason}")
+        self.msg = msg
+
+
+@dataclass(eq=False)
+class _Link:
+    """One live control connection."""
+
+    slot: int
+    tls: trio.SSLStream[trio.SocketStream]
+    heartbeat: float
+    last_rx: float
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    idle_scopes: set[trio.CancelScope] = field(default_factory=set)
+
+    async def send(self, msg: tf.Message) -> None:
+        async with self.send_lock:
+            await self.tls.send_all(tf.encode(msg))
+
+
+class Connector:
+    """The home-side tunnel endpoint; `run()` until cancelled or `shutdown` is set."""
+
+    def __init__(self, cfg: ConnectorConfig, *, stats: Stats | None = None,
+                 identity: Identity | None = None,
+                 heartbeat: float = HEARTBEAT_INTERVAL) -> None:
+        self.cfg = cfg
+        self.stats = stats or Stats()
+        self.identity = identity or load_identity(cfg.identity_key)
+        self.heartbeat = heartbeat
+        self.label = str(cfg.ingress)
+        self.instance = secrets.token_bytes(tf.ID_BYTES)
+        self._ctx_control = self._context(ALPN_CONTROL)
+        self._ctx_data = self._context(ALPN_DATA)
+        self._links: set[_Link] = set()
+        self._pending = 0  # data connections being set up or idle
+        self._active = 0  # streams relaying
+        self._changed = trio.Event()
+        self._draining = False
+        self._root: trio.Nursery | None = None
+
+    def _context(self, alpn: str) -> ssl.SSLContext:
+        ctx = pinned_client_context(self.identity, [alpn])
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3  # both ends are ours
+        return ctx
+
+    # --- introspection -------------------------------------------------------------------
+
+    @property
+    def live_links(self) -> int:
+        return len(self._links)
+
+    @property
+    def active_streams(self) -> int:
+        return self._active
+
+    @property
+    def idle_data(self) -> int:
+        return self._pending
+
+    def _event(self, event: str) -> None:
+        self.stats.tunnel_events.labels(self.label, event).inc()
+
+    def _touch(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def run(self, *, shutdown: trio.Event | None = None, grace: float = DRAIN_GRACE,
+                  task_status: trio.TaskStatus[Connector] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Keep the tunnel up. With `shutdown`: once it is set, drain and return."""
+        async with trio.open_nursery() as root:
+            self._root = root
+            slots = trio.CancelScope()
+            root.start_soon(self._run_slots, slots)
+            task_status.started(self)
+            if shutdown is None:
+                await trio.sleep_forever()
+            await shutdown.wait()
+            await self._drain(slots, grace)
+            root.cancel_scope.cancel()
+
+    async def _run_slots(self, scope: trio.CancelScope) -> None:
+        with scope:
+            async with trio.open_nursery() as nursery:
+                for slot in range(self.cfg.connections):
+                    nursery.start_soon(self._slot, slot)
+
+    async def _drain(self, slots: trio.CancelScope, grace: float) -> None:
+        deadline = trio.current_time() + grace
+        self._draining = True
+        log.info("connector_draining", ingress=self.label, streams=self._active,
+                 grace_s=grace)
+        for link in list(self._links):
+            await _send_quietly(link, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
+        with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_IDLE_WAIT)):
+            await self._wait_until(lambda: self._pending == 0)
+        slots.cancel()  # control connections close; idle data connections with them
+        with trio.move_on_at(deadline):
+            await self._wait_until(lambda: self._active == 0 and self._pending == 0)
+        log.info("connector_drained", ingress=self.label, abandoned_streams=self._active)
+
+    async def _wait_until(self, condition: object) -> None:
+        while not condition():  # type: ignore[operator]
+            await self._changed.wait()
+
+    # --- control connections -----------------------------------------------------------
+
+    async def _slot(self, slot: int) -> None:
+        backoff = Backoff()
+        while not self._draining:
+            floor, attempt = 0.0, _Attempt()
+            try:
+                await self._control(slot, attempt)
+            except _Goaway as exc:
+                floor = exc.msg.retry_after_ms / 1000
+                self._log_goaway(slot, exc.msg)
+            except PinMismatch as exc:
+                self._event("refused_ingress_pin")
+                log.error("ingress_pin_mismatch", ingress=self.label, expected=self.cfg.pin,
+                          seen=exc.seen, slot=slot)
+            except _NET_ERRORS as exc:
+                log.warning("tunnel_control_failed", ingress=self.label, slot=slot,
+                            error=repr(exc))
+            if self._draining:
+                return
+            if attempt.up_for() >= HEALTHY_PERIOD:
+                backoff.reset()
+            delay = max(floor, backoff.next())
+            self._event("reconnect")
+            log.info("tunnel_reconnect", ingress=self.label, slot=slot,
+                     delay_s=round(delay, 3))
+            await trio.sleep(delay)
+
+    def _log_goaway(self, slot: int, msg: tf.Goaway) -> None:
+        self._event("goaway_" + msg.code.name.lower())
+        fields = dict(ingress=self.label, slot=slot, code=msg.code.name, reason=msg.reason,
+                      retry_after_ms=msg.retry_after_ms)
+        if msg.code in (tf.GoawayCode.UNKNOWN_KEY, tf.GoawayCode.KEY_UNPINNED):
+            log.error("tunnel_key_refused", fingerprint=self.identity.fingerprint, **fields)
+        else:
+            log.info("tunnel_goaway", **fields)
+
+    async def _dial(self, ctx: ssl.SSLContext) -> trio.SSLStream[trio.SocketStream]:
+        """TCP + TLS to the ingress, ingress pin checked. Caller bounds the time."""
+        address = self.cfg.ingress
+        tcp = await trio.open_tcp_stream(address.host, address.port)
+        tls = trio.SSLStream(tcp, ctx, server_hostname=self.cfg.tunnel_hostname)
+        try:
+            await tls.do_handshake()
+            check_pin(tls, [self.cfg.pin])  # type: ignore[arg-type]
+        except BaseException:
+            await trio.aclose_forcefully(tls)
+            raise
+        return tls
+
+    async def _control(self, slot: int, attempt: _Attempt) -> None:
+        """One control connection, until it fails (raises why)."""
+        decoder = tf.Decoder()
+        with trio.fail_after(CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT):
+            tls = await self._dial(self._ctx_control)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await tls.send_all(tf.encode(tf.Hello(tf.VERSION, slot, self.instance)))
+                welcome = await _read_message(tls, decoder)
+            if isinstance(welcome, tf.Goaway):
+                raise _Goaway(welcome)
+            if not isinstance(welcome, tf.Welcome):
+                raise RemoteProtocolError(f"expected WELCOME, got {welcome!r}")
+            heartbeat = min(self.heartbeat, max(welcome.heartbeat_ms / 1000, 0.05))
+            link = _Link(slot, tls, heartbeat, trio.current_time())
+            attempt.connected_at = link.last_rx
+            await self._serve_link(link, decoder, welcome.session.hex()[:16])
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    async def _serve_link(self, link: _Link, decoder: tf.Decoder, sid: str) -> None:
+        """Serve until the link ends; raises why it ended (nothing ends it cleanly)."""
+        self._links.add(link)
+        self.stats.tunnels.labels(self.label).set(len(self._links))
+        self._event("connect")
+        log.info("tunnel_up", ingress=self.label, slot=link.slot, session=sid)
+        ended: list[BaseException] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                for task in (self._read_link, self._heartbeat):
+                    nursery.start_soon(_first_error, task, link, decoder, ended,
+                                       nursery.cancel_scope)
+            raise ended[0]
+        finally:
+            self._links.discard(link)
+            for scope in list(link.idle_scopes):
+                scope.cancel()
+            self.stats.tunnels.labels(self.label).set(len(self._links))
+            self._event("disconnect")
+            log.info("tunnel_down", ingress=self.label, slot=link.slot, session=sid)
+
+    async def _read_link(self, link: _Link, decoder: tf.Decoder) -> None:
+        while True:
+            data = await link.tls.receive_some(CONTROL_READ)
+            if not data:
+                raise trio.BrokenResourceError("ingress closed the control connection")
+            link.last_rx = trio.current_time()
+            decoder.feed(data)
+            while (msg := decoder.next_message()) is not None:
+                await self._on_message(link, msg)
+
+    async def _on_message(self, link: _Link, msg: tf.Message) -> None:
+        if isinstance(msg, tf.Ping):
+            await link.send(tf.Pong(msg.nonce))
+        elif isinstance(msg, tf.Pong):
+            pass
+        elif isinstance(msg, tf.Token):
+            if self._draining or len(link.idle_scopes) >= MAX_PENDING_DATA:
+                return  # the token expires unused at the ingress
+            assert self._root is not None
+            scope = trio.CancelScope()
+            link.idle_scopes.add(scope)
+            self._pending += 1
+            self._root.start_soon(self._data, link, scope, msg.token)
+        elif isinstance(msg, tf.Goaway):
+            raise _Goaway(msg)
+        else:
+            raise RemoteProtocolError(f"unexpected {type(msg).__name__} from the ingress")
+
+    async def _heartbeat(self, link: _Link, decoder: tf.Decoder) -> None:
+        timeout = link.heartbeat * HEARTBEAT_MISSES
+        next_ping = trio.current_time() + link.heartbeat
+        nonce = 0
+        while True:
+            await trio.sleep_until(min(next_ping, link.last_rx + timeout))
+            now = trio.current_time()
+            if now >= link.last_rx + timeout:
+                self._event("heartbeat_timeout")
+                raise trio.TooSlowError(f"no frame from the ingress for {timeout:g} s")
+            if now >= next_ping:
+                nonce += 1
+                with trio.move_on_at(link.last_rx + timeout):
+                    await link.send(tf.Ping(nonce))
+                next_ping = now + link.heartbeat
+
+    # --- data connections --------------------------------------------------------------
+
+    async def _data(self, link: _Link, scope: trio.CancelScope, token: bytes) -> None:
+        raw: trio.SocketStream | None = None
+        first = b""
+        try:
+            with scope:
+                raw, first = await self._open_data(token)
+                if not first:  # idle in the ingress's pool until a stream arrives
+                    first = await raw.receive_some(FIRST_READ)
+        except (*_NET_ERRORS, _Goaway) as exc:
+            self._event("data_failed")
+            log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
+        finally:
+            link.idle_scopes.discard(scope)
+            self._pending -= 1
+            if raw is not None and not first:
+                await trio.aclose_forcefully(raw)
+            self._touch()
+        if raw is not None and first:
+            self._active += 1
+            try:
+                await self._stream(raw, first)
+            finally:
+                self._active -= 1
+                self._touch()
+
+    async def _open_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
+        decoder = tf.Decoder()
+        with trio.fail_after(CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT):
+            tls = await self._dial(self._ctx_data)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await tls.send_all(tf.encode(tf.DataHello(token)))
+                answer = await _read_message(tls, decoder)
+                if isinstance(answer, tf.Goaway):
+                    raise _Goaway(answer)
+                if not isinstance(answer, tf.DataOk) or decoder.buffered:
+                    raise RemoteProtocolError(f"expected DATA_OK, got {answer!r}")
+                transport, trailing = await tls.unwrap()
+        except BaseException:
+            await trio.aclose_forcefully(tls)
+            raise
+        raw = transport
+        assert isinstance(raw, trio.SocketStream)
+        set_keepalive(raw.socket)  # type: ignore[arg-type]
+        return raw, trailing
+
+    async def _stream(self, raw: trio.SocketStream, first: bytes) -> None:
+        """Connect `forward`, pass the first chunk, splice both ways until done."""
+        forward = self.cfg.forward
+        self._event("stream_open")
+        up = self.stats.bytes.labels("tunnel", "up")
+        down = self.stats.bytes.labels("tunnel", "down")
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                fwd = await trio.open_tcp_stream(forward.host, forward.port)
+        except (OSError, trio.TooSlowError) as exc:
+            self._event("forward_unreachable")
+            log.warning("forward_unreachable", forward=str(forward), error=repr(exc))
+            with trio.move_on_after(GOAWAY_TIMEOUT):
+                try:  # the ingress speaks first (TLS client): answer like a dead backend
+                    await raw.send_all(tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
+                except (trio.BrokenResourceError, OSError):
+                    pass
+            await trio.aclose_forcefully(raw)
+            return
+
+        def on_bytes(direction: str, n: int) -> None:
+            (up if direction == "up" else down).inc(n)
+
+        try:
+            await fwd.send_all(first)
+            up.inc(len(first))
+            await relay(raw, fwd, idle_timeout=RELAY_IDLE_TIMEOUT, on_bytes=on_bytes)
+        except (trio.BrokenResourceError, OSError) as exc:
+            log.debug("tunnel_stream_reset", error=repr(exc))
+        finally:
+            await trio.aclose_forcefully(fwd)
+            await trio.aclose_forcefully(raw)
+
+
+async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
+                       ended: list[BaseException], scope: trio.CancelScope) -> None:
+    """Run one of a link's tasks; the first to fail records why and ends the link.
+
+    (Raising out of the nursery would wrap the reason in an ExceptionGroup.)
+    """
+    try:
+        await task(link, decoder)  # type: ignore[operator]
+    except (*_NET_ERRORS, _Goaway) as exc:
+        ended.append(exc)
+        scope.cancel()
+
+
+async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
+    while (msg := decoder.next_message()) is None:
+        data = await stream.receive_some(CONTROL_READ)
+        if not data:
+            raise trio.BrokenResourceError("ingress closed the connection")
+        decoder.feed(data)
+    return msg
+
+
+async def _send_quietly(link: _Link, msg: tf.Message) -> None:
+    with trio.move_on_after(GOAWAY_TIMEOUT):
+        try:
+            await link.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
+async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,
+                        shutdown: trio.Event | None = None, grace: float = DRAIN_GRACE,
+                        heartbeat: float = HEARTBEAT_INTERVAL,
+                        task_status: trio.TaskStatus[Connector] = trio.TASK_STATUS_IGNORED
+                        ) -> None:
+    """Run the connector until cancelled, or until `shutdown` is set (then drain ≤ grace).
+
+    The CLI sets `shutdown` on SIGTERM. `task_status.started()` receives the Connector
+    (live counts for status output and tests).
+    """
+    connector = Connector(cfg, stats=stats, heartbeat=heartbeat)
+    await connector.run(shutdown=shutdown, grace=grace, task_status=task_status)

@@ -1,0 +1,674 @@
+"""Reverse tunnel, ingress side: connectors dial in, routes with `backend: tunnel` dial out.
+
+Theory of operation
+-------------------
+A home node behind NAT runs `pact-ingress connect`, which dials this ingress on :443
+with SNI = `tunnel.hostname`. The router hands us every such connection (`handle`). Two
+kinds exist, told apart by ALPN:
+
+* **control** (`pact-tunnel/1`), one per connector `connections` slot: pinned mutual TLS
+  carrying small frames (`proto.tunnel_frames`): HELLO/WELCOME, PING/PONG heartbeats,
+  TOKEN grants, GOAWAY. It never carries payload.
+* **data** (`pact-tunnel-data/1`): pinned mutual TLS in which the connector presents one
+  single-use TOKEN (DATA_HELLO) that we answer (DATA_OK); then both ends exchange TLS
+  close_notify and the same TCP connection carries raw bytes. The connection waits in
+  its control session's idle pool until `open_stream` hands it (as a plain
+  `trio.SocketStream`) to a route; the connector, on the first byte, connects its
+  `forward` address and relays.
+
+Why pooled raw data connections and not streams multiplexed over one TLS pipe: DESIGN §5
+measured h2-multiplexing over one TLS connection at ~10× below a direct splice (Python
+decrypts and re-encrypts every byte, twice). Here payload bytes never enter Python: the
+router splices caller ↔ data connection and the connector splices data connection ↔
+forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
+network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
+still alive) and asks for a replacement in the background. The pool size adapts to the
+open rate × measured refill latency (`_PoolSizer`), within [POOL_MIN, POOL_MAX].
+
+Security argument
+-----------------
+*Who can open a data connection.* Only a peer that completes TLS 1.3 presenting a key
+whose fingerprint is a pin of some tenant (exactly the control-connection check) AND
+presents a token we issued over a control session of *the same key*. Tokens are 256
+random bits, sent only inside the pinned control TLS, single-use (removed from the table
+on first presentation, valid or not for that session), expire after TOKEN_TTL, and die
+with their control session. A data connection joins only the pool of the session that
+issued its token, and sessions belong to one tenant, so a connector serves only its own
+tenant's routes: a token of tenant A presented with the key of tenant B is refused and
+counted (`token_mismatch`), and `open_stream(B)` only ever draws from B's sessions.
+Issued tokens are capped per session, so a flood of data connections can at most burn
+handshakes (bounded by the router's per-IP limits) and is refused and counted.
+
+*What the unwrap gives away.* After DATA_OK the connection is raw TCP. What crosses it
+is already end-to-end TLS: the caller's own TLS in passthrough (the ingress never had its
+keys), our pinned mutual TLS to the home node in terminate. An on-path attacker between
+ingress and home can therefore read only ciphertext and metadata it could see anyway,
+and any byte it injects, drops or reorders breaks that inner TLS's record MAC: the
+endpoints abort. The worst it can do is deny service (it could also just drop packets).
+It cannot be handed a stream: streams are only given to connections that passed the
+token check, and the ingress never reads plaintext from a data connection. Injected bytes
+into an idle pooled connection are caught by the MSG_PEEK check (bytes before we sent
+any are a protocol violation) or, on the connector side, make it relay garbage to the
+home node's TLS, which refuses it. The one unprotected field is the optional PROXY v2
+header (client address) in passthrough — the same exposure as a direct backend address
+reached over the internet.
+
+Liveness: each side pings every `heartbeat` seconds and declares the control connection
+dead after HEARTBEAT_MISSES intervals without any frame; a dead session's idle pool is
+closed (its path is dead too). Streams already handed out are independent TCP
+connections and end on their own. Several sessions per tenant coexist (the connector's
+`connections`, plus a restarted connector while the old session times out); a newer one
+never displaces an older one. No live session → `open_stream` raises BackendError, which
+the router answers like a dead backend; the next session to connect is used at once.
+
+Shutdown (`aclose`) sends GOAWAY(SHUTDOWN, retry_after) so connectors reconnect later
+instead of hammering a restarting ingress.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+from OpenSSL import SSL
+
+from pact_ingress.config import Config
+from pact_ingress.errors import BackendError, RemoteProtocolError
+from pact_ingress.identity import Identity
+from pact_ingress.logs import log
+from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
+from pact_ingress.net.replay import ReplayStream
+from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.stats import Stats
+
+ALPN_CONTROL = "pact-tunnel/1"
+ALPN_DATA = "pact-tunnel-data/1"
+
+#: Ping interval. With HEARTBEAT_MISSES = 3 a dead path is noticed within 15 s (issue 5).
+HEARTBEAT_INTERVAL = 5.0
+HEARTBEAT_MISSES = 3
+#: TLS handshake plus the first frame (HELLO / DATA_HELLO) must arrive within this.
+HANDSHAKE_TIMEOUT = 10.0
+#: A token not used by then is void: a connector that got it dials within milliseconds
+#: to a few RTTs; 30 s covers a slow handshake without keeping stale credentials around.
+TOKEN_TTL = 30.0
+#: Idle data connections per session: never fewer than POOL_MIN, never more than POOL_MAX
+#: (each is one fd here and one at the connector).
+POOL_MIN = 4
+POOL_MAX = 64
+#: An idle data connection older than this is closed and replaced, so NAT state and
+#: silently dead paths never linger in the pool (keepalive covers the time before).
+POOL_MAX_AGE = 300.0
+#: How long `open_stream` waits for a data connection when the pool is empty.
+OPEN_TIMEOUT = 5.0
+#: Tunnel connections one tenant may hold at once (connections: N plus restarts).
+MAX_SESSIONS_PER_TENANT = 16
+#: `open_stream` callers waiting for an empty pool, per tenant; more fail at once.
+MAX_WAITERS_PER_TENANT = 256
+#: Tokens outstanding per session (pool target already bounded; this caps bursts).
+MAX_OUTSTANDING_TOKENS = 128
+#: Control frames a connector may send: a few per heartbeat is normal; this is a flood.
+CONTROL_FRAME_RATE = 20.0
+CONTROL_FRAME_BURST = 100
+#: What we tell connectors when shutting down: come back after this many seconds.
+RECONNECT_AFTER_SHUTDOWN = 2.0
+#: Best-effort sends on the way out (GOAWAY, close_notify) give up after this.
+GOAWAY_TIMEOUT = 1.0
+#: Pool maintenance wakes at least this often (token expiry, ageing, stream gauge).
+MAINTENANCE_TICK = 1.0
+#: Read size on control connections (frames are ≤ 1 KiB).
+CONTROL_READ = 4096
+#: TCP keepalive on idle data connections: first probe after 30 s idle, every 10 s, dead
+#: after 3 misses — keeps NAT mappings warm and frees a dead socket within ~1 minute.
+KEEPALIVE = (30, 10, 3)
+#: Window for estimating the open rate (pool sizing).
+RATE_WINDOW = 5.0
+
+
+class _Refused(Exception):
+    """A tunnel connection we refuse: `event` is the counter label, `goaway` the answer."""
+
+    def __init__(self, event: str, detail: str, goaway: tf.GoawayCode | None = None):
+        super().__init__(detail)
+        self.event = event
+        self.goaway = goaway
+
+
+def set_keepalive(sock: socket.socket) -> None:
+    """TCP keepalive with KEEPALIVE timings (Linux names; ignored where missing)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class _PoolSizer:
+    """Pool target = POOL_MIN + 2 × (opens/s × refill latency), clamped. Pure (now in)."""
+
+    def __init__(self) -> None:
+        self.takes: deque[float] = deque(maxlen=4096)
+        self.latency = 0.05  # seconds from TOKEN to data connection; EWMA
+
+    def took(self, now: float) -> None:
+        self.takes.append(now)
+
+    def refilled(self, latency: float) -> None:
+        self.latency = 0.8 * self.latency + 0.2 * latency
+
+    def target(self, now: float) -> int:
+        while self.takes and self.takes[0] < now - RATE_WINDOW:
+            self.takes.popleft()
+        rate = len(self.takes) / RATE_WINDOW
+        return min(POOL_MAX, POOL_MIN + math.ceil(2 * rate * self.latency))
+
+
+@dataclass(eq=False)
+class _Session:
+    """One live control connection of one tenant's connector."""
+
+    tenant: str
+    fingerprint: str
+    client: tuple[str, int]
+    tls: OpenSSLStream
+    sid: str
+    started: float
+    last_rx: float
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    idle: deque[tuple[socket.socket, float]] = field(default_factory=deque)
+    tokens: dict[bytes, float] = field(default_factory=dict)  # token → issued at
+    sizer: _PoolSizer = field(default_factory=_PoolSizer)
+    wakeup: trio.Event = field(default_factory=trio.Event)
+    draining: bool = False
+    closed: bool = False
+    goaway: tf.Goaway | None = None
+
+    def poke(self) -> None:
+        self.wakeup.set()
+
+    def kill(self, goaway: tf.Goaway | None) -> None:
+        if self.goaway is None:
+            self.goaway = goaway
+        self.scope.cancel()
+
+    async def send(self, msg: tf.Message) -> None:
+        async with self.send_lock:
+            await self.tls.send_all(tf.encode(msg))
+
+    def close_idle(self) -> None:
+        while self.idle:
+            self.idle.popleft()[0].close()
+
+
+class TunnelServer:
+    """Accepts connectors (`handle`) and opens streams through them (`open_stream`)."""
+
+    def __init__(self, *, identity: Identity, stats: Stats,
+                 heartbeat: float = HEARTBEAT_INTERVAL) -> None:
+        self.identity = identity
+        self.stats = stats
+        self.heartbeat = heartbeat
+        self._ctx = self._make_context(identity)
+        self._tenant_of: dict[str, str | None] = {}  # fingerprint → tenant (None: ambiguous)
+        self._sessions: dict[str, list[_Session]] = {}
+        self._tokens: dict[bytes, _Session] = {}
+        self._arrival: dict[str, trio.Event] = {}
+        self._waiters: dict[str, int] = {}
+        self._rr: dict[str, int] = {}
+        self._streams: dict[str, list[trio.socket.SocketType]] = {}
+        self._closing = False
+        self._all_gone = trio.Event()
+        self._all_gone.set()
+
+    @staticmethod
+    def _make_context(identity: Identity) -> SSL.Context:
+        ctx = server_context(identity, alpn=(ALPN_CONTROL, ALPN_DATA),
+                             require_client_cert=True)
+        ctx.set_min_proto_version(SSL.TLS1_3_VERSION)  # both ends are ours
+        return ctx
+
+    # --- configuration -----------------------------------------------------------------
+
+    def update(self, config: Config) -> None:
+        """New pin → tenant map; sessions whose key is no longer that tenant's are dropped."""
+        tenant_of: dict[str, str | None] = {}
+        for tenant in config.tenants:
+            for pin in tenant.pins:
+                known = tenant_of.get(pin, tenant.name)
+                tenant_of[pin] = tenant.name if known == tenant.name else None
+        self._tenant_of = tenant_of
+        for session in self._all_sessions():
+            if tenant_of.get(session.fingerprint) != session.tenant:
+                log.warning("tunnel_key_unpinned", tenant=session.tenant,
+                            fingerprint=session.fingerprint, session=session.sid)
+                self._event(session.tenant, "unpinned")
+                session.kill(tf.Goaway(tf.GoawayCode.KEY_UNPINNED, 0,
+                                       "key no longer pinned for this tenant"))
+
+    def _all_sessions(self) -> list[_Session]:
+        return [s for group in self._sessions.values() for s in group]
+
+    # --- introspection (status page, tests) --------------------------------------------
+
+    def live_tunnels(self, tenant: str) -> int:
+        return len(self._live(tenant))
+
+    def idle_connections(self, tenant: str) -> int:
+        return sum(len(s.idle) for s in self._live(tenant))
+
+    def open_streams(self, tenant: str) -> int:
+        self._sweep(tenant)
+        return len(self._streams.get(tenant, ()))
+
+    def tenants(self) -> list[str]:
+        return sorted(t for t, group in self._sessions.items() if group)
+
+    def _live(self, tenant: str) -> list[_Session]:
+        return [s for s in self._sessions.get(tenant, ()) if not (s.draining or s.closed)]
+
+    def _event(self, tenant: str, event: str) -> None:
+        self.stats.tunnel_events.labels(tenant, event).inc()
+
+    # --- accepting connections ---------------------------------------------------------
+
+    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+        """Serve one connection the router routed to the tunnel hostname; closes it."""
+        tls = OpenSSLStream(stream, self._ctx, server_side=True)
+        fingerprint: str | None = None
+        tenant = "-"
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await tls.do_handshake()
+            fingerprint = tls.peer_fingerprint
+            tenant, alpn = self._admit(tls, fingerprint)
+            if alpn == ALPN_CONTROL:
+                await self._serve_control(tls, tenant, fingerprint or "", client)
+            else:
+                await self._accept_data(tls, stream, tenant, fingerprint or "", client)
+        except _Refused as exc:
+            await self._refuse(tls, tenant, fingerprint, client, exc)
+        except RemoteProtocolError as exc:  # a frame that does not parse
+            await self._refuse(tls, tenant, fingerprint, client, _Refused(
+                "protocol_error", str(exc), tf.GoawayCode.PROTOCOL_ERROR))
+        except trio.TooSlowError:
+            await self._refuse(tls, tenant, fingerprint, client,
+                               _Refused("timeout", "handshake or first frame too slow"))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            if fingerprint is None:  # failed in the handshake: wrong ALPN, no cert, junk
+                await self._refuse(tls, tenant, fingerprint, client,
+                                   _Refused("handshake_failed", str(exc)))
+        except Exception as exc:  # a bug here must cost one connection, never the router
+            self._event(tenant, "internal_error")
+            log.error("tunnel_internal_error", tenant=tenant, fingerprint=fingerprint,
+                      error=repr(exc))
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    def _admit(self, tls: OpenSSLStream, fingerprint: str | None) -> tuple[str, str]:
+        alpn = tls.selected_alpn_protocol()
+        if alpn not in (ALPN_CONTROL, ALPN_DATA):
+            raise _Refused("bad_alpn", f"ALPN {alpn!r} is not a tunnel protocol")
+        if self._closing:
+            raise _Refused("shutting_down", "ingress shutting down", tf.GoawayCode.SHUTDOWN)
+        if fingerprint is None or fingerprint not in self._tenant_of:
+            raise _Refused("unknown_key", "key is not a pin of any tenant",
+                           tf.GoawayCode.UNKNOWN_KEY)
+        tenant = self._tenant_of[fingerprint]
+        if tenant is None:
+            raise _Refused("ambiguous_key", "key is pinned by several tenants",
+                           tf.GoawayCode.UNKNOWN_KEY)
+        return tenant, alpn
+
+    async def _refuse(self, tls: OpenSSLStream, tenant: str, fingerprint: str | None,
+                      client: tuple[str, int], exc: _Refused) -> None:
+        self._event(tenant, "refused_" + exc.event)
+        self.stats.refused("tunnel", client[0], exc.event)
+        log.warning("tunnel_refused", reason=exc.event, detail=str(exc), tenant=tenant,
+                    fingerprint=fingerprint, client_ip=client[0])
+        if exc.goaway is not None:
+            retry = int(RECONNECT_AFTER_SHUTDOWN * 1000) if exc.event == "shutting_down" else 0
+            await _send_quietly(tls, tf.Goaway(exc.goaway, retry, str(exc)))
+
+    # --- control sessions --------------------------------------------------------------
+
+    async def _serve_control(self, tls: OpenSSLStream, tenant: str, fingerprint: str,
+                             client: tuple[str, int]) -> None:
+        decoder = tf.Decoder()
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            hello = await _read_message(tls, decoder)
+        if not isinstance(hello, tf.Hello) or hello.version != tf.VERSION:
+            raise _Refused("protocol_error", f"expected HELLO v{tf.VERSION}, got {hello!r}",
+                           tf.GoawayCode.PROTOCOL_ERROR)
+        if len(self._sessions.get(tenant, ())) >= MAX_SESSIONS_PER_TENANT:
+            raise _Refused("over_capacity", f"over {MAX_SESSIONS_PER_TENANT} tunnels",
+                           tf.GoawayCode.OVER_CAPACITY)
+        now = trio.current_time()
+        sid = secrets.token_bytes(tf.ID_BYTES)
+        session = _Session(tenant, fingerprint, client, tls, sid.hex()[:16], now, now)
+        await session.send(tf.Welcome(sid, int(self.heartbeat * 1000)))
+        self._register(session, hello)
+        try:
+            with session.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_until_broken, self._read_control, session, decoder)
+                    nursery.start_soon(_until_broken, self._heartbeat, session)
+                    nursery.start_soon(_until_broken, self._maintain_pool, session)
+        finally:
+            self._unregister(session)
+        if session.goaway is not None:
+            await _send_quietly(tls, session.goaway)
+
+    def _register(self, session: _Session, hello: tf.Hello) -> None:
+        self._sessions.setdefault(session.tenant, []).append(session)
+        self._all_gone = trio.Event() if self._all_gone.is_set() else self._all_gone
+        self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
+        self._event(session.tenant, "connect")
+        log.info("tunnel_up", tenant=session.tenant, fingerprint=session.fingerprint,
+                 session=session.sid, slot=hello.slot, instance=hello.instance.hex()[:16],
+                 client_ip=session.client[0])
+        self._wake_waiters(session.tenant)
+
+    def _unregister(self, session: _Session) -> None:
+        session.closed = True
+        group = self._sessions.get(session.tenant, [])
+        if session in group:
+            group.remove(session)
+        if not group:
+            self._sessions.pop(session.tenant, None)
+        for token in session.tokens:
+            self._tokens.pop(token, None)
+        session.tokens.clear()
+        session.close_idle()
+        self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
+        self._event(session.tenant, "disconnect")
+        log.info("tunnel_down", tenant=session.tenant, fingerprint=session.fingerprint,
+                 session=session.sid, reason=session.goaway.code.name if session.goaway
+                 else "closed", up_s=round(trio.current_time() - session.started, 3))
+        self._wake_waiters(session.tenant)
+        if not self._sessions:
+            self._all_gone.set()
+
+    async def _read_control(self, session: _Session, decoder: tf.Decoder) -> None:
+        budget = tf.FrameBudget(CONTROL_FRAME_RATE, CONTROL_FRAME_BURST, trio.current_time())
+        try:
+            while True:
+                data = await session.tls.receive_some(CONTROL_READ)
+                if not data:
+                    session.kill(None)
+                    return
+                now = session.last_rx = trio.current_time()
+                decoder.feed(data)
+                while (msg := decoder.next_message()) is not None:
+                    if not budget.take(now):
+                        raise _Refused("flood", "control frame flood",
+                                       tf.GoawayCode.PROTOCOL_ERROR)
+                    await self._on_control(session, msg)
+        except (_Refused, RemoteProtocolError) as exc:
+            refused = exc if isinstance(exc, _Refused) else _Refused(
+                "protocol_error", str(exc), tf.GoawayCode.PROTOCOL_ERROR)
+            self._event(session.tenant, "refused_" + refused.event)
+            log.warning("tunnel_refused", reason=refused.event, detail=str(exc),
+                        tenant=session.tenant, fingerprint=session.fingerprint,
+                        session=session.sid, client_ip=session.client[0])
+            session.kill(tf.Goaway(refused.goaway or tf.GoawayCode.PROTOCOL_ERROR, 0,
+                                   str(exc)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            session.kill(None)
+
+    async def _on_control(self, session: _Session, msg: tf.Message) -> None:
+        if isinstance(msg, tf.Ping):
+            await session.send(tf.Pong(msg.nonce))
+        elif isinstance(msg, tf.Pong):
+            pass  # receiving it already refreshed last_rx
+        elif isinstance(msg, tf.Goaway) and msg.code == tf.GoawayCode.DRAINING:
+            log.info("tunnel_draining", tenant=session.tenant, session=session.sid)
+            session.draining = True
+            session.close_idle()
+            self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
+            self._event(session.tenant, "draining")
+        elif isinstance(msg, tf.Goaway):
+            session.kill(None)
+        else:
+            raise _Refused("protocol_error", f"unexpected {type(msg).__name__} on control",
+                           tf.GoawayCode.PROTOCOL_ERROR)
+
+    async def _heartbeat(self, session: _Session, _decoder: tf.Decoder | None = None
+                         ) -> None:
+        timeout = self.heartbeat * HEARTBEAT_MISSES
+        next_ping = trio.current_time() + self.heartbeat
+        nonce = 0
+        while True:
+            await trio.sleep_until(min(next_ping, session.last_rx + timeout))
+            now = trio.current_time()
+            if now >= session.last_rx + timeout:
+                self._event(session.tenant, "heartbeat_timeout")
+                log.warning("tunnel_dead", tenant=session.tenant, session=session.sid,
+                            fingerprint=session.fingerprint,
+                            silent_s=round(now - session.last_rx, 3))
+                session.kill(None)
+                return
+            if now >= next_ping:
+                nonce += 1
+                with trio.move_on_at(session.last_rx + timeout):
+                    await session.send(tf.Ping(nonce))
+                next_ping = now + self.heartbeat
+
+    # --- the data-connection pool ------------------------------------------------------
+
+    async def _maintain_pool(self, session: _Session, _decoder: tf.Decoder | None = None
+                             ) -> None:
+        while True:
+            now = trio.current_time()
+            self._expire(session, now)
+            self._sweep(session.tenant)
+            if not session.draining:
+                await self._grant_tokens(session, now)
+            session.wakeup = trio.Event()
+            with trio.move_on_after(MAINTENANCE_TICK):
+                await session.wakeup.wait()
+
+    def _expire(self, session: _Session, now: float) -> None:
+        for token, issued in list(session.tokens.items()):
+            if now - issued > TOKEN_TTL:
+                del session.tokens[token]
+                self._tokens.pop(token, None)
+        while session.idle and now - session.idle[0][1] > POOL_MAX_AGE:
+            session.idle.popleft()[0].close()
+
+    def _target(self, session: _Session, now: float) -> int:
+        live = max(1, len(self._live(session.tenant)))
+        waiting = math.ceil(self._waiters.get(session.tenant, 0) / live)
+        return min(POOL_MAX, session.sizer.target(now) + waiting)
+
+    async def _grant_tokens(self, session: _Session, now: float) -> None:
+        want = self._target(session, now) - len(session.idle) - len(session.tokens)
+        want = min(want, MAX_OUTSTANDING_TOKENS - len(session.tokens))
+        for _ in range(max(0, want)):
+            token = secrets.token_bytes(tf.TOKEN_BYTES)
+            session.tokens[token] = now
+            self._tokens[token] = session
+            await session.send(tf.Token(token))
+
+    async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
+                           fingerprint: str, client: tuple[str, int]) -> None:
+        decoder = tf.Decoder()
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            hello = await _read_message(tls, decoder)
+            if not isinstance(hello, tf.DataHello) or decoder.buffered:
+                raise _Refused("protocol_error", f"expected DATA_HELLO, got {hello!r}")
+            session = self._redeem(hello.token, tenant, fingerprint)
+            await tls.send_all(tf.encode(tf.DataOk()))
+            await _unwrap(tls)
+        if stream.pending:
+            raise _Refused("protocol_error", "bytes left over in the TLS phase")
+        raw = socket.socket(fileno=os.dup(stream.inner.socket.fileno()))
+        raw.setblocking(False)
+        set_keepalive(raw)
+        now = trio.current_time()
+        if session.closed or session.draining:
+            raw.close()  # the session ended while this connection was being set up
+            return
+        session.sizer.refilled(now - session.tokens.pop(hello.token, now))
+        session.idle.append((raw, now))
+        self._wake_waiters(tenant)
+        # Returning closes the router's descriptor; the pool owns the duplicate.
+
+    def _redeem(self, token: bytes, tenant: str, fingerprint: str) -> _Session:
+        session = self._tokens.pop(token, None)
+        if session is None or token not in session.tokens:
+            raise _Refused("bad_token", "unknown, used or expired token")
+        if session.fingerprint != fingerprint:
+            session.tokens.pop(token, None)
+            raise _Refused("token_mismatch",
+                           f"token of tenant {session.tenant} presented by this key")
+        if trio.current_time() - session.tokens[token] > TOKEN_TTL:
+            session.tokens.pop(token, None)
+            raise _Refused("bad_token", "expired token")
+        return session
+
+    def _wake_waiters(self, tenant: str) -> None:
+        event = self._arrival.pop(tenant, None)
+        if event is not None:
+            event.set()
+
+    # --- opening streams ---------------------------------------------------------------
+
+    async def open_stream(self, tenant: str) -> trio.abc.Stream:
+        """A raw stream to the tenant's connector `forward` address, or BackendError."""
+        await trio.lowlevel.checkpoint()
+        self._sweep(tenant)
+        stream = self._take(tenant)
+        if stream is not None:
+            return stream
+        if not self._live(tenant):
+            self._event(tenant, "open_no_tunnel")
+            raise BackendError(f"no live tunnel for tenant {tenant}")
+        if self._waiters.get(tenant, 0) >= MAX_WAITERS_PER_TENANT:
+            self._event(tenant, "open_overloaded")
+            raise BackendError(f"tunnel of tenant {tenant} overloaded")
+        return await self._wait_for_stream(tenant)
+
+    async def _wait_for_stream(self, tenant: str) -> trio.abc.Stream:
+        self._waiters[tenant] = self._waiters.get(tenant, 0) + 1
+        try:
+            with trio.move_on_after(OPEN_TIMEOUT):
+                while self._live(tenant):
+                    event = self._arrival.setdefault(tenant, trio.Event())
+                    for session in self._live(tenant):
+                        session.poke()
+                    await event.wait()
+                    stream = self._take(tenant)
+                    if stream is not None:
+                        return stream
+        finally:
+            self._waiters[tenant] -= 1
+        self._event(tenant, "open_timeout")
+        raise BackendError(f"no tunnel data connection for tenant {tenant} in time")
+
+    def _take(self, tenant: str) -> trio.SocketStream | None:
+        live = self._live(tenant)
+        start = self._rr.get(tenant, 0)
+        for i in range(len(live)):
+            session = live[(start + i) % len(live)]
+            raw = _pop_usable(session)
+            if raw is None:
+                continue
+            self._rr[tenant] = start + i + 1
+            now = trio.current_time()
+            session.sizer.took(now)
+            session.poke()
+            return self._hand_out(tenant, raw)
+        return None
+
+    def _hand_out(self, tenant: str, raw: socket.socket) -> trio.SocketStream:
+        sock = trio.socket.from_stdlib_socket(raw)
+        self._streams.setdefault(tenant, []).append(sock)
+        self.stats.tunnel_streams.labels(tenant).set(len(self._streams[tenant]))
+        self._event(tenant, "stream_open")
+        return trio.SocketStream(sock)
+
+    def _sweep(self, tenant: str) -> None:
+        """Forget handed-out streams whose user closed them (the gauge follows)."""
+        streams = self._streams.get(tenant)
+        if streams is None:
+            return
+        streams[:] = [s for s in streams if s.fileno() != -1]
+        self.stats.tunnel_streams.labels(tenant).set(len(streams))
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Tell every connector to reconnect later, close sessions and idle pools."""
+        self._closing = True
+        goaway = tf.Goaway(tf.GoawayCode.SHUTDOWN, int(RECONNECT_AFTER_SHUTDOWN * 1000),
+                           "ingress shutting down")
+        for session in self._all_sessions():
+            session.kill(goaway)
+        with trio.move_on_after(GOAWAY_TIMEOUT * 2):
+            await self._all_gone.wait()
+
+
+async def _until_broken(task: object, session: _Session,
+                        decoder: tf.Decoder | None = None) -> None:
+    """Run one of a session's tasks; a broken connection ends the session, not the router.
+
+    (Letting it escape would surface as an ExceptionGroup in the router's nursery.)
+    """
+    try:
+        await task(session, decoder)  # type: ignore[operator]
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        session.kill(None)
+
+
+def _pop_usable(session: _Session) -> socket.socket | None:
+    """The next idle connection that is still open and silent, closing dead ones."""
+    while session.idle:
+        raw, _since = session.idle.popleft()
+        try:
+            peeked = raw.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return raw  # nothing to read: alive and quiet, as it should be
+        except OSError:
+            peeked = b""
+        if peeked:
+            log.warning("tunnel_data_unexpected_bytes", tenant=session.tenant,
+                        session=session.sid)
+        raw.close()
+    return None
+
+
+async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
+    """The next frame; EOF before one is complete is a BrokenResourceError."""
+    while (msg := decoder.next_message()) is None:
+        data = await stream.receive_some(CONTROL_READ)
+        if not data:
+            raise trio.BrokenResourceError("peer closed before a complete frame")
+        decoder.feed(data)
+    return msg
+
+
+async def _unwrap(tls: OpenSSLStream) -> None:
+    """Exchange close_notify both ways; afterwards the transport carries raw bytes.
+
+    OpenSSLStream has no public unwrap; SSL_shutdown through its retry loop is exactly
+    that: the first call sends our close_notify, later ones read until the peer's.
+    """
+    for _ in range(8):  # bounded: two calls suffice; the caller's deadline bounds time
+        if await tls._retry(tls._conn.shutdown):  # noqa: SLF001
+            return
+    raise RemoteProtocolError("TLS shutdown did not complete")
+
+
+async def _send_quietly(tls: OpenSSLStream, msg: tf.Message) -> None:
+    with trio.move_on_after(GOAWAY_TIMEOUT) as scope:
+        scope.shield = True
+        try:
+            await tls.send_all(tf.encode(msg))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
+                OSError):
+            pass
