@@ -1,0 +1,518 @@
+"""CertManager: which certificate each terminate host serves, and keeping it valid.
+
+Theory of operation
+-------------------
+`update(config)` (start and every reload) decides the host set: every terminate route gets
+either its configured files (`CertFiles`) or ACME. ACME hosts are loaded from the store;
+a host without a usable certificate is *due*. Only hosts in the config are ever ordered.
+
+`run()` is the scheduler, one task in the app's nursery. Each round it starts an order for
+every due host that is not already being ordered, then sleeps until the next host becomes
+due (renewal time, retry time after backoff, or budget window), or until woken by
+`update()`, `renew()` or a handshake for a host without a certificate. One `_Host.busy`
+flag per host is the deduplication: however many handshakes, reloads or CLI calls ask at
+once, one order runs per name.
+
+An order runs the synchronous `acme` client in a worker thread (`issuer.issue`); trio can
+abandon the thread on cancellation but the thread itself is bounded by the policy's order
+deadline and per-request HTTP timeouts. Challenge answers are published into this object's
+tables through `trio.from_thread.run_sync`, so every table is only mutated on the trio
+thread, and the hot paths (`server_context`, `challenge_context`, `http01_response`) are
+plain dict lookups.
+
+A new certificate is written to the store (atomic; keys 0600), loaded into a fresh
+`SSLContext` and swapped into the table: the very next handshake gets it, connections
+already established keep the context they started with. A failed order keeps the
+previous certificate in service, backs off exponentially, counts a metric, and records the
+error for `certs list`. Budgets (schedule.py) defer orders instead of hammering the CA.
+
+Wall-clock time (certificate validity) comes from the injected `wall_clock`; waiting uses
+trio's clock, so tests can drive both.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import math
+import random
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+from cryptography import x509
+
+from pact_ingress.acme import issuer as issuer_mod
+from pact_ingress.acme import tlsalpn
+from pact_ingress.acme.account import Account, open_account
+from pact_ingress.acme.dns01 import Dns01Solver
+from pact_ingress.acme.issuer import DNS_01, HTTP_01, TLS_ALPN_01, Issued
+from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
+from pact_ingress.acme.store import AcmeError, CertInfo, Store, StoredCert, issuer_name
+from pact_ingress.config import Acme, CertFiles, Config, Route
+from pact_ingress.logs import log
+from pact_ingress.stats import Stats
+
+#: ALPN protocols of served (terminate) contexts: hypercorn speaks both.
+SERVED_ALPN = ["h2", "http/1.1"]
+
+
+def served_context(chain_path: Path, key_path: Path) -> ssl.SSLContext:
+    """A server context for a terminate host: its chain + key, ALPN h2 and http/1.1."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(chain_path, key_path)
+    ctx.set_alpn_protocols(SERVED_ALPN)
+    return ctx
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """One `renew()` caller waiting for the outcome of the next order of a host."""
+
+    event: trio.Event = field(default_factory=trio.Event)
+    error: str | None = None
+
+    def done(self, error: str | None) -> None:
+        self.error = error
+        self.event.set()
+
+
+@dataclass(eq=False)
+class _Host:
+    """Scheduler state of one ACME host."""
+
+    name: str
+    cert: StoredCert | None = None
+    ctx: ssl.SSLContext | None = None
+    next_renewal: float | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+    busy: bool = False
+    forced: bool = False
+    deferred_until: float | None = None
+    last_missing_log: float = -math.inf
+    waiters: list[_Waiter] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _FileCert:
+    files: CertFiles
+    ctx: ssl.SSLContext | None
+    info: CertInfo
+
+
+class CertManager:
+    """Certificates for terminate hosts: files from config, or ACME (see module docstring)."""
+
+    def __init__(self, *, state_dir: Path, stats: Stats,
+                 wall_clock: Callable[[], float] = time.time,
+                 policy: Policy = Policy(), rng: random.Random | None = None) -> None:
+        self.store = Store(state_dir)
+        self.stats = stats
+        self.policy = policy
+        self._now = wall_clock
+        self._rng = rng or random.Random()
+        self._hosts: dict[str, _Host] = {}
+        self._files: dict[str, _FileCert] = {}
+        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._alpn: dict[str, ssl.SSLContext] = {}
+        self._http01: dict[tuple[str, str], bytes] = {}
+        self._acme: Acme | None = None
+        self._kinds: tuple[str, ...] = ()
+        self._dns01: Dns01Solver | None = None
+        self._account: Account | None = None
+        self._account_lock = trio.Lock()
+        self._limiter = trio.CapacityLimiter(policy.max_concurrent_orders)
+        self._orders = SlidingWindow(policy.orders_per_window, policy.order_window)
+        self._failed: dict[str, SlidingWindow] = {}
+        self._wake = trio.Event()
+        self._running = False
+        #: New-order requests sent to the CA since start (tests, status page).
+        self.orders_sent = 0
+
+    # ---------------------------------------------------------------- configuration
+    def update(self, config: Config) -> None:
+        """Adopt the terminate hosts and ACME settings of `config`; schedule what is missing."""
+        self._update_acme(config)
+        acme_hosts: set[str] = set()
+        files: dict[str, CertFiles] = {}
+        for route in config.routes():
+            if route.mode != "terminate":
+                continue
+            if isinstance(route.cert, CertFiles):
+                files[route.host] = route.cert
+            else:
+                acme_hosts.add(route.host)
+        self._update_files(files)
+        self._update_acme_hosts(acme_hosts)
+        self._contexts = {h: f.ctx for h, f in self._files.items() if f.ctx is not None}
+        self._contexts.update({h.name: h.ctx for h in self._hosts.values() if h.ctx is not None})
+        self._wake.set()
+
+    def _update_acme(self, config: Config) -> None:
+        acme = config.acme
+        if acme != self._acme:
+            self._account = None  # other CA, key or trust: reopen on the next order
+            self._dns01 = None
+            if acme is not None and acme.dns01 is not None:
+                try:
+                    self._dns01 = Dns01Solver(acme.dns01)
+                except AcmeError as exc:
+                    log.error("acme_dns01_unusable", error=str(exc))
+        self._acme = acme
+        kinds = []
+        for kind in acme.challenges if acme else ():
+            if kind == HTTP_01 and not config.listen.http:
+                log.warning("acme_challenge_unusable", challenge=kind, why="no listen.http")
+            elif kind == DNS_01 and self._dns01 is None:
+                log.warning("acme_challenge_unusable", challenge=kind, why="no usable dns01")
+            elif kind in issuer_mod.ALL_CHALLENGES:
+                kinds.append(kind)
+        self._kinds = tuple(kinds)
+
+    def _update_files(self, files: dict[str, CertFiles]) -> None:
+        old = self._files
+        self._files = {}
+        for host, cf in files.items():
+            prev = old.get(host)
+            self._files[host] = prev if prev and prev.files == cf and prev.ctx else \
+                self._load_files(host, cf)
+        for host in old.keys() - files.keys():
+            self._forget_metric(host)
+
+    def _load_files(self, host: str, cf: CertFiles) -> _FileCert:
+        try:
+            ctx = served_context(cf.cert, cf.key)
+            leaf = x509.load_pem_x509_certificate(Path(cf.cert).read_bytes())
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.error("cert_files_unusable", host=host, cert=str(cf.cert), error=str(exc))
+            return _FileCert(cf, None, CertInfo(host, "file", last_error=str(exc)))
+        not_after = leaf.not_valid_after_utc.timestamp()
+        self.stats.cert_expiry.labels(host=host).set(not_after)
+        info = CertInfo(host, "file", issuer=issuer_name(leaf),
+                        not_before=leaf.not_valid_before_utc.timestamp(), not_after=not_after)
+        return _FileCert(cf, ctx, info)
+
+    def _update_acme_hosts(self, hosts: set[str]) -> None:
+        if hosts and self._acme is None:
+            log.error("acme_not_configured", hosts=sorted(hosts),
+                      why="terminate routes without cert files need the acme block")
+        for name in self._hosts.keys() - hosts:
+            del self._hosts[name]
+            self._forget_metric(name)
+        for name in sorted(hosts - self._hosts.keys()):
+            self._hosts[name] = self._load_host(name)
+
+    def _load_host(self, name: str) -> _Host:
+        h = _Host(name)
+        try:
+            stored = self.store.load_cert(name)
+            meta = self.store.read_meta(name)
+            ctx = served_context(stored.chain_path, stored.key_path) if stored else None
+        except (AcmeError, OSError, ssl.SSLError) as exc:
+            log.warning("cert_store_unreadable", host=name, error=str(exc))
+            stored, meta, ctx = None, {}, None
+        h.last_error = meta.get("last_error")
+        if stored is None or ctx is None:
+            log.info("cert_issuance_scheduled", host=name, why="no certificate yet")
+            return h
+        h.cert, h.ctx = stored, ctx
+        self.stats.cert_expiry.labels(host=name).set(stored.not_after)
+        renew_at = meta.get("next_renewal")
+        h.next_renewal = renew_at if isinstance(renew_at, (int, float)) else renewal_time(
+            stored.not_before, stored.not_after, self.policy, self._rng)
+        if self._acme is not None and stored.directory != self._acme.directory:
+            h.next_renewal = 0.0  # issued by another CA: replace it, keep serving meanwhile
+            log.info("cert_issuance_scheduled", host=name, why="issued by another ACME CA")
+        elif h.next_renewal <= self._now():
+            log.info("cert_issuance_scheduled", host=name, why="renewal due")
+        return h
+
+    def _forget_metric(self, host: str) -> None:
+        try:
+            self.stats.cert_expiry.remove(host)
+        except KeyError:
+            pass
+
+    # ---------------------------------------------------------------- hot paths
+    def server_context(self, route: Route) -> ssl.SSLContext | None:
+        """The served context for a terminate route, or None while none exists (logged)."""
+        ctx = self._contexts.get(route.host)
+        if ctx is None:
+            self._missing(route.host)
+        return ctx
+
+    def challenge_context(self, host: str) -> ssl.SSLContext | None:
+        """The TLS-ALPN-01 context for `host` while its challenge is pending."""
+        return self._alpn.get(host)
+
+    def http01_response(self, host: str, token: str) -> bytes | None:
+        """The HTTP-01 key authorization for (host, token) while pending."""
+        return self._http01.get((host, token))
+
+    def _missing(self, host: str) -> None:
+        now = self._now()
+        h = self._hosts.get(host)
+        if h is None:
+            why = self._files[host].info.last_error if host in self._files else "not managed"
+            log.warning("cert_missing", host=host, why=why)
+            return
+        if now - h.last_missing_log >= self.policy.missing_log_interval:
+            h.last_missing_log = now
+            log.info("cert_issuance_in_progress", host=host, **self._progress(h, now))
+        if not h.busy:
+            self._wake.set()
+
+    def _progress(self, h: _Host, now: float) -> dict[str, object]:
+        if h.busy:
+            return {"state": "ordering"}
+        if h.deferred_until is not None and h.deferred_until > now:
+            return {"state": "deferred", "until": _iso(h.deferred_until)}
+        if h.retry_at > now:
+            return {"state": "backoff", "retry_at": _iso(h.retry_at), "error": h.last_error}
+        return {"state": "queued"}
+
+    # ---------------------------------------------------------------- scheduler
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Order and renew certificates until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._running = True
+            task_status.started()
+            try:
+                while True:  # one round per wake-up; each round sleeps (bounded by max_sleep)
+                    self._wake = trio.Event()
+                    next_at = self._start_due(nursery)
+                    delay = self.policy.max_sleep if next_at is None else \
+                        min(max(next_at - self._now(), 0.0), self.policy.max_sleep)
+                    with trio.move_on_after(delay):
+                        await self._wake.wait()
+            finally:
+                self._running = False
+
+    def _start_due(self, nursery: trio.Nursery) -> float | None:
+        """Start orders for due hosts; return the wall time the next one becomes due."""
+        now = self._now()
+        next_at: float | None = None
+        for h in list(self._hosts.values()):
+            if h.busy or self._acme is None:
+                continue
+            at = self._due_at(h, now)
+            if at is None:
+                continue
+            if at <= now:
+                h.busy = True
+                nursery.start_soon(self._order, h)
+            else:
+                next_at = at if next_at is None else min(next_at, at)
+        return next_at
+
+    def _needs_order(self, h: _Host, now: float) -> bool:
+        if h.forced or h.cert is None or now >= h.cert.not_after:
+            return True
+        return h.next_renewal is not None and now >= h.next_renewal
+
+    def _due_at(self, h: _Host, now: float) -> float | None:
+        """When `h` may start an order: `now` or later, None when not needed."""
+        if not self._needs_order(h, now):
+            return h.next_renewal
+        at = max(now, h.retry_at)
+        budget = max(self._orders.available_at(now),
+                     self._failed_window(h.name).available_at(now))
+        if budget > at:
+            self._defer(h, budget)
+            return budget
+        h.deferred_until = None
+        return at
+
+    def _defer(self, h: _Host, until: float) -> None:
+        if h.deferred_until != until:
+            h.deferred_until = until
+            log.warning("cert_order_deferred", host=h.name, until=_iso(until),
+                        why="issuance budget spent (orders per account or failed validations)")
+        for w in h.waiters:
+            w.done(f"deferred by the issuance budget until {_iso(until)}")
+        h.waiters = []
+
+    def _failed_window(self, host: str) -> SlidingWindow:
+        if host not in self._failed:
+            self._failed[host] = SlidingWindow(self.policy.failed_validations_per_host,
+                                               self.policy.failed_validation_window)
+        return self._failed[host]
+
+    # ---------------------------------------------------------------- one order
+    async def _order(self, h: _Host) -> None:
+        waiters, h.waiters, h.forced = h.waiters, [], False
+        started = trio.current_time()
+        error: str | None = None
+        try:
+            async with self._limiter:
+                account = await self._get_account()
+                issued = await self._issue(account, h.name)
+                stored, ctx, renew_at = await trio.to_thread.run_sync(
+                    self._save, h.name, issued, account, abandon_on_cancel=True)
+            self._install(h, stored, ctx, renew_at)
+            log.info("cert_issued", host=h.name, issuer=stored.issuer,
+                     challenge=issued.challenge, not_after=_iso(stored.not_after),
+                     next_renewal=_iso(h.next_renewal or 0),
+                     seconds=round(trio.current_time() - started, 3))
+        except AcmeError as exc:
+            error = str(exc)
+            await self._failed_order(h, exc)
+        except Exception as exc:  # a bug here must not take the whole ingress down
+            error = f"internal error: {type(exc).__name__}: {exc}"
+            log.error("cert_order_crashed", host=h.name, error=error)
+            await self._failed_order(h, AcmeError(error, reason="internal"))
+        finally:
+            h.busy = False
+            for w in waiters:
+                w.done(error)
+            self._wake.set()
+
+    async def _get_account(self) -> Account:
+        async with self._account_lock:
+            acme = self._acme
+            if acme is None:
+                raise AcmeError("acme is not configured", reason="config")
+            if self._account is None or self._account.cfg != acme:
+                self._account = await trio.to_thread.run_sync(
+                    open_account, self.store, acme, abandon_on_cancel=True)
+            return self._account
+
+    async def _issue(self, account: Account, host: str) -> Issued:
+        deadline = time.monotonic() + self.policy.order_timeout
+        fn = functools.partial(issuer_mod.issue, account, host, kinds=self._kinds,
+                               hooks=_ThreadHooks(self), dns01=self._dns01,
+                               deadline=deadline, on_order=self._order_sent_from_thread)
+        return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+    def _order_sent_from_thread(self) -> None:
+        trio.from_thread.run_sync(self._order_sent)
+
+    def _order_sent(self) -> None:
+        self.orders_sent += 1
+        self._orders.record(self._now())
+
+    def _save(self, host: str, issued: Issued,
+              account: Account) -> tuple[StoredCert, ssl.SSLContext, float]:
+        """Worker thread: renewal time (ARI if offered), store, load the new context."""
+        leaf = x509.load_pem_x509_certificates(issued.chain_pem)[0]
+        nb, na = leaf.not_valid_before_utc.timestamp(), leaf.not_valid_after_utc.timestamp()
+        renew_at = self._ari_time(account, issued.chain_pem) or \
+            renewal_time(nb, na, self.policy, self._rng)
+        stored = self.store.save_cert(host, issued.chain_pem, issued.key_pem,
+                                      directory=account.cfg.directory, next_renewal=renew_at)
+        return stored, served_context(stored.chain_path, stored.key_path), renew_at
+
+    @staticmethod
+    def _ari_time(account: Account, chain_pem: bytes) -> float | None:
+        if not account.offers_ari:
+            return None
+        try:
+            when, _ = account.client.renewal_time(chain_pem)
+        except Exception as exc:  # ARI is advisory: fall back to the lifetime rule
+            log.warning("acme_ari_failed", error=f"{type(exc).__name__}: {exc}")
+            return None
+        return when.timestamp() if when else None
+
+    def _install(self, h: _Host, stored: StoredCert, ctx: ssl.SSLContext,
+                 renew_at: float) -> None:
+        if self._hosts.get(h.name) is not h:
+            log.info("cert_discarded", host=h.name, why="host left the config during the order")
+            return
+        h.cert, h.ctx, h.next_renewal = stored, ctx, renew_at
+        h.failures, h.retry_at, h.last_error = 0, 0.0, None
+        self._contexts[h.name] = ctx
+        self.stats.cert_expiry.labels(host=h.name).set(stored.not_after)
+
+    async def _failed_order(self, h: _Host, exc: AcmeError) -> None:
+        now = self._now()
+        h.failures += 1
+        delay = backoff_delay(h.failures, self.policy)
+        h.retry_at, h.last_error = now + delay, str(exc)
+        if exc.reason == "validation":
+            self._failed_window(h.name).record(now)
+        self.stats.cert_failures.labels(host=h.name, reason=exc.reason).inc()
+        serving = f"previous certificate until {_iso(h.cert.not_after)}" if h.cert else "none"
+        log.warning("cert_order_failed", host=h.name, reason=exc.reason, error=str(exc),
+                    failures=h.failures, retry_in=round(delay, 1), serving=serving)
+        try:
+            await trio.to_thread.run_sync(functools.partial(
+                self.store.write_meta, h.name, last_error=str(exc)))
+        except (OSError, AcmeError) as store_exc:
+            log.warning("cert_store_unwritable", host=h.name, error=str(store_exc))
+
+    # ---------------------------------------------------------------- CLI / admin
+    def inventory(self) -> list[CertInfo]:
+        """Every terminate host's certificate state (live view, for status and `certs list`)."""
+        rows = [f.info for f in self._files.values()]
+        for h in self._hosts.values():
+            c = h.cert
+            rows.append(CertInfo(
+                host=h.name, source="acme", issuer=c.issuer if c else None,
+                not_before=c.not_before if c else None, not_after=c.not_after if c else None,
+                next_renewal=h.next_renewal if c else None, last_error=h.last_error,
+                directory=c.directory if c else None))
+        return sorted(rows, key=lambda r: r.host)
+
+    async def renew(self, host: str | None = None,
+                    progress: Callable[[str], None] = lambda line: None) -> None:
+        """Order new certificates now (one host, or every ACME host); raises AcmeError."""
+        if not self._running:
+            raise AcmeError("the certificate manager is not running", reason="not_running")
+        if host is not None and host not in self._hosts:
+            why = "uses certificate files from the config" if host in self._files else \
+                "is not a terminate route with cert: acme in the config"
+            raise AcmeError(f"{host} {why}", reason="not_managed")
+        targets = [host] if host is not None else sorted(self._hosts)
+        failures: list[str] = []
+        async with trio.open_nursery() as nursery:
+            for name in targets:
+                nursery.start_soon(self._renew_one, self._hosts[name], progress, failures)
+        if failures:
+            raise AcmeError("; ".join(failures), reason="renew")
+
+    async def _renew_one(self, h: _Host, progress: Callable[[str], None],
+                         failures: list[str]) -> None:
+        waiter = _Waiter()
+        h.waiters.append(waiter)
+        h.forced, h.retry_at = True, 0.0
+        progress(f"{h.name}: ordering a new certificate")
+        self._wake.set()
+        await waiter.event.wait()
+        if waiter.error is not None:
+            progress(f"{h.name}: failed: {waiter.error}")
+            failures.append(f"{h.name}: {waiter.error}")
+        elif h.cert is not None:
+            progress(f"{h.name}: issued by {h.cert.issuer}, valid until "
+                     f"{_iso(h.cert.not_after)}")
+
+
+class _ThreadHooks:
+    """`ChallengeHooks` for the worker thread: builds answers there, publishes on trio's."""
+
+    def __init__(self, manager: CertManager) -> None:
+        self.m = manager
+
+    def offer(self, kind: str, host: str, token: str, key_authorization: str) -> None:
+        if kind == TLS_ALPN_01:
+            ctx = tlsalpn.challenge_context(
+                host, key_authorization, now=datetime.datetime.now(datetime.timezone.utc))
+            trio.from_thread.run_sync(self.m._alpn.__setitem__, host, ctx)
+        elif kind == HTTP_01:
+            trio.from_thread.run_sync(self.m._http01.__setitem__, (host, token),
+                                      key_authorization.encode("ascii"))
+
+    def withdraw(self, kind: str, host: str, token: str) -> None:
+        if kind == TLS_ALPN_01:
+            trio.from_thread.run_sync(self.m._alpn.pop, host, None)
+        elif kind == HTTP_01:
+            trio.from_thread.run_sync(self.m._http01.pop, (host, token), None)
+
+
+def _iso(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(
+        timespec="seconds")

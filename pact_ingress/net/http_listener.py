@@ -1,0 +1,172 @@
+"""The plain-HTTP :80 listener: ACME HTTP-01 answers, everything else 308 → https.
+
+Deliberately tiny and strict. One request per connection (we answer with
+`Connection: close`), parsed by h11 with the request head capped at `MAX_HEAD_BYTES`; a
+request body is never read. The whole exchange has one deadline (`REQUEST_TIMEOUT`) and
+at most `MAX_CONNECTIONS` connections are served at once; beyond that new ones are closed
+at accept. Nothing here proxies: port 80 carries no application traffic.
+
+`plan_response` is the pure decision (method, target, Host → status, headers, body) so it
+is tested without sockets; `handle_http` is the I/O around it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import h11
+import trio
+
+from pact_ingress.config import Address
+from pact_ingress.logs import log
+
+#: Largest request head we accept (request line + headers); ACME validators send ~300 B.
+MAX_HEAD_BYTES = 8 * 1024
+#: One deadline for reading the request and writing the answer, seconds.
+REQUEST_TIMEOUT = 10.0
+#: Connections served at once; more are closed at accept (port 80 is not worth more).
+MAX_CONNECTIONS = 1024
+#: Bytes per receive call.
+READ_SIZE = 4096
+
+CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
+#: ACME tokens are base64url (RFC 8555 §8.1), at least 128 bits of entropy.
+TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
+#: Host header: a DNS name, optional port (dropped in the redirect).
+HOST_RE = re.compile(r"^(?P<name>([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
+                     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\.?(:[0-9]{1,5})?$")
+#: A redirect target may only carry printable ASCII without spaces.
+TARGET_RE = re.compile(r"^/[\x21-\x7e]*$")
+
+
+class Http01Answers(Protocol):
+    def http01_response(self, host: str, token: str) -> bytes | None: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def plan_response(method: str, target: str, host_header: str | None,
+                  answers: Http01Answers) -> Answer:
+    """What to send for one request (pure; see module docstring)."""
+    m = HOST_RE.match((host_header or "").lower())
+    if m is None:
+        return _text(400, "missing or invalid Host header\n")
+    host = m["name"]
+    if target.startswith(CHALLENGE_PREFIX):
+        token = target[len(CHALLENGE_PREFIX):]
+        key_authz = answers.http01_response(host, token) if TOKEN_RE.match(token) else None
+        if key_authz is None:
+            return _text(404, "no such challenge\n")
+        if method not in ("GET", "HEAD"):
+            return _text(405, "method not allowed\n", (("Allow", "GET, HEAD"),))
+        return Answer(200, (("Content-Type", "application/octet-stream"),), key_authz)
+    path = target if TARGET_RE.match(target) else "/"
+    return _text(308, "redirecting to https\n", (("Location", f"https://{host}{path}"),))
+
+
+def _text(status: int, text: str, extra: tuple[tuple[str, str], ...] = ()) -> Answer:
+    return Answer(status, (("Content-Type", "text/plain; charset=utf-8"),) + extra,
+                  text.encode())
+
+
+async def handle_http(stream: trio.abc.Stream, answers: Http01Answers) -> None:
+    """Serve one connection: one request, one answer, close."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    try:
+        with trio.move_on_after(REQUEST_TIMEOUT):
+            request = await _read_request(stream, conn)
+            if request is None:
+                return
+            target = request.target.decode("ascii", "replace")
+            host = next((v.decode("ascii", "replace") for k, v in request.headers
+                         if k == b"host"), None)
+            method = request.method.decode("ascii", "replace")
+            answer = plan_response(method, target, host, answers)
+            if target.startswith(CHALLENGE_PREFIX):
+                log.info("acme_http01_request", host=host, status=answer.status)
+            await _send(stream, conn, answer, head_only=method == "HEAD")
+    except h11.RemoteProtocolError as exc:
+        await _send_raw_error(stream, exc.error_status_hint)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
+    while True:  # bounded by REQUEST_TIMEOUT and h11's head cap
+        event = conn.next_event()
+        if isinstance(event, h11.Request):
+            return event
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(READ_SIZE))  # b"" = EOF, h11 knows
+            continue
+        return None  # ConnectionClosed (peer left before a request) or anything unexpected
+
+
+async def _send(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer, *,
+                head_only: bool) -> None:
+    headers = list(answer.headers) + [("Content-Length", str(len(answer.body))),
+                                      ("Connection", "close")]
+    data = conn.send(h11.Response(status_code=answer.status, headers=headers)) or b""
+    if not head_only:
+        data += conn.send(h11.Data(data=answer.body)) or b""
+    data += conn.send(h11.EndOfMessage()) or b""
+    await stream.send_all(data)
+
+
+async def _send_raw_error(stream: trio.abc.Stream, status: int) -> None:
+    body = b"bad request\n"
+    head = (f"HTTP/1.1 {status} Bad Request\r\nContent-Type: text/plain\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with trio.move_on_after(1.0):
+        try:
+            await stream.send_all(head + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
+async def serve_http(address: Address, answers: Http01Answers, *,
+                     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
+    """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
+    listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+    slots = trio.Semaphore(MAX_CONNECTIONS)
+    bound = listeners[0].socket.getsockname()[:2]
+    log.info("http_listening", address=f"{bound[0]}:{bound[1]}")
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, answers, slots, nursery)
+        task_status.started((str(bound[0]), int(bound[1])))
+
+
+async def _accept_loop(listener: trio.SocketListener, answers: Http01Answers,
+                       slots: trio.Semaphore, nursery: trio.Nursery) -> None:
+    async with listener:
+        while True:  # runs until cancelled; every accepted stream is handled or closed
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: back off, keep listening
+                log.warning("http_accept_error", error=str(exc))
+                await trio.sleep(0.1)
+                continue
+            if slots.value == 0:
+                await trio.aclose_forcefully(stream)
+                continue
+            slots.acquire_nowait()
+            nursery.start_soon(_serve_one, stream, answers, slots)
+
+
+async def _serve_one(stream: trio.SocketStream, answers: Http01Answers,
+                     slots: trio.Semaphore) -> None:
+    try:
+        await handle_http(stream, answers)
+    finally:
+        slots.release()
