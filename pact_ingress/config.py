@@ -709,15 +709,41 @@ def _listen(ctx: _Ctx, node: Node) -> Listen | None:
         ctx.at(node, "listen.tls needs at least one address")
     http = _addresses(ctx, fields, "http")
     admin = fields.opt("admin", _admin)
-    return Listen(tuple(tls), tuple(http), admin)
+    admin_node = fields.get("admin")
+    extra = [(admin, admin_node)] if isinstance(admin, Address) and admin_node else []
+    _check_overlaps(ctx, tls + http + extra)
+    return Listen(tuple(a for a, _ in tls), tuple(a for a, _ in http), admin)
 
 
-def _addresses(ctx: _Ctx, fields: _Fields, name: str) -> list[Address]:
+def _addresses(ctx: _Ctx, fields: _Fields, name: str) -> list[tuple[Address, Node]]:
     node = fields.get(name)
     if node is None:
         return []
-    found = [_address(ctx, n, f"listen.{name}") for _, n in _strings(ctx, node, f"listen.{name}")]
-    return [a for a in found if a is not None]
+    what = f"listen.{name}"
+    found = [(_address(ctx, n, what), n) for _, n in _strings(ctx, node, what)]
+    return [(a, n) for a, n in found if a is not None]
+
+
+def _check_overlaps(ctx: _Ctx, addresses: list[tuple[Address, Node]]) -> None:
+    """Two listeners on one port fail at bind time: say so at check time, with lines."""
+    for i, (address, node) in enumerate(addresses):
+        for earlier, earlier_node in addresses[:i]:
+            if earlier.port == address.port and _same_socket(earlier.host, address.host):
+                line = earlier_node.start_mark.line + 1
+                ctx.at(node, f"listen address {str(address)!r} overlaps {str(earlier)!r} "
+                       f"(line {line}): both cannot bind")  # fmt: skip
+                break
+
+
+def _same_socket(a: str, b: str) -> bool:
+    """Same host, or one is the wildcard of the other's family (0.0.0.0 covers 127.0.0.1)."""
+    if a == b:
+        return True
+    try:
+        ip_a, ip_b = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return False
+    return ip_a.version == ip_b.version and (ip_a.is_unspecified or ip_b.is_unspecified)
 
 
 def _admin(ctx: _Ctx, node: Node) -> Address | Path | None:

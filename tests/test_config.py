@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+import yaml
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pact_ingress.config import (
@@ -367,3 +369,73 @@ def test_normalize_hostname() -> None:
     for bad in ("*.alina.example", "a..b", "-a.example", "a" * 64 + ".example", "1.2.3.4"):
         with pytest.raises(ValueError):
             normalize_hostname(bad)
+
+
+# --- robustness: anything YAML can say ends in a Config or a ConfigError ------------------
+
+_KEYS = ["identity", "key", "state_dir", "listen", "tls", "http", "admin", "tunnel", "hostname",
+         "acme", "directory", "agree_tos", "challenges", "dns01", "server", "zone", "limits",
+         "idle_timeout", "max_body_bytes", "include", "tenants", "name", "pins", "routes", "host",
+         "mode", "backend", "seal", "cert", "proxy_protocol", "client_cert", "mcp_path"]  # fmt: skip
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 70000), st.floats(allow_nan=True),
+    st.sampled_from(["tunnel", "terminate", "passthrough", "acme", "v2", "none", "10s", "6MiB",
+                     "127.0.0.1:1", "[::1]:2", "*.a.example", "a.example", PIN_A, "unix:", ""]),
+    st.text(max_size=8),
+)  # fmt: skip
+_TREES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS), inner,
+                                                                 max_size=4),
+    max_leaves=25,
+)  # fmt: skip
+
+
+@given(_TREES)
+def test_any_yaml_tree_loads_or_raises_config_error(tree: object) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            assert exc.messages and all(m.startswith(str(path)) for m in exc.messages)
+        try:
+            load_connector_config(path)
+        except ConfigError as exc:
+            assert exc.messages
+
+
+@given(st.text(max_size=200))
+def test_any_text_loads_or_raises_config_error(text: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fuzz.yaml"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            assert exc.messages
+
+
+def _mutate(data: st.DataObject, node: object) -> object:
+    """Replace a few subtrees of a valid config with random YAML."""
+    if data.draw(st.integers(0, 9)) == 0:
+        return data.draw(_TREES)
+    if isinstance(node, dict):
+        return {k: _mutate(data, v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_mutate(data, v) for v in node]
+    return node
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_mutated_valid_config_loads_or_raises_config_error(data: st.DataObject) -> None:
+    base = yaml.safe_load((ROOT / "tests/configs/valid/full.yaml").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mutated.yaml"
+        path.write_text(yaml.safe_dump(_mutate(data, base)))
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            assert exc.messages and all(m.startswith(str(path)) for m in exc.messages)
