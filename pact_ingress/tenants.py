@@ -15,8 +15,9 @@ A tenant needs a pin: without the home node's fingerprint the edge can neither
 authenticate the node's tunnel nor pin the node when re-originating, so `add_tenant`
 refuses to guess (``pin=None`` is a UsageError naming the command that prints it).
 
-Removing deletes the tenant's own file (any file an include pulled in holds exactly one
-tenant). A tenant written inline in the main file is refused with a message saying so.
+Removing deletes the tenant's own file, only under ``tenants.d/`` (each such file holds
+exactly one tenant); a tenant written inline in the main file, or in a file some other
+include glob pulled in, is refused with a message saying where to edit by hand.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ def remove_tenant(config_path: Path, name: str) -> Path:
         raise UsageError(
             f"tenant {name!r} is defined inline in {config_path}: edit that file by hand "
             f"(tenant remove only deletes files under {TENANTS_DIR}/)"
+        )
+    if tenant.source.parent != config.path.parent / TENANTS_DIR:
+        raise UsageError(
+            f"tenant {name!r} is defined in {tenant.source}, outside {TENANTS_DIR}/: "
+            "remove that file by hand"
         )
     try:
         os.unlink(tenant.source)

@@ -235,3 +235,13 @@ def test_remove_refuses_inline_and_unknown(main: Path) -> None:
     with pytest.raises(UsageError, match=r"no tenant named 'zed' .*\(tenants: alina\)"):
         remove_tenant(main, "zed")
     assert load_config(main).tenant("alina") is not None
+
+
+def test_remove_refuses_files_outside_tenants_d(main: Path) -> None:
+    main.write_text(_main().replace("tenants.d/*.yaml", "[tenants.d/*.yaml, people/*.yaml]"))
+    (main.parent / "people").mkdir()
+    other = main.parent / "people" / "zoe.yaml"
+    other.write_text(f"name: zoe\npins: ['{PIN_B}']\n")
+    with pytest.raises(UsageError, match="outside tenants.d/: remove that file by hand"):
+        remove_tenant(main, "zoe")
+    assert other.exists()
