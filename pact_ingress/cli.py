@@ -71,7 +71,7 @@ def _cmd_tenant(args: argparse.Namespace) -> int:
             raise ConfigError("tenant add needs --host")
         added = tenants.add_tenant(cfg, args.name, args.host, mode=args.mode, pin=args.pin,
                                    backend=args.backend)
-        print(tenants.format_added(added))
+        print(added.render())
     elif args.action == "list":
         for t in tenants.list_tenants(cfg):
             hosts = ", ".join(f"{r.host} ({r.mode} → {r.backend})" for r in t.routes)
