@@ -1,0 +1,73 @@
+"""The `pact-ingress` command as a user runs it: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pact_ingress.identity import is_pin
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pact_ingress", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize("ed25519", [False, True], ids=["p256", "ed25519"])
+def test_keygen_writes_0600_key_and_cert_with_same_fingerprint(tmp_path: Path, ed25519: bool):
+    key = tmp_path / "node.key"
+    result = run("keygen", *(["--ed25519"] if ed25519 else []), "-o", str(key))
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.strip()
+    assert is_pin(printed)
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    for path in (key, tmp_path / "node.crt"):
+        fp = run("fingerprint", str(path))
+        assert fp.returncode == 0 and fp.stdout.strip() == printed
+    assert b"PRIVATE KEY" in key.read_bytes()
+    assert "PRIVATE" not in result.stdout + result.stderr  # never printed
+    again = run("keygen", "-o", str(key))
+    assert again.returncode == 1 and "exists" in again.stderr  # no silent overwrite
+
+
+def test_fingerprint_of_spki_der(tmp_path: Path):
+    from cryptography.hazmat.primitives import serialization
+
+    from pact_ingress.identity import keygen, spki_der
+
+    ident = keygen(tmp_path / "a.key")
+    (tmp_path / "a.spki").write_bytes(spki_der(ident.key.public_key()))
+    (tmp_path / "a.pub").write_bytes(ident.key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    for name in ("a.spki", "a.pub"):
+        assert run("fingerprint", str(tmp_path / name)).stdout.strip() == ident.fingerprint
+
+
+def test_fingerprint_of_garbage_is_one_line_error(tmp_path: Path):
+    (tmp_path / "x").write_text("hello")
+    result = run("fingerprint", str(tmp_path / "x"))
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_check_config_ok_and_errors(tmp_path: Path):
+    ok = run("check-config", "-c", str(CONFIGS / "ingress.example.yaml"))
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("state_dir: /tmp/x\nlisten: {tls: ['127.0.0.1:8443']}\nbogus: 1\n")
+    result = run("check-config", "-c", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:3: unknown key 'bogus'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_usage_error_exit_2():
+    result = run("keygen")
+    assert result.returncode == 2
