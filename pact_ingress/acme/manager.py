@@ -305,6 +305,7 @@ class CertManager:
                 continue
             if at <= now:
                 h.busy = True
+                self._orders.record(now)  # reserve budget now: a round may start several
                 nursery.start_soon(self._order, h)
             else:
                 next_at = at if next_at is None else min(next_at, at)
@@ -394,7 +395,6 @@ class CertManager:
 
     def _order_sent(self) -> None:
         self.orders_sent += 1
-        self._orders.record(self._now())
 
     def _save(self, host: str, issued: Issued,
               account: Account) -> tuple[StoredCert, ssl.SSLContext, float]:
@@ -402,7 +402,7 @@ class CertManager:
         leaf = x509.load_pem_x509_certificates(issued.chain_pem)[0]
         nb, na = leaf.not_valid_before_utc.timestamp(), leaf.not_valid_after_utc.timestamp()
         renew_at = self._ari_time(account, issued.chain_pem) or \
-            renewal_time(nb, na, self.policy, self._rng)
+            renewal_time(nb, na, self.policy, self._rng, issued_at=self._now())
         stored = self.store.save_cert(host, issued.chain_pem, issued.key_pem,
                                       directory=account.cfg.directory, next_renewal=renew_at)
         return stored, served_context(stored.chain_path, stored.key_path), renew_at

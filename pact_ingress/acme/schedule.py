@@ -46,11 +46,20 @@ class Policy:
     missing_log_interval: float = 10.0
 
 
-def renewal_time(not_before: float, not_after: float, policy: Policy, rng: random.Random) -> float:
-    """When to renew a certificate valid from `not_before` to `not_after` (no ARI)."""
+def renewal_time(not_before: float, not_after: float, policy: Policy, rng: random.Random,
+                 *, issued_at: float | None = None) -> float:
+    """When to renew a certificate valid from `not_before` to `not_after` (no ARI).
+
+    With `issued_at` (a certificate we just received), a time already past — a CA that
+    backdates `not_before` far — becomes the same point of the *remaining* lifetime, so a
+    fresh certificate never triggers an immediate re-order loop.
+    """
     lifetime = max(0.0, not_after - not_before)
     jitter = rng.uniform(0.0, policy.jitter_fraction * lifetime)
-    return not_after - lifetime * policy.renew_fraction - jitter
+    at = not_after - lifetime * policy.renew_fraction - jitter
+    if issued_at is not None and at <= issued_at:
+        at = issued_at + max(0.0, not_after - issued_at) * (1 - policy.renew_fraction)
+    return at
 
 
 def backoff_delay(failures: int, policy: Policy) -> float:

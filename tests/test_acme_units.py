@@ -1,0 +1,377 @@
+"""ACME pieces without a CA: scheduling math, the store, the TLS-ALPN-01 certificate, the
+:80 listener (pure decisions and over a real socket), the DNS-01 key parser, and the
+manager's bookkeeping (file certificates, missing certs, budgets, backoff) with the order
+function replaced by fakes. The CA round trips live in test_acme_e2e.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import random
+import ssl
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+from cryptography import x509
+
+from pact_ingress.acme import issuer as issuer_mod
+from pact_ingress.acme import manager as manager_mod
+from pact_ingress.acme.dns01 import challenge_name, read_tsig_key
+from pact_ingress.acme.issuer import Issued
+from pact_ingress.acme.manager import CertManager
+from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
+from pact_ingress.acme.store import AcmeError, Store, host_dir_name, list_store
+from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID, challenge_cert
+from pact_ingress.config import Acme, CertFiles, Config
+from pact_ingress.net.http_listener import handle_http, plan_response
+from pact_ingress.stats import Stats
+from tests.netutil import make_config, route
+
+WAIT = 10.0
+
+
+# ------------------------------------------------------------------------------ schedule
+def test_renewal_at_two_thirds_with_bounded_jitter() -> None:
+    policy = Policy(jitter_fraction=0.02)
+    rng = random.Random(7)
+    times = [renewal_time(0.0, 90.0, policy, rng) for _ in range(200)]
+    assert all(60.0 - 1.8 <= t <= 60.0 for t in times)
+    assert len(set(times)) > 100  # actually jittered
+
+
+def test_renewal_of_backdated_fresh_cert_is_in_the_future() -> None:
+    policy = Policy(jitter_fraction=0.0)
+    at = renewal_time(0.0, 1000.0, policy, random.Random(1), issued_at=900.0)
+    assert at == pytest.approx(900.0 + 100.0 * 2 / 3)
+
+
+def test_backoff_doubles_and_caps() -> None:
+    p = Policy(backoff_base=60, backoff_max=3600)
+    assert [backoff_delay(n, p) for n in (1, 2, 3, 7, 8, 1000)] == [60, 120, 240, 3600,
+                                                                     3600, 3600]
+
+
+def test_sliding_window() -> None:
+    w = SlidingWindow(cap=3, window=100.0)
+    for t in (0.0, 10.0, 20.0):
+        assert w.available_at(t) == t
+        w.record(t)
+    assert w.available_at(30.0) == 100.0  # the oldest event leaves the window at 100
+    assert w.available_at(100.0) == 100.0
+    w.record(100.0)
+    assert w.available_at(105.0) == 110.0
+
+
+# ------------------------------------------------------------------------------ store
+def _chain(host: str, days: int = 90) -> tuple[bytes, bytes, trustme.CA]:
+    ca = trustme.CA()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    leaf = ca.issue_cert(host, not_before=now - datetime.timedelta(hours=1),
+                         not_after=now + datetime.timedelta(days=days))
+    chain = b"".join(p.bytes() for p in leaf.cert_chain_pems)
+    return chain, leaf.private_key_pem.bytes(), ca
+
+
+def test_store_atomic_pair_key_mode_and_offline_listing(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    chain, key, _ = _chain("a.example")
+    first = store.save_cert("a.example", chain, key, directory="https://ca/dir",
+                            next_renewal=123.0)
+    assert first.key_path.stat().st_mode & 0o777 == 0o600
+    chain2, key2, _ = _chain("a.example")
+    second = store.save_cert("a.example", chain2, key2, directory="https://ca/dir",
+                             next_renewal=456.0)
+    assert not first.chain_path.exists() and not first.key_path.exists()  # old pair removed
+    assert store.load_cert("a.example") == second
+    store.write_meta("*.w.example", last_error="CA unreachable")
+    rows = {r.host: r for r in list_store(tmp_path)}
+    assert rows["a.example"].next_renewal == 456.0 and rows["a.example"].source == "acme"
+    assert rows["*.w.example"].not_after is None
+    assert rows["*.w.example"].last_error == "CA unreachable"
+    assert (tmp_path / "acme" / "certs" / "_wildcard_.w.example" / "meta.json").exists()
+
+
+def test_store_meta_is_the_commit_point(tmp_path: Path) -> None:
+    """A pair written but not committed (crash before meta.json) is never loaded."""
+    store = Store(tmp_path)
+    chain, key, _ = _chain("b.example")
+    good = store.save_cert("b.example", chain, key, directory="d", next_renewal=None)
+    orphan_chain, _, _ = _chain("b.example")
+    (good.chain_path.parent / "ffff.pem").write_bytes(orphan_chain)
+    assert store.load_cert("b.example") == good
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", "A..b", "*.*.x", "x.*", "a b"])
+def test_store_refuses_non_hostnames(bad: str) -> None:
+    with pytest.raises(AcmeError):
+        host_dir_name(bad)
+
+
+# ------------------------------------------------------------------------------ TLS-ALPN-01
+def test_tls_alpn_challenge_cert_rfc8737() -> None:
+    key_authz = "token123.thumbprint456"
+    cert_pem, _ = challenge_cert("h.example", key_authz,
+                                 now=datetime.datetime.now(datetime.timezone.utc))
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    ext = cert.extensions.get_extension_for_oid(ACME_IDENTIFIER_OID)
+    assert ext.critical
+    digest = hashlib.sha256(key_authz.encode()).digest()
+    assert ext.value.value == b"\x04\x20" + digest  # DER OCTET STRING of the digest
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["h.example"]
+
+
+# ------------------------------------------------------------------------------ :80
+class _Answers:
+    def http01_response(self, host: str, token: str) -> bytes | None:
+        return b"tok.thumb" if (host, token) == ("h.example", "A" * 43) else None
+
+
+@pytest.mark.parametrize("method,target,host,status,location", [
+    ("GET", "/.well-known/acme-challenge/" + "A" * 43, "h.example", 200, None),
+    ("GET", "/.well-known/acme-challenge/" + "A" * 43, "H.Example:80", 200, None),
+    ("GET", "/.well-known/acme-challenge/" + "A" * 43, "other.example", 404, None),
+    ("GET", "/.well-known/acme-challenge/../x", "h.example", 404, None),
+    ("POST", "/.well-known/acme-challenge/" + "A" * 43, "h.example", 405, None),
+    ("GET", "/path?q=1", "h.example:80", 308, "https://h.example/path?q=1"),
+    ("GET", "http://evil.example/x", "h.example", 308, "https://h.example/"),
+    ("GET", "/", None, 400, None),
+    ("GET", "/", "evil.example/x", 400, None),
+])
+def test_http_plan(method: str, target: str, host: str | None, status: int,
+                   location: str | None) -> None:
+    ans = plan_response(method, target, host, _Answers())
+    assert ans.status == status
+    assert dict(ans.headers).get("Location") == location
+    if status == 200:
+        assert ans.body == b"tok.thumb"
+
+
+async def _roundtrip(raw: bytes) -> bytes:
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as n:
+        n.start_soon(handle_http, b, _Answers())
+        await a.send_all(raw)
+        out = b""
+        with trio.fail_after(WAIT):
+            while chunk := await a.receive_some(4096):
+                out += chunk
+    return out
+
+
+async def test_http_listener_answers_and_caps() -> None:
+    ok = await _roundtrip(b"GET /.well-known/acme-challenge/" + b"A" * 43
+                          + b" HTTP/1.1\r\nHost: h.example\r\n\r\n")
+    assert ok.startswith(b"HTTP/1.1 200 ") and ok.endswith(b"\r\n\r\ntok.thumb")
+    redirect = await _roundtrip(b"GET /x HTTP/1.1\r\nHost: h.example\r\n\r\n")
+    assert b"HTTP/1.1 308 " in redirect and b"location: https://h.example/x" in redirect.lower()
+    huge = await _roundtrip(b"GET / HTTP/1.1\r\nHost: h\r\nX: " + b"a" * 10000)
+    assert huge.startswith(b"HTTP/1.1 431 ")
+    garbage = await _roundtrip(b"\x16\x03\x01 not http\r\n\r\n")
+    assert garbage.startswith(b"HTTP/1.1 400 ")
+
+
+async def test_http_listener_real_socket_with_curl(nursery: trio.Nursery) -> None:
+    from pact_ingress.config import Address
+    from pact_ingress.net.http_listener import serve_http
+    from tests.tools import require
+
+    curl = require("curl")
+    _, port = await nursery.start(serve_http, Address("127.0.0.1", 0), _Answers())
+    url = f"http://127.0.0.1:{port}/.well-known/acme-challenge/{'A' * 43}"
+    res = await trio.run_process([curl, "-s", "-H", "Host: h.example", url],
+                                 capture_stdout=True)
+    assert res.stdout == b"tok.thumb"
+    res = await trio.run_process([curl, "-s", "-o", "/dev/null", "-w", "%{http_code} "
+                                  "%{redirect_url}", f"http://127.0.0.1:{port}/a?b"],
+                                 capture_stdout=True)
+    assert res.stdout == b"308 https://127.0.0.1/a?b"
+
+
+# ------------------------------------------------------------------------------ DNS-01
+def test_tsig_key_file_and_challenge_names(tmp_path: Path) -> None:
+    f = tmp_path / "k"
+    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
+    key = read_tsig_key(f)
+    assert (key.name, key.algorithm, key.secret) == ("upd.example", "hmac-sha256",
+                                                     b"secretsecret")
+    assert "secret" not in repr(key).replace("secret=", "")
+    f.write_text("nonsense")
+    with pytest.raises(AcmeError, match="not a BIND key clause"):
+        read_tsig_key(f)
+    assert challenge_name("*.w.example") == "_acme-challenge.w.example."
+    assert challenge_name("a.example") == "_acme-challenge.a.example."
+
+
+# ------------------------------------------------------------------------------ manager
+def _acme_config(tmp: Path, hosts: list[str], files: dict[str, CertFiles] | None = None
+                 ) -> Config:
+    routes = [route(h, "t", 9, mode="terminate", cert="acme") for h in hosts]
+    routes += [route(h, "t", 9, mode="terminate", cert=cf) for h, cf in (files or {}).items()]
+    routes.append(route("pass.example", "t", 9))  # passthrough: never a certificate
+    cfg = make_config(tmp, routes)
+    return replace(cfg, acme=Acme(directory="https://ca.invalid/dir", email=None,
+                                  agree_tos=True, challenges=("tls-alpn-01",)))
+
+
+def _files(tmp: Path, host: str) -> CertFiles:
+    chain, key, _ = _chain(host)
+    (tmp / f"{host}.pem").write_bytes(chain)
+    (tmp / f"{host}.key").write_bytes(key)
+    return CertFiles(tmp / f"{host}.pem", tmp / f"{host}.key")
+
+
+class FakeCA:
+    """Stands in for `issuer.issue` (runs in the worker thread like the real one)."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail = fail
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, account: object, host: str, *, on_order, **kw: object) -> Issued:  # type: ignore[no-untyped-def]
+        with self.lock:
+            self.calls.append(host)
+        on_order()
+        if self.fail:
+            raise AcmeError(f"simulated {self.fail}", reason=self.fail)
+        chain, key, _ = _chain(host, days=90)
+        return Issued(chain, key, "tls-alpn-01")
+
+
+@pytest.fixture
+def fake_ca(monkeypatch: pytest.MonkeyPatch) -> FakeCA:
+    ca = FakeCA()
+    monkeypatch.setattr(issuer_mod, "issue", ca)
+
+    class _Acct:
+        cfg = None
+        offers_ari = False
+
+    async def no_account(self: CertManager) -> object:
+        acct = _Acct()
+        acct.cfg = self._acme  # type: ignore[assignment]
+        return acct
+
+    monkeypatch.setattr(CertManager, "_get_account", no_account)
+    return ca
+
+
+async def test_file_certs_served_and_listed(tmp_path: Path) -> None:
+    files = {"f.example": _files(tmp_path, "f.example")}
+    m = CertManager(state_dir=tmp_path / "state", stats=Stats())
+    cfg = _acme_config(tmp_path, [], files)
+    m.update(cfg)
+    r = next(r for r in cfg.routes() if r.host == "f.example")
+    ctx = m.server_context(r)
+    assert isinstance(ctx, ssl.SSLContext)
+    [info] = m.inventory()
+    assert info.source == "file" and info.not_after and info.issuer
+    with pytest.raises(AcmeError, match="not running"):
+        await m.renew("f.example")
+
+
+async def test_missing_cert_logs_in_progress_once_per_interval(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    m = CertManager(state_dir=tmp_path / "state", stats=Stats(), wall_clock=lambda: 1000.0)
+    cfg = _acme_config(tmp_path, ["new.example"])
+    m.update(cfg)
+    r = next(r for r in cfg.routes() if r.host == "new.example")
+    logging.getLogger("pact_ingress").propagate = True
+    with caplog.at_level(logging.INFO, logger="pact_ingress"):
+        for _ in range(5):
+            assert m.server_context(r) is None
+    events = [rec.getMessage() for rec in caplog.records]
+    assert events.count("cert_issuance_in_progress") == 1
+    assert [i.host for i in m.inventory()] == ["new.example"]  # passthrough not listed
+
+
+async def test_issue_dedup_and_only_config_hosts(tmp_path: Path, nursery: trio.Nursery,
+                                                 fake_ca: FakeCA) -> None:
+    m = CertManager(state_dir=tmp_path / "state", stats=Stats())
+    cfg = _acme_config(tmp_path, ["a.example", "b.example"])
+    m.update(cfg)
+    await nursery.start(m.run)
+    for _ in range(20):
+        for r in cfg.routes():
+            if r.mode == "terminate":
+                m.server_context(r)
+    with trio.fail_after(WAIT):
+        while len([i for i in m.inventory() if i.not_after]) < 2:
+            await trio.sleep(0.01)
+    assert sorted(fake_ca.calls) == ["a.example", "b.example"]
+    # a reload dropping b: b is no longer served nor renewed
+    m.update(_acme_config(tmp_path, ["a.example"]))
+    assert [i.host for i in m.inventory()] == ["a.example"]
+    with pytest.raises(AcmeError, match="not a terminate route"):
+        await m.renew("b.example")
+
+
+async def test_failed_validations_budget_defers(tmp_path: Path, nursery: trio.Nursery,
+                                                fake_ca: FakeCA) -> None:
+    fake_ca.fail = "validation"
+    stats = Stats()
+    policy = Policy(backoff_base=0.01, backoff_max=0.01, failed_validations_per_host=3,
+                    max_sleep=0.05)
+    m = CertManager(state_dir=tmp_path / "state", stats=stats, policy=policy)
+    m.update(_acme_config(tmp_path, ["v.example"]))
+    await nursery.start(m.run)
+    with trio.fail_after(WAIT):
+        while stats.value("pact_ingress_certificate_failures_total",
+                          {"host": "v.example", "reason": "validation"}) < 3:
+            await trio.sleep(0.01)
+    await trio.sleep(0.3)  # many backoff periods: still only 3 attempts (budget: 3 / hour)
+    assert len(fake_ca.calls) == 3
+    with pytest.raises(AcmeError, match="deferred by the issuance budget"):
+        await m.renew("v.example")
+    [info] = list_store(tmp_path / "state")
+    assert info.last_error == "simulated validation"
+
+
+async def test_order_budget_per_account(tmp_path: Path, nursery: trio.Nursery,
+                                        fake_ca: FakeCA) -> None:
+    policy = Policy(orders_per_window=2, max_sleep=0.05)
+    m = CertManager(state_dir=tmp_path / "state", stats=Stats(), policy=policy)
+    m.update(_acme_config(tmp_path, ["a.example", "b.example", "c.example"]))
+    await nursery.start(m.run)
+    with trio.fail_after(WAIT):
+        while len(fake_ca.calls) < 2:
+            await trio.sleep(0.01)
+    await trio.sleep(0.2)
+    assert len(fake_ca.calls) == 2 and m.orders_sent == 2
+
+
+async def test_failure_keeps_old_cert_and_backs_off(tmp_path: Path, nursery: trio.Nursery,
+                                                    fake_ca: FakeCA) -> None:
+    now = [0.0]
+    stats = Stats()
+    policy = Policy(backoff_base=1000.0, max_sleep=0.05)
+    m = CertManager(state_dir=tmp_path / "state", stats=stats, policy=policy,
+                    wall_clock=lambda: now[0] or time.time())
+    cfg = _acme_config(tmp_path, ["k.example"])
+    m.update(cfg)
+    await nursery.start(m.run)
+    r = next(r for r in cfg.routes() if r.host == "k.example")
+    with trio.fail_after(WAIT):
+        while (old := m.server_context(r)) is None:
+            await trio.sleep(0.01)
+    [info] = m.inventory()
+    assert info.next_renewal is not None and info.not_after is not None
+    fake_ca.fail = "ca_unreachable"
+    now[0] = info.next_renewal + 1  # renewal is due
+    m.update(cfg)  # wake the scheduler
+    with trio.fail_after(WAIT):
+        while stats.value("pact_ingress_certificate_failures_total",
+                          {"host": "k.example", "reason": "ca_unreachable"}) < 1:
+            await trio.sleep(0.01)
+    await trio.sleep(0.2)
+    assert len(fake_ca.calls) == 2  # backoff: no immediate retry
+    assert m.server_context(r) is old
+    assert m.inventory()[0].last_error == "simulated ca_unreachable"
