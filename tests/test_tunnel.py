@@ -31,8 +31,15 @@ from pact_ingress.net.tunnel_server import TunnelServer
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto import tunnel_frames as tf
 from pact_ingress.stats import Stats
-from tests.netutil import TEST_TIMEOUT, TlsWhoAmI, https_get, make_config, make_identity
-from tests.netutil import route, server_context
+from tests.netutil import (
+    TEST_TIMEOUT,
+    TlsWhoAmI,
+    https_get,
+    make_config,
+    make_identity,
+    route,
+    server_context,
+)
 
 TUNNEL_HOST = "tunnel.test"
 #: Short heartbeat for tests: a dead path is noticed after 3 × 0.2 s.
@@ -350,6 +357,7 @@ async def test_wrong_alpn_and_no_cert_refused(tmp_path: Path, keys: Keys,
 async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
                                                      nursery: trio.Nursery) -> None:
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        fds_before = len(os.listdir("/proc/self/fd"))
         # garbage right after the handshake
         tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
         await tls.send_all(b"\xff" * 64)
@@ -357,6 +365,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         answer.feed(await read_all(tls))
         msg = answer.next_message()
         assert isinstance(msg, tf.Goaway) and msg.code == tf.GoawayCode.PROTOCOL_ERROR
+        await trio.aclose_forcefully(tls)
         await eventually(lambda: events(ing.stats, "alina", "refused_protocol_error") == 1)
 
         # a valid session that floods pings
@@ -364,6 +373,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"f" * 16)))
         await tls.send_all(tf.encode(tf.Ping(1)) * (ts.CONTROL_FRAME_BURST + 50))
         data = await read_all(tls)
+        await trio.aclose_forcefully(tls)
         frames = tf.Decoder()
         frames.feed(data)
         got = []
@@ -381,6 +391,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         assert events(ing.stats, "alina", "refused_bad_token") == 20
         await eventually(lambda: ing.server.tenants() == [])
         assert ing.server._tokens == {}
+        await eventually(lambda: len(os.listdir("/proc/self/fd")) <= fds_before)  # no leak
     ing.scope.cancel()
 
 

@@ -302,7 +302,7 @@ class TunnelServer:
             if fingerprint is None:  # failed in the handshake: wrong ALPN, no cert, junk
                 await self._refuse(tls, tenant, fingerprint, client,
                                    _Refused("handshake_failed", str(exc)))
-        except Exception as exc:  # a bug here must cost one connection, never the router
+        except Exception as exc:  # noqa: BLE001 — a bug costs one connection, not the router
             self._event(tenant, "internal_error")
             log.error("tunnel_internal_error", tenant=tenant, fingerprint=fingerprint,
                       error=repr(exc))
@@ -659,7 +659,7 @@ async def _unwrap(tls: OpenSSLStream) -> None:
     that: the first call sends our close_notify, later ones read until the peer's.
     """
     for _ in range(8):  # bounded: two calls suffice; the caller's deadline bounds time
-        if await tls._retry(tls._conn.shutdown):  # noqa: SLF001
+        if await tls._retry(tls._conn.shutdown):
             return
     raise RemoteProtocolError("TLS shutdown did not complete")
 

@@ -63,7 +63,6 @@ class GoawayCode(IntEnum):
     KEY_UNPINNED = 3  # after a reload the key no longer belongs to this tenant
     PROTOCOL_ERROR = 4  # the peer broke the protocol
     OVER_CAPACITY = 5  # too many tunnel connections for this tenant
-    REPLACED = 6  # reserved
 
 
 @dataclass(frozen=True)
