@@ -360,3 +360,20 @@ async def test_forced_renew_and_unknown_hosts(
         await edge.certs.renew("other.pact.test")
     assert edge.certs.orders_sent == 2
 
+
+
+async def test_no_account_without_agree_tos(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble) -> None:
+    host = "tos.pact.test"
+    config = acme_config(tmp_path, pebble, [host], challenges=("tls-alpn-01",))
+    assert config.acme is not None
+    config = replace(config, acme=replace(config.acme, agree_tos=False))
+    edge = await start_edge(nursery, tmp_path, pebble, config)
+    with trio.fail_after(WAIT):
+        while not edge.certs.inventory()[0].last_error:
+            await trio.sleep(0.05)
+    assert "agree_tos" in (edge.certs.inventory()[0].last_error or "")
+    assert edge.stats.value("pact_ingress_certificate_failures_total",
+                            {"host": host, "reason": "tos"}) == 1
+    assert not list((tmp_path / "state").rglob("registration.json"))
+    assert edge.certs.server_context(edge.route(host)) is None

@@ -22,7 +22,6 @@ import trustme
 from cryptography import x509
 
 from pact_ingress.acme import issuer as issuer_mod
-from pact_ingress.acme import manager as manager_mod
 from pact_ingress.acme.dns01 import challenge_name, read_tsig_key
 from pact_ingress.acme.issuer import Issued
 from pact_ingress.acme.manager import CertManager
@@ -72,7 +71,7 @@ def test_sliding_window() -> None:
 # ------------------------------------------------------------------------------ store
 def _chain(host: str, days: int = 90) -> tuple[bytes, bytes, trustme.CA]:
     ca = trustme.CA()
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     leaf = ca.issue_cert(host, not_before=now - datetime.timedelta(hours=1),
                          not_after=now + datetime.timedelta(days=days))
     chain = b"".join(p.bytes() for p in leaf.cert_chain_pems)
@@ -118,7 +117,7 @@ def test_store_refuses_non_hostnames(bad: str) -> None:
 def test_tls_alpn_challenge_cert_rfc8737() -> None:
     key_authz = "token123.thumbprint456"
     cert_pem, _ = challenge_cert("h.example", key_authz,
-                                 now=datetime.datetime.now(datetime.timezone.utc))
+                                 now=datetime.datetime.now(datetime.UTC))
     cert = x509.load_pem_x509_certificate(cert_pem)
     ext = cert.extensions.get_extension_for_oid(ACME_IDENTIFIER_OID)
     assert ext.critical
@@ -189,8 +188,8 @@ async def test_http_listener_real_socket_with_curl(nursery: trio.Nursery) -> Non
     res = await trio.run_process([curl, "-s", "-H", "Host: h.example", url],
                                  capture_stdout=True)
     assert res.stdout == b"tok.thumb"
-    res = await trio.run_process([curl, "-s", "-o", "/dev/null", "-w", "%{http_code} "
-                                  "%{redirect_url}", f"http://127.0.0.1:{port}/a?b"],
+    res = await trio.run_process([curl, "-s", "-o", "/dev/null", "-w",
+                                  "%{http_code} %{redirect_url}", f"http://127.0.0.1:{port}/a?b"],
                                  capture_stdout=True)
     assert res.stdout == b"308 https://127.0.0.1/a?b"
 
@@ -375,3 +374,35 @@ async def test_failure_keeps_old_cert_and_backs_off(tmp_path: Path, nursery: tri
     assert len(fake_ca.calls) == 2  # backoff: no immediate retry
     assert m.server_context(r) is old
     assert m.inventory()[0].last_error == "simulated ca_unreachable"
+
+
+async def test_ari_window_moves_renewal(tmp_path: Path, nursery: trio.Nursery,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CA offering renewalInfo (RFC 9773) decides the renewal time of a stored cert."""
+    chain, key, _ = _chain("ari.example")
+    Store(tmp_path / "state").save_cert("ari.example", chain, key,
+                                        directory="https://ca.invalid/dir", next_renewal=None)
+    suggested = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3)
+    asked: list[bytes] = []
+
+    class _Client:
+        def renewal_time(self, cert_pem: bytes) -> tuple[datetime.datetime, datetime.datetime]:
+            asked.append(cert_pem)
+            return suggested, datetime.datetime.now() + datetime.timedelta(hours=6)
+
+    class _Acct:
+        offers_ari = True
+        client = _Client()
+
+    async def account(self: CertManager) -> object:
+        return _Acct()
+
+    monkeypatch.setattr(CertManager, "_get_account", account)
+    m = CertManager(state_dir=tmp_path / "state", stats=Stats())
+    m.update(_acme_config(tmp_path, ["ari.example"]))
+    await nursery.start(m.run)
+    with trio.fail_after(WAIT):
+        while m.inventory()[0].next_renewal != suggested.timestamp():
+            await trio.sleep(0.01)
+    assert asked == [chain]
+    assert list_store(tmp_path / "state")[0].next_renewal == suggested.timestamp()

@@ -46,7 +46,7 @@ MAX_KEY_FILE = 4096
 
 _KEY_RE = re.compile(
     r'key\s+"?(?P<name>[^"\s{]+)"?\s*\{\s*algorithm\s+"?(?P<alg>[a-z0-9-]+)"?\s*;'
-    r'\s*secret\s+"(?P<secret>[A-Za-z0-9+/=]+)"\s*;\s*\}\s*;', re.S)
+    r'\s*secret\s+"(?P<secret>[A-Za-z0-9+/=]+)"\s*;\s*\}\s*;', re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def read_tsig_key(path: Path) -> TsigKey:
 
 def challenge_name(host: str) -> str:
     """`_acme-challenge.<host>` (a wildcard's challenge sits on its base name, RFC 8555 §8.4)."""
-    base = host[2:] if host.startswith("*.") else host
+    base = host.removeprefix("*.")
     return "_acme-challenge." + base.rstrip(".") + "."
 
 
@@ -137,7 +137,7 @@ class Dns01Solver:
                                                   timeout=QUERY_TIMEOUT)
         except (OSError, dns.exception.DNSException):
             return set()
-        out = set()
+        out: set[str] = set()
         for rrset in resp.answer:
             if rrset.rdtype == dns.rdatatype.TXT:
                 out.update(b"".join(r.strings).decode("ascii", "replace") for r in rrset)
@@ -147,7 +147,7 @@ class Dns01Solver:
 def _resolve(host: str) -> str:
     """An IP literal for the configured server (dnspython's query functions want one)."""
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        return str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
     except OSError as exc:
         raise AcmeError(f"cannot resolve DNS-01 server {host}: {exc}",
                         reason="dns01_server") from exc

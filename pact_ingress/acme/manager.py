@@ -95,6 +95,8 @@ class _Host:
     forced: bool = False
     deferred_until: float | None = None
     last_missing_log: float = -math.inf
+    ari_check_at: float = 0.0  # when to ask the CA's renewalInfo next (if it offers ARI)
+    ari_busy: bool = False
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -110,10 +112,10 @@ class CertManager:
 
     def __init__(self, *, state_dir: Path, stats: Stats,
                  wall_clock: Callable[[], float] = time.time,
-                 policy: Policy = Policy(), rng: random.Random | None = None) -> None:
+                 policy: Policy | None = None, rng: random.Random | None = None) -> None:
         self.store = Store(state_dir)
         self.stats = stats
-        self.policy = policy
+        self.policy = policy = policy or Policy()
         self._now = wall_clock
         self._rng = rng or random.Random()
         self._hosts: dict[str, _Host] = {}
@@ -201,6 +203,10 @@ class CertManager:
         if hosts and self._acme is None:
             log.error("acme_not_configured", hosts=sorted(hosts),
                       why="terminate routes without cert files need the acme block")
+        wildcards = sorted(h for h in hosts if h.startswith("*."))
+        if wildcards and DNS_01 not in self._kinds:
+            log.error("acme_wildcard_needs_dns01", hosts=wildcards,
+                      why="CAs validate wildcard names only by DNS-01 (acme.dns01 block)")
         for name in self._hosts.keys() - hosts:
             del self._hosts[name]
             self._forget_metric(name)
@@ -300,6 +306,12 @@ class CertManager:
         for h in list(self._hosts.values()):
             if h.busy or self._acme is None:
                 continue
+            if h.cert is not None and not h.ari_busy:
+                if now >= h.ari_check_at and not self._needs_order(h, now):
+                    h.ari_busy = True
+                    nursery.start_soon(self._check_ari, h)
+                else:
+                    next_at = h.ari_check_at if next_at is None else min(next_at, h.ari_check_at)
             at = self._due_at(h, now)
             if at is None:
                 continue
@@ -363,7 +375,7 @@ class CertManager:
         except AcmeError as exc:
             error = str(exc)
             await self._failed_order(h, exc)
-        except Exception as exc:  # a bug here must not take the whole ingress down
+        except Exception as exc:  # noqa: BLE001 — a bug here must not take the ingress down
             error = f"internal error: {type(exc).__name__}: {exc}"
             log.error("cert_order_crashed", host=h.name, error=error)
             await self._failed_order(h, AcmeError(error, reason="internal"))
@@ -371,6 +383,30 @@ class CertManager:
             h.busy = False
             for w in waiters:
                 w.done(error)
+            self._wake.set()
+
+    async def _check_ari(self, h: _Host) -> None:
+        """Ask the CA (if it offers ARI) when to renew `h`; it may move the window."""
+        interval = self.policy.ari_check_interval
+        try:
+            account = await self._get_account()
+            if not account.offers_ari or h.cert is None:
+                h.ari_check_at = self._now() + interval
+                return
+            when, next_check = await trio.to_thread.run_sync(
+                account.client.renewal_time, h.cert.chain_pem, abandon_on_cancel=True)
+            if when is not None and h.next_renewal != when.timestamp():
+                h.next_renewal = when.timestamp()
+                log.info("cert_renewal_window", host=h.name, source="ari",
+                         next_renewal=_iso(h.next_renewal))
+                await trio.to_thread.run_sync(functools.partial(
+                    self.store.write_meta, h.name, next_renewal=h.next_renewal))
+            h.ari_check_at = max(next_check.timestamp(), self._now() + 60.0)
+        except Exception as exc:  # noqa: BLE001 — ARI is advisory: keep the current plan
+            log.info("acme_ari_unavailable", host=h.name, error=f"{type(exc).__name__}: {exc}")
+            h.ari_check_at = self._now() + interval
+        finally:
+            h.ari_busy = False
             self._wake.set()
 
     async def _get_account(self) -> Account:
@@ -413,7 +449,7 @@ class CertManager:
             return None
         try:
             when, _ = account.client.renewal_time(chain_pem)
-        except Exception as exc:  # ARI is advisory: fall back to the lifetime rule
+        except Exception as exc:  # noqa: BLE001 — ARI is advisory: use the lifetime rule
             log.warning("acme_ari_failed", error=f"{type(exc).__name__}: {exc}")
             return None
         return when.timestamp() if when else None
@@ -424,6 +460,7 @@ class CertManager:
             log.info("cert_discarded", host=h.name, why="host left the config during the order")
             return
         h.cert, h.ctx, h.next_renewal = stored, ctx, renew_at
+        h.ari_check_at = self._now() + self.policy.ari_check_interval  # _save just asked
         h.failures, h.retry_at, h.last_error = 0, 0.0, None
         self._contexts[h.name] = ctx
         self.stats.cert_expiry.labels(host=h.name).set(stored.not_after)
@@ -500,7 +537,7 @@ class _ThreadHooks:
     def offer(self, kind: str, host: str, token: str, key_authorization: str) -> None:
         if kind == TLS_ALPN_01:
             ctx = tlsalpn.challenge_context(
-                host, key_authorization, now=datetime.datetime.now(datetime.timezone.utc))
+                host, key_authorization, now=datetime.datetime.now(datetime.UTC))
             trio.from_thread.run_sync(self.m._alpn.__setitem__, host, ctx)
         elif kind == HTTP_01:
             trio.from_thread.run_sync(self.m._http01.__setitem__, (host, token),
@@ -514,5 +551,5 @@ class _ThreadHooks:
 
 
 def _iso(ts: float) -> str:
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).isoformat(
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(
         timespec="seconds")

@@ -42,6 +42,9 @@ class Policy:
     order_timeout: float = 120.0
     #: The scheduler re-reads the wall clock at least this often (clocks jump; configs change).
     max_sleep: float = 300.0
+    #: ARI (RFC 9773): re-ask the CA's renewal window this often when it gives no hint
+    #: (the acme library suggests 6 h, the draft's default Retry-After).
+    ari_check_interval: float = 6 * 3600.0
     #: How often at most "issuance in progress" is logged per host on handshakes.
     missing_log_interval: float = 10.0
 

@@ -106,7 +106,7 @@ async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Re
         if isinstance(event, h11.Request):
             return event
         if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(READ_SIZE))  # b"" = EOF, h11 knows
+            conn.receive_data(bytes(await stream.receive_some(READ_SIZE)))  # b"" = EOF, h11 knows
             continue
         return None  # ConnectionClosed (peer left before a request) or anything unexpected
 
