@@ -171,7 +171,7 @@ class Pebble:
     def _get(self, url: str) -> bytes | None:
         ctx = ssl.create_default_context(cafile=str(self.ca_bundle))
         try:
-            with urllib.request.urlopen(url, context=ctx, timeout=5) as resp:  # noqa: S310
+            with urllib.request.urlopen(url, context=ctx, timeout=5) as resp:
                 return resp.read()
         except (OSError, ValueError):
             return None
@@ -235,10 +235,9 @@ zone "{self.zone}" {{
         return self
 
     def _answers(self) -> bool:
+        import dns.exception
         import dns.message
         import dns.query
-
-        import dns.exception
 
         q = dns.message.make_query(self.zone, "SOA")
         try:
