@@ -92,7 +92,12 @@ class Ingress:
         from pact_ingress.admin import schema
 
         cfg = self.config
-        tunnels = self.tunnels.status(cfg)
+        tunnels = [
+            {"tenant": t.name, "state": "up" if self.tunnels.live_tunnels(t.name) else "down",
+             "connections": self.tunnels.live_tunnels(t.name),
+             "streams": self.tunnels.open_streams(t.name)}
+            for t in cfg.tenants if any(r.backend.is_tunnel for r in t.routes)
+        ]
         up = {t["tenant"]: t["connections"] for t in tunnels}
         return {
             "version": __version__,
@@ -200,7 +205,7 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
             nursery.start_soon(run_connector_until, cfg, stop, nursery.cancel_scope)
 
     async def run_connector_until(cfg: Any, stop: trio.Event, scope: trio.CancelScope) -> None:
-        await run_connector(cfg, stop=stop)
+        await run_connector(cfg, shutdown=stop)
         scope.cancel()
 
     trio.run(run)
