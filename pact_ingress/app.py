@@ -17,9 +17,9 @@ from typing import Any
 import trio
 
 from pact_ingress import __version__, sdnotify
-from pact_ingress.config import Address, Config, load_config, load_connector_config
+from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
 from pact_ingress.errors import ConfigError, PactIngressError
-from pact_ingress.identity import load_identity
+from pact_ingress.identity import ensure_selfsigned_cert, load_identity
 from pact_ingress.logs import log, setup as setup_logs
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.router import Router, open_listeners
@@ -60,6 +60,11 @@ class Ingress:
 
     def _apply(self, config: Config) -> None:
         self.config = config
+        for r in config.routes():
+            if isinstance(r.cert, CertFiles) and ensure_selfsigned_cert(
+                    r.host, r.cert.cert, r.cert.key):
+                log.warning("selfsigned_cert_created", route=r.host, cert=str(r.cert.cert),
+                            detail="no cert files existed; callers must not expect WebPKI trust")
         self.resolver.watch(r.backend.address.host for r in config.routes()
                             if r.backend.address is not None)
         self.tunnels.update(config)

@@ -114,6 +114,32 @@ def self_signed_cert(key: PrivateKey, common_name: str = "pact") -> x509.Certifi
     return builder.sign(key, algorithm)
 
 
+def ensure_selfsigned_cert(host: str, cert_path: Path, key_path: Path) -> bool:
+    """Create a self-signed cert (SAN = host) + 0600 key when neither file exists.
+
+    For terminate routes on machines without ACME (the bundled local config, tests).
+    Returns True when files were created. Existing files are never touched.
+    """
+    cert_path, key_path = Path(cert_path), Path(key_path)
+    if cert_path.exists() or key_path.exists():
+        return False
+    key = generate_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host.replace("*", "wildcard"))])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    atomic_write(key_path, key_pem(key), 0o600)
+    atomic_write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return True
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write `data` to `path` via a temp file + rename, created with `mode` from the start."""
     path = Path(path)
