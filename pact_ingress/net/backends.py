@@ -52,14 +52,18 @@ class Resolver:
         self._names: set[str] = set()
 
     def watch(self, names: Iterable[str]) -> None:
-        """Names to keep fresh (the configured backend hostnames); replaces the old set."""
+        """Names to keep fresh (the configured backend hostnames); replaces the old set.
+
+        IP literals are cached forever here, so the hot path never parses them again.
+        """
+        names = set(names)
         self._names = {n for n in names if not is_ip(n)}
-        for stale in set(self._cache) - self._names:
+        for stale in set(self._cache) - names:
             del self._cache[stale]
+        for ip in names - self._names:
+            self._cache[ip] = ((ip,), float("inf"))
 
     async def resolve(self, host: str) -> tuple[str, ...]:
-        if is_ip(host):
-            return (host,)
         hit = self._cache.get(host)
         if hit is not None and hit[1] > trio.current_time():
             return hit[0]
@@ -68,6 +72,8 @@ class Resolver:
         return await self._lookup(host)
 
     async def _lookup(self, host: str) -> tuple[str, ...]:
+        if is_ip(host):
+            return (host,)
         event = self._inflight.get(host)
         if event is not None:
             await event.wait()
@@ -122,12 +128,22 @@ class Backends:
         return await self.connect_address(route.backend.address)
 
     async def connect_address(self, address: Address) -> trio.SocketStream:
+        """Connect to each resolved address in turn (a home node has one or two).
+
+        A plain socket connect, not `trio.open_tcp_stream`: its happy-eyeballs machinery
+        (a nursery and a task per attempt) doubled the cost of a new connection in the
+        benchmark, and backends here are a handful of known addresses.
+        """
         addrs = await self.resolver.resolve(address.host)
         last: Exception | None = None
         for ip in addrs:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            sock = trio.socket.socket(family, socket.SOCK_STREAM)
             try:
                 with trio.fail_after(CONNECT_TIMEOUT):
-                    return await trio.open_tcp_stream(ip, address.port)
+                    await sock.connect((ip, address.port))
+                return trio.SocketStream(sock)
             except (OSError, trio.TooSlowError) as exc:
+                sock.close()
                 last = exc
         raise BackendError(f"backend {address} unreachable: {last}")
