@@ -198,22 +198,30 @@ def main_serve(path: Path, *, log_format: str = "json") -> int:
 
 
 def main_connect(path: Path, *, log_format: str = "json") -> int:
+    """Run the connector until SIGTERM/SIGINT, then drain its open streams and exit 0."""
     from pact_ingress.net.connector import run_connector
 
     setup_logs(log_format)
     cfg = load_connector_config(path)
 
     async def run() -> None:
+        stop = trio.Event()
         async with trio.open_nursery() as nursery:
-            stop = trio.Event()
-            nursery.start_soon(_stop_on_signal, stop)
-            nursery.start_soon(run_connector_until, cfg, stop, nursery.cancel_scope)
 
-    async def run_connector_until(cfg: Any, stop: trio.Event, scope: trio.CancelScope) -> None:
-        await run_connector(cfg, shutdown=stop)
-        scope.cancel()
+            async def connector(task_status: trio.TaskStatus[Any]) -> None:
+                # returns after `stop` once open streams drained (or the grace ran out)
+                await run_connector(cfg, shutdown=stop, task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(_stop_on_signal, stop)
+            nursery.start_soon(sdnotify.watchdog_loop)
+            await nursery.start(connector)
+            sdnotify.ready()
+            log.info("connector_started", ingress=str(cfg.ingress), forward=str(cfg.forward),
+                     connections=cfg.connections)
 
     trio.run(run)
+    log.info("stopped")
     return 0
 
 
