@@ -408,3 +408,93 @@ def machine_notes() -> list[str]:
     line = (f"{os.uname().sysname} {os.uname().release}, {os.cpu_count()} CPUs ({cpu}), "
             f"Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M')}")
     return [line]
+
+
+# --- results with more than three paths (tunnel bench) -------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """A pass/fail rule on one row of a `Comparison`: `num` ÷ `den` within `target`, or,
+    with `den` None, the `num` path's own value (e.g. "added p99 ≤ 1 ms")."""
+
+    num: str
+    den: str | None
+    target: Target
+
+    def value(self, values: Mapping[str, float | None]) -> float | None:
+        v = values.get(self.num)
+        return v if self.den is None else _ratio(v, values.get(self.den))
+
+    def describe(self, unit: str) -> str:
+        if self.den is not None:
+            return self.target.describe(self.den)
+        bound = self.target.min_ratio if self.target.min_ratio is not None else \
+            self.target.max_ratio
+        op = "≥" if self.target.min_ratio is not None else "≤"
+        return f"{self.num} {op} {bound:g} {unit}"
+
+
+@dataclass
+class Row:
+    """One row of a `Comparison`; `ratios=False` for rows where a quotient means nothing
+    (differences, such as added latency)."""
+
+    name: str
+    unit: str
+    values: dict[str, float | None]
+    checks: tuple[Check, ...] = ()
+    ratios: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_VERDICT = {True: "yes", False: "**no**", None: "?"}
+
+
+@dataclass
+class Comparison:
+    """Any number of paths side by side, chosen ratio columns (`num`, `den`), and rows
+    that carry their own checks: the tunnel bench compares four paths and checks the
+    tunnel against two of them."""
+
+    title: str
+    paths: list[str]
+    ratios: list[tuple[str, str]]
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        return row
+
+    def row_dict(self, r: Row) -> dict[str, Any]:
+        out: dict[str, Any] = {"metric": r.name, "unit": r.unit}
+        out.update({p: r.values.get(p) for p in self.paths})
+        for num, den in self.ratios:
+            out[f"{num}/{den}"] = (_ratio(r.values.get(num), r.values.get(den))
+                                   if r.ratios else None)
+        out["checks"] = [{"rule": c.describe(r.unit), "value": c.value(r.values),
+                          "met": c.target.check(c.value(r.values))} for c in r.checks]
+        if r.extra:
+            out["extra"] = r.extra
+        return out
+
+    def markdown(self) -> str:
+        head = ["metric", *self.paths, *(f"{n}/{d}" for n, d in self.ratios), "target met?"]
+        lines = [f"### {self.title}", "", "| " + " | ".join(head) + " |",
+                 "|" + "---|" * len(head)]
+        for r in self.rows:
+            d = self.row_dict(r)
+            verdicts = [f"{_VERDICT[c['met']]} ({c['rule']})" for c in d["checks"]]
+            cells = [f"{r.name} ({r.unit})", *(fmt_value(d[p]) for p in self.paths),
+                     *(fmt_ratio(d[f'{n}/{den}']) for n, den in self.ratios),
+                     "; ".join(verdicts) or "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+        if self.notes:
+            lines.append("")
+            lines.extend(f"- {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"title": self.title, "paths": self.paths,
+                "rows": [self.row_dict(r) for r in self.rows], "notes": self.notes}

@@ -9,11 +9,16 @@ HAProxy (Debian's 2.6) plays two roles:
   answering `200 ok` from C, and a sink that closes once the ClientHello has arrived.
   They are the same for every path, and as cheap per connection as anything here.
 
-The terminate and tunnel benches add their configs here.
+OpenSSH (Debian's 9.2) is the peer of the tunnel bench: a throwaway `sshd` on loopback
+and an `ssh -N -R …` client, the reverse forward many self-hosters run today (below).
+
+The terminate bench adds its configs here.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -104,3 +109,79 @@ def raw_backends_argv(hello_len: int, *, bulk: int, echo: int) -> list[str]:
     """The Python byte-counting sink and echo server (`tests.bench.backends`)."""
     return python_module("tests.bench.backends", "--hello-len", str(hello_len),
                          "--bulk", str(bulk), "--echo", str(echo))
+
+
+# --- OpenSSH reverse forward (tunnel bench) ---------------------------------------------
+
+SSHD = "/usr/sbin/sshd"
+SSH = "/usr/bin/ssh"
+SSH_KEYGEN = "/usr/bin/ssh-keygen"
+#: sshd refuses to start without its privilege-separation directory (root-owned, 0755);
+#: Debian's package creates it only through systemd/init, which is not running here.
+SSHD_PRIVSEP_DIR = Path("/run/sshd")
+
+
+def ssh_keygen(path: Path) -> Path:
+    """A throwaway passphrase-less Ed25519 key pair (`path`, `path`.pub)."""
+    subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", "pact-bench",
+                    "-f", str(path)], check=True, timeout=30)
+    return path
+
+
+def sshd_setup(tmp: Path) -> tuple[Path, Path]:
+    """Host key, client key and authorized_keys for a loopback sshd; returns
+    (sshd config path, client key path). Runs as root (the bench does): the client
+    logs in as root with its key only (`PermitRootLogin prohibit-password`)."""
+    SSHD_PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    host_key = ssh_keygen(tmp / "ssh_host_ed25519_key")
+    user_key = ssh_keygen(tmp / "ssh_user_key")
+    authorized = tmp / "authorized_keys"
+    authorized.write_bytes(Path(f"{user_key}.pub").read_bytes())
+    os.chmod(authorized, 0o600)
+    cfg = tmp / "sshd_config"
+    cfg.write_text(f"""\
+ListenAddress 127.0.0.1
+HostKey {host_key}
+AuthorizedKeysFile {authorized}
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+AllowTcpForwarding yes
+GatewayPorts no
+StrictModes no
+PidFile none
+LogLevel INFO
+""")
+    return cfg, user_key
+
+
+def sshd_argv(cfg: Path, port: int) -> list[str]:
+    """Foreground (`-D`), log to stderr (`-e`); the listener forks one child per login."""
+    return [SSHD, "-D", "-e", "-f", str(cfg), "-p", str(port)]
+
+
+def ssh_reverse_argv(port: int, key: Path, forwards: Mapping[int, int],
+                     cipher: str | None = None) -> list[str]:
+    """`ssh -N -R 127.0.0.1:REMOTE:127.0.0.1:LOCAL …` for each `forwards` item, with
+    OpenSSH's default crypto unless `cipher` is given; exits if a forward fails."""
+    argv = [SSH, "-N", "-i", str(key), "-p", str(port),
+            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes",
+            "-o", "LogLevel=ERROR"]
+    if cipher:
+        argv += ["-c", cipher]
+    for remote, local in forwards.items():
+        argv += ["-R", f"127.0.0.1:{remote}:127.0.0.1:{local}"]
+    return [*argv, "root@127.0.0.1"]
+
+
+def ssh_default_cipher(port: int) -> str:
+    """The cipher OpenSSH picks against its own sshd: the client's first preference."""
+    res = subprocess.run([SSH, "-G", "-p", str(port), "root@127.0.0.1"], capture_output=True,
+                         timeout=10, check=False)
+    for line in res.stdout.decode().splitlines():
+        if line.startswith("ciphers "):
+            return line.split()[1].split(",")[0]
+    return "?"
