@@ -226,8 +226,14 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
-        async for _ in sigs:
+    """SIGTERM/SIGINT: stop. SIGHUP: the connector has nothing to reload in place (its
+    config is one key and one address); say so instead of dying of the default action."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+        async for signum in sigs:
+            if signum == signal.SIGHUP:
+                log.warning("reload_not_supported", detail="restart the connector to apply "
+                            "a changed config: systemctl restart pact-connect")
+                continue
             sdnotify.stopping()
             stop.set()
             return

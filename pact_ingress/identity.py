@@ -225,8 +225,24 @@ def load_identity(key_path: Path, *, create: bool = False) -> Identity:
             cert = None
     if cert is None or fingerprint(cert.public_key()) != fp:  # type: ignore[arg-type]
         cert = self_signed_cert(key)
-        atomic_write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        cert_path = _write_cert_somewhere(cert_path, cert)
     return Identity(key_path, cert_path, key, cert, fp)
+
+
+def _write_cert_somewhere(cert_path: Path, cert: x509.Certificate) -> Path:
+    """Write the cert beside the key; when that directory is read-only (a systemd
+    credential passed with LoadCredential=, a read-only mount) use a private runtime
+    file instead: the cert is public and derived from the key, so nothing is lost."""
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    try:
+        atomic_write(cert_path, pem, 0o644)
+        return cert_path
+    except OSError:
+        runtime = Path(os.environ.get("RUNTIME_DIRECTORY", tempfile.gettempdir()))
+        fd, tmp = tempfile.mkstemp(dir=runtime, prefix="pact-identity-", suffix=".crt")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+        return Path(tmp)
 
 
 def fingerprint_file(path: Path) -> str:
