@@ -45,6 +45,7 @@ from pact_ingress.envelope import RESULT_CTY, EnvelopeInvalid, open_envelope, se
 from pact_ingress.identity import Identity, b64url_decode
 from pact_ingress.logs import log
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
+from pact_ingress.net.terminate import install_h2_guard
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -114,6 +115,8 @@ class DemoNode:
     sse_gates: dict[int, trio.Event] = field(default_factory=dict)
     #: (event index, trio.current_time()) of every SSE event written.
     sse_emitted: list[tuple[int, float]] = field(default_factory=list)
+    #: SSE streams currently open (tests check that abandoned streams end).
+    sse_open: int = 0
     #: Requests that reached the node: (method, path, transport peer).
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     _sealed_results: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -207,11 +210,15 @@ class _Exchange:
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
             (b"mcp-session-id", b"demo-sse")]})
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._cancel_on_disconnect, nursery.cancel_scope)
-            await self._emit(count, interval)
-            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
-            nursery.cancel_scope.cancel()
+        self.node.sse_open += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._cancel_on_disconnect, nursery.cancel_scope)
+                await self._emit(count, interval)
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                nursery.cancel_scope.cancel()
+        finally:
+            self.node.sse_open -= 1
 
     async def _emit(self, count: int, interval: float) -> None:
         i = 0
@@ -354,6 +361,7 @@ async def serve_demo_node(
 
     `task_status.started(node)` hands back the `DemoNode` (with the bound port).
     """
+    install_h2_guard()
     ctx = server_context(identity, alpn=alpn)
     config = demo_hypercorn_config()
     listeners = await trio.open_tcp_listeners(port, host=host)

@@ -12,7 +12,6 @@ from OpenSSL import SSL
 
 from pact_ingress.identity import Identity, check_pin, pinned_client_context
 from pact_ingress.net.ossl_stream import OpenSSLStream, client_context, server_context
-
 from tests.tls_helpers import LOOPBACK, make_identity
 
 

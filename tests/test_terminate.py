@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -70,7 +68,7 @@ async def start_env(
     nursery: trio.Nursery,
     tmp: Path,
     *,
-    limits: Limits = Limits(),
+    limits: Limits | None = None,
     seal: str = "required",
     pins: tuple[str, ...] | None = None,
     header_timeout: float = 30.0,
@@ -88,7 +86,7 @@ async def start_env(
     port = node.port if backend_port is None else backend_port
     route = Route(host=route_host, tenant="alina", mode="terminate",
                   backend=Backend(Address(LOOPBACK, port)), seal=seal,  # type: ignore[arg-type]
-                  limits=limits)
+                  limits=limits or Limits())
     stats = Stats()
     terminator = Terminator(identity=ingress_id, backends=Backends(), stats=stats,
                             header_timeout=header_timeout)
@@ -274,3 +272,245 @@ async def test_not_json_is_400(env: Env) -> None:
         r = await post_mcp(client, b"{not json")
     assert r.status == 400
     assert env.node.requests == []
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+def _sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """Complete SSE events in `buffer` (their data as JSON) and the unparsed rest."""
+    events = []
+    while b"\n\n" in buffer:
+        raw, buffer = buffer.split(b"\n\n", 1)
+        data = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+        events.append(json.loads(b"".join(data)))
+    return events, buffer
+
+
+@pytest.mark.parametrize("http2", [True, False])
+async def test_sse_streams_without_buffering(env: Env, http2: bool) -> None:
+    """Event 2 is only emitted after the client holds event 1 — so nothing buffered it.
+
+    Were any hop to buffer until more data (or the end), the client would never see
+    event 1 and the test would hang at its deadline instead of passing.
+    """
+    gates = {1: trio.Event(), 2: trio.Event()}
+    env.node.sse_gates.update(gates)
+    received: list[tuple[int, int]] = []  # (event index, how many events the node had emitted)
+    async with env.client(http2=http2, http1=not http2) as client:
+        with trio.fail_after(10):
+            async with client.stream("GET", f"https://{HOST}/mcp?count=3",
+                                     headers=[(b"accept", b"text/event-stream")]) as r:
+                assert r.status == 200
+                headers = dict(r.headers)
+                assert headers[b"content-type"] == b"text/event-stream"
+                assert headers[b"mcp-session-id"] == b"demo-sse"
+                buffer = b""
+                async for chunk in r.aiter_stream():
+                    events, buffer = _sse_events(buffer + chunk)
+                    for event in events:
+                        received.append((event["i"], len(env.node.sse_emitted)))
+                        if event["i"] + 1 in gates:
+                            gates[event["i"] + 1].set()
+    assert [i for i, _ in received] == [0, 1, 2]
+    # each event arrived while the node had emitted exactly that many: no batching
+    assert received == [(0, 1), (1, 2), (2, 3)]
+
+
+async def test_client_leaving_ends_node_stream(env: Env) -> None:
+    """count=0 streams forever; the client leaving must end the node's stream too.
+
+    The edge keeps its pooled HTTP/2 connection to the node, so only an RST_STREAM from
+    the edge (which httpcore alone would not send) can end the node's stream.
+    """
+    async with env.client() as client:
+        with trio.fail_after(10):
+            async with client.stream("GET", f"https://{HOST}/mcp?count=0&interval=0.01") as r:
+                async for _ in r.aiter_stream():
+                    if len(env.node.sse_emitted) >= 3:
+                        break
+            assert env.node.sse_open == 1
+    # the client's connection is gone now
+    with trio.fail_after(10):
+        while env.node.sse_open:  # bounded by fail_after
+            await trio.sleep(0.01)
+    pooled = env.terminator.upstream._pools
+    assert len(pooled) == 1 and len(next(iter(pooled.values())).pool.connections) == 1
+    async with env.client() as client:
+        assert (await post_mcp(client, rpc("tools/list", {}))).status == 200
+    assert {peer for _, _, peer in env.node.requests} == {env.ingress_id.fingerprint}
+
+
+# --- Host / SNI -----------------------------------------------------------------------------
+
+
+async def test_421_on_h2_connection_reuse_for_other_host(env: Env) -> None:
+    async with env.client(http1=False) as client:
+        r1 = await post_mcp(client, rpc("tools/list", {}))
+        r2 = await post_mcp(client, rpc("tools/list", {}), extra=[])
+        r3 = await client.request("POST", f"https://{HOST}/mcp",
+                                  headers=[(b"host", OTHER.encode())] + JSON,
+                                  content=rpc("tools/list", {}))
+        assert len(client.connections) == 1  # all three rode one HTTP/2 connection
+    assert (r1.status, r2.status, r3.status) == (200, 200, 421)
+    assert r3.extensions["http_version"] == b"HTTP/2"
+    assert len(env.node.requests) == 2
+
+
+async def test_421_http11_host_mismatch(env: Env) -> None:
+    async with env.client(http2=False) as client:
+        r = await client.request("GET", f"https://{HOST}/_demo/headers",
+                                 headers=[(b"host", b"evil.example")])
+    assert r.status == 421 and env.node.requests == []
+
+
+async def test_forwarded_headers_reach_node_clean(env: Env) -> None:
+    spoof = [(b"x-forwarded-for", b"6.6.6.6"), (b"forwarded", b"for=6.6.6.6"),
+             (b"x-real-ip", b"6.6.6.6"), (b"x-pact-caller", b"sha256:forged"),
+             (b"x-custom", b"kept")]
+    async with env.client(http2=False) as client:
+        r = await client.request("GET", f"https://{HOST}/_demo/headers", headers=spoof)
+    seen = json.loads(r.content)
+    names = [k for k, _ in seen["headers"]]
+    assert not {"x-forwarded-for", "x-real-ip", "x-pact-caller"} & set(names)
+    assert ["forwarded", "for=127.0.0.1;proto=https;host=mcp.alina.test"] in seen["headers"]
+    assert names.count("forwarded") == 1
+    assert ["x-custom", "kept"] in seen["headers"]
+    assert seen["transport_peer"] == env.ingress_id.fingerprint
+    assert seen["http_version"] == "2"  # the node offers h2: the edge pooled over h2
+
+
+# --- body cap -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("http2", [True, False])
+async def test_413_declared_and_streamed(nursery: trio.Nursery, tmp_path: Path, http2: bool) -> None:
+    env = await start_env(nursery, tmp_path, limits=Limits(max_body_bytes=1000))
+    async with env.client(http2=http2, http1=not http2) as client:
+        r = await client.request("POST", f"https://{HOST}/_demo/upload", content=b"x" * 1001)
+        assert r.status == 413
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+            for _ in range(5):
+                yield b"y" * 300
+
+        r = await client.request("POST", f"https://{HOST}/_demo/upload", content=chunks())
+        assert r.status == 413
+        r = await client.request("POST", f"https://{HOST}/_demo/upload", content=b"z" * 1000)
+        assert r.status == 200 and json.loads(r.content)["bytes"] == 1000
+    await env.terminator.aclose()
+
+
+async def test_streamed_upload_within_cap_arrives_whole(env: Env) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(8):
+            yield bytes([i]) * 10_000
+
+    async with env.client(http2=False) as client:
+        r = await client.request("POST", f"https://{HOST}/_demo/upload", content=chunks())
+    import hashlib
+
+    expected = hashlib.sha256(b"".join(bytes([i]) * 10_000 for i in range(8))).hexdigest()
+    assert json.loads(r.content) == {"bytes": 80_000, "sha256": expected}
+
+
+# --- upstream failures ----------------------------------------------------------------------
+
+
+async def test_502_on_wrong_pin_names_both_fingerprints(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    stranger = make_identity(tmp_path, "stranger")
+    env = await start_env(nursery, tmp_path, pins=(stranger.fingerprint,))
+    logging.getLogger("pact_ingress").setLevel(logging.INFO)
+    with caplog.at_level(logging.INFO, logger="pact_ingress"):
+        async with env.client() as client:
+            r = await post_mcp(client, rpc("tools/list", {}))
+    assert r.status == 502
+    assert env.node.requests == []
+    lines = [rec for rec in caplog.records if rec.getMessage() == "upstream_tls_failed"]
+    assert lines, caplog.records
+    fields = lines[0].fields  # type: ignore[attr-defined]
+    assert fields["expected"] == [stranger.fingerprint]
+    assert fields["seen"] == env.node_id.fingerprint
+    await env.terminator.aclose()
+
+
+async def test_two_pins_during_rotation(nursery: trio.Nursery, tmp_path: Path) -> None:
+    old = make_identity(tmp_path, "old")
+    env = await start_env(nursery, tmp_path, pins=(old.fingerprint, "sha256:" + "A" * 43))
+    # neither pin is the node's key → 502; then the rotation's new pin joins → 200
+    async with env.client() as client:
+        assert (await post_mcp(client, rpc("tools/list", {}))).status == 502
+        env.terminator.update(make_config(tmp_path, env.route,
+                                          (old.fingerprint, env.node_id.fingerprint)))
+        assert (await post_mcp(client, rpc("tools/list", {}))).status == 200
+    await env.terminator.aclose()
+
+
+async def test_503_when_node_down(nursery: trio.Nursery, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind((LOOPBACK, 0))
+        dead = s.getsockname()[1]
+    env = await start_env(nursery, tmp_path, backend_port=dead)
+    async with env.client() as client:
+        r = await post_mcp(client, rpc("tools/list", {}))
+    assert r.status == 503
+    assert dict(r.headers)[b"retry-after"] == b"5"
+    await env.terminator.aclose()
+
+
+async def test_504_on_stalled_node(nursery: trio.Nursery, tmp_path: Path) -> None:
+    env = await start_env(nursery, tmp_path, header_timeout=0.5)
+    async with env.client() as client:
+        with trio.fail_after(20):
+            r = await client.request("GET", f"https://{HOST}/_demo/stall")
+        assert r.status == 504
+        # the connection and the pool stay usable afterwards
+        assert (await post_mcp(client, rpc("tools/list", {}))).status == 200
+    await env.terminator.aclose()
+
+
+# --- rate limits ----------------------------------------------------------------------------
+
+
+async def test_rate_limit_per_ip_key_with_mock_clock(
+    nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # 5/hour per (IP, key): burst 5, then one call every 720 s
+    env = await start_env(nursery, tmp_path, limits=Limits(calls_per_hour_per_ip_key=5))
+    statuses = []
+    async with env.client() as client:
+        for n in range(6):
+            args = sealed_call_args(env, send_message_inner(msg_id=f"i{n}"), msg_id=f"m{n}")
+            r = await post_mcp(client, rpc("tools/call", {"name": "sealed_call", "arguments": args}, n))
+            result = json.loads(r.content)["result"]
+            statuses.append(result.get("structuredContent", {}).get("code", "ok")
+                            if result.get("isError") else "ok")
+            if n == 5:
+                limited = (r, result)
+    assert statuses == ["ok"] * 5 + ["rate_limited"]
+    r, result = limited
+    assert result["structuredContent"]["retry_after"] == 720
+    assert dict(r.headers)[b"retry-after"] == b"720"
+    assert len(env.node.calls) == 5
+    await env.terminator.aclose()
+
+
+async def test_plain_http_metered_per_ip_429(
+    nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    env = await start_env(nursery, tmp_path, limits=Limits(calls_per_hour_per_ip=10))
+    async with env.client() as client:
+        codes = [(await client.request("GET", f"https://{HOST}/_demo/headers")).status
+                 for _ in range(6)]
+        assert codes == [200] * 5 + [429]
+        r = await client.request("GET", f"https://{HOST}/_demo/headers")
+        assert dict(r.headers)[b"retry-after"] == b"360"
+    await trio.sleep(360)  # MockClock: the bucket refills one call (and idle conns close)
+    async with env.client() as client:
+        assert (await client.request("GET", f"https://{HOST}/_demo/headers")).status == 200
+        assert (await client.request("GET", f"https://{HOST}/_demo/headers")).status == 429
+    await env.terminator.aclose()

@@ -59,7 +59,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import h2.errors
+import h2.events
 import h2.exceptions
+import hypercorn.protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
@@ -327,33 +329,65 @@ class _Abort(Exception):
     """Raised out of the ASGI app to make hypercorn drop an HTTP/1.1 connection."""
 
 
-def _reset_h2_stream(server: TCPServer | None, scope: Scope, error_code: int) -> bool:
-    """RST_STREAM the HTTP/2 stream serving `scope`; False if not HTTP/2 (or not found).
+def _h2_protocol(server: TCPServer | None) -> H2Protocol | None:
+    """hypercorn internals (pinned 0.18.0): TCPServer.protocol (ProtocolWrapper) →
+    .protocol, an H2Protocol on HTTP/2 connections; None otherwise."""
+    proto = getattr(getattr(server, "protocol", None), "protocol", None)
+    return proto if isinstance(proto, H2Protocol) else None
 
-    Uses hypercorn internals (pinned 0.18.0): TCPServer.protocol (ProtocolWrapper) →
-    .protocol (H2Protocol) → .streams (stream id → HTTPStream with .scope) and
-    .connection (the h2 state machine). Returns False rather than guessing when the
-    shape differs.
-    """
-    wrapper = getattr(server, "protocol", None)
-    proto = getattr(wrapper, "protocol", None)
-    if not isinstance(proto, H2Protocol):
-        return False
+
+def _h2_stream_id(server: TCPServer | None, scope: Scope) -> int | None:
+    """The HTTP/2 stream serving `scope` (H2Protocol.streams maps id → HTTPStream)."""
+    proto = _h2_protocol(server)
+    if proto is None:
+        return None
     for stream_id, stream in list(proto.streams.items()):
         if getattr(stream, "scope", None) is scope:
-            try:
-                proto.connection.reset_stream(stream_id, error_code=error_code)
-            except h2.exceptions.ProtocolError:  # the stream already ended: nothing to reset
-                return True
-            return True
-    return False
+            return stream_id
+    return None
 
 
-async def _flush_h2(server: TCPServer | None) -> None:
-    wrapper = getattr(server, "protocol", None)
-    proto = getattr(wrapper, "protocol", None)
-    if isinstance(proto, H2Protocol):
-        await proto._flush()
+async def _reset_h2_stream(server: TCPServer | None, stream_id: int, error_code: int) -> None:
+    """RST_STREAM one HTTP/2 stream (no-op when it already ended)."""
+    proto = _h2_protocol(server)
+    if proto is None:
+        return
+    try:
+        proto.connection.reset_stream(stream_id, error_code=error_code)
+    except h2.exceptions.ProtocolError:  # the stream already ended: nothing to reset
+        return
+    await proto._flush()
+
+
+class _GuardedH2Protocol(H2Protocol):
+    """hypercorn's H2Protocol, minus a crash: DATA for a stream whose response is done.
+
+    hypercorn 0.18.0 forgets a stream once its response ends and then raises KeyError
+    (killing the whole connection, every stream on it) when the client's DATA for that
+    stream still arrives — which is exactly what happens when we answer 413/421/refusals
+    before reading the body. Such DATA is acknowledged (so the connection's flow-control
+    window is not leaked) and dropped.
+    """
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        kept = []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(
+                    event.flow_controlled_length, event.stream_id)
+                continue
+            kept.append(event)
+        await super()._handle_events(kept)
+
+
+def install_h2_guard() -> None:
+    """Make hypercorn build `_GuardedH2Protocol` for HTTP/2 connections (idempotent).
+
+    ProtocolWrapper looks the class up in `hypercorn.protocol` at connection time; this
+    process-wide swap is the only hook it offers. Safe for any other hypercorn user in
+    the process (the demo node): it only removes a crash.
+    """
+    hypercorn.protocol.H2Protocol = _GuardedH2Protocol  # type: ignore[misc]
 
 
 # --- the per-connection ASGI app -----------------------------------------------------------
@@ -470,11 +504,12 @@ class _ConnectionApp:
         headers.append((b"content-length", str(len(answer.body)).encode()))
         if not body_done and not is_h2:
             headers.append((b"connection", b"close"))
+        stream_id = _h2_stream_id(self.server, scope) if is_h2 else None
         await send({"type": "http.response.start", "status": answer.status, "headers": headers})
         await send({"type": "http.response.body", "body": answer.body, "more_body": False})
         if not body_done:
-            if is_h2 and _reset_h2_stream(self.server, scope, h2.errors.ErrorCodes.NO_ERROR):
-                await _flush_h2(self.server)
+            if stream_id is not None:  # RFC 9113 §8.1: complete answer, then stop the upload
+                await _reset_h2_stream(self.server, stream_id, h2.errors.ErrorCodes.NO_ERROR)
             else:
                 await self._drain(receive)
         return answer.status
@@ -531,11 +566,12 @@ class _ConnectionApp:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as exc:
                 log.warning("upstream_body_failed", route=self.route.host, error=str(exc))
-                if _reset_h2_stream(self.server, scope, h2.errors.ErrorCodes.INTERNAL_ERROR):
-                    await _flush_h2(self.server)
-                    nursery.cancel_scope.cancel()
-                    return
-                raise _Abort("node broke mid-body") from exc
+                stream_id = _h2_stream_id(self.server, scope)
+                if stream_id is None:  # HTTP/1.1: only a dropped connection says "truncated"
+                    raise _Abort("node broke mid-body") from exc
+                await _reset_h2_stream(self.server, stream_id, h2.errors.ErrorCodes.INTERNAL_ERROR)
+                nursery.cancel_scope.cancel()
+                return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             nursery.cancel_scope.cancel()
 
@@ -588,6 +624,7 @@ class Terminator:
         self.limiter = RateLimiter()  # per-route budgets are passed per call
         self._tenants: dict[str, Tenant] = {}
         self._hypercorn: dict[Limits, HypercornConfig] = {}
+        install_h2_guard()
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: tenants and pins; rate-limit state is kept."""

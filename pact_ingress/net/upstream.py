@@ -42,6 +42,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import h2.errors
+import h2.exceptions
 import httpcore
 import trio
 
@@ -92,6 +94,10 @@ class UpstreamProtocolError(UpstreamError):
     """The node broke HTTP (closed early, sent garbage, refused our certificate)."""
 
     status = 502
+
+
+class _StaleConnection(Exception):
+    """The node connection failed before response headers (maybe a dead pooled one)."""
 
 
 class UpstreamTimeout(UpstreamError):
@@ -235,7 +241,7 @@ class UpstreamResponse:
     status: int
     headers: list[tuple[bytes, bytes]]
     http_version: str
-    body: AsyncIterator[bytes] = field(repr=False)
+    body: AsyncIterator[bytes] = field(repr=False)  # a _Body
 
 
 class Upstream:
@@ -313,22 +319,53 @@ class Upstream:
         entry = self._pool_for(route, pins)
         entry.active += 1
         try:
-            response = await self._send(entry.pool, method, host, target, headers, body,
-                                        idle_timeout)
+            response = await self._send_retrying(entry.pool, method, host, target, headers,
+                                                 body, idle_timeout)
+            body = _Body(response)
             try:
                 yield UpstreamResponse(
                     status=response.status,
                     headers=list(response.headers),
                     http_version=response.extensions.get("http_version", b"").decode(),
-                    body=_body(response),
+                    body=body,
                 )
             finally:
                 with trio.CancelScope(shield=True):
+                    if not body.complete:
+                        await _cancel_h2_stream(response)
                     await response.aclose()
         finally:
             entry.active -= 1
             if entry.retired:
                 await self._reap()
+
+    async def _send_retrying(
+        self,
+        pool: httpcore.AsyncConnectionPool,
+        method: str,
+        host: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | AsyncIterable[bytes],
+        idle_timeout: float,
+    ) -> httpcore.Response:
+        """`_send`, retried once on a fresh connection when a reused one turns out dead.
+
+        A pooled connection the node closed while idle (its keep-alive ran out first, or
+        it restarted) fails on first use; httpcore checks HTTP/1.1 connections for that
+        but not HTTP/2 ones. Only a replayable (bytes) body is retried, and only when the
+        pool held an idle connection the request may have landed on.
+        """
+        reused = isinstance(body, bytes) and any(c.is_idle() for c in pool.connections)
+        try:
+            return await self._send(pool, method, host, target, headers, body, idle_timeout)
+        except _StaleConnection as exc:
+            if not reused:
+                raise UpstreamProtocolError(str(exc)) from exc
+        try:
+            return await self._send(pool, method, host, target, headers, body, idle_timeout)
+        except _StaleConnection as exc:
+            raise UpstreamProtocolError(str(exc)) from exc
 
     async def _send(
         self,
@@ -370,6 +407,8 @@ class Upstream:
                 raise UpstreamTimeout(f"node timed out: {exc!r}") from exc
             except httpcore.ConnectError as exc:
                 raise NodeUnreachable(f"cannot connect to the node: {exc}") from exc
+            except (httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError) as exc:
+                raise _StaleConnection(f"node connection failed: {exc!r}") from exc
             except httpcore.ProtocolError as exc:
                 raise UpstreamProtocolError(f"node broke HTTP: {exc}") from exc
             except (httpcore.NetworkError, httpcore.UnsupportedProtocol) as exc:
@@ -395,11 +434,50 @@ async def _arm_when_sent(
     deadline.deadline = trio.current_time() + timeout
 
 
-async def _body(response: httpcore.Response) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in response.aiter_stream():
-            yield chunk
-    except httpcore.TimeoutException as exc:
-        raise UpstreamTimeout("node body idle too long") from exc
-    except (httpcore.ProtocolError, httpcore.NetworkError) as exc:
-        raise UpstreamProtocolError(f"node body broke: {exc}") from exc
+class _Body:
+    """The node's response body as an async iterator; `complete` once it ended normally."""
+
+    def __init__(self, response: httpcore.Response) -> None:
+        self._chunks = response.aiter_stream().__aiter__()
+        self.complete = False
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            self.complete = True
+            raise
+        except httpcore.TimeoutException as exc:
+            raise UpstreamTimeout("node body idle too long") from exc
+        except (httpcore.ProtocolError, httpcore.NetworkError) as exc:
+            raise UpstreamProtocolError(f"node body broke: {exc}") from exc
+
+
+#: How long we try to tell the node that we abandoned an HTTP/2 stream.
+CANCEL_TIMEOUT = 1.0
+
+
+async def _cancel_h2_stream(response: httpcore.Response) -> None:
+    """RST_STREAM(CANCEL) an HTTP/2 response we stop reading before its end.
+
+    httpcore (1.0.x) just forgets such a stream, so the node would go on producing it —
+    an abandoned SSE stream would stay open at the node for the life of the pooled
+    connection. This reaches into httpcore's HTTP/2 byte stream (pool stream → connection
+    stream with `_connection`, `_stream_id`, `_request`); when the shape differs, or on
+    HTTP/1.1 (where httpcore closes an unfinished connection itself), it does nothing.
+    """
+    inner = getattr(response.stream, "_stream", None)
+    connection = getattr(inner, "_connection", None)
+    stream_id = getattr(inner, "_stream_id", None)
+    state = getattr(connection, "_h2_state", None)
+    if state is None or stream_id is None:
+        return
+    with trio.move_on_after(CANCEL_TIMEOUT):
+        try:
+            state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+            await connection._write_outgoing_data(inner._request)  # type: ignore[union-attr]
+        except (h2.exceptions.ProtocolError, httpcore.NetworkError):
+            pass  # the stream or the connection already ended
