@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -513,4 +515,48 @@ async def test_plain_http_metered_per_ip_429(
     async with env.client() as client:
         assert (await client.request("GET", f"https://{HOST}/_demo/headers")).status == 200
         assert (await client.request("GET", f"https://{HOST}/_demo/headers")).status == 429
+    await env.terminator.aclose()
+
+
+# --- real clients ---------------------------------------------------------------------------
+
+
+def _curl(env: Env, *args: str) -> tuple[str, str]:
+    """Run curl against the edge (blocking; call via trio.to_thread)."""
+    proc = subprocess.run(
+        ["curl", "-sS", "-k", "--max-time", "20", "--resolve", f"{HOST}:{env.port}:{LOOPBACK}",
+         "-w", "\\n%{http_code} %{http_version}", *args],
+        capture_output=True, text=True, timeout=30, check=False)
+    body, _, status = proc.stdout.rpartition("\n")
+    return body, status
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
+@pytest.mark.parametrize(("flag", "version"), [("--http2", "2"), ("--http1.1", "1.1")])
+async def test_curl_mcp_and_sse(env: Env, flag: str, version: str) -> None:
+    url = f"https://{HOST}:{env.port}"
+    body, status = await trio.to_thread.run_sync(
+        _curl, env, flag, "-H", "content-type: application/json", "--data-binary",
+        rpc("tools/list", {}).decode(), f"{url}/mcp")
+    assert status == f"200 {version}"
+    assert json.loads(body)["result"]["tools"][0]["name"] == "echo"
+    body, status = await trio.to_thread.run_sync(
+        _curl, env, flag, "-N", f"{url}/mcp?count=3&interval=0.01")
+    assert status == f"200 {version}"
+    assert body.count("event: tick") == 3
+    body, status = await trio.to_thread.run_sync(
+        _curl, env, flag, "-H", f"host: {OTHER}", f"{url}/mcp")
+    assert status == f"421 {version}"
+    assert [peer for _, _, peer in env.node.requests] == [env.ingress_id.fingerprint] * 2
+
+
+async def test_wildcard_route_host_must_equal_sni(nursery: trio.Nursery, tmp_path: Path) -> None:
+    env = await start_env(nursery, tmp_path, route_host="*.alina.test")
+    async with env.client() as client:
+        # no SNI passed by our test listener: Host must match the wildcard
+        r = await post_mcp(client, rpc("tools/list", {}), host="a.alina.test")
+        assert r.status == 200
+        r = await post_mcp(client, rpc("tools/list", {}), host="a.alina.test",
+                           extra=[(b"host", b"a.b.alina.test")])
+        assert r.status == 421
     await env.terminator.aclose()
