@@ -65,7 +65,7 @@ TUNNEL_ALPNS = ("pact-tunnel/1", "pact-tunnel-data/1")
 
 class TerminatorLike(Protocol):
     async def serve(self, stream: ReplayStream, server_ctx: ssl.SSLContext, route: Route,
-                    client: tuple[str, int]) -> None: ...
+                    client: tuple[str, int], *, sni: str | None = None) -> None: ...
 
 
 class CertsLike(Protocol):
@@ -242,7 +242,7 @@ class Router:
             if ACME_ALPN in hello.alpn:
                 await self._answer_challenge(tcp, data, route, sni or "", client)
             else:
-                await self._terminate(tcp, data, route, client)
+                await self._terminate(tcp, data, route, client, sni)
             return
         await self._passthrough(tcp, data, route, client)
 
@@ -262,7 +262,7 @@ class Router:
                 pass
 
     async def _terminate(self, tcp: trio.SocketStream, data: bytes, route: Route,
-                         client: tuple[str, int]) -> None:
+                         client: tuple[str, int], sni: str | None) -> None:
         ctx = self.certs.server_context(route) if self.certs is not None else None
         if ctx is None or self.terminator is None:
             self._reject(client[0], "no_certificate_yet", route.host)
@@ -270,7 +270,7 @@ class Router:
                         detail="certificate issuance in progress or no cert source")
             await _send_alert(tcp, tls_alert.INTERNAL_ERROR)
             return
-        await self.terminator.serve(ReplayStream(data, tcp), ctx, route, client)
+        await self.terminator.serve(ReplayStream(data, tcp), ctx, route, client, sni=sni)
 
     async def _passthrough(self, tcp: trio.SocketStream, data: bytes, route: Route,
                            client: tuple[str, int]) -> None:
