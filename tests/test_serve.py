@@ -1,0 +1,238 @@
+"""`pact-ingress serve` as systemd runs it: a real process, real signals, sd_notify.
+
+Covers the operational promises: READY once listening; SIGHUP reload picks up a tenant
+added with `pact-ingress tenant add` (new connections see it, open ones continue); a bad
+config on SIGHUP is refused with FILE:LINE logged and the old config kept; /metrics moves
+with traffic; SIGTERM → STOPPING, drain of open connections, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pact_ingress.admin.client import fetch_status, request
+from pact_ingress.config import Address
+from pact_ingress.identity import keygen
+
+HELLO_DIR = Path(__file__).parent / "vectors" / "clienthello"
+HELLO = (HELLO_DIR / "curl.bin").read_bytes()  # SNI www.example.test
+WAIT = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EchoBackend:
+    """A thread-free raw TCP echo server in a child process (python -c)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        code = (
+            "import socket,threading\n"
+            f"s=socket.create_server(('127.0.0.1',{self.port}))\n"
+            "def h(c):\n"
+            "  while (d:=c.recv(65536)): c.sendall(d)\n"
+            "  c.close()\n"
+            "while True:\n"
+            "  c,_=s.accept(); threading.Thread(target=h,args=(c,),daemon=True).start()\n"
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("echo backend did not start")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Served:
+    def __init__(self, tmp: Path, config_text: str) -> None:
+        self.tmp = tmp
+        self.config = tmp / "ingress.yaml"
+        self.config.write_text(config_text)
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(tmp / "notify.sock"))
+        self.notify.settimeout(WAIT)
+        self.log = open(tmp / "serve.log", "w+b")
+        env = dict(os.environ, NOTIFY_SOCKET=str(tmp / "notify.sock"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_notify(self, wanted: str) -> list[str]:
+        seen: list[str] = []
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            try:
+                msg = self.notify.recv(4096).decode()
+            except TimeoutError:
+                break
+            seen.append(msg)
+            if wanted in msg.split("\n"):
+                return seen
+        raise AssertionError(f"no {wanted} from serve; got {seen}; log:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.tmp / "serve.log").read_text()
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.logs().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+        self.log.close()
+
+
+def connect_hello(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+    s.sendall(HELLO)
+    return s
+
+
+def listener_closed(port: int) -> bool:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except ConnectionRefusedError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+@pytest.fixture
+def echo() -> Iterator[EchoBackend]:
+    backend = EchoBackend()
+    yield backend
+    backend.stop()
+
+
+def config_text(tls: int, admin: int, echo_port: int) -> str:
+    return f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{tls}"]
+  admin: "127.0.0.1:{admin}"
+include: tenants.d/*.yaml
+tenants:
+  - name: alina
+    pins: ["sha256:{'A' * 43}"]
+    routes:
+      - {{host: alina.test, mode: passthrough, backend: "127.0.0.1:{echo_port}"}}
+"""
+
+
+def test_serve_reload_metrics_and_drain(tmp_path: Path, echo: EchoBackend):
+    tls, admin = free_port(), free_port()
+    served = Served(tmp_path, config_text(tls, admin, echo.port))
+    try:
+        served.wait_notify("READY=1")
+        # the captured hello's SNI is not configured yet: alert unrecognized_name
+        with connect_hello(tls) as s:
+            assert recv_exact(s, 7) == b"\x15\x03\x03\x00\x02\x02\x70"
+
+        # tenant add (real CLI) + SIGHUP → new connections see the new route
+        node = keygen(tmp_path / "node.key")
+        add = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "tenant", "add", "www",
+             "--host", "www.example.test", "--pin", node.fingerprint,
+             "--backend", f"127.0.0.1:{echo.port}", "-c", str(served.config)],
+            capture_output=True, text=True, timeout=60)
+        assert add.returncode == 0, add.stderr
+        assert "DNS records" in add.stdout
+        # invalid pin and duplicate host are refused by the CLI, nothing written
+        bad_pin = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "tenant", "add", "eve", "--host",
+             "eve.test", "--pin", "sha256:short", "-c", str(served.config)],
+            capture_output=True, text=True, timeout=60)
+        assert bad_pin.returncode == 2 and "pin" in bad_pin.stderr
+        dup = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "tenant", "add", "eve", "--host",
+             "alina.test", "--pin", node.fingerprint, "-c", str(served.config)],
+            capture_output=True, text=True, timeout=60)
+        assert dup.returncode == 2 and "alina.test" in dup.stderr
+        assert sorted(p.name for p in (tmp_path / "tenants.d").iterdir()) == ["www.yaml"]
+
+        served.proc.send_signal(signal.SIGHUP)
+        served.wait_notify("READY=1")
+        with connect_hello(tls) as s:
+            assert recv_exact(s, len(HELLO)) == HELLO  # echoed through the new route
+
+        # a long-lived connection survives a bad reload and a good one
+        long_lived = connect_hello(tls)
+        assert recv_exact(long_lived, len(HELLO)) == HELLO
+        good = served.config.read_text()
+        served.config.write_text(good + "bogus_key: 1\n")
+        served.proc.send_signal(signal.SIGHUP)
+        served.wait_notify("READY=1")
+        refused = [e for e in served.log_events() if e.get("event") == "reload_refused"]
+        assert refused and f"{served.config}:" in refused[-1]["error"]
+        assert "bogus_key" in refused[-1]["error"]
+        served.config.write_text(good)
+        with connect_hello(tls) as s:  # old config still in force
+            assert recv_exact(s, len(HELLO)) == HELLO
+        long_lived.sendall(b"still there")
+        assert recv_exact(long_lived, 11) == b"still there"
+
+        # metrics and status from the admin endpoint
+        status, body = request(Address("127.0.0.1", admin), "GET", "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+        reloads = {s.labels["result"]: s.value for s in families["pact_ingress_config_reloads"]
+                   .samples if s.name.endswith("_total")}
+        assert reloads == {"ok": 1.0, "error": 1.0}
+        conns = families["pact_ingress_rejections"].samples
+        assert any(s.labels.get("reason") == "unknown_sni" and s.value >= 1 for s in conns)
+        st = fetch_status(Address("127.0.0.1", admin))
+        assert {r["host"] for r in st["routes"]} == {"alina.test", "www.example.test"}
+
+        # SIGTERM: STOPPING, the open connection may finish, then exit 0
+        served.proc.send_signal(signal.SIGTERM)
+        served.wait_notify("STOPPING=1")
+        long_lived.sendall(b"draining")
+        assert recv_exact(long_lived, 8) == b"draining"
+        assert listener_closed(tls)  # STOPPING is sent just before the listener closes
+        long_lived.close()
+        assert served.proc.wait(timeout=WAIT) == 0
+    finally:
+        served.stop()
