@@ -71,7 +71,7 @@ class EchoTerminator:
     """Stand-in for net.terminate: TLS with the router's context, then echo lines."""
 
     async def serve(self, stream: ReplayStream, server_ctx: ssl.SSLContext, route: Route,
-                    client: tuple[str, int]) -> None:
+                    client: tuple[str, int], *, sni: str | None = None) -> None:
         tls = trio.SSLStream(stream, server_ctx, server_side=True)
         try:
             with trio.fail_after(WAIT):

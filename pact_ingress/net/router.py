@@ -179,6 +179,9 @@ class Router:
         self.stats.open_connections.inc()
         try:
             await self.handle(stream)
+        except Exception as exc:  # a bug in one connection's handler must not stop the rest
+            self.stats.rejections.labels("handler_error").inc()
+            log.error("handler_error", client_ip=ip, error=f"{type(exc).__name__}: {exc}")
         finally:
             self.stats.open_connections.dec()
             self._counts.total -= 1
