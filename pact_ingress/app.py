@@ -121,8 +121,8 @@ class Ingress:
             "recent_refusals": schema.refusals_from(self.stats),
         }
 
-    async def run(self, *, task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
+    async def run(self, *, handle_signals: bool = True,
+                  task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until SIGTERM/SIGINT (or `stop()`); `task_status.started(self)` when bound."""
         cfg = self.config
         listeners = await open_listeners([_addr(a) for a in cfg.listen.tls])
@@ -143,7 +143,8 @@ class Ingress:
                     cfg.listen.admin, stats=self.stats, status=self.status,
                     reload=self.reload, renew=self._renew, task_status=task_status))
                 self.bound["admin"] = [bound]
-            nursery.start_soon(self._signals)
+            if handle_signals:
+                nursery.start_soon(self._signals)
             nursery.start_soon(sdnotify.watchdog_loop)
             await nursery.start(self._serve_router, listeners)
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],

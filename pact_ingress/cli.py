@@ -47,19 +47,19 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pact_ingress import app
 
-    return app.main_serve(Path(args.config), log_format=args.log_format)
+    return app.main_serve(Path(args.config), log_format=args.log_format or "json")
 
 
 def _cmd_connect(args: argparse.Namespace) -> int:
     from pact_ingress import app
 
-    return app.main_connect(Path(args.config), log_format=args.log_format)
+    return app.main_connect(Path(args.config), log_format=args.log_format or "json")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pact_ingress import demo
 
-    return demo.main(log_format=args.log_format, base_port=args.port)
+    return demo.main(log_format=args.log_format or "text", base_port=args.port)
 
 
 def _cmd_tenant(args: argparse.Namespace) -> int:
@@ -105,8 +105,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pact-ingress", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"pact-ingress {__version__}")
-    p.add_argument("--log-format", choices=("json", "text"), default="json",
-                   help="log line format (default: one JSON object per line)")
+    p.add_argument("--log-format", choices=("json", "text"), default=None,
+                   help="log line format (default: one JSON object per line; text for demo)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def cmd(name: str, fn: Callable[[argparse.Namespace], int], help_: str,
