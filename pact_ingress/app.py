@@ -139,9 +139,11 @@ class Ingress:
             if cfg.listen.admin is not None:
                 from pact_ingress.admin.server import serve_admin
 
+                token = read_admin_token(cfg)
                 bound = await nursery.start(lambda task_status: serve_admin(
                     cfg.listen.admin, stats=self.stats, status=self.status,
-                    reload=self.reload, renew=self._renew, task_status=task_status))
+                    reload=self.reload, renew=self._renew, token=token,
+                    allow_remote=token is not None, task_status=task_status))
                 self.bound["admin"] = [bound]
             if handle_signals:
                 nursery.start_soon(self._signals)
@@ -181,6 +183,18 @@ class Ingress:
                     await self.reload()
                 else:
                     await self.stop()
+
+
+def read_admin_token(config: Config) -> str | None:
+    """The admin bearer token from `listen.admin_token_file` (None when not configured)."""
+    path = config.listen.admin_token_file
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{config.path}: listen.admin_token_file {path}: cannot read: "
+                          f"{exc.strerror}") from exc
 
 
 def main_serve(path: Path, *, log_format: str = "json") -> int:

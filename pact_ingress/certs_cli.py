@@ -79,7 +79,10 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     target = host or "all terminate hosts"
     print(f"renewing {target} through the running instance at {config.listen.admin} …",
           file=sys.stderr, flush=True)
-    answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""))
+    from pact_ingress.app import read_admin_token
+
+    answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""),
+                  token=read_admin_token(config))
     for line in str(answer.get("message", "")).splitlines():
         print(line)
     if not answer.get("ok"):

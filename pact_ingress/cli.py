@@ -97,7 +97,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(Path(args.config))
     if cfg.listen.admin is None:
         raise ConfigError(f"{args.config}: listen.admin is not set; no admin endpoint to ask")
-    data = fetch_status(cfg.listen.admin)
+    from pact_ingress.app import read_admin_token
+
+    data = fetch_status(cfg.listen.admin, token=read_admin_token(cfg))
     print(format_status(data))
     return 0
 

@@ -149,6 +149,9 @@ class Listen:
     tls: tuple[Address, ...]
     http: tuple[Address, ...] = ()
     admin: Address | Path | None = None  # Path = unix socket
+    #: With a token file the admin endpoint may bind a non-loopback address; every request
+    #: then needs `Authorization: Bearer <token>` (the file's content, ≥ 32 characters).
+    admin_token_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -603,7 +606,7 @@ def _start(path: Path, overlay: Mapping[str, str]) -> tuple[_Ctx, Node | None]:
 # --- ingress config -----------------------------------------------------------------------
 
 _TOP_KEYS = ("identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants")
-_LISTEN_KEYS = ("tls", "http", "admin")
+_LISTEN_KEYS = ("tls", "http", "admin", "admin_token_file")
 _ACME_KEYS = ("directory", "email", "agree_tos", "challenges", "ca_bundle", "dns01")
 _DNS01_KEYS = ("server", "zone", "tsig_key_file")
 _LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(Limits))
@@ -708,11 +711,13 @@ def _listen(ctx: _Ctx, node: Node) -> Listen | None:
     if isinstance(node := fields.get("tls"), SequenceNode) and not node.value:
         ctx.at(node, "listen.tls needs at least one address")
     http = _addresses(ctx, fields, "http")
-    admin = fields.opt("admin", _admin)
+    token_node = fields.get("admin_token_file")
+    token_file = _path(ctx, token_node, "listen.admin_token_file") if token_node else None
+    admin = fields.opt("admin", _admin, token_file is not None)
     admin_node = fields.get("admin")
     extra = [(admin, admin_node)] if isinstance(admin, Address) and admin_node else []
     _check_overlaps(ctx, tls + http + extra)
-    return Listen(tuple(a for a, _ in tls), tuple(a for a, _ in http), admin)
+    return Listen(tuple(a for a, _ in tls), tuple(a for a, _ in http), admin, token_file)
 
 
 def _addresses(ctx: _Ctx, fields: _Fields, name: str) -> list[tuple[Address, Node]]:
@@ -746,7 +751,7 @@ def _same_socket(a: str, b: str) -> bool:
     return ip_a.version == ip_b.version and (ip_a.is_unspecified or ip_b.is_unspecified)
 
 
-def _admin(ctx: _Ctx, node: Node) -> Address | Path | None:
+def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | None:
     text = _string(ctx, node, "listen.admin")
     if text is not None and text.startswith("unix:"):
         if not text[5:].strip():
@@ -754,10 +759,10 @@ def _admin(ctx: _Ctx, node: Node) -> Address | Path | None:
             return None
         return _resolve(ctx.base, text[5:].strip())
     address = _address(ctx, node, "listen.admin") if text is not None else None
-    if address is not None and not _is_loopback(address.host):
+    if address is not None and not _is_loopback(address.host) and not has_token:
         ctx.at(node, f"listen.admin {str(address)!r} is not a loopback address: the admin "
                "endpoint can reload the ingress; use 127.0.0.1, [::1], localhost or "
-               "unix:PATH")  # fmt: skip
+               "unix:PATH, or set listen.admin_token_file to require a bearer token")  # fmt: skip
         return None
     return address
 

@@ -236,3 +236,29 @@ def test_serve_reload_metrics_and_drain(tmp_path: Path, echo: EchoBackend):
         assert served.proc.wait(timeout=WAIT) == 0
     finally:
         served.stop()
+
+
+def test_remote_admin_needs_the_token_file(tmp_path: Path):
+    """listen.admin_token_file: the admin endpoint may bind beyond loopback, and every
+    request must carry the file's token (checked through the real `serve` process)."""
+    tls, admin = free_port(), free_port()
+    token = "t" * 40
+    (tmp_path / "admin.token").write_text(token + "\n")
+    served = Served(tmp_path, f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{tls}"]
+  admin: "0.0.0.0:{admin}"
+  admin_token_file: admin.token
+tenants: []
+""")
+    try:
+        served.wait_notify("READY=1")
+        status, _ = request(Address("127.0.0.1", admin), "GET", "/status")
+        assert status == 401
+        st = fetch_status(Address("127.0.0.1", admin), token=token)
+        assert st["routes"] == []
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=WAIT) == 0
+    finally:
+        served.stop()
