@@ -185,3 +185,57 @@ def ssh_default_cipher(port: int) -> str:
         if line.startswith("ciphers "):
             return line.split()[1].split(",")[0]
     return "?"
+
+
+# --- terminate + re-encrypt (terminate bench) -------------------------------------------
+
+
+def haproxy_http_backend_cfg(*, port: int, pem: Path, body: Path, alpn: str,
+                             client_ca: Path | None = None) -> str:
+    """The home node of the terminate bench, in C on the load core: TLS with the node's
+    key (`pem`, whose fingerprint the ingress pins), ALPN `alpn` (e.g. "h2,http/1.1"),
+    and every request answered `200` with the bytes of `body` by HAProxy itself.
+
+    With `client_ca`, a client certificate is requested (`verify optional`) and, when one
+    is sent, checked against that file: the ingress's self-signed identity cert, which
+    both proxies present, so the link is mutual TLS as with a real node while a direct
+    client without a certificate still gets in.
+    """
+    verify = f" verify optional ca-file {client_ca}" if client_ca else ""
+    return f"""\
+global
+    nbthread 1
+    maxconn {HAPROXY_MAXCONN}
+defaults
+    mode http
+    maxconn {HAPROXY_MAXCONN}
+{HAPROXY_TIMEOUTS}\
+frontend node
+    bind 127.0.0.1:{port} ssl crt {pem} alpn {alpn}{verify}
+    http-request return status 200 content-type text/plain file {body}
+"""
+
+
+def haproxy_terminate_cfg(*, port: int, pem: Path, backend_port: int, client_pem: Path,
+                          alpn: str) -> str:
+    """The terminate peer: `mode http`, TLS ends at `port` (cert `pem`, ALPN h2 and
+    http/1.1 for the callers), every request re-encrypted to the backend with `client_pem`
+    as client certificate and ALPN `alpn` upstream, idle server connections shared between
+    callers (`http-reuse always`). HAProxy cannot pin a fingerprint: `verify none` is the
+    closest it has (pact-ingress checks the pin on every new upstream connection)."""
+    return f"""\
+global
+    nbthread 1
+    maxconn {HAPROXY_MAXCONN}
+defaults
+    mode http
+    maxconn {HAPROXY_MAXCONN}
+    option http-keep-alive
+{HAPROXY_TIMEOUTS}\
+frontend terminate
+    bind 127.0.0.1:{port} ssl crt {pem} alpn h2,http/1.1
+    default_backend node
+backend node
+    http-reuse always
+    server s1 127.0.0.1:{backend_port} ssl verify none crt {client_pem} alpn {alpn}
+"""

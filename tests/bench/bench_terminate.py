@@ -1,0 +1,751 @@
+"""Terminate-mode benchmark: direct vs HAProxy vs pact-ingress, side by side in one run.
+
+    python -m tests.bench.bench_terminate [--quick] [--json out.json] [--no-profile]
+
+Issue 3 asks for keep-alive requests/s and the new-connection rate through terminate +
+pinned re-origination, next to HAProxy doing terminate + re-encrypt to the same backend,
+with the target "≥ 0.5× HAProxy's keep-alive req/s", the CPU per request, and a profile
+of where pact-ingress's time goes. This module runs all of that in one go.
+
+What runs where (2 cores, `harness.CORE_PROXY` / `harness.CORE_LOAD`):
+
+| core | processes |
+| --- | --- |
+| 0 | the proxies: HAProxy (`mode http`, one thread), pact-ingress (`python -m pact_ingress serve`) and the hypercorn reference, all started once; only one carries load at a time |
+| 1 | the home node (HAProxy answering every request itself: `200` + 1 KiB body, TLS with the node key the ingress pins), the clients (`wrk`, `h2load`), this orchestrator, and py-spy while profiling |
+
+Paths, each carrying the same load to the same node:
+
+- **direct**: the client talks TLS to the node itself (context: what the node alone costs);
+- **haproxy**: TLS ends at HAProxy, which re-encrypts to the node, presenting the ingress
+  identity as client certificate, ALPN as the node offers, `http-reuse always`;
+- **pact-ingress**: TLS ends at pact-ingress's terminate route (hypercorn front), which
+  re-originates over its pinned mutual-TLS pool (httpcore) to the node.
+- **hypercorn alone** (reference, on the proxy core): hypercorn's own server (trio
+  worker, TLS) answering the same 200 + 1 KiB from a trivial ASGI app, no upstream at
+  all. It is the floor of pact-ingress's front: what the HTTP server it is built on costs
+  here before a single byte is re-originated.
+
+The node requests a client certificate (`verify optional`, trust anchor = the ingress's
+self-signed identity cert, which both proxies present), so the proxy→node link is real
+mutual TLS; a direct client without a certificate is let in. The route is `seal:
+optional` and the requests are plain `GET /` (not the MCP path), so nothing is refused by
+posture; the per-IP budgets are set far above anything a run can spend, and every phase
+checks that no response was anything but 2xx (so no 429 was counted as a request).
+
+Clients: `wrk` (HTTP/1.1, one thread, `-c 1` / `-c 8`) for keep-alive and, with
+`Connection: close`, for new connections (full TLS 1.3 handshake each: wrk never resumes
+sessions); `h2load` (HTTP/2, 8 connections, one stream each) when installed. The SNI and
+Host are `localhost` (wrk and h2load take both from the URL; `localhost` is the one name
+that resolves here without touching /etc/hosts).
+
+CPU: `harness.CpuMeter` reads /proc before and after each run; "µs per request" is the
+proxy process's CPU ÷ requests answered. The profile is a separate keep-alive run under
+`py-spy record` (sampling from the load core), summarised by the module of the innermost
+Python frame ("self") and by the share of samples a module is anywhere on the stack
+("inclusive"). Its figures are shares of the ingress's busy time, not extra CPU.
+
+Why a hypercorn-alone column: the issue's target (≥ 0.5× HAProxy's keep-alive req/s) is
+judged against C; the reference shows how much of the gap is the HTTP server pact-ingress
+is built on (DESIGN §5) and how much is re-origination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.bench.harness import (
+    CORE_LOAD,
+    CORE_PROXY,
+    LOAD_SLACK,
+    Check,
+    Comparison,
+    CpuMeter,
+    Row,
+    Service,
+    Target,
+    core_busy,
+    core_ticks,
+    cores_available,
+    free_port,
+    machine_notes,
+    pin_self,
+    pinned,
+    python_module,
+    services,
+    tool_version,
+)
+from tests.bench.peers import (
+    HAPROXY,
+    haproxy_argv,
+    haproxy_http_backend_cfg,
+    haproxy_terminate_cfg,
+    make_tls_pem,
+)
+
+WRK = "wrk"
+H2LOAD = "h2load"
+PY_SPY = "py-spy"
+DIRECT, PEER, SUBJECT = "direct", "haproxy", "pact-ingress"
+#: Reference: hypercorn on its own (trio worker, TLS) answering from a trivial ASGI app,
+#: no upstream at all: the floor of pact-ingress's front on this machine.
+FLOOR = "hypercorn alone"
+PATHS = (DIRECT, PEER, SUBJECT, FLOOR)
+PROXIES = (PEER, SUBJECT, FLOOR)
+#: SNI and Host of every request: must resolve to 127.0.0.1 for wrk / h2load.
+HOST = "localhost"
+#: Size of the node's answer body ("a 1 KiB-ish response").
+BODY_BYTES = 1024
+#: Budgets nothing in a run can exhaust: the limiter is charged but never refuses.
+HUGE_BUDGET = 1_000_000_000
+INGRESS_MAX_CONNECTIONS = 4000
+#: A core busier than this during a run was (close to) the bottleneck.
+LOAD_BOUND = 0.9
+#: py-spy sampling rate (Hz). It stops the ingress for each sample (consistent stacks;
+#: `--nonblocking` lost a third of them to torn reads here), so the rate is kept low.
+PROFILE_RATE = 100
+#: Rows of the profile's "hottest functions" table.
+PROFILE_TOP = 15
+#: The issue's target: pact-ingress keep-alive req/s ≥ this × HAProxy's.
+KEEPALIVE_TARGET = Target(min_ratio=0.5)
+
+
+@dataclass(frozen=True)
+class Settings:
+    seconds: float  # length of each timed run
+    rounds: int  # each figure is the median over rounds
+    warmup: float  # seconds of keep-alive load per path before measuring
+    profile_seconds: float  # py-spy recording length (0: no profile)
+
+
+FULL = Settings(seconds=5.0, rounds=2, warmup=1.0, profile_seconds=6.0)
+QUICK = Settings(seconds=2.0, rounds=1, warmup=0.5, profile_seconds=3.0)
+
+
+@dataclass(frozen=True)
+class Phase:
+    key: str
+    label: str
+    conns: int
+    new_conns: bool = False  # `Connection: close`: one TLS handshake per request
+    h2: bool = False  # h2load over HTTP/2 instead of wrk over HTTP/1.1
+
+
+PHASES = (
+    Phase("ka1", "keep-alive, 1 conn", 1),
+    Phase("ka8", "keep-alive, 8 conns", 8),
+    Phase("h2ka8", "keep-alive HTTP/2, 8 conns", 8, h2=True),
+    Phase("new1", "new TLS conn + 1 request, 1 client", 1, new_conns=True),
+    Phase("new8", "new TLS conn + 1 request, 8 clients", 8, new_conns=True),
+)
+
+
+# --- clients ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientRun:
+    """One client run, in the shape `run_phase` and the report need."""
+
+    units: int  # requests answered with 2xx
+    errors: int  # socket errors, failed requests
+    non2xx: int
+    elapsed: float
+    rate: float
+    bytes_read: int
+    client_cpu: float
+    core_busy: dict[str, float]
+    proxy_cpu: float | None = None
+    node_cpu: float = 0.0
+    raw: str = ""
+
+
+_SIZE = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+_TIME = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def wrk_argv(url: str, conns: int, seconds: float, close: bool) -> list[str]:
+    # wrk takes whole seconds only.
+    argv = [WRK, "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--timeout", "10s"]
+    if close:
+        argv += ["-H", "Connection: close"]
+    return [*argv, url]
+
+
+def parse_wrk(text: str) -> dict[str, Any]:
+    """Requests, seconds, bytes, errors and non-2xx count from wrk's summary."""
+    m = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m), ([\d.]+)([KMG]?B) read", text)
+    if m is None:
+        raise ValueError(f"unexpected wrk output:\n{text}")
+    requests = int(m.group(1))
+    elapsed = float(m.group(2)) * _TIME[m.group(3)]
+    nbytes = int(float(m.group(4)) * _SIZE[m.group(5)])
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
+                     text)
+    errors = sum(int(x) for x in sock.groups()) if sock else 0
+    non2xx_m = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    non2xx = int(non2xx_m.group(1)) if non2xx_m else 0
+    return {"requests": requests - non2xx, "elapsed": elapsed, "bytes": nbytes,
+            "errors": errors, "non2xx": non2xx}
+
+
+def h2load_argv(url: str, conns: int, seconds: float) -> list[str]:
+    return [H2LOAD, "-t1", f"-c{conns}", "-m1", f"-D{max(1, round(seconds))}", url]
+
+
+def parse_h2load(text: str) -> dict[str, Any]:
+    fin = re.search(r"finished in ([\d.]+)(us|ms|s|m),", text)
+    req = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded, "
+                    r"(\d+) failed, (\d+) errored, (\d+) timeout", text)
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", text)
+    traffic = re.search(r"traffic: [\d.]+[KMG]?B \((\d+)\) total", text)
+    if fin is None or req is None or codes is None:
+        raise ValueError(f"unexpected h2load output:\n{text}")
+    ok2xx = int(codes.group(1))
+    return {"requests": ok2xx, "elapsed": float(fin.group(1)) * _TIME[fin.group(2)],
+            "bytes": int(traffic.group(1)) if traffic else 0,
+            "errors": sum(int(x) for x in req.groups()[1:]),
+            "non2xx": sum(int(x) for x in codes.groups()[1:])}
+
+
+def _children_cpu() -> float:
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return c.ru_utime + c.ru_stime
+
+
+def run_client(argv: Sequence[str], parse: Callable[[str], dict[str, Any]], seconds: float
+               ) -> ClientRun:
+    """Run a client to completion on the load core; its figures plus both cores' load."""
+    cpu0, ticks0 = _children_cpu(), core_ticks()
+    res = subprocess.run(pinned(argv, CORE_LOAD), capture_output=True,
+                         timeout=seconds + LOAD_SLACK, check=False)
+    busy = core_busy(ticks0, core_ticks())
+    text = res.stdout.decode(errors="replace")
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{text}\n"
+                           f"{res.stderr.decode(errors='replace')[-2000:]}")
+    p = parse(text)
+    return ClientRun(units=p["requests"], errors=p["errors"], non2xx=p["non2xx"],
+                     elapsed=p["elapsed"],
+                     rate=p["requests"] / p["elapsed"] if p["elapsed"] else 0.0,
+                     bytes_read=p["bytes"], client_cpu=_children_cpu() - cpu0,
+                     core_busy=busy, raw=text)
+
+
+# --- the rig ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    tmp: Path
+    ports: dict[str, int]  # node and each of PROXIES
+    proxies: dict[str, Service]
+    node: Service
+    upstream_alpn: str
+    notes: list[str] = field(default_factory=list)
+
+    def url(self, path: str) -> str:
+        port = self.ports["node" if path == DIRECT else path]
+        return f"https://{HOST}:{port}/"
+
+
+def ingress_yaml(tmp: Path, port: int, node_port: int, node_pin: str) -> str:
+    """One tenant, one terminate route for `localhost` to the node, pinned to its key."""
+    return f"""\
+identity:
+  key: {tmp}/ingress.key
+state_dir: {tmp}/state
+listen:
+  tls: ["127.0.0.1:{port}"]
+limits:
+  clienthello_timeout: 10s
+  idle_timeout: 120s
+  max_connections: {INGRESS_MAX_CONNECTIONS}
+  max_connections_per_ip: {INGRESS_MAX_CONNECTIONS}
+  calls_per_hour_per_ip_key: {HUGE_BUDGET}
+  calls_per_hour_per_ip: {HUGE_BUDGET}
+tenants:
+  - name: bench
+    pins: ["{node_pin}"]
+    routes:
+      - host: {HOST}
+        mode: terminate
+        backend: "127.0.0.1:{node_port}"
+        seal: optional
+        mcp_path: /mcp
+        cert: {{cert: {tmp}/{HOST}.crt, key: {tmp}/{HOST}.key}}
+"""
+
+
+def build_rig(tmp: Path, started: list[Service], upstream_alpn: str) -> Rig:
+    from pact_ingress.identity import keygen
+
+    ports = {"node": free_port(), **{name: free_port() for name in PROXIES}}
+    ingress_id = keygen(tmp / "ingress.key", common_name="pact-ingress-bench")
+    ingress_pem = tmp / "ingress.pem"  # the same client identity for both proxies
+    ingress_pem.write_bytes(ingress_id.cert_path.read_bytes() +
+                            ingress_id.key_path.read_bytes())
+    node_id = keygen(tmp / "node.key", common_name="bench-node")
+    node_pem = tmp / "node.pem"
+    node_pem.write_bytes(node_id.cert_path.read_bytes() + node_id.key_path.read_bytes())
+    front_pem = make_tls_pem(tmp, HOST)  # localhost.key/.crt/.pem: both proxies' front cert
+    body = tmp / "body.txt"
+    body.write_bytes(b"o" * (BODY_BYTES - 1) + b"\n")
+
+    (tmp / "node.cfg").write_text(haproxy_http_backend_cfg(
+        port=ports["node"], pem=node_pem, body=body, alpn=upstream_alpn,
+        client_ca=ingress_id.cert_path))
+    (tmp / "haproxy.cfg").write_text(haproxy_terminate_cfg(
+        port=ports[PEER], pem=front_pem, backend_port=ports["node"], client_pem=ingress_pem,
+        alpn=upstream_alpn))
+    (tmp / "ingress.yaml").write_text(
+        ingress_yaml(tmp, ports[SUBJECT], ports["node"], node_id.fingerprint))
+
+    node = Service("node (haproxy)", haproxy_argv(tmp / "node.cfg"), CORE_LOAD,
+                   tmp / "node.log")
+    started.append(node)
+    node.start([ports["node"]])
+    haproxy = Service("haproxy", haproxy_argv(tmp / "haproxy.cfg"), CORE_PROXY,
+                      tmp / "haproxy.log")
+    started.append(haproxy)
+    haproxy.start([ports[PEER]])
+    ingress = Service("pact-ingress (serve)", python_module(
+        "pact_ingress", "serve", "-c", str(tmp / "ingress.yaml")), CORE_PROXY,
+        tmp / "ingress.log")
+    started.append(ingress)
+    ingress.start([ports[SUBJECT]])
+    floor = Service("hypercorn alone", [sys.executable, "-m", "hypercorn", "-k", "trio",
+                                        "--certfile", str(tmp / f"{HOST}.crt"),
+                                        "--keyfile", str(tmp / f"{HOST}.key"),
+                                        "-b", f"127.0.0.1:{ports[FLOOR]}",
+                                        "--log-level", "warning", FLOOR_APP],
+                    CORE_PROXY, tmp / "floor.log")
+    started.append(floor)
+    floor.start([ports[FLOOR]])
+    return Rig(tmp, ports, {PEER: haproxy, SUBJECT: ingress, FLOOR: floor}, node,
+               upstream_alpn)
+
+
+# --- the floor: hypercorn answering by itself --------------------------------------------
+
+FLOOR_APP = "tests.bench.bench_terminate:floor_app"
+_FLOOR_BODY = b"o" * (BODY_BYTES - 1) + b"\n"
+_FLOOR_HEADERS = [(b"content-type", b"text/plain"),
+                  (b"content-length", str(BODY_BYTES).encode())]
+
+
+async def floor_app(scope: dict[str, Any], receive: Callable[[], Any],
+                    send: Callable[[dict[str, Any]], Any]) -> None:
+    """The same answer as the node (200, 1 KiB), from hypercorn's own ASGI loop."""
+    if scope["type"] == "lifespan":
+        for _ in range(2):  # startup, then shutdown
+            msg = await receive()
+            done = "startup" if msg["type"] == "lifespan.startup" else "shutdown"
+            await send({"type": f"lifespan.{done}.complete"})
+            if done == "shutdown":
+                return
+        return
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": _FLOOR_HEADERS})
+    await send({"type": "http.response.body", "body": _FLOOR_BODY})
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def client_for(rig: Rig, phase: Phase, path: str, seconds: float
+               ) -> tuple[list[str], Callable[[str], dict[str, Any]]]:
+    if phase.h2:
+        return h2load_argv(rig.url(path), phase.conns, seconds), parse_h2load
+    return wrk_argv(rig.url(path), phase.conns, seconds, phase.new_conns), parse_wrk
+
+
+def run_phase(rig: Rig, phase: Phase, path: str, seconds: float) -> ClientRun:
+    """One client run against one path, with the proxy's and the node's CPU."""
+    pids = {"node": rig.node.pid}
+    if path != DIRECT:
+        pids["proxy"] = rig.proxies[path].pid
+    meter = CpuMeter(pids)
+    argv, parse = client_for(rig, phase, path, seconds)
+    meter.start()
+    run = run_client(argv, parse, seconds)
+    used = meter.stop()
+    run.proxy_cpu = used.get("proxy")
+    run.node_cpu = used["node"]
+    for svc in (*rig.proxies.values(), rig.node):
+        if not svc.alive():
+            raise RuntimeError(f"{svc.name} died during {phase.key} via {path}:\n"
+                               f"{svc.log_tail()}")
+    return run
+
+
+def warm_up(rig: Rig, s: Settings, plan: Sequence[Phase]) -> None:
+    """A short run of each kind of client per path: pools filled, every route proven."""
+    kinds = {(ph.h2, ph.new_conns): ph for ph in plan}
+    for path in PATHS:
+        for ph in kinds.values():
+            run = run_phase(rig, Phase(ph.key, ph.label, min(ph.conns, 8), ph.new_conns,
+                                       ph.h2), path, s.warmup)
+            if run.errors or run.non2xx or not run.units:
+                raise SystemExit(f"warm-up {ph.key} via {path} failed:\n{run.raw}\n"
+                                 f"{rig.proxies.get(path, rig.node).log_tail()}")
+
+
+def measure(rig: Rig, s: Settings, plan: Sequence[Phase], log: Callable[[str], None]
+            ) -> dict[str, dict[str, list[ClientRun]]]:
+    results: dict[str, dict[str, list[ClientRun]]] = {}
+    for rnd in range(s.rounds):
+        for phase in plan:
+            for path in PATHS:
+                run = run_phase(rig, phase, path, s.seconds)
+                results.setdefault(phase.key, {}).setdefault(path, []).append(run)
+                cpu = "-" if run.proxy_cpu is None else f"{run.proxy_cpu:.2f}s"
+                log(f"round {rnd + 1}/{s.rounds} {phase.key:6} {path:13} "
+                    f"rate={run.rate:10,.1f} err={run.errors} non2xx={run.non2xx} "
+                    f"proxy_cpu={cpu} cores busy: proxy "
+                    f"{run.core_busy[str(CORE_PROXY)]:.0%} load "
+                    f"{run.core_busy[str(CORE_LOAD)]:.0%}")
+    return results
+
+
+def per_request_us(run: ClientRun) -> float | None:
+    if run.proxy_cpu is None or not run.units:
+        return None
+    return run.proxy_cpu / run.units * 1e6
+
+
+def capacity(run: ClientRun) -> float | None:
+    """Requests/s the proxy could answer on its whole core at the measured CPU cost: the
+    target judged even when the load core, not the proxy, capped the measured rate."""
+    us = per_request_us(run)
+    return 1e6 / us if us else None
+
+
+MetricSpec = tuple[str, str, str, Callable[[ClientRun], float | None], Target | None]
+RATIOS = [(SUBJECT, DIRECT), (PEER, DIRECT), (SUBJECT, PEER), (FLOOR, PEER)]
+METRICS: list[MetricSpec] = [
+    ("keep-alive req/s, HTTP/1.1, 1 conn", "req/s", "ka1", lambda r: r.rate,
+     KEEPALIVE_TARGET),
+    ("keep-alive req/s, HTTP/1.1, 8 conns", "req/s", "ka8", lambda r: r.rate,
+     KEEPALIVE_TARGET),
+    ("keep-alive req/s, HTTP/2, 8 conns", "req/s", "h2ka8", lambda r: r.rate,
+     KEEPALIVE_TARGET),
+    ("proxy CPU per request, HTTP/1.1, 1 conn", "µs", "ka1", per_request_us, None),
+    ("proxy CPU per request, HTTP/1.1, 8 conns", "µs", "ka8", per_request_us, None),
+    ("proxy CPU per request, HTTP/2, 8 conns", "µs", "h2ka8", per_request_us, None),
+    ("keep-alive capacity of one core, HTTP/1.1 (1 s ÷ CPU per req, 8 conns)", "req/s",
+     "ka8", capacity, KEEPALIVE_TARGET),
+    ("new TLS conn/s (1 request each), 1 client", "conn/s", "new1", lambda r: r.rate, None),
+    ("new TLS conn/s (1 request each), 8 clients", "conn/s", "new8", lambda r: r.rate, None),
+    ("proxy CPU per new TLS conn, 8 clients", "µs", "new8", per_request_us, None),
+]
+
+
+def build_report(results: dict[str, dict[str, list[ClientRun]]], title: str,
+                 notes: list[str]) -> Comparison:
+    report = Comparison(title, list(PATHS), RATIOS)
+    for name, unit, key, value, target in METRICS:
+        if key not in results:
+            continue
+        values: dict[str, float | None] = {}
+        for path in PATHS:
+            nums = [v for v in (value(r) for r in results[key].get(path, []))
+                    if v is not None]
+            values[path] = statistics.median(nums) if nums else None
+        checks = (Check(SUBJECT, PEER, target),) if target else ()
+        report.add(Row(name, unit, values, checks))
+    non2xx = errors = 0
+    for key, by_path in results.items():
+        for path, runs in by_path.items():
+            errs, bad = sum(r.errors for r in runs), sum(r.non2xx for r in runs)
+            errors, non2xx = errors + errs, non2xx + bad
+            if errs or bad:
+                notes.append(f"{key} via {path}: {errs} errors, {bad} non-2xx responses")
+            load = max(r.core_busy[str(CORE_LOAD)] for r in runs)
+            proxy = max(r.core_busy[str(CORE_PROXY)] for r in runs)
+            if path != DIRECT and load > LOAD_BOUND and proxy < LOAD_BOUND:
+                notes.append(f"{key} via {path}: load core {load:.0%} busy, proxy core "
+                             f"{proxy:.0%}: the clients/node set the pace, not the proxy")
+    if not non2xx:
+        notes.append("every response in every measured run was 2xx (no 429: the rate "
+                     "limiter was charged but never refused)")
+    if not errors:
+        notes.append("no socket errors in any measured run")
+    sizes = {path: [r.bytes_read / r.units for runs in (by.get(path, []) for by in
+                                                         results.values())
+                    for r in runs if r.units and r.bytes_read]
+             for path in PATHS}
+    notes.append("bytes read per response (headers + body), median: " + ", ".join(
+        f"{p} {statistics.median(v):.0f}" for p, v in sizes.items() if v))
+    report.notes = notes
+    return report
+
+
+# --- profile ---------------------------------------------------------------------------------
+
+#: Module → component, first match wins (py-spy `--full-filenames` frames).
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("pact_ingress/net/terminate.py", "pact-ingress terminate.py"),
+    ("pact_ingress/net/upstream.py", "pact-ingress upstream.py"),
+    ("pact_ingress/", "pact-ingress (other)"),
+    ("/hypercorn/", "hypercorn"),
+    ("/h11/", "h11"),
+    ("/h2/", "h2 + hpack + hyperframe"),
+    ("/hpack/", "h2 + hpack + hyperframe"),
+    ("/hyperframe/", "h2 + hpack + hyperframe"),
+    ("/httpcore/", "httpcore"),
+    ("/trio/_ssl.py", "TLS (ssl + trio.SSLStream)"),
+    ("/ssl.py", "TLS (ssl + trio.SSLStream)"),
+    ("/trio/_socket.py", "socket calls (trio socket wrappers, syscalls)"),
+    ("/trio/_highlevel_socket.py", "socket calls (trio socket wrappers, syscalls)"),
+    ("/trio/", "trio (scheduler, cancel scopes, locks)"),
+    ("/logging/", "logging"),
+    ("/json/", "json"),
+)
+_FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+
+
+def component(filename: str) -> str:
+    for needle, name in COMPONENTS:
+        if needle in filename:
+            return name
+    return "other Python (stdlib: contextlib, collections, …)"
+
+
+def parse_collapsed(text: str) -> list[tuple[list[tuple[str, str]], int]]:
+    """py-spy `--format raw` (collapsed stacks: `frame;frame;… count`), outermost first;
+    each frame as (function, file)."""
+    stacks = []
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = []
+        for part in stack.split(";"):
+            m = _FRAME.match(part.strip())
+            frames.append((m["func"], m["file"]) if m else (part.strip(), ""))
+        stacks.append((frames, int(count)))
+    return stacks
+
+
+def summarise_profile(text: str, seconds: float, rate: int) -> dict[str, Any]:
+    """Shares of samples: by the innermost frame's component (exclusive), by any frame's
+    component (inclusive), and the hottest innermost functions."""
+    stacks = parse_collapsed(text)
+    total = sum(n for _, n in stacks)
+    excl: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    leaf: Counter[str] = Counter()
+    ours: Counter[str] = Counter()
+    for frames, n in stacks:
+        if not frames:
+            continue
+        func, file = frames[-1]
+        excl[component(file)] += n
+        leaf[_short(func, file)] += n
+        for comp in {component(f) for _, f in _task_frames(frames)}:
+            incl[comp] += n
+        for name in {_short(fn, f) for fn, f in frames if "pact_ingress/net/" in f}:
+            ours[name] += n
+    share = (lambda n: n / total) if total else (lambda n: 0.0)
+    return {
+        "samples": total, "seconds": seconds, "rate_hz": rate,
+        "busy_fraction": total / (seconds * rate) if seconds and rate else None,
+        "exclusive": {k: share(v) for k, v in excl.most_common()},
+        "inclusive": {k: share(v) for k, v in incl.most_common()},
+        "top_functions": {k: share(v) for k, v in leaf.most_common(PROFILE_TOP)},
+        "ours_inclusive": {k: share(v) for k, v in ours.most_common(PROFILE_TOP)},
+    }
+
+
+def _task_frames(frames: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The running trio task's own frames: those above the scheduler's `unrolled_run`
+    (below it sit runpy, the CLI and `trio.run`, on every stack)."""
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i][0] == "unrolled_run":
+            return frames[i + 1:] or frames[i:]  # the scheduler itself is running
+    return frames
+
+
+def _short(func: str, file: str) -> str:
+    return f"{func} ({'/'.join(Path(file).parts[-2:])})"
+
+
+_OVERLAP_NOTE = ("Inclusive shares overlap (a sample counts for every component on its "
+                 "stack); `terminate.py` hosts hypercorn's per-connection loop "
+                 "(`Terminator.serve`), so its inclusive share covers hypercorn's too.")
+
+
+def profile_markdown(p: dict[str, Any], title: str) -> str:
+    busy = p.get("busy_fraction")
+    sampled = f"{p['samples']:,} samples at {p['rate_hz']} Hz over {p['seconds']:g} s"
+    if busy is not None:
+        sampled += f" (non-idle samples ≈ {busy:.0%} of the wall time)"
+    lines = [f"### {title}", "", sampled + ".", "",
+             "| component | self (innermost frame) | inclusive (running task's stack) |",
+             "|---|---|---|"]
+    for comp in sorted(set(p["exclusive"]) | set(p["inclusive"]),
+                       key=lambda c: -p["exclusive"].get(c, 0.0)):
+        lines.append(f"| {comp} | {p['exclusive'].get(comp, 0.0):.1%} | "
+                     f"{p['inclusive'].get(comp, 0.0):.1%} |")
+    lines += ["", _OVERLAP_NOTE, "", "| hottest functions (self) | share |", "|---|---|"]
+    lines += [f"| `{fn}` | {v:.1%} |" for fn, v in p["top_functions"].items()]
+    lines += ["", "| pact-ingress functions (inclusive: they and all they call) | share |",
+              "|---|---|"]
+    lines += [f"| `{fn}` | {v:.1%} |" for fn, v in p["ours_inclusive"].items()]
+    return "\n".join(lines)
+
+
+def profile_ingress(rig: Rig, phase: Phase, seconds: float, out: Path,
+                    log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Keep-alive load on the ingress while py-spy samples it (py-spy on the load core;
+    it pauses the ingress briefly per sample, so the rate under profile is a bit lower)."""
+    spy = shutil.which(PY_SPY)
+    if spy is None:
+        log("py-spy not found (pip install py-spy): no profile")
+        return None
+    pid = rig.proxies[SUBJECT].pid
+    argv = pinned([spy, "record", "--pid", str(pid), "--duration", f"{seconds + 1:g}",
+                   "--rate", str(PROFILE_RATE), "--full-filenames",
+                   "--format", "raw", "--output", str(out)], CORE_LOAD)
+    with (rig.tmp / "py-spy.log").open("wb") as spy_log:
+        spy_proc = subprocess.Popen(argv, stdout=spy_log, stderr=subprocess.STDOUT)
+        time.sleep(0.5)  # attached before the load starts
+        run = run_phase(rig, phase, SUBJECT, seconds)
+        try:
+            spy_proc.wait(seconds + LOAD_SLACK)
+        except subprocess.TimeoutExpired:
+            spy_proc.kill()
+            spy_proc.wait()
+    if spy_proc.returncode != 0 or not out.exists():
+        log(f"py-spy failed ({spy_proc.returncode}): "
+            f"{(rig.tmp / 'py-spy.log').read_text(errors='replace')[-500:]}")
+        return None
+    summary = summarise_profile(out.read_text(), seconds + 1, PROFILE_RATE)
+    summary["load"] = {"phase": phase.key, "rate": run.rate, "errors": run.errors,
+                       "non2xx": run.non2xx}
+    return summary
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def other_benches() -> list[str]:
+    """Command lines of other bench processes running now (they skew every figure)."""
+    res = subprocess.run(["pgrep", "-af", "tests.bench"], capture_output=True, timeout=10,
+                         check=False)
+    me = {str(os.getpid()), str(os.getppid())}
+    return [line for line in res.stdout.decode().splitlines()
+            if line.split(" ", 1)[0] not in me and "bench_terminate" not in line]
+
+
+def machine_state() -> str:
+    load1, load5, _ = os.getloadavg()
+    others = other_benches()
+    state = (f"machine state at start: load average {load1:.2f} (1 min), {load5:.2f} "
+             f"(5 min) on {os.cpu_count()} CPUs; ")
+    if others:
+        return state + (f"ANOTHER BENCH WAS RUNNING ({len(others)} processes, e.g. "
+                        f"`{others[0].split(' ', 1)[-1][:80]}`): figures are skewed")
+    return state + "no other bench running"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, one round")
+    p.add_argument("--json", type=Path, help="also write results as JSON here")
+    p.add_argument("--seconds", type=float, help="override the timed run length")
+    p.add_argument("--rounds", type=int, help="override the number of rounds")
+    p.add_argument("--upstream", choices=("h2", "http/1.1"), default="h2",
+                   help="ALPN the node offers (default h2, falling back to http/1.1 "
+                        "like a hypercorn node; http/1.1 forces HTTP/1.1 upstream)")
+    p.add_argument("--only", help="comma-separated phases: " + ",".join(
+        ph.key for ph in PHASES))
+    p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    args = p.parse_args(argv)
+    for tool in (HAPROXY, WRK):
+        if shutil.which(tool) is None:
+            p.error(f"{tool} not found: apt-get install haproxy wrk")
+    s = QUICK if args.quick else FULL
+    if args.seconds:
+        s = Settings(**{**asdict(s), "seconds": args.seconds})
+    if args.rounds:
+        s = Settings(**{**asdict(s), "rounds": args.rounds})
+    plan = [ph for ph in PHASES if (args.only is None or ph.key in args.only.split(","))
+            and (not ph.h2 or shutil.which(H2LOAD))]
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    notes = machine_notes()
+    notes.append(machine_state())
+    notes.append(f"HAProxy: {tool_version([HAPROXY, '-v'])}; clients: wrk 4.1 (HTTP/1.1), "
+                 + (f"{tool_version([H2LOAD, '--version'])} (HTTP/2)" if shutil.which(H2LOAD)
+                    else "no h2load (HTTP/2 rows skipped)"))
+    if cores_available() >= 2:
+        pin_self(CORE_LOAD)
+        notes.append(f"proxy under test on core {CORE_PROXY}; node, clients, orchestrator "
+                     f"(and py-spy) on core {CORE_LOAD}")
+    else:
+        notes.append("fewer than 2 cores: NOT pinned, numbers are not comparable")
+    upstream_alpn = "h2,http/1.1" if args.upstream == "h2" else "http/1.1"
+    notes.append(f"node (HAProxy `http-request return`, {BODY_BYTES} B body) offers ALPN "
+                 f"{upstream_alpn}, both proxies re-encrypt with the same client cert, "
+                 f"which the node requests and verifies (`verify optional`); HAProxy "
+                 f"`verify none` (it cannot pin), pact-ingress pins the node key")
+    notes.append(f"mode {'quick (smoke)' if args.quick else 'full'}: {s.seconds:g} s runs, "
+                 f"{s.rounds} round(s), median")
+    tmp = Path(tempfile.mkdtemp(prefix="pact-bench-terminate-"))
+    started_at = time.monotonic()
+    profile: dict[str, Any] | None = None
+    with services() as started:
+        rig = build_rig(tmp, started, upstream_alpn)
+        log(f"rig up in {tmp}; warming up")
+        warm_up(rig, s, plan)
+        results = measure(rig, s, plan, log)
+        ka8 = next((ph for ph in PHASES if ph.key == "ka8"), None)
+        if not args.no_profile and s.profile_seconds > 0 and ka8 is not None:
+            log(f"profiling pact-ingress under {ka8.key} for {s.profile_seconds:g} s")
+            profile = profile_ingress(rig, ka8, s.profile_seconds, tmp / "py-spy.txt", log)
+        ingress_log_bytes = (tmp / "ingress.log").stat().st_size
+    notes.append(f"pact-ingress wrote {ingress_log_bytes:,} bytes of log in the run")
+    title = f"Terminate on loopback ({'quick smoke run' if args.quick else 'full run'})"
+    report = build_report(results, title, notes)
+    print(report.markdown())
+    if profile is not None:
+        print()
+        print(profile_markdown(profile, f"Where pact-ingress's time goes (py-spy, "
+                                        f"{profile['load']['phase']}, "
+                                        f"{profile['load']['rate']:,.0f} req/s while sampled)"))
+    log(f"done in {time.monotonic() - started_at:.0f} s")
+    if args.json:
+        raw = {k: {p_: [{**asdict(r), "raw": None} for r in runs] for p_, runs in v.items()}
+               for k, v in results.items()}
+        args.json.write_text(json.dumps({"report": report.as_json(), "settings": asdict(s),
+                                         "profile": profile, "results": raw}, indent=1))
+    if args.keep:
+        log(f"kept {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
