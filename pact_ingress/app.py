@@ -173,8 +173,9 @@ class Ingress:
         sdnotify.stopping()
         log.info("draining", open_connections=self.router.open_connections,
                  deadline_s=deadline)
-        await self.tunnels.aclose()
         await self.router.drain(deadline)
+        await self.terminator.drain()
+        await self.tunnels.aclose()
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:

@@ -377,3 +377,63 @@ async def test_no_account_without_agree_tos(
                             {"host": host, "reason": "tos"}) == 1
     assert not list((tmp_path / "state").rglob("registration.json"))
     assert edge.certs.server_context(edge.route(host)) is None
+
+
+async def test_serve_process_issues_and_certs_cli_renews(tmp_path: Path, pebble: Pebble) -> None:
+    """The real `pact-ingress serve` with an `acme:` block issues on start; `certs list`
+    shows it offline; `certs renew HOST` (through the admin endpoint) gets a new one that
+    the very next handshake serves."""
+    import subprocess
+    import sys
+
+    from pact_ingress.identity import keygen
+
+    host = "cli.pact.test"
+    admin = free_port()
+    node = keygen(tmp_path / "node.key")
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{pebble.tls_port}"]
+  http: ["127.0.0.1:{pebble.http_port}"]
+  admin: "127.0.0.1:{admin}"
+acme:
+  directory: {pebble.directory}
+  email: ops@pact.test
+  agree_tos: true
+  challenges: [tls-alpn-01]
+  ca_bundle: {pebble.ca_bundle}
+tenants:
+  - name: t
+    pins: ["{node.fingerprint}"]
+    routes:
+      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
+""")
+    cli = [sys.executable, "-m", "pact_ingress"]
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([*cli, "serve", "-c", str(cfg)], stdout=log, stderr=log)
+    try:
+        import types
+
+        edge = types.SimpleNamespace(pebble=pebble)  # wait_served only needs the CA
+        first = await wait_served(edge, host)
+        assert san_names(first.cert) == [host]
+        await trio.aclose_forcefully(first.tls)
+
+        listing = await trio.run_process([*cli, "certs", "list", "-c", str(cfg)],
+                                         capture_stdout=True, capture_stderr=True)
+        row = next(l for l in listing.stdout.decode().splitlines() if l.startswith(host))
+        assert "acme" in row and "Pebble" in row
+
+        renew = await trio.run_process([*cli, "certs", "renew", host, "-c", str(cfg)],
+                                       capture_stdout=True, capture_stderr=True, check=False)
+        assert renew.returncode == 0, renew.stderr.decode()
+        assert host in renew.stderr.decode()  # the progress line names what it renews
+        second = await wait_served(edge, host, not_serial=first.serial)
+        assert second.serial != first.serial
+        await trio.aclose_forcefully(second.tls)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=WAIT)
+        log.close()

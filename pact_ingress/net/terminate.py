@@ -624,6 +624,10 @@ class Terminator:
         self.limiter = RateLimiter()  # per-route budgets are passed per call
         self._tenants: dict[str, Tenant] = {}
         self._hypercorn: dict[Limits, HypercornConfig] = {}
+        # One hypercorn worker context for every connection: setting its `terminated`
+        # event on drain makes idle keep-alive connections close at once, HTTP/2 refuse
+        # new streams and HTTP/1.1 not recycle, while in-flight requests finish.
+        self._context = WorkerContext(None)
         install_h2_guard()
 
     def update(self, config: Config) -> None:
@@ -660,7 +664,7 @@ class Terminator:
             sni = route.host
         tls = trio.SSLStream(stream, server_ctx, server_side=True)
         app = _ConnectionApp(self, route, sni, client)
-        server = TCPServer(ASGIWrapper(app), self._config_for(route.limits), WorkerContext(None),
+        server = TCPServer(ASGIWrapper(app), self._config_for(route.limits), self._context,
                            ConnectionState({}), tls)  # type: ignore[arg-type]
         app.server = server
         try:
@@ -669,6 +673,10 @@ class Terminator:
             log.debug("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             await trio.aclose_forcefully(tls)
+
+    async def drain(self) -> None:
+        """Shutdown has begun: close idle connections now, let open requests finish."""
+        await self._context.terminated.set()
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
