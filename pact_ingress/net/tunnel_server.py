@@ -130,6 +130,10 @@ KEEPALIVE = (30, 10, 3)
 RATE_WINDOW = 5.0
 
 
+class _SendTimeout(trio.BrokenResourceError):
+    """A control frame could not be sent in time: the peer stopped reading."""
+
+
 class _Refused(Exception):
     """A tunnel connection we refuse: `event` is the counter label, `goaway` the answer."""
 
@@ -187,6 +191,7 @@ class _Session:
     draining: bool = False
     closed: bool = False
     goaway: tf.Goaway | None = None
+    send_timeout: float = HEARTBEAT_INTERVAL * HEARTBEAT_MISSES
 
     def poke(self) -> None:
         self.wakeup.set()
@@ -196,9 +201,24 @@ class _Session:
             self.goaway = goaway
         self.scope.cancel()
 
-    async def send(self, msg: tf.Message) -> None:
+    async def send(self, msg: tf.Message, deadline: float | None = None) -> None:
+        """Send one frame whole, even if the session is being killed meanwhile.
+
+        A cancel that lands inside `send_all` (e.g. once it holds the TLS stream's send
+        lock, which it takes with a yielding checkpoint) leaves the TLS stream broken for
+        good, so the GOAWAY that `kill` wants delivered could no longer be sent and the
+        connector would see a bare EOF instead of KEY_UNPINNED / SHUTDOWN. So waiting
+        for our turn is cancellable, but the send itself is shielded and bounded by its
+        own deadline (default: a heartbeat timeout; a peer that stops reading for that
+        long is dead). `_SendTimeout` if the deadline hits: the stream is broken then.
+        """
         async with self.send_lock:
-            await self.tls.send_all(tf.encode(msg))
+            if deadline is None:
+                deadline = trio.current_time() + self.send_timeout
+            with trio.CancelScope(shield=True, deadline=deadline) as scope:
+                await self.tls.send_all(tf.encode(msg))
+            if scope.cancelled_caught:
+                raise _SendTimeout(f"control frame not sent within {self.send_timeout} s")
 
     def close_idle(self) -> None:
         while self.idle:
@@ -349,7 +369,8 @@ class TunnelServer:
                            tf.GoawayCode.OVER_CAPACITY)
         now = trio.current_time()
         sid = secrets.token_bytes(tf.ID_BYTES)
-        session = _Session(tenant, fingerprint, client, tls, sid.hex()[:16], now, now)
+        session = _Session(tenant, fingerprint, client, tls, sid.hex()[:16], now, now,
+                           send_timeout=self.heartbeat * HEARTBEAT_MISSES)
         await session.send(tf.Welcome(sid, int(self.heartbeat * 1000)))
         self._register(session, hello)
         try:
@@ -454,8 +475,10 @@ class TunnelServer:
                 return
             if now >= next_ping:
                 nonce += 1
-                with trio.move_on_at(session.last_rx + timeout):
-                    await session.send(tf.Ping(nonce))
+                try:
+                    await session.send(tf.Ping(nonce), deadline=session.last_rx + timeout)
+                except _SendTimeout:
+                    pass  # silent for a whole timeout: the next turn declares it dead
                 next_ping = now + self.heartbeat
 
     # --- the data-connection pool ------------------------------------------------------
