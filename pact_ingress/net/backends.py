@@ -14,7 +14,9 @@ name share it.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
 import socket
 from collections.abc import Iterable
 from typing import Protocol
@@ -32,6 +34,9 @@ DNS_TTL = 60.0
 DNS_TIMEOUT = 5.0
 #: Connect attempts to one backend give up after this (a dead host is not waited on).
 CONNECT_TIMEOUT = 5.0
+#: TCP options every relayed socket gets — the ones `trio.SocketStream` sets: no Nagle
+#: delay on relayed records, and at most 16 KiB unsent in the kernel per socket.
+STREAM_OPTIONS = ((socket.TCP_NODELAY, 1), (socket.TCP_NOTSENT_LOWAT, 1 << 14))
 
 
 def is_ip(host: str) -> bool:
@@ -128,22 +133,55 @@ class Backends:
         return await self.connect_address(route.backend.address)
 
     async def connect_address(self, address: Address) -> trio.SocketStream:
-        """Connect to each resolved address in turn (a home node has one or two).
+        """A `SocketStream` to a configured address (see `connect_socket`)."""
+        return trio.SocketStream(await self.connect_socket(address))
 
-        A plain socket connect, not `trio.open_tcp_stream`: its happy-eyeballs machinery
-        (a nursery and a task per attempt) doubled the cost of a new connection in the
-        benchmark, and backends here are a handful of known addresses.
+    async def connect_socket(self, address: Address) -> trio.socket.SocketType:
+        """A connected bare socket to each resolved address in turn (a home node has one
+        or two), with the options a `SocketStream` would set; or BackendError.
+
+        A plain non-blocking connect, not `trio.open_tcp_stream`: its happy-eyeballs
+        machinery (a nursery and a task per attempt) doubled the cost of a new connection
+        in the benchmark, and backends here are a handful of known addresses.
         """
         addrs = await self.resolver.resolve(address.host)
         last: Exception | None = None
         for ip in addrs:
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            sock = trio.socket.socket(family, socket.SOCK_STREAM)
             try:
-                with trio.fail_after(CONNECT_TIMEOUT):
-                    await sock.connect((ip, address.port))
-                return trio.SocketStream(sock)
+                return await _connect((ip, address.port))
             except (OSError, trio.TooSlowError) as exc:
-                sock.close()
                 last = exc
         raise BackendError(f"backend {address} unreachable: {last}")
+
+
+async def _connect(addr: tuple[str, int]) -> trio.socket.SocketType:
+    """Connect without a scheduler round trip when the kernel completes it at once (it
+    does on loopback and often on a LAN): one `getpeername` probe instead of an epoll
+    registration, a wake-up and an `SO_ERROR` read. Only a pending connect waits, with
+    `CONNECT_TIMEOUT`."""
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    raw = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        for option, value in STREAM_OPTIONS:
+            raw.setsockopt(socket.IPPROTO_TCP, option, value)
+        err = raw.connect_ex(addr)
+        if err not in (0, errno.EINPROGRESS):
+            raise OSError(err, os.strerror(err))
+        sock = trio.socket.from_stdlib_socket(raw)
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        if err:
+            try:
+                raw.getpeername()
+            except OSError:  # not connected yet (or failed): wait, then read the verdict
+                with trio.fail_after(CONNECT_TIMEOUT):
+                    await trio.lowlevel.wait_writable(sock)
+                err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err:
+                    raise OSError(err, os.strerror(err)) from None
+        return sock
+    except BaseException:
+        sock.close()
+        raise

@@ -29,6 +29,8 @@ listeners first, then gives open connections a deadline before cancelling them.
 from __future__ import annotations
 
 import errno
+import os
+import socket
 import ssl
 from collections import Counter
 from collections.abc import Sequence
@@ -40,9 +42,9 @@ import trio
 from pact_ingress.config import Config, Route
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import log
-from pact_ingress.net.backends import Backends
+from pact_ingress.net.backends import STREAM_OPTIONS, Backends
 from pact_ingress.net.replay import ReplayStream
-from pact_ingress.net.splice import relay
+from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
 from pact_ingress.proto.proxy_protocol import encode_v2
@@ -54,6 +56,8 @@ from pact_ingress.stats import Stats
 PEEK_READ = 4096
 #: Errors from accept() that mean "out of resources for now", not "listener broken".
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+#: Connections accepted back to back before the accept loop yields to the handlers.
+ACCEPT_BATCH = 16
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
@@ -103,8 +107,11 @@ class Router:
         self.tunnels = tunnels
         self._counts = _Counts()
         self._bytes_by_route: dict[str, tuple[Any, Any]] = {}
+        self._conn_counters: dict[tuple[str, str], Any] = {}
         self._accepting = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        # The gauge reads the count when scraped: no lock taken twice per connection.
+        stats.open_connections.set_function(lambda: self._counts.total)
         self.update(config)
 
     def update(self, config: Config) -> None:
@@ -118,7 +125,7 @@ class Router:
 
     async def serve(
         self,
-        listeners: Sequence[trio.SocketListener],
+        listeners: Sequence[trio.abc.Listener[Any]],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -145,28 +152,67 @@ class Router:
     def open_connections(self) -> int:
         return self._counts.total
 
-    async def _accept_loop(self, listener: trio.SocketListener, handlers: trio.Nursery) -> None:
-        while True:
+    async def _accept_loop(self, listener: trio.abc.Listener[Any],
+                           handlers: trio.Nursery) -> None:
+        if type(listener) is trio.SocketListener:
+            await self._accept_sockets(listener, handlers)
+            return
+        while True:  # any other listener (tests wrap one): the generic, slower path
             try:
                 stream = await listener.accept()
             except OSError as exc:
-                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                    raise
-                self.stats.rejections.labels("accept_" + errno.errorcode[exc.errno]).inc()
-                log.error("accept_failed", error=errno.errorcode[exc.errno],
-                          backoff_s=ACCEPT_BACKOFF)
-                await trio.sleep(ACCEPT_BACKOFF)
+                await self._accept_failed(exc)
                 continue
-            ip = _peer_ip(stream)
-            reason = self._over_limit(ip)
-            if reason is not None:
-                self.stats.rejections.labels(reason).inc()
-                self.stats.refused("-", ip, reason)
-                stream.socket.close()  # at accept: no handshake, no task
-                continue
-            self._counts.total += 1
-            self._counts.per_ip[ip] += 1
-            handlers.start_soon(self._handle_counted, stream, ip)
+            self._admit(stream.socket, _peer(stream.socket), handlers)
+
+    async def _accept_sockets(self, listener: trio.SocketListener,
+                              handlers: trio.Nursery) -> None:
+        """accept(2) straight on the listening socket: the peer address comes with it (no
+        getpeername), no `SocketStream` is built, and the loop only waits — or yields,
+        every `ACCEPT_BATCH` — when the backlog is empty."""
+        raw = socket.socket(fileno=listener.socket.fileno())  # same fd, detached below
+        try:
+            for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
+                raw.setsockopt(socket.IPPROTO_TCP, option, value)
+            batch = 0
+            while True:
+                try:
+                    conn, addr = raw.accept()
+                except BlockingIOError:
+                    batch = 0
+                    await trio.lowlevel.wait_readable(listener.socket)
+                    continue
+                except OSError as exc:
+                    await self._accept_failed(exc)
+                    continue
+                self._admit(trio.socket.from_stdlib_socket(conn), (addr[0], addr[1]), handlers)
+                batch += 1
+                if batch >= ACCEPT_BATCH:
+                    batch = 0
+                    await trio.lowlevel.checkpoint()
+        finally:
+            raw.detach()
+
+    async def _accept_failed(self, exc: OSError) -> None:
+        if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+            raise exc
+        self.stats.rejections.labels("accept_" + errno.errorcode[exc.errno]).inc()
+        log.error("accept_failed", error=errno.errorcode[exc.errno], backoff_s=ACCEPT_BACKOFF)
+        await trio.sleep(ACCEPT_BACKOFF)
+
+    def _admit(self, sock: trio.socket.SocketType, client: tuple[str, int],
+               handlers: trio.Nursery) -> None:
+        """Limits at accept: an over-limit connection is closed before any byte is read."""
+        ip = client[0]
+        reason = self._over_limit(ip)
+        if reason is not None:
+            self.stats.rejections.labels(reason).inc()
+            self.stats.refused("-", ip, reason)
+            sock.close()  # at accept: no handshake, no task
+            return
+        self._counts.total += 1
+        self._counts.per_ip[ip] += 1
+        handlers.start_soon(self._handle_counted, sock, client)
 
     def _over_limit(self, ip: str) -> str | None:
         if self._counts.total >= self.limits.max_connections:
@@ -175,53 +221,71 @@ class Router:
             return "max_connections_per_ip"
         return None
 
-    async def _handle_counted(self, stream: trio.SocketStream, ip: str) -> None:
-        self.stats.open_connections.inc()
+    async def _handle_counted(self, sock: trio.socket.SocketType, client: tuple[str, int]
+                              ) -> None:
         try:
-            await self.handle(stream)
+            await self._route(sock, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self.stats.rejections.labels("handler_error").inc()
-            log.error("handler_error", client_ip=ip, error=f"{type(exc).__name__}: {exc}")
+            log.error("handler_error", client_ip=client[0],
+                      error=f"{type(exc).__name__}: {exc}")
         finally:
-            self.stats.open_connections.dec()
-            self._counts.total -= 1
-            self._counts.per_ip[ip] -= 1
-            if not self._counts.per_ip[ip]:
-                del self._counts.per_ip[ip]
+            sock.close()
+            counts = self._counts
+            counts.total -= 1
+            left = counts.per_ip[client[0]] - 1
+            if left:
+                counts.per_ip[client[0]] = left
+            else:
+                del counts.per_ip[client[0]]
 
     # --- one connection ----------------------------------------------------------------
 
     async def handle(self, tcp: trio.SocketStream) -> None:
         """Route one accepted connection; always closes it."""
-        client = _peer(tcp)
         try:
-            peeked = await self._peek(tcp, client[0])
-            if peeked is not None:
-                hello, data = peeked
-                await self._dispatch(tcp, hello, data, client)
+            await self._route(tcp.socket, _peer(tcp.socket))
         finally:
-            await close_stream(tcp)
+            tcp.socket.close()
 
-    async def _peek(self, tcp: trio.SocketStream, ip: str) -> tuple[ClientHello, bytes] | None:
-        buf = bytearray()
-        with trio.move_on_after(self.limits.clienthello_timeout):
-            try:
-                while True:
-                    chunk = await tcp.receive_some(PEEK_READ)
-                    if not chunk:
-                        self._reject(ip, "clienthello_eof")
+    async def _route(self, sock: trio.socket.SocketType, client: tuple[str, int]) -> None:
+        peeked = await self._peek(sock, client[0])
+        if peeked is not None:
+            hello, data = peeked
+            await self._dispatch(sock, hello, data, client)
+
+    async def _peek(self, sock: trio.socket.SocketType, ip: str
+                    ) -> tuple[ClientHello, bytes] | None:
+        """Read until the ClientHello parses. Reads are tried before waiting: a new
+        connection's hello is usually queued already, and then this costs one read(2)
+        and no trip through the scheduler. The timeout runs from the first wait."""
+        fd = sock.fileno()
+        buf = b""
+        deadline = None
+        try:
+            while True:
+                try:
+                    chunk = os.read(fd, PEEK_READ)
+                except BlockingIOError:
+                    if deadline is None:
+                        deadline = trio.current_time() + self.limits.clienthello_timeout
+                    with trio.move_on_at(deadline) as waiting:
+                        await trio.lowlevel.wait_readable(sock)
+                    if waiting.cancelled_caught:
+                        self._reject(ip, "clienthello_timeout")
                         return None
-                    buf += chunk
-                    hello = parse_client_hello(bytes(buf))
-                    if hello is not None:
-                        return hello, bytes(buf)
-            except ClientHelloError as exc:
-                self._reject(ip, "clienthello_" + exc.reason)
-                return None
-            except (trio.BrokenResourceError, OSError):
-                self._reject(ip, "clienthello_reset")
-                return None
-        self._reject(ip, "clienthello_timeout")
+                    continue
+                if not chunk:
+                    self._reject(ip, "clienthello_eof")
+                    return None
+                buf += chunk
+                hello = parse_client_hello(buf)
+                if hello is not None:
+                    return hello, buf
+        except ClientHelloError as exc:
+            self._reject(ip, "clienthello_" + exc.reason)
+        except OSError:
+            self._reject(ip, "clienthello_reset")
         return None
 
     def _reject(self, ip: str, reason: str, route: str = "-") -> None:
@@ -229,34 +293,34 @@ class Router:
         self.stats.refused(route, ip, reason)
         log.info("conn_rejected", client_ip=ip, reason=reason, route=route)
 
-    async def _dispatch(self, tcp: trio.SocketStream, hello: ClientHello, data: bytes,
+    async def _dispatch(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
                         client: tuple[str, int]) -> None:
         sni = hello.sni
         if (sni is not None and sni == self.tunnel_hostname and self.tunnels is not None
                 and any(p in TUNNEL_ALPNS for p in hello.alpn)):
-            await self.tunnels.handle(ReplayStream(data, tcp), client)
+            await self.tunnels.handle(ReplayStream(data, trio.SocketStream(sock)), client)
             return
         route = self.table.lookup(sni)
         if route is None:
             self._reject(client[0], "unknown_sni" if sni else "no_sni")
-            await _send_alert(tcp, tls_alert.UNRECOGNIZED_NAME)
+            _send_alert(sock, tls_alert.UNRECOGNIZED_NAME)
             return
         if route.mode == "terminate":
             if ACME_ALPN in hello.alpn:
-                await self._answer_challenge(tcp, data, route, sni or "", client)
+                await self._answer_challenge(sock, data, route, sni or "", client)
             else:
-                await self._terminate(tcp, data, route, client, sni)
+                await self._terminate(sock, data, route, client, sni)
             return
-        await self._passthrough(tcp, data, route, client)
+        await self._passthrough(sock, data, route, client)
 
-    async def _answer_challenge(self, tcp: trio.SocketStream, data: bytes, route: Route,
+    async def _answer_challenge(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                                 host: str, client: tuple[str, int]) -> None:
         ctx = self.certs.challenge_context(host) if self.certs is not None else None
         if ctx is None:
             self._reject(client[0], "acme_no_challenge", route.host)
-            await _send_alert(tcp, tls_alert.NO_APPLICATION_PROTOCOL)
+            _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
             return
-        tls = trio.SSLStream(ReplayStream(data, tcp), ctx, server_side=True)
+        tls = trio.SSLStream(ReplayStream(data, trio.SocketStream(sock)), ctx, server_side=True)
         with trio.move_on_after(CHALLENGE_TIMEOUT):
             try:
                 await tls.do_handshake()
@@ -264,28 +328,29 @@ class Router:
             except (trio.BrokenResourceError, ssl.SSLError, OSError):
                 pass
 
-    async def _terminate(self, tcp: trio.SocketStream, data: bytes, route: Route,
+    async def _terminate(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                          client: tuple[str, int], sni: str | None) -> None:
         ctx = self.certs.server_context(route) if self.certs is not None else None
         if ctx is None or self.terminator is None:
             self._reject(client[0], "no_certificate_yet", route.host)
             log.warning("terminate_no_cert", route=route.host,
                         detail="certificate issuance in progress or no cert source")
-            await _send_alert(tcp, tls_alert.INTERNAL_ERROR)
+            _send_alert(sock, tls_alert.INTERNAL_ERROR)
             return
-        await self.terminator.serve(ReplayStream(data, tcp), ctx, route, client, sni=sni)
+        await self.terminator.serve(ReplayStream(data, trio.SocketStream(sock)), ctx, route,
+                                    client, sni=sni)
 
-    async def _passthrough(self, tcp: trio.SocketStream, data: bytes, route: Route,
+    async def _passthrough(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                            client: tuple[str, int]) -> None:
         start = trio.current_time()
         try:
-            backend = await self.backends.connect(route)
+            backend = await self._open_backend(route)
         except BackendError as exc:
             self._reject(client[0], "backend_unreachable", route.host)
             log.warning("backend_unreachable", route=route.host, tenant=route.tenant,
                         error=str(exc))
-            self.stats.connections.labels(route.host, "passthrough", "backend_down").inc()
-            await _send_alert(tcp, tls_alert.INTERNAL_ERROR)
+            self._connections(route.host, "backend_down").inc()
+            _send_alert(sock, tls_alert.INTERNAL_ERROR)
             return
         up, down = self._byte_counters(route.host)
 
@@ -296,24 +361,51 @@ class Router:
         try:
             head = data
             if route.proxy_protocol == "v2":
-                head = encode_v2(client, _local(tcp)) + data
+                head = encode_v2(client, _local(sock)) + data
             try:
-                await backend.send_all(head)
+                await _send_head(backend, head)
             except (trio.BrokenResourceError, OSError) as exc:
                 outcome = "backend_reset"
                 log.warning("backend_reset", route=route.host, error=str(exc))
                 return
             up.inc(len(data))
-            result = await relay(tcp, backend, idle_timeout=route.limits.idle_timeout,
-                                 on_bytes=on_bytes)
+            if isinstance(backend, trio.abc.Stream):  # not a plain socket: copy
+                result = await relay(trio.SocketStream(sock), backend,
+                                     idle_timeout=route.limits.idle_timeout, on_bytes=on_bytes)
+            else:
+                result = await relay_sockets(sock, backend,
+                                             idle_timeout=route.limits.idle_timeout,
+                                             on_bytes=on_bytes)
             outcome = result.outcome
             log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
                      client_ip=client[0], bytes_up=result.up + len(data),
                      bytes_down=result.down, duration_s=round(trio.current_time() - start, 3),
                      outcome=outcome)
         finally:
-            await close_stream(backend)
-            self.stats.connections.labels(route.host, "passthrough", outcome).inc()
+            if isinstance(backend, trio.abc.Stream):
+                await close_stream(backend)
+            else:
+                backend.close()
+            self._connections(route.host, outcome).inc()
+
+    async def _open_backend(self, route: Route) -> trio.socket.SocketType | trio.abc.Stream:
+        """The route's backend: a bare socket for a configured address or a tunnel data
+        connection (both are plain TCP and get spliced), any other stream as is."""
+        if route.backend.address is not None:
+            return await self.backends.connect_socket(route.backend.address)
+        stream = await self.backends.connect(route)
+        if type(stream) is trio.SocketStream:
+            return stream.socket
+        return stream
+
+    def _connections(self, host: str, outcome: str) -> Any:
+        """The connections counter of (route, outcome), looked up once (see below)."""
+        key = (host, outcome)
+        child = self._conn_counters.get(key)
+        if child is None:
+            child = self._conn_counters[key] = self.stats.connections.labels(
+                host, "passthrough", outcome)
+        return child
 
     def _byte_counters(self, host: str) -> tuple[Any, Any]:
         """The (up, down) byte counters of a route, looked up once per route, not per
@@ -334,29 +426,40 @@ async def close_stream(stream: trio.abc.Stream) -> None:
         await trio.aclose_forcefully(stream)
 
 
-async def _send_alert(tcp: trio.SocketStream, description: int) -> None:
-    """Best effort: a fatal alert, then close. A peer that is gone is no error."""
-    with trio.move_on_after(1.0):
+async def _send_head(backend: trio.socket.SocketType | trio.abc.Stream, head: bytes) -> None:
+    """The first bytes to the backend; on a bare socket a send(2) is tried before any
+    wait (a fresh connection's buffer takes a ClientHello whole)."""
+    if isinstance(backend, trio.abc.Stream):
+        await backend.send_all(head)
+        return
+    fd = backend.fileno()
+    view = memoryview(head)
+    while view:
         try:
-            await tcp.send_all(tls_alert.alert_record(description))
-        except (trio.BrokenResourceError, OSError):
-            pass
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(backend)
 
 
-def _peer(stream: trio.SocketStream) -> tuple[str, int]:
+def _send_alert(sock: trio.socket.SocketType, description: int) -> None:
+    """Best effort: a fatal alert, then the caller closes. Seven bytes on a connection
+    that has sent us nothing fit its empty send buffer; a peer that is gone is no error."""
     try:
-        name = stream.socket.getpeername()
+        os.write(sock.fileno(), tls_alert.alert_record(description))
+    except OSError:
+        pass
+
+
+def _peer(sock: trio.socket.SocketType) -> tuple[str, int]:
+    try:
+        name = sock.getpeername()
     except OSError:
         return ("?", 0)
     return (str(name[0]), int(name[1]))
 
 
-def _peer_ip(stream: trio.SocketStream) -> str:
-    return _peer(stream)[0]
-
-
-def _local(stream: trio.SocketStream) -> tuple[str, int]:
-    name = stream.socket.getsockname()
+def _local(sock: trio.socket.SocketType) -> tuple[str, int]:
+    name = sock.getsockname()
     return (str(name[0]), int(name[1]))
 
 

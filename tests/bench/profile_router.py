@@ -1,0 +1,190 @@
+"""Where the passthrough router's CPU per new connection goes: flood it, measure, profile.
+
+    python -m tests.bench.profile_router [--ingress serve|router] [--seconds S] [--runs N]
+                                         [--tool none|pyspy|strace|perf] [--out FILE]
+
+The flood phase of `bench_passthrough` (new TCP connection, canned ClientHello, the
+backend closes once the hello has arrived, 64 in flight), against pact-ingress only, so
+one change can be measured in seconds and a profiler attached to the real process:
+
+- `none` (default): `--runs` floods, each printing CPU µs per connection (utime + stime
+  of the proxy from /proc, as the bench) and conn/s; then the median;
+- `pyspy`: `py-spy record` on the proxy during one flood, collapsed stacks (`--format
+  raw`) to `--out`, and a summary: share of samples by leaf function and by our frames;
+- `strace`: `strace -c -f` on the proxy during one flood: syscalls per connection;
+- `perf`: `perf stat` (task-clock, instructions, context switches) per connection.
+
+Attached tools slow the proxy (strace by several times): only `none` gives real µs.
+Same pinning as the bench: the proxy alone on core 0, the rest on core 1. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.bench.bench_passthrough import SNI, hello_for, ingress_yaml, start_ingress
+from tests.bench.harness import (
+    CORE_LOAD,
+    CpuMeter,
+    Service,
+    free_port,
+    pin_self,
+    python_module,
+    run_load,
+    services,
+)
+from tests.bench.peers import haproxy_argv, haproxy_backends_cfg, make_tls_pem
+
+#: In-flight connections, as the bench's flood phase.
+INFLIGHT = 64
+#: Seconds of flood before measuring: imports, caches and pools warm.
+WARMUP = 1.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Leaf frames listed in the py-spy summary.
+TOP = 25
+
+
+def flood(port: int, hello: Path, seconds: float) -> dict[str, Any]:
+    argv = python_module("tests.bench.loadgen", "flood", "--hello", str(hello),
+                         "--inflight", str(INFLIGHT), "--seconds", str(seconds),
+                         "--port", str(port))
+    return run_load(argv, core=CORE_LOAD, time_bound=seconds)
+
+
+def user_sys(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process, from /proc/PID/stat."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw[raw.rfind(")") + 2:].split()
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def measured(proxy: Service, port: int, hello: Path, seconds: float) -> dict[str, Any]:
+    meter = CpuMeter({"proxy": proxy.pid})
+    u0, s0 = user_sys(proxy.pid)
+    meter.start()
+    res = flood(port, hello, seconds)
+    res["proxy_cpu"] = meter.stop()["proxy"]
+    u1, s1 = user_sys(proxy.pid)
+    units = max(res["units"], 1)
+    res["us_per_conn"] = res["proxy_cpu"] / units * 1e6
+    res["user_us"], res["sys_us"] = (u1 - u0) / units * 1e6, (s1 - s0) / units * 1e6
+    return res
+
+
+def attached(tool: list[str], proxy: Service, port: int, hello: Path, seconds: float
+             ) -> tuple[dict[str, Any], str]:
+    """One flood with `tool` (which gets `-p PID` style arguments already) attached."""
+    proc = subprocess.Popen(tool, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(0.5)  # let it attach
+    try:
+        res = measured(proxy, port, hello, seconds)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    return res, out.decode(errors="replace")
+
+
+def summarize_pyspy(raw: Path, units: int) -> str:
+    """Collapsed stacks → share of samples per leaf frame and per 'ours vs trio vs rest'."""
+    leaves: collections.Counter[str] = collections.Counter()
+    owner: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        leaves[frames[-1]] += n
+        leaf = frames[-1]
+        if "pact_ingress" in leaf:
+            owner["pact_ingress (own frames)"] += n
+        elif "/trio/" in leaf:
+            owner["trio"] += n
+        elif "prometheus_client" in leaf:
+            owner["prometheus_client"] += n
+        elif "logging" in leaf or "json" in leaf:
+            owner["logging/json"] += n
+        else:
+            owner["other (stdlib, builtins)"] += n
+    lines = [f"{total} samples, {units} connections"]
+    lines += [f"  {v / total:6.1%}  {k}" for k, v in owner.most_common()]
+    lines.append("top leaf frames:")
+    lines += [f"  {v / total:6.1%}  {k}" for k, v in leaves.most_common(TOP)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ingress", choices=("serve", "router"), default="serve")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tool", choices=("none", "pyspy", "strace", "perf"), default="none")
+    p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
+    args = p.parse_args(argv)
+    pin_self(CORE_LOAD)
+    tmp = Path(tempfile.mkdtemp(prefix="pact-prof-"))
+    hello = tmp / "hello.bin"
+    hello.write_bytes(hello_for(SNI["flood"]))
+    sink, tls, port = free_port(), free_port(), free_port()
+    (tmp / "backends.cfg").write_text(haproxy_backends_cfg(
+        tls_port=tls, pem=make_tls_pem(tmp, SNI["tls"]), sink_port=sink))
+    (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {SNI["flood"]: sink}))
+    with services() as started:
+        backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
+                          tmp / "backends.log")
+        started.append(backend)
+        backend.start([sink])
+        proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [])
+        started.append(proxy)
+        flood(port, hello, WARMUP)
+        pid = str(proxy.pid)
+        if args.tool == "none":
+            runs = [measured(proxy, port, hello, args.seconds) for _ in range(args.runs)]
+            for r in runs:
+                print(f"{runner}: {r['us_per_conn']:7.1f} µs/conn  {r['rate']:8.1f} conn/s  "
+                      f"errors={r['errors']}")
+            print(f"median: {statistics.median(r['us_per_conn'] for r in runs):.1f} µs/conn"
+                  f"  {statistics.median(r['rate'] for r in runs):.1f} conn/s  user "
+                  f"{statistics.median(r['user_us'] for r in runs):.0f} µs  sys "
+                  f"{statistics.median(r['sys_us'] for r in runs):.0f} µs")
+        elif args.tool == "pyspy":
+            raw = args.out.with_suffix(".raw")
+            res, _ = attached(["py-spy", "record", "--pid", pid, "--format", "raw",
+                               "--rate", "250", "--output", str(raw), "--nonblocking"],
+                              proxy, port, hello, args.seconds)
+            print(summarize_pyspy(raw, res["units"]))
+            print(f"collapsed stacks: {raw}")
+        elif args.tool == "strace":
+            res, out = attached(["strace", "-c", "-f", "-p", pid], proxy, port, hello,
+                                args.seconds)
+            print(out)
+            print(f"connections: {res['units']} (divide 'calls' by this)")
+            per = [ln.split() for ln in out.splitlines() if ln[:1] == " " and "%" not in ln]
+            rows = [(int(f[3]), f[-1]) for f in per if len(f) >= 5 and f[3].isdigit()]
+            for calls, name in sorted(rows, reverse=True):
+                print(f"  {calls / max(res['units'], 1):6.2f}  {name}")
+        else:
+            res, out = attached(["perf", "stat", "-e",
+                                 "task-clock,instructions,cycles,context-switches",
+                                 "-p", pid], proxy, port, hello, args.seconds)
+            print(out)
+            print(f"connections: {res['units']}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
