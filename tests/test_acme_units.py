@@ -397,10 +397,29 @@ async def test_ari_window_moves_renewal(tmp_path: Path, nursery: trio.Nursery,
     async def account(self: CertManager) -> object:
         return _Acct()
 
+    # Hold the store write (worker thread) until the test has looked at the live view:
+    # the live view must never run ahead of the store (it once did, and `certs list` /
+    # a restart right then would have seen the old plan). No timing involved.
+    entered, release = threading.Event(), threading.Event()
+    real_write_meta = Store.write_meta
+
+    def gated_write_meta(self: Store, host: str, **changes: object) -> None:
+        entered.set()
+        release.wait(WAIT)
+        real_write_meta(self, host, **changes)
+
     monkeypatch.setattr(CertManager, "_get_account", account)
+    monkeypatch.setattr(Store, "write_meta", gated_write_meta)
     m = CertManager(state_dir=tmp_path / "state", stats=Stats())
     m.update(_acme_config(tmp_path, ["ari.example"]))
     await nursery.start(m.run)
+    try:
+        with trio.fail_after(WAIT):
+            while not entered.is_set():
+                await trio.sleep(0.01)
+        assert m.inventory()[0].next_renewal != suggested.timestamp()  # not before stored
+    finally:
+        release.set()
     with trio.fail_after(WAIT):
         while m.inventory()[0].next_renewal != suggested.timestamp():
             await trio.sleep(0.01)

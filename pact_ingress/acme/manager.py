@@ -396,11 +396,13 @@ class CertManager:
             when, next_check = await trio.to_thread.run_sync(
                 account.client.renewal_time, h.cert.chain_pem, abandon_on_cancel=True)
             if when is not None and h.next_renewal != when.timestamp():
+                # Store first, then publish: the live view (inventory, scheduler) never
+                # runs ahead of what `certs list` and a restart would read.
+                await trio.to_thread.run_sync(functools.partial(
+                    self.store.write_meta, h.name, next_renewal=when.timestamp()))
                 h.next_renewal = when.timestamp()
                 log.info("cert_renewal_window", host=h.name, source="ari",
                          next_renewal=_iso(h.next_renewal))
-                await trio.to_thread.run_sync(functools.partial(
-                    self.store.write_meta, h.name, next_renewal=h.next_renewal))
             h.ari_check_at = max(next_check.timestamp(), self._now() + 60.0)
         except Exception as exc:  # noqa: BLE001 — ARI is advisory: keep the current plan
             log.info("acme_ari_unavailable", host=h.name, error=f"{type(exc).__name__}: {exc}")
