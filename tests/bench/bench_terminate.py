@@ -482,6 +482,13 @@ def build_report(results: dict[str, dict[str, list[ClientRun]]], title: str,
             if path != DIRECT and load > LOAD_BOUND and proxy < LOAD_BOUND:
                 notes.append(f"{key} via {path}: load core {load:.0%} busy, proxy core "
                              f"{proxy:.0%}: the clients/node set the pace, not the proxy")
+    idle_core = [r.core_busy[str(CORE_PROXY)] for by in results.values()
+                 for r in by.get(DIRECT, [])]
+    if idle_core:
+        notes.append(f"core {CORE_PROXY} was {statistics.median(idle_core):.0%} busy (median) "
+                     f"during the direct runs, when no bench process ran on it: other work "
+                     f"on the machine (and any kernel network work scheduled there), which "
+                     f"also competes with the proxies")
     if not non2xx:
         notes.append("every response in every measured run was 2xx (no 429: the rate "
                      "limiter was charged but never refused)")
@@ -588,8 +595,10 @@ def _short(func: str, file: str) -> str:
 
 
 _OVERLAP_NOTE = ("Inclusive shares overlap (a sample counts for every component on its "
-                 "stack); `terminate.py` hosts hypercorn's per-connection loop "
-                 "(`Terminator.serve`), so its inclusive share covers hypercorn's too.")
+                 "stack). hypercorn calls the route's ASGI app (`_ConnectionApp` in "
+                 "`terminate.py`), and `Terminator.serve` hosts hypercorn's connection loop, "
+                 "so both cover most samples: the self column and the function tables say "
+                 "more.")
 
 
 def profile_markdown(p: dict[str, Any], title: str) -> str:
