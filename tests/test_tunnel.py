@@ -23,9 +23,12 @@ import trio
 from pact_ingress.config import Address, ConnectorConfig
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, check_pin, pinned_client_context
+from pact_ingress.net import connector as connector_mod
 from pact_ingress.net import tunnel_server as ts
+from pact_ingress.net.backends import Backends
 from pact_ingress.net.connector import Connector
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.router import Router
 from pact_ingress.net.splice import relay
 from pact_ingress.net.tunnel_server import TunnelServer
 from pact_ingress.proto import tls_alert
@@ -80,9 +83,17 @@ class Ingress:
 
 
 async def _tunnel_handler(server: TunnelServer, tcp: trio.SocketStream) -> None:
+    """What the router does for the tunnel: peek the first bytes (TLS ClientHello or raw
+    data magic), hand over with them replayed, close afterwards."""
     try:
         peer = tcp.socket.getpeername()
-        await server.handle(ReplayStream(b"", tcp), (peer[0], peer[1]))
+        head = b""
+        while tf.raw_data_prefix(head) is None:  # ≤ len(magic) reads
+            chunk = await tcp.receive_some(4096)
+            if not chunk:
+                return
+            head += chunk
+        await server.handle(ReplayStream(head, tcp), (peer[0], peer[1]))
     finally:
         await trio.aclose_forcefully(tcp)  # as the router does
 
@@ -140,9 +151,10 @@ def connector_config(tmp_path: Path, ident: Identity, ingress_fp: str, port: int
 
 
 async def start_connector(nursery: trio.Nursery, cfg: ConnectorConfig, *,
-                          shutdown: trio.Event | None = None, grace: float = 5.0
+                          shutdown: trio.Event | None = None, grace: float = 5.0,
+                          data_transport: str = "auto"
                           ) -> tuple[Connector, trio.CancelScope]:
-    connector = Connector(cfg, heartbeat=HB)
+    connector = Connector(cfg, heartbeat=HB, data_transport=data_transport)
     scope = trio.CancelScope()
 
     async def run() -> None:
@@ -185,13 +197,15 @@ def events(stats: Stats, tenant: str, event: str) -> float:
 # --- both ends up: the passthrough path ---------------------------------------------------
 
 
+@pytest.mark.parametrize("transport", ["auto", "tls"])
 async def test_passthrough_through_tunnel_sees_caller_cert(tmp_path: Path, keys: Keys,
-                                                           nursery: trio.Nursery) -> None:
+                                                           nursery: trio.Nursery,
+                                                           transport: str) -> None:
     backend = await whoami(nursery, keys, "alina-home")
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
         cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
                                ing.tunnel_port, backend.port)
-        await start_connector(nursery, cfg)
+        connector, _ = await start_connector(nursery, cfg, data_transport=transport)
         await eventually(lambda: ing.server.live_tunnels("alina") == 2)
         await eventually(lambda: ing.server.idle_connections("alina") >= ts.POOL_MIN)
         for _ in range(5):
@@ -203,16 +217,20 @@ async def test_passthrough_through_tunnel_sees_caller_cert(tmp_path: Path, keys:
         assert ing.stats.value("pact_ingress_tunnels", {"tenant": "alina"}) == 2
         assert events(ing.stats, "alina", "stream_open") == 5
         await eventually(lambda: ing.server.open_streams("alina") == 0)
+        assert connector.raw_data == (transport == "auto")  # auto stayed raw: no fallback
+        assert events(ing.stats, "-", "refused_handshake_failed") == 0
     ing.scope.cancel()
 
 
+@pytest.mark.parametrize("transport", ["raw", "tls"])
 async def test_bulk_bytes_arrive_intact_both_ways(tmp_path: Path, keys: Keys,
-                                                  nursery: trio.Nursery) -> None:
+                                                  nursery: trio.Nursery,
+                                                  transport: str) -> None:
     port = await echo_server(nursery)
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
         cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
                                ing.tunnel_port, port)
-        connector, _ = await start_connector(nursery, cfg)
+        connector, _ = await start_connector(nursery, cfg, data_transport=transport)
         await eventually(lambda: ing.server.idle_connections("alina") > 0)
         payload = os.urandom(1 << 20) * 8  # 8 MiB
         with trio.fail_after(TEST_TIMEOUT):
@@ -393,6 +411,166 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         assert ing.server._tokens == {}
         await eventually(lambda: len(os.listdir("/proc/self/fd")) <= fds_before)  # no leak
     ing.scope.cancel()
+
+
+async def raw_dial(port: int, payload: bytes) -> trio.SocketStream:
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(payload)
+    return s
+
+
+async def control_session(port: int, keys: Keys) -> tuple[trio.SSLStream[trio.SocketStream],
+                                                          list[bytes]]:
+    """A hand-made control session of alina's key; returns it and the tokens granted."""
+    tls = await pinned_tls(port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+    await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
+    decoder, tokens = tf.Decoder(), []
+    with trio.fail_after(TEST_TIMEOUT):
+        while len(tokens) < ts.POOL_MIN:
+            decoder.feed(await tls.receive_some(4096))
+            while (msg := decoder.next_message()) is not None:
+                if isinstance(msg, tf.Token):
+                    tokens.append(msg.token)
+    return tls, tokens
+
+
+async def test_raw_data_tokens_single_use_and_bound_to_their_session(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    """A raw data connection's only credential is its token: issued inside the pinned
+    control TLS, good once, for the session (so the tenant) that issued it."""
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        tls, tokens = await control_session(ing.tunnel_port, keys)
+        first = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(tokens[0]))
+        with trio.fail_after(TEST_TIMEOUT):
+            assert await first.receive_some(3) == tf.encode(tf.DataOk())
+        await eventually(lambda: ing.server.idle_connections("alina") == 1)
+        # the same token again (an eavesdropper replaying it): refused, nothing pooled
+        replay = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(tokens[0]))
+        assert await read_all(replay) == b""
+        assert events(ing.stats, "alina", "refused_bad_token") + \
+            events(ing.stats, "-", "refused_bad_token") == 1
+        # made-up tokens and malformed preambles: refused and counted, nothing pooled
+        for payload, why in ((tf.raw_data_preamble(os.urandom(32)), "refused_bad_token"),
+                             (tf.RAW_DATA_MAGIC + b"\xff" * 40, "refused_protocol_error"),
+                             (tf.raw_data_preamble(tokens[1]) + b"x",
+                              "refused_protocol_error")):
+            before = events(ing.stats, "-", why)
+            s = await raw_dial(ing.tunnel_port, payload)
+            assert await read_all(s) == b""
+            await eventually(lambda w=why, n=before: events(ing.stats, "-", w) == n + 1)
+        assert ing.server.idle_connections("alina") == 1
+        # the pooled one carries a stream (the harness's caller → open_stream → it)
+        caller = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
+        await caller.send_all(b"hi")
+        with trio.fail_after(TEST_TIMEOUT):
+            assert await first.receive_some(2) == b"hi"
+        # the control session ends: its tokens die with it
+        await trio.aclose_forcefully(tls)
+        await eventually(lambda: ing.server.live_tunnels("alina") == 0)
+        late = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(tokens[2]))
+        assert await read_all(late) == b""
+        assert ing.server._tokens == {}
+        await trio.aclose_forcefully(first)
+        await trio.aclose_forcefully(caller)
+    ing.scope.cancel()
+
+
+async def test_raw_data_silence_times_out(tmp_path: Path, keys: Keys, nursery: trio.Nursery,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ts, "HANDSHAKE_TIMEOUT", 0.2)
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        s = await raw_dial(ing.tunnel_port, tf.RAW_DATA_MAGIC + b"\x07")  # then nothing
+        assert await read_all(s) == b""
+        assert events(ing.stats, "-", "refused_timeout") == 1
+    ing.scope.cancel()
+
+
+class TlsOnlyProxy:
+    """A "TLS only on 443" middlebox: forwards connections whose first byte starts a TLS
+    record (0x16) and resets the rest."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.dropped = 0
+
+    async def serve(self, task_status: trio.TaskStatus[int]) -> None:
+        listeners = await _listen()
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        try:
+            first = await client.receive_some(65536)
+        except (trio.BrokenResourceError, OSError):
+            return
+        if not first.startswith(b"\x16"):
+            self.dropped += 1
+            await trio.aclose_forcefully(client)
+            return
+        upstream = await trio.open_tcp_stream("127.0.0.1", self.target)
+        await upstream.send_all(first)
+
+        async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+            try:
+                while data := await src.receive_some(65536):
+                    await dst.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            await trio.aclose_forcefully(dst)
+
+        async with client, upstream, trio.open_nursery() as n:
+            n.start_soon(pump, client, upstream)
+            n.start_soon(pump, upstream, client)
+
+
+async def test_auto_falls_back_to_tls_data_behind_a_tls_only_middlebox(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    port = await echo_server(nursery)
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        proxy = TlsOnlyProxy(ing.tunnel_port)
+        proxy_port = await nursery.start(proxy.serve)
+        cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
+                               proxy_port, port)
+        connector, _ = await start_connector(nursery, cfg)
+        await eventually(lambda: not connector.raw_data)
+        assert proxy.dropped >= connector_mod.RAW_FAILURES_BEFORE_FALLBACK
+        assert connector.stats.value("pact_ingress_tunnel_events_total", {
+            "tenant": connector.label, "event": "data_fallback_tls"}) == 1
+        await eventually(lambda: ing.server.idle_connections("alina") >= ts.POOL_MIN)
+        for _ in range(3):
+            s = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
+            await s.send_all(b"through")
+            with trio.fail_after(TEST_TIMEOUT):
+                assert await s.receive_some(7) == b"through"
+            await s.aclose()
+    ing.scope.cancel()
+
+
+async def test_raw_data_connections_through_the_real_router(tmp_path: Path, keys: Keys,
+                                                            nursery: trio.Nursery) -> None:
+    """The router recognises the raw magic before ClientHello parsing (no TLS fallback
+    allowed here), and serves the passthrough route through the tunnel."""
+    backend = await whoami(nursery, keys, "alina-home")
+    cfg_ing = config(tmp_path, keys)
+    stats = Stats()
+    server = TunnelServer(identity=keys.ingress, stats=stats, heartbeat=HB)
+    server.update(cfg_ing)
+    router = Router(cfg_ing, stats=stats, backends=Backends(tunnels=server), tunnels=server)
+    listeners = await _listen()
+    await nursery.start(router.serve, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint, port,
+                           backend.port)
+    connector, scope = await start_connector(nursery, cfg, data_transport="raw")
+    await eventually(lambda: server.idle_connections("alina") >= ts.POOL_MIN)
+    for _ in range(3):
+        body, server_fp = await https_get(port, "alina.test", keys.caller)
+        assert body == f"alina-home {keys.caller.fingerprint}"
+        assert server_fp == keys.home.fingerprint
+    assert connector.stats.value("pact_ingress_tunnel_events_total", {
+        "tenant": connector.label, "event": "data_failed"}) == 0
+    scope.cancel()
+    await router.drain(0)
 
 
 # --- liveness -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -161,8 +162,29 @@ def test_pool_sizer_follows_open_rate_and_latency() -> None:
     assert sizer.target(0.0) == POOL_MIN
     for i in range(500):  # 100 opens/s for 5 s
         sizer.took(i / 100)
-    for _ in range(50):
-        sizer.refilled(0.2)  # a 200 ms refill (a far-away connector)
+    for i in range(50):
+        sizer.refilled(4.0 + i / 50, 0.2)  # 200 ms refills (a far-away connector)
     assert sizer.target(5.0) >= POOL_MIN + 30
     assert sizer.target(5.0) <= POOL_MAX
     assert sizer.target(100.0) == POOL_MIN  # the rate window forgot the burst
+
+
+def test_pool_sizer_does_not_feed_on_its_own_bursts() -> None:
+    """Refills queued behind each other look slow; that must not grow the pool (which
+    would queue more refills: the loop the bench hinted at)."""
+    sizer = _PoolSizer()
+    for i in range(500):  # 100 opens/s for 5 s
+        sizer.took(i / 100)
+    for i in range(10):
+        sizer.refilled(i / 10, 0.002)  # the path: 2 ms
+    calm = sizer.target(5.0)
+    assert calm == POOL_MIN + 1
+    for i in range(POOL_MAX):
+        sizer.refilled(1.0 + i / 100, 0.05 * (i + 1))  # a burst, each queued behind the last
+    assert sizer.target(5.0) == calm
+    # a path that really became slower is followed once the fast samples age out
+    for i in range(20):
+        sizer.refilled(12.0 + i / 100, 0.1)
+    for i in range(500):
+        sizer.took(12.0 + i / 100)
+    assert sizer.target(17.0) == POOL_MIN + math.ceil(2 * 100 * 0.1)

@@ -9,15 +9,28 @@ as client certificate, and the ingress accepted only if its key's fingerprint is
 `ingress.pin` (stdlib ssl verifies nothing else; `identity.check_pin`). Over it we send
 HELLO, answer and send heartbeats, and receive TOKENs.
 
-Every TOKEN makes us dial one **data connection** (ALPN `pact-tunnel-data/1`, same
-pinned mutual TLS), present the token, get DATA_OK, and unwrap TLS (close_notify both
-ways). The connection then waits, raw, in the ingress's pool. The first bytes the
-ingress sends mean "this is a stream now": we connect `forward` and relay with
+Every TOKEN makes us dial one **data connection**: plain TCP to the ingress, then
+`RAW_DATA_MAGIC` + DATA_HELLO(token) in one write, and the ingress answers DATA_OK (why a
+token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallback,
+`data_transport="tls"` or chosen by itself (below), is the older way: ALPN
+`pact-tunnel-data/1` with the same pinned mutual TLS as the control connection, the token
+inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
+ends per stream, ~10× the CPU. Either way the connection then waits, raw, in the
+ingress's pool. The first bytes the ingress sends mean "this is a stream now": we
+connect `forward` and relay with
 `splice.relay` (kernel splice, both ends plain TCP). An EOF before any byte means the
 ingress retired the idle connection. Data connections live in the connector's root
 nursery, not the control connection's: a control connection dying (or being replaced)
 never breaks a stream that is already flowing; only idle, not yet used data connections
 of a dead control connection are closed (their path is presumably dead too).
+
+Raw data connections are not TLS on :443, and some networks (DPI firewalls, "TLS only"
+middleboxes) drop or reset such traffic. In `auto` mode (the default) the connector
+therefore watches its raw data connections: RAW_FAILURES_BEFORE_FALLBACK of them in a
+row failing before DATA_OK, while the control connection that issued their tokens is
+alive, means "something in between does not let them through", and the process uses TLS
+data connections from then on (logged once, counted `data_fallback_tls`). An attacker
+who can cause that only costs us CPU, never security.
 
 Reconnects: a slot whose control connection fails waits `Backoff.next()` — exponential
 from BACKOFF_BASE, capped at BACKOFF_CAP, with jitter so a fleet of connectors does not
@@ -90,6 +103,15 @@ RELAY_IDLE_TIMEOUT = 3600.0
 FIRST_READ = 64 * 1024
 #: Best-effort sends on the way out.
 GOAWAY_TIMEOUT = 1.0
+#: How data connections are made: "raw" (token only, no TLS), "tls" (pinned mutual TLS,
+#: then unwrapped), or "auto": raw, switching to tls for good if raw ones keep failing.
+DATA_TRANSPORTS = ("auto", "raw", "tls")
+#: Raw data connections failing in a row (before DATA_OK, control link alive) that make
+#: `auto` switch to TLS. One failure can be a race with an ingress restart; three in a
+#: row on a live control link is a pattern.
+RAW_FAILURES_BEFORE_FALLBACK = 3
+#: The ingress's answer accepting a data connection's token.
+_DATA_OK = tf.encode(tf.DataOk())
 
 _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
                trio.TooSlowError, RemoteProtocolError, IdentityError)
@@ -153,8 +175,13 @@ class Connector:
 
     def __init__(self, cfg: ConnectorConfig, *, stats: Stats | None = None,
                  identity: Identity | None = None,
-                 heartbeat: float = HEARTBEAT_INTERVAL) -> None:
+                 heartbeat: float = HEARTBEAT_INTERVAL, data_transport: str = "auto"
+                 ) -> None:
+        if data_transport not in DATA_TRANSPORTS:
+            raise ValueError(f"data_transport must be one of {DATA_TRANSPORTS}")
         self.cfg = cfg
+        self.data_transport = data_transport
+        self._raw_failures = 0  # raw data connections failed in a row (auto mode)
         self.stats = stats or Stats()
         self.identity = identity or load_identity(cfg.identity_key)
         self.heartbeat = heartbeat
@@ -187,6 +214,11 @@ class Connector:
     @property
     def idle_data(self) -> int:
         return self._pending
+
+    @property
+    def raw_data(self) -> bool:
+        """Whether new data connections are raw (else TLS)."""
+        return self.data_transport != "tls"
 
     def _event(self, event: str) -> None:
         self.stats.tunnel_events.labels(self.label, event).inc()
@@ -378,7 +410,7 @@ class Connector:
         first = b""
         try:
             with scope:
-                raw, first = await self._open_data(token)
+                raw, first = await self._open_data(link, token)
                 if not first:  # idle in the ingress's pool until a stream arrives
                     first = await raw.receive_some(FIRST_READ)
         except (*_NET_ERRORS, _Goaway) as exc:
@@ -398,7 +430,55 @@ class Connector:
                 self._active -= 1
                 self._touch()
 
-    async def _open_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
+    async def _open_data(self, link: _Link, token: bytes) -> tuple[trio.SocketStream, bytes]:
+        """A data connection that the ingress accepted, and any stream bytes already
+        received after its DATA_OK."""
+        if not self.raw_data:
+            return await self._open_tls_data(token)
+        return await self._open_raw_data(link, token)
+
+    def _raw_failed(self) -> None:
+        self._raw_failures += 1
+        if self.data_transport == "auto" and \
+                self._raw_failures >= RAW_FAILURES_BEFORE_FALLBACK:
+            self.data_transport = "tls"
+            self._event("data_fallback_tls")
+            log.warning("tunnel_data_fallback_tls", ingress=self.label,
+                        failures=self._raw_failures,
+                        why="raw data connections fail while the control connection "
+                            "works: something in between allows only TLS")
+
+    async def _open_raw_data(self, link: _Link, token: bytes
+                             ) -> tuple[trio.SocketStream, bytes]:
+        """TCP, magic + DATA_HELLO in one write, DATA_OK back. No TLS (see module doc).
+
+        A failure after TCP connected, while the control link is alive, counts towards
+        the TLS fallback (a refused connect is an ingress down, not a middlebox).
+        """
+        with trio.fail_after(CONNECT_TIMEOUT):
+            raw = await connect_forward(self.cfg.ingress)
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await raw.send_all(tf.raw_data_preamble(token))
+                answer = b""
+                while len(answer) < len(_DATA_OK):  # bounded: each read adds ≥ 1 byte
+                    data = await raw.receive_some(FIRST_READ)
+                    if not data:
+                        raise trio.BrokenResourceError("ingress refused the data connection")
+                    answer += data
+            if not answer.startswith(_DATA_OK):
+                raise RemoteProtocolError("expected DATA_OK on a raw data connection")
+        except BaseException as exc:
+            raw.socket.close()
+            if isinstance(exc, _NET_ERRORS) and link in self._links:
+                self._raw_failed()
+            raise
+        self._raw_failures = 0
+        set_keepalive(raw.socket)  # type: ignore[arg-type]
+        return raw, bytes(answer[len(_DATA_OK):])
+
+    async def _open_tls_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
+        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped."""
         decoder = tf.Decoder()
         with trio.fail_after(CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT):
             tls = await self._dial(self._ctx_data)
@@ -417,7 +497,7 @@ class Connector:
         raw = transport
         assert isinstance(raw, trio.SocketStream)
         set_keepalive(raw.socket)  # type: ignore[arg-type]
-        return raw, trailing
+        return raw, bytes(trailing)
 
     async def _stream(self, raw: trio.SocketStream, first: bytes) -> None:
         """Connect `forward`, pass the first chunk, splice both ways until done."""

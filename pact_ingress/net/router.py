@@ -4,7 +4,13 @@ Theory of operation
 -------------------
 Every TLS connection arrives on one listener. The router reads just enough bytes to
 parse the ClientHello (sans-I/O, `proto.clienthello`), without answering anything, then
-hands the connection — with the peeked bytes replayed first — to exactly one owner:
+hands the connection — with the peeked bytes replayed first — to exactly one owner.
+
+One kind of connection is not TLS: a reverse-tunnel *raw data connection*, which starts
+with the fixed magic `tunnel_frames.RAW_DATA_MAGIC` (first byte "P"; a TLS record's is
+0x16, so the first bytes decide). It is checked before ClientHello parsing and goes to
+the tunnel server (`tunnels.handle`), which authenticates it by its single-use token
+(why no TLS is needed there: `net/tunnel_server.py`). Every TLS connection goes to:
 
 - ALPN `acme-tls/1` for a host this edge terminates → the ACME TLS-ALPN-01 responder
   (a passthrough host's challenge goes through to the home node like any connection);
@@ -49,6 +55,7 @@ from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.routing import RouteTable
+from pact_ingress.proto.tunnel_frames import raw_data_prefix
 from pact_ingress.stats import Stats
 
 #: Bytes asked of the socket per read while peeking. A typical ClientHello is 250–600
@@ -252,13 +259,18 @@ class Router:
         peeked = await self._peek(sock, client[0])
         if peeked is not None:
             hello, data = peeked
-            await self._dispatch(sock, hello, data, client)
+            if hello is None:  # a tunnel raw data connection (see module docstring)
+                stream = ReplayStream(data, trio.SocketStream(sock))
+                await self.tunnels.handle(stream, client)  # type: ignore[union-attr]
+            else:
+                await self._dispatch(sock, hello, data, client)
 
     async def _peek(self, sock: trio.socket.SocketType, ip: str
-                    ) -> tuple[ClientHello, bytes] | None:
+                    ) -> tuple[ClientHello | None, bytes] | None:
         """Read until the ClientHello parses. Reads are tried before waiting: a new
         connection's hello is usually queued already, and then this costs one read(2)
-        and no trip through the scheduler. The timeout runs from the first wait."""
+        and no trip through the scheduler. The timeout runs from the first wait.
+        (None, bytes) is a tunnel raw data connection (only with a tunnel server)."""
         fd = sock.fileno()
         buf = b""
         deadline = None
@@ -279,6 +291,10 @@ class Router:
                     self._reject(ip, "clienthello_eof")
                     return None
                 buf += chunk
+                if self.tunnels is not None and (raw := raw_data_prefix(buf)) is not False:
+                    if raw:
+                        return None, buf
+                    continue  # part of the magic so far
                 hello = parse_client_hello(buf)
                 if hello is not None:
                     return hello, buf

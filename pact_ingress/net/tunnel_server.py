@@ -2,19 +2,31 @@
 
 Theory of operation
 -------------------
-A home node behind NAT runs `pact-ingress connect`, which dials this ingress on :443
-with SNI = `tunnel.hostname`. The router hands us every such connection (`handle`). Two
-kinds exist, told apart by ALPN:
+A home node behind NAT runs `pact-ingress connect`, which dials this ingress on :443.
+The router hands us two kinds of connection (`handle`):
 
-* **control** (`pact-tunnel/1`), one per connector `connections` slot: pinned mutual TLS
-  carrying small frames (`proto.tunnel_frames`): HELLO/WELCOME, PING/PONG heartbeats,
-  TOKEN grants, GOAWAY. It never carries payload.
-* **data** (`pact-tunnel-data/1`): pinned mutual TLS in which the connector presents one
-  single-use TOKEN (DATA_HELLO) that we answer (DATA_OK); then both ends exchange TLS
-  close_notify and the same TCP connection carries raw bytes. The connection waits in
-  its control session's idle pool until `open_stream` hands it (as a plain
+* **control** (TLS, SNI = `tunnel.hostname`, ALPN `pact-tunnel/1`), one per connector
+  `connections` slot: pinned mutual TLS carrying small frames (`proto.tunnel_frames`):
+  HELLO/WELCOME, PING/PONG heartbeats, TOKEN grants, GOAWAY. It never carries payload.
+* **data**, one per stream: a plain TCP connection that starts with `RAW_DATA_MAGIC`
+  and a DATA_HELLO frame carrying one single-use TOKEN (the router checks the magic
+  before it parses a ClientHello); we answer DATA_OK and the connection waits in its
+  control session's idle pool until `open_stream` hands it (as a plain
   `trio.SocketStream`) to a route; the connector, on the first byte, connects its
-  `forward` address and relays.
+  `forward` address and relays. Fallback (connector `data_transport="tls"`, or chosen
+  by the connector itself when raw ones keep failing, e.g. behind a "TLS only on 443"
+  middlebox): the same DATA_HELLO/DATA_OK inside pinned mutual TLS (ALPN
+  `pact-tunnel-data/1`), then both ends exchange close_notify and the TCP connection
+  carries raw bytes. We accept both, always.
+
+Why raw data connections (the design choice): the bench (tests/bench, "Tunnel") showed
+the per-stream TLS handshake of the data connection to be the tunnel's cost: ~3 ms of
+edge CPU and ~5 ms of connector CPU per stream, do_handshake ~25% of each side's busy
+time, new connections/s through the tunnel capped near 100-150/s, and +2-4 ms p99 on
+stream open. TLS 1.3 resumption would save the signature and certificate checks but
+keep an ECDHE, both handshake round trips through pyOpenSSL/trio, and the close_notify
+exchange; the token was the real credential already. A raw data connection costs one
+TCP connect and one small write at the connector, one read and one 3-byte write here.
 
 Why pooled raw data connections and not streams multiplexed over one TLS pipe: DESIGN §5
 measured h2-multiplexing over one TLS connection at ~10× below a direct splice (Python
@@ -23,35 +35,48 @@ router splices caller ↔ data connection and the connector splices data connect
 forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
 network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
 still alive) and asks for a replacement in the background. The pool size adapts to the
-open rate × measured refill latency (`_PoolSizer`), within [POOL_MIN, POOL_MAX].
+open rate × the path's refill latency (`_PoolSizer`: a windowed minimum, so refills
+queued behind each other cannot inflate the pool), within [POOL_MIN, POOL_MAX].
 
 Security argument
 -----------------
-*Who can open a data connection.* Only a peer that completes TLS 1.3 presenting a key
-whose fingerprint is a pin of some tenant (exactly the control-connection check) AND
-presents a token we issued over a control session of *the same key*. Tokens are 256
-random bits, sent only inside the pinned control TLS, single-use (removed from the table
-on first presentation, valid or not for that session), expire after TOKEN_TTL, and die
-with their control session. A data connection joins only the pool of the session that
-issued its token, and sessions belong to one tenant, so a connector serves only its own
-tenant's routes: a token of tenant A presented with the key of tenant B is refused and
-counted (`token_mismatch`), and `open_stream(B)` only ever draws from B's sessions.
-Issued tokens are capped per session, so a flood of data connections can at most burn
-handshakes (bounded by the router's per-IP limits) and is refused and counted.
+*Who can open a control connection.* Only a peer that completes TLS 1.3 presenting a
+key whose fingerprint is a pin of exactly one tenant; the session belongs to that tenant.
 
-*What the unwrap gives away.* After DATA_OK the connection is raw TCP. What crosses it
-is already end-to-end TLS: the caller's own TLS in passthrough (the ingress never had its
-keys), our pinned mutual TLS to the home node in terminate. An on-path attacker between
-ingress and home can therefore read only ciphertext and metadata it could see anyway,
-and any byte it injects, drops or reorders breaks that inner TLS's record MAC: the
-endpoints abort. The worst it can do is deny service (it could also just drop packets).
-It cannot be handed a stream: streams are only given to connections that passed the
-token check, and the ingress never reads plaintext from a data connection. Injected bytes
-into an idle pooled connection are caught by the MSG_PEEK check (bytes before we sent
-any are a protocol violation) or, on the connector side, make it relay garbage to the
-home node's TLS, which refuses it. The one unprotected field is the optional PROXY v2
-header (client address) in passthrough — the same exposure as a direct backend address
-reached over the internet.
+*Who can add a data connection to a pool.* Whoever presents a token we issued: 256
+random bits, sent only inside a pinned control TLS session, single-use (removed from the
+table on first presentation, whatever the outcome), void after TOKEN_TTL (30 s) and with
+their session, capped per session (MAX_OUTSTANDING_TOKENS). A data connection joins only
+the pool of the session that issued its token, and sessions belong to one tenant, so a
+connector serves only its own tenant's routes; `open_stream(B)` only ever draws from B's
+sessions. Off the path, a token cannot be guessed; made-up ones are refused and counted
+(`bad_token`) at the cost of one read and one dict lookup (cheaper than the handshake a
+TLS data connection made us burn), bounded by the router's per-IP limits. On a TLS data
+connection the key must also be the session's (`token_mismatch`).
+
+*What a raw data connection gives away.* The token crosses the network in the clear
+once. What an on-path attacker between ingress and home can do with it: replay it —
+refused, it is used; race the connector with it — only an attacker that can delay or
+drop the connector's packet wins (an eavesdropper sees the token only as it travels
+to us, and needs a TCP handshake before it can present it). The winner gets one pooled
+connection and, later, one stream. Every payload byte on a stream is already end-to-end
+TLS: the caller's own TLS in passthrough (the ingress never had its keys), our pinned
+mutual TLS to the home node in terminate. The attacker can neither complete that inner
+handshake as the home node (no key) nor read anything: the stream fails, a denial of
+service — what that attacker can do to any TCP connection anyway (drop, reset). The
+same attacker could already hijack the unwrapped TCP connection of the TLS design; TLS
+around the token bought nothing against it. The one thing such an attacker can also do
+is what any on-path attacker in front of an origin can: answer an ACME TLS-ALPN-01
+validation of a *passthrough* host (the challenge goes through to the home node) — the
+same exposure as a home node reachable by port forwarding; terminate hosts' challenges
+are answered by the ingress itself. Injected bytes into an idle pooled connection are
+caught by the MSG_PEEK check (bytes before we sent any are a protocol violation) or, on
+the connector side, make it relay garbage to the home node's TLS, which refuses it. The
+ingress never reads plaintext from a data connection. The one unprotected field is the
+optional PROXY v2 header (client address) in passthrough — the same exposure as a
+direct backend address reached over the internet. Nothing the ingress says on a raw
+connection is trusted by the connector beyond "DATA_OK"; a forged refusal or a
+middlebox costs only the switch to TLS data connections (CPU, not security).
 
 Liveness: each side pings every `heartbeat` seconds and declares the control connection
 dead after HEARTBEAT_MISSES intervals without any frame; a dead session's idle pool is
@@ -128,6 +153,13 @@ CONTROL_READ = 4096
 KEEPALIVE = (30, 10, 3)
 #: Window for estimating the open rate (pool sizing).
 RATE_WINDOW = 5.0
+#: Refill latency (token sent → data connection pooled) assumed before any was measured:
+#: a slow home uplink; the first refills replace it.
+INITIAL_REFILL_LATENCY = 0.05
+#: The refill latency is the minimum of the refills of the last this many seconds.
+LATENCY_WINDOW = 10
+#: The ingress's answer on a raw data connection whose token it accepted.
+_DATA_OK = tf.encode(tf.DataOk())
 
 
 class _SendTimeout(trio.BrokenResourceError):
@@ -152,23 +184,47 @@ def set_keepalive(sock: socket.socket) -> None:
 
 
 class _PoolSizer:
-    """Pool target = POOL_MIN + 2 × (opens/s × refill latency), clamped. Pure (now in)."""
+    """Pool target = POOL_MIN + 2 × (opens/s × refill latency), clamped. Pure (now in).
+
+    The refill latency is the *minimum* over the last LATENCY_WINDOW seconds, not an
+    average: refills queue behind each other (and, with TLS data connections, behind each
+    other's handshakes), so an average measures our own burst and feeds back — a bigger
+    target means more concurrent refills, slower refills, a bigger target, up to
+    POOL_MAX. The minimum is the path's own cost (as min-RTT in congestion control);
+    queueing can only add to it. A path that really got slower raises the minimum once
+    the faster samples leave the window; until then `open_stream` waiters add to the
+    target directly (`TunnelServer._target`).
+    """
 
     def __init__(self) -> None:
         self.takes: deque[float] = deque(maxlen=4096)
-        self.latency = 0.05  # seconds from TOKEN to data connection; EWMA
+        # (second, fastest refill in it): a window minimum in O(window) space, however
+        # many refills a burst brings
+        self.fastest: deque[tuple[int, float]] = deque()
 
     def took(self, now: float) -> None:
         self.takes.append(now)
 
-    def refilled(self, latency: float) -> None:
-        self.latency = 0.8 * self.latency + 0.2 * latency
+    def refilled(self, now: float, latency: float) -> None:
+        """A data connection arrived `latency` seconds after its token was sent."""
+        second = math.floor(now)
+        if self.fastest and self.fastest[-1][0] == second:
+            self.fastest[-1] = (second, min(self.fastest[-1][1], latency))
+        else:
+            self.fastest.append((second, latency))
+
+    def latency(self, now: float) -> float:
+        while len(self.fastest) > 1 and self.fastest[0][0] < now - LATENCY_WINDOW:
+            self.fastest.popleft()  # the newest second stays: better than a guess
+        if not self.fastest:
+            return INITIAL_REFILL_LATENCY
+        return min(latency for _, latency in self.fastest)
 
     def target(self, now: float) -> int:
         while self.takes and self.takes[0] < now - RATE_WINDOW:
             self.takes.popleft()
         rate = len(self.takes) / RATE_WINDOW
-        return min(POOL_MAX, POOL_MIN + math.ceil(2 * rate * self.latency))
+        return min(POOL_MAX, POOL_MIN + math.ceil(2 * rate * self.latency(now)))
 
 
 @dataclass(eq=False)
@@ -297,7 +353,14 @@ class TunnelServer:
     # --- accepting connections ---------------------------------------------------------
 
     async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None:
-        """Serve one connection the router routed to the tunnel hostname; closes it."""
+        """Serve one connection the router gave us; closes it (or pools a duplicate).
+
+        The router hands over TLS connections for the tunnel hostname and raw data
+        connections (its peeked bytes start with `RAW_DATA_MAGIC`).
+        """
+        if tf.raw_data_prefix(stream.pending):
+            await self._handle_raw(stream, client)
+            return
         tls = OpenSSLStream(stream, self._ctx, server_side=True)
         fingerprint: str | None = None
         tenant = "-"
@@ -344,13 +407,19 @@ class TunnelServer:
                            tf.GoawayCode.UNKNOWN_KEY)
         return tenant, alpn
 
-    async def _refuse(self, tls: OpenSSLStream, tenant: str, fingerprint: str | None,
-                      client: tuple[str, int], exc: _Refused) -> None:
+    async def _refuse(self, tls: OpenSSLStream | None, tenant: str,
+                      fingerprint: str | None, client: tuple[str, int], exc: _Refused
+                      ) -> None:
+        """Count and log a refusal; on TLS, tell the peer why (GOAWAY) if there is a code.
+
+        (A raw data connection gets no answer: nothing said in the clear is trusted.)
+        """
         self._event(tenant, "refused_" + exc.event)
         self.stats.refused("tunnel", client[0], exc.event)
         log.warning("tunnel_refused", reason=exc.event, detail=str(exc), tenant=tenant,
-                    fingerprint=fingerprint, client_ip=client[0])
-        if exc.goaway is not None:
+                    fingerprint=fingerprint, client_ip=client[0],
+                    transport="tls" if tls is not None else "raw")
+        if exc.goaway is not None and tls is not None:
             retry = int(RECONNECT_AFTER_SHUTDOWN * 1000) if exc.event == "shutting_down" else 0
             await _send_quietly(tls, tf.Goaway(exc.goaway, retry, str(exc)))
 
@@ -519,33 +588,76 @@ class TunnelServer:
 
     async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
                            fingerprint: str, client: tuple[str, int]) -> None:
+        """The TLS fallback: DATA_HELLO inside pinned mutual TLS, DATA_OK, unwrap."""
         decoder = tf.Decoder()
         with trio.fail_after(HANDSHAKE_TIMEOUT):
             hello = await _read_message(tls, decoder)
             if not isinstance(hello, tf.DataHello) or decoder.buffered:
                 raise _Refused("protocol_error", f"expected DATA_HELLO, got {hello!r}")
-            session = self._redeem(hello.token, tenant, fingerprint)
+            session = self._redeem(hello.token, fingerprint)
             await tls.send_all(tf.encode(tf.DataOk()))
             await _unwrap(tls)
         if stream.pending:
             raise _Refused("protocol_error", "bytes left over in the TLS phase")
-        raw = socket.socket(fileno=os.dup(stream.inner.socket.fileno()))
-        raw.setblocking(False)
-        set_keepalive(raw)
+        self._pool(session, hello.token, stream.inner.socket)
+
+    async def _handle_raw(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+        """A raw data connection: magic, DATA_HELLO in the clear; we answer DATA_OK.
+
+        The token alone authenticates it (security argument in the module docstring).
+        Nothing is answered on refusal; the router closes the connection.
+        """
+        tenant = "-"
+        try:
+            decoder = tf.Decoder()
+            decoder.feed(stream.take_pending()[len(tf.RAW_DATA_MAGIC):])
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                hello = await _read_message(stream, decoder)
+                if not isinstance(hello, tf.DataHello) or decoder.buffered:
+                    raise _Refused("protocol_error", "expected DATA_HELLO, alone")
+                if self._closing:
+                    raise _Refused("shutting_down", "ingress shutting down")
+                session = self._redeem(hello.token, None)
+                tenant = session.tenant
+                await stream.send_all(_DATA_OK)
+            self._pool(session, hello.token, stream.inner.socket)
+        except _Refused as exc:
+            await self._refuse(None, tenant, None, client, exc)
+        except RemoteProtocolError as exc:
+            await self._refuse(None, tenant, None, client,
+                               _Refused("protocol_error", str(exc)))
+        except trio.TooSlowError:
+            await self._refuse(None, tenant, None, client,
+                               _Refused("timeout", "no DATA_HELLO in time"))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the peer went away: nothing to keep
+
+    def _pool(self, session: _Session, token: bytes, sock: trio.socket.SocketType) -> None:
+        """Put (a duplicate of) an accepted data connection into its session's pool.
+
+        Returning to the router closes its descriptor; the pool owns the duplicate.
+        """
         now = trio.current_time()
         if session.closed or session.draining:
-            raw.close()  # the session ended while this connection was being set up
-            return
-        session.sizer.refilled(now - session.tokens.pop(hello.token, now))
+            return  # the session ended while this connection was being set up
+        raw = socket.socket(fileno=os.dup(sock.fileno()))
+        raw.setblocking(False)
+        set_keepalive(raw)
+        session.sizer.refilled(now, now - session.tokens.pop(token, now))
         session.idle.append((raw, now))
-        self._wake_waiters(tenant)
-        # Returning closes the router's descriptor; the pool owns the duplicate.
+        self._wake_waiters(session.tenant)
 
-    def _redeem(self, token: bytes, tenant: str, fingerprint: str) -> _Session:
+    def _redeem(self, token: bytes, fingerprint: str | None) -> _Session:
+        """The session a token was issued to; it is used up whatever the outcome.
+
+        `fingerprint` (TLS data connections) must be the session's key; a raw data
+        connection has none: the token, issued only inside that session's pinned TLS,
+        is its credential.
+        """
         session = self._tokens.pop(token, None)
         if session is None or token not in session.tokens:
             raise _Refused("bad_token", "unknown, used or expired token")
-        if session.fingerprint != fingerprint:
+        if fingerprint is not None and session.fingerprint != fingerprint:
             session.tokens.pop(token, None)
             raise _Refused("token_mismatch",
                            f"token of tenant {session.tenant} presented by this key")

@@ -2,8 +2,10 @@
 
 The reverse tunnel has two kinds of connection (theory in `net/tunnel_server.py`):
 control connections, which carry only these small messages inside pinned mutual TLS,
-and data connections, which carry one `DataHello`/`DataOk` exchange inside TLS and then
-raw bytes. Nothing here touches a socket or a clock; `FrameBudget` takes `now`.
+and data connections, which carry one `DataHello`/`DataOk` exchange and then raw bytes.
+A data connection is either *raw* — `RAW_DATA_MAGIC` then the DATA_HELLO frame in the
+clear, the default — or, as a fallback, the same exchange inside pinned mutual TLS (then
+unwrapped). Nothing here touches a socket or a clock; `FrameBudget` takes `now`.
 
 Wire format of one frame::
 
@@ -39,6 +41,10 @@ ID_BYTES = 16
 #: A GOAWAY's human-readable reason is cut to this many UTF-8 bytes.
 MAX_REASON = 200
 _HEADER = struct.Struct("!BH")
+#: First bytes of a raw data connection. The router on :443 checks for it before it
+#: parses a TLS ClientHello: a TLS record starts with 0x16, this with "P", so the two can
+#: never be confused, and a few bytes decide. Versioned like the ALPN names.
+RAW_DATA_MAGIC = b"PACT-TUNNEL-DATA/1\r\n"
 
 
 class FrameError(RemoteProtocolError):
@@ -148,6 +154,20 @@ def _payload(msg: Message) -> tuple[FrameType, bytes]:
     raise TypeError(f"not a tunnel message: {msg!r}")
 
 
+def raw_data_preamble(token: bytes) -> bytes:
+    """What a connector sends first on a raw data connection: magic, then DATA_HELLO."""
+    return RAW_DATA_MAGIC + encode(DataHello(token))
+
+
+def raw_data_prefix(buf: bytes | bytearray) -> bool | None:
+    """Is `buf` the start of a raw data connection? True: yes (the whole magic is there);
+    None: could still be (a proper prefix of the magic); False: no."""
+    head = bytes(buf[:len(RAW_DATA_MAGIC)])
+    if not RAW_DATA_MAGIC.startswith(head):
+        return False
+    return True if len(head) == len(RAW_DATA_MAGIC) else None
+
+
 def _exact(value: bytes, size: int) -> bytes:
     if len(value) != size:
         raise ValueError(f"expected {size} bytes, got {len(value)}")
@@ -206,7 +226,12 @@ class Decoder:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> None:
+    def take_rest(self) -> bytes:
+        """Bytes fed but not yet decoded (what follows the last frame), removed."""
+        rest, self._buf = bytes(self._buf), bytearray()
+        return rest
+
+    def feed(self, data: bytes | bytearray) -> None:
         if len(self._buf) + len(data) > MAX_BUFFERED:
             raise FrameError("too many undecoded bytes buffered")
         self._buf += data
