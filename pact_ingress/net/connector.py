@@ -29,7 +29,9 @@ middleboxes) drop or reset such traffic. In `auto` mode (the default) the connec
 therefore watches its raw data connections: RAW_FAILURES_BEFORE_FALLBACK of them in a
 row failing before DATA_OK, while the control connection that issued their tokens is
 alive, means "something in between does not let them through", and the process uses TLS
-data connections from then on (logged once, counted `data_fallback_tls`). An attacker
+data connections from then on (logged once, counted `data_fallback_tls`). Each failed
+raw attempt's token is retried once over TLS at once, so the ingress's pool does not
+wait out TOKEN_TTL for tokens lost in between. An attacker
 who can cause that only costs us CPU, never security.
 
 Reconnects: a slot whose control connection fails waits `Backoff.next()` — exponential
@@ -146,6 +148,10 @@ class _Attempt:
         if self.connected_at is None:
             return 0.0
         return trio.current_time() - self.connected_at
+
+
+class _RawFailed(trio.BrokenResourceError):
+    """A raw data connection connected but failed before DATA_OK."""
 
 
 class _Goaway(Exception):
@@ -435,7 +441,15 @@ class Connector:
         received after its DATA_OK."""
         if not self.raw_data:
             return await self._open_tls_data(token)
-        return await self._open_raw_data(link, token)
+        try:
+            return await self._open_raw_data(link, token)
+        except _RawFailed:
+            if self.data_transport == "raw":
+                raise
+            # auto: this token once more over TLS. Behind a middlebox the ingress never
+            # saw it; otherwise it is used up and refused again. Either way the ingress's
+            # pool does not wait TOKEN_TTL for a token that is lost.
+            return await self._open_tls_data(token)
 
     def _raw_failed(self) -> None:
         self._raw_failures += 1
@@ -468,10 +482,13 @@ class Connector:
                     answer += data
             if not answer.startswith(_DATA_OK):
                 raise RemoteProtocolError("expected DATA_OK on a raw data connection")
-        except BaseException as exc:
+        except _NET_ERRORS as exc:
             raw.socket.close()
-            if isinstance(exc, _NET_ERRORS) and link in self._links:
+            if link in self._links:
                 self._raw_failed()
+            raise _RawFailed(repr(exc)) from exc
+        except BaseException:
+            raw.socket.close()
             raise
         self._raw_failures = 0
         set_keepalive(raw.socket)  # type: ignore[arg-type]

@@ -257,8 +257,8 @@ class _Session:
             self.goaway = goaway
         self.scope.cancel()
 
-    async def send(self, msg: tf.Message, deadline: float | None = None) -> None:
-        """Send one frame whole, even if the session is being killed meanwhile.
+    async def send(self, *msgs: tf.Message, deadline: float | None = None) -> None:
+        """Send frames whole (one TLS write), even if the session is being killed meanwhile.
 
         A cancel that lands inside `send_all` (e.g. once it holds the TLS stream's send
         lock, which it takes with a yielding checkpoint) leaves the TLS stream broken for
@@ -272,7 +272,7 @@ class _Session:
             if deadline is None:
                 deadline = trio.current_time() + self.send_timeout
             with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                await self.tls.send_all(tf.encode(msg))
+                await self.tls.send_all(b"".join(tf.encode(m) for m in msgs))
             if scope.cancelled_caught:
                 raise _SendTimeout(f"control frame not sent within {self.send_timeout} s")
 
@@ -580,11 +580,14 @@ class TunnelServer:
     async def _grant_tokens(self, session: _Session, now: float) -> None:
         want = self._target(session, now) - len(session.idle) - len(session.tokens)
         want = min(want, MAX_OUTSTANDING_TOKENS - len(session.tokens))
+        grants = []
         for _ in range(max(0, want)):
             token = secrets.token_bytes(tf.TOKEN_BYTES)
             session.tokens[token] = now
             self._tokens[token] = session
-            await session.send(tf.Token(token))
+            grants.append(tf.Token(token))
+        if grants:  # one TLS record and one write for the lot, not one per token
+            await session.send(*grants)
 
     async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
                            fingerprint: str, client: tuple[str, int]) -> None:
