@@ -27,6 +27,15 @@ counted by reason in `Stats.rejections`.
 Limits are checked at accept, before any byte is read: a global connection cap and a
 per-IP cap. Accept errors such as EMFILE are survived (logged, short back-off).
 
+Per-connection cost is the router's weak spot (DESIGN §5: the interpreter, not the
+kernel, dominates a short connection), so the passthrough path works on bare trio
+sockets and tries every syscall before waiting: accept(2) on the listening socket
+returns the peer address (no getpeername, no `SocketStream`; TCP options are inherited
+from the listener), the ClientHello is read before any epoll wait, the backend connect is
+probed instead of waited on, and the relay splices fds. Only the modes that need a
+`Stream` (terminate, tunnel, ACME, a non-socket backend) wrap the socket in one.
+`tests/bench/profile_router.py` measures and profiles this path.
+
 Reload swaps the route table and limits atomically (`update`); connections already
 routed keep the `Route` object they were given. Shutdown (`drain`) closes the
 listeners first, then gives open connections a deadline before cancelling them.

@@ -26,8 +26,9 @@ connection setup is where it loses), so the hot path is shaped for it:
 - one direction runs in the relay's own task and only the other gets a new one;
 - a half-close on a bare socket is a plain `shutdown(SHUT_WR)`, not `send_eof()` with its
   scheduler yield;
-- the idle timeout is one cancel scope whose deadline each moved chunk pushes forward,
-  not a watcher task: a relay that ends normally raises no `Cancelled` at all;
+- the idle timeout is the relay nursery's own cancel scope, whose deadline each moved
+  chunk pushes forward — not a watcher task, not a second scope: a relay that ends
+  normally raises no `Cancelled` at all;
 - pipes come from a small free list (`PIPE_POOL`), because creating and resizing two
   pipes per connection costs tens of µs — a flood of short connections never pays it.
 
@@ -116,32 +117,31 @@ async def relay_sockets(
 async def _relay(a: _End, b: _End, pump: _Pump, idle_timeout: float,
                  on_bytes: Callable[[str, int], None] | None) -> RelayResult:
     result = RelayResult()
-    idle = trio.CancelScope(deadline=trio.current_time() + idle_timeout)
+    async with trio.open_nursery() as nursery:
+        idle = nursery.cancel_scope  # its deadline is the idle clock: no second scope
+        idle.deadline = trio.current_time() + idle_timeout
 
-    def mover(direction: str) -> Callable[[int], None]:
-        def moved(n: int) -> None:
-            idle.deadline = trio.current_time() + idle_timeout
-            if direction == "up":
-                result.up += n
-            else:
-                result.down += n
-            if on_bytes is not None:
-                on_bytes(direction, n)
-        return moved
+        def mover(direction: str) -> Callable[[int], None]:
+            def moved(n: int) -> None:
+                idle.deadline = trio.current_time() + idle_timeout
+                if direction == "up":
+                    result.up += n
+                else:
+                    result.down += n
+                if on_bytes is not None:
+                    on_bytes(direction, n)
+            return moved
 
-    with idle:
-        async with trio.open_nursery() as nursery:
+        async def run(src: Any, dst: Any, direction: str) -> None:
+            try:
+                await pump(src, dst, mover(direction))
+            except _PEER_GONE:
+                result.outcome = "reset"
+                idle.cancel()
 
-            async def run(src: Any, dst: Any, direction: str) -> None:
-                try:
-                    await pump(src, dst, mover(direction))
-                except _PEER_GONE:
-                    result.outcome = "reset"
-                    nursery.cancel_scope.cancel()
-
-            nursery.start_soon(run, b, a, "down")
-            await run(a, b, "up")
-    if idle.cancelled_caught:
+        nursery.start_soon(run, b, a, "down")
+        await run(a, b, "up")
+    if idle.cancelled_caught and result.outcome != "reset":
         result.outcome = "idle_timeout"
     return result
 

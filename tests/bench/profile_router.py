@@ -12,7 +12,9 @@ one change can be measured in seconds and a profiler attached to the real proces
 - `pyspy`: `py-spy record` on the proxy during one flood, collapsed stacks (`--format
   raw`) to `--out`, and a summary: share of samples by leaf function and by our frames;
 - `strace`: `strace -c -f` on the proxy during one flood: syscalls per connection;
-- `perf`: `perf stat` (task-clock, instructions, context switches) per connection.
+- `perf`: `perf stat` (task-clock, instructions, context switches) per connection;
+- `cprofile`: the router runner under cProfile (call counts per connection; its times
+  are inflated several times), pstats to `--out` with suffix `.pstats`.
 
 Attached tools slow the proxy (strace by several times): only `none` gives real µs.
 Same pinning as the bench: the proxy alone on core 0, the rest on core 1. Not a test.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pstats
 import shutil
 import signal
 import statistics
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingress", choices=("serve", "router"), default="serve")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--tool", choices=("none", "pyspy", "strace", "perf"), default="none")
+    p.add_argument("--tool", choices=("none", "pyspy", "strace", "perf", "cprofile"),
+                   default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
     args = p.parse_args(argv)
     pin_self(CORE_LOAD)
@@ -147,11 +151,18 @@ def main(argv: list[str] | None = None) -> int:
                           tmp / "backends.log")
         started.append(backend)
         backend.start([sink])
-        proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [])
+        cprof = args.out.with_suffix(".pstats") if args.tool == "cprofile" else None
+        proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [],
+                                      cprof)
         started.append(proxy)
         flood(port, hello, WARMUP)
         pid = str(proxy.pid)
-        if args.tool == "none":
+        if args.tool == "cprofile":  # deterministic call counts; µs inflated several times
+            res = measured(proxy, port, hello, args.seconds)
+            proxy.stop()
+            print(f"{res['units']} connections; pstats in {cprof}")
+            pstats.Stats(str(cprof)).sort_stats("tottime").print_stats(TOP)
+        elif args.tool == "none":
             runs = [measured(proxy, port, hello, args.seconds) for _ in range(args.runs)]
             for r in runs:
                 print(f"{runner}: {r['us_per_conn']:7.1f} µs/conn  {r['rate']:8.1f} conn/s  "
