@@ -98,8 +98,17 @@ def attached(tool: list[str], proxy: Service, port: int, hello: Path, seconds: f
     return res, out.decode(errors="replace")
 
 
+#: Leaf-frame file → bucket, first match wins. A leaf that makes a syscall is counted
+#: where the call is written (py-spy sees Python frames only); /proc's user/system split
+#: (`--tool none`) gives the kernel's share.
+BUCKETS = (("pact_ingress/proto/", "pact_ingress parser"), ("pact_ingress/", "pact_ingress"),
+           ("trio/_core/", "trio scheduler/core"), ("trio/", "trio sockets"),
+           ("prometheus_client/", "prometheus_client"), ("logging/", "logging/json"),
+           ("json/", "logging/json"), ("socket.py", "stdlib socket"))
+
+
 def summarize_pyspy(raw: Path, units: int) -> str:
-    """Collapsed stacks → share of samples per leaf frame and per 'ours vs trio vs rest'."""
+    """Collapsed stacks → share of samples per bucket of the leaf frame, and top leaves."""
     leaves: collections.Counter[str] = collections.Counter()
     owner: collections.Counter[str] = collections.Counter()
     total = 0
@@ -109,20 +118,11 @@ def summarize_pyspy(raw: Path, units: int) -> str:
             continue
         n = int(count)
         total += n
-        frames = stack.split(";")
-        leaves[frames[-1]] += n
-        leaf = frames[-1]
-        if "pact_ingress" in leaf:
-            owner["pact_ingress (own frames)"] += n
-        elif "/trio/" in leaf:
-            owner["trio"] += n
-        elif "prometheus_client" in leaf:
-            owner["prometheus_client"] += n
-        elif "logging" in leaf or "json" in leaf:
-            owner["logging/json"] += n
-        else:
-            owner["other (stdlib, builtins)"] += n
-    lines = [f"{total} samples, {units} connections"]
+        leaf = stack.split(";")[-1]
+        leaves[leaf] += n
+        where = leaf.rpartition("(")[2]
+        owner[next((b for key, b in BUCKETS if key in where), "other")] += n
+    lines = [f"{total} samples, {units} connections; by the leaf frame's file:"]
     lines += [f"  {v / total:6.1%}  {k}" for k, v in owner.most_common()]
     lines.append("top leaf frames:")
     lines += [f"  {v / total:6.1%}  {k}" for k, v in leaves.most_common(TOP)]
