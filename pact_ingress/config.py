@@ -200,6 +200,9 @@ class ConnectorConfig:
     pin: str
     forward: Address
     connections: int = 2
+    #: How tunnel data connections are made: raw token-authenticated TCP (fast, spliced),
+    #: TLS (for networks that pass only TLS on 443), or auto (raw, falling back to TLS).
+    data_transport: Literal["auto", "raw", "tls"] = "auto"
 
 
 # --- caps ---------------------------------------------------------------------------------
@@ -1121,7 +1124,7 @@ def _acme_cert(ctx: _Ctx, node: Node, route: Route, seen: _Seen) -> Literal["acm
 
 # --- connector config ---------------------------------------------------------------------
 
-_CONNECTOR_KEYS = ("identity", "ingress", "forward", "connections")
+_CONNECTOR_KEYS = ("identity", "ingress", "forward", "connections", "data_transport")
 _INGRESS_KEYS = ("address", "tunnel_hostname", "pin")
 
 
@@ -1148,10 +1151,13 @@ def _connector(ctx: _Ctx, path: Path, root: Node) -> ConnectorConfig | None:
     ingress = top.opt("ingress", _connector_ingress)
     forward = top.opt("forward", _address, "forward")
     count = top.opt("connections", _integer, "connections", 1, MAX_TUNNEL_CONNECTIONS, default=2)
-    if ctx.errors or None in (key, ingress, forward, count):
+    transport = top.opt("data_transport", _choice, "data_transport", ("auto", "raw", "tls"),
+                        default="auto")
+    if ctx.errors or None in (key, ingress, forward, count, transport):
         return None
     address, sni, pin = ingress
-    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count)
+    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count,
+                           transport)
 
 
 def _connector_identity(ctx: _Ctx, node: Node) -> Path | None:

@@ -256,6 +256,9 @@ def test_connector_config(tmp_path: Path) -> None:
     assert config.ingress == Address("ingress.example", 443)  # port defaults to 443
     assert (config.tunnel_hostname, config.pin) == ("tunnel.example", PIN_B)
     assert (config.forward, config.connections) == (Address("::1", 8443), 2)
+    assert config.data_transport == "auto"
+    path.write_text(CONNECTOR + "data_transport: tls\n")
+    assert load_connector_config(path).data_transport == "tls"
 
 
 @pytest.mark.parametrize(
@@ -264,6 +267,7 @@ def test_connector_config(tmp_path: Path) -> None:
         (("connections", "connections: 0\n"), 7, "connections must be between 1 and 16"),
         (("connections", "connections: 17\n"), 7, "connections must be between 1 and 16"),
         (("connections", "retries: 3\n"), 7, "unknown key 'retries' in the connector config"),
+        (("connections", "data_transport: udp\n"), 7, "data_transport must be one of auto, raw"),
         (("pin", 'pin: "sha256:short"'), 5, "ingress.pin 'sha256:short' is not"),
         (("forward", "forward: 8443"), 6, "forward must be a string, got an integer"),
         (("forward", 'forward: "127.0.0.1"'), 6, "forward: '127.0.0.1': missing port"),

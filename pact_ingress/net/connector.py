@@ -606,5 +606,6 @@ async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,
     The CLI sets `shutdown` on SIGTERM. `task_status.started()` receives the Connector
     (live counts for status output and tests).
     """
-    connector = Connector(cfg, stats=stats, heartbeat=heartbeat)
+    connector = Connector(cfg, stats=stats, heartbeat=heartbeat,
+                          data_transport=cfg.data_transport)
     await connector.run(shutdown=shutdown, grace=grace, task_status=task_status)
