@@ -20,7 +20,8 @@ from pact_ingress import __version__, sdnotify
 from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
 from pact_ingress.errors import ConfigError, PactIngressError
 from pact_ingress.identity import ensure_selfsigned_cert, load_identity
-from pact_ingress.logs import log, setup as setup_logs
+from pact_ingress.logs import log
+from pact_ingress.logs import setup as setup_logs
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.router import Router, open_listeners
 from pact_ingress.stats import Stats

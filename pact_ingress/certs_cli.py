@@ -23,7 +23,7 @@ from pact_ingress.errors import ConfigError, PactIngressError
 def _when(ts: float | None) -> str:
     if ts is None:
         return "-"
-    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime(
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime(
         "%Y-%m-%d %H:%M UTC")
 
 

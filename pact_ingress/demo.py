@@ -32,7 +32,8 @@ from pact_ingress.config import load_config, load_connector_config
 from pact_ingress.demo_node import serve_demo_node
 from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import keygen, load_identity
-from pact_ingress.logs import log, setup as setup_logs
+from pact_ingress.logs import log
+from pact_ingress.logs import setup as setup_logs
 from pact_ingress.net.connector import run_connector
 
 PASSTHROUGH_HOST = "demo.localhost"

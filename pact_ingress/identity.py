@@ -99,7 +99,7 @@ def key_pem(key: PrivateKey) -> bytes:
 def self_signed_cert(key: PrivateKey, common_name: str = "pact") -> x509.Certificate:
     """A long-lived self-signed certificate carrying `key`; only the key matters."""
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -125,7 +125,7 @@ def ensure_selfsigned_cert(host: str, cert_path: Path, key_path: Path) -> bool:
         return False
     key = generate_key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host.replace("*", "wildcard"))])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name).issuer_name(name).public_key(key.public_key())

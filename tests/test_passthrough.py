@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import ssl
-import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,8 +21,15 @@ from pact_ingress.net.router import Router, open_listeners
 from pact_ingress.proto.proxy_protocol import decode_v2
 from pact_ingress.stats import Stats
 from tests.netutil import (
-    TEST_TIMEOUT, TlsWhoAmI, client_context, https_get, make_config, make_identity, route,
-    server_context, sha256_stream,
+    TEST_TIMEOUT,
+    TlsWhoAmI,
+    client_context,
+    https_get,
+    make_config,
+    make_identity,
+    route,
+    server_context,
+    sha256_stream,
 )
 
 VECTORS = Path(__file__).parent / "vectors" / "clienthello"
