@@ -18,7 +18,7 @@ inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshak
 ends per stream, ~10× the CPU. Either way the connection then waits, raw, in the
 ingress's pool. The first bytes the ingress sends mean "this is a stream now": we
 connect `forward` and relay with
-`splice.relay` (kernel splice, both ends plain TCP). An EOF before any byte means the
+`splice.relay_sockets` (kernel splice, both ends plain TCP). An EOF before any byte means the
 ingress retired the idle connection. Data connections live in the connector's root
 nursery, not the control connection's: a control connection dying (or being replaced)
 never breaks a stream that is already flowing; only idle, not yet used data connections
@@ -48,10 +48,12 @@ streams finish until `grace` runs out; whatever is left is cancelled.
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -66,8 +68,8 @@ from pact_ingress.identity import (
     pinned_client_context,
 )
 from pact_ingress.logs import log
-from pact_ingress.net.backends import is_ip
-from pact_ingress.net.splice import relay
+from pact_ingress.net.backends import STREAM_OPTIONS, is_ip
+from pact_ingress.net.splice import relay_sockets
 from pact_ingress.net.tunnel_server import (
     ALPN_CONTROL,
     ALPN_DATA,
@@ -105,6 +107,14 @@ RELAY_IDLE_TIMEOUT = 3600.0
 FIRST_READ = 64 * 1024
 #: Best-effort sends on the way out.
 GOAWAY_TIMEOUT = 1.0
+#: A refill (the dial of a new data connection for a TOKEN) waits at most this long while
+#: a stream is opening — its first bytes arrived, its first answer is not back yet. The
+#: ingress grants the replacement token the moment it hands the stream out, so without
+#: this the dial, the ingress's accept and DATA_OK land exactly on that stream's
+#: first-byte path, on both cores (seen in strace: the token read and the dial between
+#: the forward connect and the first answer). The pool has slack (POOL_MIN), so a few ms
+#: cost nobody anything.
+OPENING_YIELD = 0.005
 #: How data connections are made: "raw" (token only, no TLS), "tls" (pinned mutual TLS,
 #: then unwrapped), or "auto": raw, switching to tls for good if raw ones keep failing.
 DATA_TRANSPORTS = ("auto", "raw", "tls")
@@ -198,9 +208,16 @@ class Connector:
         self._links: set[_Link] = set()
         self._pending = 0  # data connections being set up or idle
         self._active = 0  # streams relaying
+        self._opening = 0  # streams whose first answer has not come back yet
+        self._opened = trio.Event()  # set (and replaced) when _opening drops to 0
         self._changed = trio.Event()
         self._draining = False
         self._root: trio.Nursery | None = None
+        # looked up once: prometheus `labels()` hashes and locks on every call, and these
+        # are on every stream's first-byte path
+        self._bytes_up = self.stats.bytes.labels("tunnel", "up")
+        self._bytes_down = self.stats.bytes.labels("tunnel", "down")
+        self._stream_opens = self.stats.tunnel_events.labels(self.label, "stream_open")
 
     def _context(self, alpn: str) -> ssl.SSLContext:
         ctx = pinned_client_context(self.identity, [alpn])
@@ -416,6 +433,7 @@ class Connector:
         first = b""
         try:
             with scope:
+                await self._yield_to_openings()
                 raw, first = await self._open_data(link, token)
                 if not first:  # idle in the ingress's pool until a stream arrives
                     first = await raw.receive_some(FIRST_READ)
@@ -435,6 +453,20 @@ class Connector:
             finally:
                 self._active -= 1
                 self._touch()
+
+    async def _yield_to_openings(self) -> None:
+        """Wait (≤ OPENING_YIELD) until no stream is opening: see OPENING_YIELD."""
+        if not self._opening:
+            return
+        with trio.move_on_after(OPENING_YIELD):
+            while self._opening:  # bounded by the deadline
+                await self._opened.wait()
+
+    def _opening_done(self) -> None:
+        self._opening -= 1
+        if not self._opening:
+            self._opened.set()
+            self._opened = trio.Event()
 
     async def _open_data(self, link: _Link, token: bytes) -> tuple[trio.SocketStream, bytes]:
         """A data connection that the ingress accepted, and any stream bytes already
@@ -517,15 +549,37 @@ class Connector:
         return raw, bytes(trailing)
 
     async def _stream(self, raw: trio.SocketStream, first: bytes) -> None:
-        """Connect `forward`, pass the first chunk, splice both ways until done."""
+        """Connect `forward`, pass the first chunk, splice both ways until done.
+
+        This is every stream's first-byte path (stream-open latency): bare sockets from
+        here on — the first chunk is written without a scheduler trip, and the relay is
+        `relay_sockets`, as in the router's passthrough. Until the first answer is on its
+        way back the stream counts as opening (refill dials wait: OPENING_YIELD).
+        """
+        self._stream_opens.inc()
+        self._opening += 1
+        opening = True
+
+        def opened() -> None:
+            nonlocal opening
+            if opening:
+                opening = False
+                self._opening_done()
+
+        try:
+            await self._forward(raw, first, opened)
+        finally:
+            opened()
+
+    async def _forward(self, raw: trio.SocketStream, first: bytes,
+                       opened: Callable[[], None]) -> None:
         forward = self.cfg.forward
-        self._event("stream_open")
-        up = self.stats.bytes.labels("tunnel", "up")
-        down = self.stats.bytes.labels("tunnel", "down")
+        sock = raw.socket
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
-                fwd = await connect_forward(forward)
+                fwd = await connect_socket(forward)
         except (OSError, trio.TooSlowError) as exc:
+            opened()
             self._event("forward_unreachable")
             log.warning("forward_unreachable", forward=str(forward), error=repr(exc))
             with trio.move_on_after(GOAWAY_TIMEOUT):
@@ -533,21 +587,27 @@ class Connector:
                     await raw.send_all(tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
                 except (trio.BrokenResourceError, OSError):
                     pass
-            await trio.aclose_forcefully(raw)
+            sock.close()
             return
+        up, down = self._bytes_up, self._bytes_down
 
         def on_bytes(direction: str, n: int) -> None:
-            (up if direction == "up" else down).inc(n)
+            if direction == "up":
+                up.inc(n)
+            else:
+                opened()
+                down.inc(n)
 
         try:
-            await fwd.send_all(first)
+            await _send_first(fwd, first)
             up.inc(len(first))
-            await relay(raw, fwd, idle_timeout=RELAY_IDLE_TIMEOUT, on_bytes=on_bytes)
+            await relay_sockets(sock, fwd, idle_timeout=RELAY_IDLE_TIMEOUT,
+                                on_bytes=on_bytes)
         except (trio.BrokenResourceError, OSError) as exc:
             log.debug("tunnel_stream_reset", error=repr(exc))
         finally:
-            await trio.aclose_forcefully(fwd)
-            await trio.aclose_forcefully(raw)
+            fwd.close()
+            sock.close()
 
 
 async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
@@ -563,20 +623,41 @@ async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
         scope.cancel()
 
 
-async def connect_forward(address: Address) -> trio.SocketStream:
-    """TCP to `forward`. This is on every stream's first-byte path: for an IP literal
-    (the usual `127.0.0.1:8443`) a bare socket connect, which measured ~3× faster here
-    than `open_tcp_stream`'s resolver + happy-eyeballs machinery (~0.16 vs ~0.48 ms)."""
+async def connect_socket(address: Address) -> trio.socket.SocketType:
+    """A connected bare TCP socket to `address` with the relay options (no Nagle delay,
+    bounded unsent bytes), as the router's backend sockets.
+
+    This is on every stream's first-byte path: for an IP literal (the usual
+    `127.0.0.1:8443`) a bare socket connect, which measured ~3× faster here than
+    `open_tcp_stream`'s resolver + happy-eyeballs machinery (~0.16 vs ~0.48 ms)."""
     if not is_ip(address.host):
-        return await trio.open_tcp_stream(address.host, address.port)
+        return (await trio.open_tcp_stream(address.host, address.port)).socket
     family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
     sock = trio.socket.socket(family, socket.SOCK_STREAM)
     try:
+        for option, value in STREAM_OPTIONS:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
         await sock.connect((address.host, address.port))
     except BaseException:
         sock.close()
         raise
-    return trio.SocketStream(sock)
+    return sock
+
+
+async def connect_forward(address: Address) -> trio.SocketStream:
+    """`connect_socket` as a stream (the data connection's handshake uses stream I/O)."""
+    return trio.SocketStream(await connect_socket(address))
+
+
+async def _send_first(sock: trio.socket.SocketType, data: bytes) -> None:
+    """Write all of `data`, trying the write before any wait: a fresh connection's send
+    buffer takes a first chunk (≤ FIRST_READ) whole, so this is one syscall."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(sock.fileno(), view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
 
 
 async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:

@@ -555,12 +555,12 @@ class TunnelServer:
     async def _maintain_pool(self, session: _Session, _decoder: tf.Decoder | None = None
                              ) -> None:
         while True:
+            session.wakeup = trio.Event()  # before granting: a take meanwhile wakes us again
             now = trio.current_time()
             self._expire(session, now)
             self._sweep(session.tenant)
             if not session.draining:
                 await self._grant_tokens(session, now)
-            session.wakeup = trio.Event()
             with trio.move_on_after(MAINTENANCE_TICK):
                 await session.wakeup.wait()
 
