@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -253,6 +254,32 @@ async def test_bulk_bytes_arrive_intact_both_ways(tmp_path: Path, keys: Keys,
         up = connector.stats.value("pact_ingress_bytes_total",
                                    {"route": "tunnel", "direction": "up"})
         assert up == len(payload)
+    ing.scope.cancel()
+
+
+async def test_forward_down_answers_like_a_dead_backend(tmp_path: Path, keys: Keys,
+                                                       nursery: trio.Nursery) -> None:
+    """`forward` refusing connections: the caller gets a fatal TLS alert, the connector
+    counts it, and the next stream (once forward is up) goes through."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: connects are refused
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
+                               ing.tunnel_port, port)
+        connector, _ = await start_connector(nursery, cfg, data_transport="raw")
+        await eventually(lambda: ing.server.idle_connections("alina") > 0)
+        with trio.fail_after(TEST_TIMEOUT):
+            s = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
+            await s.send_all(b"\x16\x03\x01hello")
+            answer = await read_all(s)
+            await s.aclose()
+        assert answer == tls_alert.alert_record(tls_alert.INTERNAL_ERROR)
+        assert connector.stats.value("pact_ingress_tunnel_events_total",
+                                     {"tenant": connector.label,
+                                      "event": "forward_unreachable"}) == 1
+        assert connector.active_streams == 0
     ing.scope.cancel()
 
 
