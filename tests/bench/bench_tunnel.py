@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from pact_ingress.identity import Identity, keygen
+from tests.bench import harness
 from tests.bench.bench_passthrough import hello_for
 from tests.bench.harness import (
     CORE_LOAD,
@@ -695,16 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(rig, s, log, args.only.split(",") if args.only else None)
     title = (f"Reverse tunnel on loopback ({'quick smoke run' if args.quick else 'full run'})")
     report = build_report(results, title, notes)
-    print(report.markdown())
-    log(f"done in {time.monotonic() - started_at:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"report": report.as_json(), "settings": asdict(s),
-                                         "results": results}, indent=1))
-    if not args.keep:
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        log(f"kept {tmp}")
-    return 0
+    return harness.finish(report, json_path=args.json, tmp=tmp, keep=args.keep,
+                          started_at=started_at, log=log,
+                          payload={"settings": asdict(s), "results": results})
 
 
 if __name__ == "__main__":

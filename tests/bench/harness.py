@@ -498,3 +498,18 @@ class Comparison:
     def as_json(self) -> dict[str, Any]:
         return {"title": self.title, "paths": self.paths,
                 "rows": [self.row_dict(r) for r in self.rows], "notes": self.notes}
+
+
+def finish(report: Any, *, json_path: Path | None, payload: Mapping[str, Any], tmp: Path,
+           keep: bool, started_at: float, log: Any) -> int:
+    """The common end of every bench: table to stdout, optional JSON, temp dir cleanup."""
+    print(report.markdown())
+    log(f"done in {time.monotonic() - started_at:.0f} s")
+    if json_path:
+        json_path.write_text(json.dumps({"report": report.as_json(), **payload}, indent=1))
+    if keep:
+        log(f"kept {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
