@@ -77,6 +77,9 @@ ACCEPT_BATCH = 16
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
+#: How long a backend may take to accept the first bytes (PROXY header + ClientHello,
+#: at most ~16 KiB: any live TCP peer's receive window takes that at once).
+HEAD_TIMEOUT = 10.0
 #: How long a handshake with the ACME TLS-ALPN-01 challenge cert may take.
 CHALLENGE_TIMEOUT = 10.0
 ACME_ALPN = "acme-tls/1"
@@ -453,17 +456,28 @@ async def close_stream(stream: trio.abc.Stream) -> None:
 
 async def _send_head(backend: trio.socket.SocketType | trio.abc.Stream, head: bytes) -> None:
     """The first bytes to the backend; on a bare socket a send(2) is tried before any
-    wait (a fresh connection's buffer takes a ClientHello whole)."""
+    wait (a fresh connection's buffer takes a ClientHello whole). A backend that does not
+    take them within HEAD_TIMEOUT counts as reset (the deadline is only set up on the
+    slow path, so the usual connection pays nothing for it)."""
     if isinstance(backend, trio.abc.Stream):
-        await backend.send_all(head)
+        with trio.move_on_after(HEAD_TIMEOUT) as scope:
+            await backend.send_all(head)
+        if scope.cancelled_caught:
+            raise trio.BrokenResourceError("backend did not take the ClientHello")
         return
     fd = backend.fileno()
     view = memoryview(head)
+    deadline = None
     while view:
         try:
             view = view[os.write(fd, view):]
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(backend)
+            if deadline is None:
+                deadline = trio.current_time() + HEAD_TIMEOUT
+            with trio.move_on_at(deadline):
+                await trio.lowlevel.wait_writable(backend)
+            if trio.current_time() >= deadline:
+                raise trio.BrokenResourceError("backend did not take the ClientHello")
 
 
 def _send_alert(sock: trio.socket.SocketType, description: int) -> None:
