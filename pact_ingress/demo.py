@@ -116,7 +116,7 @@ def instructions(state: Path, port: int, admin_port: int) -> list[tuple[str, str
     ]
 
 
-async def run_demo(state: Path, port: int, *, out: object = None) -> None:
+async def run_demo(state: Path, port: int) -> None:
     admin_port, node_port = port + 1, port + 2
     cfg_path, conn_path = write_configs(state, port, admin_port, node_port)
     config = load_config(cfg_path)

@@ -72,7 +72,7 @@ class Resolver:
         hit = self._cache.get(host)
         if hit is not None and hit[1] > trio.current_time():
             return hit[0]
-        if hit is not None:  # expired: serve the stale answer, refresh behind it
+        if hit is not None:  # expired: serve the stale answer; refresh_forever renews it
             return hit[0]
         return await self._lookup(host)
 
