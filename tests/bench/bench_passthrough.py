@@ -193,20 +193,9 @@ def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
         mode = "router"
         notes.append(f"PROFILED under cProfile ({profile}): pact-ingress figures are "
                      f"inflated, use them only to find hot spots")
-    order = ["serve", "router"] if mode == "auto" else [mode]
-    for runner in order:
-        svc = Service(f"pact-ingress ({runner})", argv[runner], CORE_PROXY,
-                      tmp / f"ingress-{runner}.log")
-        try:
-            return svc.start([port]), runner
-        except ServiceError as exc:
-            svc.stop()
-            if runner == order[-1]:
-                raise
-            why = svc.log_tail(1).strip() or str(exc).splitlines()[0]
-            notes.append(f"`serve` could not start ({why[:160]}); measured "
-                         f"`tests.bench.run_router` (same router, loader, backends)")
-    raise AssertionError("unreachable")
+    return harness.start_ingress_service(
+        tmp, port, argv, mode, notes,
+        "`tests.bench.run_router` (same router, loader, backends)")
 
 
 def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[str],

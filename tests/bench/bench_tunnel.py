@@ -213,21 +213,9 @@ def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str]
         "serve": python_module("pact_ingress", "serve", "-c", str(cfg)),
         "router": python_module("tests.bench.run_router", "--tunnel", "-c", str(cfg)),
     }
-    order = ["serve", "router"] if mode == "auto" else [mode]
-    for runner in order:
-        svc = Service(f"pact-ingress ({runner})", argv[runner], CORE_PROXY,
-                      tmp / f"ingress-{runner}.log")
-        try:
-            return svc.start([port]), runner
-        except ServiceError as exc:
-            svc.stop()
-            if runner == order[-1]:
-                raise
-            why = svc.log_tail(1).strip() or str(exc).splitlines()[0]
-            notes.append(f"`serve` could not start ({why[:160]}); measured "
-                         f"`tests.bench.run_router --tunnel` (same router, loader, backends, "
-                         f"TunnelServer)")
-    raise AssertionError("unreachable")
+    return harness.start_ingress_service(
+        tmp, port, argv, mode, notes,
+        "`tests.bench.run_router --tunnel` (same router, loader, backends, TunnelServer)")
 
 
 def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[str],

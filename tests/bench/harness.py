@@ -513,3 +513,22 @@ def finish(report: Any, *, json_path: Path | None, payload: Mapping[str, Any], t
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
+
+def start_ingress_service(tmp: Path, port: int, argv: Mapping[str, list[str]], mode: str,
+                          notes: list[str], fallback_note: str) -> tuple[Service, str]:
+    """Start pact-ingress as `serve`, or (mode "auto") fall back to the `router` runner
+    when `serve` cannot start, saying so in `notes`. Returns (service, runner used)."""
+    order = ["serve", "router"] if mode == "auto" else [mode]
+    for runner in order:
+        svc = Service(f"pact-ingress ({runner})", argv[runner], CORE_PROXY,
+                      tmp / f"ingress-{runner}.log")
+        try:
+            return svc.start([port]), runner
+        except ServiceError as exc:
+            svc.stop()
+            if runner == order[-1]:
+                raise
+            why = svc.log_tail(1).strip() or str(exc).splitlines()[0]
+            notes.append(f"`serve` could not start ({why[:160]}); measured {fallback_note}")
+    raise AssertionError("unreachable")
+
