@@ -13,6 +13,7 @@ import hashlib
 import os
 import socket
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -254,6 +255,39 @@ async def test_bulk_bytes_arrive_intact_both_ways(tmp_path: Path, keys: Keys,
         up = connector.stats.value("pact_ingress_bytes_total",
                                    {"route": "tunnel", "direction": "up"})
         assert up == len(payload)
+    ing.scope.cancel()
+
+
+async def test_used_data_connections_are_replaced_with_spares(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    """Steady state: opening a stream sends nothing on the control connection — the
+    connector replaces each used data connection with a SPARE it holds; TOKENs are for
+    the pool's growth only, so 20 streams must not cost 20 of them."""
+    port = await echo_server(nursery)
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
+                               ing.tunnel_port, port, connections=1)
+        connector, _ = await start_connector(nursery, cfg, data_transport="raw")
+        await eventually(lambda: ing.server.idle_connections("alina") == ts.POOL_MIN)
+        [session] = ing.server._sessions["alina"]
+        assert len(session.spares) == ts.SPARE_MIN  # granted with the first TOKENs
+        tokens_before = events(ing.stats, "alina", "tokens_granted")
+        spares_before = events(ing.stats, "alina", "spares_granted")
+        for i in range(20):
+            level = ing.server.idle_connections("alina")
+            with trio.fail_after(TEST_TIMEOUT):
+                s = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
+                await s.send_all(b"ping %d" % i)
+                assert await s.receive_some(64) == b"ping %d" % i
+                await s.aclose()
+            # the replacement arrives by itself (a few ms after the answer)
+            await eventually(lambda n=level: ing.server.idle_connections("alina") >= n)
+        tokens = events(ing.stats, "alina", "tokens_granted") - tokens_before
+        assert tokens <= 2  # the pool may grow by one or two as the open rate rises
+        assert events(ing.stats, "alina", "spares_granted") > spares_before  # topped up
+        assert events(ing.stats, "alina", "stream_open") == 20
+        assert not session.replacing  # every take's replacement came
+        assert connector.idle_data >= ts.POOL_MIN
     ing.scope.cancel()
 
 
@@ -500,6 +534,46 @@ async def test_raw_data_tokens_single_use_and_bound_to_their_session(
         await trio.aclose_forcefully(first)
         await trio.aclose_forcefully(caller)
     ing.scope.cancel()
+
+
+async def test_spare_tokens_single_use_bound_and_expiring(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SPARE is a token like a TOKEN (single use, its session's only), valid for
+    SPARE_TTL."""
+    monkeypatch.setattr(tf, "SPARE_TTL", 1.0)
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
+        decoder, spares = tf.Decoder(), []
+        with trio.fail_after(TEST_TIMEOUT):
+            while len(spares) < ts.SPARE_MIN:
+                decoder.feed(await tls.receive_some(4096))
+                while (msg := decoder.next_message()) is not None:
+                    if isinstance(msg, tf.Spare):
+                        spares.append(msg.token)
+        used = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(spares[0]))
+        with trio.fail_after(TEST_TIMEOUT):
+            assert await used.receive_some(3) == tf.encode(tf.DataOk())
+        replay = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(spares[0]))
+        assert await read_all(replay) == b""
+        await trio.sleep(1.2)  # past the (shortened) SPARE_TTL
+        late = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(spares[1]))
+        assert await read_all(late) == b""
+        assert events(ing.stats, "-", "refused_bad_token") == 2
+        await trio.aclose_forcefully(used)
+        await trio.aclose_forcefully(tls)
+    ing.scope.cancel()
+
+
+def test_take_spare_skips_stale_ones() -> None:
+    spares = deque([(b"old", 0.0), (b"ok", 100.0), (b"new", 200.0)])
+    now = 100.0 + connector_mod.SPARE_USE_WITHIN
+    assert connector_mod.take_spare(spares, now) == b"ok"  # "old" dropped on the way
+    assert list(spares) == [(b"new", 200.0)]
+    assert connector_mod.take_spare(spares, 200.0 + connector_mod.SPARE_USE_WITHIN + 1) \
+        is None
+    assert not spares
 
 
 async def test_raw_data_silence_times_out(tmp_path: Path, keys: Keys, nursery: trio.Nursery,

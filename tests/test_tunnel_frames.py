@@ -21,6 +21,7 @@ MESSAGES: list[tf.Message] = [
     tf.Ping(2**64 - 1),
     tf.Pong(42),
     tf.Token(TOKEN),
+    tf.Spare(TOKEN),
     tf.Goaway(tf.GoawayCode.SHUTDOWN, 2000, "ingress shutting down"),
     tf.Goaway(tf.GoawayCode.DRAINING),
     tf.DataHello(TOKEN),
@@ -69,6 +70,7 @@ def test_byte_by_byte_returns_none_until_complete() -> None:
     (b"\x03\xff\xff", "over cap"),
     (b"\x03\x00\x07" + b"\x00" * 7, "bad PING"),
     (b"\x05\x00\x05" + b"short", "bad TOKEN"),
+    (b"\x09\x00\x21" + b"t" * 33, "bad SPARE"),
     (b"\x08\x00\x01x", "bad DATA_OK"),
     (b"\x06\x00\x05" + b"\x63\x00\x00\x00\x00", "bad GOAWAY"),
     (b"\x01\x00\x12" + b"\x01\x00" + b"i" * 16, None),  # a valid HELLO, for contrast

@@ -7,9 +7,12 @@ Theory of operation (the protocol and its security argument are in
 `ingress.address`, TLS 1.3 with SNI `tunnel_hostname`, ALPN `pact-tunnel/1`, our PACT key
 as client certificate, and the ingress accepted only if its key's fingerprint is
 `ingress.pin` (stdlib ssl verifies nothing else; `identity.check_pin`). Over it we send
-HELLO, answer and send heartbeats, and receive TOKENs.
+HELLO, answer and send heartbeats, and receive TOKENs and SPAREs.
 
-Every TOKEN makes us dial one **data connection**: plain TCP to the ingress, then
+Every TOKEN makes us dial one **data connection** at once; SPAREs we keep, and a data
+connection that has carried a stream's first answer is replaced by one dialed with a
+spare (`_replace`), so a stream costs the control connection nothing (why:
+`tunnel_server.py`, "Refilling"). A data connection is plain TCP to the ingress, then
 `RAW_DATA_MAGIC` + DATA_HELLO(token) in one write, and the ingress answers DATA_OK (why a
 token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallback,
 `data_transport="tls"` or chosen by itself (below), is the older way: ALPN
@@ -17,8 +20,10 @@ token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallb
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
 ends per stream, ~10× the CPU. Either way the connection then waits, raw, in the
 ingress's pool. The first bytes the ingress sends mean "this is a stream now": we
-connect `forward` and relay with
-`splice.relay_sockets` (kernel splice, both ends plain TCP). An EOF before any byte means the
+connect `forward` and relay with `splice.relay_sockets` (kernel splice, both ends plain
+TCP). Dials — for TOKENs and replacements — wait while a stream is opening
+(OPENING_YIELD), replacements REPLACE_DELAY more, so that their connect, the ingress's
+accept and DATA_OK stay off the first-byte path. An EOF before any byte means the
 ingress retired the idle connection. Data connections live in the connector's root
 nursery, not the control connection's: a control connection dying (or being replaced)
 never breaks a stream that is already flowing; only idle, not yet used data connections
@@ -49,11 +54,13 @@ streams finish until `grace` runs out; whatever is left is cancelled.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import secrets
 import socket
 import ssl
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,6 +108,11 @@ DRAIN_IDLE_WAIT = 5.0
 #: Data connections being set up or idle per control connection. The ingress caps its
 #: own grants (POOL_MAX + waiters); this guards against a misbehaving ingress.
 MAX_PENDING_DATA = 256
+#: SPARE tokens kept per control connection (the ingress keeps at most its SPARE_MAX out,
+#: 128); beyond this the oldest are forgotten. Used within SPARE_USE_WITHIN of arrival,
+#: well inside the ingress's SPARE_TTL.
+MAX_SPARES = 256
+SPARE_USE_WITHIN = tf.SPARE_TTL / 2
 #: A stream with no byte either way for this long is closed. The ingress's route idle
 #: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
 RELAY_IDLE_TIMEOUT = 3600.0
@@ -108,14 +120,17 @@ RELAY_IDLE_TIMEOUT = 3600.0
 FIRST_READ = 64 * 1024
 #: Best-effort sends on the way out.
 GOAWAY_TIMEOUT = 1.0
-#: A refill (the dial of a new data connection for a TOKEN) waits at most this long while
-#: a stream is opening — its first bytes arrived, its first answer is not back yet. The
-#: ingress grants the replacement token the moment it hands the stream out, so without
-#: this the dial, the ingress's accept and DATA_OK land exactly on that stream's
-#: first-byte path, on both cores (seen in strace: the token read and the dial between
-#: the forward connect and the first answer). The pool has slack (POOL_MIN), so a few ms
-#: cost nobody anything.
+#: A dial (a new data connection for a TOKEN or a replacement) waits at most this long
+#: while a stream is opening — its first bytes arrived, its first answer is not back yet
+#: — so that the dial, the ingress's accept and DATA_OK do not land on that stream's
+#: first-byte path on both ends (seen in strace and in a cross-process timeline). The
+#: pool has slack (POOL_MIN), so a few ms cost nobody anything.
 OPENING_YIELD = 0.005
+#: A replacement dial (with a spare) also waits this long after the opening stream's first
+#: answer: the answer still has to cross the ingress to the caller, and the replacement's
+#: accept and DATA_OK would otherwise land on the ingress at that moment. The pool has
+#: slack; a replacement a few ms later costs nothing.
+REPLACE_DELAY = 0.002
 #: How data connections are made: "raw" (token only, no TLS), "tls" (pinned mutual TLS,
 #: then unwrapped), or "auto": raw, switching to tls for good if raw ones keep failing.
 DATA_TRANSPORTS = ("auto", "raw", "tls")
@@ -181,6 +196,7 @@ class _Link:
     last_rx: float
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     idle_scopes: set[trio.CancelScope] = field(default_factory=set)
+    spares: deque[tuple[bytes, float]] = field(default_factory=deque)  # (token, arrived)
 
     async def send(self, msg: tf.Message) -> None:
         async with self.send_lock:
@@ -399,13 +415,11 @@ class Connector:
         elif isinstance(msg, tf.Pong):
             pass
         elif isinstance(msg, tf.Token):
-            if self._draining or len(link.idle_scopes) >= MAX_PENDING_DATA:
-                return  # the token expires unused at the ingress
-            assert self._root is not None
-            scope = trio.CancelScope()
-            link.idle_scopes.add(scope)
-            self._pending += 1
-            self._root.start_soon(self._data, link, scope, msg.token)
+            self._dial_data(link, msg.token)
+        elif isinstance(msg, tf.Spare):
+            if len(link.spares) >= MAX_SPARES:
+                link.spares.popleft()
+            link.spares.append((msg.token, trio.current_time()))
         elif isinstance(msg, tf.Goaway):
             raise _Goaway(msg)
         else:
@@ -429,15 +443,40 @@ class Connector:
 
     # --- data connections --------------------------------------------------------------
 
-    async def _data(self, link: _Link, scope: trio.CancelScope, token: bytes) -> None:
+    def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
+        """Start a data connection with `token` (in the root nursery: see module doc),
+        once no stream is opening, and `delay` after that."""
+        if self._draining or len(link.idle_scopes) >= MAX_PENDING_DATA:
+            return  # the token expires unused at the ingress
+        assert self._root is not None
+        scope = trio.CancelScope()
+        link.idle_scopes.add(scope)
+        self._pending += 1
+        self._root.start_soon(self._data, link, scope, token, delay)
+
+    def _replace(self, link: _Link) -> None:
+        """A data connection of `link` carried a stream's first answer (or its stream
+        ended first): dial its replacement with a spare, so the pool stays full without
+        a word on the control connection. No spare (or a dead link): the ingress
+        notices and grants TOKENs."""
+        if link not in self._links:
+            return
+        token = take_spare(link.spares, trio.current_time())
+        if token is not None:
+            self._dial_data(link, token, REPLACE_DELAY)
+
+    async def _data(self, link: _Link, scope: trio.CancelScope, token: bytes,
+                    delay: float = 0.0) -> None:
         raw: trio.SocketStream | None = None
         first = b""
         try:
             with scope:
                 await self._yield_to_openings()
+                if delay:
+                    await trio.sleep(delay)
                 raw, first = await self._open_data(link, token)
                 if not first:  # idle in the ingress's pool until a stream arrives
-                    first = await raw.receive_some(FIRST_READ)
+                    first = await _first_bytes(raw.socket)
         except (*_NET_ERRORS, _Goaway) as exc:
             self._event("data_failed")
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
@@ -450,7 +489,7 @@ class Connector:
         if raw is not None and first:
             self._active += 1
             try:
-                await self._stream(raw, first)
+                await self._stream(link, raw, first)
             finally:
                 self._active -= 1
                 self._touch()
@@ -549,15 +588,17 @@ class Connector:
         set_keepalive(raw.socket)  # type: ignore[arg-type]
         return raw, bytes(trailing)
 
-    async def _stream(self, raw: trio.SocketStream, first: bytes) -> None:
+    async def _stream(self, link: _Link, raw: trio.SocketStream, first: bytes) -> None:
         """Connect `forward`, pass the first chunk, splice both ways until done.
 
         This is every stream's first-byte path (stream-open latency): bare sockets from
-        here on — the first chunk is written without a scheduler trip, and the relay is
-        `relay_sockets`, as in the router's passthrough. Until the first answer is on its
-        way back the stream counts as opening (refill dials wait: OPENING_YIELD).
+        here on — the connect and the first write cost no trip through the scheduler
+        unless they must wait (then bounded by CONNECT_TIMEOUT), and the relay is
+        `relay_sockets`, as in the router's passthrough. Bookkeeping (counters, the
+        replacement dial) waits until the first chunk is on its way. Until the first
+        answer is on its way back the stream counts as opening (dials wait:
+        OPENING_YIELD).
         """
-        self._stream_opens.inc()
         self._opening += 1
         opening = True
 
@@ -566,6 +607,8 @@ class Connector:
             if opening:
                 opening = False
                 self._opening_done()
+                self._stream_opens.inc()
+                self._replace(link)
 
         try:
             await self._forward(raw, first, opened)
@@ -577,13 +620,12 @@ class Connector:
         forward = self.cfg.forward
         sock = raw.socket
         try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                fwd = await connect_socket(forward, wait=False)
-                try:
-                    await _send_first(fwd, first)
-                except BaseException:
-                    fwd.close()
-                    raise
+            fwd = await connect_socket(forward, wait=False)
+            try:
+                await _send_first(fwd, first)
+            except BaseException:
+                fwd.close()
+                raise
         except (OSError, trio.TooSlowError) as exc:
             opened()
             self._event("forward_unreachable")
@@ -615,6 +657,15 @@ class Connector:
             sock.close()
 
 
+def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
+    """The oldest spare still usable at `now` (older ones are dropped), or None."""
+    while spares:
+        token, arrived = spares.popleft()
+        if now - arrived <= SPARE_USE_WITHIN:
+            return token
+    return None
+
+
 async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
                        ended: list[BaseException], scope: trio.CancelScope) -> None:
     """Run one of a link's tasks; the first to fail records why and ends the link.
@@ -639,12 +690,12 @@ async def connect_socket(address: Address, *, wait: bool = True) -> trio.socket.
     then waits for the connection if it must, and a refused connect surfaces there as
     an OSError — one scheduler round trip fewer when the handshake is already done (a
     local `forward`: the kernel completes it inside connect(2))."""
-    if not is_ip(address.host):
-        return (await trio.open_tcp_stream(address.host, address.port)).socket
-    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-    raw = socket.socket(family, socket.SOCK_STREAM)
+    family = _literal_family(address.host)
+    if family is None:
+        with trio.fail_after(CONNECT_TIMEOUT):
+            return (await trio.open_tcp_stream(address.host, address.port)).socket
+    raw = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
     try:
-        raw.setblocking(False)
         for option, value in STREAM_OPTIONS:
             raw.setsockopt(socket.IPPROTO_TCP, option, value)
         err = raw.connect_ex((address.host, address.port))
@@ -652,7 +703,8 @@ async def connect_socket(address: Address, *, wait: bool = True) -> trio.socket.
             raise OSError(err, os.strerror(err))
         sock = trio.socket.from_stdlib_socket(raw)
         if err and wait:
-            await trio.lowlevel.wait_writable(sock)
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await trio.lowlevel.wait_writable(sock)
             err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 raise OSError(err, os.strerror(err))
@@ -664,22 +716,46 @@ async def connect_socket(address: Address, *, wait: bool = True) -> trio.socket.
     return sock
 
 
+@functools.lru_cache(maxsize=64)
+def _literal_family(host: str) -> int | None:
+    """AF_INET / AF_INET6 for an IP literal, None for a name (looked up once per host:
+    parsing an address is measurable on a first-byte path)."""
+    if not is_ip(host):
+        return None
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 async def connect_forward(address: Address) -> trio.SocketStream:
     """`connect_socket` as a stream (the data connection's handshake uses stream I/O)."""
     return trio.SocketStream(await connect_socket(address))
 
 
+async def _first_bytes(sock: trio.socket.SocketType) -> bytes:
+    """Wait for an idle data connection's first bytes (b"" at EOF): a bare wait and
+    read(2), without `SocketStream.receive_some`'s extra trip through the scheduler
+    after the read — this is every stream's first-byte path."""
+    while True:
+        try:
+            return os.read(sock.fileno(), FIRST_READ)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+
+
 async def _send_first(sock: trio.socket.SocketType, data: bytes) -> None:
     """Write all of `data`, trying the write before any wait: a fresh connection's send
     buffer takes a first chunk (≤ FIRST_READ) whole, so this is one syscall. On a socket
-    still connecting the write waits for the connection (EAGAIN) or fails as the
-    connect did (OSError)."""
+    still connecting the write waits for the connection (EAGAIN, at most
+    CONNECT_TIMEOUT: TooSlowError) or fails as the connect did (OSError)."""
     view = memoryview(data)
+    deadline: float | None = None
     while view:
         try:
             view = view[os.write(sock.fileno(), view):]
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            if deadline is None:  # only a connection still being set up gets here
+                deadline = trio.current_time() + CONNECT_TIMEOUT
+            with trio.fail_at(deadline):
+                await trio.lowlevel.wait_writable(sock)
 
 
 async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:

@@ -34,9 +34,22 @@ decrypts and re-encrypts every byte, twice). Here payload bytes never enter Pyth
 router splices caller ↔ data connection and the connector splices data connection ↔
 forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
 network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
-still alive) and asks for a replacement in the background. The pool size adapts to the
-open rate × the path's refill latency (`_PoolSizer`: a windowed minimum, so refills
-queued behind each other cannot inflate the pool), within [POOL_MIN, POOL_MAX].
+still alive). The pool size adapts to the open rate × the path's refill latency
+(`_PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
+the pool), within [POOL_MIN, POOL_MAX].
+
+Refilling without a word per stream: two kinds of token. A TOKEN means "dial one data
+connection now"; we send them when the pool is short of its target (at start, growth,
+waiters). A SPARE means "keep this; when one of this session's data connections starts
+carrying a stream, dial its replacement with it". The connector holds a stock of spares
+(SPARE_MIN..SPARE_MAX, topped up in one TLS record once below half), so the steady
+state is: a stream is taken, the connector replaces its connection by itself a few ms
+after the stream's first answer (REPLACE_DELAY there), and the control connection
+carries nothing. The earlier design sent one TOKEN per take; the bench showed that
+control write, its decryption at the connector and the dial landing on the opening
+stream's first-byte path on both ends (+0.3–0.6 ms at p50). We count a take as
+"being replaced" while the session has more spares out than replacements pending
+(`replacing`, forgotten after REPLACE_WAIT); TOKENs make up for whatever does not come.
 
 Security argument
 -----------------
@@ -45,8 +58,10 @@ key whose fingerprint is a pin of exactly one tenant; the session belongs to tha
 
 *Who can add a data connection to a pool.* Whoever presents a token we issued: 256
 random bits, sent only inside a pinned control TLS session, single-use (removed from the
-table on first presentation, whatever the outcome), void after TOKEN_TTL (30 s) and with
-their session, capped per session (MAX_OUTSTANDING_TOKENS). A data connection joins only
+table on first presentation, whatever the outcome), void with their session and after
+TOKEN_TTL (30 s; a SPARE after `SPARE_TTL`, 300 s — it waits at the connector, but like
+a TOKEN it crosses the network in the clear only once, when it is used up), capped per
+session (MAX_OUTSTANDING_TOKENS, SPARE_MAX). A data connection joins only
 the pool of the session that issued its token, and sessions belong to one tenant, so a
 connector serves only its own tenant's routes; `open_stream(B)` only ever draws from B's
 sessions. Off the path, a token cannot be guessed; made-up ones are refused and counted
@@ -98,6 +113,7 @@ import secrets
 import socket
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 from OpenSSL import SSL
@@ -137,6 +153,14 @@ MAX_SESSIONS_PER_TENANT = 16
 MAX_WAITERS_PER_TENANT = 256
 #: Tokens outstanding per session (pool target already bounded; this caps bursts).
 MAX_OUTSTANDING_TOKENS = 128
+#: SPARE tokens a session keeps at its connector: twice the pool target, at least
+#: SPARE_MIN, at most SPARE_MAX; topped up, in one TLS record, once below half of it (so
+#: a top-up costs one control write per SPARE_MIN / 2 streams or more).
+SPARE_MIN = 16
+SPARE_MAX = 128
+#: A taken data connection whose replacement (dialed with a spare) has not arrived after
+#: this long is given up on: TOKENs make up for it. Replacements normally take ms.
+REPLACE_WAIT = 1.0
 #: Control frames a connector may send: a few per heartbeat is normal; this is a flood.
 CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
@@ -241,7 +265,9 @@ class _Session:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     idle: deque[tuple[socket.socket, float]] = field(default_factory=deque)
-    tokens: dict[bytes, float] = field(default_factory=dict)  # token → issued at
+    tokens: dict[bytes, float] = field(default_factory=dict)  # TOKEN → issued at
+    spares: dict[bytes, float] = field(default_factory=dict)  # SPARE → issued at
+    replacing: deque[float] = field(default_factory=deque)  # takes awaiting a spare's dial
     sizer: _PoolSizer = field(default_factory=_PoolSizer)
     wakeup: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
@@ -297,6 +323,9 @@ class TunnelServer:
         self._waiters: dict[str, int] = {}
         self._rr: dict[str, int] = {}
         self._streams: dict[str, list[trio.socket.SocketType]] = {}
+        # per tenant: (streams gauge, stream_open counter), looked up once — prometheus
+        # `labels()` hashes and locks on every call, and these are on every open
+        self._stream_metrics: dict[str, tuple[Any, Any]] = {}
         self._closing = False
         self._all_gone = trio.Event()
         self._all_gone.set()
@@ -470,9 +499,10 @@ class TunnelServer:
             group.remove(session)
         if not group:
             self._sessions.pop(session.tenant, None)
-        for token in session.tokens:
+        for token in (*session.tokens, *session.spares):
             self._tokens.pop(token, None)
         session.tokens.clear()
+        session.spares.clear()
         session.close_idle()
         self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
         self._event(session.tenant, "disconnect")
@@ -565,10 +595,13 @@ class TunnelServer:
                 await session.wakeup.wait()
 
     def _expire(self, session: _Session, now: float) -> None:
-        for token, issued in list(session.tokens.items()):
-            if now - issued > TOKEN_TTL:
-                del session.tokens[token]
-                self._tokens.pop(token, None)
+        for table, ttl in ((session.tokens, TOKEN_TTL), (session.spares, tf.SPARE_TTL)):
+            for token, issued in list(table.items()):
+                if now - issued > ttl:
+                    del table[token]
+                    self._tokens.pop(token, None)
+        while session.replacing and now - session.replacing[0] > REPLACE_WAIT:
+            session.replacing.popleft()
         while session.idle and now - session.idle[0][1] > POOL_MAX_AGE:
             session.idle.popleft()[0].close()
 
@@ -578,16 +611,31 @@ class TunnelServer:
         return min(POOL_MAX, session.sizer.target(now) + waiting)
 
     async def _grant_tokens(self, session: _Session, now: float) -> None:
-        want = self._target(session, now) - len(session.idle) - len(session.tokens)
+        """TOKENs for what the pool lacks beyond replacements on their way; SPAREs when
+        the connector's stock runs low. All in one TLS record and one write."""
+        target = self._target(session, now)
+        want = target - len(session.idle) - len(session.tokens) - len(session.replacing)
         want = min(want, MAX_OUTSTANDING_TOKENS - len(session.tokens))
-        grants = []
-        for _ in range(max(0, want)):
-            token = secrets.token_bytes(tf.TOKEN_BYTES)
-            session.tokens[token] = now
-            self._tokens[token] = session
-            grants.append(tf.Token(token))
-        if grants:  # one TLS record and one write for the lot, not one per token
+        grants: list[tf.Message] = [tf.Token(self._issue(session, session.tokens, now))
+                                    for _ in range(max(0, want))]
+        tokens = len(grants)
+        spare_target = _spare_target(target)
+        if len(session.spares) < spare_target // 2:
+            grants += [tf.Spare(self._issue(session, session.spares, now))
+                       for _ in range(spare_target - len(session.spares))]
+        if grants:
+            events = self.stats.tunnel_events
+            if tokens:
+                events.labels(session.tenant, "tokens_granted").inc(tokens)
+            if len(grants) > tokens:
+                events.labels(session.tenant, "spares_granted").inc(len(grants) - tokens)
             await session.send(*grants)
+
+    def _issue(self, session: _Session, table: dict[bytes, float], now: float) -> bytes:
+        token = secrets.token_bytes(tf.TOKEN_BYTES)
+        table[token] = now
+        self._tokens[token] = session
+        return token
 
     async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
                            fingerprint: str, client: tuple[str, int]) -> None:
@@ -609,21 +657,29 @@ class TunnelServer:
 
         The token alone authenticates it (security argument in the module docstring).
         Nothing is answered on refusal; the router closes the connection.
+
+        The connector sends magic and DATA_HELLO in one write, so the router's first
+        read usually holds both: then no deadline is set up and DATA_OK (3 bytes into
+        an empty send buffer) is one write(2) — every stream's replacement passes here.
         """
         tenant = "-"
         try:
             decoder = tf.Decoder()
             decoder.feed(stream.take_pending()[len(tf.RAW_DATA_MAGIC):])
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                hello = await _read_message(stream, decoder)
-                if not isinstance(hello, tf.DataHello) or decoder.buffered:
-                    raise _Refused("protocol_error", "expected DATA_HELLO, alone")
-                if self._closing:
-                    raise _Refused("shutting_down", "ingress shutting down")
-                session = self._redeem(hello.token, None)
-                tenant = session.tenant
-                await stream.send_all(_DATA_OK)
-            self._pool(session, hello.token, stream.inner.socket)
+            hello = decoder.next_message()
+            if hello is None:  # the rest of the frame is still on its way
+                with trio.fail_after(HANDSHAKE_TIMEOUT):
+                    hello = await _read_message(stream, decoder)
+            if not isinstance(hello, tf.DataHello) or decoder.buffered:
+                raise _Refused("protocol_error", "expected DATA_HELLO, alone")
+            if self._closing:
+                raise _Refused("shutting_down", "ingress shutting down")
+            session = self._redeem(hello.token, None)
+            tenant = session.tenant
+            sock = stream.inner.socket
+            if os.write(sock.fileno(), _DATA_OK) != len(_DATA_OK):
+                raise trio.BrokenResourceError("DATA_OK not taken whole")
+            self._pool(session, hello.token, sock)
         except _Refused as exc:
             await self._refuse(None, tenant, None, client, exc)
         except RemoteProtocolError as exc:
@@ -646,7 +702,13 @@ class TunnelServer:
         raw = socket.socket(fileno=os.dup(sock.fileno()))
         raw.setblocking(False)
         set_keepalive(raw)
-        session.sizer.refilled(now, now - session.tokens.pop(token, now))
+        if session.spares.pop(token, None) is not None:  # a replacement
+            if session.replacing:
+                session.replacing.popleft()
+            if len(session.spares) < _spare_target(self._target(session, now)) // 2:
+                session.poke()  # the connector's stock runs low
+        else:
+            session.sizer.refilled(now, now - session.tokens.pop(token, now))
         session.idle.append((raw, now))
         self._wake_waiters(session.tenant)
 
@@ -658,14 +720,19 @@ class TunnelServer:
         is its credential.
         """
         session = self._tokens.pop(token, None)
-        if session is None or token not in session.tokens:
+        if session is None:
+            raise _Refused("bad_token", "unknown, used or expired token")
+        table, ttl = (session.spares, tf.SPARE_TTL) if token in session.spares \
+            else (session.tokens, TOKEN_TTL)
+        issued = table.get(token)
+        if issued is None:
             raise _Refused("bad_token", "unknown, used or expired token")
         if fingerprint is not None and session.fingerprint != fingerprint:
-            session.tokens.pop(token, None)
+            del table[token]
             raise _Refused("token_mismatch",
                            f"token of tenant {session.tenant} presented by this key")
-        if trio.current_time() - session.tokens[token] > TOKEN_TTL:
-            session.tokens.pop(token, None)
+        if trio.current_time() - issued > ttl:
+            del table[token]
             raise _Refused("bad_token", "expired token")
         return session
 
@@ -677,8 +744,11 @@ class TunnelServer:
     # --- opening streams ---------------------------------------------------------------
 
     async def open_stream(self, tenant: str) -> trio.abc.Stream:
-        """A raw stream to the tenant's connector `forward` address, or BackendError."""
-        await trio.lowlevel.checkpoint()
+        """A raw stream to the tenant's connector `forward` address, or BackendError.
+
+        With an idle data connection in the pool this does not wait (a cancelled caller
+        still sees Cancelled): it is on every tunnel stream's first-byte path."""
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._sweep(tenant)
         stream = self._take(tenant)
         if stream is not None:
@@ -719,15 +789,23 @@ class TunnelServer:
             self._rr[tenant] = start + i + 1
             now = trio.current_time()
             session.sizer.took(now)
-            session.poke()
+            # the connector replaces it with a spare if it holds one for it; else (or
+            # if the pool runs low) the maintenance task grants TOKENs now
+            replaced = len(session.replacing) < len(session.spares)
+            if replaced:
+                session.replacing.append(now)
+            if not replaced or len(session.idle) < POOL_MIN:
+                session.poke()
             return self._hand_out(tenant, raw)
         return None
 
     def _hand_out(self, tenant: str, raw: socket.socket) -> trio.SocketStream:
         sock = trio.socket.from_stdlib_socket(raw)
-        self._streams.setdefault(tenant, []).append(sock)
-        self.stats.tunnel_streams.labels(tenant).set(len(self._streams[tenant]))
-        self._event(tenant, "stream_open")
+        streams = self._streams.setdefault(tenant, [])
+        streams.append(sock)
+        gauge, opens = self._metrics(tenant)
+        gauge.set(len(streams))
+        opens.inc()
         return trio.SocketStream(sock)
 
     def _sweep(self, tenant: str) -> None:
@@ -736,7 +814,15 @@ class TunnelServer:
         if streams is None:
             return
         streams[:] = [s for s in streams if s.fileno() != -1]
-        self.stats.tunnel_streams.labels(tenant).set(len(streams))
+        self._metrics(tenant)[0].set(len(streams))
+
+    def _metrics(self, tenant: str) -> tuple[Any, Any]:
+        pair = self._stream_metrics.get(tenant)
+        if pair is None:
+            pair = self._stream_metrics[tenant] = (
+                self.stats.tunnel_streams.labels(tenant),
+                self.stats.tunnel_events.labels(tenant, "stream_open"))
+        return pair
 
     # --- shutdown ----------------------------------------------------------------------
 
@@ -749,6 +835,10 @@ class TunnelServer:
             session.kill(goaway)
         with trio.move_on_after(GOAWAY_TIMEOUT * 2):
             await self._all_gone.wait()
+
+
+def _spare_target(pool_target: int) -> int:
+    return min(SPARE_MAX, max(SPARE_MIN, 2 * pool_target))
 
 
 async def _until_broken(task: object, session: _Session,

@@ -36,6 +36,9 @@ MAX_PAYLOAD = 1024
 MAX_BUFFERED = 64 * 1024
 #: Random bytes in a data-connection token (256 bits: unguessable, see the server).
 TOKEN_BYTES = 32
+#: A SPARE token is void this long after the ingress sent it; connectors use theirs within
+#: half of it (so clock skew between the two ends never matters) and forget older ones.
+SPARE_TTL = 300.0
 #: Session and instance ids: 128 random bits, for logs and correlation only.
 ID_BYTES = 16
 #: A GOAWAY's human-readable reason is cut to this many UTF-8 bytes.
@@ -60,6 +63,7 @@ class FrameType(IntEnum):
     GOAWAY = 6  # either way: no new streams on this connection, then close
     DATA_HELLO = 7  # connector → ingress, first frame on a data connection
     DATA_OK = 8  # ingress → connector: token accepted, both ends now unwrap TLS
+    SPARE = 9  # ingress → connector: keep this token to replace a data connection once used
 
 
 class GoawayCode(IntEnum):
@@ -100,6 +104,11 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Spare:
+    token: bytes
+
+
+@dataclass(frozen=True)
 class Goaway:
     code: GoawayCode
     retry_after_ms: int = 0
@@ -116,7 +125,7 @@ class DataOk:
     pass
 
 
-Message = Hello | Welcome | Ping | Pong | Token | Goaway | DataHello | DataOk
+Message = Hello | Welcome | Ping | Pong | Token | Spare | Goaway | DataHello | DataOk
 
 _HELLO = struct.Struct(f"!BB{ID_BYTES}s")
 _WELCOME = struct.Struct(f"!{ID_BYTES}sI")
@@ -144,6 +153,8 @@ def _payload(msg: Message) -> tuple[FrameType, bytes]:
             return FrameType.PONG, _U64.pack(nonce)
         case Token(token):
             return FrameType.TOKEN, _exact(token, TOKEN_BYTES)
+        case Spare(token):
+            return FrameType.SPARE, _exact(token, TOKEN_BYTES)
         case Goaway(code, retry_after_ms, reason):
             text = reason.encode("utf-8")[:MAX_REASON]
             return FrameType.GOAWAY, _GOAWAY.pack(code, retry_after_ms) + text
@@ -206,6 +217,7 @@ _DECODERS = {
     FrameType.PING: lambda p: Ping(*_U64.unpack(_fixed(p, 8))),
     FrameType.PONG: lambda p: Pong(*_U64.unpack(_fixed(p, 8))),
     FrameType.TOKEN: lambda p: Token(_fixed(p, TOKEN_BYTES)),
+    FrameType.SPARE: lambda p: Spare(_fixed(p, TOKEN_BYTES)),
     FrameType.GOAWAY: _decode_goaway,
     FrameType.DATA_HELLO: lambda p: DataHello(_fixed(p, TOKEN_BYTES)),
     FrameType.DATA_OK: lambda p: DataOk() if not p else _raise("DATA_OK has no payload"),
