@@ -124,6 +124,16 @@ def core_ticks() -> dict[int, tuple[int, int]]:
     return out
 
 
+def steal_ms() -> float:
+    """Milliseconds of CPU time the hypervisor took from this VM since boot (all cores;
+    /proc/stat `steal`). A phase with steal has tails that are not ours."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            return int(fields[8]) * 1000 / _CLK_TCK
+    return 0.0
+
+
 def core_busy(before: Mapping[int, tuple[int, int]], after: Mapping[int, tuple[int, int]]
               ) -> dict[str, float]:
     """Fraction of each core's time spent busy between two `core_ticks()` readings (by
