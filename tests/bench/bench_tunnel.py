@@ -29,7 +29,8 @@ Metrics and the targets of issue 5 (tunnel ÷ passthrough and tunnel ÷ ssh -R):
 - stream-open latency p50/p99 at a paced 100 opens/s: connect() start → first response
   byte from an echo backend (hello + one byte, echoed at once); the tunnel may add
   ≤ 1 ms p99 over passthrough (difference of the two p99s, each over every round's
-  opens pooled; steal reported by the hypervisor during these phases is noted);
+  opens pooled). The paths take turns of OPEN_BLOCK seconds, so host noise falls on
+  all of them alike; steal reported by the hypervisor meanwhile is noted;
 - new TLS connections/s, 1 and 8 clients (`loadgen tls`, full handshake, `GET /`
   answered by HAProxy on core 1): no target, reported for context;
 - CPU: edge and home processes' CPU per GB and per TLS connection, from /proc.
@@ -124,6 +125,9 @@ READY_TIMEOUT = 30.0
 PING = b"!"
 #: Longest the latency probe blocks in select() (it also wakes for the next open).
 MAX_POLL = 0.1
+#: Seconds of opens per path per turn: the open phase alternates paths in turns this
+#: long (`interleaved_opens`), so every path sees the same stretches of host noise.
+OPEN_BLOCK = 1.0
 #: The slowest opens kept in the JSON output (where the tail comes from).
 SLOWEST_KEPT = 20
 
@@ -548,8 +552,9 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
     plan = [ph for ph in phases(s) if only is None or ph.key in only]
     for rnd in range(s.rounds):
         for phase in plan:
-            for path in PATHS:
-                res = run_phase(rig, phase, path)
+            runs = interleaved_opens(rig, phase, s) if phase.key == "open" else \
+                {path: run_phase(rig, phase, path) for path in PATHS}
+            for path, res in runs.items():
                 results.setdefault(phase.key, {}).setdefault(path, []).append(res)
                 extra = (f"p50={res['ms'].get('p50', 0):.3f} ms p99="
                          f"{res['ms'].get('p99', 0):.3f} ms late={res['late']} "
@@ -561,6 +566,48 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
                     f"{res['core_busy'][str(CORE_PROXY)]:.0%} home "
                     f"{res['core_busy'][str(CORE_LOAD)]:.0%}")
     return results
+
+
+def interleaved_opens(rig: Rig, phase: Phase, s: Settings) -> dict[str, dict[str, Any]]:
+    """The open phase of one round: OPEN_BLOCK-second turns per path, round robin (the
+    first path rotating), merged per path. The host's noise (steal, neighbours) comes in
+    bursts of seconds; back-to-back phases of 12 s let one path have a quiet phase and
+    the next a noisy one, which swung the p99 difference by ±1 ms between runs."""
+    blocks = max(1, round(s.open_seconds / OPEN_BLOCK))
+    block = Phase(phase.key, phase.kind, lambda r, p: open_latency(
+        r.port(p, "echo"), r.hello("echo", p).read_bytes(), s.open_rate, OPEN_BLOCK))
+    parts: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+    for b in range(blocks):
+        for path in PATHS[b % len(PATHS):] + PATHS[:b % len(PATHS)]:
+            parts[path].append(run_phase(rig, block, path))
+    return {path: _merge_opens(runs) for path, runs in parts.items()}
+
+
+def _merge_opens(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One open-phase result from its blocks: samples pooled, counts and CPU summed."""
+    xs = sorted(x for r in runs for x in r["samples_ms"])
+    errors: dict[str, int] = {}
+    for r in runs:
+        for kind, n in r["error_kinds"].items():
+            errors[kind] = errors.get(kind, 0) + n
+
+    def total(key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return sum(values) if values else None
+
+    elapsed = sum(r["elapsed"] for r in runs)
+    cores = runs[0]["core_busy"].keys()
+    return {"kind": "open", "units": len(xs), "errors": sum(errors.values()),
+            "error_kinds": errors, "elapsed": elapsed,
+            "rate": len(xs) / elapsed if elapsed > 0 else 0.0,
+            "late": sum(r["late"] for r in runs), "steal_ms": total("steal_ms") or 0.0,
+            "core_busy": {c: max(r["core_busy"][c] for r in runs) for c in cores},
+            "ms": {"p50": _percentile(xs, 50), "p90": _percentile(xs, 90),
+                   "p99": _percentile(xs, 99), "max": xs[-1],
+                   "mean": statistics.fmean(xs)} if xs else {},
+            "slowest_ms": xs[-SLOWEST_KEPT:], "samples_ms": xs,
+            "edge_cpu": total("edge_cpu"), "home_cpu": total("home_cpu"),
+            "backend_cpu": total("backend_cpu")}
 
 
 def _fmt_cpu(v: float | None) -> str:
