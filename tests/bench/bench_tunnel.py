@@ -82,13 +82,13 @@ from tests.bench.harness import (
     core_busy,
     core_ticks,
     cores_available,
-    steal_ms,
     free_port,
     machine_notes,
     pin_self,
     python_module,
     run_load,
     services,
+    steal_ms,
     tool_version,
 )
 from tests.bench.peers import (
