@@ -483,18 +483,20 @@ async def raw_dial(port: int, payload: bytes) -> trio.SocketStream:
     return s
 
 
-async def control_session(port: int, keys: Keys) -> tuple[trio.SSLStream[trio.SocketStream],
-                                                          list[bytes]]:
-    """A hand-made control session of alina's key; returns it and the tokens granted."""
+async def control_session(port: int, keys: Keys, kind: type = tf.Token,
+                          count: int = ts.POOL_MIN
+                          ) -> tuple[trio.SSLStream[trio.SocketStream], list[bytes]]:
+    """A hand-made control session of alina's key; returns it and the first `count`
+    tokens granted of `kind` (TOKEN or SPARE)."""
     tls = await pinned_tls(port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
     await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
     decoder, tokens = tf.Decoder(), []
     with trio.fail_after(TEST_TIMEOUT):
-        while len(tokens) < ts.POOL_MIN:
+        while len(tokens) < count:
             decoder.feed(await tls.receive_some(4096))
             while (msg := decoder.next_message()) is not None:
-                if isinstance(msg, tf.Token):
-                    tokens.append(msg.token)
+                if isinstance(msg, kind):
+                    tokens.append(msg.token)  # type: ignore[attr-defined]
     return tls, tokens
 
 
@@ -546,15 +548,7 @@ async def test_spare_tokens_single_use_bound_and_expiring(
     SPARE_TTL."""
     monkeypatch.setattr(tf, "SPARE_TTL", 1.0)
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
-        await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
-        decoder, spares = tf.Decoder(), []
-        with trio.fail_after(TEST_TIMEOUT):
-            while len(spares) < ts.SPARE_MIN:
-                decoder.feed(await tls.receive_some(4096))
-                while (msg := decoder.next_message()) is not None:
-                    if isinstance(msg, tf.Spare):
-                        spares.append(msg.token)
+        tls, spares = await control_session(ing.tunnel_port, keys, tf.Spare, ts.SPARE_MIN)
         used = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(spares[0]))
         with trio.fail_after(TEST_TIMEOUT):
             assert await used.receive_some(3) == tf.encode(tf.DataOk())
