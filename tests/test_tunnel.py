@@ -563,6 +563,24 @@ async def test_spare_tokens_single_use_bound_and_expiring(
     ing.scope.cancel()
 
 
+async def test_older_protocol_version_refused_with_a_reason(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    """A connector speaking another version (e.g. 1, before SPARE frames) gets a
+    GOAWAY naming the version expected, and the refusal is counted."""
+    async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        await tls.send_all(tf.encode(tf.Hello(tf.VERSION - 1, 0, b"h" * 16)))
+        decoder = tf.Decoder()
+        decoder.feed(await read_all(tls))
+        goaway = decoder.next_message()
+        assert isinstance(goaway, tf.Goaway)
+        assert goaway.code == tf.GoawayCode.PROTOCOL_ERROR
+        assert f"HELLO v{tf.VERSION}" in goaway.reason
+        assert events(ing.stats, "alina", "refused_protocol_error") == 1
+        assert ing.server.live_tunnels("alina") == 0
+    ing.scope.cancel()
+
+
 def test_take_spare_skips_stale_ones() -> None:
     spares = deque([(b"old", 0.0), (b"ok", 100.0), (b"new", 200.0)])
     now = 100.0 + connector_mod.SPARE_USE_WITHIN

@@ -25,8 +25,10 @@ from enum import IntEnum
 
 from pact_ingress.errors import RemoteProtocolError
 
-#: The only version spoken; a HELLO with another is refused (no downgrade games).
-VERSION = 1
+#: The only version spoken; a HELLO with another is refused (no downgrade games). 2 added
+#: SPARE frames, which a version-1 connector would take for garbage: refused with a
+#: GOAWAY that says which version is expected instead.
+VERSION = 2
 #: Control messages are tiny (the largest is GOAWAY with a short reason). 1 KiB leaves
 #: room for growth and bounds what a peer can make us buffer per frame.
 MAX_PAYLOAD = 1024
