@@ -594,10 +594,9 @@ class Connector:
         This is every stream's first-byte path (stream-open latency): bare sockets from
         here on — the connect and the first write cost no trip through the scheduler
         unless they must wait (then bounded by CONNECT_TIMEOUT), and the relay is
-        `relay_sockets`, as in the router's passthrough. Bookkeeping (counters, the
-        replacement dial) waits until the first chunk is on its way. Until the first
-        answer is on its way back the stream counts as opening (dials wait:
-        OPENING_YIELD).
+        `relay_sockets`, as in the router's passthrough. Until the first answer is on
+        its way back the stream counts as opening: bookkeeping (the counter, the
+        replacement dial) waits for that, and so do other dials (OPENING_YIELD).
         """
         self._opening += 1
         opening = True
