@@ -371,6 +371,14 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[rank - 1]
 
 
+def _latency_stats(xs: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max/mean of already sorted latencies ({} when there are none)."""
+    if not xs:
+        return {}
+    return {"p50": _percentile(xs, 50), "p90": _percentile(xs, 90),
+            "p99": _percentile(xs, 99), "max": xs[-1], "mean": statistics.fmean(xs)}
+
+
 class _Opens:
     """The open-latency probe's state: sockets in flight with their start times."""
 
@@ -458,9 +466,7 @@ def open_latency(port: int, hello: bytes, rate: float, seconds: float) -> dict[s
     probe.sel.close()
     elapsed = now - start
     xs = sorted(probe.samples)
-    stats = {"p50": _percentile(xs, 50), "p90": _percentile(xs, 90),
-             "p99": _percentile(xs, 99), "max": xs[-1],
-             "mean": statistics.fmean(xs)} if xs else {}
+    stats = _latency_stats(xs)
     return {"kind": "open", "units": len(xs), "errors": sum(probe.error_kinds.values()),
             "error_kinds": probe.error_kinds, "elapsed": elapsed,
             "rate": len(xs) / elapsed if elapsed > 0 else 0.0, "late": late,
@@ -602,9 +608,7 @@ def _merge_opens(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "rate": len(xs) / elapsed if elapsed > 0 else 0.0,
             "late": sum(r["late"] for r in runs), "steal_ms": total("steal_ms") or 0.0,
             "core_busy": {c: max(r["core_busy"][c] for r in runs) for c in cores},
-            "ms": {"p50": _percentile(xs, 50), "p90": _percentile(xs, 90),
-                   "p99": _percentile(xs, 99), "max": xs[-1],
-                   "mean": statistics.fmean(xs)} if xs else {},
+            "ms": _latency_stats(xs),
             "slowest_ms": xs[-SLOWEST_KEPT:], "samples_ms": xs,
             "edge_cpu": total("edge_cpu"), "home_cpu": total("home_cpu"),
             "backend_cpu": total("backend_cpu")}
