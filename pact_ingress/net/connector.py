@@ -732,7 +732,10 @@ async def connect_forward(address: Address) -> trio.SocketStream:
 async def _first_bytes(sock: trio.socket.SocketType) -> bytes:
     """Wait for an idle data connection's first bytes (b"" at EOF): a bare wait and
     read(2), without `SocketStream.receive_some`'s extra trip through the scheduler
-    after the read — this is every stream's first-byte path."""
+    after the read — this is every stream's first-byte path. No deadline, by design:
+    a pooled connection idles until used; the ingress retires it after its
+    POOL_MAX_AGE (EOF here), TCP keepalive finds a dead path, and the control
+    connection's death cancels it (its idle scope)."""
     while True:
         try:
             return os.read(sock.fileno(), FIRST_READ)
