@@ -77,7 +77,7 @@ from pact_ingress.identity import (
 )
 from pact_ingress.logs import log
 from pact_ingress.net.backends import STREAM_OPTIONS, is_ip
-from pact_ingress.net.splice import relay_sockets
+from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Hooks, StreamJob
 from pact_ingress.net.tunnel_server import (
     ALPN_CONTROL,
     ALPN_DATA,
@@ -86,7 +86,6 @@ from pact_ingress.net.tunnel_server import (
     HEARTBEAT_MISSES,
     set_keepalive,
 )
-from pact_ingress.proto import tls_alert
 from pact_ingress.proto import tunnel_frames as tf
 from pact_ingress.stats import Stats
 
@@ -108,6 +107,11 @@ DRAIN_IDLE_WAIT = 5.0
 #: Data connections being set up or idle per control connection. The ingress caps its
 #: own grants (POOL_MAX + waiters); this guards against a misbehaving ingress.
 MAX_PENDING_DATA = 256
+#: Threads for data connections (`stream_thread`: one per idle pooled connection and per
+#: stream, parked in the kernel while idle). Past this a dialled connection waits for a
+#: thread; the ingress's pool (POOL_MAX) and its per-tenant connection limit stay far
+#: below it in any sane deployment.
+MAX_STREAM_THREADS = 4096
 #: SPARE tokens kept per control connection (the ingress keeps at most its SPARE_MAX out,
 #: 128); beyond this the oldest are forgotten. Used within SPARE_USE_WITHIN of arrival,
 #: well inside the ingress's SPARE_TTL.
@@ -116,7 +120,7 @@ SPARE_USE_WITHIN = tf.SPARE_TTL / 2
 #: A stream with no byte either way for this long is closed. The ingress's route idle
 #: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
 RELAY_IDLE_TIMEOUT = 3600.0
-#: Bytes read to get a stream's first chunk (then the kernel splices the rest).
+#: Bytes read at once during a data connection's handshake.
 FIRST_READ = 64 * 1024
 #: Best-effort sends on the way out.
 GOAWAY_TIMEOUT = 1.0
@@ -195,7 +199,8 @@ class _Link:
     heartbeat: float
     last_rx: float
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    idle_scopes: set[trio.CancelScope] = field(default_factory=set)
+    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # dials in progress
+    jobs: set[StreamJob] = field(default_factory=set)  # its data connections, after dial
     spares: deque[tuple[bytes, float]] = field(default_factory=deque)  # (token, arrived)
 
     async def send(self, msg: tf.Message) -> None:
@@ -223,10 +228,10 @@ class Connector:
         self._ctx_control = self._context(ALPN_CONTROL)
         self._ctx_data = self._context(ALPN_DATA)
         self._links: set[_Link] = set()
-        self._pending = 0  # data connections being set up or idle
-        self._active = 0  # streams relaying
-        self._opening = 0  # streams whose first answer has not come back yet
-        self._opened = trio.Event()  # set (and replaced) when _opening drops to 0
+        self._dialing = 0  # data connections being dialled
+        self._jobs: set[StreamJob] = set()  # data connections dialled: idle or streaming
+        self._threads: trio.CapacityLimiter | None = None  # one per job (run())
+        self._opened = trio.Event()  # set (and replaced) when a stream's answer went back
         self._changed = trio.Event()
         self._draining = False
         self._root: trio.Nursery | None = None
@@ -249,11 +254,12 @@ class Connector:
 
     @property
     def active_streams(self) -> int:
-        return self._active
+        return sum(1 for job in self._jobs if job.state in (OPENING, ACTIVE))
 
     @property
     def idle_data(self) -> int:
-        return self._pending
+        """Data connections being dialled or waiting in the ingress's pool."""
+        return self._dialing + sum(1 for job in self._jobs if job.state == IDLE)
 
     @property
     def raw_data(self) -> bool:
@@ -273,6 +279,7 @@ class Connector:
                   task_status: trio.TaskStatus[Connector] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Keep the tunnel up. With `shutdown`: once it is set, drain and return."""
+        self._threads = trio.CapacityLimiter(MAX_STREAM_THREADS)
         async with trio.open_nursery() as root:
             self._root = root
             slots = trio.CancelScope()
@@ -293,16 +300,17 @@ class Connector:
     async def _drain(self, slots: trio.CancelScope, grace: float) -> None:
         deadline = trio.current_time() + grace
         self._draining = True
-        log.info("connector_draining", ingress=self.label, streams=self._active,
+        log.info("connector_draining", ingress=self.label, streams=self.active_streams,
                  grace_s=grace)
         for link in list(self._links):
             await _send_quietly(link, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
         with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_IDLE_WAIT)):
-            await self._wait_until(lambda: self._pending == 0)
+            await self._wait_until(lambda: self.idle_data == 0)
         slots.cancel()  # control connections close; idle data connections with them
         with trio.move_on_at(deadline):
-            await self._wait_until(lambda: self._active == 0 and self._pending == 0)
-        log.info("connector_drained", ingress=self.label, abandoned_streams=self._active)
+            await self._wait_until(lambda: self.active_streams == 0 and self.idle_data == 0)
+        log.info("connector_drained", ingress=self.label,
+                 abandoned_streams=self.active_streams)
 
     async def _wait_until(self, condition: object) -> None:
         while not condition():  # type: ignore[operator]
@@ -395,6 +403,8 @@ class Connector:
             self._links.discard(link)
             for scope in list(link.idle_scopes):
                 scope.cancel()
+            for job in list(link.jobs):
+                job.stop_if_idle()
             self.stats.tunnels.labels(self.label).set(len(self._links))
             self._event("disconnect")
             log.info("tunnel_down", ingress=self.label, slot=link.slot, session=sid)
@@ -446,12 +456,13 @@ class Connector:
     def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
         """Start a data connection with `token` (in the root nursery: see module doc),
         once no stream is opening, and `delay` after that."""
-        if self._draining or len(link.idle_scopes) >= MAX_PENDING_DATA:
+        idle = len(link.idle_scopes) + sum(1 for job in link.jobs if job.state == IDLE)
+        if self._draining or idle >= MAX_PENDING_DATA:
             return  # the token expires unused at the ingress
         assert self._root is not None
         scope = trio.CancelScope()
         link.idle_scopes.add(scope)
-        self._pending += 1
+        self._dialing += 1
         self._root.start_soon(self._data, link, scope, token, delay)
 
     def _replace(self, link: _Link) -> None:
@@ -467,6 +478,7 @@ class Connector:
 
     async def _data(self, link: _Link, scope: trio.CancelScope, token: bytes,
                     delay: float = 0.0) -> None:
+        """Dial a data connection with `token`, then hand it to a stream thread."""
         raw: trio.SocketStream | None = None
         first = b""
         try:
@@ -475,38 +487,86 @@ class Connector:
                 if delay:
                     await trio.sleep(delay)
                 raw, first = await self._open_data(link, token)
-                if not first:  # idle in the ingress's pool until a stream arrives
-                    first = await _first_bytes(raw.socket)
         except (*_NET_ERRORS, _Goaway) as exc:
             self._event("data_failed")
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
         finally:
             link.idle_scopes.discard(scope)
-            self._pending -= 1
-            if raw is not None and not first:
-                await trio.aclose_forcefully(raw)
+            self._dialing -= 1
             self._touch()
-        if raw is not None and first:
-            self._active += 1
+        if raw is not None:
+            await self._run_job(link, raw, first)
+
+    async def _run_job(self, link: _Link, raw: trio.SocketStream, first: bytes) -> None:
+        """The connection's life from here on: a `StreamJob` on a thread of its own (why:
+        `stream_thread.py`). Idle, it ends with its control connection (`stop_if_idle`
+        in `_serve_link`); a stream that has begun is only ended by the connector
+        stopping (cancellation: `stop`)."""
+        sock = raw.socket
+        trio.lowlevel.notify_closing(sock)  # trio forgets the fd: the job owns it now
+        data = socket.socket(fileno=sock.detach())
+        forward = self.cfg.forward
+        job = StreamJob(data, first, (forward.host, forward.port),
+                        _literal_family(forward.host), self._hooks(link),
+                        connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
+        link.jobs.add(job)
+        self._jobs.add(job)
+        if link not in self._links:  # its control connection died meanwhile
+            job.stop_if_idle()
+        assert self._threads is not None
+        try:
+            await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
+                                          limiter=self._threads)
+        except BaseException:
+            job.stop()  # cancelled: the connector is stopping
+            raise
+        finally:
+            link.jobs.discard(job)
+            self._jobs.discard(job)
+            self._touch()
+
+    def _hooks(self, link: _Link) -> Hooks:
+        """A job's calls from its thread: counters directly (prometheus locks them), the
+        rest handed to trio."""
+        token = trio.lowlevel.current_trio_token()
+
+        def soon(fn: Callable[..., object], *args: object) -> None:
             try:
-                await self._stream(link, raw, first)
-            finally:
-                self._active -= 1
-                self._touch()
+                token.run_sync_soon(fn, *args)
+            except trio.RunFinishedError:
+                pass  # the connector has stopped: nothing left to account
+
+        up, down = self._bytes_up, self._bytes_down
+
+        def moved(direction: str, n: int) -> None:
+            (up if direction == "up" else down).inc(n)
+
+        return Hooks(opened=lambda: soon(self._stream_opened, link), moved=moved,
+                     forward_failed=lambda exc: soon(self._forward_failed, exc))
+
+    def _stream_opened(self, link: _Link) -> None:
+        """A stream's first answer went back (or it ended first): count it, dial its data
+        connection's replacement, let waiting dials go."""
+        self._stream_opens.inc()
+        self._opened.set()
+        self._opened = trio.Event()
+        self._replace(link)
+        self._touch()
+
+    def _forward_failed(self, exc: OSError) -> None:
+        self._event("forward_unreachable")
+        log.warning("forward_unreachable", forward=str(self.cfg.forward), error=repr(exc))
+
+    def _opening(self) -> bool:
+        return any(job.state == OPENING for job in self._jobs)
 
     async def _yield_to_openings(self) -> None:
         """Wait (≤ OPENING_YIELD) until no stream is opening: see OPENING_YIELD."""
-        if not self._opening:
+        if not self._opening():
             return
         with trio.move_on_after(OPENING_YIELD):
-            while self._opening:  # bounded by the deadline
+            while self._opening():  # bounded by the deadline
                 await self._opened.wait()
-
-    def _opening_done(self) -> None:
-        self._opening -= 1
-        if not self._opening:
-            self._opened.set()
-            self._opened = trio.Event()
 
     async def _open_data(self, link: _Link, token: bytes) -> tuple[trio.SocketStream, bytes]:
         """A data connection that the ingress accepted, and any stream bytes already
@@ -588,73 +648,6 @@ class Connector:
         set_keepalive(raw.socket)  # type: ignore[arg-type]
         return raw, bytes(trailing)
 
-    async def _stream(self, link: _Link, raw: trio.SocketStream, first: bytes) -> None:
-        """Connect `forward`, pass the first chunk, splice both ways until done.
-
-        This is every stream's first-byte path (stream-open latency): bare sockets from
-        here on — the connect and the first write cost no trip through the scheduler
-        unless they must wait (then bounded by CONNECT_TIMEOUT), and the relay is
-        `relay_sockets`, as in the router's passthrough. Until the first answer is on
-        its way back the stream counts as opening: bookkeeping (the counter, the
-        replacement dial) waits for that, and so do other dials (OPENING_YIELD).
-        """
-        self._opening += 1
-        opening = True
-
-        def opened() -> None:
-            nonlocal opening
-            if opening:
-                opening = False
-                self._opening_done()
-                self._stream_opens.inc()
-                self._replace(link)
-
-        try:
-            await self._forward(raw, first, opened)
-        finally:
-            opened()
-
-    async def _forward(self, raw: trio.SocketStream, first: bytes,
-                       opened: Callable[[], None]) -> None:
-        forward = self.cfg.forward
-        sock = raw.socket
-        try:
-            fwd = await connect_socket(forward, wait=False)
-            try:
-                await _send_first(fwd, first)
-            except BaseException:
-                fwd.close()
-                raise
-        except (OSError, trio.TooSlowError) as exc:
-            opened()
-            self._event("forward_unreachable")
-            log.warning("forward_unreachable", forward=str(forward), error=repr(exc))
-            with trio.move_on_after(GOAWAY_TIMEOUT):
-                try:  # the ingress speaks first (TLS client): answer like a dead backend
-                    await raw.send_all(tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
-                except (trio.BrokenResourceError, OSError):
-                    pass
-            sock.close()
-            return
-        up, down = self._bytes_up, self._bytes_down
-
-        def on_bytes(direction: str, n: int) -> None:
-            if direction == "up":
-                up.inc(n)
-            else:
-                opened()
-                down.inc(n)
-
-        try:
-            up.inc(len(first))
-            await relay_sockets(sock, fwd, idle_timeout=RELAY_IDLE_TIMEOUT,
-                                on_bytes=on_bytes)
-        except (trio.BrokenResourceError, OSError) as exc:
-            log.debug("tunnel_stream_reset", error=repr(exc))
-        finally:
-            fwd.close()
-            sock.close()
-
 
 def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
     """The oldest spare still usable at `now` (older ones are dropped), or None."""
@@ -727,37 +720,6 @@ def _literal_family(host: str) -> int | None:
 async def connect_forward(address: Address) -> trio.SocketStream:
     """`connect_socket` as a stream (the data connection's handshake uses stream I/O)."""
     return trio.SocketStream(await connect_socket(address))
-
-
-async def _first_bytes(sock: trio.socket.SocketType) -> bytes:
-    """Wait for an idle data connection's first bytes (b"" at EOF): a bare wait and
-    read(2), without `SocketStream.receive_some`'s extra trip through the scheduler
-    after the read — this is every stream's first-byte path. No deadline, by design:
-    a pooled connection idles until used; the ingress retires it after its
-    POOL_MAX_AGE (EOF here), TCP keepalive finds a dead path, and the control
-    connection's death cancels it (its idle scope)."""
-    while True:
-        try:
-            return os.read(sock.fileno(), FIRST_READ)
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
-
-
-async def _send_first(sock: trio.socket.SocketType, data: bytes) -> None:
-    """Write all of `data`, trying the write before any wait: a fresh connection's send
-    buffer takes a first chunk (≤ FIRST_READ) whole, so this is one syscall. On a socket
-    still connecting the write waits for the connection (EAGAIN, at most
-    CONNECT_TIMEOUT: TooSlowError) or fails as the connect did (OSError)."""
-    view = memoryview(data)
-    deadline: float | None = None
-    while view:
-        try:
-            view = view[os.write(sock.fileno(), view):]
-        except BlockingIOError:
-            if deadline is None:  # only a connection still being set up gets here
-                deadline = trio.current_time() + CONNECT_TIMEOUT
-            with trio.fail_at(deadline):
-                await trio.lowlevel.wait_writable(sock)
 
 
 async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:

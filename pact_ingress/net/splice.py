@@ -62,7 +62,7 @@ COPY_CHUNK = 256 * 1024
 #: connection cannot starve the others (and cancellation is seen promptly).
 YIELD_EVERY = 16
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
+SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 HAVE_SPLICE = hasattr(os, "splice")
 #: Errors from a peer that end a relay (the peer went away).
 _PEER_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -176,9 +176,13 @@ async def _copy_direction(
         moved(len(data))
 
 
-def _take_pipe() -> tuple[int, int]:
-    if _pipes:
+def take_pipe() -> tuple[int, int]:
+    """A drained pipe from the free list, or a new one. Safe from any thread (the
+    connector's stream threads share the list): list.pop and append are atomic."""
+    try:
         return _pipes.pop()
+    except IndexError:
+        pass
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_SIZE)
@@ -187,7 +191,8 @@ def _take_pipe() -> tuple[int, int]:
     return r, w
 
 
-def _give_pipe(pipe: tuple[int, int], drained: bool) -> None:
+def give_pipe(pipe: tuple[int, int], drained: bool) -> None:
+    """Back to the free list if `drained` (and the list has room), else closed."""
     if drained and len(_pipes) < PIPE_POOL:
         _pipes.append(pipe)
     else:  # a pipe still holding bytes must never be handed to another connection
@@ -200,14 +205,14 @@ async def _splice_direction(
     moved: Callable[[int], None]
 ) -> None:
     src_fd, dst_fd = src_sock.fileno(), dst_sock.fileno()
-    pipe = _take_pipe()
+    pipe = take_pipe()
     pipe_r, pipe_w = pipe
     pending = 0
     try:
         streak = 0
         while True:
             try:
-                n = os.splice(src_fd, pipe_w, PIPE_SIZE, flags=_SPLICE_FLAGS)
+                n = os.splice(src_fd, pipe_w, PIPE_SIZE, flags=SPLICE_FLAGS)
             except BlockingIOError:
                 streak = 0
                 await trio.lowlevel.wait_readable(src_sock)
@@ -218,7 +223,7 @@ async def _splice_direction(
             pending = n
             while pending:
                 try:
-                    m = os.splice(pipe_r, dst_fd, pending, flags=_SPLICE_FLAGS)
+                    m = os.splice(pipe_r, dst_fd, pending, flags=SPLICE_FLAGS)
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(dst_sock)
                     continue
@@ -233,4 +238,4 @@ async def _splice_direction(
                 streak = 0
                 await trio.lowlevel.checkpoint()
     finally:
-        _give_pipe(pipe, drained=pending == 0)
+        give_pipe(pipe, drained=pending == 0)

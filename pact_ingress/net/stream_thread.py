@@ -1,0 +1,366 @@
+"""One tunnel stream's data path on an OS thread: the connector's data plane.
+
+A `StreamJob` takes one pooled data connection (connected to the ingress, handshake
+done, detached from trio) and, on its own thread: waits for the first bytes the ingress
+sends (they mean "this is a stream now"), connects `forward`, writes them, and splices
+both ways until both directions are done — or, if `forward` cannot be reached, answers
+the ingress with a TLS alert, as a dead backend would.
+
+Why a thread here when everything else is trio
+----------------------------------------------
+Every stream's first byte crosses the connector twice (the caller's first flight in, the
+home service's first answer out), and a home node's connector shares its machine — often
+its core — with the service it forwards to, so the connector's CPU on those two crossings
+adds straight onto the stream's open latency. Measured on the tunnel bench (split
+placement, timeline of sequential opens; tests/bench/README.md "tunnel"): with a trio task
+per stream the connector spent ~0.25 ms of interpreter work per open on that path —
+waking the task through trio's epoll loop, the relay nursery and its second task, a
+scheduler batch before the answer could be spliced back — and the tunnel added
+~0.6 ms to a 1.1 ms open at p50. A thread parked in poll(2) on its own socket is woken by
+the kernel directly and runs straight-line code: the same experiment added ~0.35 ms.
+(The GIL is free at those moments: the trio thread is parked in epoll_wait, and every
+syscall here releases it.) The payload still never enters Python: socket → pipe → socket
+with `os.splice`, pipes from `splice.take_pipe`.
+
+A thread per pooled connection costs a parked thread (a few pages of stack actually
+touched) each; the ingress's pool bounds them (and the connector's `MAX_PENDING_DATA`).
+
+Ownership and stopping
+----------------------
+The job owns its sockets: only its thread closes them. Any other thread may call
+`stop()` (end it, idle or not: connector shutdown) or `stop_if_idle()` (end it only if
+no stream has started on it: its control connection died). Both just `shutdown(2)` the
+sockets, under the job's lock and never after the thread closed them, which wakes the
+thread's poll; the thread then ends and closes. `state` moves IDLE → OPENING (first
+bytes read) → ACTIVE (first answer passed back) → DONE; the IDLE → OPENING step and
+`stop_if_idle` exclude each other, so a stream that has begun is never cut off because
+its control connection went away.
+
+The relay loop itself is `Direction` + `interest` (pure, tested byte by byte) driving
+poll(2): a direction with bytes in its pipe waits for its destination to take them
+(backpressure through TCP, as in `splice.py`), otherwise for its source; EOF is passed on
+as `shutdown(SHUT_WR)` so the other direction keeps flowing; an error on either side
+ends both (a reset means the conversation is over); no byte either way for
+`idle_timeout` seconds ends it too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pact_ingress.net.backends import STREAM_OPTIONS
+from pact_ingress.net.splice import PIPE_SIZE, SPLICE_FLAGS, give_pipe, take_pipe
+from pact_ingress.proto import tls_alert
+
+IDLE, OPENING, ACTIVE, DONE = "idle", "opening", "active", "done"
+#: First read from the data connection: a ClientHello (≤ 16 KiB record) fits with room.
+FIRST_READ = 64 * 1024
+#: Chunks a direction moves back to back before polling again (a busy direction does not
+#: need a poll(2) per chunk; the other direction still gets its turn within this many).
+BURST = 16
+_POLLIN = select.POLLIN
+_POLLOUT = select.POLLOUT
+
+
+class ForwardUnreachable(OSError):
+    """`forward` refused, timed out or could not be resolved."""
+
+
+@dataclass
+class Hooks:
+    """Calls from the job's thread. Each must be cheap and thread-safe: the connector
+    passes them to trio (`run_sync_soon`) or to prometheus counters (locked)."""
+
+    #: The stream's first answer went back to the ingress, or the stream ended without
+    #: one. Called exactly once per stream, never for a connection that stayed idle.
+    opened: Callable[[], None]
+    #: Bytes moved: ("up" = ingress → forward | "down", count).
+    moved: Callable[[str, int], None]
+    #: `forward` could not be reached (the ingress got a TLS alert).
+    forward_failed: Callable[[OSError], None]
+
+
+@dataclass
+class Direction:
+    """One direction's relay state (sans-I/O: the loop does the syscalls)."""
+
+    name: str  # "up" | "down"
+    src: int
+    dst: int
+    pending: int = 0  # bytes in this direction's pipe, not yet taken by dst
+    done: bool = False  # src reached EOF and it was passed on, or the relay is over
+
+
+def interest(directions: tuple[Direction, ...]) -> dict[int, int]:
+    """poll(2) events to wait for, per fd, for the directions still running: bytes in a
+    direction's pipe wait for its destination to take them, otherwise for its source."""
+    masks: dict[int, int] = {}
+    for d in directions:
+        if d.done:
+            continue
+        fd, event = (d.dst, _POLLOUT) if d.pending else (d.src, _POLLIN)
+        masks[fd] = masks.get(fd, 0) | event
+    return masks
+
+
+class _Reset(Exception):
+    """A side failed: the relay is over."""
+
+
+class StreamJob:
+    """One data connection's life after its handshake; `run()` on a thread of its own."""
+
+    def __init__(self, data: socket.socket, first: bytes, forward: tuple[str, int],
+                 family: int | None, hooks: Hooks, *, connect_timeout: float,
+                 idle_timeout: float) -> None:
+        """`data`: the connection to the ingress (non-blocking; the job owns it now).
+        `first`: stream bytes that came with the handshake's answer, if any. `forward`:
+        host and port; `family`: AF_INET/AF_INET6 if host is an IP literal (connected
+        without a lookup), None for a name (resolved on the job's thread)."""
+        self.state = OPENING if first else IDLE
+        self._data = data
+        self._first = first
+        self._forward = forward
+        self._family = family
+        self._fwd: socket.socket | None = None
+        self._by_fd: dict[int, socket.socket] = {data.fileno(): data}
+        self._hooks = hooks
+        self._connect_timeout = connect_timeout
+        self._idle_timeout = idle_timeout
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._running = False
+        self._closed = False
+        self._opened = False
+
+    # --- any thread ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the job soon, idle or not: its thread notices and closes (a job whose
+        thread never started is closed here)."""
+        with self._lock:
+            self._stop_locked()
+
+    def stop_if_idle(self) -> bool:
+        """End the job if no stream has started on it; True if it was idle."""
+        with self._lock:
+            if self.state != IDLE:
+                return False
+            self._stop_locked()  # and IDLE cannot turn OPENING now (see _begin)
+            return True
+
+    def _stop_locked(self) -> None:
+        self._stopped = True
+        if self._closed:
+            return
+        if not self._running:
+            self._close_locked()
+            return
+        for sock in (self._data, self._fwd):
+            if sock is not None:
+                _shutdown(sock, socket.SHUT_RDWR)
+
+    # --- the job's thread -----------------------------------------------------------------
+
+    def run(self) -> str:
+        """Serve the connection; the outcome: retired (EOF or stopped before a stream) |
+        forward_unreachable | ok | reset | idle_timeout."""
+        with self._lock:
+            if self._closed:
+                return "retired"
+            self._running = True
+        try:
+            first = self._first or self._wait_first()
+            if not first:
+                return "retired"
+            try:
+                fwd, rest = self._connect(first)
+            except OSError as exc:
+                self._refuse(exc)
+                return "forward_unreachable"
+            if len(rest) < len(first):
+                self._hooks.moved("up", len(first) - len(rest))
+            return self._relay(fwd, rest)
+        finally:
+            with self._lock:
+                self._close_locked()
+
+    def _begin(self) -> bool:
+        """IDLE → OPENING, unless stopped (under the lock: see stop_if_idle)."""
+        with self._lock:
+            if self._stopped:
+                return False
+            self.state = OPENING
+            return True
+
+    def _wait_first(self) -> bytes:
+        """Park until the ingress sends a stream's first bytes (b"" at EOF or when
+        stopped). No timeout, by design: a pooled connection idles until used; the
+        ingress retires it (EOF), keepalive finds a dead path, `stop_if_idle` ends it."""
+        poller = select.poll()
+        poller.register(self._data, _POLLIN)
+        while True:
+            poller.poll()
+            if not self._begin():
+                return b""
+            try:
+                return os.read(self._data.fileno(), FIRST_READ)
+            except BlockingIOError:  # woken without data after all
+                with self._lock:
+                    self.state = IDLE
+            except OSError:
+                return b""
+
+    def _connect(self, first: bytes) -> tuple[socket.socket, bytes]:
+        """Connect `forward` and write `first`; returns what did not fit yet."""
+        host, port = self._forward
+        if self._family is None:  # a name: resolve and connect, blocking (own thread)
+            try:
+                fwd = socket.create_connection((host, port), timeout=self._connect_timeout)
+            except OSError as exc:
+                raise ForwardUnreachable(exc.errno, str(exc)) from exc
+            fwd.setblocking(False)
+        else:
+            fwd = socket.socket(self._family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+                                | socket.SOCK_CLOEXEC)
+        with self._lock:
+            self._fwd = fwd
+            self._by_fd[fwd.fileno()] = fwd
+            if self._stopped:
+                raise ForwardUnreachable(errno.ECANCELED, "stopped")
+        for option, value in STREAM_OPTIONS:
+            fwd.setsockopt(socket.IPPROTO_TCP, option, value)
+        if self._family is not None:
+            err = fwd.connect_ex((host, port))
+            if err not in (0, errno.EINPROGRESS):
+                raise ForwardUnreachable(err, os.strerror(err))
+        try:
+            sent = os.write(fwd.fileno(), first)  # a local forward is connected already
+        except BlockingIOError:  # still connecting
+            self._wait_connected(fwd)
+            sent = 0
+        except OSError as exc:  # e.g. refused, seen at the first write
+            raise ForwardUnreachable(exc.errno, os.strerror(exc.errno or 0)) from exc
+        return fwd, first[sent:]
+
+    def _wait_connected(self, fwd: socket.socket) -> None:
+        poller = select.poll()
+        poller.register(fwd, _POLLOUT)
+        if not poller.poll(self._connect_timeout * 1000):
+            raise ForwardUnreachable(errno.ETIMEDOUT, "connect to forward timed out")
+        err = fwd.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise ForwardUnreachable(err, os.strerror(err))
+
+    def _refuse(self, exc: OSError) -> None:
+        """Answer the ingress (a TLS client) as a dead backend would: an alert, then
+        close."""
+        try:
+            os.write(self._data.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
+        except OSError:
+            pass
+        self._opened = True
+        self._hooks.forward_failed(exc)
+        self._hooks.opened()
+
+    def _relay(self, fwd: socket.socket, rest: bytes) -> str:
+        up = Direction("up", self._data.fileno(), fwd.fileno())
+        down = Direction("down", fwd.fileno(), self._data.fileno())
+        pipes = {"up": take_pipe(), "down": take_pipe()}
+        try:
+            if rest:  # ≤ FIRST_READ: fits the pipe whole
+                up.pending = os.write(pipes["up"][1], rest)
+            return self._loop((up, down), pipes)
+        finally:
+            give_pipe(pipes["up"], drained=up.pending == 0)
+            give_pipe(pipes["down"], drained=down.pending == 0)
+            if not self._opened:
+                self._opened = True
+                self._hooks.opened()
+
+    def _loop(self, directions: tuple[Direction, Direction],
+              pipes: dict[str, tuple[int, int]]) -> str:
+        poller = select.poll()
+        registered: dict[int, int] = {}
+        deadline = time.monotonic() + self._idle_timeout
+        while not all(d.done for d in directions):
+            wanted = interest(directions)
+            for fd in registered.keys() - wanted.keys():
+                poller.unregister(fd)
+            for fd, mask in wanted.items():
+                if registered.get(fd) != mask:
+                    poller.register(fd, mask)  # also modifies an existing registration
+            registered = wanted
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "idle_timeout"
+            if not poller.poll(left * 1000):
+                continue  # the deadline is checked above
+            try:
+                for d in directions:
+                    if self._pump(d, pipes[d.name]):
+                        deadline = time.monotonic() + self._idle_timeout
+            except _Reset:
+                return "reset"
+        return "ok"
+
+    def _pump(self, d: Direction, pipe: tuple[int, int]) -> bool:
+        """Move what is ready in direction `d` now (≤ BURST chunks); True if it moved
+        bytes. Never blocks: EAGAIN leaves the rest to the next poll."""
+        moved = False
+        for _ in range(BURST):
+            if d.done:
+                return moved
+            if d.pending:
+                try:
+                    n = os.splice(pipe[0], d.dst, d.pending, flags=SPLICE_FLAGS)
+                except BlockingIOError:
+                    return moved
+                except OSError as exc:
+                    raise _Reset from exc
+                d.pending -= n
+                moved = True
+                self._moved(d.name, n)
+                if d.pending:
+                    return moved
+            try:
+                n = os.splice(d.src, pipe[1], PIPE_SIZE, flags=SPLICE_FLAGS)
+            except BlockingIOError:
+                return moved
+            except OSError as exc:
+                raise _Reset from exc
+            if n == 0:  # EOF: pass it on; the other direction keeps going
+                d.done = True
+                _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
+                return moved
+            d.pending = n
+        return moved
+
+    def _moved(self, direction: str, n: int) -> None:
+        self._hooks.moved(direction, n)
+        if direction == "down" and not self._opened:
+            self._opened = True
+            with self._lock:
+                self.state = ACTIVE
+            self._hooks.opened()
+
+    def _close_locked(self) -> None:
+        self._closed = True
+        self.state = DONE
+        for sock in (self._fwd, self._data):
+            if sock is not None:
+                sock.close()
+
+
+def _shutdown(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass  # not connected (any more): nothing to wake or pass on
