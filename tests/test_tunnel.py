@@ -823,14 +823,15 @@ async def test_silent_dead_path_detected_and_replaced(tmp_path: Path, keys: Keys
         await eventually(lambda: ing.server.live_tunnels("alina") == 2)
         old = {s.sid for s in ing.server._sessions["alina"]}
         proxy.blackhole()
-        # both ends notice within the heartbeat bound (3 × HB, plus scheduling slack)
+        # both ends notice within the heartbeat bound (3 × HB, plus scheduling slack);
+        # ≥: on a loaded machine a new connection can time out too (HB is tiny here)
         bound = HB * ts.HEARTBEAT_MISSES * 3 + 1
-        await eventually(lambda: events(ing.stats, "alina", "heartbeat_timeout") == 2, bound)
+        await eventually(lambda: events(ing.stats, "alina", "heartbeat_timeout") >= 2, bound)
         await eventually(lambda: connector.stats.value(
             "pact_ingress_tunnel_events_total",
-            {"tenant": connector.label, "event": "heartbeat_timeout"}) == 2, bound)
-        await eventually(lambda: ing.server.live_tunnels("alina") == 2)
-        assert not old & {s.sid for s in ing.server._sessions["alina"]}
+            {"tenant": connector.label, "event": "heartbeat_timeout"}) >= 2, bound)
+        await eventually(lambda: ing.server.live_tunnels("alina") == 2
+                         and not old & {s.sid for s in ing.server._sessions["alina"]})
         await eventually(lambda: ing.server.idle_connections("alina") > 0)
         caller = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
         await caller.send_all(b"alive")

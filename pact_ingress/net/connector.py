@@ -53,9 +53,7 @@ streams finish until `grace` runs out; whatever is left is cancelled.
 
 from __future__ import annotations
 
-import errno
 import functools
-import os
 import random
 import secrets
 import socket
@@ -66,7 +64,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from pact_ingress.config import Address, ConnectorConfig
+from pact_ingress.config import ConnectorConfig
 from pact_ingress.errors import IdentityError, RemoteProtocolError
 from pact_ingress.identity import (
     Identity,
@@ -76,8 +74,8 @@ from pact_ingress.identity import (
     pinned_client_context,
 )
 from pact_ingress.logs import log
-from pact_ingress.net.backends import STREAM_OPTIONS, is_ip
-from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Hooks, StreamJob
+from pact_ingress.net.backends import is_ip
+from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
 from pact_ingress.net.tunnel_server import (
     ALPN_CONTROL,
     ALPN_DATA,
@@ -120,8 +118,6 @@ SPARE_USE_WITHIN = tf.SPARE_TTL / 2
 #: A stream with no byte either way for this long is closed. The ingress's route idle
 #: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
 RELAY_IDLE_TIMEOUT = 3600.0
-#: Bytes read at once during a data connection's handshake.
-FIRST_READ = 64 * 1024
 #: Best-effort sends on the way out.
 GOAWAY_TIMEOUT = 1.0
 #: A dial (a new data connection for a TOKEN or a replacement) waits at most this long
@@ -180,10 +176,6 @@ class _Attempt:
         return trio.current_time() - self.connected_at
 
 
-class _RawFailed(trio.BrokenResourceError):
-    """A raw data connection connected but failed before DATA_OK."""
-
-
 class _Goaway(Exception):
     def __init__(self, msg: tf.Goaway) -> None:
         super().__init__(f"{msg.code.name}: {msg.reason}")
@@ -199,7 +191,8 @@ class _Link:
     heartbeat: float
     last_rx: float
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # dials in progress
+    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # TLS dials running
+    dialing: int = 0  # data connections started, not yet a job
     jobs: set[StreamJob] = field(default_factory=set)  # its data connections, after dial
     spares: deque[tuple[bytes, float]] = field(default_factory=deque)  # (token, arrived)
 
@@ -456,14 +449,13 @@ class Connector:
     def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
         """Start a data connection with `token` (in the root nursery: see module doc),
         once no stream is opening, and `delay` after that."""
-        idle = len(link.idle_scopes) + sum(1 for job in link.jobs if job.state == IDLE)
+        idle = link.dialing + sum(1 for job in link.jobs if job.state == IDLE)
         if self._draining or idle >= MAX_PENDING_DATA:
             return  # the token expires unused at the ingress
         assert self._root is not None
-        scope = trio.CancelScope()
-        link.idle_scopes.add(scope)
+        link.dialing += 1
         self._dialing += 1
-        self._root.start_soon(self._data, link, scope, token, delay)
+        self._root.start_soon(self._data, link, token, delay)
 
     def _replace(self, link: _Link) -> None:
         """A data connection of `link` carried a stream's first answer (or its stream
@@ -476,47 +468,89 @@ class Connector:
         if token is not None:
             self._dial_data(link, token, REPLACE_DELAY)
 
-    async def _data(self, link: _Link, scope: trio.CancelScope, token: bytes,
-                    delay: float = 0.0) -> None:
-        """Dial a data connection with `token`, then hand it to a stream thread."""
+    async def _data(self, link: _Link, token: bytes, delay: float) -> None:
+        """A data connection with `token`, served until it ends. Raw: dialled on the
+        job's own thread too (no trio wake-ups on the way); TLS: handshaken here first.
+        In auto mode a raw dial that connected but got no DATA_OK counts towards the TLS
+        fallback (a refused connect is an ingress down, not a middlebox) and its token
+        is tried once more over TLS: behind a middlebox the ingress never saw it;
+        otherwise it is used up and refused again. Either way the ingress's pool does
+        not wait TOKEN_TTL for a token that is lost."""
+        counted = True
+        try:
+            await self._yield_to_openings()
+            if self.raw_data:
+                ingress = self.cfg.ingress
+                dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), _DATA_OK,
+                            delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
+                counted = False
+                outcome, error = await self._run_job(link, dial)
+                if outcome not in ("dial_refused", "dial_failed"):
+                    return
+                self._event("data_failed")
+                log.debug("tunnel_data_failed", ingress=self.label, error=repr(error))
+                if outcome == "dial_refused":
+                    return
+                if link in self._links:
+                    self._raw_failed()
+                if self.data_transport == "raw":
+                    return
+                delay = 0.0
+            counted = True
+            await self._tls_data(link, token, delay)
+        finally:
+            if counted:
+                self._dialed(link)
+
+    def _dialed(self, link: _Link) -> None:
+        """A dial of `link` is over (its job is registered, or it failed)."""
+        link.dialing -= 1
+        self._dialing -= 1
+        self._touch()
+
+    async def _tls_data(self, link: _Link, token: bytes, delay: float) -> None:
+        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped; the
+        connection, raw again, goes to a job."""
+        scope = trio.CancelScope()  # cancelled if the link dies during the handshake
+        link.idle_scopes.add(scope)
         raw: trio.SocketStream | None = None
         first = b""
         try:
             with scope:
-                await self._yield_to_openings()
                 if delay:
                     await trio.sleep(delay)
-                raw, first = await self._open_data(link, token)
+                raw, first = await self._open_tls_data(token)
         except (*_NET_ERRORS, _Goaway) as exc:
             self._event("data_failed")
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
         finally:
             link.idle_scopes.discard(scope)
-            self._dialing -= 1
-            self._touch()
-        if raw is not None:
-            await self._run_job(link, raw, first)
+        if raw is None:
+            return
+        sock = raw.socket
+        trio.lowlevel.notify_closing(sock)  # trio forgets the fd: the job owns it now
+        await self._run_job(link, socket.socket(fileno=sock.detach()), first)
 
-    async def _run_job(self, link: _Link, raw: trio.SocketStream, first: bytes) -> None:
+    async def _run_job(self, link: _Link, data: socket.socket | Dial, first: bytes = b""
+                       ) -> tuple[str, BaseException | None]:
         """The connection's life from here on: a `StreamJob` on a thread of its own (why:
         `stream_thread.py`). Idle, it ends with its control connection (`stop_if_idle`
         in `_serve_link`); a stream that has begun is only ended by the connector
-        stopping (cancellation: `stop`)."""
-        sock = raw.socket
-        trio.lowlevel.notify_closing(sock)  # trio forgets the fd: the job owns it now
-        data = socket.socket(fileno=sock.detach())
+        stopping (cancellation: `stop`). Returns the job's outcome and error."""
         forward = self.cfg.forward
         job = StreamJob(data, first, (forward.host, forward.port),
                         _literal_family(forward.host), self._hooks(link),
                         connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
         link.jobs.add(job)
         self._jobs.add(job)
+        if isinstance(data, Dial):
+            self._dialed(link)  # from now on counted as an idle job
         if link not in self._links:  # its control connection died meanwhile
             job.stop_if_idle()
         assert self._threads is not None
         try:
-            await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
-                                          limiter=self._threads)
+            outcome = await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
+                                                    limiter=self._threads)
         except BaseException:
             job.stop()  # cancelled: the connector is stopping
             raise
@@ -524,6 +558,7 @@ class Connector:
             link.jobs.discard(job)
             self._jobs.discard(job)
             self._touch()
+        return outcome, job.error
 
     def _hooks(self, link: _Link) -> Hooks:
         """A job's calls from its thread: counters directly (prometheus locks them), the
@@ -542,7 +577,13 @@ class Connector:
             (up if direction == "up" else down).inc(n)
 
         return Hooks(opened=lambda: soon(self._stream_opened, link), moved=moved,
-                     forward_failed=lambda exc: soon(self._forward_failed, exc))
+                     forward_failed=lambda exc: soon(self._forward_failed, exc),
+                     dialled=self._raw_ok)
+
+    def _raw_ok(self) -> None:
+        """A raw data connection got its DATA_OK (called from its job's thread: a plain
+        store; racing `_raw_failed` can at worst lose one count of a heuristic)."""
+        self._raw_failures = 0
 
     def _stream_opened(self, link: _Link) -> None:
         """A stream's first answer went back (or it ended first): count it, dial its data
@@ -568,21 +609,6 @@ class Connector:
             while self._opening():  # bounded by the deadline
                 await self._opened.wait()
 
-    async def _open_data(self, link: _Link, token: bytes) -> tuple[trio.SocketStream, bytes]:
-        """A data connection that the ingress accepted, and any stream bytes already
-        received after its DATA_OK."""
-        if not self.raw_data:
-            return await self._open_tls_data(token)
-        try:
-            return await self._open_raw_data(link, token)
-        except _RawFailed:
-            if self.data_transport == "raw":
-                raise
-            # auto: this token once more over TLS. Behind a middlebox the ingress never
-            # saw it; otherwise it is used up and refused again. Either way the ingress's
-            # pool does not wait TOKEN_TTL for a token that is lost.
-            return await self._open_tls_data(token)
-
     def _raw_failed(self) -> None:
         self._raw_failures += 1
         if self.data_transport == "auto" and \
@@ -593,38 +619,6 @@ class Connector:
                         failures=self._raw_failures,
                         why="raw data connections fail while the control connection "
                             "works: something in between allows only TLS")
-
-    async def _open_raw_data(self, link: _Link, token: bytes
-                             ) -> tuple[trio.SocketStream, bytes]:
-        """TCP, magic + DATA_HELLO in one write, DATA_OK back. No TLS (see module doc).
-
-        A failure after TCP connected, while the control link is alive, counts towards
-        the TLS fallback (a refused connect is an ingress down, not a middlebox).
-        """
-        with trio.fail_after(CONNECT_TIMEOUT):
-            raw = await connect_forward(self.cfg.ingress)
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await raw.send_all(tf.raw_data_preamble(token))
-                answer = b""
-                while len(answer) < len(_DATA_OK):  # bounded: each read adds ≥ 1 byte
-                    data = await raw.receive_some(FIRST_READ)
-                    if not data:
-                        raise trio.BrokenResourceError("ingress refused the data connection")
-                    answer += data
-            if not answer.startswith(_DATA_OK):
-                raise RemoteProtocolError("expected DATA_OK on a raw data connection")
-        except _NET_ERRORS as exc:
-            raw.socket.close()
-            if link in self._links:
-                self._raw_failed()
-            raise _RawFailed(repr(exc)) from exc
-        except BaseException:
-            raw.socket.close()
-            raise
-        self._raw_failures = 0
-        set_keepalive(raw.socket)  # type: ignore[arg-type]
-        return raw, bytes(answer[len(_DATA_OK):])
 
     async def _open_tls_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
         """The fallback: the token inside pinned mutual TLS, then TLS unwrapped."""
@@ -671,43 +665,6 @@ async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
         scope.cancel()
 
 
-async def connect_socket(address: Address, *, wait: bool = True) -> trio.socket.SocketType:
-    """A bare TCP socket to `address` with the relay options (no Nagle delay, bounded
-    unsent bytes), as the router's backend sockets.
-
-    This is on every stream's first-byte path: for an IP literal (the usual
-    `127.0.0.1:8443`) a bare non-blocking connect, which measured ~3× faster here than
-    `open_tcp_stream`'s resolver + happy-eyeballs machinery (~0.16 vs ~0.48 ms).
-    `wait=False` returns it still connecting (EINPROGRESS): the caller's first write
-    then waits for the connection if it must, and a refused connect surfaces there as
-    an OSError — one scheduler round trip fewer when the handshake is already done (a
-    local `forward`: the kernel completes it inside connect(2))."""
-    family = _literal_family(address.host)
-    if family is None:
-        with trio.fail_after(CONNECT_TIMEOUT):
-            return (await trio.open_tcp_stream(address.host, address.port)).socket
-    raw = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    try:
-        for option, value in STREAM_OPTIONS:
-            raw.setsockopt(socket.IPPROTO_TCP, option, value)
-        err = raw.connect_ex((address.host, address.port))
-        if err not in (0, errno.EINPROGRESS):
-            raise OSError(err, os.strerror(err))
-        sock = trio.socket.from_stdlib_socket(raw)
-        if err and wait:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await trio.lowlevel.wait_writable(sock)
-            err = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err))
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
-    except BaseException:
-        raw.close()
-        raise
-    return sock
-
-
 @functools.lru_cache(maxsize=64)
 def _literal_family(host: str) -> int | None:
     """AF_INET / AF_INET6 for an IP literal, None for a name (looked up once per host:
@@ -715,11 +672,6 @@ def _literal_family(host: str) -> int | None:
     if not is_ip(host):
         return None
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-async def connect_forward(address: Address) -> trio.SocketStream:
-    """`connect_socket` as a stream (the data connection's handshake uses stream I/O)."""
-    return trio.SocketStream(await connect_socket(address))
 
 
 async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:

@@ -85,6 +85,24 @@ class Hooks:
     moved: Callable[[str, int], None]
     #: `forward` could not be reached (the ingress got a TLS alert).
     forward_failed: Callable[[OSError], None]
+    #: The job's own `Dial` got its answer (the connection is in the ingress's pool).
+    dialled: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class Dial:
+    """How a job makes its data connection itself: after `delay`, TCP to host:port,
+    `preamble` in one write, `expect` back within `timeout`; then `setup(sock)`.
+    Bytes after `expect` are the first stream bytes."""
+
+    host: str
+    port: int
+    preamble: bytes
+    expect: bytes
+    delay: float
+    connect_timeout: float
+    timeout: float
+    setup: Callable[[socket.socket], None] = lambda sock: None
 
 
 @dataclass
@@ -117,20 +135,26 @@ class _Reset(Exception):
 class StreamJob:
     """One data connection's life after its handshake; `run()` on a thread of its own."""
 
-    def __init__(self, data: socket.socket, first: bytes, forward: tuple[str, int],
+    def __init__(self, data: socket.socket | Dial, first: bytes, forward: tuple[str, int],
                  family: int | None, hooks: Hooks, *, connect_timeout: float,
                  idle_timeout: float) -> None:
-        """`data`: the connection to the ingress (non-blocking; the job owns it now).
-        `first`: stream bytes that came with the handshake's answer, if any. `forward`:
-        host and port; `family`: AF_INET/AF_INET6 if host is an IP literal (connected
-        without a lookup), None for a name (resolved on the job's thread)."""
+        """`data`: the connection to the ingress (non-blocking; the job owns it now), or
+        how to make it (`Dial`, on the job's thread). `first`: stream bytes that came
+        with the handshake's answer, if any. `forward`: host and port; `family`:
+        AF_INET/AF_INET6 if host is an IP literal (connected without a lookup), None
+        for a name (resolved on the job's thread)."""
         self.state = OPENING if first else IDLE
-        self._data = data
+        #: Why the job's own dial failed (outcome dial_refused / dial_failed).
+        self.error: BaseException | None = None
+        self._dial = data if isinstance(data, Dial) else None
+        self._data = data if isinstance(data, socket.socket) else None
         self._first = first
         self._forward = forward
         self._family = family
         self._fwd: socket.socket | None = None
-        self._by_fd: dict[int, socket.socket] = {data.fileno(): data}
+        self._by_fd: dict[int, socket.socket] = {}
+        if self._data is not None:
+            self._by_fd[self._data.fileno()] = self._data
         self._hooks = hooks
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
@@ -171,12 +195,17 @@ class StreamJob:
 
     def run(self) -> str:
         """Serve the connection; the outcome: retired (EOF or stopped before a stream) |
+        dial_refused (no TCP connection) | dial_failed (connected, no answer: `error`) |
         forward_unreachable | ok | reset | idle_timeout."""
         with self._lock:
             if self._closed:
                 return "retired"
             self._running = True
         try:
+            if self._dial is not None:
+                failed = self._make_data(self._dial)
+                if failed:
+                    return failed
             first = self._first or self._wait_first()
             if not first:
                 return "retired"
@@ -192,6 +221,44 @@ class StreamJob:
             with self._lock:
                 self._close_locked()
 
+    def _make_data(self, dial: Dial) -> str | None:
+        """The data connection per `dial`; None when it is ready, else the outcome."""
+        if dial.delay:
+            time.sleep(dial.delay)
+        try:
+            sock = socket.create_connection((dial.host, dial.port), dial.connect_timeout)
+        except OSError as exc:
+            self.error = exc
+            return "dial_refused"
+        with self._lock:
+            self._data = sock
+            self._by_fd[sock.fileno()] = sock
+            if self._stopped:
+                return "retired"
+        try:
+            for option, value in STREAM_OPTIONS:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            sock.settimeout(dial.timeout)
+            sock.sendall(dial.preamble)
+            answer = b""
+            while len(answer) < len(dial.expect):  # bounded: each read adds ≥ 1 byte
+                chunk = sock.recv(FIRST_READ)
+                if not chunk:
+                    raise ConnectionError("closed before answering")
+                answer += chunk
+            if not answer.startswith(dial.expect):
+                raise ConnectionError("unexpected answer")
+            dial.setup(sock)
+            sock.setblocking(False)
+        except OSError as exc:
+            self.error = exc
+            return "retired" if self._stopped else "dial_failed"
+        self._first = answer[len(dial.expect):]
+        if self._first and not self._begin():
+            return "retired"
+        self._hooks.dialled()
+        return None
+
     def _begin(self) -> bool:
         """IDLE → OPENING, unless stopped (under the lock: see stop_if_idle)."""
         with self._lock:
@@ -204,6 +271,7 @@ class StreamJob:
         """Park until the ingress sends a stream's first bytes (b"" at EOF or when
         stopped). No timeout, by design: a pooled connection idles until used; the
         ingress retires it (EOF), keepalive finds a dead path, `stop_if_idle` ends it."""
+        assert self._data is not None
         poller = select.poll()
         poller.register(self._data, _POLLIN)
         while True:
@@ -220,6 +288,7 @@ class StreamJob:
 
     def _connect(self, first: bytes) -> tuple[socket.socket, bytes]:
         """Connect `forward` and write `first`; returns what did not fit yet."""
+        assert self._data is not None
         host, port = self._forward
         if self._family is None:  # a name: resolve and connect, blocking (own thread)
             try:
@@ -262,6 +331,7 @@ class StreamJob:
     def _refuse(self, exc: OSError) -> None:
         """Answer the ingress (a TLS client) as a dead backend would: an alert, then
         close."""
+        assert self._data is not None
         try:
             os.write(self._data.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
         except OSError:
@@ -271,6 +341,7 @@ class StreamJob:
         self._hooks.opened()
 
     def _relay(self, fwd: socket.socket, rest: bytes) -> str:
+        assert self._data is not None
         up = Direction("up", self._data.fileno(), fwd.fileno())
         down = Direction("down", fwd.fileno(), self._data.fileno())
         pipes = {"up": take_pipe(), "down": take_pipe()}
