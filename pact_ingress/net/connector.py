@@ -20,14 +20,24 @@ token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallb
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
 ends per stream, ~10× the CPU. Either way the connection then waits, raw, in the
 ingress's pool. The first bytes the ingress sends mean "this is a stream now": we
-connect `forward` and relay with `splice.relay_sockets` (kernel splice, both ends plain
-TCP). Dials — for TOKENs and replacements — wait while a stream is opening
-(OPENING_YIELD), replacements REPLACE_DELAY more, so that their connect, the ingress's
-accept and DATA_OK stay off the first-byte path. An EOF before any byte means the
-ingress retired the idle connection. Data connections live in the connector's root
-nursery, not the control connection's: a control connection dying (or being replaced)
-never breaks a stream that is already flowing; only idle, not yet used data connections
-of a dead control connection are closed (their path is presumably dead too).
+connect `forward`, pass them on and splice both ways (kernel splice, both ends plain
+TCP).
+
+Each data connection lives on an OS thread of its own (`stream_thread.StreamJob`):
+a raw one is dialled there too, then the thread parks in poll(2) until the first bytes
+and runs the stream to its end. trio only starts the job (`_run_job`), hears about the
+stream's first answer (`_stream_opened`: count, replacement dial) and its end. Why
+threads in a trio program: both first-byte crossings of every stream run here, on the
+home machine's core, next to the service; trio's per-wake-up cost there was most of
+what the tunnel added to a stream's open (numbers: `stream_thread.py`). TLS data
+connections are handshaken in trio first (ssl + trio), then handed over the same way.
+Dials wait while a stream is opening (OPENING_YIELD), replacements REPLACE_DELAY more,
+so that their connect, the ingress's accept and DATA_OK stay off the first-byte path. An
+EOF before any byte means the ingress retired the idle connection. Data connections
+belong to the connector, not to the control connection that granted them: a control
+connection dying (or being replaced) never breaks a stream that is already flowing;
+only idle data connections of a dead control connection are closed (`stop_if_idle`:
+their path is presumably dead too).
 
 Raw data connections are not TLS on :443, and some networks (DPI firewalls, "TLS only"
 middleboxes) drop or reset such traffic. In `auto` mode (the default) the connector
@@ -475,32 +485,34 @@ class Connector:
         fallback (a refused connect is an ingress down, not a middlebox) and its token
         is tried once more over TLS: behind a middlebox the ingress never saw it;
         otherwise it is used up and refused again. Either way the ingress's pool does
-        not wait TOKEN_TTL for a token that is lost."""
-        counted = True
-        try:
-            await self._yield_to_openings()
-            if self.raw_data:
-                ingress = self.cfg.ingress
-                dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), _DATA_OK,
-                            delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
-                counted = False
-                outcome, error = await self._run_job(link, dial)
-                if outcome not in ("dial_refused", "dial_failed"):
-                    return
-                self._event("data_failed")
-                log.debug("tunnel_data_failed", ingress=self.label, error=repr(error))
-                if outcome == "dial_refused":
-                    return
-                if link in self._links:
-                    self._raw_failed()
-                if self.data_transport == "raw":
-                    return
-                delay = 0.0
-            counted = True
-            await self._tls_data(link, token, delay)
-        finally:
-            if counted:
+        not wait TOKEN_TTL for a token that is lost.
+
+        Counted in `dialing` (per link and in total) from `_dial_data` until its job is
+        registered (`_run_job`) or the dial failed (`_dialed`)."""
+        if self.raw_data:
+            try:
+                await self._yield_to_openings()
+            except BaseException:
                 self._dialed(link)
+                raise
+            ingress = self.cfg.ingress
+            dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), _DATA_OK,
+                        delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
+            outcome, error = await self._run_job(link, dial)
+            if outcome not in ("dial_refused", "dial_failed"):
+                return
+            self._event("data_failed")
+            log.debug("tunnel_data_failed", ingress=self.label, error=repr(error))
+            if outcome == "dial_refused":
+                return
+            if link in self._links:
+                self._raw_failed()
+            if self.data_transport == "raw":
+                return
+            link.dialing += 1  # the same token once more, over TLS
+            self._dialing += 1
+            delay = 0.0
+        await self._tls_data(link, token, delay)
 
     def _dialed(self, link: _Link) -> None:
         """A dial of `link` is over (its job is registered, or it failed)."""
@@ -517,6 +529,7 @@ class Connector:
         first = b""
         try:
             with scope:
+                await self._yield_to_openings()
                 if delay:
                     await trio.sleep(delay)
                 raw, first = await self._open_tls_data(token)
@@ -525,6 +538,8 @@ class Connector:
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
         finally:
             link.idle_scopes.discard(scope)
+            if raw is None:
+                self._dialed(link)
         if raw is None:
             return
         sock = raw.socket
@@ -543,8 +558,7 @@ class Connector:
                         connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
         link.jobs.add(job)
         self._jobs.add(job)
-        if isinstance(data, Dial):
-            self._dialed(link)  # from now on counted as an idle job
+        self._dialed(link)  # from now on counted as a job
         if link not in self._links:  # its control connection died meanwhile
             job.stop_if_idle()
         assert self._threads is not None
