@@ -178,7 +178,9 @@ async def _copy_direction(
 
 def take_pipe() -> tuple[int, int]:
     """A drained pipe from the free list, or a new one. Safe from any thread (the
-    connector's stream threads share the list): list.pop and append are atomic."""
+    connector's stream threads share the list): list.pop and append are atomic, so a
+    pipe is never handed out twice; racing `give_pipe`s may overshoot PIPE_POOL by a
+    few, which costs only descriptors."""
     try:
         return _pipes.pop()
     except IndexError:

@@ -342,7 +342,8 @@ class StreamJob:
         except OSError:
             pass
         self._opened = True
-        self._hooks.forward_failed(exc)
+        if not self._stopped:  # stopped mid-connect: the connector is going, not forward
+            self._hooks.forward_failed(exc)
         self._hooks.opened()
 
     def _relay(self, fwd: socket.socket, rest: bytes) -> str:
