@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -28,14 +27,16 @@ from pact_ingress.envelope import RESULT_CTY, canonical_json, open_envelope, sea
 from pact_ingress.identity import Identity, b64url, spki_der
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
-from pact_ingress.net.terminate import (
-    Terminator,
+from pact_ingress.net.terminate import Terminator
+from pact_ingress.proto.http_headers import (
     clean_request_headers,
     clean_response_headers,
     forwarded_value,
-    host_matches,
 )
+from pact_ingress.proto.http_request import host_matches
+from pact_ingress.proto.routing import RouteTable
 from pact_ingress.stats import Stats
+from tests.tools import require
 from tests.tls_helpers import LOOPBACK, WebPKI, http_client, make_identity, serve_loopback
 
 HOST = "mcp.alina.test"
@@ -173,14 +174,21 @@ def test_response_header_hygiene() -> None:
 def test_host_matching() -> None:
     exact = Route(host=HOST, tenant="t", mode="terminate", backend=Backend(None))
     wild = replace(exact, host="*.alina.test")
-    assert host_matches(HOST, HOST, exact)
-    assert not host_matches(OTHER, HOST, exact)
-    assert not host_matches(None, HOST, exact)
-    assert host_matches("a.alina.test", None, wild)
-    assert not host_matches("a.b.alina.test", None, wild)
-    assert not host_matches("alina.test", None, wild)
+    assert host_matches(HOST, HOST, exact.host)
+    assert not host_matches(OTHER, HOST, exact.host)
+    assert host_matches("a.alina.test", None, wild.host)
+    assert not host_matches("alina.test", None, wild.host)
     # with the SNI known, a wildcard route still requires Host == SNI exactly
-    assert not host_matches("b.alina.test", "a.alina.test", wild)
+    assert not host_matches("b.alina.test", "a.alina.test", wild.host)
+
+
+@pytest.mark.parametrize("name", ["a.alina.test", "a.b.alina.test", "x.y.z.alina.test",
+                                  "alina.test", "A.Alina.Test.", "balina.test", "a.other.test"])
+def test_wildcard_rule_is_the_routers(name: str) -> None:
+    """The terminate host check and the SNI router apply one wildcard rule (any depth)."""
+    wild = Route(host="*.alina.test", tenant="t", mode="terminate", backend=Backend(None))
+    routed = RouteTable.build([wild]).lookup(name) is not None
+    assert host_matches(name.lower().rstrip("."), None, wild.host) == routed
 
 
 # --- MCP through the edge -------------------------------------------------------------------
@@ -531,9 +539,9 @@ def _curl(env: Env, *args: str) -> tuple[str, str]:
     return body, status
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl not installed")
 @pytest.mark.parametrize(("flag", "version"), [("--http2", "2"), ("--http1.1", "1.1")])
 async def test_curl_mcp_and_sse(env: Env, flag: str, version: str) -> None:
+    require("curl")
     url = f"https://{HOST}:{env.port}"
     body, status = await trio.to_thread.run_sync(
         _curl, env, flag, "-H", "content-type: application/json", "--data-binary",
@@ -556,7 +564,12 @@ async def test_wildcard_route_host_must_equal_sni(nursery: trio.Nursery, tmp_pat
         # no SNI passed by our test listener: Host must match the wildcard
         r = await post_mcp(client, rpc("tools/list", {}), host="a.alina.test")
         assert r.status == 200
+        # any depth below the wildcard, as the SNI router routes it...
         r = await post_mcp(client, rpc("tools/list", {}), host="a.alina.test",
                            extra=[(b"host", b"a.b.alina.test")])
+        assert r.status == 200
+        # ...but never a name outside it
+        r = await post_mcp(client, rpc("tools/list", {}), host="a.alina.test",
+                           extra=[(b"host", b"a.other.test")])
         assert r.status == 421
     await env.terminator.aclose()

@@ -172,11 +172,13 @@ class RateLimiter:
         *,
         budget: Budget | None = None,
         scope: str = "",
+        prepaid: int = 0,
     ) -> Decision:
         """Charge one call per entry of `keys` (e.g. the elements of a JSON-RPC batch),
-        all or nothing."""
+        all or nothing. `prepaid` calls were already charged to the IP ceiling (the edge
+        charges every request one IP unit before it reads the body)."""
         budget = budget or self.default_budget
-        demands = self._demands(client_bucket(ip), Counter(keys), budget, scope)
+        demands = self._demands(client_bucket(ip), Counter(keys), budget, scope, prepaid)
         self._sweep(now)
         if not demands:
             return ALLOWED
@@ -192,7 +194,8 @@ class RateLimiter:
 
     @staticmethod
     def _demands(
-        ip: str | None, per_key: Counter[str | None], budget: Budget, scope: str
+        ip: str | None, per_key: Counter[str | None], budget: Budget, scope: str,
+        prepaid: int = 0,
     ) -> dict[BucketId, tuple[int, float, int]]:
         """bucket → (cost, emission interval, burst) for this request."""
         pair_interval = SECONDS_PER_HOUR / budget.per_ip_key_per_hour
@@ -204,6 +207,7 @@ class RateLimiter:
         # The IP ceiling counts every call from a known IP; without an IP, only keyless
         # calls fall to the shared anonymous bucket (keyed calls have their key budget).
         ceiling_cost = sum(per_key.values()) if ip is not None else per_key.get(None, 0)
+        ceiling_cost -= prepaid
         if ceiling_cost > 0:
             ceiling = budget.per_ip_per_hour
             demands[("ip", scope, ip, None)] = (

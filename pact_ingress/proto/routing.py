@@ -31,6 +31,14 @@ def _normalize(host: str) -> str:
     return host.lower().removesuffix(".")
 
 
+def wildcard_covers(pattern: str, host: str) -> bool:
+    """Does wildcard route host `pattern` (``*.suffix``) cover `host`? Any depth below
+    the suffix, never the suffix itself — the rule `RouteTable.lookup` applies."""
+    suffix = _normalize(pattern)[1:]  # ".suffix"
+    name = _normalize(host)
+    return len(name) > len(suffix) and name.endswith(suffix)
+
+
 @dataclass(frozen=True)
 class RouteTable:
     """Immutable SNI route table; build with `RouteTable.build(routes)`."""

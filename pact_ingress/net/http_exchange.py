@@ -1,0 +1,67 @@
+"""One request/response exchange as the terminate engine sees it, on either HTTP version.
+
+`net.http1` and `net.http2` turn a client connection into a sequence (HTTP/1.1) or a set
+(HTTP/2) of `Exchange` objects; `net.terminate` runs the request story on each without
+knowing the version. Every wait on the client inside an exchange takes an absolute
+deadline (`trio.current_time()` based) and raises `ClientGone` when it passes, the
+client disconnects, or the stream is reset, so no exchange can outlive its budget.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class ClientGone(Exception):
+    """The client disconnected, reset the stream, or missed a deadline mid-exchange."""
+
+
+@dataclass
+class Exchange(abc.ABC):
+    method: str
+    target: bytes  # as sent: origin-form or absolute-form (HTTP/1.1), :path (HTTP/2)
+    headers: Headers  # lower-case names, no pseudo-headers
+    authority: bytes | None  # Host (HTTP/1.1) or :authority (HTTP/2)
+    content_length: int | None  # declared, when it was
+    body_done: bool  # nothing (more) of the request body will arrive
+    http2: bool = field(default=False, init=False)
+
+    @property
+    def has_body(self) -> bool:
+        return not self.body_done or bool(self.content_length)
+
+    @abc.abstractmethod
+    async def receive(self, deadline: float) -> bytes:
+        """The next body chunk, b"" once the body is complete; `ClientGone` otherwise."""
+
+    @abc.abstractmethod
+    async def respond(self, status: int, headers: Headers) -> None:
+        """Send the response head (`headers` already clean, no framing of the client leg)."""
+
+    @abc.abstractmethod
+    async def send(self, chunk: bytes) -> None:
+        """Send response body bytes; `ClientGone` if the client cannot take them in time."""
+
+    @abc.abstractmethod
+    async def end(self) -> None:
+        """The response is complete."""
+
+    @abc.abstractmethod
+    async def abort(self) -> None:
+        """The response cannot be completed: make the client see a failure, not a short body."""
+
+    @abc.abstractmethod
+    async def wait_gone(self) -> None:
+        """Return once the client is known to have gone (used while a response streams)."""
+
+    @abc.abstractmethod
+    def stop_body(self) -> None:
+        """The answer was given before the request body was read: stop the upload
+        (HTTP/2 resets the stream with NO_ERROR; HTTP/1.1 closes after the answer)."""
+
+
+class BadResponse(Exception):
+    """The node's response cannot be expressed on the client's leg (invalid header...)."""

@@ -1,0 +1,99 @@
+"""Header hygiene at the terminating edge, both directions. Pure.
+
+Toward the node the edge is the only source of truth about who is calling from where,
+so every header a client could use to claim an origin address or smuggle PACT metadata
+the node might trust is removed, and one `Forwarded` element for this hop is added:
+
+* `Forwarded`, `Via`, `X-Real-IP`, `X-Client-IP`, `Client-IP`, `True-Client-IP`,
+  `X-Cluster-Client-IP`, `CF-Connecting-IP`, `Fastly-Client-IP`, and every name starting
+  `X-Forwarded-`, `X-Original-`, `X-Pact-` or `Proxy-`;
+* every name containing `_`: several servers (Werkzeug, CGI/WSGI gateways, uvicorn's
+  scope users) read `X_Forwarded_For` as `X-Forwarded-For`, so an underscore spelling
+  would slip past a list of dashed names. Real clients never need one.
+
+Hop-by-hop fields (RFC 9110 §7.6.1: `Connection` and every field it names,
+`Keep-Alive`, `Proxy-Connection`, `TE` except `trailers`, `Transfer-Encoding`,
+`Upgrade`), `Expect` (the edge answers `100-continue` itself) and body framing are
+removed in both directions; the engine frames each leg itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Headers = list[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"te", b"transfer-encoding",
+     b"upgrade", b"expect"}
+)
+SPOOFABLE = frozenset({
+    b"forwarded", b"via", b"x-real-ip", b"x-client-ip", b"client-ip", b"true-client-ip",
+    b"x-cluster-client-ip", b"cf-connecting-ip", b"fastly-client-ip",
+})
+SPOOFABLE_PREFIXES = (b"x-forwarded-", b"x-original-", b"x-pact-", b"proxy-")
+
+
+def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return named
+
+
+def _is_hop_by_hop(name: bytes, named: set[bytes]) -> bool:
+    return name in HOP_BY_HOP or name in named or name.startswith(b"proxy-")
+
+
+def clean_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The node's response headers minus hop-by-hop ones (and any pseudo-headers)."""
+    headers = list(headers)
+    named = _connection_tokens(headers)
+    out: Headers = []
+    for name, value in headers:
+        lname = name.lower()
+        if lname.startswith(b":") or _is_hop_by_hop(lname, named):
+            continue
+        out.append((lname, value))
+    return out
+
+
+def forwarded_value(client_ip: str, host: str) -> bytes:
+    """RFC 7239 `Forwarded` element for this hop (IPv6 quoted and bracketed)."""
+    node = f'"[{client_ip}]"' if ":" in client_ip else client_ip
+    return f"for={node};proto=https;host={host}".encode("ascii")
+
+
+def is_spoofable(name: bytes) -> bool:
+    """Would a node trust this (lower-case) request header to mean something about the
+    caller that only the edge may say?"""
+    return name in SPOOFABLE or name.startswith(SPOOFABLE_PREFIXES) or b"_" in name
+
+
+def clean_request_headers(
+    headers: Iterable[tuple[bytes, bytes]], *, client_ip: str, host: str
+) -> Headers:
+    """Request headers for the node: no hop-by-hop, no spoofable, one `Forwarded`.
+
+    `Host` is set to `host`; `TE: trailers` survives when the client asked for it. Body
+    framing (`Content-Length`/`Transfer-Encoding`) is the caller's to set afterwards.
+    """
+    headers = list(headers)
+    named = _connection_tokens(headers)
+    out: Headers = [(b"host", host.encode("idna"))]
+    wants_trailers = False
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"te":
+            wants_trailers |= b"trailers" in [t.strip().lower() for t in value.split(b",")]
+            continue
+        if lname in (b"host", b"content-length") or lname.startswith(b":"):
+            continue
+        if _is_hop_by_hop(lname, named) or is_spoofable(lname):
+            continue
+        out.append((lname, value))
+    if wants_trailers:
+        out.append((b"te", b"trailers"))
+    out.append((b"forwarded", forwarded_value(client_ip, host)))
+    return out
