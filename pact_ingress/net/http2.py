@@ -68,12 +68,12 @@ class H2Connection:
         self._goaway = False
 
     async def serve(self, handle: _Handle) -> None:
-        self.conn.initiate_connection()
-        self.conn.update_settings({
+        self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
+        self.conn.initiate_connection()
         async with trio.open_nursery() as nursery:
             try:
                 await self.flush()

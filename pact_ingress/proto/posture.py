@@ -1,4 +1,4 @@
-"""The edge's seal-posture check for MCP JSON-RPC (DESIGN §4, spec §13.3/§13.4). Pure.
+"""The edge's seal-posture check for MCP JSON-RPC (spec §13.3/§13.4). Pure.
 
 Theory of operation
 -------------------
@@ -11,14 +11,15 @@ node, :func:`check_request` looks at the HTTP request and returns a decision:
   header's ``from``; everything else is ``None`` (the IP budgets alone, spec §12).
 * :class:`Refuse` — answer it here with ``http_status``, ``headers`` and ``body``.
 
-What the posture applies to: ``POST`` to the route's ``mcp_path``. The path is compared
-after dropping the query, percent-decoding, collapsing empty and dot segments and
-trailing slashes, so ``/mcp/``, ``//mcp`` or ``/x/../mcp`` — which a backend router may
-serve as the same resource — cannot slip past it. Other methods and paths (``GET`` for
-an SSE stream, ``DELETE`` ending a session, a landing page) are forwarded untouched and
-cost one IP-only unit, so no path is unmetered.
+What the posture applies to: ``POST`` at or below the route's ``mcp_path``, compared
+as ``proto.http_request.in_mcp_scope`` does (normalised path, case-insensitive,
+``;params`` dropped, unreserved escapes decoded), so ``/mcp/``, ``//mcp``, ``/MCP``,
+``/mcp;x`` or ``/x/../mcp`` — which some backend router may serve as the same
+resource — cannot slip past it. Other methods and paths (``GET`` for an SSE stream,
+``DELETE`` ending a session, a landing page) are forwarded untouched and cost one
+IP-only unit, so no path is unmetered.
 
-The table (DESIGN §4), per JSON-RPC element:
+The table, per JSON-RPC element:
 
 ============================================  ===================  ===================
 element                                       ``seal: required``   ``seal: optional``
@@ -65,10 +66,10 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import unquote
 
 from pact_ingress.config import Route, SealPosture, Tenant
 from pact_ingress.envelope import EnvelopeInvalid, check_header
+from pact_ingress.proto.http_request import BadRequest, in_mcp_scope, parse_target
 
 RpcId = str | int | None
 
@@ -176,8 +177,8 @@ class _Element:
 
 
 def check_request(req: McpRequest, policy: Policy, now: float) -> Decision:
-    """Apply the seal posture of DESIGN §4 to one HTTP request."""
-    if req.method.upper() != "POST" or _norm_path(req.path) != _norm_path(policy.mcp_path):
+    """Apply the seal posture (the table in the module docstring) to one HTTP request."""
+    if req.method.upper() != "POST" or not _in_scope(req.path, policy.mcp_path):
         return Forward(caller_keys=(None,))
     try:
         _check_content_type(req.content_type)
@@ -198,7 +199,7 @@ def check_request(req: McpRequest, policy: Policy, now: float) -> Decision:
 
 
 def refusal_result(code: str, why: str, retry_after: int | None = None) -> dict[str, Any]:
-    """The MCP tool error DESIGN §4 specifies, as a JSON-RPC `result` value."""
+    """The MCP tool error a refusal carries, as a JSON-RPC `result` value."""
     structured: dict[str, Any] = {"code": code}
     if retry_after is not None:
         structured["retry_after"] = retry_after
@@ -229,17 +230,13 @@ def refuse_rate_limited(forward: Forward, retry_after: int) -> Refuse:
 # --- path and content type ---------------------------------------------------------------
 
 
-def _norm_path(path: str) -> str:
-    """Path without query, percent-decoded, empty/dot segments resolved, no trailing /."""
-    path = unquote(path.split("?", 1)[0].split("#", 1)[0])
-    segments: list[str] = []
-    for segment in path.split("/"):
-        if segment == "..":
-            if segments:
-                segments.pop()
-        elif segment not in ("", "."):
-            segments.append(segment)
-    return "/" + "/".join(segments)
+def _in_scope(target: str, mcp_path: str) -> bool:
+    """Is `target` the MCP endpoint or below it (`proto.http_request.in_mcp_scope`)?"""
+    try:
+        path = parse_target(target.encode("latin-1")).path
+    except BadRequest:
+        return True  # unreadable: judged (and refused) rather than waved through
+    return in_mcp_scope(path, mcp_path)
 
 
 def _check_content_type(content_type: str | None) -> None:
