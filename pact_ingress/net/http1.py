@@ -46,9 +46,12 @@ READ_SIZE = 64 * 1024
 #: Read ahead while a response streams: enough to see the close behind a pipelined
 #: request, little enough that a pipelining client cannot make us buffer much.
 MAX_PIPELINED_BYTES = 64 * 1024
-#: After an early answer, how long and how much of the rest of the upload is discarded.
-DRAIN_SECONDS = 2.0
-DRAIN_MAX_BYTES = 8 * 1024 * 1024
+#: After an early answer, how long and how much of the rest of the upload is discarded:
+#: enough for a polite client's in-flight window to land before we close (so the close
+#: does not reset the answer away), little enough that refusing a flood of large bodies
+#: does not cost us reading (and decrypting) them anyway.
+DRAIN_SECONDS = 1.0
+DRAIN_MAX_BYTES = 256 * 1024
 
 
 def reason(status: int) -> bytes:
