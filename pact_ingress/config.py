@@ -225,11 +225,11 @@ MAX_TUNNEL_CONNECTIONS = 16
 #: Durations above a day are a typo (e.g. "300" meant as ms) rather than a wish.
 MAX_DURATION_SECONDS = 86_400.0
 
-TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-_LABEL_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?$")
-_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
+_LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?$")
+_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?")
 _SIZE_UNITS = {
     None: 1, "B": 1,
     "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -248,7 +248,7 @@ _STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "b
 
 def parse_duration(text: str) -> float:
     """``"250ms"``, ``"10s"``, ``"5m"``, ``"1h"`` or ``"30"`` → seconds; ValueError if not."""
-    m = _DURATION_RE.match(text.strip())
+    m = _DURATION_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(f"bad duration {text!r}: use e.g. 250ms, 10s, 5m, 1h")
     return _check_duration(float(m.group(1)) * _DURATION_UNITS[m.group(2)], text)
@@ -264,7 +264,7 @@ def _check_duration(seconds: float, text: object) -> float:
 
 def parse_size(text: str) -> int:
     """``"6MiB"``, ``"512KiB"``, ``"100kB"``, ``"4096"`` → bytes; ValueError if not."""
-    m = _SIZE_RE.match(text.strip())
+    m = _SIZE_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(
             f"bad size {text!r}: use an integer with B, KiB, MiB, GiB (1024s) or kB, MB, GB (1000s)"
@@ -286,7 +286,7 @@ def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
     labels = host.split(".")
     if wildcard and labels[0] == "*" and len(labels) > 1:
         labels = labels[1:]
-    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.match(x) for x in labels):
+    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
         hint = " ('*' only as the whole first label)" if "*" in host else ""
         raise ValueError(f"{text!r} is not a valid host name{hint}")
     return host
@@ -814,7 +814,7 @@ def _acme_directory(ctx: _Ctx, node: Node) -> str | None:
 
 def _acme_email(ctx: _Ctx, node: Node) -> str | None:
     email = _string(ctx, node, "acme.email")
-    if email is not None and not re.match(r"^[^@\s]+@[^@\s]+$", email):
+    if email is not None and not re.fullmatch(r"[^@\s]+@[^@\s]+", email):
         ctx.at(node, f"acme.email {email!r} is not an e-mail address")
         return None
     return email
@@ -934,7 +934,7 @@ def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
     name = _string(ctx, node, "tenant name")
     if name is None:
         return None
-    if not TENANT_NAME_RE.match(name) or len(name) > MAX_TENANT_NAME:
+    if not TENANT_NAME_RE.fullmatch(name) or len(name) > MAX_TENANT_NAME:
         ctx.at(node, f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* (at most "
                f"{MAX_TENANT_NAME} characters): it names a file and a metric label")  # fmt: skip
         return None
@@ -1078,7 +1078,7 @@ def _seal(ctx: _Ctx, node: Node) -> str | None:
 
 def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
     path = _string(ctx, node, "mcp_path")
-    if path is not None and not re.match(r"^/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*$", path):
+    if path is not None and not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
         ctx.at(node, f"mcp_path must be an absolute URL path like /mcp, got {path!r}")
         return None
     return path

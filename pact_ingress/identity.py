@@ -34,7 +34,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 
 #: A pin is "sha256:" + 43 unpadded base64url characters (32 bytes of SHA-256).
-PIN_RE = re.compile(r"^sha256:[A-Za-z0-9_-]{43}$")
+PIN_RE = re.compile(r"sha256:[A-Za-z0-9_-]{43}")
 
 #: Self-signed identity certs are long-lived on purpose: the key is the identity, and
 #: rotation happens by re-pinning (spec §2), not by certificate expiry.
@@ -57,7 +57,7 @@ def b64url_decode(text: str) -> bytes:
 
 def is_pin(text: object) -> bool:
     """True when `text` has the shape of a PACT fingerprint."""
-    return isinstance(text, str) and PIN_RE.match(text) is not None
+    return isinstance(text, str) and PIN_RE.fullmatch(text) is not None
 
 
 def spki_der(public_key: PublicKey) -> bytes:

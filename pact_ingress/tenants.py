@@ -166,7 +166,7 @@ def _check_args(
     config: Config, name: str, host: str, mode: str, pin: str | None, backend: str
 ) -> str:
     """Refuse bad arguments with one-line messages; return the normalized host."""
-    if not TENANT_NAME_RE.match(name):
+    if not TENANT_NAME_RE.fullmatch(name):
         raise UsageError(f"tenant name {name!r} must match [a-z0-9][a-z0-9-]*")
     if (existing := config.tenant(name)) is not None:
         raise UsageError(f"tenant {name!r} already exists (in {existing.source})")

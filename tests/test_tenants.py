@@ -148,6 +148,9 @@ def test_connector_dials_concrete_listen_ip(tmp_path: Path) -> None:
         ({"name": "Bob"}, "must match [a-z0-9][a-z0-9-]*"),
         ({"host": "ALINA.family.example."}, "already belongs to tenant 'alina'"),
         ({"host": "a..b"}, "--host:"),
+        ({"host": "a\n.demo.localhost"}, "--host:"),  # no newline hidden before a '$'
+        ({"name": "bob\n"}, "must match [a-z0-9][a-z0-9-]*"),
+        ({"pin": PIN_B + "\n"}, "is not 'sha256:' + 43 base64url"),
         ({"mode": "splice"}, "--mode must be passthrough or terminate"),
         ({"backend": "192.0.2.1"}, "--backend must be 'tunnel' or HOST:PORT"),
     ],
