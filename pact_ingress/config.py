@@ -66,7 +66,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from pact_ingress.errors import ConfigError
-from pact_ingress.identity import is_pin
+from pact_ingress.identity import pin_problem
 
 Mode = Literal["passthrough", "terminate"]
 SealPosture = Literal["required", "optional"]
@@ -947,9 +947,9 @@ def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
 
 def _pins(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
     items = _strings(ctx, node, "pins")
-    bad = [(t, n) for t, n in items if not is_pin(t)]
-    for text, item in bad:
-        ctx.at(item, f"pin {text!r} is not 'sha256:' + 43 base64url characters "
+    bad = [(t, n, why) for t, n in items if (why := pin_problem(t)) is not None]
+    for text, item, why in bad:
+        ctx.at(item, f"pin {text!r} {why} "
                "(get it with `pact-ingress fingerprint KEYFILE` on the home node)")  # fmt: skip
     pins = tuple(t for t, _ in items)
     if not pins and isinstance(node, SequenceNode):
@@ -1177,8 +1177,9 @@ def _connector_ingress(ctx: _Ctx, node: Node) -> tuple[Address, str, str] | None
 
 def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
     pin = _string(ctx, node, "ingress.pin")
-    if pin is not None and not is_pin(pin):
-        ctx.at(node, f"ingress.pin {pin!r} is not 'sha256:' + 43 base64url characters "
+    why = pin_problem(pin) if pin is not None else None
+    if why is not None:
+        ctx.at(node, f"ingress.pin {pin!r} {why} "
                "(`pact-ingress tenant add` prints the ingress's pin)")  # fmt: skip
         return None
     return pin

@@ -71,3 +71,27 @@ def test_check_config_ok_and_errors(tmp_path: Path):
 def test_usage_error_exit_2():
     result = run("keygen")
     assert result.returncode == 2
+
+
+def test_pin_with_padding_bits_is_refused_with_the_canonical_spelling(tmp_path: Path):
+    """`…pbJ` decodes to the same digest as `…pbI` but can never match a fingerprint."""
+    from pact_ingress.identity import b64url, b64url_decode, is_pin, keygen
+
+    pin = keygen(tmp_path / "n.key").fingerprint
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    twisted = pin[:-1] + alphabet[alphabet.index(pin[-1]) + 1]
+    assert is_pin(pin) and not is_pin(twisted)
+    assert b64url(b64url_decode(twisted[7:])) == pin[7:]  # same digest bytes
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen: {{tls: ["127.0.0.1:8443"]}}
+tenants:
+  - name: a
+    pins: ["{twisted}"]
+""")
+    result = run("check-config", "-c", str(config))
+    assert result.returncode == 2, result.stdout
+    assert f"{config}:5: pin '{twisted}' is not canonical base64url" in result.stderr
+    assert f"spelled with {pin[-1]!r}" in result.stderr
+

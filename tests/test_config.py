@@ -291,6 +291,7 @@ def test_connector_config(tmp_path: Path) -> None:
         (("connections", "retries: 3\n"), 7, "unknown key 'retries' in the connector config"),
         (("connections", "data_transport: udp\n"), 7, "data_transport must be one of auto, raw"),
         (("pin", 'pin: "sha256:short"'), 5, "ingress.pin 'sha256:short' is not"),
+        (("pin", f'pin: "{PIN_B[:-1]}5"'), 5, "is not canonical base64url"),
         (("forward", "forward: 8443"), 6, "forward must be a string, got an integer"),
         (("forward", 'forward: "127.0.0.1"'), 6, "forward: '127.0.0.1': missing port"),
         (("address", "adress: x:1"), 3, "(did you mean 'address'?)"),

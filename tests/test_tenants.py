@@ -151,6 +151,7 @@ def test_connector_dials_concrete_listen_ip(tmp_path: Path) -> None:
         ({"host": "a\n.demo.localhost"}, "--host:"),  # no newline hidden before a '$'
         ({"name": "bob\n"}, "must match [a-z0-9][a-z0-9-]*"),
         ({"pin": PIN_B + "\n"}, "is not 'sha256:' + 43 base64url"),
+        ({"pin": PIN_B[:-1] + "5"}, "is not canonical base64url"),  # '4' with padding bits
         ({"mode": "splice"}, "--mode must be passthrough or terminate"),
         ({"backend": "192.0.2.1"}, "--backend must be 'tunnel' or HOST:PORT"),
     ],
