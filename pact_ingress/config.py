@@ -42,7 +42,8 @@ Decisions worth knowing:
 * ``seal``, ``mcp_path`` and ``cert`` belong to terminate routes, ``proxy_protocol`` to
   passthrough routes; giving one to the other kind of route is an error, not a no-op.
 * Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
-  and non-ASCII names (use the ``xn--`` form) are refused.
+  and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
+  its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443).
 """
 
@@ -995,8 +996,47 @@ def _route_host(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> str | None:
         ctx.at(node, f"host {host!r} is already routed by {whose} (at {where}); "
                "a host belongs to exactly one route")  # fmt: skip
         return None
+    if not _wildcard_clash(ctx, node, seen, host, tenant):
+        return None
     seen.hosts[host] = (tenant, ctx.where(node))
     return host
+
+
+def _covers(wildcard: str, host: str) -> bool:
+    """Whether route `wildcard` ("*.suffix") receives `host`'s SNI if nothing else does:
+    any name below the suffix, at any depth (the router's rule)."""
+    return host.endswith(wildcard[1:])
+
+
+def _wildcard_clash(ctx: _Ctx, node: Node, seen: _Seen, host: str, tenant: str) -> bool:
+    """A wildcard must not reach over names that belong to someone else.
+
+    A wildcard receives every name below it that has no route of its own, ACME
+    validations included. The tunnel hostname is only the tunnel's for connections that
+    offer a tunnel ALPN, so any other client asking for it (a CA validating the name,
+    say) would reach the wildcard's tenant. Another tenant's exact host is shadowed by
+    its own route only while that route exists: removing it, or a typo in it, would hand
+    its traffic and its certificate validations to the wildcard's owner without anyone
+    having decided so. Both are refused at load time instead."""
+    if host.startswith("*."):
+        if seen.tunnel_hostname is not None and _covers(host, seen.tunnel_hostname):
+            ctx.at(node, f"wildcard host {host!r} covers the tunnel hostname "
+                   f"{seen.tunnel_hostname!r}; routes cannot claim it")  # fmt: skip
+            return False
+        clashes = [(h, o, w) for h, (o, w) in seen.hosts.items()
+                   if o != tenant and not h.startswith("*.") and _covers(host, h)]
+    else:
+        labels = host.split(".")
+        wildcards = ("*." + ".".join(labels[i:]) for i in range(1, len(labels)))
+        clashes = [(w, *seen.hosts[w]) for w in wildcards
+                   if w in seen.hosts and seen.hosts[w][0] != tenant]
+    for other, owner, where in clashes[:1]:
+        if host.startswith("*."):
+            what = f"wildcard host {host!r} covers {other!r} of tenant {owner!r} (at {where})"
+        else:
+            what = f"host {host!r} is covered by wildcard {other!r} of tenant {owner!r} (at {where})"
+        ctx.at(node, f"{what}; a wildcard may only cover hosts of its own tenant")
+    return not clashes
 
 
 def _backend(ctx: _Ctx, node: Node, seen: _Seen) -> Backend | None:

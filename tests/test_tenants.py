@@ -187,6 +187,23 @@ def test_add_validates_whole_config_before_writing(main: Path) -> None:
     assert _files(main.parent / "tenants.d") == []
 
 
+
+@pytest.mark.parametrize(("host", "why"), [
+    ("*.family.example", "covers the tunnel hostname 'tunnel.family.example'"),
+    ("x.alina.family.example", "is covered by wildcard '*.alina.family.example' of tenant"),
+])
+def test_add_refuses_wildcards_reaching_over_other_tenants(main: Path, host: str,
+                                                            why: str) -> None:
+    """A wildcard may not cover another tenant's host or the tunnel hostname, whichever
+    of the two routes comes second; nothing is written."""
+    main.write_text(main.read_text().replace(
+        "{host: alina.family.example,", '{host: "*.alina.family.example",'))
+    with pytest.raises(ConfigError) as info:
+        add_tenant(main, "bob", host, pin=PIN_B)
+    (message,) = info.value.messages
+    assert "tenants.d/bob.yaml:" in message and why in message
+    assert _files(main.parent / "tenants.d") == []
+
 def test_add_refuses_when_existing_config_is_invalid(main: Path) -> None:
     main.write_text(main.read_text() + "bogus: 1\n")
     with pytest.raises(ConfigError, match="unknown key 'bogus'"):
