@@ -33,7 +33,9 @@ Decisions worth knowing:
 * Route ``mode`` and ``backend`` are required (no silent default for where traffic goes).
 * A terminate route without ``cert`` uses ``acme`` when an ``acme`` block exists;
   otherwise it must name ``{cert: FILE, key: FILE}``. Cert files need not exist yet
-  (``serve`` may create self-signed demo files). A wildcard terminate host with
+  (``serve`` may create self-signed demo files), but existing ones are read and checked
+  (PEM certificate, its unencrypted key), so ``check-config`` catches what would
+  otherwise only show as failed handshakes. A wildcard terminate host with
   ``cert: acme`` needs the ``dns-01`` challenge (CAs issue wildcards only over DNS-01).
 * ``client_cert: none|optional|required`` (route, default ``none``) records the home
   node's transport client-certificate posture (spec §13.4). In passthrough the home node
@@ -57,12 +59,16 @@ import ipaddress
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
@@ -1139,7 +1145,9 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource |
         if files is None:
             return None
         cert, key = files.opt("cert", _path, "cert.cert"), files.opt("key", _path, "cert.key")
-        return CertFiles(cert, key) if cert and key else None
+        if not cert or not key:
+            return None
+        return _cert_files(ctx, files, route, CertFiles(cert, key))
     if _choice(ctx, node, "cert", ("acme",)) is None:
         return None
     if seen.acme is None:
@@ -1147,6 +1155,88 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource |
                "(directory, email, agree_tos: true)")  # fmt: skip
         return None
     return _acme_cert(ctx, node, route, seen)
+
+
+#: Largest cert or key file read while checking (a long chain is a few KiB).
+MAX_CERT_FILE_BYTES = 1024 * 1024
+
+
+def _cert_files(ctx: _Ctx, fields: _Fields, route: Route, files: CertFiles) -> CertFiles | None:
+    """Check cert files now, so `check-config` (and a reload) catch what would otherwise
+    surface only as failed handshakes: both missing is fine (`serve` writes a self-signed
+    pair), but they must then be creatable; present, they must be a PEM certificate and
+    the unencrypted PEM private key of that certificate."""
+    cert_node, key_node = fields.get("cert") or fields.node, fields.get("key") or fields.node
+    where = f"terminate route {route.host!r}"
+    missing = [(p, n) for p, n in ((files.cert, cert_node), (files.key, key_node))
+               if not os.path.lexists(p)]
+    if len(missing) == 2:
+        blocked = [(p, n, b) for p, n in missing if (b := _not_a_directory(p)) is not None]
+        for path, node, blocker in blocked:
+            ctx.at(node, f"{where}: {path} cannot be created: {blocker} is not a directory")
+        return None if blocked else files
+    if missing:
+        (path, node), = missing
+        ctx.at(node, f"{where}: {path} does not exist, but its partner does: give both "
+               "cert and key, or neither (serve then writes a self-signed pair)")  # fmt: skip
+        return None
+    cert_pem = _read_pem(ctx, cert_node, files.cert, f"{where}: cert")
+    key_pem = _read_pem(ctx, key_node, files.key, f"{where}: key")
+    if cert_pem is None or key_pem is None:
+        return None
+    try:
+        leaf = x509.load_pem_x509_certificates(cert_pem)[0]
+    except ValueError:
+        ctx.at(cert_node, f"{where}: cert {files.cert} holds no PEM certificate")
+        return None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:
+        ctx.at(key_node, f"{where}: key {files.key} is encrypted; serve cannot ask for "
+               "a passphrase, so store it unencrypted (mode 0600)")  # fmt: skip
+        return None
+    except (ValueError, UnsupportedAlgorithm):
+        ctx.at(key_node, f"{where}: key {files.key} is not a PEM private key")
+        return None
+    if _spki(key.public_key()) != _spki(leaf.public_key()):
+        ctx.at(key_node, f"{where}: key {files.key} does not belong to the certificate in "
+               f"{files.cert} (their public keys differ)")  # fmt: skip
+        return None
+    return files
+
+
+def _not_a_directory(path: Path) -> Path | None:
+    """The first existing ancestor of `path` that is not a directory (so nothing can be
+    created below it), or None."""
+    for parent in reversed(path.parents):
+        if os.path.lexists(parent) and not parent.is_dir():
+            return parent
+    return None
+
+
+def _read_pem(ctx: _Ctx, node: Node, path: Path, what: str) -> bytes | None:
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            ctx.at(node, f"{what} {path} is a directory, not a PEM file")
+            return None
+        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
+            ctx.at(node, f"{what} {path} is not a regular file")
+            return None
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CERT_FILE_BYTES + 1)
+    except OSError as exc:
+        ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
+        return None
+    if len(data) > MAX_CERT_FILE_BYTES:
+        ctx.at(node, f"{what} {path} is larger than {MAX_CERT_FILE_BYTES} bytes: not a PEM file")
+        return None
+    return data
+
+
+def _spki(public_key: Any) -> bytes:
+    return bytes(public_key.public_bytes(serialization.Encoding.DER,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
 def _is_acme(node: Node) -> bool:
