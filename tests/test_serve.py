@@ -262,3 +262,53 @@ tenants: []
         assert served.proc.wait(timeout=WAIT) == 0
     finally:
         served.stop()
+
+
+def _terminate_route(host: str, cert: str, key: str) -> str:
+    return (f"      - host: {host}\n        mode: terminate\n        backend: '127.0.0.1:9'\n"
+            f"        cert:\n          cert: {cert}\n          key: {key}\n")
+
+
+def test_reload_that_cannot_be_applied_keeps_the_running_config(tmp_path: Path,
+                                                                echo: EchoBackend):
+    """A SIGHUP whose config cannot be applied is refused with one logged line, whatever
+    fails: the validator's FILE:LINE for a cert path below a file, or the file system's
+    own error for a directory nothing can be created in. The process lives and serves."""
+    tls, admin = free_port(), free_port()
+    good = config_text(tls, admin, echo.port).replace("alina.test", "www.example.test")
+    served = Served(tmp_path, good)
+    try:
+        served.wait_notify("READY=1")
+        with connect_hello(tls) as s:
+            assert recv_exact(s, len(HELLO)) == HELLO
+        (tmp_path / "afile").write_text("a file where a directory would have to be\n")
+        cases = [  # (config text, expected start of the refusal line)
+            (good + _terminate_route("t.test", "afile/t.crt", "keys/t.key"),
+             f"{served.config}:15: terminate route 't.test': "),
+            (good + _terminate_route("t.test", "/proc/pact-ingress-test/t.crt",
+                                     "/proc/pact-ingress-test/t.key"),
+             f"{served.config}: cannot apply: FileNotFoundError: "),
+        ]
+        for n, (text, refusal) in enumerate(cases, 1):
+            served.config.write_text(text)
+            served.proc.send_signal(signal.SIGHUP)
+            served.wait_notify("READY=1")
+            assert served.proc.poll() is None, served.logs()
+            refused = [e for e in served.log_events() if e.get("event") == "reload_refused"]
+            assert len(refused) == n, served.logs()
+            assert refused[-1]["error"].startswith(refusal), refused[-1]
+            assert "Traceback" not in served.logs()
+            with connect_hello(tls) as s:  # the running config still serves
+                assert recv_exact(s, len(HELLO)) == HELLO
+            st = fetch_status(Address("127.0.0.1", admin))
+            assert [r["host"] for r in st["routes"]] == ["www.example.test"]
+        # a good config applies afterwards as usual
+        served.config.write_text(good)
+        served.proc.send_signal(signal.SIGHUP)
+        served.wait_notify("READY=1")
+        assert any(e.get("event") == "reloaded" for e in served.log_events())
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=WAIT) == 0
+    finally:
+        served.stop()
+
