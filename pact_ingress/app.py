@@ -241,10 +241,26 @@ def main_serve(path: Path, *, log_format: str = "json") -> int:
 
     try:
         trio.run(run)
-    except OSError as exc:
-        raise PactIngressError(f"cannot serve: {exc}") from exc
+    except BaseException as exc:
+        fault = _operational_fault(exc)
+        if fault is None or fault is exc:
+            raise
+        raise fault from exc
     log.info("stopped")
     return 0
+
+
+def _operational_fault(exc: BaseException) -> PactIngressError | None:
+    """The error to report in one line when `exc` is an operational fault (a port in use,
+    a file that cannot be written), also when it comes wrapped in the exception group of
+    the nursery it was raised in; None for anything else, which stays a traceback."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, PactIngressError):
+        return exc
+    if isinstance(exc, OSError):
+        return PactIngressError(f"cannot serve: {_reason(exc)}")
+    return None
 
 
 def main_connect(path: Path, *, log_format: str = "json") -> int:

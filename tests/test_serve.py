@@ -312,3 +312,29 @@ def test_reload_that_cannot_be_applied_keeps_the_running_config(tmp_path: Path,
     finally:
         served.stop()
 
+
+@pytest.mark.parametrize("taken_by", ["admin", "tls", "http"])
+def test_listen_address_in_use_is_one_line_naming_it(tmp_path: Path, taken_by: str):
+    """Another process on a configured port: one line naming the address, exit 1."""
+    ports = {name: free_port() for name in ("tls", "admin", "http")}
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{ports['tls']}"]
+  http: ["127.0.0.1:{ports['http']}"]
+  admin: "127.0.0.1:{ports['admin']}"
+tenants: []
+""")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[taken_by]))
+        taken.listen(1)
+        result = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config)],
+            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    said = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert said == [f"pact-ingress: cannot listen on 127.0.0.1:{ports[taken_by]}: "
+                    "address in use"]
+

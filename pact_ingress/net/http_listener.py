@@ -20,6 +20,7 @@ import h11
 import trio
 
 from pact_ingress.config import Address
+from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
@@ -137,7 +138,10 @@ async def serve_http(address: Address, answers: Http01Answers, *,
                      task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
     """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
-    listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+    try:
+        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+    except OSError as exc:
+        raise ListenError.binding(str(address), exc) from exc
     slots = trio.Semaphore(MAX_CONNECTIONS)
     bound = listeners[0].socket.getsockname()[:2]
     log.info("http_listening", address=f"{bound[0]}:{bound[1]}")

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import trio
 
 from pact_ingress.config import Config, Route
-from pact_ingress.errors import BackendError
+from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
 from pact_ingress.net.backends import STREAM_OPTIONS, Backends
 from pact_ingress.net.replay import ReplayStream
@@ -506,6 +506,15 @@ async def open_listeners(addresses: Sequence[tuple[str, int]]) -> list[trio.Sock
     """Bind every configured address (IPv6 listeners are v6-only, so "[::]" and
     "0.0.0.0" can both be listed)."""
     out: list[trio.SocketListener] = []
-    for host, port in addresses:
-        out.extend(await trio.open_tcp_listeners(port, host=host, backlog=4096))
+    try:
+        for host, port in addresses:
+            try:
+                out.extend(await trio.open_tcp_listeners(port, host=host, backlog=4096))
+            except OSError as exc:
+                shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                raise ListenError.binding(shown, exc) from exc
+    except BaseException:
+        for listener in out:  # the ones bound before the failure
+            listener.socket.close()
+        raise
     return out
