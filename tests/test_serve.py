@@ -338,3 +338,26 @@ tenants: []
     assert said == [f"pact-ingress: cannot listen on 127.0.0.1:{ports[taken_by]}: "
                     "address in use"]
 
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path, echo: EchoBackend):
+    """`pact-ingress status | head -1`: the reader leaving early is no error to report."""
+    tls, admin = free_port(), free_port()
+    served = Served(tmp_path, config_text(tls, admin, echo.port))
+    try:
+        served.wait_notify("READY=1")
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # like `head` after its first line: every write gets EPIPE
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "pact_ingress", "status", "-c", str(served.config)],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+        finally:
+            os.close(write_end)
+        assert result.stderr == ""
+        assert result.returncode == 128 + signal.SIGPIPE
+        with_reader = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "status", "-c", str(served.config)],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert with_reader.returncode == 0 and "alina.test" in with_reader.stdout
+    finally:
+        served.stop()
