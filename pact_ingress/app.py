@@ -4,8 +4,9 @@ Start order: load config → identity (created on first start) → components �
 READY. SIGHUP (or `POST /reload` on the admin endpoint) loads the config file again; a
 config that fails validation is refused with its `FILE:LINE` messages logged and the
 running config stays in force, as it does when applying a valid config fails (a cert
-directory that cannot be created): one log line says why, the process keeps serving. SIGTERM/SIGINT stop the listeners at once, tell tunnel
-connectors to go away, and give open connections `DRAIN_DEADLINE` seconds to finish.
+directory that cannot be created): one log line says why, the process keeps serving.
+SIGTERM/SIGINT stop the listeners at once, tell tunnel connectors to go away, and give
+open connections `DRAIN_DEADLINE` seconds to finish.
 """
 
 from __future__ import annotations

@@ -1040,7 +1040,8 @@ def _wildcard_clash(ctx: _Ctx, node: Node, seen: _Seen, host: str, tenant: str) 
         if host.startswith("*."):
             what = f"wildcard host {host!r} covers {other!r} of tenant {owner!r} (at {where})"
         else:
-            what = f"host {host!r} is covered by wildcard {other!r} of tenant {owner!r} (at {where})"
+            what = (f"host {host!r} is covered by wildcard {other!r} of tenant {owner!r} "
+                    f"(at {where})")
         ctx.at(node, f"{what}; a wildcard may only cover hosts of its own tenant")
     return not clashes
 

@@ -35,7 +35,8 @@ from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import atomic_write
 
 #: A DNS name (optionally with one leading "*." label), lower case, as config.py stores it.
-HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
+                     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 #: Largest certificate chain file we load back (a real chain is a few KiB).
 MAX_CHAIN_BYTES = 64 * 1024
