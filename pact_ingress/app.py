@@ -3,8 +3,10 @@
 Start order: load config → identity (created on first start) → components → listeners →
 READY. SIGHUP (or `POST /reload` on the admin endpoint) loads the config file again; a
 config that fails validation is refused with its `FILE:LINE` messages logged and the
-running config stays in force. SIGTERM/SIGINT stop the listeners at once, tell tunnel
-connectors to go away, and give open connections `DRAIN_DEADLINE` seconds to finish.
+running config stays in force, as it does when applying a valid config fails (a cert
+directory that cannot be created): one log line says why, the process keeps serving.
+SIGTERM/SIGINT stop the listeners at once, tell tunnel connectors to go away, and give
+open connections `DRAIN_DEADLINE` seconds to finish.
 """
 
 from __future__ import annotations
@@ -60,12 +62,20 @@ class Ingress:
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
-        self.config = config
+        self._prepare(config)
+        self._switch(config)
+
+    @staticmethod
+    def _prepare(config: Config) -> None:
+        """Everything that can fail on the file system, before any component changes."""
         for r in config.routes():
             if isinstance(r.cert, CertFiles) and ensure_selfsigned_cert(
                     r.host, r.cert.cert, r.cert.key):
                 log.warning("selfsigned_cert_created", route=r.host, cert=str(r.cert.cert),
                             detail="no cert files existed; callers must not expect WebPKI trust")
+
+    def _switch(self, config: Config) -> None:
+        self.config = config
         self.resolver.watch(r.backend.address.host for r in config.routes()
                             if r.backend.address is not None)
         self.tunnels.update(config)
@@ -74,24 +84,42 @@ class Ingress:
         self.router.update(config)
 
     async def reload(self) -> tuple[bool, str]:
-        """Load the config file again; keep the running one when the new one is bad."""
+        """Load the config file again; keep the running one when the new one is bad.
+
+        Never raises: the process serves every tenant, so one file that cannot be
+        applied must cost a log line, not the ingress."""
         sdnotify.reloading()
         try:
-            new = load_config(self.config.path)
-        except ConfigError as exc:
-            self.stats.reloads.labels("error").inc()
-            for line in exc.messages:
-                log.error("reload_refused", error=line)
+            return self._reload()
+        finally:
             sdnotify.ready()
-            return False, "\n".join(exc.messages)
-        if new.listen != self.config.listen:
+
+    def _reload(self) -> tuple[bool, str]:
+        old = self.config
+        try:
+            new = load_config(old.path)
+            self._prepare(new)
+        except ConfigError as exc:
+            return self._refused(exc.messages)
+        except Exception as exc:  # noqa: BLE001 — e.g. a cert directory that cannot be made
+            return self._refused([f"{old.path}: cannot apply: {_reason(exc)}"])
+        if new.listen != old.listen:
             log.warning("reload_listen_unchanged",
                         detail="listen addresses change only on restart")
-        self._apply(new)
+        try:
+            self._switch(new)
+        except Exception as exc:  # noqa: BLE001 — a bug in one component's update
+            self._switch(old)  # the old config was applied before, so it applies again
+            return self._refused([f"{old.path}: cannot apply: {_reason(exc)}"])
         self.stats.reloads.labels("ok").inc()
         log.info("reloaded", tenants=len(new.tenants), routes=len(new.routes()))
-        sdnotify.ready()
         return True, f"reloaded: {len(new.tenants)} tenants, {len(new.routes())} routes"
+
+    def _refused(self, messages: list[str]) -> tuple[bool, str]:
+        self.stats.reloads.labels("error").inc()
+        for line in messages:
+            log.error("reload_refused", error=line)
+        return False, "\n".join(messages)
 
     def status(self) -> dict[str, Any]:
         """The `/status` document (schema: pact_ingress.admin.schema.STATUS_SCHEMA)."""
@@ -187,6 +215,12 @@ class Ingress:
                     await self.stop()
 
 
+def _reason(exc: BaseException) -> str:
+    """An exception as one line for an operator: the message, or its type if empty."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def read_admin_token(config: Config) -> str | None:
     """The admin bearer token from `listen.admin_token_file` (None when not configured)."""
     path = config.listen.admin_token_file
@@ -208,10 +242,26 @@ def main_serve(path: Path, *, log_format: str = "json") -> int:
 
     try:
         trio.run(run)
-    except OSError as exc:
-        raise PactIngressError(f"cannot serve: {exc}") from exc
+    except BaseException as exc:
+        fault = _operational_fault(exc)
+        if fault is None or fault is exc:
+            raise
+        raise fault from exc
     log.info("stopped")
     return 0
+
+
+def _operational_fault(exc: BaseException) -> PactIngressError | None:
+    """The error to report in one line when `exc` is an operational fault (a port in use,
+    a file that cannot be written), also when it comes wrapped in the exception group of
+    the nursery it was raised in; None for anything else, which stays a traceback."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, PactIngressError):
+        return exc
+    if isinstance(exc, OSError):
+        return PactIngressError(f"cannot serve: {_reason(exc)}")
+    return None
 
 
 def main_connect(path: Path, *, log_format: str = "json") -> int:

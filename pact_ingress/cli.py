@@ -8,6 +8,8 @@ code 2 (usage/config) or 1 (runtime); tracebacks are for bugs only.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -153,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "tenant" and args.action in ("add", "remove") and not args.name:
         parser.error(f"tenant {args.action} needs NAME")
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, while we can still handle it
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
     except ConfigError as exc:
         for line in exc.messages:
             print(line, file=sys.stderr)
@@ -163,3 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe (`pact-ingress status | head -1`): that ends the
+    output, it is no fault of ours. Point stdout at /dev/null so the interpreter's last
+    flush does not fail again, and exit as a tool killed by SIGPIPE would (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

@@ -33,7 +33,9 @@ Decisions worth knowing:
 * Route ``mode`` and ``backend`` are required (no silent default for where traffic goes).
 * A terminate route without ``cert`` uses ``acme`` when an ``acme`` block exists;
   otherwise it must name ``{cert: FILE, key: FILE}``. Cert files need not exist yet
-  (``serve`` may create self-signed demo files). A wildcard terminate host with
+  (``serve`` may create self-signed demo files), but existing ones are read and checked
+  (PEM certificate, its unencrypted key), so ``check-config`` catches what would
+  otherwise only show as failed handshakes. A wildcard terminate host with
   ``cert: acme`` needs the ``dns-01`` challenge (CAs issue wildcards only over DNS-01).
 * ``client_cert: none|optional|required`` (route, default ``none``) records the home
   node's transport client-certificate posture (spec §13.4). In passthrough the home node
@@ -42,7 +44,8 @@ Decisions worth knowing:
 * ``seal``, ``mcp_path`` and ``cert`` belong to terminate routes, ``proxy_protocol`` to
   passthrough routes; giving one to the other kind of route is an error, not a no-op.
 * Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
-  and non-ASCII names (use the ``xn--`` form) are refused.
+  and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
+  its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443).
 """
 
@@ -56,17 +59,21 @@ import ipaddress
 import math
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from pact_ingress.errors import ConfigError
-from pact_ingress.identity import is_pin
+from pact_ingress.identity import pin_problem
 
 Mode = Literal["passthrough", "terminate"]
 SealPosture = Literal["required", "optional"]
@@ -225,11 +232,11 @@ MAX_TUNNEL_CONNECTIONS = 16
 #: Durations above a day are a typo (e.g. "300" meant as ms) rather than a wish.
 MAX_DURATION_SECONDS = 86_400.0
 
-TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-_LABEL_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?$")
-_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s|m|h)?$")
+TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
+_LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_SIZE_RE = re.compile(r"^(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?$")
+_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?")
 _SIZE_UNITS = {
     None: 1, "B": 1,
     "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -248,7 +255,7 @@ _STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "b
 
 def parse_duration(text: str) -> float:
     """``"250ms"``, ``"10s"``, ``"5m"``, ``"1h"`` or ``"30"`` → seconds; ValueError if not."""
-    m = _DURATION_RE.match(text.strip())
+    m = _DURATION_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(f"bad duration {text!r}: use e.g. 250ms, 10s, 5m, 1h")
     return _check_duration(float(m.group(1)) * _DURATION_UNITS[m.group(2)], text)
@@ -264,7 +271,7 @@ def _check_duration(seconds: float, text: object) -> float:
 
 def parse_size(text: str) -> int:
     """``"6MiB"``, ``"512KiB"``, ``"100kB"``, ``"4096"`` → bytes; ValueError if not."""
-    m = _SIZE_RE.match(text.strip())
+    m = _SIZE_RE.fullmatch(text.strip())
     if not m:
         raise ValueError(
             f"bad size {text!r}: use an integer with B, KiB, MiB, GiB (1024s) or kB, MB, GB (1000s)"
@@ -286,7 +293,7 @@ def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
     labels = host.split(".")
     if wildcard and labels[0] == "*" and len(labels) > 1:
         labels = labels[1:]
-    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.match(x) for x in labels):
+    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
         hint = " ('*' only as the whole first label)" if "*" in host else ""
         raise ValueError(f"{text!r} is not a valid host name{hint}")
     return host
@@ -814,7 +821,7 @@ def _acme_directory(ctx: _Ctx, node: Node) -> str | None:
 
 def _acme_email(ctx: _Ctx, node: Node) -> str | None:
     email = _string(ctx, node, "acme.email")
-    if email is not None and not re.match(r"^[^@\s]+@[^@\s]+$", email):
+    if email is not None and not re.fullmatch(r"[^@\s]+@[^@\s]+", email):
         ctx.at(node, f"acme.email {email!r} is not an e-mail address")
         return None
     return email
@@ -934,7 +941,7 @@ def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
     name = _string(ctx, node, "tenant name")
     if name is None:
         return None
-    if not TENANT_NAME_RE.match(name) or len(name) > MAX_TENANT_NAME:
+    if not TENANT_NAME_RE.fullmatch(name) or len(name) > MAX_TENANT_NAME:
         ctx.at(node, f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* (at most "
                f"{MAX_TENANT_NAME} characters): it names a file and a metric label")  # fmt: skip
         return None
@@ -947,9 +954,9 @@ def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
 
 def _pins(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
     items = _strings(ctx, node, "pins")
-    bad = [(t, n) for t, n in items if not is_pin(t)]
-    for text, item in bad:
-        ctx.at(item, f"pin {text!r} is not 'sha256:' + 43 base64url characters "
+    bad = [(t, n, why) for t, n in items if (why := pin_problem(t)) is not None]
+    for text, item, why in bad:
+        ctx.at(item, f"pin {text!r} {why} "
                "(get it with `pact-ingress fingerprint KEYFILE` on the home node)")  # fmt: skip
     pins = tuple(t for t, _ in items)
     if not pins and isinstance(node, SequenceNode):
@@ -995,8 +1002,48 @@ def _route_host(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> str | None:
         ctx.at(node, f"host {host!r} is already routed by {whose} (at {where}); "
                "a host belongs to exactly one route")  # fmt: skip
         return None
+    if not _wildcard_clash(ctx, node, seen, host, tenant):
+        return None
     seen.hosts[host] = (tenant, ctx.where(node))
     return host
+
+
+def _covers(wildcard: str, host: str) -> bool:
+    """Whether route `wildcard` ("*.suffix") receives `host`'s SNI if nothing else does:
+    any name below the suffix, at any depth (the router's rule)."""
+    return host.endswith(wildcard[1:])
+
+
+def _wildcard_clash(ctx: _Ctx, node: Node, seen: _Seen, host: str, tenant: str) -> bool:
+    """A wildcard must not reach over names that belong to someone else.
+
+    A wildcard receives every name below it that has no route of its own, ACME
+    validations included. The tunnel hostname is only the tunnel's for connections that
+    offer a tunnel ALPN, so any other client asking for it (a CA validating the name,
+    say) would reach the wildcard's tenant. Another tenant's exact host is shadowed by
+    its own route only while that route exists: removing it, or a typo in it, would hand
+    its traffic and its certificate validations to the wildcard's owner without anyone
+    having decided so. Both are refused at load time instead."""
+    if host.startswith("*."):
+        if seen.tunnel_hostname is not None and _covers(host, seen.tunnel_hostname):
+            ctx.at(node, f"wildcard host {host!r} covers the tunnel hostname "
+                   f"{seen.tunnel_hostname!r}; routes cannot claim it")  # fmt: skip
+            return False
+        clashes = [(h, o, w) for h, (o, w) in seen.hosts.items()
+                   if o != tenant and not h.startswith("*.") and _covers(host, h)]
+    else:
+        labels = host.split(".")
+        wildcards = ("*." + ".".join(labels[i:]) for i in range(1, len(labels)))
+        clashes = [(w, *seen.hosts[w]) for w in wildcards
+                   if w in seen.hosts and seen.hosts[w][0] != tenant]
+    for other, owner, where in clashes[:1]:
+        if host.startswith("*."):
+            what = f"wildcard host {host!r} covers {other!r} of tenant {owner!r} (at {where})"
+        else:
+            what = (f"host {host!r} is covered by wildcard {other!r} of tenant {owner!r} "
+                    f"(at {where})")
+        ctx.at(node, f"{what}; a wildcard may only cover hosts of its own tenant")
+    return not clashes
 
 
 def _backend(ctx: _Ctx, node: Node, seen: _Seen) -> Backend | None:
@@ -1078,7 +1125,7 @@ def _seal(ctx: _Ctx, node: Node) -> str | None:
 
 def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
     path = _string(ctx, node, "mcp_path")
-    if path is not None and not re.match(r"^/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*$", path):
+    if path is not None and not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
         ctx.at(node, f"mcp_path must be an absolute URL path like /mcp, got {path!r}")
         return None
     return path
@@ -1099,7 +1146,9 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource |
         if files is None:
             return None
         cert, key = files.opt("cert", _path, "cert.cert"), files.opt("key", _path, "cert.key")
-        return CertFiles(cert, key) if cert and key else None
+        if not cert or not key:
+            return None
+        return _cert_files(ctx, files, route, CertFiles(cert, key))
     if _choice(ctx, node, "cert", ("acme",)) is None:
         return None
     if seen.acme is None:
@@ -1107,6 +1156,88 @@ def _cert(ctx: _Ctx, fields: _Fields, route: Route, seen: _Seen) -> CertSource |
                "(directory, email, agree_tos: true)")  # fmt: skip
         return None
     return _acme_cert(ctx, node, route, seen)
+
+
+#: Largest cert or key file read while checking (a long chain is a few KiB).
+MAX_CERT_FILE_BYTES = 1024 * 1024
+
+
+def _cert_files(ctx: _Ctx, fields: _Fields, route: Route, files: CertFiles) -> CertFiles | None:
+    """Check cert files now, so `check-config` (and a reload) catch what would otherwise
+    surface only as failed handshakes: both missing is fine (`serve` writes a self-signed
+    pair), but they must then be creatable; present, they must be a PEM certificate and
+    the unencrypted PEM private key of that certificate."""
+    cert_node, key_node = fields.get("cert") or fields.node, fields.get("key") or fields.node
+    where = f"terminate route {route.host!r}"
+    missing = [(p, n) for p, n in ((files.cert, cert_node), (files.key, key_node))
+               if not os.path.lexists(p)]
+    if len(missing) == 2:
+        blocked = [(p, n, b) for p, n in missing if (b := _not_a_directory(p)) is not None]
+        for path, node, blocker in blocked:
+            ctx.at(node, f"{where}: {path} cannot be created: {blocker} is not a directory")
+        return None if blocked else files
+    if missing:
+        (path, node), = missing
+        ctx.at(node, f"{where}: {path} does not exist, but its partner does: give both "
+               "cert and key, or neither (serve then writes a self-signed pair)")  # fmt: skip
+        return None
+    cert_pem = _read_pem(ctx, cert_node, files.cert, f"{where}: cert")
+    key_pem = _read_pem(ctx, key_node, files.key, f"{where}: key")
+    if cert_pem is None or key_pem is None:
+        return None
+    try:
+        leaf = x509.load_pem_x509_certificates(cert_pem)[0]
+    except ValueError:
+        ctx.at(cert_node, f"{where}: cert {files.cert} holds no PEM certificate")
+        return None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:
+        ctx.at(key_node, f"{where}: key {files.key} is encrypted; serve cannot ask for "
+               "a passphrase, so store it unencrypted (mode 0600)")  # fmt: skip
+        return None
+    except (ValueError, UnsupportedAlgorithm):
+        ctx.at(key_node, f"{where}: key {files.key} is not a PEM private key")
+        return None
+    if _spki(key.public_key()) != _spki(leaf.public_key()):
+        ctx.at(key_node, f"{where}: key {files.key} does not belong to the certificate in "
+               f"{files.cert} (their public keys differ)")  # fmt: skip
+        return None
+    return files
+
+
+def _not_a_directory(path: Path) -> Path | None:
+    """The first existing ancestor of `path` that is not a directory (so nothing can be
+    created below it), or None."""
+    for parent in reversed(path.parents):
+        if os.path.lexists(parent) and not parent.is_dir():
+            return parent
+    return None
+
+
+def _read_pem(ctx: _Ctx, node: Node, path: Path, what: str) -> bytes | None:
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            ctx.at(node, f"{what} {path} is a directory, not a PEM file")
+            return None
+        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
+            ctx.at(node, f"{what} {path} is not a regular file")
+            return None
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CERT_FILE_BYTES + 1)
+    except OSError as exc:
+        ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
+        return None
+    if len(data) > MAX_CERT_FILE_BYTES:
+        ctx.at(node, f"{what} {path} is larger than {MAX_CERT_FILE_BYTES} bytes: not a PEM file")
+        return None
+    return data
+
+
+def _spki(public_key: Any) -> bytes:
+    return bytes(public_key.public_bytes(serialization.Encoding.DER,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
 def _is_acme(node: Node) -> bool:
@@ -1177,8 +1308,9 @@ def _connector_ingress(ctx: _Ctx, node: Node) -> tuple[Address, str, str] | None
 
 def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
     pin = _string(ctx, node, "ingress.pin")
-    if pin is not None and not is_pin(pin):
-        ctx.at(node, f"ingress.pin {pin!r} is not 'sha256:' + 43 base64url characters "
+    why = pin_problem(pin) if pin is not None else None
+    if why is not None:
+        ctx.at(node, f"ingress.pin {pin!r} {why} "
                "(`pact-ingress tenant add` prints the ingress's pin)")  # fmt: skip
         return None
     return pin

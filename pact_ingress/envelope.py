@@ -80,6 +80,10 @@ MAX_LIFETIME = 30 * 24 * 3600
 #: JSON parse the edge does on unauthenticated input.
 MAX_PROTECTED_CHARS = 8 * 1024
 
+#: ts and exp are Unix seconds in [0, 2**53): every JSON implementation holds such an
+#: integer exactly, and arithmetic with a float clock cannot overflow (10**309 would).
+MAX_TIME = 2**53
+
 _ED25519_P = 2**255 - 19
 
 
@@ -239,8 +243,8 @@ def seal(
     suite_for(sender_key)  # reject non-PACT sender keys before doing any work
     if not isinstance(msg_id, str) or not msg_id:
         raise ValueError("msg_id must be a non-empty string")
-    if not all(_is_int(x) for x in (ts, exp)):
-        raise ValueError("ts and exp must be integers")
+    if not all(_is_int(x) and 0 <= x < MAX_TIME for x in (ts, exp)):
+        raise ValueError("ts and exp must be integers in [0, 2**53)")
     to = fingerprint(recipient_public_key)
     suite = suite_for(recipient_public_key)
     header = {
@@ -314,6 +318,8 @@ def _header_from(members: dict[str, Any], protected: bytes) -> Header:
         raise EnvelopeInvalid("msg_id must be a non-empty string")
     if not _is_int(members["ts"]) or not _is_int(members["exp"]):
         raise EnvelopeInvalid("ts and exp must be integers")
+    if not (0 <= members["ts"] < MAX_TIME and 0 <= members["exp"] < MAX_TIME):
+        raise EnvelopeInvalid("ts and exp must be Unix seconds in [0, 2**53)")
     return Header(
         v=members["v"], suite=members["suite"], cty=members["cty"], sender=members["from"],
         to=members["to"], kid=members["kid"], msg_id=members["msg_id"], ts=members["ts"],

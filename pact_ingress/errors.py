@@ -8,6 +8,8 @@ own configuration or state (`ConfigError`, `IdentityError`), as h11 and h2 do.
 
 from __future__ import annotations
 
+import errno
+
 
 class PactIngressError(Exception):
     """Root of every error this package raises deliberately."""
@@ -31,6 +33,23 @@ class UsageError(PactIngressError):
     """A command was called with arguments that cannot work."""
 
     exit_code = 2
+
+
+class ListenError(PactIngressError):
+    """A configured address could not be bound (in use, not ours, no permission)."""
+
+    #: Plain words for the usual causes; anything else gets the system's wording.
+    _REASONS = {
+        errno.EADDRINUSE: "address in use",
+        errno.EADDRNOTAVAIL: "address not available on this machine",
+        errno.EACCES: "permission denied (ports below 1024 need CAP_NET_BIND_SERVICE)",
+    }
+
+    @classmethod
+    def binding(cls, address: str, exc: OSError) -> ListenError:
+        """`cannot listen on ADDRESS: reason` for a failed bind/listen of `address`."""
+        reason = cls._REASONS.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
+        return cls(f"cannot listen on {address}: {reason}")
 
 
 class IdentityError(PactIngressError):

@@ -34,7 +34,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 
 #: A pin is "sha256:" + 43 unpadded base64url characters (32 bytes of SHA-256).
-PIN_RE = re.compile(r"^sha256:[A-Za-z0-9_-]{43}$")
+PIN_RE = re.compile(r"sha256:[A-Za-z0-9_-]{43}")
 
 #: Self-signed identity certs are long-lived on purpose: the key is the identity, and
 #: rotation happens by re-pinning (spec §2), not by certificate expiry.
@@ -56,8 +56,25 @@ def b64url_decode(text: str) -> bytes:
 
 
 def is_pin(text: object) -> bool:
-    """True when `text` has the shape of a PACT fingerprint."""
-    return isinstance(text, str) and PIN_RE.match(text) is not None
+    """True when `text` is a PACT fingerprint in its one canonical spelling."""
+    return pin_problem(text) is None
+
+
+def pin_problem(text: object) -> str | None:
+    """Why `text` is not a PACT fingerprint (to follow the quoted text), or None.
+
+    43 base64url characters carry 258 bits for a 256-bit digest: the last character's
+    two low bits are padding. A pin with them set decodes to the same digest as the
+    canonical one, but fingerprints are compared as strings, so it could never match.
+    """
+    if not isinstance(text, str) or PIN_RE.fullmatch(text) is None:
+        return "is not 'sha256:' + 43 base64url characters"
+    canonical = "sha256:" + b64url(b64url_decode(text[7:]))
+    if canonical != text:
+        return (f"is not canonical base64url: its last character {text[-1]!r} sets padding "
+                f"bits, so it can never equal a computed fingerprint (the same digest is "
+                f"spelled with {canonical[-1]!r}; check the whole pin was copied intact)")
+    return None
 
 
 def spki_der(public_key: PublicKey) -> bytes:

@@ -42,7 +42,7 @@ from pact_ingress.config import (
     parse_address,
 )
 from pact_ingress.errors import UsageError
-from pact_ingress.identity import is_pin, load_identity
+from pact_ingress.identity import load_identity, pin_problem
 
 TENANTS_DIR = "tenants.d"
 RELOAD_COMMANDS = (
@@ -166,7 +166,7 @@ def _check_args(
     config: Config, name: str, host: str, mode: str, pin: str | None, backend: str
 ) -> str:
     """Refuse bad arguments with one-line messages; return the normalized host."""
-    if not TENANT_NAME_RE.match(name):
+    if not TENANT_NAME_RE.fullmatch(name):
         raise UsageError(f"tenant name {name!r} must match [a-z0-9][a-z0-9-]*")
     if (existing := config.tenant(name)) is not None:
         raise UsageError(f"tenant {name!r} already exists (in {existing.source})")
@@ -175,8 +175,8 @@ def _check_args(
             "tenant add needs --pin sha256:…, the home node's fingerprint: run "
             "`pact-ingress fingerprint NODE_KEY` on the home node"
         )
-    if not is_pin(pin):
-        raise UsageError(f"--pin {pin!r} is not 'sha256:' + 43 base64url characters")
+    if (why := pin_problem(pin)) is not None:
+        raise UsageError(f"--pin {pin!r} {why}")
     if mode not in ("passthrough", "terminate"):
         raise UsageError(f"--mode must be passthrough or terminate, got {mode!r}")
     if backend != "tunnel":

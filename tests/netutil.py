@@ -120,11 +120,12 @@ class TlsWhoAmI:
             await trio.aclose_forcefully(tcp)
 
 
-async def https_get(port: int, host: str, ident: Identity | None = None
-                    ) -> tuple[str, str]:
-    """GET / through the ingress with SNI `host`; returns (body, server fingerprint)."""
+async def https_get(port: int, host: str, ident: Identity | None = None, *,
+                    local_address: str | None = None) -> tuple[str, str]:
+    """GET / through the ingress with SNI `host` (from `local_address`, another loopback
+    address = another client); returns (body, server fingerprint)."""
     with trio.fail_after(TEST_TIMEOUT):
-        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        tcp = await trio.open_tcp_stream("127.0.0.1", port, local_address=local_address)
         tls = trio.SSLStream(tcp, client_context(ident), server_hostname=host)
         await tls.do_handshake()
         server_fp = fingerprint_of_cert_der(tls.getpeercert(binary_form=True))

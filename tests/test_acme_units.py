@@ -107,7 +107,8 @@ def test_store_meta_is_the_commit_point(tmp_path: Path) -> None:
     assert store.load_cert("b.example") == good
 
 
-@pytest.mark.parametrize("bad", ["../etc", "a/b", "", "A..b", "*.*.x", "x.*", "a b"])
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", "A..b", "*.*.x", "x.*", "a b",
+                                 "a.example\n", "a\n.example"])
 def test_store_refuses_non_hostnames(bad: str) -> None:
     with pytest.raises(AcmeError):
         host_dir_name(bad)
@@ -143,6 +144,10 @@ class _Answers:
     ("GET", "http://evil.example/x", "h.example", 308, "https://h.example/"),
     ("GET", "/", None, 400, None),
     ("GET", "/", "evil.example/x", 400, None),
+    # a trailing newline must not slip through a pattern's end anchor
+    ("GET", "/", "h.example\n", 400, None),
+    ("GET", "/.well-known/acme-challenge/" + "A" * 43 + "\n", "h.example", 404, None),
+    ("GET", "/x\n", "h.example", 308, "https://h.example/"),
 ])
 def test_http_plan(method: str, target: str, host: str | None, status: int,
                    location: str | None) -> None:

@@ -43,7 +43,7 @@ from pact_ingress.admin import (
 from pact_ingress.admin.page import render_page
 from pact_ingress.admin.server import MIN_TOKEN_LENGTH, _check_remote
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
-from pact_ingress.errors import ConfigError
+from pact_ingress.errors import ConfigError, ListenError
 from pact_ingress.stats import Stats
 
 PIN_A = "sha256:rAGyIJ6GNU-4UyN7XeD0-rE8f8v0M6YcAZNpYX_s8Qs"
@@ -414,12 +414,13 @@ async def test_ipv6_loopback() -> None:
         assert (await trio.to_thread.run_sync(fetch_status, addr))["version"] == __version__
 
 
-async def test_port_in_use_is_a_config_error() -> None:
+async def test_port_in_use_is_a_listen_error_naming_the_address() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with pytest.raises(ConfigError, match="in use"):
+        wanted = f"^cannot listen on 127.0.0.1:{port}: address in use$"
+        with pytest.raises(ListenError, match=wanted):
             await serve_admin(Address("127.0.0.1", port), stats=Stats(), status=dict,
                               reload=Calls().reload)
 

@@ -71,3 +71,81 @@ def test_check_config_ok_and_errors(tmp_path: Path):
 def test_usage_error_exit_2():
     result = run("keygen")
     assert result.returncode == 2
+
+
+def test_pin_with_padding_bits_is_refused_with_the_canonical_spelling(tmp_path: Path):
+    """`…pbJ` decodes to the same digest as `…pbI` but can never match a fingerprint."""
+    from pact_ingress.identity import b64url, b64url_decode, is_pin, keygen
+
+    pin = keygen(tmp_path / "n.key").fingerprint
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    twisted = pin[:-1] + alphabet[alphabet.index(pin[-1]) + 1]
+    assert is_pin(pin) and not is_pin(twisted)
+    assert b64url(b64url_decode(twisted[7:])) == pin[7:]  # same digest bytes
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen: {{tls: ["127.0.0.1:8443"]}}
+tenants:
+  - name: a
+    pins: ["{twisted}"]
+""")
+    result = run("check-config", "-c", str(config))
+    assert result.returncode == 2, result.stdout
+    assert f"{config}:5: pin '{twisted}' is not canonical base64url" in result.stderr
+    assert f"spelled with {pin[-1]!r}" in result.stderr
+
+
+
+def test_check_config_checks_cert_files(tmp_path: Path):
+    """Cert files that serve could not use are config errors on the route's line, not
+    handshake failures discovered later; a pair that does not exist yet is fine."""
+    from cryptography.hazmat.primitives import serialization
+
+    from pact_ingress.identity import ensure_selfsigned_cert, generate_key
+
+    ensure_selfsigned_cert("good.example", tmp_path / "good.crt", tmp_path / "good.key")
+    ensure_selfsigned_cert("other.example", tmp_path / "other.crt", tmp_path / "other.key")
+    (tmp_path / "garbage.crt").write_text("not a certificate\n")
+    (tmp_path / "adir.crt").mkdir()
+    (tmp_path / "afile").write_text("a file, not a directory\n")
+    (tmp_path / "gone.key").symlink_to(tmp_path / "nowhere.key")  # cannot be opened
+    (tmp_path / "locked.key").write_bytes((tmp_path / "good.key").read_bytes())
+    (tmp_path / "locked.key").chmod(0)
+    (tmp_path / "secret.key").write_bytes(generate_key().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"pw")))
+    routes = [  # host, cert, key, (line that is wrong, message)
+        ("ok", "good.crt", "good.key", None),
+        ("fresh", "new/fresh.crt", "new/fresh.key", None),  # serve will create them
+        ("notpem", "garbage.crt", "good.key", ("cert", "holds no PEM certificate")),
+        ("dir", "adir.crt", "good.key", ("cert", "is a directory, not a PEM file")),
+        ("mismatch", "good.crt", "other.key", ("key", "does not belong to the certificate")),
+        ("gone", "good.crt", "gone.key", ("key", "cannot read: No such file or directory")),
+        ("secret", "good.crt", "secret.key", ("key", "is encrypted")),
+        ("blocked", "afile/x.crt", "good.key2", ("cert", "cannot be created: ")),
+        ("half", "good.crt", "missing.key", ("key", "does not exist, but its partner does")),
+    ]
+    if os.geteuid() != 0:  # root reads any file: only an ordinary user sees EACCES
+        routes.append(("locked", "good.crt", "locked.key",
+                       ("key", "cannot read: Permission denied")))
+    lines = ["state_dir: state", "listen: {tls: ['127.0.0.1:8443']}", "tenants:",
+             "  - name: a", f"    pins: ['sha256:{'A' * 43}']", "    routes:"]
+    expected = []
+    for name, cert, key, problem in routes:
+        lines += [f"      - host: {name}.example", "        mode: terminate",
+                  "        backend: '127.0.0.1:9'", "        cert:",
+                  f"          cert: {cert}", f"          key: {key}"]
+        if problem is not None:
+            field, why = problem
+            expected.append((len(lines) - (field == "cert"), f"'{name}.example'", why))
+    config = tmp_path / "ingress.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    result = run("check-config", "-c", str(config))
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stderr
+    errors = result.stderr.splitlines()
+    for line, route, why in expected:
+        assert any(e.startswith(f"{config}:{line}: ") and route in e and why in e
+                   for e in errors), (line, route, why, errors)
+    assert len(errors) == len(expected)

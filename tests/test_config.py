@@ -236,6 +236,28 @@ def _messages(path: Path) -> list[str]:
     return info.value.messages
 
 
+
+def test_trailing_newline_is_not_a_valid_value(tmp_path: Path) -> None:
+    """Patterns must match whole values: a `$` anchor alone lets "x\\n" through."""
+    path = tmp_path / "nl.yaml"
+    path.write_text(f"""\
+state_dir: state
+listen: {{tls: ["127.0.0.1:8443"]}}
+acme: {{directory: "https://acme.example/dir", email: "ops@example.org\\n", agree_tos: true}}
+tenants:
+  - name: "alina\\n"
+    pins: ["{PIN_A}"]
+    routes: []
+  - name: bob
+    pins: ["{PIN_B}\\n"]
+    routes:
+      - {{host: "bob\\n.example", mode: passthrough, backend: "127.0.0.1:1"}}
+      - {{host: b.example, mode: terminate, backend: "127.0.0.1:1", mcp_path: "/mcp\\n"}}
+""")
+    lines = [m.split(": ", 1)[0] for m in _messages(path)]
+    assert lines == [f"{path}:{n}" for n in (3, 5, 9, 11, 12)]
+
+
 # --- connector config --------------------------------------------------------------------
 
 CONNECTOR = f"""\
@@ -269,6 +291,7 @@ def test_connector_config(tmp_path: Path) -> None:
         (("connections", "retries: 3\n"), 7, "unknown key 'retries' in the connector config"),
         (("connections", "data_transport: udp\n"), 7, "data_transport must be one of auto, raw"),
         (("pin", 'pin: "sha256:short"'), 5, "ingress.pin 'sha256:short' is not"),
+        (("pin", f'pin: "{PIN_B[:-1]}5"'), 5, "is not canonical base64url"),
         (("forward", "forward: 8443"), 6, "forward must be a string, got an integer"),
         (("forward", 'forward: "127.0.0.1"'), 6, "forward: '127.0.0.1': missing port"),
         (("address", "adress: x:1"), 3, "(did you mean 'address'?)"),
@@ -370,7 +393,8 @@ def test_parse_address_only_raises_value_error(text: str) -> None:
 def test_normalize_hostname() -> None:
     assert normalize_hostname("MCP.Alina.Example.") == "mcp.alina.example"
     assert normalize_hostname("*.Alina.Example", wildcard=True) == "*.alina.example"
-    for bad in ("*.alina.example", "a..b", "-a.example", "a" * 64 + ".example", "1.2.3.4"):
+    for bad in ("*.alina.example", "a..b", "-a.example", "a" * 64 + ".example", "1.2.3.4",
+                "a\n.example", "a.example\n.x"):
         with pytest.raises(ValueError):
             normalize_hostname(bad)
 

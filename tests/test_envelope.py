@@ -465,6 +465,35 @@ def test_rejects_non_integer_times(edge: Any, name: str, value: object) -> None:
     _rejects(_with_header(env, **{name: value}), pins, "integers")
 
 
+
+@pytest.mark.parametrize("name", ["ts", "exp"])
+@pytest.mark.parametrize("value", [10**309, -(10**309), 2**53, -1, 2**64],
+                         ids=["huge", "huge-negative", "2**53", "negative", "2**64"])
+def test_rejects_times_outside_sane_range(edge: Any, name: str, value: int) -> None:
+    """Out-of-range times are EnvelopeInvalid, never an arithmetic error (a float clock
+    minus 10**309 overflows)."""
+    env, pins = edge
+    bad = _with_header(env, **{name: value})
+    for now in (T0 + 0.5, 0.0):  # the edge's clock is a float
+        with pytest.raises(E.EnvelopeInvalid, match="Unix seconds"):
+            E.check_header(bad, now=now, recipient_pins=pins)
+    with pytest.raises(E.EnvelopeInvalid, match="Unix seconds"):
+        E.decode_header(bad)
+
+
+@pytest.mark.parametrize("value", [1e308, 1.8e9, float(2**53)])
+def test_rejects_float_times_even_when_integral(edge: Any, value: float) -> None:
+    env, pins = edge
+    _rejects(_with_header(env, ts=value), pins, "integers")
+
+
+def test_seal_refuses_times_it_would_not_accept() -> None:
+    sender, recipient = generate_key(), generate_key()
+    for ts in (-1, 2**53, 10**309):
+        with pytest.raises(ValueError):
+            E.seal({"x": 1}, sender_key=sender, recipient_public_key=recipient.public_key(),
+                   msg_id="m", ts=ts, exp=T0)
+
 def test_time_boundaries(edge: Any) -> None:
     env, pins = edge  # ts = T0, exp = T0 + 600
     assert _check(env, pins, now=T0 + 300)

@@ -17,7 +17,7 @@ import trio
 
 from pact_ingress.config import Limits
 from pact_ingress.net.backends import Backends
-from pact_ingress.net.router import Router, open_listeners
+from pact_ingress.net.router import PEEK_HEADROOM, Router, client_of, open_listeners
 from pact_ingress.proto.proxy_protocol import decode_v2
 from pact_ingress.stats import Stats
 from tests.netutil import (
@@ -45,10 +45,11 @@ class Harness:
         return self.stats.value("pact_ingress_rejections_total", {"reason": reason})
 
 
-async def start_router(nursery: trio.Nursery, config) -> Harness:  # type: ignore[no-untyped-def]
+async def start_router(nursery: trio.Nursery, config,  # type: ignore[no-untyped-def]
+                       host: str = "127.0.0.1") -> Harness:
     stats = Stats()
     router = Router(config, stats=stats, backends=Backends())
-    listeners = await open_listeners([("127.0.0.1", 0)])
+    listeners = await open_listeners([(host, 0)])
     port = listeners[0].socket.getsockname()[1]
     await nursery.start(lambda task_status: router.serve(listeners, task_status=task_status))
     return Harness(router, port, stats)
@@ -329,9 +330,6 @@ async def test_connection_limits_at_accept(nursery: trio.Nursery, tmp_path: Path
     with trio.fail_after(TEST_TIMEOUT):
         while h.router.open_connections < 2:
             await trio.sleep(0.01)
-    third = await trio.open_tcp_stream("127.0.0.1", h.port)
-    await expect_closed(third)
-    assert h.rejections("max_connections_per_ip") == 1
     # another loopback address is another client IP, but the global cap still holds
     other = await trio.open_tcp_stream("127.0.0.1", h.port, local_address="127.0.0.2")
     await other.send_all(HELLO)
@@ -343,6 +341,64 @@ async def test_connection_limits_at_accept(nursery: trio.Nursery, tmp_path: Path
     with trio.fail_after(TEST_TIMEOUT):
         while h.router.open_connections > 1:
             await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_per_client_cap(nursery: trio.Nursery, tmp_path: Path, host: str):
+    """Over its cap, a client's connection is closed once its ClientHello shows it is no
+    tunnel connection; silent ones get PEEK_HEADROOM places, then are refused at accept."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+
+    async def backend(s: trio.SocketStream) -> None:
+        await read_all(s)
+
+    port = await start_raw_backend(nursery, backend)
+    limits = Limits(max_connections_per_ip=2)
+    h = await start_router(nursery, make_config(
+        tmp_path, [route(HELLO_SNI, "t", port)], limits=limits), host=host)
+    held = [await trio.open_tcp_stream(host, h.port) for _ in range(2)]
+    for s in held:
+        await s.send_all(HELLO)
+    with trio.fail_after(TEST_TIMEOUT):
+        while h.router.open_connections < 2:
+            await trio.sleep(0.01)
+    third = await trio.open_tcp_stream(host, h.port)
+    await third.send_all(HELLO)
+    await expect_closed(third, timeout=5)  # well before clienthello_timeout (10 s)
+    assert h.rejections("max_connections_per_ip") == 1
+    silent = [await trio.open_tcp_stream(host, h.port) for _ in range(PEEK_HEADROOM)]
+    with trio.fail_after(TEST_TIMEOUT):
+        while h.router.open_connections < 2 + PEEK_HEADROOM:
+            await trio.sleep(0.01)
+    one_more = await trio.open_tcp_stream(host, h.port)
+    await expect_closed(one_more, timeout=5)
+    assert h.rejections("max_connections_per_ip") == 2
+    assert h.rejections("clienthello_timeout") == 0
+    for s in silent + held:
+        await s.aclose()
+    with trio.fail_after(TEST_TIMEOUT):
+        while h.router.open_connections:
+            await trio.sleep(0.01)
+    again = [await trio.open_tcp_stream(host, h.port) for _ in range(2)]
+    for s in again:  # the slots are free again
+        await s.send_all(HELLO)
+    with trio.fail_after(TEST_TIMEOUT):
+        while h.router.open_connections < 2:
+            await trio.sleep(0.01)
+    assert h.rejections("max_connections_per_ip") == 2
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    ("2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:ffff", True),  # one /64
+    ("2001:db8:1:2::1", "2001:db8:1:3::1", False),
+    ("::ffff:192.0.2.1", "192.0.2.1", True),  # an IPv4-mapped peer is that IPv4 client
+    ("192.0.2.1", "192.0.2.2", False),
+    ("fe80::1%eth0", "fe80::2%eth1", True),
+])
+def test_connections_count_per_ipv4_address_or_ipv6_64(a: str, b: str, same: bool) -> None:
+    assert (client_of(a) == client_of(b)) is same
+
 
 
 async def test_proxy_protocol_v2_header_to_backend(nursery: trio.Nursery, tmp_path: Path):

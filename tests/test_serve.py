@@ -262,3 +262,102 @@ tenants: []
         assert served.proc.wait(timeout=WAIT) == 0
     finally:
         served.stop()
+
+
+def _terminate_route(host: str, cert: str, key: str) -> str:
+    return (f"      - host: {host}\n        mode: terminate\n        backend: '127.0.0.1:9'\n"
+            f"        cert:\n          cert: {cert}\n          key: {key}\n")
+
+
+def test_reload_that_cannot_be_applied_keeps_the_running_config(tmp_path: Path,
+                                                                echo: EchoBackend):
+    """A SIGHUP whose config cannot be applied is refused with one logged line, whatever
+    fails: the validator's FILE:LINE for a cert path below a file, or the file system's
+    own error for a directory nothing can be created in. The process lives and serves."""
+    tls, admin = free_port(), free_port()
+    good = config_text(tls, admin, echo.port).replace("alina.test", "www.example.test")
+    served = Served(tmp_path, good)
+    try:
+        served.wait_notify("READY=1")
+        with connect_hello(tls) as s:
+            assert recv_exact(s, len(HELLO)) == HELLO
+        (tmp_path / "afile").write_text("a file where a directory would have to be\n")
+        cases = [  # (config text, expected start of the refusal line)
+            (good + _terminate_route("t.test", "afile/t.crt", "keys/t.key"),
+             f"{served.config}:15: terminate route 't.test': "),
+            (good + _terminate_route("t.test", "/proc/pact-ingress-test/t.crt",
+                                     "/proc/pact-ingress-test/t.key"),
+             f"{served.config}: cannot apply: FileNotFoundError: "),
+        ]
+        for n, (text, refusal) in enumerate(cases, 1):
+            served.config.write_text(text)
+            served.proc.send_signal(signal.SIGHUP)
+            served.wait_notify("READY=1")
+            assert served.proc.poll() is None, served.logs()
+            refused = [e for e in served.log_events() if e.get("event") == "reload_refused"]
+            assert len(refused) == n, served.logs()
+            assert refused[-1]["error"].startswith(refusal), refused[-1]
+            assert "Traceback" not in served.logs()
+            with connect_hello(tls) as s:  # the running config still serves
+                assert recv_exact(s, len(HELLO)) == HELLO
+            st = fetch_status(Address("127.0.0.1", admin))
+            assert [r["host"] for r in st["routes"]] == ["www.example.test"]
+        # a good config applies afterwards as usual
+        served.config.write_text(good)
+        served.proc.send_signal(signal.SIGHUP)
+        served.wait_notify("READY=1")
+        assert any(e.get("event") == "reloaded" for e in served.log_events())
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=WAIT) == 0
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("taken_by", ["admin", "tls", "http"])
+def test_listen_address_in_use_is_one_line_naming_it(tmp_path: Path, taken_by: str):
+    """Another process on a configured port: one line naming the address, exit 1."""
+    ports = {name: free_port() for name in ("tls", "admin", "http")}
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{ports['tls']}"]
+  http: ["127.0.0.1:{ports['http']}"]
+  admin: "127.0.0.1:{ports['admin']}"
+tenants: []
+""")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[taken_by]))
+        taken.listen(1)
+        result = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config)],
+            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    said = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert said == [f"pact-ingress: cannot listen on 127.0.0.1:{ports[taken_by]}: "
+                    "address in use"]
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path: Path, echo: EchoBackend):
+    """`pact-ingress status | head -1`: the reader leaving early is no error to report."""
+    tls, admin = free_port(), free_port()
+    served = Served(tmp_path, config_text(tls, admin, echo.port))
+    try:
+        served.wait_notify("READY=1")
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # like `head` after its first line: every write gets EPIPE
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "pact_ingress", "status", "-c", str(served.config)],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+        finally:
+            os.close(write_end)
+        assert result.stderr == ""
+        assert result.returncode == 128 + signal.SIGPIPE
+        with_reader = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "status", "-c", str(served.config)],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert with_reader.returncode == 0 and "alina.test" in with_reader.stdout
+    finally:
+        served.stop()

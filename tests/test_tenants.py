@@ -148,6 +148,10 @@ def test_connector_dials_concrete_listen_ip(tmp_path: Path) -> None:
         ({"name": "Bob"}, "must match [a-z0-9][a-z0-9-]*"),
         ({"host": "ALINA.family.example."}, "already belongs to tenant 'alina'"),
         ({"host": "a..b"}, "--host:"),
+        ({"host": "a\n.demo.localhost"}, "--host:"),  # no newline hidden before a '$'
+        ({"name": "bob\n"}, "must match [a-z0-9][a-z0-9-]*"),
+        ({"pin": PIN_B + "\n"}, "is not 'sha256:' + 43 base64url"),
+        ({"pin": PIN_B[:-1] + "5"}, "is not canonical base64url"),  # '4' with padding bits
         ({"mode": "splice"}, "--mode must be passthrough or terminate"),
         ({"backend": "192.0.2.1"}, "--backend must be 'tunnel' or HOST:PORT"),
     ],
@@ -182,6 +186,23 @@ def test_add_validates_whole_config_before_writing(main: Path) -> None:
     assert "tenants.d/bob.yaml:" in message and "needs the dns-01 challenge" in message
     assert _files(main.parent / "tenants.d") == []
 
+
+
+@pytest.mark.parametrize(("host", "why"), [
+    ("*.family.example", "covers the tunnel hostname 'tunnel.family.example'"),
+    ("x.alina.family.example", "is covered by wildcard '*.alina.family.example' of tenant"),
+])
+def test_add_refuses_wildcards_reaching_over_other_tenants(main: Path, host: str,
+                                                            why: str) -> None:
+    """A wildcard may not cover another tenant's host or the tunnel hostname, whichever
+    of the two routes comes second; nothing is written."""
+    main.write_text(main.read_text().replace(
+        "{host: alina.family.example,", '{host: "*.alina.family.example",'))
+    with pytest.raises(ConfigError) as info:
+        add_tenant(main, "bob", host, pin=PIN_B)
+    (message,) = info.value.messages
+    assert "tenants.d/bob.yaml:" in message and why in message
+    assert _files(main.parent / "tenants.d") == []
 
 def test_add_refuses_when_existing_config_is_invalid(main: Path) -> None:
     main.write_text(main.read_text() + "bogus: 1\n")

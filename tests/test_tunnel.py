@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from pact_ingress.config import Address, ConnectorConfig
+from pact_ingress.config import Address, ConnectorConfig, Limits
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, check_pin, pinned_client_context
 from pact_ingress.net import connector as connector_mod
@@ -47,6 +47,8 @@ from tests.netutil import (
 )
 
 TUNNEL_HOST = "tunnel.test"
+#: A captured curl ClientHello (SNI www.example.test).
+HELLO = (Path(__file__).parent / "vectors" / "clienthello" / "curl.bin").read_bytes()
 #: Short heartbeat for tests: a dead path is noticed after 3 × 0.2 s.
 HB = 0.2
 
@@ -693,6 +695,58 @@ async def test_raw_data_connections_through_the_real_router(tmp_path: Path, keys
     scope.cancel()
     await router.drain(0)
 
+
+
+async def test_household_behind_one_address_cannot_lock_out_its_connector(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    """The household's own clients fill the per-IP cap of their shared NAT address; its
+    connector, dialling from the same address, still gets its control and data
+    connections in (they are counted apart), so callers elsewhere are served."""
+    backend = await whoami(nursery, keys, "alina-home")
+    held_by = await echo_server(nursery)
+    cap = 8
+    limits = Limits(max_connections_per_ip=cap)
+    cfg_ing = make_config(tmp_path, [route("alina.test", "alina", None),
+                                     route("www.example.test", "house", held_by)],
+                          limits=limits, pins={"alina": (keys.alina.fingerprint,)},
+                          tunnel_hostname=TUNNEL_HOST)
+    stats = Stats()
+    server = TunnelServer(identity=keys.ingress, stats=stats, heartbeat=HB)
+    server.update(cfg_ing)
+    router = Router(cfg_ing, stats=stats, backends=Backends(tunnels=server), tunnels=server)
+    listeners = await _listen()
+    await nursery.start(router.serve, listeners)
+    port = listeners[0].socket.getsockname()[1]
+    household = []
+    for _ in range(cap):  # e.g. the family's phones, all behind 127.0.0.1
+        s = await trio.open_tcp_stream("127.0.0.1", port)
+        await s.send_all(HELLO)
+        echoed = b""
+        with trio.fail_after(TEST_TIMEOUT):  # routed: counted as an ordinary client
+            while len(echoed) < len(HELLO):
+                echoed += await s.receive_some(len(HELLO))
+        household.append(s)
+    await eventually(lambda: router.open_connections == cap)
+    cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint, port,
+                           backend.port, connections=1)
+    connector, scope = await start_connector(nursery, cfg, data_transport="raw")
+    await eventually(lambda: server.live_tunnels("alina") == 1
+                     and server.idle_connections("alina") >= ts.POOL_MIN)
+    body, _ = await https_get(port, "alina.test", keys.caller, local_address="127.0.0.2")
+    assert body == f"alina-home {keys.caller.fingerprint}"
+    # the household's own cap still holds for its ordinary connections
+    extra = await trio.open_tcp_stream("127.0.0.1", port)
+    await extra.send_all(HELLO)
+    with trio.fail_after(TEST_TIMEOUT):
+        assert await read_all(extra) == b""
+    assert stats.value("pact_ingress_rejections_total",
+                       {"reason": "max_connections_per_ip"}) == 1
+    assert connector.stats.value("pact_ingress_tunnel_events_total", {
+        "tenant": connector.label, "event": "data_failed"}) == 0
+    scope.cancel()
+    for s in household:
+        await s.aclose()
+    await router.drain(0)
 
 # --- liveness -------------------------------------------------------------------------------
 

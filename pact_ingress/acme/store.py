@@ -35,7 +35,8 @@ from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import atomic_write
 
 #: A DNS name (optionally with one leading "*." label), lower case, as config.py stores it.
-HOST_RE = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
+                     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 #: Largest certificate chain file we load back (a real chain is a few KiB).
 MAX_CHAIN_BYTES = 64 * 1024
@@ -84,7 +85,7 @@ class StoredCert:
 
 def host_dir_name(host: str) -> str:
     """The directory name of a host's certificates; raises on anything not a DNS name."""
-    if not HOST_RE.match(host) or len(host) > 253:
+    if not HOST_RE.fullmatch(host) or len(host) > 253:
         raise AcmeError(f"not a certificate host name: {host!r}", reason="bad_host")
     return "_wildcard_" + host[1:] if host.startswith("*.") else host
 
@@ -194,7 +195,7 @@ class Store:
         for d in sorted(base.iterdir()):
             meta = self.read_meta_dir(d)
             host = meta.get("host")
-            if isinstance(host, str) and HOST_RE.match(host):
+            if isinstance(host, str) and HOST_RE.fullmatch(host):
                 out.append(host)
         return out
 

@@ -49,7 +49,7 @@ from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Address
-from ..errors import ConfigError
+from ..errors import ConfigError, ListenError
 from ..logs import log
 from ..stats import Stats
 from .page import render_page
@@ -166,8 +166,8 @@ async def _bind(
     _check_remote(listen, sockaddr[0], token, allow_remote)
     try:
         sock = _bind_tcp(family, sockaddr)
-    except OSError as exc:
-        raise ConfigError(f"listen.admin {listen}: {exc.strerror or exc}") from exc
+    except OSError as exc:  # the config is fine; the machine is not ready for it
+        raise ListenError.binding(str(listen), exc) from exc
     host, port = sock.getsockname()[:2]
     return sock, Address(host, port)
 
@@ -366,7 +366,7 @@ async def serve_admin(
 
     `task_status.started()` receives the bound address: an `Address` with the real port
     (for port 0) or the unix socket `Path`. Raises `ConfigError` for a non-loopback bind
-    without `allow_remote` and a token, or when the address cannot be bound.
+    without `allow_remote` and a token; `ListenError` when the address cannot be bound.
     """
     if token is not None and not token:
         raise ConfigError("admin token must not be empty")

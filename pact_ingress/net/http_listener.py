@@ -20,6 +20,7 @@ import h11
 import trio
 
 from pact_ingress.config import Address
+from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
@@ -33,12 +34,12 @@ READ_SIZE = 4096
 
 CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
 #: ACME tokens are base64url (RFC 8555 §8.1), at least 128 bits of entropy.
-TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
+TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
 #: Host header: a DNS name, optional port (dropped in the redirect).
-HOST_RE = re.compile(r"^(?P<name>([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
-                     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\.?(:[0-9]{1,5})?$")
+HOST_RE = re.compile(r"(?P<name>([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
+                     r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\.?(:[0-9]{1,5})?")
 #: A redirect target may only carry printable ASCII without spaces.
-TARGET_RE = re.compile(r"^/[\x21-\x7e]*$")
+TARGET_RE = re.compile(r"/[\x21-\x7e]*")
 
 
 class Http01Answers(Protocol):
@@ -55,19 +56,19 @@ class Answer:
 def plan_response(method: str, target: str, host_header: str | None,
                   answers: Http01Answers) -> Answer:
     """What to send for one request (pure; see module docstring)."""
-    m = HOST_RE.match((host_header or "").lower())
+    m = HOST_RE.fullmatch((host_header or "").lower())
     if m is None:
         return _text(400, "missing or invalid Host header\n")
     host = m["name"]
     if target.startswith(CHALLENGE_PREFIX):
         token = target[len(CHALLENGE_PREFIX):]
-        key_authz = answers.http01_response(host, token) if TOKEN_RE.match(token) else None
+        key_authz = answers.http01_response(host, token) if TOKEN_RE.fullmatch(token) else None
         if key_authz is None:
             return _text(404, "no such challenge\n")
         if method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", (("Allow", "GET, HEAD"),))
         return Answer(200, (("Content-Type", "application/octet-stream"),), key_authz)
-    path = target if TARGET_RE.match(target) else "/"
+    path = target if TARGET_RE.fullmatch(target) else "/"
     return _text(308, "redirecting to https\n", (("Location", f"https://{host}{path}"),))
 
 
@@ -137,7 +138,10 @@ async def serve_http(address: Address, answers: Http01Answers, *,
                      task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
     """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
-    listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+    try:
+        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+    except OSError as exc:
+        raise ListenError.binding(str(address), exc) from exc
     slots = trio.Semaphore(MAX_CONNECTIONS)
     bound = listeners[0].socket.getsockname()[:2]
     log.info("http_listening", address=f"{bound[0]}:{bound[1]}")

@@ -25,7 +25,15 @@ is malformed, too large or not complete within `clienthello_timeout` → close. 
 counted by reason in `Stats.rejections`.
 
 Limits are checked at accept, before any byte is read: a global connection cap and a
-per-IP cap. Accept errors such as EMFILE are survived (logged, short back-off).
+per-client cap, where a client is an IPv4 address or an IPv6 /64 (one subscriber usually
+holds a whole /64, as the call budgets assume too). Tunnel connections from a home
+node's connector are counted apart from that client's other connections, each kind
+against its own `max_connections_per_ip`: a household behind one NAT address, whose
+members call its own node through this edge, must not be able to lock its connector
+out (or the reverse). What a connection is shows only in its first bytes, so at accept a
+client at its cap still gets `PEEK_HEADROOM` connections to show them; one that turns
+out to be an ordinary client connection over the cap is then closed unanswered. Accept
+errors such as EMFILE are survived (logged, short back-off).
 
 Per-connection cost is the router's weak spot (DESIGN §5: the interpreter, not the
 kernel, dominates a short connection), so the passthrough path works on bare trio
@@ -55,7 +63,7 @@ from typing import Any, Protocol
 import trio
 
 from pact_ingress.config import Config, Route
-from pact_ingress.errors import BackendError
+from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
 from pact_ingress.net.backends import STREAM_OPTIONS, Backends
 from pact_ingress.net.replay import ReplayStream
@@ -63,6 +71,7 @@ from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
 from pact_ingress.proto.proxy_protocol import encode_v2
+from pact_ingress.proto.ratelimit import client_bucket
 from pact_ingress.proto.routing import RouteTable
 from pact_ingress.proto.tunnel_frames import raw_data_prefix
 from pact_ingress.stats import Stats
@@ -84,6 +93,10 @@ HEAD_TIMEOUT = 10.0
 CHALLENGE_TIMEOUT = 10.0
 ACME_ALPN = "acme-tls/1"
 TUNNEL_ALPNS = ("pact-tunnel/1", "pact-tunnel-data/1")
+#: Connections a client at its cap may still open to show what they are (a connector's
+#: data connections show it in the first read, within milliseconds). Bounded: they are
+#: closed unanswered after `clienthello_timeout` at the latest.
+PEEK_HEADROOM = 16
 
 
 class TerminatorLike(Protocol):
@@ -102,8 +115,27 @@ class TunnelsLike(Protocol):
 
 @dataclass
 class _Counts:
+    """Open connections: in total, and per client (IPv4 address or IPv6 /64) by kind."""
+
     total: int = 0
-    per_ip: Counter[str] = field(default_factory=Counter)
+    pending: Counter[str] = field(default_factory=Counter)  # first bytes not seen yet
+    clients: Counter[str] = field(default_factory=Counter)  # anything but the tunnel
+    tunnels: Counter[str] = field(default_factory=Counter)  # connector control/data
+
+    def drop(self, kind: Counter[str], client: str) -> None:
+        left = kind[client] - 1
+        if left:
+            kind[client] = left
+        else:
+            del kind[client]
+
+
+def client_of(ip: str) -> str:
+    """Who a connection from `ip` counts against: IPv4 as is, IPv6 by its /64 (IPv4-mapped
+    ones as their IPv4). The IPv4 case, the common one, costs no parsing."""
+    if ":" not in ip:
+        return ip
+    return client_bucket(ip) or ip
 
 
 class Router:
@@ -223,40 +255,59 @@ class Router:
                handlers: trio.Nursery) -> None:
         """Limits at accept: an over-limit connection is closed before any byte is read."""
         ip = client[0]
-        reason = self._over_limit(ip)
+        who = client_of(ip)
+        reason = self._over_limit(who)
         if reason is not None:
             self.stats.rejections.labels(reason).inc()
             self.stats.refused("-", ip, reason)
             sock.close()  # at accept: no handshake, no task
             return
         self._counts.total += 1
-        self._counts.per_ip[ip] += 1
-        handlers.start_soon(self._handle_counted, sock, client)
+        self._counts.pending[who] += 1
+        handlers.start_soon(self._handle_counted, sock, client, who)
 
-    def _over_limit(self, ip: str) -> str | None:
-        if self._counts.total >= self.limits.max_connections:
+    def _over_limit(self, who: str) -> str | None:
+        counts = self._counts
+        if counts.total >= self.limits.max_connections:
             return "max_connections"
-        if self._counts.per_ip[ip] >= self.limits.max_connections_per_ip:
+        if counts.pending[who] + counts.clients[who] >= (
+                self.limits.max_connections_per_ip + PEEK_HEADROOM):
             return "max_connections_per_ip"
         return None
 
-    async def _handle_counted(self, sock: trio.socket.SocketType, client: tuple[str, int]
-                              ) -> None:
+    def _classify(self, who: str, ip: str, tunnel: bool) -> Counter[str] | None:
+        """Move a connection from pending to its kind's count; None (and uncounted) when
+        that kind is at its cap for this client."""
+        counts = self._counts
+        kind = counts.tunnels if tunnel else counts.clients
+        counts.drop(counts.pending, who)
+        if kind[who] >= self.limits.max_connections_per_ip:
+            self._reject(ip, "max_tunnel_connections_per_ip" if tunnel
+                         else "max_connections_per_ip")
+            return None
+        kind[who] += 1
+        return kind
+
+    async def _handle_counted(self, sock: trio.socket.SocketType, client: tuple[str, int],
+                              who: str) -> None:
+        counts = self._counts
+        kind: Counter[str] | None = counts.pending
         try:
-            await self._route(sock, client)
+            peeked = await self._peek(sock, client[0])
+            if peeked is not None:
+                hello, data = peeked
+                kind = self._classify(who, client[0], hello is None or self._is_tunnel(hello))
+                if kind is not None:
+                    await self._serve_peeked(sock, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self.stats.rejections.labels("handler_error").inc()
             log.error("handler_error", client_ip=client[0],
                       error=f"{type(exc).__name__}: {exc}")
         finally:
             sock.close()
-            counts = self._counts
             counts.total -= 1
-            left = counts.per_ip[client[0]] - 1
-            if left:
-                counts.per_ip[client[0]] = left
-            else:
-                del counts.per_ip[client[0]]
+            if kind is not None:
+                counts.drop(kind, who)
 
     # --- one connection ----------------------------------------------------------------
 
@@ -270,12 +321,21 @@ class Router:
     async def _route(self, sock: trio.socket.SocketType, client: tuple[str, int]) -> None:
         peeked = await self._peek(sock, client[0])
         if peeked is not None:
-            hello, data = peeked
-            if hello is None:  # a tunnel raw data connection (see module docstring)
-                stream = ReplayStream(data, trio.SocketStream(sock))
-                await self.tunnels.handle(stream, client)  # type: ignore[union-attr]
-            else:
-                await self._dispatch(sock, hello, data, client)
+            await self._serve_peeked(sock, *peeked, client)
+
+    async def _serve_peeked(self, sock: trio.socket.SocketType, hello: ClientHello | None,
+                            data: bytes, client: tuple[str, int]) -> None:
+        if hello is None:  # a tunnel raw data connection (see module docstring)
+            stream = ReplayStream(data, trio.SocketStream(sock))
+            await self.tunnels.handle(stream, client)  # type: ignore[union-attr]
+        else:
+            await self._dispatch(sock, hello, data, client)
+
+    def _is_tunnel(self, hello: ClientHello) -> bool:
+        """A connector's TLS connection (control, or data over TLS): what `_dispatch`
+        hands to the tunnel server."""
+        return (hello.sni is not None and hello.sni == self.tunnel_hostname
+                and self.tunnels is not None and any(p in TUNNEL_ALPNS for p in hello.alpn))
 
     async def _peek(self, sock: trio.socket.SocketType, ip: str
                     ) -> tuple[ClientHello | None, bytes] | None:
@@ -324,9 +384,9 @@ class Router:
     async def _dispatch(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
                         client: tuple[str, int]) -> None:
         sni = hello.sni
-        if (sni is not None and sni == self.tunnel_hostname and self.tunnels is not None
-                and any(p in TUNNEL_ALPNS for p in hello.alpn)):
-            await self.tunnels.handle(ReplayStream(data, trio.SocketStream(sock)), client)
+        if self._is_tunnel(hello):
+            await self.tunnels.handle(  # type: ignore[union-attr]
+                ReplayStream(data, trio.SocketStream(sock)), client)
             return
         route = self.table.lookup(sni)
         if route is None:
@@ -506,6 +566,15 @@ async def open_listeners(addresses: Sequence[tuple[str, int]]) -> list[trio.Sock
     """Bind every configured address (IPv6 listeners are v6-only, so "[::]" and
     "0.0.0.0" can both be listed)."""
     out: list[trio.SocketListener] = []
-    for host, port in addresses:
-        out.extend(await trio.open_tcp_listeners(port, host=host, backlog=4096))
+    try:
+        for host, port in addresses:
+            try:
+                out.extend(await trio.open_tcp_listeners(port, host=host, backlog=4096))
+            except OSError as exc:
+                shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                raise ListenError.binding(shown, exc) from exc
+    except BaseException:
+        for listener in out:  # the ones bound before the failure
+            listener.socket.close()
+        raise
     return out
