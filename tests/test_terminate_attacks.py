@@ -41,7 +41,6 @@ from tests.terminate_env import (
     HOST,
     LOOPBACK,
     OPT_HOST,
-    WAIT,
     H2Conn,
     Identities,
     RawResponse,
@@ -64,7 +63,7 @@ from tests.tools import require
 
 #: How long a bystander may wait for its answer while an attack runs (a bound, not a
 #: latency target: the broken engine never answers, or answers 504 after ~30 s).
-BYSTANDER_WAIT = 15.0
+BYSTANDER_WAIT = 12.0
 
 
 @dataclass
@@ -211,7 +210,7 @@ def test_node_receives_the_checked_path(env: Env, target: str) -> None:
 
 
 @pytest.mark.parametrize("content_type", ["application/json", "Application/JSON; charset=utf-8"])
-@pytest.mark.parametrize("http2", [False, True])
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
 def test_json_post_off_mcp_path_not_forwarded(env: Env, content_type: str, http2: bool) -> None:
     """On a `seal: required` route a JSON POST to a non-MCP path is refused, not
     forwarded unchecked (a node router may serve it as MCP)."""
@@ -232,8 +231,8 @@ def test_json_post_off_mcp_path_not_forwarded(env: Env, content_type: str, http2
     assert status is None or status >= 400 or refusal_code(answer) is not None, (status, answer)
 
 
-@pytest.mark.parametrize("http2", [False, True])
-@pytest.mark.parametrize("gzipped", [True, False])
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+@pytest.mark.parametrize("gzipped", [True, False], ids=["gzip-body", "json-labelled-gzip"])
 def test_content_encoding_on_mcp_path_refused(env: Env, http2: bool, gzipped: bool) -> None:
     """Non-identity Content-Encoding on mcp_path → 4xx, not forwarded (a node may inflate
     what the edge checked raw). `gzipped=False`: a raw JSON body labelled gzip."""
@@ -345,8 +344,10 @@ for (const f of files) {
   let status = null, data = '';
   req.on('response', h => { status = h[':status']; });
   req.on('data', c => { data += c; });
-  req.on('close', () => { out.push({file: f, status, data});
-                          if (--left === 0) { console.log(JSON.stringify(out)); client.close(); } });
+  req.on('close', () => {
+    out.push({file: f, status, data});
+    if (--left === 0) { console.log(JSON.stringify(out)); client.close(); }
+  });
   req.end(fs.readFileSync(f));
 }
 setTimeout(() => { console.log(JSON.stringify(out)); process.exit(3); }, 20000).unref();
@@ -391,7 +392,7 @@ def test_pipelined_abort_frees_slots(fresh: list[Env], tmp_path: Path, how: str)
         else:
             s.shutdown(socket.SHUT_RDWR)  # FIN, no close_notify
             forget(s)
-    left = env.serve.wait_open_connections(0, timeout=WAIT)
+    left = env.serve.wait_open_connections(0, timeout=10)
     print(f"\n[pipelined-{how}] open_connections after {clients} aborts: {left}; "
           f"node streams still open: {env.node.active_streams}")
     assert left == 0, f"{left} connection slots leaked"
@@ -540,8 +541,8 @@ def test_big_bodies_in_parallel(fresh: list[Env], tmp_path: Path) -> None:
     assert statuses and all(s == 200 for s in statuses), statuses
     # generous bounds: ~300 MiB of bodies were offered; buffering them all (or keeping
     # them) is the bug. A per-IP/per-process buffer budget keeps both far below.
-    assert (hwm - base_rss) < 160 * 1024, f"peak grew by {(hwm - base_rss) // 1024} MiB"
-    assert (rss - base_rss) < 96 * 1024, f"RSS stayed {(rss - base_rss) // 1024} MiB up"
+    assert (hwm - base_rss) < 200 * 1024, f"peak grew by {(hwm - base_rss) // 1024} MiB"
+    assert (rss - base_rss) < 100 * 1024, f"RSS stayed {(rss - base_rss) // 1024} MiB up"
     assert env.serve.wait_open_connections(0) == 0
 
 
@@ -649,7 +650,7 @@ def _names_seen(headers: list[tuple[str, str]]) -> set[str]:
     return {k.lower().replace("_", "-") for k, _ in headers}
 
 
-@pytest.mark.parametrize("http2", [False, True])
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
 def test_spoofable_headers_never_reach_node(env: Env, http2: bool) -> None:
     if http2:
         conn = H2Conn(env.serve.port, HOST, source=ATTACKER_IP)
@@ -684,7 +685,7 @@ def test_status_line_has_reason_phrase(env: Env) -> None:
 # === Finding 6: reload applies to open connections, and never kills the process ==========
 
 
-@pytest.mark.parametrize("http2", [True, False])
+@pytest.mark.parametrize("http2", [True, False], ids=["h2", "h1"])
 def test_reload_applies_to_open_connection(fresh: list[Env], tmp_path: Path,
                                            http2: bool) -> None:
     """An open connection on a `seal: optional` route; the route becomes `required` and
