@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from pact_ingress.envelope import canonical_json
+from pact_ingress.identity import b64url, b64url_decode
 from tests.terminate_env import (
     ATTACKER_IP,
     BYSTANDER_IP,
@@ -255,7 +257,14 @@ def test_content_encoding_on_mcp_path_refused(env: Env, http2: bool, gzipped: bo
 
 def test_huge_ts_is_envelope_invalid(env: Env) -> None:
     """Finding 8: `ts = 10**309` in a sealed header → envelope_invalid, not a 500."""
-    body = sealed_call_body(env.ids, msg_id="huge-ts", ts=10**309, exp=10**309 + 600)
+    # seal() itself refuses such times, so the header is rewritten after sealing: the
+    # edge judges the header before any signature, and must refuse it as invalid.
+    call = json.loads(sealed_call_body(env.ids, msg_id="huge-ts"))
+    args = call["params"]["arguments"]
+    header = json.loads(b64url_decode(args["protected"]))
+    header.update(ts=10**309, exp=10**309 + 600)
+    args["protected"] = b64url(canonical_json(header))
+    body = json.dumps(call).encode()
     resp = exchange(env.serve.port, request_bytes("POST", "/mcp", HOST, body=body))
     assert (resp.status, resp.code) == (200, "envelope_invalid"), (resp.status_line, resp.body)
     assert env.node.requests() == []
@@ -378,8 +387,11 @@ def test_pipelined_abort_frees_slots(fresh: list[Env], tmp_path: Path, how: str)
     env = _start(tmp_path, limits={"max_connections_per_ip": clients, "idle_timeout": "30s"})
     fresh.append(env)
     socks = []
+    # Two attacker addresses: one address may only hold a tenth of the route's upstream
+    # share at once (its further requests get 429), and each of these streams holds one.
+    sources = (ATTACKER_IP, "127.0.0.4")
     for i in range(clients):
-        s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP)
+        s = tls_socket(env.serve.port, HOST, source=sources[i % 2])
         s.sendall(request_bytes("GET", "/stream?n=600&interval=0.05", HOST)
                   + request_bytes("GET", f"/second-{i}", HOST))
         head = read_response(s, head_only=True)  # the first response is streaming now
