@@ -31,7 +31,10 @@ class Exchange(abc.ABC):
 
     @property
     def has_body(self) -> bool:
-        return not self.body_done or bool(self.content_length)
+        """A declared length decides; without one, whether more may still arrive."""
+        if self.content_length is not None:
+            return self.content_length > 0
+        return not self.body_done
 
     @abc.abstractmethod
     async def receive(self, deadline: float) -> bytes:
