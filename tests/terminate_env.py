@@ -22,7 +22,8 @@ Fixture API (see tests/test_terminate_attacks.py for use):
     serve.stop(); node.stop()
 
 The node speaks HTTP/1.1 only (ALPN http/1.1), so the edge needs one upstream connection
-per in-flight request — the configuration finding 4 of issue 11 is about. Endpoints:
+per in-flight request — the configuration in which one client's slow requests could hold
+every pooled connection. Endpoints:
 
 * `GET /stream?n=N&interval=S` — chunked, one small chunk every S seconds (N chunks);
 * `GET /big?bytes=N` — a large body written as fast as the edge reads it;
@@ -755,9 +756,9 @@ class H2Conn:
                 headers: Iterable[tuple[str, str]] = (), authority: str | None = None,
                 content_type: str | None = "application/json", timeout: float = WAIT,
                 coalesce: bool = True) -> H2Result:
-        """Send HEADERS (+ DATA). `coalesce`: in one `sendall`, as nghttp and Node do (issue
-        11 finding 2); otherwise HEADERS go out alone and DATA 50 ms later, as curl does
-        (tests of other findings use that so a lost body cannot mask what they test)."""
+        """Send HEADERS (+ DATA). `coalesce`: in one `sendall`, as nghttp and Node do (the
+        case where DATA arrives with its HEADERS); otherwise HEADERS go out alone and DATA 50 ms later, as curl does
+        (other tests use that so a lost body cannot mask what they test)."""
         sid = self.conn.get_next_available_stream_id()
         hdrs = [(":method", method), (":scheme", "https"),
                 (":authority", authority or self.host), (":path", path)]
