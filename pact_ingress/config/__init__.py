@@ -23,7 +23,7 @@ from pact_ingress.config.loader import (
     parse_duration,
     parse_size,
 )
-from pact_ingress.config.loader import (
+from pact_ingress.model import (
     Acme,
     Address,
     Backend,
