@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pact_ingress.config import Route
+from pact_ingress.model import Route
 
 
 def _normalize(host: str) -> str:
