@@ -153,10 +153,17 @@ class ConnectorConfig:
 _LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
 
 
-def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
-    """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`."""
+def normalize_hostname(text: str, *, wildcard: bool = False, validate: bool = True) -> str:
+    """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`.
+
+    With ``validate=False`` only the spelling is made canonical, nothing is checked and
+    nothing raises: for names already validated (a configured route host, a parsed SNI)
+    and for lookups, where a bad name simply matches nothing.
+    """
     host = text.strip().lower()
     host = host.removesuffix(".")
+    if not validate:
+        return host
     if not host.isascii():
         raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
     if is_ip_address(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
