@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pact_ingress.config import Address, Backend, Route
-from pact_ingress.proto.routing import RouteTable
+from pact_ingress.config import normalize_hostname as config_normalize_hostname
+from pact_ingress.model import normalize_hostname
+from pact_ingress.proto.routing import RouteTable, wildcard_covers
 
 
 def route(host: str, tenant: str = "t") -> Route:
@@ -99,3 +101,19 @@ def test_agrees_with_brute_force(hosts: set[str], sni: str) -> None:
     table = RouteTable.build(route(h, tenant=h) for h in hosts)
     found = table.lookup(sni)
     assert (found.tenant if found else None) == reference(sorted(hosts), sni)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["A.Example.", "x.example", "MCP.Alina.Example.", "xn--Bcher-KVA.example."]
+)
+def test_routing_and_config_agree_on_spelling(spelling: str) -> None:
+    """The loader stores a host as `normalize_hostname` spells it; the router normalises
+    both the configured host and the SNI the same way, so each finds the other."""
+    assert config_normalize_hostname is normalize_hostname  # one function, not two
+    canonical = config_normalize_hostname(spelling)
+    assert canonical == normalize_hostname(spelling, validate=False)
+    assert RouteTable.build([route(canonical)]).lookup(spelling) is not None
+    assert RouteTable.build([route(spelling)]).lookup(canonical) is not None
+    wild = config_normalize_hostname("*." + spelling, wildcard=True)
+    assert RouteTable.build([route(wild)]).lookup("sub." + spelling) is not None
+    assert wildcard_covers("*." + spelling, "sub." + canonical)

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from pact_ingress.acme.store import AcmeError, Store
-from pact_ingress.config import Acme
+from pact_ingress.model import Acme
 
 #: Seconds for one HTTP request to the CA (connect + read). Bounds every worker-thread call.
 HTTP_TIMEOUT = 20

@@ -31,7 +31,7 @@ import dns.tsigkeyring
 import dns.update
 
 from pact_ingress.acme.store import AcmeError
-from pact_ingress.config import Dns01
+from pact_ingress.model import Dns01
 
 #: TTL of the challenge record: short, it is deleted right after validation anyway.
 CHALLENGE_TTL = 60

@@ -27,7 +27,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ..config import Config
+from ..model import Config
 from ..stats import Stats
 
 _STR = {"type": "string"}

@@ -48,9 +48,9 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..config import Address
 from ..errors import ConfigError, ListenError
 from ..logs import log
+from ..model import Address
 from ..stats import Stats
 from .page import render_page
 

@@ -23,9 +23,9 @@ from typing import Protocol
 
 import trio
 
-from pact_ingress.config import Address, Route
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import log
+from pact_ingress.model import Address, Route
 
 #: How long a resolved answer is used before it is refreshed. Home-node addresses change
 #: rarely (dynamic DNS updates within minutes); 60 s bounds staleness cheaply.

@@ -74,7 +74,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from pact_ingress.config import ConnectorConfig
 from pact_ingress.errors import IdentityError, RemoteProtocolError
 from pact_ingress.identity import (
     Identity,
@@ -84,6 +83,7 @@ from pact_ingress.identity import (
     pinned_client_context,
 )
 from pact_ingress.logs import log
+from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
 from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
 from pact_ingress.net.tunnel_server import (

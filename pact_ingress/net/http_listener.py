@@ -19,9 +19,9 @@ from typing import Protocol
 import h11
 import trio
 
-from pact_ingress.config import Address
 from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
+from pact_ingress.model import Address
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
 MAX_HEAD_BYTES = 8 * 1024

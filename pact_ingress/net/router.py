@@ -62,9 +62,9 @@ from typing import Any, Protocol
 
 import trio
 
-from pact_ingress.config import Config, Route
 from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
+from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import STREAM_OPTIONS, Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.splice import relay, relay_sockets

@@ -51,9 +51,9 @@ from functools import partial
 
 import trio
 
-from pact_ingress.config import Config, Route, Tenant
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log
+from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection

@@ -118,10 +118,10 @@ from typing import Any
 import trio
 from OpenSSL import SSL
 
-from pact_ingress.config import Config
 from pact_ingress.errors import BackendError, RemoteProtocolError
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log
+from pact_ingress.model import Config
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.proto import tunnel_frames as tf

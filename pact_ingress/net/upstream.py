@@ -47,9 +47,9 @@ import h2.exceptions
 import httpcore
 import trio
 
-from pact_ingress.config import Route
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
+from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 
 #: Time to response headers once the request body has been sent (DESIGN §4: → 504).

@@ -67,8 +67,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pact_ingress.config import Route, SealPosture, Tenant
 from pact_ingress.envelope import EnvelopeInvalid, check_header
+from pact_ingress.model import Route, SealPosture, Tenant
 from pact_ingress.proto.http_request import BadRequest, in_mcp_scope, parse_target
 
 RpcId = str | int | None

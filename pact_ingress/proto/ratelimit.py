@@ -57,7 +57,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pact_ingress.config import Limits
+from pact_ingress.model import Limits
 
 SECONDS_PER_HOUR = 3600.0
 #: A tenth of the hourly budget may come at once...

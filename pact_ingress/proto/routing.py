@@ -24,18 +24,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pact_ingress.config import Route
-
-
-def _normalize(host: str) -> str:
-    return host.lower().removesuffix(".")
+from pact_ingress.model import Route, normalize_hostname
 
 
 def wildcard_covers(pattern: str, host: str) -> bool:
     """Does wildcard route host `pattern` (``*.suffix``) cover `host`? Any depth below
     the suffix, never the suffix itself — the rule `RouteTable.lookup` applies."""
-    suffix = _normalize(pattern)[1:]  # ".suffix"
-    name = _normalize(host)
+    suffix = normalize_hostname(pattern, validate=False)[1:]  # ".suffix"
+    name = normalize_hostname(host, validate=False)
     return len(name) > len(suffix) and name.endswith(suffix)
 
 
@@ -51,7 +47,7 @@ class RouteTable:
         exact: dict[str, Route] = {}
         wildcard: dict[str, Route] = {}
         for route in routes:
-            host = _normalize(route.host)
+            host = normalize_hostname(route.host, validate=False)
             if host.startswith("*."):
                 table, key = wildcard, host[2:]
             else:
@@ -67,7 +63,7 @@ class RouteTable:
         """The route for `sni`, or None (no SNI, or no route matches)."""
         if not sni:
             return None
-        name = _normalize(sni)
+        name = normalize_hostname(sni, validate=False)
         route = self.exact.get(name)
         if route is not None or not self.wildcard:
             return route

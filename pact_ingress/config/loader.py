@@ -1,7 +1,7 @@
 """Configuration: YAML → frozen dataclasses, strictly validated (DESIGN §3).
 
-The dataclasses below are the contract every other module reads; they are immutable so
-a reload swaps one object atomically.
+The dataclasses it builds (the contract every other module reads) live in
+`pact_ingress.model`.
 
 Theory of operation
 -------------------
@@ -74,143 +74,22 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from pact_ingress.errors import ConfigError
 from pact_ingress.identity import pin_problem
-
-Mode = Literal["passthrough", "terminate"]
-SealPosture = Literal["required", "optional"]
-ClientCertPosture = Literal["none", "optional", "required"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Limits; top-level defaults, each route's copy has its overrides merged in."""
-
-    clienthello_timeout: float = 10.0  # seconds
-    idle_timeout: float = 300.0  # seconds
-    max_connections: int = 20000
-    max_connections_per_ip: int = 200
-    calls_per_hour_per_ip_key: int = 600
-    calls_per_hour_per_ip: int = 3000
-    max_body_bytes: int = 6 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Address:
-    """A TCP address from config: IP literal or hostname, and port."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class Backend:
-    """Where a route's traffic goes: a configured address, or the tenant's tunnel."""
-
-    address: Address | None  # None means "tunnel"
-
-    @property
-    def is_tunnel(self) -> bool:
-        return self.address is None
-
-    def __str__(self) -> str:
-        return "tunnel" if self.address is None else str(self.address)
-
-
-@dataclass(frozen=True)
-class CertFiles:
-    cert: Path
-    key: Path
-
-
-CertSource = Literal["acme"] | CertFiles
-
-
-@dataclass(frozen=True)
-class Route:
-    host: str  # lower-case; exact name or "*.suffix"
-    tenant: str
-    mode: Mode
-    backend: Backend
-    proxy_protocol: Literal["off", "v2"] = "off"
-    seal: SealPosture = "required"
-    mcp_path: str = "/mcp"
-    cert: Literal["acme"] | CertFiles | None = None  # terminate routes only
-    limits: Limits = field(default_factory=Limits)
-    # Added by the loader (issue 2): the home node's client-certificate posture, §13.4.
-    client_cert: ClientCertPosture = "none"
-
-
-@dataclass(frozen=True)
-class Tenant:
-    name: str
-    pins: tuple[str, ...]
-    routes: tuple[Route, ...]
-    # Added by the loader: the file that defined this tenant (main file or an include).
-    source: Path | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class Listen:
-    tls: tuple[Address, ...]
-    http: tuple[Address, ...] = ()
-    admin: Address | Path | None = None  # Path = unix socket
-    #: With a token file the admin endpoint may bind a non-loopback address; every request
-    #: then needs `Authorization: Bearer <token>` (the file's content, ≥ 32 characters).
-    admin_token_file: Path | None = None
-
-
-@dataclass(frozen=True)
-class Dns01:
-    server: Address
-    zone: str
-    tsig_key_file: Path
-
-
-@dataclass(frozen=True)
-class Acme:
-    directory: str
-    email: str | None
-    agree_tos: bool
-    challenges: tuple[str, ...] = ("tls-alpn-01", "http-01")
-    ca_bundle: Path | None = None
-    dns01: Dns01 | None = None
-
-
-@dataclass(frozen=True)
-class Config:
-    path: Path
-    identity_key: Path
-    state_dir: Path
-    listen: Listen
-    tunnel_hostname: str | None
-    acme: Acme | None
-    limits: Limits
-    tenants: tuple[Tenant, ...]
-    # Added by the loader: the include globs, absolute (resolved against path's directory).
-    includes: tuple[str, ...] = ()
-
-    def routes(self) -> tuple[Route, ...]:
-        return tuple(r for t in self.tenants for r in t.routes)
-
-    def tenant(self, name: str) -> Tenant | None:
-        return next((t for t in self.tenants if t.name == name), None)
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    path: Path
-    identity_key: Path
-    ingress: Address
-    tunnel_hostname: str
-    pin: str
-    forward: Address
-    connections: int = 2
-    #: How tunnel data connections are made: raw token-authenticated TCP (fast, spliced),
-    #: TLS (for networks that pass only TLS on 443), or auto (raw, falling back to TLS).
-    data_transport: Literal["auto", "raw", "tls"] = "auto"
-
+from pact_ingress.model import (
+    Acme,
+    Address,
+    Backend,
+    CertFiles,
+    CertSource,
+    Config,
+    ConnectorConfig,
+    Dns01,
+    Limits,
+    Listen,
+    Route,
+    Tenant,
+    is_ip_address,
+    normalize_hostname,
+)
 
 # --- caps ---------------------------------------------------------------------------------
 
@@ -233,7 +112,6 @@ MAX_TUNNEL_CONNECTIONS = 16
 MAX_DURATION_SECONDS = 86_400.0
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
-_LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?")
@@ -282,23 +160,6 @@ def parse_size(text: str) -> int:
     return size
 
 
-def normalize_hostname(text: str, *, wildcard: bool = False) -> str:
-    """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`."""
-    host = text.strip().lower()
-    host = host.removesuffix(".")
-    if not host.isascii():
-        raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
-    if _is_ip(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
-        raise ValueError(f"{text!r} is an IP address, not a host name")
-    labels = host.split(".")
-    if wildcard and labels[0] == "*" and len(labels) > 1:
-        labels = labels[1:]
-    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
-        hint = " ('*' only as the whole first label)" if "*" in host else ""
-        raise ValueError(f"{text!r} is not a valid host name{hint}")
-    return host
-
-
 def parse_address(text: str, *, default_port: int | None = None) -> Address:
     """``"host:port"``, ``"[v6]:port"``, ``"1.2.3.4:port"`` → Address; ValueError if not."""
     text = text.strip()
@@ -307,7 +168,7 @@ def parse_address(text: str, *, default_port: int | None = None) -> Address:
         if not host.endswith("]") or not _is_ipv6(host[1:-1]):
             raise ValueError(f"{text!r}: brackets hold an IPv6 address only")
         host = host[1:-1]
-    elif not _is_ip(host):
+    elif not is_ip_address(host):
         try:
             host = normalize_hostname(host)
         except ValueError:
@@ -339,16 +200,8 @@ def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _is_ipv6(text: str) -> bool:
-    return _is_ip(text) and ":" in text
+    return is_ip_address(text) and ":" in text
 
 
 # --- the walker ---------------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""The configuration model: frozen dataclasses every other module reads, no YAML.
+
+They are immutable so a reload swaps one object atomically. `normalize_hostname` is the
+one spelling of a host name used everywhere (config, routing). The strict YAML loader and
+its validators, which build these objects, live in `pact_ingress/config/`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Mode = Literal["passthrough", "terminate"]
+SealPosture = Literal["required", "optional"]
+ClientCertPosture = Literal["none", "optional", "required"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Limits; top-level defaults, each route's copy has its overrides merged in."""
+
+    clienthello_timeout: float = 10.0  # seconds
+    idle_timeout: float = 300.0  # seconds
+    max_connections: int = 20000
+    max_connections_per_ip: int = 200
+    calls_per_hour_per_ip_key: int = 600
+    calls_per_hour_per_ip: int = 3000
+    max_body_bytes: int = 6 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Address:
+    """A TCP address from config: IP literal or hostname, and port."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a route's traffic goes: a configured address, or the tenant's tunnel."""
+
+    address: Address | None  # None means "tunnel"
+
+    @property
+    def is_tunnel(self) -> bool:
+        return self.address is None
+
+    def __str__(self) -> str:
+        return "tunnel" if self.address is None else str(self.address)
+
+
+@dataclass(frozen=True)
+class CertFiles:
+    cert: Path
+    key: Path
+
+
+CertSource = Literal["acme"] | CertFiles
+
+
+@dataclass(frozen=True)
+class Route:
+    host: str  # lower-case; exact name or "*.suffix"
+    tenant: str
+    mode: Mode
+    backend: Backend
+    proxy_protocol: Literal["off", "v2"] = "off"
+    seal: SealPosture = "required"
+    mcp_path: str = "/mcp"
+    cert: Literal["acme"] | CertFiles | None = None  # terminate routes only
+    limits: Limits = field(default_factory=Limits)
+    # Added by the loader (issue 2): the home node's client-certificate posture, §13.4.
+    client_cert: ClientCertPosture = "none"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    pins: tuple[str, ...]
+    routes: tuple[Route, ...]
+    # Added by the loader: the file that defined this tenant (main file or an include).
+    source: Path | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Listen:
+    tls: tuple[Address, ...]
+    http: tuple[Address, ...] = ()
+    admin: Address | Path | None = None  # Path = unix socket
+    #: With a token file the admin endpoint may bind a non-loopback address; every request
+    #: then needs `Authorization: Bearer <token>` (the file's content, ≥ 32 characters).
+    admin_token_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class Dns01:
+    server: Address
+    zone: str
+    tsig_key_file: Path
+
+
+@dataclass(frozen=True)
+class Acme:
+    directory: str
+    email: str | None
+    agree_tos: bool
+    challenges: tuple[str, ...] = ("tls-alpn-01", "http-01")
+    ca_bundle: Path | None = None
+    dns01: Dns01 | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    identity_key: Path
+    state_dir: Path
+    listen: Listen
+    tunnel_hostname: str | None
+    acme: Acme | None
+    limits: Limits
+    tenants: tuple[Tenant, ...]
+    # Added by the loader: the include globs, absolute (resolved against path's directory).
+    includes: tuple[str, ...] = ()
+
+    def routes(self) -> tuple[Route, ...]:
+        return tuple(r for t in self.tenants for r in t.routes)
+
+    def tenant(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    path: Path
+    identity_key: Path
+    ingress: Address
+    tunnel_hostname: str
+    pin: str
+    forward: Address
+    connections: int = 2
+    #: How tunnel data connections are made: raw token-authenticated TCP (fast, spliced),
+    #: TLS (for networks that pass only TLS on 443), or auto (raw, falling back to TLS).
+    data_transport: Literal["auto", "raw", "tls"] = "auto"
+
+
+_LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
+
+
+def normalize_hostname(text: str, *, wildcard: bool = False, validate: bool = True) -> str:
+    """Lower-case, strip one trailing dot, check LDH labels; ``*.suffix`` if `wildcard`.
+
+    With ``validate=False`` only the spelling is made canonical, nothing is checked and
+    nothing raises: for names already validated (a configured route host, a parsed SNI)
+    and for lookups, where a bad name simply matches nothing.
+    """
+    host = text.strip().lower()
+    host = host.removesuffix(".")
+    if not validate:
+        return host
+    if not host.isascii():
+        raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
+    if is_ip_address(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
+        raise ValueError(f"{text!r} is an IP address, not a host name")
+    labels = host.split(".")
+    if wildcard and labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
+        hint = " ('*' only as the whole first label)" if "*" in host else ""
+        raise ValueError(f"{text!r} is not a valid host name{hint}")
+    return host
+
+
+def is_ip_address(text: str) -> bool:
+    """Whether `text` is an IPv4 or IPv6 address literal (no brackets)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
