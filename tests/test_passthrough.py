@@ -31,6 +31,7 @@ from tests.netutil import (
     server_context,
     sha256_stream,
 )
+from tests.tools import require
 
 VECTORS = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (VECTORS / "curl.bin").read_bytes()  # SNI www.example.test, ALPN h2,http/1.1
@@ -118,7 +119,7 @@ async def test_curl_with_client_cert(nursery: trio.Nursery, tmp_path: Path):
     port = await nursery.start(backend.serve)
     h = await start_router(nursery, make_config(tmp_path, [route("alina.test", "alina", port)]))
     result = await trio.run_process(
-        ["curl", "-sS", "-k", "--max-time", "10", "--http1.1",
+        [require("curl"), "-sS", "-k", "--max-time", "10", "--http1.1",
          "--resolve", f"alina.test:{h.port}:127.0.0.1",
          "--cert", str(caller.cert_path), "--key", str(caller.key_path),
          "-w", "\\n%{ssl_verify_result}", f"https://alina.test:{h.port}/"],
@@ -161,7 +162,7 @@ async def test_unknown_or_missing_sni_gets_unrecognized_name(
 async def test_openssl_sees_alert_112(nursery: trio.Nursery, tmp_path: Path):
     h = await start_router(nursery, make_config(tmp_path, [route("alina.test", "alina", 9)]))
     result = await trio.run_process(
-        ["openssl", "s_client", "-connect", f"127.0.0.1:{h.port}",
+        [require("openssl"), "s_client", "-connect", f"127.0.0.1:{h.port}",
          "-servername", "nobody.test"],
         stdin=b"", capture_stdout=True, capture_stderr=True, check=False)
     assert "unrecognized name" in result.stderr.decode()
