@@ -14,14 +14,10 @@ from pathlib import Path
 import trio
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
-from pact_ingress.identity import Identity, fingerprint_of_cert_der, keygen
+from pact_ingress.identity import Identity, fingerprint_of_cert_der
 
 #: Bounded waits in tests: anything slower than this is a failure, not a hang.
 TEST_TIMEOUT = 20.0
-
-
-def make_identity(tmp: Path, name: str, *, ed25519: bool = False) -> Identity:
-    return keygen(tmp / f"{name}.key", ed25519_key=ed25519, common_name=name)
 
 
 def route(host: str, tenant: str, port: int | None, *, mode: str = "passthrough",

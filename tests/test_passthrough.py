@@ -26,11 +26,11 @@ from tests.netutil import (
     client_context,
     https_get,
     make_config,
-    make_identity,
     route,
     server_context,
     sha256_stream,
 )
+from tests.tls_helpers import make_identity
 from tests.tools import require
 
 VECTORS = Path(__file__).parent / "vectors" / "clienthello"
