@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from pact_ingress.config import Limits
 from pact_ingress.net.backends import Backends
@@ -412,7 +413,8 @@ async def test_drain_stops_accepting_and_lets_open_connections_finish(
     await c.send_all(HELLO)
     assert await read_exact(c, len(HELLO)) == HELLO
     await h.router.drain(deadline=60)
-    await trio.sleep(0.05)
+    # every task blocked: the accept loop has ended and its listener is closed
+    await trio.testing.wait_all_tasks_blocked()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", h.port)  # listener closed
     await c.send_all(b"still here")  # the open connection keeps working
