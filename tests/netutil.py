@@ -50,7 +50,8 @@ def make_config(tmp: Path, routes: Iterable[Route], *, limits: Limits | None = N
 def server_context(ident: Identity, *, client_ca: Iterable[Identity] = (),
                    alpn: Iterable[str] = ()) -> ssl.SSLContext:
     """A stdlib TLS server context. With `client_ca`, client certs are required and each
-    listed identity's self-signed cert is trusted as its own anchor (DESIGN §5)."""
+    listed identity's self-signed cert is trusted as its own anchor: stdlib `ssl` cannot
+    accept an arbitrary self-signed client cert, but it can trust the ones it is told."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(ident.cert_path, ident.key_path)
     cas = list(client_ca)
