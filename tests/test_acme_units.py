@@ -13,6 +13,8 @@ import random
 import ssl
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -304,17 +306,41 @@ async def test_file_certs_served_and_listed(tmp_path: Path) -> None:
         await m.renew("f.example")
 
 
-async def test_missing_cert_logs_in_progress_once_per_interval(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@contextmanager
+def package_log() -> Iterator[list[logging.LogRecord]]:
+    """Records of the `pact_ingress` logger, kept by a handler on that logger itself.
+
+    The logger is process-wide and `logs.setup` (CLI entry points, other tests) replaces
+    its handlers and turns propagation off; capturing through the root logger (caplog)
+    would count whatever an earlier test left configured, not what this one logged.
+    """
+    logger = logging.getLogger("pact_ingress")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)  # never the only handler: no `logs._direct` shortcut
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_missing_cert_logs_in_progress_once_per_interval(tmp_path: Path) -> None:
     m = CertManager(state_dir=tmp_path / "state", stats=Stats(), wall_clock=lambda: 1000.0)
     cfg = _acme_config(tmp_path, ["new.example"])
     m.update(cfg)
     r = next(r for r in cfg.routes() if r.host == "new.example")
-    logging.getLogger("pact_ingress").propagate = True
-    with caplog.at_level(logging.INFO, logger="pact_ingress"):
+    with package_log() as records:
         for _ in range(5):
             assert m.server_context(r) is None
-    events = [rec.getMessage() for rec in caplog.records]
+    events = [rec.getMessage() for rec in records
+              if getattr(rec, "fields", {}).get("host") == "new.example"]
     assert events.count("cert_issuance_in_progress") == 1
     assert [i.host for i in m.inventory()] == ["new.example"]  # passthrough not listed
 
