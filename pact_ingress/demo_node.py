@@ -4,7 +4,8 @@ Why it exists: `pact-ingress demo` and the end-to-end tests need something real 
 the ingress — a node with its own PACT identity that
 
 * serves TLS itself, **requesting** a client certificate and accepting any self-signed
-  one (pyOpenSSL via `net.ossl_stream`, since stdlib ssl cannot, DESIGN §5), so it can
+  one (pyOpenSSL via `net.ossl_stream`: stdlib ssl has no verify callback, so it can only
+  accept client certificates that chain to a CA it was given), so it can
   report which key was on the transport link (the ingress's, in terminate mode; the
   caller's, in passthrough mode);
 * answers MCP `initialize`, `tools/list` (the guest view: `echo`, `send_message`,

@@ -57,14 +57,7 @@ class IdentityError(PactIngressError):
 
 
 class RemoteProtocolError(PactIngressError):
-    """A peer sent bytes that violate the protocol we expect from it.
-
-    `alert` names the TLS alert description code to answer with, when one applies.
-    """
-
-    def __init__(self, message: str, *, alert: int | None = None) -> None:
-        super().__init__(message)
-        self.alert = alert
+    """A peer sent bytes that violate the protocol we expect from it."""
 
 
 class BackendError(PactIngressError):

@@ -1,7 +1,8 @@
 """In-process counters, kept in one place so the admin endpoint only exposes them.
 
-Every module that counts something imports `STATS` (or receives a `Stats`) and touches
-these metric objects; nothing else keeps its own tallies. The metrics live in a private
+Every component that counts something is handed the one `Stats` of its process (the
+ingress or the connector builds it and passes it down) and touches these metric objects;
+nothing else keeps its own tallies. The metrics live in a private
 `CollectorRegistry` per `Stats` so tests can run several ingresses in one process without
 their numbers mixing. `recent_refusals` keeps a short, bounded history for the status page.
 """

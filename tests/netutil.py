@@ -14,14 +14,10 @@ from pathlib import Path
 import trio
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
-from pact_ingress.identity import Identity, fingerprint_of_cert_der, keygen
+from pact_ingress.identity import Identity, fingerprint_of_cert_der
 
 #: Bounded waits in tests: anything slower than this is a failure, not a hang.
 TEST_TIMEOUT = 20.0
-
-
-def make_identity(tmp: Path, name: str, *, ed25519: bool = False) -> Identity:
-    return keygen(tmp / f"{name}.key", ed25519_key=ed25519, common_name=name)
 
 
 def route(host: str, tenant: str, port: int | None, *, mode: str = "passthrough",
@@ -54,7 +50,8 @@ def make_config(tmp: Path, routes: Iterable[Route], *, limits: Limits | None = N
 def server_context(ident: Identity, *, client_ca: Iterable[Identity] = (),
                    alpn: Iterable[str] = ()) -> ssl.SSLContext:
     """A stdlib TLS server context. With `client_ca`, client certs are required and each
-    listed identity's self-signed cert is trusted as its own anchor (DESIGN §5)."""
+    listed identity's self-signed cert is trusted as its own anchor: stdlib `ssl` cannot
+    accept an arbitrary self-signed client cert, but it can trust the ones it is told."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(ident.cert_path, ident.key_path)
     cas = list(client_ca)

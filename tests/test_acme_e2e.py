@@ -10,6 +10,7 @@ handshake got and that an established connection keeps working.
 
 from __future__ import annotations
 
+import logging
 import ssl
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pact_ingress.acme.manager import CertManager
 from pact_ingress.acme.schedule import Policy
 from pact_ingress.acme.store import list_store
 from pact_ingress.config import Acme, Address, Config, Dns01, Listen, Route, Tenant
+from pact_ingress import logs
 from pact_ingress.logs import setup as log_setup
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http_listener import serve_http
@@ -138,8 +140,18 @@ async def start_edge(nursery: trio.Nursery, tmp: Path, pebble: Pebble, config: C
 
 
 @pytest.fixture(autouse=True)
-def _logs() -> None:
+def _logs() -> Iterator[None]:
+    """Readable logs on stderr for these long runs. The package logger is process-wide
+    (`logs.setup` replaces its handlers and turns propagation off), so it is put back as
+    found: tests after these must not inherit it."""
+    logger = logging.getLogger("pact_ingress")
+    saved = (logger.handlers[:], logger.level, logger.propagate, logs._direct)
     log_setup("text")
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    logs._direct = saved[3]
 
 
 # ------------------------------------------------------------------------------ clients

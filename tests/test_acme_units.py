@@ -13,6 +13,8 @@ import random
 import ssl
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -268,6 +270,33 @@ def fake_ca(monkeypatch: pytest.MonkeyPatch) -> FakeCA:
     return ca
 
 
+async def quiet_round(m: CertManager) -> None:
+    """Wait for a scheduler round that began with no order running and started none.
+
+    A negative check ("no further order") needs the scheduler to have *looked* at the state
+    that should stop it; sleeping a while and hoping it has is either slow or flaky. Such a
+    round has seen every finished order's outcome (backoff, spent budget) and decided
+    against another one.
+    """
+    quiet = trio.Event()
+    inner = m._start_due
+
+    def start_due(nursery: trio.Nursery) -> float | None:
+        busy_before = any(h.busy for h in m._hosts.values())
+        try:
+            return inner(nursery)
+        finally:
+            if not busy_before and not any(h.busy for h in m._hosts.values()):
+                quiet.set()
+
+    m._start_due = start_due  # type: ignore[method-assign]
+    try:
+        with trio.fail_after(WAIT):
+            await quiet.wait()
+    finally:
+        m._start_due = inner  # type: ignore[method-assign]
+
+
 async def test_file_certs_served_and_listed(tmp_path: Path) -> None:
     files = {"f.example": _files(tmp_path, "f.example")}
     m = CertManager(state_dir=tmp_path / "state", stats=Stats())
@@ -282,17 +311,41 @@ async def test_file_certs_served_and_listed(tmp_path: Path) -> None:
         await m.renew("f.example")
 
 
-async def test_missing_cert_logs_in_progress_once_per_interval(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@contextmanager
+def package_log() -> Iterator[list[logging.LogRecord]]:
+    """Records of the `pact_ingress` logger, kept by a handler on that logger itself.
+
+    The logger is process-wide and `logs.setup` (CLI entry points, other tests) replaces
+    its handlers and turns propagation off; capturing through the root logger (caplog)
+    would count whatever an earlier test left configured, not what this one logged.
+    """
+    logger = logging.getLogger("pact_ingress")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)  # never the only handler: no `logs._direct` shortcut
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_missing_cert_logs_in_progress_once_per_interval(tmp_path: Path) -> None:
     m = CertManager(state_dir=tmp_path / "state", stats=Stats(), wall_clock=lambda: 1000.0)
     cfg = _acme_config(tmp_path, ["new.example"])
     m.update(cfg)
     r = next(r for r in cfg.routes() if r.host == "new.example")
-    logging.getLogger("pact_ingress").propagate = True
-    with caplog.at_level(logging.INFO, logger="pact_ingress"):
+    with package_log() as records:
         for _ in range(5):
             assert m.server_context(r) is None
-    events = [rec.getMessage() for rec in caplog.records]
+    events = [rec.getMessage() for rec in records
+              if getattr(rec, "fields", {}).get("host") == "new.example"]
     assert events.count("cert_issuance_in_progress") == 1
     assert [i.host for i in m.inventory()] == ["new.example"]  # passthrough not listed
 
@@ -331,7 +384,7 @@ async def test_failed_validations_budget_defers(tmp_path: Path, nursery: trio.Nu
         while stats.value("pact_ingress_certificate_failures_total",
                           {"host": "v.example", "reason": "validation"}) < 3:
             await trio.sleep(0.01)
-    await trio.sleep(0.3)  # many backoff periods: still only 3 attempts (budget: 3 / hour)
+    await quiet_round(m)  # backoff (10 ms) long over: the budget alone stops a 4th attempt
     assert len(fake_ca.calls) == 3
     with pytest.raises(AcmeError, match="deferred by the issuance budget"):
         await m.renew("v.example")
@@ -348,7 +401,7 @@ async def test_order_budget_per_account(tmp_path: Path, nursery: trio.Nursery,
     with trio.fail_after(WAIT):
         while len(fake_ca.calls) < 2:
             await trio.sleep(0.01)
-    await trio.sleep(0.2)
+    await quiet_round(m)  # both orders done, the third host looked at and deferred
     assert len(fake_ca.calls) == 2 and m.orders_sent == 2
 
 
@@ -375,7 +428,7 @@ async def test_failure_keeps_old_cert_and_backs_off(tmp_path: Path, nursery: tri
         while stats.value("pact_ingress_certificate_failures_total",
                           {"host": "k.example", "reason": "ca_unreachable"}) < 1:
             await trio.sleep(0.01)
-    await trio.sleep(0.2)
+    await quiet_round(m)  # the failure seen, the retry put off
     assert len(fake_ca.calls) == 2  # backoff: no immediate retry
     assert m.server_context(r) is old
     assert m.inventory()[0].last_error == "simulated ca_unreachable"

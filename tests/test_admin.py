@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import http.client
 import json
-import shutil
 import socket
 import stat
 import struct
@@ -45,6 +44,7 @@ from pact_ingress.admin.server import MIN_TOKEN_LENGTH, _check_remote
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
 from pact_ingress.errors import ConfigError, ListenError
 from pact_ingress.stats import Stats
+from tests.tools import require
 
 PIN_A = "sha256:rAGyIJ6GNU-4UyN7XeD0-rE8f8v0M6YcAZNpYX_s8Qs"
 PIN_A2 = "sha256:Jq3kM2r1QeA2yQ0b9cVJ3cO8t0V1f2h0s9QbWm0cN4E"
@@ -531,12 +531,11 @@ async def _chromium(*args: str) -> str:
     with tempfile.TemporaryDirectory() as profile:
         with trio.fail_after(CHROMIUM_DEADLINE):
             result = await trio.run_process(
-                ["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                [require("chromium"), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
                 capture_stdout=True, capture_stderr=True)
     return result.stdout.decode()
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed")
 async def test_status_page_in_chromium() -> None:
     async with running(Address("127.0.0.1", 0)) as addr:
         url = f"http://127.0.0.1:{addr.port}/"

@@ -4,7 +4,6 @@ re-fragmentation, DoS caps, Hypothesis fuzzing; and TLS alerts as real clients s
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import ssl
 import subprocess
@@ -26,6 +25,7 @@ from pact_ingress.proto.clienthello import (
     parse_client_hello,
 )
 from pact_ingress.proto.tls_alert import alert_record
+from tests.tools import require
 
 VECTORS = Path(__file__).parent / "vectors" / "clienthello"
 INDEX: dict[str, dict[str, object]] = json.loads((VECTORS / "vectors.json").read_text())
@@ -477,10 +477,8 @@ def test_python_ssl_sees_the_alert(alert_server: tuple[int, list[ClientHello]],
 
 
 def _run_client(argv: list[str]) -> str:
-    if shutil.which(argv[0]) is None:
-        pytest.skip(f"{argv[0]} not installed")
-    out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=30, check=False)  # fmt: skip
+    out = subprocess.run([require(argv[0]), *argv[1:]], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode != 0
     return out.stdout + out.stderr
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from pact_ingress.config import Limits
 from pact_ingress.net.backends import Backends
@@ -26,11 +27,12 @@ from tests.netutil import (
     client_context,
     https_get,
     make_config,
-    make_identity,
     route,
     server_context,
     sha256_stream,
 )
+from tests.tls_helpers import make_identity
+from tests.tools import require
 
 VECTORS = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (VECTORS / "curl.bin").read_bytes()  # SNI www.example.test, ALPN h2,http/1.1
@@ -119,7 +121,7 @@ async def test_curl_with_client_cert(nursery: trio.Nursery, tmp_path: Path):
     port = await nursery.start(backend.serve)
     h = await start_router(nursery, make_config(tmp_path, [route("alina.test", "alina", port)]))
     result = await trio.run_process(
-        ["curl", "-sS", "-k", "--max-time", "10", "--http1.1",
+        [require("curl"), "-sS", "-k", "--max-time", "10", "--http1.1",
          "--resolve", f"alina.test:{h.port}:127.0.0.1",
          "--cert", str(caller.cert_path), "--key", str(caller.key_path),
          "-w", "\\n%{ssl_verify_result}", f"https://alina.test:{h.port}/"],
@@ -162,7 +164,7 @@ async def test_unknown_or_missing_sni_gets_unrecognized_name(
 async def test_openssl_sees_alert_112(nursery: trio.Nursery, tmp_path: Path):
     h = await start_router(nursery, make_config(tmp_path, [route("alina.test", "alina", 9)]))
     result = await trio.run_process(
-        ["openssl", "s_client", "-connect", f"127.0.0.1:{h.port}",
+        [require("openssl"), "s_client", "-connect", f"127.0.0.1:{h.port}",
          "-servername", "nobody.test"],
         stdin=b"", capture_stdout=True, capture_stderr=True, check=False)
     assert "unrecognized name" in result.stderr.decode()
@@ -467,7 +469,8 @@ async def test_drain_stops_accepting_and_lets_open_connections_finish(
     await c.send_all(HELLO)
     assert await read_exact(c, len(HELLO)) == HELLO
     await h.router.drain(deadline=60)
-    await trio.sleep(0.05)
+    # every task blocked: the accept loop has ended and its listener is closed
+    await trio.testing.wait_all_tasks_blocked()
     with pytest.raises(OSError):
         await trio.open_tcp_stream("127.0.0.1", h.port)  # listener closed
     await c.send_all(b"still here")  # the open connection keeps working

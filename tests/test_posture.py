@@ -1,5 +1,5 @@
-"""The edge's seal-posture check (DESIGN §4): every row of the table, both postures,
-batches, notifications, odd JSON, and the rate-limited refusal."""
+"""The edge's seal-posture check (`proto/posture.py`, spec §13.3/§13.4): every row of its
+table, both postures, batches, notifications, odd JSON, and the rate-limited refusal."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def _refused(decision: P.Decision) -> tuple[P.Refuse, Any]:
 
 
 def _tool_error(reply: dict[str, Any], code: str, rpc_id: Any) -> str:
-    """Assert `reply` is DESIGN §4's refusal shape for `code`; return its text."""
+    """Assert `reply` is a refusal for `code` as MCP clients surface it — a tool error
+    inside a JSON-RPC result (`proto/posture.py`, "HTTP status") — and return its text."""
     assert reply["jsonrpc"] == "2.0" and "error" not in reply
     assert reply["id"] == rpc_id and type(reply["id"]) is type(rpc_id)
     result = reply["result"]

@@ -4,12 +4,10 @@ consumer (HAProxy) reporting the caller address we encoded."""
 from __future__ import annotations
 
 import ipaddress
-import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +23,7 @@ from pact_ingress.proto.proxy_protocol import (
     encode_v2,
     encode_v2_local,
 )
+from tests.tools import require
 
 # Worked by hand from the spec (proxy-protocol.txt §2.2).
 GOLDEN_V4 = bytes.fromhex(
@@ -161,8 +160,6 @@ def test_garbage_only_raises_proxy_protocol_error(tail: bytes) -> None:
 
 # --- HAProxy as the real consumer -------------------------------------------------------
 
-HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists()
-                                      else None)  # fmt: skip
 HAPROXY_CFG = """
 global
     maxconn 100
@@ -185,12 +182,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def haproxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    if HAPROXY is None:
-        pytest.skip("haproxy binary not installed")
+    haproxy = require("haproxy")
     port = _free_port()
     cfg = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
     cfg.write_text(HAPROXY_CFG.format(port=port))
-    proc = subprocess.Popen([HAPROXY, "-f", str(cfg), "-db"], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([haproxy, "-f", str(cfg), "-db"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         _wait_listening(port, proc)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import require
+
 UNITS_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNITS = ("pact-ingress.service", "pact-connect.service")
 INSTALLED_BIN = "/usr/local/bin/pact-ingress"
@@ -27,11 +29,6 @@ MAX_EXPOSURE = 3.0
 
 #: A deadline for each systemd-analyze run (it takes well under a second here).
 ANALYZE_TIMEOUT = 60
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None,
-    reason="systemd-analyze not installed (Debian package: systemd)")
-
 
 def _exec_start() -> str:
     found = shutil.which("pact-ingress")
@@ -53,7 +50,7 @@ def _copy(unit: str, dest: Path, mutate: tuple[str, str] | None = None) -> Path:
 
 
 def _analyze(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["systemd-analyze", *args], capture_output=True, text=True,
+    return subprocess.run([require("systemd-analyze"), *args], capture_output=True, text=True,
                           timeout=ANALYZE_TIMEOUT, check=False)
 
 

@@ -41,10 +41,10 @@ from tests.netutil import (
     TlsWhoAmI,
     https_get,
     make_config,
-    make_identity,
     route,
     server_context,
 )
+from tests.tls_helpers import make_identity
 
 TUNNEL_HOST = "tunnel.test"
 #: A captured curl ClientHello (SNI www.example.test).

@@ -56,7 +56,8 @@ from pact_ingress.logs import log
 from pact_ingress.model import Acme, CertFiles, Config, Route
 from pact_ingress.stats import Stats
 
-#: ALPN protocols of served (terminate) contexts: hypercorn speaks both.
+#: ALPN protocols of served (terminate) contexts: the terminate engine speaks both
+#: (`net.http2`, `net.http1`).
 SERVED_ALPN = ["h2", "http/1.1"]
 
 

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,9 +64,6 @@ class CertInfo:
     next_renewal: float | None = None
     last_error: str | None = None
     directory: str | None = None  # the ACME CA that issued it
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ extension id-pe-acmeIdentifier (1.3.6.1.5.5.7.1.31) whose extnValue is the DER e
 of an OCTET STRING holding SHA-256(key authorization). The router sees the ALPN in the
 ClientHello and hands such connections to `CertManager.challenge_context(sni)`.
 
-`acme` 5.x dropped its TLS-ALPN-01 classes (DESIGN §5), so without them the challenge
+The `acme` library (5.x) no longer ships TLS-ALPN-01 classes, so without them the challenge
 parses as `UnrecognizedChallenge` and cannot be answered. The two small classes below
 register the type with the library's JSON registries: answering is the generic
 key-authorization response (an empty JSON object on the wire, RFC 8555 §7.5.1).

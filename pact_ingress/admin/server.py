@@ -15,9 +15,9 @@ Two browser attacks reach loopback services and are closed here:
   requests that carry browser-only headers (`Origin`, `Sec-Fetch-Site` other than
   `none`). The CLI client (`client.py`) sends neither; the status page has no forms.
 
-Why hypercorn and not a hand-rolled HTTP/1.1 server: hypercorn is already our HTTP stack
-for terminate routes (pinned, DESIGN §5); it brings h11's strict parsing, keep-alive,
-request-size caps and timeouts for free, and a hand-rolled parser would be a second HTTP
+Why hypercorn and not a hand-rolled HTTP/1.1 server: it brings h11's strict parsing,
+keep-alive, request-size caps and timeouts for free, and the admin endpoint is no hot path
+that would pay for its generality; a hand-rolled parser would be one more HTTP
 implementation to harden. We create and bind the listening socket ourselves (to check the
 resolved address, to make the unix socket mode 0600 before it listens, and to report a TCP
 port 0's real port) and hand it to `hypercorn.trio.run.worker_serve(sockets=...)`, the

@@ -18,10 +18,10 @@ token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallb
 `data_transport="tls"` or chosen by itself (below), is the older way: ALPN
 `pact-tunnel-data/1` with the same pinned mutual TLS as the control connection, the token
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
-ends per stream, ~10× the CPU. Either way the connection then waits, raw, in the
-ingress's pool. The first bytes the ingress sends mean "this is a stream now": we
-connect `forward`, pass them on and splice both ways (kernel splice, both ends plain
-TCP).
+ends per stream, which costs far more CPU than the raw dial. Either way the connection
+then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "this is
+a stream now": we connect `forward`, pass them on and splice both ways (kernel splice,
+both ends plain TCP).
 
 Each data connection lives on an OS thread of its own (`stream_thread.StreamJob`):
 a raw one is dialled there too, then the thread parks in poll(2) until the first bytes
@@ -29,7 +29,8 @@ and runs the stream to its end. trio only starts the job (`_run_job`), hears abo
 stream's first answer (`_stream_opened`: count, replacement dial) and its end. Why
 threads in a trio program: both first-byte crossings of every stream run here, on the
 home machine's core, next to the service; trio's per-wake-up cost there was most of
-what the tunnel added to a stream's open (numbers: `stream_thread.py`). TLS data
+what the tunnel added to a stream's open (`stream_thread.py`; the numbers are in the
+README's "Performance" section). TLS data
 connections are handshaken in trio first (ssl + trio), then handed over the same way.
 Dials wait while a stream is opening (OPENING_YIELD), replacements REPLACE_DELAY more,
 so that their connect, the ingress's accept and DATA_OK stay off the first-byte path. An
@@ -101,8 +102,9 @@ from pact_ingress.stats import Stats
 CONNECT_TIMEOUT = 10.0
 #: TLS handshake plus the first answer (WELCOME / DATA_OK) must come within this.
 HANDSHAKE_TIMEOUT = 10.0
-#: Reconnect delays: 0.5 s, 1 s, 2 s, … capped at 30 s (issue 5), each × a random factor
-#: in [0.5, 1) ("equal jitter").
+#: Reconnect delays: 0.5 s, 1 s, 2 s, … capped at 30 s, each × a random factor in
+#: [0.5, 1) ("equal jitter"): quick to come back after a blip, and a fleet of connectors
+#: that lost the same ingress neither hammers it nor reconnects in lockstep.
 BACKOFF_BASE = 0.5
 BACKOFF_CAP = 30.0
 #: A control connection that stayed up this long counts as healthy: backoff restarts.

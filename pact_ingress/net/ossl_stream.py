@@ -4,12 +4,15 @@ Why this exists
 ---------------
 PACT servers authenticate callers by the SPKI fingerprint of a *self-signed* client
 certificate (spec §2). The stdlib `ssl` module cannot accept an unknown self-signed client
-certificate server-side (DESIGN §5: no verify callback), so `trio.SSLStream` cannot be the
-server end of such a link. pyOpenSSL can: `set_verify(VERIFY_PEER, lambda *a: True)`
-requests a certificate, accepts whatever is presented, and leaves the pin decision to the
-application (which reads `peer_fingerprint` after the handshake). No maintained
-trio/anyio pyOpenSSL stream exists, hence this module. The home node side (demo node,
-tunnel connector) uses it; the ingress's own client side stays on stdlib `ssl`.
+certificate server-side (it has no verify callback: a client certificate must chain to a
+CA it was given), so `trio.SSLStream` cannot be the server end of such a link. pyOpenSSL
+can: `set_verify(VERIFY_PEER, lambda *a: True)` requests a certificate, accepts whatever
+is presented, and leaves the pin decision to the application (which reads
+`peer_fingerprint` after the handshake). No maintained trio/anyio pyOpenSSL stream exists,
+hence this module. Its users are the servers that must take any key: the tunnel server
+(connectors' keys, pinned per tenant) and the demo node. Every client end — the tunnel
+connector, the terminate upstream — stays on stdlib `ssl`, which can present a
+self-signed certificate and leaves the server's pin to `identity.check_pin`.
 
 Theory of operation
 -------------------
@@ -140,7 +143,7 @@ def client_context(identity: Identity | None, *, alpn: Iterable[str] = ()) -> SS
 class OpenSSLStream(trio.abc.Stream):
     """TLS over any trio Stream via a memory-BIO `SSL.Connection` (see module docstring).
 
-    The interface follows `trio.SSLStream` where hypercorn and our code touch it:
+    The interface follows `trio.SSLStream` where hypercorn (demo node) and our code touch it:
     `transport_stream`, `do_handshake()`, `selected_alpn_protocol()`, plus
     `getpeercert(binary_form=True)` like `ssl.SSLObject` (so `identity.check_pin` works)
     and `peer_fingerprint`. It is not half-closeable (no `send_eof`), like TLS itself.

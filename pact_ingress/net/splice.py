@@ -10,15 +10,16 @@ conversation is over).
 
 When both ends are plain TCP sockets (passthrough, and tunnel data connections: the
 router hands them over as bare trio sockets, `relay_sockets`) the steady state uses
-`os.splice` through a pipe, so payload bytes never enter Python:
-socket → pipe → socket. DESIGN §5 measured this at ~1.1–1.35 GB/s for a third of the CPU
-of a recv/send_all copy. The pipe is drained completely before the next socket → pipe
-splice, so a slow reader applies backpressure to the writer through TCP instead of
-growing a buffer. Any other stream (TLS streams, test memory streams) takes the copy
+`os.splice` through a pipe, so payload bytes never enter Python: socket → pipe → socket.
+The kernel moves the pages, so a bulk transfer costs a fraction of the CPU of a
+recv/send_all copy through Python buffers. The pipe is drained completely before the
+next socket → pipe splice, so a slow reader applies backpressure to the writer through
+TCP instead of growing a buffer. Any other stream (TLS streams, test memory streams) takes the copy
 path, with the same half-close behaviour.
 
-Per-connection cost matters more than per-byte cost for a Python router (DESIGN §5:
-connection setup is where it loses), so the hot path is shaped for it:
+Per-connection cost matters more than per-byte cost for a Python router (with the bytes
+in the kernel, what is left per connection is interpreter work: setup is where a Python
+proxy loses to a C one), so the hot path is shaped for it:
 
 - a splice is *tried first* and trio's `wait_readable`/`wait_writable` is only used
   after EAGAIN: a ready socket costs one syscall, not an epoll registration and a trip
@@ -49,8 +50,10 @@ from typing import Any
 
 import trio
 
-#: Pipe capacity for splicing; DESIGN §5 measured 1 MiB as the sweet spot. Falls back to
-#: the kernel default (64 KiB) when /proc/sys/fs/pipe-max-size forbids it.
+#: Pipe capacity for splicing: a larger pipe moves more per splice(2) call, so fewer calls
+#: (each a trip through the interpreter) per megabyte; 1 MiB is the default
+#: /proc/sys/fs/pipe-max-size, the most an unprivileged process may ask for. Falls back
+#: to the kernel default (64 KiB) when pipe-max-size is set lower.
 PIPE_SIZE = 1 << 20
 #: Drained pipes kept for reuse. Each costs two fds and (only while it holds data) up to
 #: PIPE_SIZE of kernel memory; 256 covers the steady churn of a busy small VPS.

@@ -12,19 +12,16 @@ Why a thread here when everything else is trio
 Every stream's first byte crosses the connector twice (the caller's first flight in, the
 home service's first answer out), and a home node's connector shares its machine — often
 its core — with the service it forwards to, so the connector's CPU on those crossings
-adds straight onto the stream's open latency. Measured on the tunnel bench (split
-placement; tests/bench/README.md "tunnel"): with a trio task per stream the tunnel added
-0.57–0.67 ms to a ~1.2 ms open at p50, and a cross-process timeline put about half of
-it in interpreter work on that path — waking the task through trio's epoll loop,
-bookkeeping, the relay nursery and its second task, a scheduler batch before the answer
-could be spliced back. A thread parked in poll(2) on its own socket is woken by the
-kernel directly and runs straight-line code: the tunnel then added 0.30–0.43 ms at p50,
-and 0.50 ms at p99 over 9,600 opens a path (was 1.17). The dial runs on the thread too,
-so a stream costs the trio thread two wake-ups (its first answer, its end) instead of
-about eight; the home core's CPU per connection fell with it. The GIL is free at the
-moments that matter (the trio thread is parked in epoll_wait, every syscall here releases
-it). The payload still never enters Python: socket → pipe → socket with `os.splice`,
-pipes from `splice.take_pipe`.
+adds straight onto the stream's open latency. With a trio task per stream, much of that
+CPU was interpreter work on exactly that path: waking the task through trio's epoll
+loop, bookkeeping, the relay nursery and its second task, a scheduler batch before the
+answer could be spliced back. A thread parked in poll(2) on its own socket is woken by
+the kernel directly and runs straight-line code. The dial runs on the thread too, so a
+stream costs the trio thread two wake-ups (its first answer, its end) instead of about
+eight. (What this bought, in latency and CPU: the README's "Performance" section.) The
+GIL is free at the moments that matter (the trio thread is parked in epoll_wait, every
+syscall here releases it). The payload still never enters Python: socket → pipe →
+socket with `os.splice`, pipes from `splice.take_pipe`.
 
 A thread per pooled connection costs a parked thread (a few pages of stack actually
 touched) each; the ingress's pool bounds them (and the connector's `MAX_PENDING_DATA`,

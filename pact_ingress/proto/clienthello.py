@@ -93,8 +93,9 @@ class ClientHelloError(RemoteProtocolError):
     """
 
     def __init__(self, reason: str, message: str, *, alert: int | None = None) -> None:
-        super().__init__(f"{reason}: {message}", alert=alert)
+        super().__init__(f"{reason}: {message}")
         self.reason = reason
+        self.alert = alert
 
 
 @dataclass(frozen=True)

@@ -240,11 +240,6 @@ class Decoder:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def take_rest(self) -> bytes:
-        """Bytes fed but not yet decoded (what follows the last frame), removed."""
-        rest, self._buf = bytes(self._buf), bytearray()
-        return rest
-
     def feed(self, data: bytes | bytearray) -> None:
         if len(self._buf) + len(data) > MAX_BUFFERED:
             raise FrameError("too many undecoded bytes buffered")

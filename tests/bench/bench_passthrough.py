@@ -18,8 +18,8 @@ ClientHello names its own backend):
 
 The proxy's CPU is read from /proc before and after each phase (`harness.CpuMeter`), so
 "µs per connection" and "s per GB" are the proxy process's own cost. Ratios are to the
-direct path of the same run, and pact-ingress ÷ HAProxy is checked against the targets
-of issue 2: flood conn/s ≥ 0.75×, bulk and keep-alive ≥ 1.0×, CPU s/GB ≤ 1.0×.
+direct path of the same run, and pact-ingress ÷ HAProxy is checked against the passthrough
+targets: flood conn/s ≥ 0.75×, bulk and keep-alive ≥ 1.0×, CPU s/GB ≤ 1.0×.
 
 pact-ingress runs as `python -m pact_ingress serve -c CONFIG` (`--ingress serve`), or,
 while `serve` cannot start because components are missing, as

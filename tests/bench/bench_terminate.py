@@ -2,10 +2,10 @@
 
     python -m tests.bench.bench_terminate [--quick] [--json out.json] [--no-profile]
 
-Issue 3 asks for keep-alive requests/s and the new-connection rate through terminate +
+It measures keep-alive requests/s and the new-connection rate through terminate +
 pinned re-origination, next to HAProxy doing terminate + re-encrypt to the same backend,
-with the target "≥ 0.5× HAProxy's keep-alive req/s", the CPU per request, and a profile
-of where pact-ingress's time goes. This module runs all of that in one go.
+against the target "≥ 0.5× HAProxy's keep-alive req/s", with the CPU per request and a
+profile of where pact-ingress's time goes. This module runs all of that in one go.
 
 What runs where (2 cores, `harness.CORE_PROXY` / `harness.CORE_LOAD`):
 
@@ -19,12 +19,13 @@ Paths, each carrying the same load to the same node:
 - **direct**: the client talks TLS to the node itself (context: what the node alone costs);
 - **haproxy**: TLS ends at HAProxy, which re-encrypts to the node, presenting the ingress
   identity as client certificate, ALPN as the node offers, `http-reuse always`;
-- **pact-ingress**: TLS ends at pact-ingress's terminate route (hypercorn front), which
-  re-originates over its pinned mutual-TLS pool (httpcore) to the node.
+- **pact-ingress**: TLS ends at pact-ingress's terminate route (its own h11/h2 front,
+  `net/http1.py`, `net/http2.py`), which re-originates over its pinned mutual-TLS pool
+  (httpcore) to the node.
 - **hypercorn alone** (reference, on the proxy core): hypercorn's own server (trio
   worker, TLS) answering the same 200 + 1 KiB from a trivial ASGI app, no upstream at
-  all. It is the floor of pact-ingress's front: what the HTTP server it is built on costs
-  here before a single byte is re-originated.
+  all: what a Python HTTP server on trio costs here by itself, before a single byte is
+  re-originated.
 
 The node requests a client certificate (`verify optional`, trust anchor = the ingress's
 self-signed identity cert, which both proxies present), so the proxy→node link is real
@@ -45,9 +46,9 @@ proxy process's CPU ÷ requests answered. The profile is a separate keep-alive r
 Python frame ("self") and by the share of samples a module is anywhere on the stack
 ("inclusive"). Its figures are shares of the ingress's busy time, not extra CPU.
 
-Why a hypercorn-alone column: the issue's target (≥ 0.5× HAProxy's keep-alive req/s) is
-judged against C; the reference shows how much of the gap is the HTTP server pact-ingress
-is built on (DESIGN §5) and how much is re-origination.
+Why a hypercorn-alone column: the target (≥ 0.5× HAProxy's keep-alive req/s) is judged
+against C; the reference shows how much of the gap any Python HTTP front on trio pays and
+how much is pact-ingress's own work (checks, re-origination).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ LOAD_BOUND = 0.9
 PROFILE_RATE = 100
 #: Rows of the profile's "hottest functions" table.
 PROFILE_TOP = 15
-#: The issue's target: pact-ingress keep-alive req/s ≥ this × HAProxy's.
+#: The target: pact-ingress keep-alive req/s ≥ this × HAProxy's.
 KEEPALIVE_TARGET = Target(min_ratio=0.5)
 
 

@@ -1,4 +1,4 @@
-"""Reverse-tunnel benchmark (issue 5): tunnel vs direct passthrough vs `ssh -R`, one run.
+"""Reverse-tunnel benchmark: tunnel vs direct passthrough vs `ssh -R`, one run.
 
     python -m tests.bench.bench_tunnel [--quick] [--json out.json] [--ingress auto]
 
@@ -22,7 +22,7 @@ node's on the home core. `shared` (the layout of earlier runs): clients on core 
 the home side, so the tunnel's connector competes with the load generators for one core,
 which no real deployment does; reported for comparison.
 
-Metrics and the targets of issue 5 (tunnel ÷ passthrough and tunnel ÷ ssh -R):
+Metrics and the tunnel's targets (tunnel ÷ passthrough and tunnel ÷ ssh -R):
 
 - bulk MB/s, 1 and 8 streams (`loadgen bulk`, byte count checked): ≥ 0.8× passthrough
   and ≥ 2× ssh -R;
@@ -212,7 +212,8 @@ tenants:
 
 
 def connector_yaml(key: Path, ingress_port: int, ingress_pin: str, forward: int) -> str:
-    """A home node's connector config (DESIGN §3), `connections` left at its default."""
+    """A home node's connector config (README, "Connector config"), `connections` left at
+    its default."""
     return f"""\
 identity: {{key: {key}}}
 ingress:

@@ -8,7 +8,7 @@ Python function. Every later bench (terminate, tunnel) reuses this module: start
 with `Service`, measure with `CpuMeter`, run bounded load generators with `run_load`,
 and print a `Report`.
 
-Methodology (DESIGN §5 "Peers measured here"): the proxy under test runs alone on
+Methodology: the proxy under test runs alone on
 `CORE_PROXY`; load generators, backends and this orchestrator share `CORE_LOAD`. Every
 number is compared with a direct connection measured in the same run, because this VM's
 absolute figures drift (waking an idle vCPU is expensive); ratios within one run are
