@@ -1,4 +1,4 @@
-"""`pact-ingress` command line: argument parsing only (DESIGN §2).
+"""`pact-ingress` command line: argument parsing only; the work is in the modules it calls.
 
 Each subcommand parses its arguments and hands a loaded config to the module that does
 the work. Expected failures (`PactIngressError`) become one stderr line each and exit

@@ -22,8 +22,8 @@ An envelope is a JSON object of exactly four string members, each unpadded base6
 
 Two audiences use this module:
 
-* the edge (which holds no tenant private key) calls :func:`check_header` — the checks of
-  DESIGN §4 that need no private key: shape, canonical header, version, suite, direction,
+* the edge (which holds no tenant private key) calls :func:`check_header` — the checks
+  that need no private key: shape, canonical header, version, suite, direction,
   addressee among the tenant's pins, non-empty msg_id, freshness;
 * a node calls :func:`open_envelope`, which runs spec §13.3's order exactly: decode,
   v/suite, ``to`` is local, ``kid`` resolves, HPKE-open, verify the signature (pinned key
@@ -364,7 +364,7 @@ def check_header(
     direct: bool = True,
     expected_cty: str = CALL_CTY,
 ) -> Header:
-    """Everything an edge can check without a private key (DESIGN §4); returns the header.
+    """Everything an edge can check without a private key; returns the header.
 
     Raises EnvelopeInvalid on the first failure. A passing envelope may still fail to
     open at the node (wrong ciphertext, bad signature): the edge cannot know.

@@ -4,8 +4,8 @@ A PACT identity is one keypair; its public identity is
 ``"sha256:" + base64url_nopad(SHA-256(SubjectPublicKeyInfo DER))``. Certificates are only
 carriers for the key: chains and names are irrelevant, the pinned fingerprint is the
 identity. So our TLS contexts never verify chains; they compare the peer's SPKI
-fingerprint against a pin set after the handshake (DESIGN §5: stdlib `ssl` with
-`CERT_NONE` still exposes the peer certificate's DER).
+fingerprint against a pin set after the handshake (stdlib `ssl` with `CERT_NONE` still
+exposes the peer certificate's DER).
 
 Key files are written atomically with mode 0600 and never logged.
 """

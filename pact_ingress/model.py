@@ -76,7 +76,7 @@ class Route:
     mcp_path: str = "/mcp"
     cert: Literal["acme"] | CertFiles | None = None  # terminate routes only
     limits: Limits = field(default_factory=Limits)
-    # Added by the loader (issue 2): the home node's client-certificate posture, §13.4.
+    # Set by the loader: the home node's client-certificate posture (spec §13.4).
     client_cert: ClientCertPosture = "none"
 
 

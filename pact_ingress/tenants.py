@@ -1,4 +1,4 @@
-"""Tenant files: the library behind `pact-ingress tenant add | list | remove` (DESIGN §2).
+"""Tenant files: the library behind `pact-ingress tenant add | list | remove`.
 
 A tenant added from the command line lives in its own file, ``tenants.d/NAME.yaml``
 beside the main config, which the main config's ``include`` glob must cover (no

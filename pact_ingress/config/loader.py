@@ -1,4 +1,4 @@
-"""Configuration: YAML → frozen dataclasses, strictly validated (DESIGN §3).
+"""Configuration: YAML → the frozen dataclasses of `pact_ingress.model`, strictly validated.
 
 The dataclasses it builds (the contract every other module reads) live in
 `pact_ingress.model`.
@@ -1113,7 +1113,7 @@ _INGRESS_KEYS = ("address", "tunnel_hostname", "pin")
 
 
 def load_connector_config(path: Path) -> ConnectorConfig:
-    """Load and validate a home-side connector config (DESIGN §3); ConfigError if bad."""
+    """Load and validate a home-side connector config; ConfigError if bad."""
     ctx, root = _start(path, {})
     config = None
     if root is not None:

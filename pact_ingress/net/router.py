@@ -35,7 +35,7 @@ client at its cap still gets `PEEK_HEADROOM` connections to show them; one that 
 out to be an ordinary client connection over the cap is then closed unanswered. Accept
 errors such as EMFILE are survived (logged, short back-off).
 
-Per-connection cost is the router's weak spot (DESIGN §5: the interpreter, not the
+Per-connection cost is the router's weak spot (measured: the interpreter, not the
 kernel, dominates a short connection), so the passthrough path works on bare trio
 sockets and tries every syscall before waiting: accept(2) on the listening socket
 returns the peer address (no getpeername, no `SocketStream`; TCP options are inherited

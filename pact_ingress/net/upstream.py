@@ -13,7 +13,7 @@ tenant's home node over a *new* TLS connection on which
   of server authentication.
 
 httpcore does the HTTP (pooling, HTTP/2 when ALPN says h2, HTTP/1.1 otherwise) over a
-custom `AsyncNetworkBackend` (DESIGN §5):
+custom `AsyncNetworkBackend` (httpcore lets `connect_tcp` return any stream):
 
 * `connect_tcp` ignores httpcore's host and port and calls `Backends.connect(route)` — the
   one way out of the edge (a configured address, or the tenant's tunnel);
@@ -24,7 +24,7 @@ One `AsyncConnectionPool` per (route host, backend, pins): a reload that changes
 route's backend or pins gets a fresh pool; the old one is retired and closed once its
 last in-flight request ends, so a reload never cuts a running SSE stream.
 
-Failures are typed for the front to answer (DESIGN §4): `NodeUnreachable` → 503,
+Failures are typed for the front to answer: `NodeUnreachable` → 503,
 `UpstreamTLSError`/`UpstreamProtocolError` → 502, `UpstreamTimeout` → 504.
 
 Time: the wait for response headers is bounded by `header_timeout`, counted from the
@@ -52,7 +52,7 @@ from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_clien
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 
-#: Time to response headers once the request body has been sent (DESIGN §4: → 504).
+#: Time to response headers once the request body has been sent (→ 504 to the caller).
 DEFAULT_HEADER_TIMEOUT = 30.0
 #: Connecting to a backend (address or tunnel) and the pinned TLS handshake, each.
 CONNECT_TIMEOUT = 10.0

@@ -82,7 +82,7 @@ BucketId = tuple[str, str, str | None, str | None]
 
 @dataclass(frozen=True)
 class Budget:
-    """The two hourly rates a route enforces (DESIGN §3 `limits`)."""
+    """The two hourly rates a route enforces (from its `limits` block)."""
 
     per_ip_key_per_hour: int
     per_ip_per_hour: int
