@@ -29,6 +29,10 @@ class Limits:
     calls_per_hour_per_ip_key: int = 600
     calls_per_hour_per_ip: int = 3000
     max_body_bytes: int = 6 * 1024 * 1024
+    # Terminate routes: requests one client (IP, IPv6 /64) may have in flight toward the
+    # route's node at once; the upstream pool holds 100 connections per route, so one
+    # address can hold at most a sixth of it.
+    max_requests_in_flight_per_ip: int = 16
 
 
 @dataclass(frozen=True)

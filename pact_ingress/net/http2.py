@@ -280,9 +280,11 @@ class H2Exchange(Exchange):
         try:
             self.c.conn.send_headers(self.stream_id,
                                      [(b":status", str(status).encode()), *headers])
-        except h2.exceptions.StreamClosedError as exc:
-            raise ClientGone("stream closed") from exc
         except h2.exceptions.ProtocolError as exc:
+            stream = self.c.conn.streams.get(self.stream_id)
+            if self.c.conn.state_machine.state is h2.connection.ConnectionState.CLOSED or (
+                    stream is None or stream.closed):
+                raise ClientGone("stream or connection closed") from exc
             raise BadResponse(str(exc)) from exc
         await self.c.flush()
 

@@ -29,9 +29,9 @@ the same story on each, whichever the version:
    worker thread when large, so the event loop (passthrough, tunnels) keeps running.
 6. **Keys charged**: a forwarded MCP call charges its caller keys (the IP unit already
    paid) and may still be `rate_limited`.
-7. **A share of the node.** Each client IP holds at most `MAX_UPSTREAM_PER_CLIENT`
-   in-flight requests per route (429 beyond), so one IP cannot take a route's upstream
-   pool from everyone else.
+7. **A share of the node.** Each client IP holds at most the route's
+   `max_requests_in_flight_per_ip` requests toward the node at once (429 beyond), so one
+   IP cannot take a route's upstream pool from everyone else.
 8. **Upstream** (`net.upstream`): pinned mTLS, pooled; typed failures → 503 +
    Retry-After (node offline), 502 (pin or TLS failure, broken HTTP), 504 (no response
    headers in time).
@@ -92,11 +92,6 @@ CLIENT_CLOSED = 499
 BODY_TIMEOUT = 60.0
 #: Each write of the response must be taken by the client within this.
 CLIENT_WRITE_TIMEOUT = 30.0
-#: In-flight requests one client (IP, IPv6 /64) may have toward one route's node. The
-#: upstream pool holds 100 connections per route; a tenth each leaves the route to
-#: others while one address floods it. An MCP client needs one SSE stream and a few
-#: calls at a time.
-MAX_UPSTREAM_PER_CLIENT = 10
 #: Request-body bytes the edge buffers (MCP bodies are read whole to be judged): per
 #: client, three maximal bodies at once; per process, what a small VPS can spare.
 MAX_BUFFERED_PER_CLIENT = 18 * 1024 * 1024
@@ -104,6 +99,10 @@ MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
 #: Bodies larger than this are parsed in a worker thread (one at a time), so a large
 #: JSON document does not stall the event loop every other connection runs on.
 INLINE_PARSE_BYTES = 64 * 1024
+
+#: The in-flight total per route is bounded by the upstream pool itself; only the
+#: per-client share is enforced here.
+UNBOUNDED = 1 << 30
 
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
@@ -351,9 +350,11 @@ class Terminator:
     # -- forwarding -------------------------------------------------------------------
 
     def _inflight_for(self, route: Route) -> Shares:
+        per_client = route.limits.max_requests_in_flight_per_ip
         shares = self._inflight.get(route.host)
         if shares is None:
-            shares = self._inflight[route.host] = Shares(MAX_UPSTREAM_PER_CLIENT, 1 << 30)
+            shares = self._inflight[route.host] = Shares(per_client, UNBOUNDED)
+        shares.per_client = per_client  # a reload may have changed it; counts stay
         return shares
 
     async def _forward(self, ex: Exchange, conn: _Connection, route: Route, tenant: Tenant,

@@ -280,6 +280,7 @@ limits:
   max_connections_per_ip: {INGRESS_MAX_CONNECTIONS}
   calls_per_hour_per_ip_key: {HUGE_BUDGET}
   calls_per_hour_per_ip: {HUGE_BUDGET}
+  max_requests_in_flight_per_ip: {INGRESS_MAX_CONNECTIONS}
 tenants:
   - name: bench
     pins: ["{node_pin}"]
