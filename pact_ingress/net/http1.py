@@ -270,6 +270,12 @@ class H1Exchange(Exchange):
             conn.receive_data(data)
         await trio.sleep_forever()  # enough read ahead; the write deadline still applies
 
+    def needs_watch(self, response_headers: Headers) -> bool:
+        """A response of declared length is relayed as fast as the node sends it, and a
+        gone client fails the next write; a stream (SSE, chunked) may sit idle for a
+        long time, so only then is the connection read for the client's close."""
+        return header(response_headers, b"content-length") is None
+
     def stop_body(self) -> None:
         if not self.body_done:
             self.stopped_early = True

@@ -325,6 +325,9 @@ class H2Exchange(Exchange):
     async def wait_gone(self) -> None:
         await self._gone.wait()
 
+    def needs_watch(self, response_headers: Headers) -> bool:
+        return False  # a reset cancels the exchange's own scope (`reset_by_client`)
+
     def stop_body(self) -> None:
         if not self._ended:
             self.stopped = True

@@ -60,6 +60,11 @@ class Exchange(abc.ABC):
     async def wait_gone(self) -> None:
         """Return once the client is known to have gone (used while a response streams)."""
 
+    def needs_watch(self, response_headers: Headers) -> bool:
+        """Must `wait_gone` be watched while this response is relayed? Only where nothing
+        else would notice the client leaving in time (see the implementations)."""
+        return True
+
     @abc.abstractmethod
     def stop_body(self) -> None:
         """The answer was given before the request body was read: stop the upload

@@ -48,6 +48,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -100,6 +101,9 @@ MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
 #: JSON document does not stall the event loop every other connection runs on.
 INLINE_PARSE_BYTES = 64 * 1024
 
+#: Labelled request counters kept at hand (routes × statuses seen); past this the cache
+#: starts again, so a config with many routes costs lookups, never memory.
+MAX_CACHED_COUNTERS = 1024
 #: The in-flight total per route is bounded by the upstream pool itself; only the
 #: per-client share is enforced here.
 UNBOUNDED = 1 << 30
@@ -159,6 +163,7 @@ class Terminator:
         self._parse_slot = trio.CapacityLimiter(1)
         self._idle_scopes: set[trio.CancelScope] = set()
         self._draining = trio.Event()
+        self._request_counters: dict[tuple[str, int], Any] = {}
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
@@ -224,6 +229,19 @@ class Terminator:
 
     # -- one exchange -----------------------------------------------------------------
 
+    def _count(self, route_host: str, status: int) -> None:
+        """Count one answered request; the labelled child is looked up once per pair
+        (prometheus_client's `labels()` costs more than the increment)."""
+        key = (route_host, status)
+        child = self._request_counters.get(key)
+        if child is None:
+            if len(self._request_counters) >= MAX_CACHED_COUNTERS:
+                self._request_counters.clear()
+            child = self._request_counters[key] = self.stats.requests.labels(
+                route=route_host, status=str(status))
+        child.inc()
+
+
     async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
         held = [0]  # body bytes this exchange holds in `buffers`
         client = client_bucket(conn.client_ip) or conn.client_ip
@@ -233,7 +251,7 @@ class Terminator:
             status = CLIENT_CLOSED
         finally:
             self.buffers.give(client, held[0])
-        self.stats.requests.labels(route=conn.route_host, status=str(status)).inc()
+        self._count(conn.route_host, status)
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int]) -> int:
         route = self._routes.get(conn.route_host)
@@ -400,24 +418,32 @@ class Terminator:
                 502, "the home node sent a response that cannot be relayed"))
 
     async def _relay(self, ex: Exchange, route: Route, response: UpstreamResponse) -> None:
-        await ex.respond(response.status, clean_response_headers(response.headers))
-        finished = False
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
-            try:
-                async for chunk in response.body:
-                    await ex.send(chunk)
-                await ex.end()
-            except UpstreamError as exc:
-                log.warning("upstream_body_failed", route=route.host, error=str(exc))
-                await ex.abort()
-            except ClientGone:
-                pass
-            else:
-                finished = True
-            nursery.cancel_scope.cancel()
+        headers = clean_response_headers(response.headers)
+        await ex.respond(response.status, headers)
+        if ex.needs_watch(headers):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
+                finished = await _pump(ex, route, response)
+                nursery.cancel_scope.cancel()
+        else:
+            finished = await _pump(ex, route, response)
         if not finished:
             raise ClientGone("the response did not complete")
+
+
+async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> bool:
+    """The response body to the client; True when it was delivered whole."""
+    try:
+        async for chunk in response.body:
+            await ex.send(chunk)
+        await ex.end()
+    except UpstreamError as exc:
+        log.warning("upstream_body_failed", route=route.host, error=str(exc))
+        await ex.abort()
+        return False
+    except ClientGone:
+        return False
+    return True
 
 
 async def _cancel_when_gone(ex: Exchange, scope: trio.CancelScope) -> None:
