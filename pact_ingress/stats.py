@@ -50,6 +50,9 @@ class Stats:
         self.refusals = Counter(
             p + "refusals", "Requests refused at the edge by route and PACT code",
             ["route", "code"], registry=r)
+        self.h2_floods = Counter(
+            p + "h2_floods", "HTTP/2 connections closed for flooding, by frame kind",
+            ["route", "kind"], registry=r)
         self.upstream_seconds = Histogram(
             p + "upstream_response_seconds", "Time to upstream response headers",
             ["route"], registry=r)

@@ -30,10 +30,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
 import pytest
 
 from pact_ingress.envelope import canonical_json
@@ -59,6 +64,7 @@ from tests.terminate_env import (
     request_bytes,
     rpc,
     sealed_call_body,
+    WAIT,
     tls_socket,
     unsealed_call_body,
 )
@@ -761,3 +767,59 @@ def test_reload_with_unusable_cert_path_keeps_serving(fresh: list[Env], tmp_path
     assert env.serve.alive(), f"reload killed the process: {env.serve.logs()[-2000:]}"
     assert outcome in ("reloaded", "reload_refused"), outcome
     assert exchange(env.serve.port, request_bytes("GET", "/ok", HOST)).status == 200
+
+
+# === HTTP/2 frames that cost the client nothing: floods end the connection ===========
+
+
+def _h2_flood(port: int, frames: Callable[[h2.connection.H2Connection], None]) -> int | None:
+    """Open an h2 connection, let `frames` queue a flood, send it, and read until the
+    edge ends the connection; the GOAWAY error code it sent, or None."""
+    sock = tls_socket(port, HOST, source=ATTACKER_IP, alpn=("h2",))
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding=None, validate_inbound_headers=False))
+    conn.initiate_connection()
+    frames(conn)
+    try:
+        sock.sendall(conn.data_to_send())
+    except OSError:
+        pass  # the edge may close before taking it all
+    sock.settimeout(WAIT)
+    deadline = time.monotonic() + WAIT
+    try:
+        while time.monotonic() < deadline:
+            data = sock.recv(65536)
+            if not data:
+                return None
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ConnectionTerminated):
+                    return int(event.error_code)
+    except (OSError, h2.exceptions.ProtocolError):
+        return None
+    finally:
+        sock.close()
+    return None
+
+
+def _rapid_reset(conn: h2.connection.H2Connection) -> None:
+    for _ in range(1000):  # bounded: far over the per-connection reset allowance
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"https"),
+                                (b":authority", HOST.encode()), (b":path", b"/rapid")])
+        conn.reset_stream(sid)
+
+
+def _ping_flood(conn: h2.connection.H2Connection) -> None:
+    for i in range(1000):
+        conn.ping(i.to_bytes(8, "big"))
+
+
+@pytest.mark.parametrize(("kind", "frames"), [("reset", _rapid_reset), ("ping", _ping_flood)])
+def test_h2_floods_end_the_connection(env: Env, kind: str,
+                                      frames: Callable[[h2.connection.H2Connection], None]) -> None:
+    assert _h2_flood(env.serve.port, frames) == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    assert f'kind="{kind}"' in env.serve.metrics()
+    # the flood cost the node (almost) nothing and a bystander is served
+    assert len([r for r in env.node.requests() if r.path == "/rapid"]) <= 200
+    status, _ = _bystander_get(env.serve)
+    assert status == 200

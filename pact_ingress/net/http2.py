@@ -20,6 +20,9 @@ stops reading must not hold a node's response, or our buffers, for ever). Respon
 waits for the client's flow-control window with the same deadline.
 
 A stream reset by the client cancels its task at once (and with it the upstream request).
+Frames that cost a client nothing and us something (RST_STREAM, PING, SETTINGS,
+PRIORITY) are metered per connection (`proto.h2_guard`): a flood ends the connection with
+GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write deadline.
 An answer given before the body was read ends the stream with `RST_STREAM(NO_ERROR)`
 after the complete response (RFC 9113 §8.1). A drain sends GOAWAY; open streams finish.
 """
@@ -40,6 +43,7 @@ import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange, Headers
+from pact_ingress.proto.h2_guard import Flood, FloodGuard
 from pact_ingress.proto.http_request import header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -54,7 +58,8 @@ _Handle = Callable[[Exchange], Awaitable[None]]
 
 class H2Connection:
     def __init__(self, stream: trio.abc.Stream, *, idle_timeout: float, write_timeout: float,
-                 idle_scopes: set[trio.CancelScope], draining: trio.Event) -> None:
+                 idle_scopes: set[trio.CancelScope], draining: trio.Event,
+                 on_flood: Callable[[Flood], None] = lambda kind: None) -> None:
         self.stream = stream
         config = h2.config.H2Configuration(client_side=False, header_encoding=None)
         self.conn = h2.connection.H2Connection(config)
@@ -66,6 +71,9 @@ class H2Connection:
         self._send_lock = trio.Lock()
         self._window = trio.Event()  # set (and replaced) whenever send windows may grow
         self._goaway = False
+        self._guard = FloodGuard()
+        self._flooded: Flood | None = None
+        self.on_flood: Callable[[Flood], None] = on_flood
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
@@ -105,6 +113,8 @@ class H2Connection:
             for event in events:
                 self._dispatch(event, handle, nursery)
             await self.flush()
+            if self._flooded is not None:
+                return
 
     async def _read(self) -> bytes:
         """The next bytes; b"" at the client's close or after `idle_timeout` with no stream
@@ -142,13 +152,28 @@ class H2Connection:
             if exchange is not None:
                 exchange.end_of_body()
         elif isinstance(event, h2.events.StreamReset):
+            if event.remote_reset:
+                self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
         elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+            if isinstance(event, h2.events.RemoteSettingsChanged):
+                self._charge(Flood.SETTINGS)
             self._window.set()
             self._window = trio.Event()
+        elif isinstance(event, h2.events.PingReceived):
+            self._charge(Flood.PING)
+        elif isinstance(event, h2.events.PriorityUpdated):
+            self._charge(Flood.PRIORITY)
         elif isinstance(event, h2.events.ConnectionTerminated):
+            self._goaway = True
+
+    def _charge(self, kind: Flood) -> None:
+        if self._flooded is None and not self._guard.charge(kind, trio.current_time()):
+            self._flooded = kind
+            self.on_flood(kind)
+            self.conn.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
             self._goaway = True
 
     def _exchange(self, event: h2.events.RequestReceived) -> H2Exchange | None:

@@ -69,6 +69,7 @@ from pact_ingress.net.upstream import (
     UpstreamTLSError,
 )
 from pact_ingress.proto import posture
+from pact_ingress.proto.h2_guard import Flood
 from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
 from pact_ingress.proto.http_request import (
     BadRequest,
@@ -205,7 +206,8 @@ class Terminator:
                 await H2Connection(tls, idle_timeout=limits.idle_timeout,
                                    write_timeout=CLIENT_WRITE_TIMEOUT,
                                    idle_scopes=self._idle_scopes,
-                                   draining=self._draining).serve(handle)
+                                   draining=self._draining,
+                                   on_flood=partial(self._flooded, conn)).serve(handle)
             else:
                 await H1Connection(tls, idle_timeout=limits.idle_timeout,
                                    head_timeout=limits.clienthello_timeout,
@@ -217,6 +219,10 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             await trio.aclose_forcefully(tls)
+
+    def _flooded(self, conn: _Connection, kind: Flood) -> None:
+        self.stats.h2_floods.labels(route=conn.route_host, kind=kind.value).inc()
+        log.warning("h2_flood", route=conn.route_host, client=conn.client_ip, kind=kind.value)
 
     async def drain(self) -> None:
         """Shutdown has begun: close idle connections now, let open requests finish."""
