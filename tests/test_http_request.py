@@ -10,7 +10,6 @@ from pact_ingress.proto.http_request import (
     BadRequest,
     Scope,
     check_host,
-    framing_problem,
     in_mcp_scope,
     judge_scope,
     parse_target,
@@ -103,18 +102,6 @@ def test_scope(method: str, path: bytes, body: bool, ctype: bytes | None,
         judge_scope(method, target, "/mcp", has_body=body, content_type=ctype,
                     content_encoding=cenc)
     assert info.value.status == expect
-
-
-@pytest.mark.parametrize(("head", "problem"), [
-    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nTransfer-Encoding: chunked", True),
-    (b"POST / HTTP/1.1\r\nHost: h\r\ntransfer-encoding : chunked\r\ncontent-length:0", True),
-    (b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding:\r\n chunked", True),
-    (b"POST / HTTP/1.1\r\nHost: h\r\nX-A: 1\r\n\tfolded", True),
-    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5", False),
-    (b"\r\nGET / HTTP/1.1\r\nHost: h", False),
-])
-def test_framing(head: bytes, problem: bool) -> None:
-    assert (framing_problem(head) is not None) == problem
 
 
 def test_shares_cap_each_client_and_the_total() -> None:

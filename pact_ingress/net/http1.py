@@ -1,25 +1,21 @@
-"""The HTTP/1.1 client leg of the terminate engine: h11 driven by one task per connection.
+"""The HTTP/1.1 client leg of the terminate engine: `proto.http1_server` driven by one task
+per connection.
 
 Theory of operation
 -------------------
-h11 is the state machine (strict parsing, framing, keep-alive rules); this module only
-moves bytes and runs deadlines. One task owns the connection and serves its requests
-one after another as `Exchange` objects handed to the engine's `handle`.
+`H1ServerParser` (llhttp) is the state machine: strict parsing and framing, events out;
+this module only moves bytes and runs deadlines. One task owns the connection and serves
+its requests one after another as `Exchange` objects handed to the engine's `handle`.
 
 Deadlines, all absolute: waiting for the next request (keep-alive) is bounded by the
 route's `idle_timeout`; once the first byte of a head arrived the whole head must follow
 within `head_timeout` (else 408); body reads take the deadline the engine gives; every
-write must be taken by the client within `write_timeout`. The head is at most
-`MAX_HEAD_BYTES` (431 beyond).
+write must be taken by the client within `write_timeout`.
 
 Pipelining: while a response streams, the connection keeps reading (up to
-`MAX_PIPELINED_BYTES`, handed to h11 to parse later) so that a client that pipelined
-its next request and then went away is noticed at once, and its exchange ends instead
-of waiting for a read nobody will ever satisfy.
-
-Before h11 frames a head, the raw head is checked (`proto.http_request.framing_problem`)
-for the ambiguities h11 tolerates but a node behind us might read differently
-(`Content-Length` with `Transfer-Encoding`, folded lines): those get 400 and a close.
+`MAX_PIPELINED_BYTES`, parsed and queued as events for later) so that a client that
+pipelined its next request and then went away is noticed at once, and its exchange ends
+instead of waiting for a read nobody will ever satisfy.
 
 An answer given before the request body was read (`stop_body`) carries
 `Connection: close`; the rest of the upload is then read and dropped for at most
@@ -29,18 +25,27 @@ the answer before the client has read it.
 
 from __future__ import annotations
 
-import http
 from collections.abc import Awaitable, Callable
 
-import h11
 import trio
 
-from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange, Headers
-from pact_ingress.proto.http_request import framing_problem, header
+from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers
+from pact_ingress.proto.http1_server import (
+    CONTINUE,
+    END_OF_MESSAGE,
+    LAST_CHUNK,
+    NEED_DATA,
+    Data,
+    Framing,
+    H1ServerParser,
+    ParseError,
+    Request,
+    chunk,
+    response_framing,
+    response_head,
+)
+from pact_ingress.proto.http_request import header
 
-#: A request head larger than this is refused with 431; MCP and browser heads are a few
-#: KiB, and every connection may hold one incomplete head in memory.
-MAX_HEAD_BYTES = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
 #: Read ahead while a response streams: enough to see the close behind a pipelined
@@ -54,21 +59,15 @@ DRAIN_SECONDS = 1.0
 DRAIN_MAX_BYTES = 256 * 1024
 
 
-def reason(status: int) -> bytes:
-    try:
-        return http.HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        return b"Unknown"
-
-
 class H1Connection:
     def __init__(self, stream: trio.abc.Stream, *, idle_timeout: float, head_timeout: float,
                  write_timeout: float, idle_scopes: set[trio.CancelScope]) -> None:
         self.stream = stream
-        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.parser = H1ServerParser()
         self.idle_timeout = idle_timeout
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
+        self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
@@ -80,20 +79,8 @@ class H1Connection:
             if exchange.stopped_early and not exchange.broken:
                 await self._drain()
                 return
-            if exchange.broken or not self._finish_cycle():
+            if not exchange.reusable():
                 return
-
-    def _finish_cycle(self) -> bool:
-        """Start the next request/response cycle if both sides completed this one."""
-        try:
-            if self.conn.their_state is h11.SEND_BODY:
-                self.conn.next_event()  # the EndOfMessage of a body-less request
-            if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
-                self.conn.start_next_cycle()
-                return True
-        except h11.ProtocolError:
-            pass
-        return False
 
     # -- reading ----------------------------------------------------------------------
 
@@ -109,23 +96,19 @@ class H1Connection:
     async def _next_exchange(self) -> H1Exchange | None:
         idle_deadline = trio.current_time() + self.idle_timeout
         head_deadline: float | None = None
+        parser = self.parser
         while True:
-            pending = self.conn.trailing_data[0]
-            end = pending.find(b"\r\n\r\n")
-            problem = framing_problem(pending[:end]) if end >= 0 else None
-            if problem is not None:
-                await self._refuse_head(400, problem)
-                return None
-            try:
-                event = self.conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                await self._refuse_head(exc.error_status_hint, str(exc))
-                return None
-            if isinstance(event, h11.Request):
+            event = parser.next_event()
+            if isinstance(event, Request):
                 return self._exchange(event)
-            if event is not h11.NEED_DATA:  # ConnectionClosed, or PAUSED after a close
+            if event is not NEED_DATA:
+                return None  # leftovers of a body nobody read: the connection is done
+            if self.deferred is not None:
+                await self._refuse_head(self.deferred)
                 return None
-            if pending.strip(b"\r\n") and head_deadline is None:
+            if parser.closed:
+                return None
+            if parser.in_head and head_deadline is None:
                 head_deadline = trio.current_time() + self.head_timeout
             if head_deadline is None:
                 data = await self._idle_read(idle_deadline)
@@ -133,9 +116,12 @@ class H1Connection:
                 data = await self.read(head_deadline)
             if data is None:
                 if head_deadline is not None:
-                    await self._refuse_head(408, "request head not complete in time")
+                    await self._refuse_head(ParseError(408, "request head not complete in time"))
                 return None
-            self.conn.receive_data(data)
+            try:
+                parser.feed(data)
+            except ParseError as exc:
+                self.deferred = exc  # events parsed before the error are served first
 
     async def _idle_read(self, deadline: float) -> bytes | None:
         """A read between requests: a drain closes the connection here (None)."""
@@ -147,32 +133,27 @@ class H1Connection:
                 self._idle_scopes.discard(scope)
         return None
 
-    def _exchange(self, request: h11.Request) -> H1Exchange:
-        headers: Headers = [(bytes(k), bytes(v)) for k, v in request.headers]
-        declared = header(headers, b"content-length")
-        length = int(declared) if declared is not None else None
-        chunked = header(headers, b"transfer-encoding") is not None
+    def _exchange(self, request: Request) -> H1Exchange:
+        body_done = not request.chunked and not request.content_length
+        if body_done and self.parser.next_event() is not END_OF_MESSAGE:
+            raise AssertionError("llhttp completes a body-less message with its head")
         return H1Exchange(
-            method=request.method.decode("ascii"), target=bytes(request.target),
-            headers=headers, authority=header(headers, b"host"), content_length=length,
-            body_done=not chunked and not length, connection=self,
+            method=request.method, target=request.target, headers=request.headers,
+            authority=header(request.headers, b"host"),
+            content_length=request.content_length, body_done=body_done,
+            connection=self, request=request,
         )
 
-    async def _refuse_head(self, status: int, why: str) -> None:
+    async def _refuse_head(self, error: ParseError) -> None:
         """Answer a head we will not serve, then close."""
-        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        body = f"{why}\n".encode()
+        body = f"{error.why}\n".encode()
+        head = response_head(error.status, [(b"content-type", b"text/plain; charset=utf-8"),
+                                            (b"content-length", str(len(body)).encode())],
+                             Framing.LENGTH, close=True)
         try:
-            data = self.conn.send(h11.Response(
-                status_code=status, reason=reason(status),
-                headers=[(b"content-type", b"text/plain; charset=utf-8"),
-                         (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]))
-            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:
-            return
-        await self.write(data)
+            await self.write(head + body)
+        except ClientGone:
+            pass
 
     async def _drain(self) -> None:
         left = DRAIN_MAX_BYTES
@@ -196,70 +177,86 @@ class H1Connection:
 
 
 class H1Exchange(Exchange):
-    def __init__(self, *, connection: H1Connection, **fields: object) -> None:
+    def __init__(self, *, connection: H1Connection, request: Request,
+                 **fields: object) -> None:
         super().__init__(**fields)  # type: ignore[arg-type]
         self.c = connection
+        self.request = request
         self.stopped_early = False
         self.broken = False
+        self._continued = False
+        self._framing: Framing | None = None
+        self._complete = False
+
+    def reusable(self) -> bool:
+        return (self._complete and self.body_done and self.request.keep_alive
+                and self._framing is not Framing.CLOSE)
 
     async def receive(self, deadline: float) -> bytes:
-        conn = self.c.conn
+        parser = self.c.parser
         while not self.body_done:
-            if conn.they_are_waiting_for_100_continue:
-                await self.c.write(conn.send(h11.InformationalResponse(
-                    status_code=100, headers=[], reason=b"Continue")))
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                self.broken = True
-                raise ClientGone(f"request body broke HTTP/1.1 framing: {exc}") from exc
-            if isinstance(event, h11.Data):
+            event = parser.next_event()
+            if isinstance(event, Data):
                 if event.data:
-                    return bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+                    return event.data
+            elif event is END_OF_MESSAGE:
                 self.body_done = True
-            elif event is h11.NEED_DATA:
+            elif event is NEED_DATA:
+                if self.request.expects_continue and not self._continued:
+                    self._continued = True
+                    await self.c.write(CONTINUE)
                 data = await self.c.read(deadline)
                 if data is None:
                     self.broken = True
                     raise ClientGone("request body not complete in time")
-                conn.receive_data(data)
+                try:
+                    parser.feed(data)
+                except ParseError as exc:
+                    self.broken = True
+                    raise ClientGone(f"request body broke HTTP/1.1 framing: {exc.why}") from exc
             else:
                 self.broken = True
-                raise ClientGone("client closed the connection mid-body")
+                raise ClientGone("request body framing lost")
         return b""
 
     async def respond(self, status: int, headers: Headers) -> None:
-        if self.stopped_early:
-            headers = [*headers, (b"connection", b"close")]
-        try:
-            data = self.c.conn.send(h11.Response(status_code=status, headers=headers,
-                                                 reason=reason(status)))
-        except h11.LocalProtocolError as exc:
-            raise BadResponse(str(exc)) from exc
-        await self._write(data)
+        self._framing = response_framing(self.method, self.request.http_version, status,
+                                         headers)
+        close = self.stopped_early or not self.request.keep_alive
+        await self._write(response_head(status, headers, self._framing, close=close))
 
-    async def send(self, chunk: bytes) -> None:
-        await self._write(self.c.conn.send(h11.Data(data=chunk)))
+    async def send(self, data: bytes) -> None:
+        if self._framing is Framing.CHUNKED:
+            await self._write(chunk(data))
+        elif self._framing is not Framing.NONE:
+            await self._write(data)
 
     async def end(self) -> None:
-        await self._write(self.c.conn.send(h11.EndOfMessage()))
+        if self._framing is Framing.CHUNKED:
+            await self._write(LAST_CHUNK)
+        self._complete = True
 
     async def abort(self) -> None:
         self.broken = True  # the connection is dropped: the client sees a truncated body
 
-    async def _write(self, data: bytes | None) -> None:
+    async def _write(self, data: bytes) -> None:
         try:
-            await self.c.write(data or b"")
+            await self.c.write(data)
         except ClientGone:
             self.broken = True
             raise
 
+    def needs_watch(self, response_headers: Headers) -> bool:
+        """A response of declared length is relayed as fast as the node sends it, and a
+        gone client fails the next write; a stream (SSE, chunked) may sit idle for a
+        long time, so only then is the connection read for the client's close."""
+        return header(response_headers, b"content-length") is None
+
     async def wait_gone(self) -> None:
         if not self.body_done:
             await trio.sleep_forever()  # the body reader notices a close itself
-        conn = self.c.conn
-        while len(conn.trailing_data[0]) < MAX_PIPELINED_BYTES:
+        read_ahead = 0
+        while read_ahead < MAX_PIPELINED_BYTES and self.c.deferred is None:
             try:
                 data = await self.c.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -267,14 +264,12 @@ class H1Exchange(Exchange):
             if not data:
                 self.broken = True
                 return
-            conn.receive_data(data)
+            read_ahead += len(data)
+            try:
+                self.c.parser.feed(data)
+            except ParseError as exc:
+                self.c.deferred = exc
         await trio.sleep_forever()  # enough read ahead; the write deadline still applies
-
-    def needs_watch(self, response_headers: Headers) -> bool:
-        """A response of declared length is relayed as fast as the node sends it, and a
-        gone client fails the next write; a stream (SSE, chunked) may sit idle for a
-        long time, so only then is the connection read for the client's close."""
-        return header(response_headers, b"content-length") is None
 
     def stop_body(self) -> None:
         if not self.body_done:

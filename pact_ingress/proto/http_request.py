@@ -35,9 +35,9 @@ route's ``mcp_path`` or lies below it. :func:`judge_scope` then sorts a request 
   outside scope on a sealed route (403: a node may dispatch on the body, not the path),
   or a compressed body in scope (415: the node would inflate what the edge judged raw).
 
-Framing (:func:`framing_problem`): HTTP/1.1 requests carrying both ``Content-Length``
-and ``Transfer-Encoding``, or a folded header line, are refused and the connection
-closed (RFC 9112 §6.1, §5.2): the node may frame them differently than we did.
+HTTP/1.1 framing (``Content-Length`` with ``Transfer-Encoding``, folded lines, duplicate
+lengths) is refused by the parser itself (``proto.http1_server``, llhttp), before any of
+this runs.
 """
 
 from __future__ import annotations
@@ -241,19 +241,6 @@ def judge_scope(method: str, target: Target, mcp_path: str, *, has_body: bool,
     if has_body and is_json_type(content_type):
         raise BadRequest("JSON bodies are accepted only at the MCP endpoint", 403)
     return Scope.PLAIN
-
-
-def framing_problem(head: bytes) -> str | None:
-    """Why a raw HTTP/1.1 head must be refused before its body is framed, else None."""
-    lines = head.split(b"\r\n")
-    names = set()
-    for line in lines[1:]:
-        if line[:1] in (b" ", b"\t"):
-            return "folded header line"
-        names.add(line.split(b":", 1)[0].strip().lower())
-    if b"transfer-encoding" in names and b"content-length" in names:
-        return "both Content-Length and Transfer-Encoding"
-    return None
 
 
 def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -1,0 +1,242 @@
+"""The server side of HTTP/1.1 as a sans-I/O state machine over llhttp (`httptools`).
+
+Why llhttp and not h11: the terminating edge parses every request, and h11's pure-Python
+validation was most of the per-request cost of the client leg; llhttp (Node's parser, in
+C) is strict by default — it refuses `Content-Length` with `Transfer-Encoding`, duplicate
+`Content-Length`, folded lines, bare LF, whitespace before a colon, control bytes — and
+costs a few microseconds. `httptools` exposes it as a callback parser; this module turns
+the callbacks into events, adds what llhttp leaves to its caller, and serialises
+responses:
+
+* `feed(bytes)` parses; `next_event()` returns `Request`, `Data`, `EndOfMessage` or
+  `NEED_DATA`. Pipelined requests queue up as events; the caller bounds how much it
+  reads ahead (`buffered`).
+* Caps llhttp lacks: a head (request line + fields) over `MAX_HEAD_BYTES` is a 431,
+  more than `MAX_FIELDS` fields a 431 (llhttp itself would accumulate a value of any
+  size before calling back).
+* Refusals on top of llhttp's: more than one `Host`; a transfer coding other than a
+  single `chunked` (a node might decode `gzip, chunked` differently); an upgrade or
+  `CONNECT` (not offered here); `Expect` other than `100-continue` (417).
+* Trailer fields of a chunked request are dropped: nothing downstream reads them.
+
+Errors raise `ParseError` with the HTTP status to answer; after one, the connection is
+closed (no event follows).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import http
+from dataclasses import dataclass
+
+import httptools
+
+#: A request head larger than this is refused with 431; MCP and browser heads are a few
+#: KiB, and every connection may hold one incomplete head in memory.
+MAX_HEAD_BYTES = 16 * 1024
+#: Header fields per request; real clients send a dozen or two.
+MAX_FIELDS = 100
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class ParseError(Exception):
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: bytes
+    headers: Headers  # lower-case names, in order
+    http_version: str  # "1.1" or "1.0"
+    content_length: int | None
+    chunked: bool
+    expects_continue: bool
+    keep_alive: bool  # the client allows another request on this connection
+
+
+@dataclass(frozen=True)
+class Data:
+    data: bytes
+
+
+class EndOfMessage:
+    pass
+
+
+class _Need:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _Need()
+END_OF_MESSAGE = EndOfMessage()
+Event = Request | Data | EndOfMessage | _Need
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"  # between messages
+    HEAD = "head"  # request line and fields arriving
+    BODY = "body"  # body arriving
+
+
+class H1ServerParser:
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._events: collections.deque[Request | Data | EndOfMessage] = collections.deque()
+        self._phase = _Phase.IDLE
+        self._head_bytes = 0
+        self._target = bytearray()
+        self._fields: Headers = []
+        self._broken: ParseError | None = None
+        self.closed = False  # the client ended its side
+        self.buffered = 0  # body bytes queued in events, not yet taken
+
+    # -- feeding --------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        """Parse `data` (b"" = the client closed); raises `ParseError`."""
+        if self._broken is not None:
+            raise self._broken
+        if not data:
+            self.closed = True
+            if self._phase is not _Phase.IDLE:
+                self._fail(400, "connection closed mid-request")
+                raise self._broken  # type: ignore[misc]
+            return
+        if self._phase is not _Phase.BODY:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(501, "protocol upgrades and CONNECT are not offered here")
+        except httptools.HttpParserError as exc:
+            self._fail(400, f"malformed request: {exc}")
+        if self._broken is not None:
+            raise self._broken
+        if self._phase is not _Phase.BODY and self._head_bytes > MAX_HEAD_BYTES:
+            self._fail(431, "request head too large")
+            raise self._broken  # type: ignore[misc]
+
+    def _fail(self, status: int, why: str) -> None:
+        if self._broken is None:
+            self._broken = ParseError(status, why)
+
+    def next_event(self) -> Event:
+        if self._events:
+            event = self._events.popleft()
+            if isinstance(event, Data):
+                self.buffered -= len(event.data)
+            return event
+        return NEED_DATA
+
+    @property
+    def in_head(self) -> bool:
+        """A request head has begun and is not complete yet."""
+        return self._phase is _Phase.HEAD
+
+    # -- llhttp callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._phase = _Phase.HEAD
+        self._target.clear()
+        self._fields = []
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._phase is not _Phase.HEAD:
+            return  # a trailer field
+        if len(self._fields) >= MAX_FIELDS:
+            self._fail(431, "too many header fields")
+            return
+        self._fields.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self._phase = _Phase.BODY
+        self._head_bytes = 0
+        fields = self._fields
+        hosts = [v for k, v in fields if k == b"host"]
+        length = transfer = expect = None
+        for name, value in fields:
+            if name == b"content-length":
+                length = int(value)  # llhttp accepted it: digits, one field
+            elif name == b"transfer-encoding":
+                transfer = value
+            elif name == b"expect":
+                expect = value
+        version = self._parser.get_http_version()
+        if len(hosts) > 1:
+            self._fail(400, "more than one Host field")
+        elif transfer is not None and transfer.strip().lower() != b"chunked":
+            self._fail(501, "transfer codings other than chunked are not accepted")
+        elif expect is not None and expect.strip().lower() != b"100-continue":
+            self._fail(417, "only 100-continue is understood")
+        elif not hosts and version != "1.0":
+            self._fail(400, "no Host field")
+        self._events.append(Request(
+            method=self._parser.get_method().decode("ascii"), target=bytes(self._target),
+            headers=fields, http_version=version, content_length=length,
+            chunked=transfer is not None,
+            expects_continue=expect is not None and version == "1.1",
+            keep_alive=self._parser.should_keep_alive()))
+
+    def on_body(self, body: bytes) -> None:
+        self.buffered += len(body)
+        self._events.append(Data(bytes(body)))
+
+    def on_message_complete(self) -> None:
+        self._phase = _Phase.IDLE
+        self._events.append(END_OF_MESSAGE)
+
+
+# --- responses -------------------------------------------------------------------------------
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+class Framing(enum.Enum):
+    NONE = "none"  # HEAD, 1xx, 204, 304: no body whatever the fields say
+    LENGTH = "length"  # Content-Length from the fields
+    CHUNKED = "chunked"
+    CLOSE = "close"  # HTTP/1.0 client, no length: the body ends with the connection
+
+
+def reason(status: int) -> bytes:
+    try:
+        return http.HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b"Unknown"
+
+
+def response_framing(request_method: str, http_version: str, status: int,
+                     headers: Headers) -> Framing:
+    if request_method == "HEAD" or status < 200 or status in (204, 304):
+        return Framing.NONE
+    if any(k == b"content-length" for k, _ in headers):
+        return Framing.LENGTH
+    return Framing.CHUNKED if http_version == "1.1" else Framing.CLOSE
+
+
+def response_head(status: int, headers: Headers, framing: Framing, *, close: bool) -> bytes:
+    """The status line and fields; `headers` must carry no framing but Content-Length."""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason(status))]
+    lines.extend(b"%s: %s\r\n" % (name, value) for name, value in headers
+                 if framing is Framing.LENGTH or name != b"content-length")
+    if framing is Framing.CHUNKED:
+        lines.append(b"transfer-encoding: chunked\r\n")
+    if close or framing is Framing.CLOSE:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)

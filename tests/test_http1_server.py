@@ -1,0 +1,136 @@
+"""The HTTP/1.1 server parser (llhttp via httptools): events, strictness, caps, responses."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pact_ingress.proto.http1_server import (
+    END_OF_MESSAGE,
+    MAX_HEAD_BYTES,
+    NEED_DATA,
+    Data,
+    Framing,
+    H1ServerParser,
+    ParseError,
+    Request,
+    chunk,
+    response_framing,
+    response_head,
+)
+
+PIPELINE = (
+    b"POST /mcp HTTP/1.1\r\nHost: h.test\r\nContent-Length: 5\r\n\r\nhello"
+    b"POST /up HTTP/1.1\r\nHost: h.test\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\nTrailer: x\r\n\r\n"
+    b"GET /sse HTTP/1.1\r\nHost: h.test\r\nConnection: close\r\n\r\n"
+)
+
+
+def _events(parser: H1ServerParser) -> list[object]:
+    out: list[object] = []
+    while (event := parser.next_event()) is not NEED_DATA:
+        out.append(event)
+    return out
+
+
+def _summary(events: list[object]) -> list[object]:
+    """Requests by (method, target, keep_alive), bodies joined, ends marked."""
+    out: list[object] = []
+    body = b""
+    for event in events:
+        if isinstance(event, Request):
+            out.append((event.method, event.target, event.keep_alive))
+        elif isinstance(event, Data):
+            body += event.data
+        elif event is END_OF_MESSAGE:
+            out.append(body)
+            body = b""
+    return out
+
+
+EXPECTED = [("POST", b"/mcp", True), b"hello", ("POST", b"/up", True), b"abcde",
+            ("GET", b"/sse", False), b""]
+
+
+def test_pipelined_requests_in_one_read() -> None:
+    parser = H1ServerParser()
+    parser.feed(PIPELINE)
+    assert _summary(_events(parser)) == EXPECTED
+
+
+@pytest.mark.parametrize("cut", range(1, len(PIPELINE)))
+def test_every_split_gives_the_same_events(cut: int) -> None:
+    parser = H1ServerParser()
+    events: list[object] = []
+    for piece in (PIPELINE[:cut], PIPELINE[cut:]):
+        parser.feed(piece)
+        events += _events(parser)
+    assert _summary(events) == EXPECTED
+
+
+@pytest.mark.parametrize(("raw", "status"), [
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding:\r\n chunked\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 5, 5\r\n\r\n", 400),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501),
+    (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\nHost: h\n\n", 400),
+    (b"GET / HTTP/1.1\r\nHost : h\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: h\r\nX: a\x00b\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: h\r\nExpect: 200-ok\r\n\r\n", 417),
+    (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n", 501),
+    (b"CONNECT h:443 HTTP/1.1\r\nHost: h:443\r\n\r\n", 501),
+    (b"GET / HTTP/1.1\r\nHost: h\r\nX: " + b"a" * MAX_HEAD_BYTES, 431),
+    (b"GET / HTTP/1.1\r\nHost: h\r\n" + b"X: a\r\n" * 101 + b"\r\n", 431),
+])
+def test_ambiguous_or_oversized_heads_are_refused(raw: bytes, status: int) -> None:
+    with pytest.raises(ParseError) as info:
+        H1ServerParser().feed(raw)
+    assert info.value.status == status
+
+
+def test_close_mid_request_is_an_error_and_between_requests_is_not() -> None:
+    parser = H1ServerParser()
+    parser.feed(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    parser.feed(b"")
+    assert parser.closed
+    parser = H1ServerParser()
+    parser.feed(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 9\r\n\r\nabc")
+    with pytest.raises(ParseError):
+        parser.feed(b"")
+
+
+def test_http10_has_no_keep_alive_and_needs_no_host() -> None:
+    parser = H1ServerParser()
+    parser.feed(b"GET / HTTP/1.0\r\n\r\n")
+    request = parser.next_event()
+    assert isinstance(request, Request) and not request.keep_alive
+    assert request.http_version == "1.0"
+
+
+@given(st.binary(max_size=200))
+def test_garbage_only_ever_raises_parse_error(raw: bytes) -> None:
+    parser = H1ServerParser()
+    try:
+        parser.feed(raw)
+        _events(parser)
+    except ParseError:
+        pass
+
+
+def test_response_framing_and_head() -> None:
+    assert response_framing("HEAD", "1.1", 200, [(b"content-length", b"5")]) is Framing.NONE
+    assert response_framing("GET", "1.1", 304, []) is Framing.NONE
+    assert response_framing("GET", "1.1", 200, [(b"content-length", b"5")]) is Framing.LENGTH
+    assert response_framing("GET", "1.1", 200, []) is Framing.CHUNKED
+    assert response_framing("GET", "1.0", 200, []) is Framing.CLOSE
+    head = response_head(200, [(b"content-type", b"text/plain"), (b"content-length", b"9")],
+                         Framing.CHUNKED, close=True)
+    assert head == (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                    b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+    assert chunk(b"abc") == b"3\r\nabc\r\n"
