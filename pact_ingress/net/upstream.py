@@ -326,19 +326,11 @@ class _Pool:
         `deadline` (→ UpstreamTimeout)."""
         while True:
             await self._expire()
-            if not fresh:
-                idle = self.idle
-                for i in range(len(idle) - 1, -1, -1):
-                    if idle[i].sni == sni:
-                        conn = idle.pop(i)
-                        if conn.alive():
-                            return conn, True
-                        await self._discard(conn)
-                        break
-                else:
-                    fresh = True  # nothing to reuse for this name
-                if not fresh:
-                    continue
+            if not fresh and (conn := self._idle_for(sni)) is not None:
+                if conn.alive():
+                    return conn, True
+                await self._discard(conn)
+                continue  # closed by the node while idle: try the next one
             if self.open < MAX_CONNECTIONS_PER_ROUTE:
                 self.open += 1
                 try:
@@ -355,6 +347,14 @@ class _Pool:
                 continue
             raise UpstreamTimeout(
                 f"all {MAX_CONNECTIONS_PER_ROUTE} connections to the node are busy")
+
+    def _idle_for(self, sni: str) -> _Conn | None:
+        """The most recently used idle connection for `sni`, taken off the idle list."""
+        idle = self.idle
+        for i in range(len(idle) - 1, -1, -1):
+            if idle[i].sni == sni:
+                return idle.pop(i)
+        return None
 
     async def _connect(self, sni: str) -> _Conn:
         up = self.upstream
