@@ -552,19 +552,18 @@ class Upstream:
     ) -> ResponseParser:
         parser = ResponseParser(method)
         try:
+            buffered = isinstance(body, bytes | bytearray)
             with trio.move_on_after(idle_timeout) as writing:
-                if isinstance(body, bytes | bytearray):
-                    if body and len(head) + len(body) <= WRITE_SLICE:
-                        await conn.send(head + body)  # one TLS record for the whole request
-                    else:
-                        await conn.send(head)
-                        if body:
-                            await conn.send(body)
+                if buffered and body and len(head) + len(body) <= WRITE_SLICE:
+                    await conn.send(head + body)  # one TLS record for the whole request
+                else:
+                    await conn.send(head)
+                    if buffered and body:
+                        await conn.send(body)
             if writing.cancelled_caught:
                 raise UpstreamTimeout("the node did not take the request in time")
-            if not isinstance(body, bytes | bytearray):
-                await conn.send(head)
-                await _send_stream(conn, body, chunked, idle_timeout)
+            if not buffered:
+                await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
             with trio.move_on_after(self.header_timeout) as waiting:
                 while not parser.head_done:
                     data = await conn.recv()
