@@ -330,8 +330,8 @@ async def test_sse_streams_without_buffering(env: Env, http2: bool) -> None:
 async def test_client_leaving_ends_node_stream(env: Env) -> None:
     """count=0 streams forever; the client leaving must end the node's stream too.
 
-    The edge keeps its pooled HTTP/2 connection to the node, so only an RST_STREAM from
-    the edge (which httpcore alone would not send) can end the node's stream.
+    The upstream speaks HTTP/1.1: the edge must close the connection the abandoned
+    response was on (never pool it), which is what ends the node's stream.
     """
     async with env.client() as client:
         with trio.fail_after(10):
@@ -345,7 +345,7 @@ async def test_client_leaving_ends_node_stream(env: Env) -> None:
         while env.node.sse_open:  # bounded by fail_after
             await trio.sleep(0.01)
     pooled = env.terminator.upstream._pools
-    assert len(pooled) == 1 and len(next(iter(pooled.values())).pool.connections) == 1
+    assert len(pooled) == 1 and next(iter(pooled.values())).open == 0
     async with env.client() as client:
         assert (await post_mcp(client, rpc("tools/list", {}))).status == 200
     assert {peer for _, _, peer in env.node.requests} == {env.ingress_id.fingerprint}
@@ -387,7 +387,7 @@ async def test_forwarded_headers_reach_node_clean(env: Env) -> None:
     assert names.count("forwarded") == 1
     assert ["x-custom", "kept"] in seen["headers"]
     assert seen["transport_peer"] == env.ingress_id.fingerprint
-    assert seen["http_version"] == "2"  # the node offers h2: the edge pooled over h2
+    assert seen["http_version"] == "1.1"  # the node offers h2 too; the edge asks http/1.1 only
 
 
 # --- body cap -------------------------------------------------------------------------------

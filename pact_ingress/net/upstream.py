@@ -1,70 +1,102 @@
-"""Re-origination to the home node: pinned mTLS, pooled, HTTP/2 when the node offers it.
+"""Re-origination to the home node: pinned mTLS, pooled HTTP/1.1 keep-alive connections.
 
 Theory of operation
 -------------------
 A terminate route ends the caller's TLS at the edge; the request then travels to the
-tenant's home node over a *new* TLS connection on which
+tenant's home node over a TLS connection on which
 
 * the edge presents its own PACT identity as client certificate (the node sees the
   ingress's fingerprint on the link, never the caller's — callers prove themselves in
   sealed envelopes, spec §13), and
 * the node is accepted only if its SPKI fingerprint is one of the tenant's pins (two
   while a rotation runs, spec §2). No chain or hostname is checked: the pin is the whole
-  of server authentication.
+  of server authentication. A mismatch raises `UpstreamTLSError` carrying the expected
+  and seen fingerprints.
 
-httpcore does the HTTP (pooling, HTTP/2 when ALPN says h2, HTTP/1.1 otherwise) over a
-custom `AsyncNetworkBackend` (httpcore lets `connect_tcp` return any stream):
+The client is our own, small on purpose: every PACT node speaks HTTP/1.1, so we offer
+ALPN `http/1.1` only, and a request costs one head write, one or two TLS reads and a
+C parse. httpcore with HTTP/2 toward the node cost about 40% of the edge's CPU per
+proxied request; HTTP/2 buys nothing on a loopback or LAN link to one node, where a
+connection per in-flight request is cheap.
 
-* `connect_tcp` ignores httpcore's host and port and calls `Backends.connect(route)` — the
-  one way out of the edge (a configured address, or the tenant's tunnel);
-* `start_tls` runs our pinned handshake with `trio.SSLStream` and checks the pin; a
-  mismatch raises `UpstreamTLSError` carrying the expected and seen fingerprints.
+* **Parsing**: `proto.http_upstream` — llhttp via `httptools` (strict, C speed; h11 costs
+  several times more per response in pure Python). Bodies are framed by Content-Length,
+  chunked (trailers dropped) or the close of the connection; 1xx heads are skipped;
+  HEAD/204/304 responses have no body.
+* **TLS**: an `ssl.SSLObject` on memory BIOs. Over a configured address it drives the
+  non-blocking socket directly (`wait_readable`/`wait_writable` only when the kernel has
+  nothing), which skips `trio.SSLStream`'s locking and retry layers; over a tunnel
+  stream it moves ciphertext with the stream's own `receive_some`/`send_all`. Each
+  pool keeps the node's TLS session per SNI name so new connections resume instead of
+  running a full handshake (the pin is still checked: a resumed session carries the
+  node's certificate).
+* **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
+  first out, expire after `KEEPALIVE_EXPIRY`, and are checked for a close by the node
+  (readable with no request outstanding) before reuse. At most
+  `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
+  `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
+  gets a fresh pool; the old one is retired: its idle connections close, and a running
+  request's connection closes when that request ends, so a reload never cuts a running
+  SSE stream.
+* **Stale connections**: a pooled connection the node closed while idle fails on first
+  use, before any response byte. A request with a replayable (bytes) body is then sent
+  once more on a fresh connection.
+* **Connection reuse**: only after a response read to its end with keep-alive. A
+  response abandoned before its end (the client left, a 502 mid-body) closes its
+  connection; what the node still sends for it can never be read as the next response.
 
-One `AsyncConnectionPool` per (route host, backend, pins): a reload that changes a
-route's backend or pins gets a fresh pool; the old one is retired and closed once its
-last in-flight request ends, so a reload never cuts a running SSE stream.
+Request body framing is the caller's: `net.terminate` appends `content-length` or
+`transfer-encoding: chunked`, and we frame the body the way those headers say. A body
+with neither header gets one here (Content-Length for bytes, chunked for a stream).
 
 Failures are typed for the front to answer: `NodeUnreachable` → 503,
 `UpstreamTLSError`/`UpstreamProtocolError` → 502, `UpstreamTimeout` → 504.
 
-Time: the wait for response headers is bounded by `header_timeout`, counted from the
-moment the request body has been fully handed over (a slow upload is bounded by the
-per-read idle timeout instead, not by the header budget). After the headers, each read of
-a streaming body is bounded by the route's `idle_timeout`, so SSE streams can stay open
-for as long as bytes keep flowing.
+Time: connecting and the handshake are bounded by `connect_timeout` each; each write of
+the request by the route's `idle_timeout`; the wait for response headers by
+`header_timeout`, counted from the moment the request body has been fully handed over (a
+slow upload is bounded by the per-read idle timeout instead, not by the header budget).
+After the headers, each read of the body is bounded by `idle_timeout`, so SSE streams
+can stay open for as long as bytes keep flowing.
 """
 
 from __future__ import annotations
 
+import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-import h2.errors
-import h2.exceptions
-import httpcore
 import trio
 
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
+from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
 #: Time to response headers once the request body has been sent (→ 504 to the caller).
 DEFAULT_HEADER_TIMEOUT = 30.0
 #: Connecting to a backend (address or tunnel) and the pinned TLS handshake, each.
 CONNECT_TIMEOUT = 10.0
-#: Connections per pool (per route). HTTP/1.1 nodes need one per concurrent request
-#: (an SSE stream holds one for its life); HTTP/2 nodes multiplex on one.
+#: Connections per pool (per route). HTTP/1.1 needs one per concurrent request (an SSE
+#: stream holds one for its life); the per-client share in terminate keeps one address
+#: from holding them all.
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
-#: Ciphertext read size on the upstream link.
+#: Ciphertext read per receive on the upstream link (also the most plaintext one read
+#: yields, so it bounds what a body chunk can be).
 READ_SIZE = 64 * 1024
+#: Plaintext encrypted per write: a large bytes body goes out in slices, so the
+#: ciphertext buffered at once stays this size, not the size of the body.
+WRITE_SLICE = 64 * 1024
+#: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
+#: many names; beyond this the oldest is forgotten).
+MAX_SESSIONS_PER_POOL = 64
 
-ALPN = ("h2", "http/1.1")
+ALPN = ("http/1.1",)
 
 
 class UpstreamError(BackendError):
@@ -106,132 +138,283 @@ class UpstreamTimeout(UpstreamError):
     status = 504
 
 
-# --- httpcore network backend --------------------------------------------------------------
+class _Broken(Exception):
+    """The link to the node failed (reset, closed, TLS error) in the middle of an exchange."""
 
 
-class _Stream(httpcore.AsyncNetworkStream):
-    """An httpcore view of a trio Stream, with our pinned TLS as its start_tls."""
+# --- one TLS connection ---------------------------------------------------------------------
 
-    def __init__(self, stream: trio.abc.Stream, tls: _PinnedTLS | None = None) -> None:
-        self._stream = stream
-        self._tls = tls
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            with trio.fail_after(_inf(timeout)):
-                return await self._stream.receive_some(max_bytes)
-        except trio.TooSlowError as exc:
-            raise httpcore.ReadTimeout(str(exc)) from exc
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise httpcore.ReadError(str(exc)) from exc
+class _Conn:
+    """A pinned TLS connection to a node: an `ssl.SSLObject` on memory BIOs.
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
+    Over a `trio.SocketStream` the ciphertext goes straight through the stdlib socket
+    underneath it (non-blocking; trio only waits for readiness); over any other stream
+    (a tunnel) through `receive_some`/`send_all`. Only one task uses a connection at a
+    time: the pool hands it to one request.
+    """
+
+    __slots__ = ("stream", "sni", "idle_since", "session_saved", "_sock", "_raw", "_ssl",
+                 "_in", "_out")
+
+    def __init__(self, stream: trio.abc.Stream, context: ssl.SSLContext, sni: str,
+                 session: ssl.SSLSession | None) -> None:
+        self.stream = stream
+        self.sni = sni
+        self.idle_since = 0.0
+        self.session_saved = False
+        self._sock: trio.socket.SocketType | None = None
+        self._raw: socket.socket | None = None
+        if isinstance(stream, trio.SocketStream):
+            self._sock = stream.socket
+            # trio keeps the stdlib socket it wraps here; without it we fall back to the
+            # stream's own methods, which work on any stream, only slower.
+            raw = getattr(stream.socket, "_sock", None)
+            self._raw = raw if isinstance(raw, socket.socket) else None
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._ssl = context.wrap_bio(self._in, self._out, server_hostname=sni or None,
+                                     session=session)
+
+    # -- ciphertext moves ----------------------------------------------------------------
+
+    async def _flush(self) -> None:
+        data = self._out.read()
+        if not data:
             return
+        raw = self._raw
         try:
-            with trio.fail_after(_inf(timeout)):
-                await self._stream.send_all(buffer)
-        except trio.TooSlowError as exc:
-            raise httpcore.WriteTimeout(str(exc)) from exc
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise httpcore.WriteError(str(exc)) from exc
+            if raw is None:
+                await self.stream.send_all(data)
+                return
+            view = memoryview(data)
+            while view:
+                try:
+                    sent = raw.send(view)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(raw)
+                    continue
+                view = view[sent:]
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise _Broken(f"sending to the node failed: {exc!r}") from exc
+
+    async def _fill(self) -> None:
+        raw = self._raw
+        try:
+            if raw is None:
+                data = await self.stream.receive_some(READ_SIZE)
+            else:
+                while True:
+                    try:
+                        data = raw.recv(READ_SIZE)
+                        break
+                    except BlockingIOError:
+                        await trio.lowlevel.wait_readable(raw)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise _Broken(f"receiving from the node failed: {exc!r}") from exc
+        if data:
+            self._in.write(data)
+        else:
+            self._in.write_eof()
+
+    # -- TLS -----------------------------------------------------------------------------
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self._ssl.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+        await self._flush()
+
+    @property
+    def ssl_object(self) -> ssl.SSLObject:
+        return self._ssl
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            if len(data) <= WRITE_SLICE:
+                self._ssl.write(data)
+                await self._flush()
+                return
+            view = memoryview(data)
+            for start in range(0, len(view), WRITE_SLICE):
+                self._ssl.write(view[start:start + WRITE_SLICE])
+                await self._flush()
+        except ssl.SSLError as exc:
+            raise _Broken(f"TLS to the node failed: {exc}") from exc
+
+    async def recv(self) -> bytes:
+        """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link."""
+        while True:
+            try:
+                return self._ssl.read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                if self._out.pending:  # post-handshake replies (key update)
+                    await self._flush()
+                await self._fill()
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                # A close without close_notify counts as a close, as https clients treat
+                # it; a framed body cut short is caught by the parser all the same.
+                return b""
+            except ssl.SSLError as exc:
+                raise _Broken(f"TLS from the node failed: {exc}") from exc
+
+    def alive(self) -> bool:
+        """Cheap check before reuse: has the node closed (or written to) an idle connection?
+
+        Reads whatever the socket holds without blocking. Nothing: alive. TLS records
+        that carry no application data (TLS 1.3 session tickets arriving late): alive.
+        End of stream, an alert or unsolicited application data: dead. Over a tunnel
+        stream nothing can be checked without blocking; the stale retry covers it.
+        """
+        raw = self._raw
+        if raw is None:
+            return True
+        try:
+            data = raw.recv(READ_SIZE)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        self._in.write(data)
+        try:
+            self._ssl.read(1)
+        except ssl.SSLWantReadError:
+            return True
+        except ssl.SSLError:
+            return False
+        return False
 
     async def aclose(self) -> None:
-        await trio.aclose_forcefully(self._stream)
-
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        assert self._tls is not None, "TLS on an already encrypted upstream stream"
-        return _Stream(await self._tls.handshake(self._stream, server_hostname))
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "ssl_object" and isinstance(self._stream, trio.SSLStream):
-            return self._stream._ssl_object  # type: ignore[attr-defined]
-        if info == "is_readable":
-            # httpcore asks before reusing an idle HTTP/1.1 connection: readable means
-            # the node closed it. Only knowable for a plain socket underneath.
-            inner = self._stream
-            while isinstance(inner, trio.SSLStream):
-                inner = inner.transport_stream
-            if isinstance(inner, trio.SocketStream):
-                return inner.socket.is_readable()
-        return None
+        if self._sock is not None:
+            self._sock.close()  # no close_notify: the node treats EOF as the end
+        else:
+            await trio.aclose_forcefully(self.stream)
 
 
-def _inf(timeout: float | None) -> float:
-    return float("inf") if timeout is None else timeout
-
-
-@dataclass(frozen=True)
-class _PinnedTLS:
-    """The client side of the edge → node link: our identity out, the tenant's pins in."""
-
-    context: ssl.SSLContext
-    pins: tuple[str, ...]
-
-    async def handshake(self, stream: trio.abc.Stream, server_hostname: str | None) -> trio.SSLStream:
-        tls = trio.SSLStream(stream, self.context, server_hostname=server_hostname,
-                             https_compatible=True)
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await tls.do_handshake()
-            check_pin(tls._ssl_object, self.pins)  # type: ignore[attr-defined]
-        except PinMismatch as exc:
-            await trio.aclose_forcefully(tls)
-            raise UpstreamTLSError(str(exc), expected=exc.expected, seen=exc.seen) from exc
-        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
-            await trio.aclose_forcefully(tls)
-            raise UpstreamTLSError(f"TLS handshake with the node failed: {exc.__cause__ or exc}",
-                                   expected=self.pins) from exc
-        return tls
-
-
-class _RouteBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's way out: always `Backends.connect(route)`, whatever host it asks for."""
-
-    def __init__(self, backends: Backends, route: Route, tls: _PinnedTLS) -> None:
-        self._backends = backends
-        self._route = route
-        self._tls = tls
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Any = None,
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            with trio.fail_after(_inf(timeout)):
-                stream = await self._backends.connect(self._route)
-        except trio.TooSlowError as exc:
-            raise NodeUnreachable(f"backend {self._route.backend} did not answer") from exc
-        except BackendError as exc:
-            raise NodeUnreachable(str(exc)) from exc
-        return _Stream(stream, self._tls)
-
-    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        raise NodeUnreachable("unix sockets are not a backend")
-
-    async def sleep(self, seconds: float) -> None:
-        await trio.sleep(seconds)
-
-
-# --- pools -------------------------------------------------------------------------------
+# --- pools ------------------------------------------------------------------------------------
 
 PoolKey = tuple[str, str, tuple[str, ...]]
 
 
-@dataclass
 class _Pool:
-    pool: httpcore.AsyncConnectionPool
-    active: int = 0
-    retired: bool = False
+    """Connections to one route's node for one set of pins (see module docstring)."""
+
+    def __init__(self, upstream: Upstream, route: Route, pins: tuple[str, ...]) -> None:
+        self.upstream = upstream
+        self.route = route
+        self.pins = pins
+        self.idle: list[_Conn] = []  # oldest first; reuse takes from the end
+        self.open = 0  # connections open, idle or carrying a request
+        self.active = 0  # requests in flight
+        self.retired = False
+        self.sessions: dict[str, ssl.SSLSession] = {}
+        self._freed = trio.lowlevel.ParkingLot()
+
+    @property
+    def connections(self) -> list[_Conn]:
+        """The idle connections (for tests and status)."""
+        return list(self.idle)
+
+    async def acquire(self, sni: str, deadline: float, *, fresh: bool) -> tuple[_Conn, bool]:
+        """A connection for `sni` and whether it was reused; waits for a slot until
+        `deadline` (→ UpstreamTimeout)."""
+        while True:
+            await self._expire()
+            if not fresh and (conn := self._idle_for(sni)) is not None:
+                if conn.alive():
+                    return conn, True
+                await self._discard(conn)
+                continue  # closed by the node while idle: try the next one
+            if self.open < MAX_CONNECTIONS_PER_ROUTE:
+                self.open += 1
+                try:
+                    return await self._connect(sni), False
+                except BaseException:
+                    self.open -= 1
+                    self._freed.unpark()
+                    raise
+            if self.idle:  # full, but an idle connection (to another name) can make room
+                await self._discard(self.idle.pop(0))
+                continue
+            with trio.move_on_at(deadline):
+                await self._freed.park()
+                continue
+            raise UpstreamTimeout(
+                f"all {MAX_CONNECTIONS_PER_ROUTE} connections to the node are busy")
+
+    def _idle_for(self, sni: str) -> _Conn | None:
+        """The most recently used idle connection for `sni`, taken off the idle list."""
+        idle = self.idle
+        for i in range(len(idle) - 1, -1, -1):
+            if idle[i].sni == sni:
+                return idle.pop(i)
+        return None
+
+    async def _connect(self, sni: str) -> _Conn:
+        up = self.upstream
+        try:
+            with trio.fail_after(up.connect_timeout):
+                stream = await up.backends.connect(self.route)
+        except trio.TooSlowError as exc:
+            raise NodeUnreachable(f"backend {self.route.backend} did not answer") from exc
+        except BackendError as exc:
+            raise NodeUnreachable(str(exc)) from exc
+        conn = _Conn(stream, up.context, sni, self.sessions.get(sni))
+        try:
+            with trio.fail_after(up.connect_timeout):
+                await conn.handshake()
+            check_pin(conn.ssl_object, self.pins)
+        except PinMismatch as exc:
+            await conn.aclose()
+            raise UpstreamTLSError(str(exc), expected=exc.expected, seen=exc.seen) from exc
+        except (_Broken, ssl.SSLError, trio.TooSlowError) as exc:
+            await conn.aclose()
+            raise UpstreamTLSError(f"TLS handshake with the node failed: {exc.__cause__ or exc}",
+                                   expected=self.pins) from exc
+        except BaseException:
+            await conn.aclose()
+            raise
+        return conn
+
+    async def release(self, conn: _Conn, reusable: bool) -> None:
+        """A request is done with `conn`: back to the idle list, or closed."""
+        if reusable and not self.retired:
+            if not conn.session_saved:
+                # By the end of a response the node's TLS 1.3 tickets have arrived, so
+                # this session can be resumed by the next connection.
+                conn.session_saved = True
+                session = conn.ssl_object.session
+                if session is not None:
+                    if len(self.sessions) >= MAX_SESSIONS_PER_POOL:
+                        self.sessions.pop(next(iter(self.sessions)))
+                    self.sessions[conn.sni] = session
+            conn.idle_since = trio.current_time()
+            self.idle.append(conn)
+            self._freed.unpark()
+            return
+        await self._discard(conn)
+
+    async def _discard(self, conn: _Conn) -> None:
+        self.open -= 1
+        self._freed.unpark()
+        await conn.aclose()
+
+    async def _expire(self) -> None:
+        idle = self.idle
+        if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
+            cutoff = trio.current_time() - KEEPALIVE_EXPIRY
+            while idle and idle[0].idle_since < cutoff:
+                await self._discard(idle.pop(0))
+
+    async def close_idle(self) -> None:
+        while self.idle:
+            await self._discard(self.idle.pop())
 
 
 @dataclass
@@ -245,7 +428,7 @@ class UpstreamResponse:
 
 
 class Upstream:
-    """Pinned, pooled HTTP client toward home nodes (see module docstring)."""
+    """Pinned, pooled HTTP/1.1 client toward home nodes (see module docstring)."""
 
     def __init__(
         self,
@@ -259,7 +442,7 @@ class Upstream:
         self.backends = backends
         self.header_timeout = header_timeout
         self.connect_timeout = connect_timeout
-        self._context = pinned_client_context(identity, alpn=ALPN)
+        self.context = pinned_client_context(identity, alpn=ALPN)
         self._pools: dict[PoolKey, _Pool] = {}
         self._retired: list[_Pool] = []
 
@@ -279,23 +462,15 @@ class Upstream:
         key = self._key(route, pins)
         entry = self._pools.get(key)
         if entry is None:
-            tls = _PinnedTLS(self._context, tuple(pins))
-            entry = self._pools[key] = _Pool(httpcore.AsyncConnectionPool(
-                ssl_context=self._context,
-                max_connections=MAX_CONNECTIONS_PER_ROUTE,
-                keepalive_expiry=KEEPALIVE_EXPIRY,
-                http1=True,
-                http2=True,
-                network_backend=_RouteBackend(self.backends, route, tls),
-            ))
+            entry = self._pools[key] = _Pool(self, route, tuple(pins))
         return entry
 
     async def _reap(self) -> None:
-        idle = [e for e in self._retired if e.active == 0]
+        """Close what retired pools hold idle; forget those with nothing in flight."""
+        with trio.CancelScope(shield=True):
+            for entry in self._retired:
+                await entry.close_idle()
         self._retired = [e for e in self._retired if e.active > 0]
-        for entry in idle:
-            with trio.CancelScope(shield=True):
-                await entry.pool.aclose()
 
     @asynccontextmanager
     async def request(
@@ -313,171 +488,194 @@ class Upstream:
         """Send one request to `route`'s node; yields once response headers arrived.
 
         `host` is the authority the caller asked for (also our SNI toward the node).
-        Raises an `UpstreamError` subclass before yielding; after yielding, a broken or
-        idle-timed-out body ends the body iterator with `UpstreamProtocolError`.
+        Raises an `UpstreamError` subclass before yielding; after yielding, a broken
+        body ends the body iterator with `UpstreamProtocolError`, an idle one with
+        `UpstreamTimeout`.
         """
         entry = self._pool_for(route, pins)
         entry.active += 1
         try:
-            response = await self._send_retrying(entry.pool, method, host, target, headers,
-                                                 body, idle_timeout)
-            body = _Body(response)
+            conn, parser = await self._exchange(entry, method, host, target, headers, body,
+                                                idle_timeout)
+            response_body = _Body(conn, parser, idle_timeout)
             try:
-                yield UpstreamResponse(
-                    status=response.status,
-                    headers=list(response.headers),
-                    http_version=response.extensions.get("http_version", b"").decode(),
-                    body=body,
-                )
+                yield UpstreamResponse(parser.status, parser.headers, parser.version,
+                                       response_body)
             finally:
                 with trio.CancelScope(shield=True):
-                    if not body.complete:
-                        await _cancel_h2_stream(response)
-                    await response.aclose()
+                    await entry.release(conn, response_body.complete and parser.keep_alive)
         finally:
             entry.active -= 1
-            if entry.retired:
+            if self._retired:
                 await self._reap()
 
-    async def _send_retrying(
+    async def _exchange(
         self,
-        pool: httpcore.AsyncConnectionPool,
+        entry: _Pool,
         method: str,
         host: str,
         target: bytes,
         headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncIterable[bytes],
         idle_timeout: float,
-    ) -> httpcore.Response:
-        """`_send`, retried once on a fresh connection when a reused one turns out dead.
-
-        A pooled connection the node closed while idle (its keep-alive ran out first, or
-        it restarted) fails on first use; httpcore checks HTTP/1.1 connections for that
-        but not HTTP/2 ones. Only a replayable (bytes) body is retried, and only when the
-        pool held an idle connection the request may have landed on.
-        """
-        reused = isinstance(body, bytes) and any(c.is_idle() for c in pool.connections)
-        try:
-            return await self._send(pool, method, host, target, headers, body, idle_timeout)
-        except _StaleConnection as exc:
-            if not reused:
-                raise UpstreamProtocolError(str(exc)) from exc
-        try:
-            return await self._send(pool, method, host, target, headers, body, idle_timeout)
-        except _StaleConnection as exc:
-            raise UpstreamProtocolError(str(exc)) from exc
+    ) -> tuple[_Conn, ResponseParser]:
+        """Send the request and read the response head, retrying once when the pooled
+        connection it went out on turns out to have been closed by the node."""
+        head, chunked = _frame(method, target, headers, body)
+        replayable = isinstance(body, bytes | bytearray)
+        pool_deadline = trio.current_time() + self.header_timeout
+        fresh = False
+        while True:
+            conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh)
+            try:
+                parser = await self._send(conn, method, head, body, chunked, idle_timeout)
+                return conn, parser
+            except _StaleConnection as exc:
+                with trio.CancelScope(shield=True):
+                    await entry.release(conn, False)
+                if not (reused and replayable):
+                    raise UpstreamProtocolError(str(exc)) from exc
+                fresh = True  # once: the retry never takes a pooled connection
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await entry.release(conn, False)
+                raise
 
     async def _send(
         self,
-        pool: httpcore.AsyncConnectionPool,
+        conn: _Conn,
         method: str,
-        host: str,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]],
+        head: bytes,
         body: bytes | AsyncIterable[bytes],
+        chunked: bool,
         idle_timeout: float,
-    ) -> httpcore.Response:
-        deadline = trio.CancelScope()
-        if isinstance(body, bytes | bytearray):
-            deadline.deadline = trio.current_time() + self.header_timeout
-            content: bytes | AsyncIterable[bytes] = bytes(body)
-        else:
-            content = _arm_when_sent(body, deadline, self.header_timeout)
-        request = httpcore.Request(
-            method.encode("ascii"),
-            httpcore.URL(scheme=b"https", host=host.encode("idna"), port=443, target=target),
-            headers=headers,
-            content=content,
-            extensions={
-                "timeout": {
-                    "connect": self.connect_timeout,
-                    "read": idle_timeout,
-                    "write": idle_timeout,
-                    "pool": self.header_timeout,
-                },
-                "sni_hostname": host,
-            },
-        )
-        with deadline:
-            try:
-                return await pool.handle_async_request(request)
-            except UpstreamError:
-                raise
-            except httpcore.TimeoutException as exc:
-                raise UpstreamTimeout(f"node timed out: {exc!r}") from exc
-            except httpcore.ConnectError as exc:
-                raise NodeUnreachable(f"cannot connect to the node: {exc}") from exc
-            except (httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError) as exc:
-                raise _StaleConnection(f"node connection failed: {exc!r}") from exc
-            except httpcore.ProtocolError as exc:
-                raise UpstreamProtocolError(f"node broke HTTP: {exc}") from exc
-            except (httpcore.NetworkError, httpcore.UnsupportedProtocol) as exc:
-                raise UpstreamProtocolError(f"node connection failed: {exc!r}") from exc
-        raise UpstreamTimeout(f"no response headers within {self.header_timeout:g} s")
+    ) -> ResponseParser:
+        parser = ResponseParser(method)
+        try:
+            buffered = isinstance(body, bytes | bytearray)
+            with trio.move_on_after(idle_timeout) as writing:
+                if buffered and body and len(head) + len(body) <= WRITE_SLICE:
+                    await conn.send(head + body)  # one TLS record for the whole request
+                else:
+                    await conn.send(head)
+                    if buffered and body:
+                        await conn.send(body)
+            if writing.cancelled_caught:
+                raise UpstreamTimeout("the node did not take the request in time")
+            if not buffered:
+                await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
+            with trio.move_on_after(self.header_timeout) as waiting:
+                while not parser.head_done:
+                    data = await conn.recv()
+                    if data:
+                        parser.feed(data)
+                    else:
+                        parser.feed_eof()
+            if waiting.cancelled_caught:
+                raise UpstreamTimeout(f"no response headers within {self.header_timeout:g} s")
+        except ResponseError as exc:
+            if parser.received == 0:  # closed before answering at all: maybe stale
+                raise _StaleConnection(f"node connection closed: {exc}") from exc
+            raise UpstreamProtocolError(f"node broke HTTP: {exc}") from exc
+        except _Broken as exc:
+            if parser.received == 0:
+                raise _StaleConnection(str(exc)) from exc
+            raise UpstreamProtocolError(str(exc)) from exc
+        return parser
 
     async def aclose(self) -> None:
-        """Close every pooled connection (shutdown)."""
-        pools = [e.pool for e in self._pools.values()] + [e.pool for e in self._retired]
+        """Close every pooled connection (shutdown); requests still running close theirs."""
+        pools = [*self._pools.values(), *self._retired]
         self._pools.clear()
         self._retired.clear()
         with trio.CancelScope(shield=True):
-            for pool in pools:
-                await pool.aclose()
+            for entry in pools:
+                entry.retired = True
+                await entry.close_idle()
 
 
-async def _arm_when_sent(
-    body: AsyncIterable[bytes], deadline: trio.CancelScope, timeout: float
-) -> AsyncIterator[bytes]:
-    """Pass `body` through; start the header clock when its last chunk has been taken."""
+def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
+           body: bytes | AsyncIterable[bytes]) -> tuple[bytes, bool]:
+    """The request head, and whether a streamed body goes out chunked.
+
+    The caller's framing headers decide; a body without any gets Content-Length (bytes)
+    or chunked (a stream) here.
+    """
+    chunked = length = False
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            chunked = value.lower() == b"chunked"
+        elif name == b"content-length":
+            length = True
+    if isinstance(body, bytes | bytearray):
+        if chunked:
+            raise UpstreamProtocolError("a buffered body is sent with a Content-Length")
+        if not length and body:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+    elif not chunked and not length:
+        headers = [*headers, (b"transfer-encoding", b"chunked")]
+        chunked = True
+    try:
+        return request_head(method, target, headers), chunked
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise UpstreamProtocolError(f"request cannot be sent: {exc}") from exc
+
+
+async def _send_stream(conn: _Conn, body: AsyncIterable[bytes], chunked: bool,
+                       idle_timeout: float) -> None:
+    """A streamed request body, each write bounded by the idle timeout."""
     async for chunk in body:
-        yield chunk
-    deadline.deadline = trio.current_time() + timeout
+        if not chunk:
+            continue
+        with trio.move_on_after(idle_timeout) as writing:
+            if chunked:
+                await conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            else:
+                await conn.send(chunk)
+        if writing.cancelled_caught:
+            raise UpstreamTimeout("the node did not take the request body in time")
+    if chunked:
+        with trio.move_on_after(idle_timeout) as writing:
+            await conn.send(b"0\r\n\r\n")
+        if writing.cancelled_caught:
+            raise UpstreamTimeout("the node did not take the request body in time")
 
 
 class _Body:
     """The node's response body as an async iterator; `complete` once it ended normally."""
 
-    def __init__(self, response: httpcore.Response) -> None:
-        self._chunks = response.aiter_stream().__aiter__()
-        self.complete = False
+    __slots__ = ("_conn", "_parser", "_idle", "complete")
+
+    def __init__(self, conn: _Conn, parser: ResponseParser, idle_timeout: float) -> None:
+        self._conn = conn
+        self._parser = parser
+        self._idle = idle_timeout
+        self.complete = parser.done and not parser._pieces
 
     def __aiter__(self) -> _Body:
         return self
 
     async def __anext__(self) -> bytes:
-        try:
-            return await self._chunks.__anext__()
-        except StopAsyncIteration:
-            self.complete = True
-            raise
-        except httpcore.TimeoutException as exc:
-            raise UpstreamTimeout("node body idle too long") from exc
-        except (httpcore.ProtocolError, httpcore.NetworkError) as exc:
-            raise UpstreamProtocolError(f"node body broke: {exc}") from exc
-
-
-#: How long we try to tell the node that we abandoned an HTTP/2 stream.
-CANCEL_TIMEOUT = 1.0
-
-
-async def _cancel_h2_stream(response: httpcore.Response) -> None:
-    """RST_STREAM(CANCEL) an HTTP/2 response we stop reading before its end.
-
-    httpcore (1.0.x) just forgets such a stream, so the node would go on producing it —
-    an abandoned SSE stream would stay open at the node for the life of the pooled
-    connection. This reaches into httpcore's HTTP/2 byte stream (pool stream → connection
-    stream with `_connection`, `_stream_id`, `_request`); when the shape differs, or on
-    HTTP/1.1 (where httpcore closes an unfinished connection itself), it does nothing.
-    """
-    inner = getattr(response.stream, "_stream", None)
-    connection = getattr(inner, "_connection", None)
-    stream_id = getattr(inner, "_stream_id", None)
-    state = getattr(connection, "_h2_state", None)
-    if state is None or stream_id is None:
-        return
-    with trio.move_on_after(CANCEL_TIMEOUT):
-        try:
-            state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
-            await connection._write_outgoing_data(inner._request)  # type: ignore[union-attr]
-        except (h2.exceptions.ProtocolError, httpcore.NetworkError):
-            pass  # the stream or the connection already ended
+        parser = self._parser
+        while True:
+            piece = parser.take_body()
+            if parser.done:
+                self.complete = True
+            if piece:
+                return piece
+            if parser.done:
+                raise StopAsyncIteration
+            with trio.move_on_after(self._idle) as reading:
+                try:
+                    data = await self._conn.recv()
+                except _Broken as exc:
+                    raise UpstreamProtocolError(f"node body broke: {exc}") from exc
+            if reading.cancelled_caught:
+                raise UpstreamTimeout("node body idle too long")
+            try:
+                if data:
+                    parser.feed(data)
+                else:
+                    parser.feed_eof()
+            except ResponseError as exc:
+                raise UpstreamProtocolError(f"node body broke: {exc}") from exc

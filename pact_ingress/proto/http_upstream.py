@@ -1,0 +1,181 @@
+"""HTTP/1.1 toward the home node, without I/O: the request head we write, the response we read.
+
+`request_head` serialises a request the edge has already cleaned (`clean_request_headers`)
+and framed. `ResponseParser` is fed the bytes the node sends and exposes the final
+response's status and headers, its body in pieces, whether it has ended and whether the
+connection may carry another request. The framing itself (Content-Length, chunked with
+trailers, close-delimited, no body for 1xx/204/304) is llhttp's, through `httptools`:
+llhttp is strict by default (CL together with TE, duplicate CL, obs-fold, bare LF and
+bad chunk sizes are errors) and parses in C, where h11's pure-Python state machine cost
+several times as much per response. What llhttp cannot be told — that a response to HEAD
+has no body whatever its Content-Length says — and the bounds llhttp does not keep (head
+size, header count, number of interim responses) are kept here.
+"""
+
+from __future__ import annotations
+
+import httptools
+
+#: Bytes of response head (interim 1xx heads included) we accept before the final head
+#: is complete: generous for any real node, small enough that a node cannot make the
+#: edge hold megabytes per connection before a single body byte.
+MAX_HEAD_BYTES = 64 * 1024
+#: Header fields in one response, trailers included.
+MAX_HEADERS = 128
+#: Interim (1xx) responses skipped before the final one; a node looping on 103 Early
+#: Hints would otherwise keep a request open without ever answering it.
+MAX_INTERIM = 8
+
+
+class ResponseError(Exception):
+    """The node's response is not HTTP/1.1 we can relay (malformed, too large, upgrade)."""
+
+
+class _HeadOnly(Exception):
+    """Stops llhttp after the head of a response to HEAD (which has no body)."""
+
+
+def request_head(method: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The request line and header block; refuses anything that would split the head.
+
+    The headers come from parsers that already reject CR and LF in names and values;
+    counting line ends on the finished head is a cheap last guard against a request
+    that would smuggle a second one onto a pooled connection.
+    """
+    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    lines = len(headers) + 2
+    if head.count(b"\n") != lines or head.count(b"\r") != lines or b" " in target:
+        raise ValueError("request head would contain a bare line break or a split target")
+    return head
+
+
+class ResponseParser:
+    """One response from the node, fed as it arrives (see module docstring).
+
+    After `head_done`: `status`, `headers` (names lower-cased), `version` ("HTTP/1.1").
+    `take_body()` returns the body bytes parsed so far; `done` once the response ended;
+    `keep_alive` says whether the connection may be pooled afterwards.
+    """
+
+    def __init__(self, method: str) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._head_only = method == "HEAD"
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.version = "HTTP/1.1"
+        self.head_done = False
+        self.done = False
+        self.keep_alive = True
+        self.received = 0  # bytes fed: a connection that never answered may be stale
+        self._pieces: list[bytes] = []
+        self._interim = 0
+        self._in_interim = False
+        self._close_delimited = False
+        self._header_count = 0
+
+    # -- feeding --------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        """Parse bytes from the node; raises `ResponseError` when they are not HTTP."""
+        self.received += len(data)
+        if self.done:
+            self.keep_alive = False  # bytes after the response: nothing may follow on it
+            return
+        if not self.head_done and self.received > MAX_HEAD_BYTES:
+            raise ResponseError(f"response head over {MAX_HEAD_BYTES} bytes")
+        try:
+            self._parser.feed_data(data)
+        except _HeadOnly:
+            pass
+        except httptools.HttpParserUpgrade as exc:
+            raise ResponseError("the node switched protocols") from exc
+        except httptools.HttpParserError as exc:
+            if self.done:  # garbage after a complete response ends the connection only
+                self.keep_alive = False
+                return
+            cause = exc.__context__
+            if isinstance(cause, ResponseError):
+                raise cause from None
+            if isinstance(cause, _HeadOnly):
+                return
+            raise ResponseError(f"malformed response: {exc}") from exc
+
+    def feed_eof(self) -> None:
+        """The node closed the connection: the end of a close-delimited body, else an error."""
+        self.keep_alive = False
+        if self.done:
+            return
+        if self.head_done and self._close_delimited:
+            self.done = True
+            return
+        raise ResponseError("the node closed the connection before the response ended"
+                            if self.head_done else
+                            "the node closed the connection before a response head")
+
+    def take_body(self) -> bytes:
+        pieces = self._pieces
+        if not pieces:
+            return b""
+        self._pieces = []
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    # -- llhttp callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.keep_alive = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > MAX_HEADERS:
+            raise ResponseError(f"more than {MAX_HEADERS} response header fields")
+        if not self.head_done:  # trailers are dropped: nothing downstream relays them
+            self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status == 101:
+            raise ResponseError("the node switched protocols")
+        if status < 200:
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise ResponseError(f"more than {MAX_INTERIM} interim responses")
+            self.headers = []
+            self._header_count = 0
+            self._in_interim = True
+            return
+        self.status = status
+        self.head_done = True
+        version = self._parser.get_http_version()
+        self.version = f"HTTP/{version}"
+        connection = b""
+        framed = status in (204, 304)
+        for name, value in self.headers:
+            if name == b"connection":
+                connection += b"," + value.lower()
+            elif name in (b"content-length", b"transfer-encoding"):
+                framed = True
+        if version != "1.1" or b"close" in [t.strip() for t in connection.split(b",")]:
+            self.keep_alive = False
+        if self._head_only:
+            # llhttp would wait for Content-Length bytes that never come. Where the head
+            # ended in the fed bytes is not known here, so the connection is not reused.
+            self.done = True
+            self.keep_alive = False
+            raise _HeadOnly()
+        if not framed:
+            self._close_delimited = True
+            self.keep_alive = False
+
+    def on_body(self, body: bytes) -> None:
+        self._pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._in_interim:
+            self._in_interim = False
+            return
+        self.done = True
