@@ -171,6 +171,8 @@ class RedisSettings:
     #: clusters (or other applications) without collisions.
     key_prefix: str = "pact-ingress:"
     tls: RedisTLS | None = None
+    #: A decision waits at most this long for Redis before this instance decides alone.
+    deadline: float = 0.05
 
     def __str__(self) -> str:
         scheme = "rediss" if self.tls is not None else "redis"

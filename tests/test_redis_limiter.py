@@ -34,6 +34,9 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 def _settings(server: RedisServer, **kw: object) -> RedisSettings:
+    # a generous deadline: a busy test machine must not look like a sick Redis (the slow
+    # Redis test sets the real default)
+    kw.setdefault("deadline", 0.5)
     return RedisSettings(host=server.host, port=server.port, db=0,
                          encryption_key_file=Path("/nonexistent"), **kw)  # type: ignore[arg-type]
 
@@ -160,17 +163,17 @@ async def test_slow_redis_costs_one_deadline_then_nothing(
 ) -> None:
     server = RedisServer(tmp_path / "redis")
     try:
-        state = await _running(nursery, server)
+        state = await _running(nursery, server, deadline=0.05)
         server.freeze()
         started = trio.current_time()
         assert await state.limiter.check_calls("192.0.2.60", [None], started,
                                                scope="slow.example") is ALLOWED
         first = trio.current_time() - started
-        assert state.deadline <= first < state.deadline + 0.1
+        assert state.deadline <= first < state.deadline + 0.5
         started = trio.current_time()
         for _ in range(20):  # in fallback nothing waits on Redis
             await state.limiter.check_calls("192.0.2.60", [None], started, scope="slow.example")
-        assert trio.current_time() - started < 0.02
+        assert trio.current_time() - started < 0.1  # 20 waits would be 1 s
         assert state.status()["mode"] == "fallback"
         assert "no answer within 50 ms" in state.status()["last_error"]
         server.thaw()

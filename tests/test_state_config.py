@@ -59,12 +59,13 @@ state:
   password_file: redis.pass
   key_prefix: "edge1:"
   encryption_key_file: state.key
+  deadline: 20ms
 """)
     redis = config.state.redis  # type: ignore[attr-defined]
     assert config.state.backend == "redis"  # type: ignore[attr-defined]
     assert (redis.host, redis.port, redis.db, redis.username) == ("10.0.0.5", 6380, 3, "ops")
     assert redis.password.reveal() == PASSWORD
-    assert redis.key_prefix == "edge1:" and redis.tls is None
+    assert redis.key_prefix == "edge1:" and redis.tls is None and redis.deadline == 0.02
     assert redis.encryption_key_file == secrets / "state.key"
     assert PASSWORD not in repr(config) and PASSWORD not in str(redis)
     assert str(redis) == "redis://ops@10.0.0.5:6380/3"
@@ -76,6 +77,7 @@ def test_redis_defaults_and_tls(secrets: Path) -> None:
     redis = config.state.redis  # type: ignore[attr-defined]
     assert (redis.host, redis.port, redis.db, redis.password) == ("cache.example", 6379, 0, None)
     assert redis.tls == RedisTLS() and redis.key_prefix == "pact-ingress:"
+    assert redis.deadline == 0.05
     ca = secrets / "ca.pem"
     ca.write_text("x")
     config = _load(secrets, "state: {backend: redis, url: 'redis://127.0.0.1',"
@@ -115,6 +117,8 @@ def test_secret_repr_and_equality() -> None:
      "  url: rediss://127.0.0.1\n  tls: false\n", 8, "contradicts a rediss:// url"),
     ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
      "  url: redis://127.0.0.1\n  tls: {cert_file: state.key}\n", 8, "go together"),
+    ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
+     "  url: redis://127.0.0.1\n  deadline: 5s\n", 8, "state.deadline must be at most 1s"),
 ])  # fmt: skip
 def test_redis_errors_name_their_line(secrets: Path, state: str, line: int, wanted: str) -> None:
     errors = _errors(secrets, state)

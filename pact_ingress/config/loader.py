@@ -130,6 +130,9 @@ MAX_SECRET_FILE_BYTES = 4096
 ENCRYPTION_KEY_BYTES = 32
 #: Redis key prefixes are short printable names; the bound keeps every key small.
 MAX_KEY_PREFIX = 64
+#: state.deadline above this would let a sick Redis stall every request for longer than
+#: a client waits; below the round trip to a distant Redis, it would never be shared.
+MAX_STATE_DEADLINE = 1.0
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
@@ -491,7 +494,9 @@ def _start(path: Path, overlay: Mapping[str, str]) -> tuple[_Ctx, Node | None]:
 _TOP_KEYS = (
     "identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants", "state",
 )  # fmt: skip
-_STATE_KEYS = ("backend", "url", "password_file", "key_prefix", "encryption_key_file", "tls")
+_STATE_KEYS = (
+    "backend", "url", "password_file", "key_prefix", "encryption_key_file", "tls", "deadline",
+)  # fmt: skip
 _REDIS_TLS_KEYS = ("ca_file", "cert_file", "key_file")
 _KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9._:/{}-]+")
 _LISTEN_KEYS = ("tls", "http", "admin", "admin_token_file")
@@ -601,16 +606,26 @@ def _state(ctx: _Ctx, node: Node) -> State | None:
     key_file = fields.opt("encryption_key_file", _encryption_key_file)
     prefix = fields.opt("key_prefix", _key_prefix, default="pact-ingress:")
     tls = fields.opt("tls", _redis_tls)
+    deadline = fields.opt("deadline", _state_deadline, default=RedisSettings.deadline)
     if url is not None and url[4] and fields.get("tls") is not None and tls is False:
         ctx.at(fields.get("tls") or fields.node, "state.tls: false contradicts a rediss:// url")
         return None
-    if None in (url, key_file, prefix) or (password_file and password is None):
+    if None in (url, key_file, prefix, deadline) or (password_file and password is None):
         return None
     host, port, db, username, tls_scheme = url  # type: ignore[misc]
     if tls is None or tls is False:
         tls = RedisTLS() if tls_scheme else None
     return State("redis", RedisSettings(host, port, db, key_file, username, password,
-                                        password_file, prefix, tls))
+                                        password_file, prefix, tls, deadline))
+
+
+def _state_deadline(ctx: _Ctx, node: Node) -> float | None:
+    seconds = _duration(ctx, node, "state.deadline")
+    if seconds is not None and seconds > MAX_STATE_DEADLINE:
+        ctx.at(node, f"state.deadline must be at most {MAX_STATE_DEADLINE:g}s: every request "
+               "waits this long while Redis is sick")  # fmt: skip
+        return None
+    return seconds
 
 
 def _redis_url(ctx: _Ctx, node: Node) -> tuple[str, int, int, str | None, bool] | None:

@@ -67,10 +67,11 @@ from pact_ingress.proto.ratelimit import (
 from pact_ingress.state.limiter import LocalLimiter
 from pact_ingress.stats import Stats
 
-#: A rate-limit decision waits at most this long for Redis before this instance decides
-#: alone: a request must not feel a sick Redis, and a healthy one answers in well under
-#: a millisecond on the same network.
-DECISION_DEADLINE = 0.05
+#: The default of `state.deadline`: a rate-limit decision waits at most this long for
+#: Redis before this instance decides alone. A request must not feel a sick Redis, and a
+#: healthy one answers in well under a millisecond on the same network (a Redis in
+#: another data centre needs the setting raised above its round trip).
+DECISION_DEADLINE = RedisSettings.deadline
 #: How often the health probe pings Redis (in both states), so the status is current
 #: without traffic and recovery is noticed within about this long.
 PROBE_INTERVAL = 1.0
@@ -146,11 +147,10 @@ class RedisState:
     """The redis backend: one client, its health, and the shared kinds of state."""
 
     def __init__(self, settings: RedisSettings, stats: Stats, *,
-                 deadline: float = DECISION_DEADLINE,
                  probe_interval: float = PROBE_INTERVAL) -> None:
         self.settings = settings
         self.stats = stats
-        self.deadline = deadline
+        self.deadline = settings.deadline
         self.probe_interval = probe_interval
         self.client: coredis.Redis[bytes] = coredis.Redis(
             host=settings.host, port=settings.port, db=settings.db,
