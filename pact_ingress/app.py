@@ -26,6 +26,7 @@ from pact_ingress.logs import log
 from pact_ingress.logs import setup as setup_logs
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.router import Router, open_listeners
+from pact_ingress.state import open_state
 from pact_ingress.stats import Stats
 
 #: Seconds open connections get to finish after SIGTERM before they are cancelled.
@@ -53,8 +54,10 @@ class Ingress:
         self.tunnels = TunnelServer(identity=self.identity, stats=self.stats)
         self.backends = Backends(self.resolver, self.tunnels)
         self.certs = CertManager(state_dir=config.state_dir, stats=self.stats)
+        # where shared state lives is chosen here, once; components get its objects
+        self.state = open_state(config.state, self.stats)
         self.terminator = Terminator(identity=self.identity, backends=self.backends,
-                                     stats=self.stats)
+                                     stats=self.stats, limiter=self.state.limiter)
         self.router = Router(config, stats=self.stats, backends=self.backends,
                              terminator=self.terminator, certs=self.certs,
                              tunnels=self.tunnels)
@@ -106,6 +109,9 @@ class Ingress:
         if new.listen != old.listen:
             log.warning("reload_listen_unchanged",
                         detail="listen addresses change only on restart")
+        if new.state != old.state:
+            log.warning("reload_state_unchanged",
+                        detail="the state backend (state:) changes only on restart")
         try:
             self._switch(new)
         except Exception as exc:  # noqa: BLE001 — a bug in one component's update
@@ -148,6 +154,7 @@ class Ingress:
             ],
             "counters": schema.counters_from(self.stats),
             "recent_refusals": schema.refusals_from(self.stats),
+            "state": self.state.status(),
         }
 
     async def run(self, *, handle_signals: bool = True,
@@ -159,6 +166,7 @@ class Ingress:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.resolver.refresh_forever)
+            await nursery.start(self.state.run)
             await nursery.start(self.certs.run)
             if cfg.listen.http:
                 from pact_ingress.net.http_listener import serve_http

@@ -7,6 +7,7 @@ its validators, which build these objects, live in `pact_ingress/config/`.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import re
 from dataclasses import dataclass, field
@@ -120,6 +121,79 @@ class Acme:
     dns01: Dns01 | None = None
 
 
+class Secret:
+    """A value read from a secret file (a Redis password): compared and used, never shown.
+
+    Config objects end up in reprs, log lines and test failure messages; this wrapper is
+    what keeps the password out of all of them."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('********')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and hmac.compare_digest(
+            self._value.encode(), other._value.encode())
+
+    def __hash__(self) -> int:
+        return hash(Secret)  # equal secrets must hash alike; the value itself stays out
+
+
+@dataclass(frozen=True)
+class RedisTLS:
+    """TLS toward Redis: the CA that signed its certificate (None: the system's CAs) and,
+    when Redis asks for client certificates, ours."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where the shared state lives when `state.backend` is redis."""
+
+    host: str
+    port: int
+    db: int
+    #: 32 random bytes (base64) every instance holds: what shared secrets stored in
+    #: Redis (certificate keys) are encrypted with, so Redis never holds them in clear.
+    encryption_key_file: Path
+    username: str | None = None
+    password: Secret | None = None
+    password_file: Path | None = None
+    #: Every key this ingress writes starts with this, so one Redis can serve several
+    #: clusters (or other applications) without collisions.
+    key_prefix: str = "pact-ingress:"
+    tls: RedisTLS | None = None
+    #: A decision waits at most this long for Redis before this instance decides alone.
+    deadline: float = 0.05
+
+    def __str__(self) -> str:
+        scheme = "rediss" if self.tls is not None else "redis"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        user = f"{self.username}@" if self.username else ""
+        return f"{scheme}://{user}{host}:{self.port}/{self.db}"
+
+
+@dataclass(frozen=True)
+class State:
+    """Where state that several instances must agree on is kept: in this process
+    (`local`, one instance) or in Redis (several instances acting as one edge)."""
+
+    backend: Literal["local", "redis"] = "local"
+    redis: RedisSettings | None = None  # set exactly when backend is redis
+
+
 @dataclass(frozen=True)
 class Config:
     path: Path
@@ -132,6 +206,7 @@ class Config:
     tenants: tuple[Tenant, ...]
     # Added by the loader: the include globs, absolute (resolved against path's directory).
     includes: tuple[str, ...] = ()
+    state: State = field(default_factory=State)
 
     def routes(self) -> tuple[Route, ...]:
         return tuple(r for t in self.tenants for r in t.routes)

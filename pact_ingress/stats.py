@@ -17,6 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: How many recent refusals the status page shows; a bounded deque, oldest dropped.
 RECENT_REFUSALS = 50
+#: Buckets for state backend round trips: a Redis call on the same network takes well
+#: under a millisecond, and the decision deadline is tens of milliseconds.
+STATE_SECONDS_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,18 @@ class Stats:
             ["host", "reason"], registry=r)
         self.reloads = Counter(
             p + "config_reloads", "Config reloads by result", ["result"], registry=r)
+        self.state_shared = Gauge(
+            p + "state_shared", "1 while shared state (Redis) answers, 0 while this instance "
+            "decides alone (local backend, or fallback)", registry=r)
+        self.state_fallbacks = Counter(
+            p + "state_fallbacks", "Times the shared state backend was lost and this "
+            "instance fell back to its own counts", registry=r)
+        self.state_seconds = Histogram(
+            p + "state_backend_seconds", "State backend round trips by operation",
+            ["op"], buckets=STATE_SECONDS_BUCKETS, registry=r)
+        self.rate_decisions = Counter(
+            p + "rate_limit_decisions", "Rate-limit decisions of the shared limiter "
+            "by where they were made (shared: Redis, fallback: this process alone)", ["where"], registry=r)
         self.recent_refusals: collections.deque[Refusal] = collections.deque(
             maxlen=RECENT_REFUSALS)
 

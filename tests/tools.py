@@ -13,6 +13,7 @@ PACKAGES = {
     "gnutls-cli": "gnutls-bin", "systemd-analyze": "systemd", "curl": "curl",
     "openssl": "openssl", "ssh": "openssh-client", "sshd": "openssh-server",
     "nghttp": "nghttp2-client", "h2load": "nghttp2-client", "node": "nodejs",
+    "redis-server": "redis-server",
 }
 
 

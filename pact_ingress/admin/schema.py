@@ -17,6 +17,9 @@ Shape, in words:
   (ISO 8601 UTC or null when unknown/not yet issued), `last_error` (text or null)
 - `counters`: flat `{name: number}`; `counters_from(stats)` fills it from the registry
 - `recent_refusals`: newest last: `at` (unix seconds), `route`, `client_ip`, `reason`
+- `state`: where shared state lives: `backend` (local|redis), `mode` (local: one
+  instance; shared: Redis answers; fallback: Redis lost, this instance counts alone),
+  `since` (unix seconds of the last switch, null for local), `last_error` (text or null)
 
 Times are ISO 8601 strings where people read them (certificates) and unix seconds where
 they come from the event log (refusals), so neither side has to guess a timezone.
@@ -65,6 +68,11 @@ CERT_SCHEMA = _obj(
 )
 REFUSAL_SCHEMA = _obj(
     {"at": {"type": "number"}, "route": _STR, "client_ip": _STR, "reason": _STR})
+STATE_SCHEMA = _obj(
+    {"backend": {"enum": ["local", "redis"]},
+     "mode": {"enum": ["local", "shared", "fallback"]},
+     "since": {"type": ["number", "null"]}, "last_error": _STR_OR_NULL},
+)
 
 #: JSON Schema (draft 2020-12) of the `GET /status` document.
 STATUS_SCHEMA: dict[str, Any] = {
@@ -80,7 +88,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "certs": _list(CERT_SCHEMA),
         "counters": {"type": "object", "additionalProperties": {"type": "number"}},
         "recent_refusals": _list(REFUSAL_SCHEMA),
-    }, {"identity": _STR}),
+    }, {"identity": _STR, "state": STATE_SCHEMA}),
 }
 
 

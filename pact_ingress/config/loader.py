@@ -47,6 +47,13 @@ Decisions worth knowing:
   and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
   its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443).
+* ``state`` picks where state shared by several instances lives: ``backend: local`` (the
+  default: this process, as a single instance always was) or ``backend: redis`` with a
+  ``url`` (``redis://HOST:PORT/DB``, ``rediss://`` for TLS). A password in the URL is
+  refused — URLs end up in logs and status pages — so it comes from ``password_file``
+  instead and is held as a `Secret`. ``encryption_key_file`` is required from the start,
+  so a cluster never runs without the key its certificate keys will be sealed with.
+  Secret files must not be readable by every user on the machine.
 """
 
 from __future__ import annotations
@@ -59,7 +66,10 @@ import ipaddress
 import math
 import os
 import re
+import base64
+import binascii
 import stat
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +95,11 @@ from pact_ingress.model import (
     Dns01,
     Limits,
     Listen,
+    RedisSettings,
+    RedisTLS,
     Route,
+    Secret,
+    State,
     Tenant,
     is_ip_address,
     normalize_hostname,
@@ -110,6 +124,15 @@ MAX_TENANT_NAME = 63
 MAX_TUNNEL_CONNECTIONS = 16
 #: Durations above a day are a typo (e.g. "300" meant as ms) rather than a wish.
 MAX_DURATION_SECONDS = 86_400.0
+#: A password or key file is a line of text; anything larger is the wrong file.
+MAX_SECRET_FILE_BYTES = 4096
+#: The shared encryption key: 32 random bytes (AES-256), base64 in its file.
+ENCRYPTION_KEY_BYTES = 32
+#: Redis key prefixes are short printable names; the bound keeps every key small.
+MAX_KEY_PREFIX = 64
+#: state.deadline above this would let a sick Redis stall every request for longer than
+#: a client waits; below the round trip to a distant Redis, it would never be shared.
+MAX_STATE_DEADLINE = 1.0
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
@@ -468,7 +491,14 @@ def _start(path: Path, overlay: Mapping[str, str]) -> tuple[_Ctx, Node | None]:
 
 # --- ingress config -----------------------------------------------------------------------
 
-_TOP_KEYS = ("identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants")
+_TOP_KEYS = (
+    "identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants", "state",
+)  # fmt: skip
+_STATE_KEYS = (
+    "backend", "url", "password_file", "key_prefix", "encryption_key_file", "tls", "deadline",
+)  # fmt: skip
+_REDIS_TLS_KEYS = ("ca_file", "cert_file", "key_file")
+_KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9._:/{}-]+")
 _LISTEN_KEYS = ("tls", "http", "admin", "admin_token_file")
 _ACME_KEYS = ("directory", "email", "agree_tos", "challenges", "ca_bundle", "dns01")
 _DNS01_KEYS = ("server", "zone", "tsig_key_file")
@@ -530,6 +560,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     tunnel = top.opt("tunnel", _tunnel)
     acme = top.opt("acme", _acme)
     limits = top.opt("limits", _limits, Limits(), "limits", default=Limits())
+    state = top.opt("state", _state, default=State())
     broken = frozenset(k for k, v in (("tunnel", tunnel), ("acme", acme)) if top.get(k) and not v)
     seen = _Seen(tunnel, acme, limits or Limits(), broken)
     tenants = [t for n in _items(ctx, top, "tenants") if (t := _tenant(ctx, n, seen, path))]
@@ -537,7 +568,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     for file in _expand_includes(ctx, patterns, path, overlay):
         tenant = _included_tenant(ctx.for_file(file), Path(file), seen, overlay)
         tenants += [tenant] if tenant else []
-    if ctx.errors or None in (state_dir, identity_key, listen, limits):
+    if ctx.errors or None in (state_dir, identity_key, listen, limits, state):
         return None
     return Config(
         path=Path(os.path.abspath(path)),
@@ -549,7 +580,174 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
         limits=limits,
         tenants=tuple(tenants),
         includes=tuple(str(_resolve(ctx.base, p)) for p, _ in patterns),
+        state=state,
     )
+
+
+def _state(ctx: _Ctx, node: Node) -> State | None:
+    fields = _mapping(ctx, node, "state", _STATE_KEYS, required=("backend",))
+    if fields is None:
+        return None
+    backend = fields.opt("backend", _choice, "state.backend", ("local", "redis"))
+    if backend == "local":
+        extra = [name for name in fields.keys if name != "backend"]
+        for name in extra:
+            ctx.at(fields.keys[name], f"state.{name} applies to backend: redis only")
+        return None if extra else State()
+    if backend is None:
+        return None
+    for name in ("url", "encryption_key_file"):
+        if fields.get(name) is None:
+            ctx.at(fields.key(name), f"state with backend: redis needs {name!r}")
+    url = fields.opt("url", _redis_url)
+    password_file = fields.opt("password_file", _path, "state.password_file")
+    password = _secret_file(ctx, fields.get("password_file"), password_file,
+                            "state.password_file") if password_file else None
+    key_file = fields.opt("encryption_key_file", _encryption_key_file)
+    prefix = fields.opt("key_prefix", _key_prefix, default="pact-ingress:")
+    tls = fields.opt("tls", _redis_tls)
+    deadline = fields.opt("deadline", _state_deadline, default=RedisSettings.deadline)
+    if url is not None and url[4] and fields.get("tls") is not None and tls is False:
+        ctx.at(fields.get("tls") or fields.node, "state.tls: false contradicts a rediss:// url")
+        return None
+    if None in (url, key_file, prefix, deadline) or (password_file and password is None):
+        return None
+    host, port, db, username, tls_scheme = url  # type: ignore[misc]
+    if tls is None or tls is False:
+        tls = RedisTLS() if tls_scheme else None
+    return State("redis", RedisSettings(host, port, db, key_file, username, password,
+                                        password_file, prefix, tls, deadline))
+
+
+def _state_deadline(ctx: _Ctx, node: Node) -> float | None:
+    seconds = _duration(ctx, node, "state.deadline")
+    if seconds is not None and seconds > MAX_STATE_DEADLINE:
+        ctx.at(node, f"state.deadline must be at most {MAX_STATE_DEADLINE:g}s: every request "
+               "waits this long while Redis is sick")  # fmt: skip
+        return None
+    return seconds
+
+
+def _redis_url(ctx: _Ctx, node: Node) -> tuple[str, int, int, str | None, bool] | None:
+    """(host, port, db, username, tls) from ``redis://[USER@]HOST[:PORT][/DB]``."""
+    text = _string(ctx, node, "state.url")
+    if text is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(text.strip())
+        port = parts.port or 6379
+    except ValueError:
+        ctx.at(node, "state.url is not a URL like redis://HOST:PORT/DB")
+        return None
+    if parts.password is not None:
+        # the URL is not repeated here: it holds the password
+        ctx.at(node, "state.url must not hold a password (URLs end up in logs and status "
+               "pages): put it in state.password_file")  # fmt: skip
+        return None
+    problem = None
+    if parts.scheme not in ("redis", "rediss"):
+        problem = "the scheme must be redis:// or rediss:// (TLS)"
+    elif not parts.hostname:
+        problem = "it names no host"
+    elif parts.query or parts.fragment:
+        problem = "query strings and fragments are not supported (use the state.* keys)"
+    elif parts.path.strip("/") and not parts.path.strip("/").isdigit():
+        problem = "the path must be a database number, e.g. /0"
+    if problem is None:
+        try:
+            host = parts.hostname if is_ip_address(parts.hostname) else normalize_hostname(
+                parts.hostname)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        ctx.at(node, f"state.url {text!r}: {problem}")
+        return None
+    db = int(parts.path.strip("/") or 0)
+    return host, port, db, parts.username or None, parts.scheme == "rediss"
+
+
+def _secret_file(ctx: _Ctx, node: Node | None, path: Path, what: str) -> Secret | None:
+    data = _read_secret(ctx, node, path, what)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = ""
+    if not text:
+        ctx.at(node, f"{what} {path} holds no text")  # type: ignore[arg-type]
+        return None
+    return Secret(text)
+
+
+def _read_secret(ctx: _Ctx, node: Node | None, path: Path, what: str) -> bytes | None:
+    """A small regular file that not every local user can read (it guards every tenant)."""
+    assert node is not None
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            ctx.at(node, f"{what} {path} is not a regular file")
+            return None
+        if mode & 0o007:
+            ctx.at(node, f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
+                   "or 0640 with the service's group)")  # fmt: skip
+            return None
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as exc:
+        ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
+        return None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        ctx.at(node, f"{what} {path} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+        return None
+    return data
+
+
+def _encryption_key_file(ctx: _Ctx, node: Node) -> Path | None:
+    path = _path(ctx, node, "state.encryption_key_file")
+    data = _read_secret(ctx, node, path, "state.encryption_key_file") if path else None
+    if data is None:
+        return None
+    try:
+        key = base64.b64decode(data.strip().replace(b"-", b"+").replace(b"_", b"/"),
+                               validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) != ENCRYPTION_KEY_BYTES:
+        ctx.at(node, f"state.encryption_key_file {path} must hold {ENCRYPTION_KEY_BYTES} random "
+               f"bytes in base64 (make one with: openssl rand -base64 {ENCRYPTION_KEY_BYTES})")
+        return None
+    return path
+
+
+def _key_prefix(ctx: _Ctx, node: Node) -> str | None:
+    prefix = _string(ctx, node, "state.key_prefix")
+    if prefix is not None and (len(prefix) > MAX_KEY_PREFIX
+                               or not _KEY_PREFIX_RE.fullmatch(prefix)):
+        ctx.at(node, f"state.key_prefix {prefix!r} must be at most {MAX_KEY_PREFIX} of "
+               "A-Z a-z 0-9 . _ : / { } -")  # fmt: skip
+        return None
+    return prefix
+
+
+def _redis_tls(ctx: _Ctx, node: Node) -> RedisTLS | bool | None:
+    """``true`` (the system's CAs), ``false``, or ``{ca_file, cert_file, key_file}``."""
+    if isinstance(node, ScalarNode) and node.tag == _BOOL:
+        return node.value.lower() in ("true", "yes", "on")
+    fields = _mapping(ctx, node, "state.tls", _REDIS_TLS_KEYS)
+    if fields is None:
+        return None
+    ca = fields.opt("ca_file", _path, "state.tls.ca_file")
+    cert = fields.opt("cert_file", _path, "state.tls.cert_file")
+    key = fields.opt("key_file", _path, "state.tls.key_file")
+    if (cert is None) != (key is None):
+        ctx.at(fields.node, "state.tls: cert_file and key_file go together")
+        return None
+    for path, name in ((ca, "ca_file"), (cert, "cert_file"), (key, "key_file")):
+        if path is not None and not os.path.isfile(path):
+            ctx.at(fields.get(name) or fields.node, f"state.tls.{name} {path} does not exist")
+            return None
+    return RedisTLS(ca, cert, key)
 
 
 def _items(ctx: _Ctx, fields: _Fields, name: str) -> list[Node]:

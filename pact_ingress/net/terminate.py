@@ -81,8 +81,9 @@ from pact_ingress.proto.http_request import (
     judge_scope,
     parse_target,
 )
-from pact_ingress.proto.ratelimit import Budget, Limited, RateLimiter, client_bucket
+from pact_ingress.proto.ratelimit import Budget, Limited, client_bucket
 from pact_ingress.proto.shares import Refused, Shares
+from pact_ingress.state import Limiter, LocalLimiter
 from pact_ingress.stats import Stats
 
 #: Retry-After for 503 (node offline): a tunnel reconnects within seconds; asking
@@ -151,12 +152,14 @@ class Terminator:
         stats: Stats,
         wall_clock: Callable[[], float] = time.time,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        limiter: Limiter | None = None,
     ) -> None:
         self.identity = identity
         self.stats = stats
         self.wall_clock = wall_clock
         self.upstream = Upstream(identity, backends, header_timeout=header_timeout)
-        self.limiter = RateLimiter()  # per-route budgets are passed per call
+        # per-route budgets are passed per call; the state backend decides where buckets live
+        self.limiter: Limiter = limiter or LocalLimiter()
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)
         self._inflight: dict[str, Shares] = {}
         self._routes: dict[str, Route] = {}
@@ -267,8 +270,8 @@ class Terminator:
         limits = route.limits
         budget = Budget.from_limits(limits)
         now = trio.current_time()
-        ip_unit = self.limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
-                                           scope=route.host)
+        ip_unit = await self.limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
+                                                 scope=route.host)
         try:
             target = parse_target(ex.target)
             host = check_host(ex.authority, target, conn.sni, route.host)
@@ -300,7 +303,7 @@ class Terminator:
             decision = await self._judge(ex, route, tenant, target, read)
             if isinstance(decision, posture.Refuse):
                 return await self._refuse(ex, conn, decision)
-            keyed = self.limiter.check_calls(
+            keyed = await self.limiter.check_calls(
                 conn.client_ip, decision.caller_keys, trio.current_time(), budget=budget,
                 scope=route.host, prepaid=1)
             if isinstance(keyed, Limited):

@@ -1,0 +1,314 @@
+"""Shared state in Redis: the connection, its health, and the cluster-wide rate limiter.
+
+Theory of operation
+-------------------
+**Client.** `coredis` (>= 6): a maintained, typed async Redis client whose I/O is built
+on anyio, so it runs on trio natively — no asyncio bridge, no thread. Checked here: it
+connects, reconnects after a Redis restart, and a call cancelled by a trio deadline
+leaves the connection usable (the next reply is not the cancelled call's). redis-py's
+asyncio client would need trio-asyncio; a home-made RESP client would have to grow TLS,
+AUTH, reconnects and script caching that coredis already has. Retries are switched off:
+a decision has its own short deadline, and a retry would only spend it.
+
+**Health.** `RedisState` is either *shared* (Redis answers) or *fallback* (it does
+not). Every call runs under a deadline; a failure or a timeout switches to fallback at
+once, and while in fallback nothing waits on Redis at all. A probe task (`run`) pings
+Redis every `PROBE_INTERVAL`; it switches back to shared when Redis connects and answers
+a PING within the decision deadline (so a Redis that is up but too slow stays in
+fallback instead of flapping). Each switch is one log line, the `state_shared` gauge and
+`state_fallbacks` counter, and `/status` (`state`). Starting while Redis is down is not
+an error: the instance starts in fallback and joins when Redis comes.
+
+**Rate limits** (`RedisLimiter`). The buckets and their arithmetic are
+`proto.ratelimit`'s: the same demands (which buckets a call draws on, cost, emission
+interval, burst) are computed here in Python by the pure limiter's own function, and
+`GCRA_SCRIPT` runs its admission rule on them inside Redis — every bucket read, judged
+and (all or nothing) charged in one script, so two instances deciding at once cannot
+both spend the last call, and one round trip per decision. The script reads Redis's
+own clock (`TIME`), so instances with skewed clocks agree. Tests may pass an explicit
+`now` instead, to compare the script with the pure limiter decision by decision.
+
+A bucket key expires (PX) when its theoretical arrival time passes: an expired bucket is
+a full one, as in the pure limiter, so Redis forgets idle clients by itself. What Redis
+may hold at most is the operator's `maxmemory` (with `volatile-ttl` eviction, an evicted
+bucket errs towards admitting, like the pure limiter's LRU).
+
+While in fallback, decisions go to this instance's own `LocalLimiter`: limits still
+hold, per instance instead of cluster-wide. Its buckets start from what this instance
+charged during earlier fallbacks, not from the shared counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import ssl
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import coredis
+import trio
+from coredis.retry import NoRetryPolicy
+
+from pact_ingress.logs import log
+from pact_ingress.model import RedisSettings
+from pact_ingress.proto.ratelimit import (
+    _EPSILON,
+    ALLOWED,
+    Budget,
+    BucketId,
+    Decision,
+    Limited,
+    RateLimiter,
+    client_bucket,
+)
+from pact_ingress.state.limiter import LocalLimiter
+from pact_ingress.stats import Stats
+
+#: The default of `state.deadline`: a rate-limit decision waits at most this long for
+#: Redis before this instance decides alone. A request must not feel a sick Redis, and a
+#: healthy one answers in well under a millisecond on the same network (a Redis in
+#: another data centre needs the setting raised above its round trip).
+DECISION_DEADLINE = RedisSettings.deadline
+#: How often the health probe pings Redis (in both states), so the status is current
+#: without traffic and recovery is noticed within about this long.
+PROBE_INTERVAL = 1.0
+#: A probe may take this long to (re)connect — TCP, TLS, AUTH — before its timed PING.
+CONNECT_DEADLINE = 2.0
+#: Connections to Redis per instance: decisions are short, so a few carry a busy edge.
+MAX_CONNECTIONS = 16
+
+T = TypeVar("T")
+
+#: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
+#: float slack; then per bucket: cost, emission interval, burst. Returns 'ok' (every
+#: bucket charged) or the worst wait in seconds (nothing charged). Numbers cross as
+#: '%.17g' text, which round-trips a double exactly, so the arithmetic is bit for bit
+#: the pure limiter's (same operations, same order).
+GCRA_SCRIPT = """
+if redis.replicate_commands then redis.replicate_commands() end
+local now
+local own_clock = ARGV[1] == ''
+if own_clock then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+else
+  now = tonumber(ARGV[1])
+end
+local eps = tonumber(ARGV[2])
+local starts = {}
+local worst = nil
+for i, key in ipairs(KEYS) do
+  local at = 2 + (i - 1) * 3
+  local cost, interval, burst = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
+                                tonumber(ARGV[at + 3])
+  local start = math.max(tonumber(redis.call('GET', key)) or now, now)
+  starts[i] = start
+  local wait = start + math.min(cost, burst) * interval - burst * interval - now
+  if worst == nil or wait > worst then worst = wait end
+end
+if worst > eps then return string.format('%.17g', worst) end
+for i, key in ipairs(KEYS) do
+  local at = 2 + (i - 1) * 3
+  local tat = starts[i] + tonumber(ARGV[at + 1]) * tonumber(ARGV[at + 2])
+  if own_clock then
+    redis.call('SET', key, string.format('%.17g', tat), 'PX', math.ceil((tat - now) * 1000))
+  else
+    -- an explicit clock is not Redis's: expiring by Redis's clock would be wrong
+    redis.call('SET', key, string.format('%.17g', tat))
+  end
+end
+return 'ok'
+"""
+
+
+class Unavailable(Exception):
+    """Redis did not answer in time, or failed; `str()` says why in one line."""
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
+    if settings.tls is None:
+        return None
+    tls = settings.tls
+    context = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+    if tls.cert_file is not None and tls.key_file is not None:
+        context.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    return context
+
+
+class RedisState:
+    """The redis backend: one client, its health, and the shared kinds of state."""
+
+    def __init__(self, settings: RedisSettings, stats: Stats, *,
+                 probe_interval: float = PROBE_INTERVAL) -> None:
+        self.settings = settings
+        self.stats = stats
+        self.deadline = settings.deadline
+        self.probe_interval = probe_interval
+        self.client: coredis.Redis[bytes] = coredis.Redis(
+            host=settings.host, port=settings.port, db=settings.db,
+            username=settings.username,
+            password=settings.password.reveal() if settings.password else None,
+            ssl_context=_tls_context(settings), connect_timeout=CONNECT_DEADLINE,
+            max_connections=MAX_CONNECTIONS, client_name="pact-ingress",
+            retry_policy=NoRetryPolicy(), decode_responses=False)
+        self.healthy = False
+        self.since = time.time()
+        self.last_error: str | None = "not connected yet"
+        self.limiter = RedisLimiter(self)
+        stats.state_shared.set(0)
+
+    def key(self, *parts: str) -> str:
+        return self.settings.key_prefix + ":".join(parts)
+
+    # -- health -----------------------------------------------------------------------
+
+    async def call(self, op: str, fn: Callable[[], Awaitable[T]], deadline: float) -> T:
+        """`fn()` against Redis within `deadline`; Unavailable (and fallback) if not."""
+        started = trio.current_time()
+        try:
+            with trio.fail_after(deadline):
+                result = await fn()
+        except trio.TooSlowError:
+            self.lost(f"no answer within {deadline * 1000:.0f} ms")
+            raise Unavailable("timeout") from None
+        except Exception as exc:  # noqa: BLE001 - any client failure means: decide alone
+            self.lost(_reason(exc))
+            raise Unavailable(_reason(exc)) from exc
+        self.stats.state_seconds.labels(op).observe(trio.current_time() - started)
+        return result
+
+    def lost(self, why: str) -> None:
+        self.last_error = why
+        if not self.healthy:
+            return
+        self.healthy = False
+        self.since = time.time()
+        self.stats.state_shared.set(0)
+        self.stats.state_fallbacks.inc()
+        log.warning("state_backend_lost", backend=str(self.settings), error=why,
+                    detail="rate limits are counted by this instance alone until it returns")
+
+    def found(self) -> None:
+        if self.healthy:
+            return
+        self.healthy = True
+        self.since = time.time()
+        self.last_error = None
+        self.stats.state_shared.set(1)
+        log.info("state_backend_shared", backend=str(self.settings))
+
+    async def probe(self) -> bool:
+        """Connect if needed, load the scripts, and check Redis answers in time."""
+        try:
+            # (re)connecting and loading scripts may take longer than one decision...
+            await self.call("connect", self.limiter.load, CONNECT_DEADLINE)
+            # ...but shared mode needs a Redis that answers within the decision deadline
+            await self.call("ping", self.client.ping, self.deadline)
+        except Unavailable:
+            return False
+        self.found()
+        return True
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Hold the client's connections and probe Redis's health until cancelled."""
+        log.info("state_backend_connecting", backend=str(self.settings))
+        async with self.client:
+            if not await self.probe():
+                log.warning("state_backend_unavailable", backend=str(self.settings),
+                            error=self.last_error, detail="starting with this instance's "
+                            "own rate-limit counts; joining when Redis answers")
+            task_status.started()
+            while True:
+                await trio.sleep(self.probe_interval)
+                await self.probe()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "backend": "redis",
+            "mode": "shared" if self.healthy else "fallback",
+            "since": self.since,
+            "last_error": self.last_error,
+        }
+
+
+class RedisLimiter:
+    """`proto.ratelimit` budgets kept in Redis, charged once across every instance."""
+
+    def __init__(self, state: RedisState, fallback: LocalLimiter | None = None) -> None:
+        self.state = state
+        self.fallback = fallback or LocalLimiter()
+        self.script = state.client.register_script(GCRA_SCRIPT)
+        self._prefix = state.key("rl", "")
+
+    async def load(self) -> None:
+        """Put the script into Redis's cache (a restarted Redis has forgotten it)."""
+        await self.state.client.script_load(GCRA_SCRIPT)
+
+    async def check_calls(
+        self,
+        ip: str | None,
+        keys: Iterable[str | None],
+        now: float,
+        *,
+        budget: Budget | None = None,
+        scope: str = "",
+        prepaid: int = 0,
+    ) -> Decision:
+        """`RateLimiter.check_calls` cluster-wide: Redis's clock, not `now`, unless Redis
+        is unavailable — then this instance's own buckets decide, on `now`."""
+        keys = list(keys)
+        if self.state.healthy:
+            try:
+                decision = await self.decide(ip, keys, budget=budget, scope=scope,
+                                             prepaid=prepaid)
+            except Unavailable:
+                pass
+            else:
+                self.state.stats.rate_decisions.labels("shared").inc()
+                return decision
+        self.state.stats.rate_decisions.labels("fallback").inc()
+        return await self.fallback.check_calls(ip, keys, now, budget=budget, scope=scope,
+                                               prepaid=prepaid)
+
+    async def decide(
+        self,
+        ip: str | None,
+        keys: Iterable[str | None],
+        *,
+        budget: Budget | None = None,
+        scope: str = "",
+        prepaid: int = 0,
+        now: float | None = None,
+    ) -> Decision:
+        """One decision in Redis (raises Unavailable); `now=None` is Redis's own clock."""
+        budget = budget or self.fallback.default_budget
+        client = client_bucket(ip)
+        # the pure limiter's own function: which buckets, at what cost, interval, burst
+        demands = RateLimiter._demands(client, Counter(keys), budget, scope, prepaid)
+        if not demands:
+            return ALLOWED
+        names: list[str] = []
+        args: list[str] = ["" if now is None else repr(float(now)), repr(_EPSILON)]
+        for bucket, (cost, interval, burst) in demands.items():
+            names.append(self._name(scope, client, bucket))
+            args += [str(cost), repr(interval), str(burst)]
+        answer = await self.state.call(
+            "ratelimit", lambda: self.script(keys=names, args=args), self.state.deadline)
+        if answer == b"ok":
+            return ALLOWED
+        return Limited(max(1, math.ceil(float(answer) - _EPSILON)))
+
+    def _name(self, scope: str, client: str | None, bucket: BucketId) -> str:
+        # The {...} hash tag puts every bucket of one decision (same scope, same client)
+        # in one Redis Cluster slot; the JSON tail makes the name unambiguous whatever
+        # the caller key holds.
+        return f"{self._prefix}{{{scope}/{client}}}{json.dumps(bucket, separators=(',', ':'))}"
