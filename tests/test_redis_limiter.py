@@ -152,7 +152,10 @@ async def test_lost_redis_falls_back_then_recovers(
                 "192.0.2.50", [None], trio.current_time(), budget=budget,
                 scope="fb.example") is ALLOWED  # Redis lost its buckets with its restart
         events = [r.getMessage() for r in caplog.records if r.getMessage().startswith("state_")]
-        assert events == ["state_backend_lost", "state_backend_shared"]
+        # one line per transition: lost first, shared last, never the same twice in a row
+        # (a restarting Redis may answer a probe and then fail once more while it loads)
+        assert events[0] == "state_backend_lost" and events[-1] == "state_backend_shared"
+        assert all(a != b for a, b in zip(events, events[1:])), events
         assert state.stats.value("pact_ingress_state_shared") == 1
     finally:
         server.stop()
