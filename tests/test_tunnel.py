@@ -25,16 +25,16 @@ import trio
 from pact_ingress.config import Address, ConnectorConfig, Limits
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, check_pin, pinned_client_context
-from pact_ingress.net import connector as connector_mod
-from pact_ingress.net import tunnel_server as ts
+from pact_ingress.net.tunnel import connector as connector_mod
+from pact_ingress.net.tunnel import server as ts
 from pact_ingress.net.backends import Backends
-from pact_ingress.net.connector import Connector
+from pact_ingress.net.tunnel.connector import Connector
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.router import Router
 from pact_ingress.net.splice import relay
-from pact_ingress.net.tunnel_server import TunnelServer
+from pact_ingress.net.tunnel.server import TunnelServer
 from pact_ingress.proto import tls_alert
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.stats import Stats
 from tests.netutil import (
     TEST_TIMEOUT,

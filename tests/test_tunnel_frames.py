@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pact_ingress.net.connector import BACKOFF_CAP, Backoff
-from pact_ingress.net.tunnel_server import POOL_MAX, POOL_MIN, _PoolSizer
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.net.tunnel.connector import BACKOFF_CAP, Backoff
+from pact_ingress.net.tunnel.server import POOL_MAX, POOL_MIN, _PoolSizer
+from pact_ingress.proto.tunnel import frames as tf
 
 TOKEN = bytes(range(32))
 MESSAGES: list[tf.Message] = [

@@ -1,4 +1,4 @@
-"""The connector's stream thread (`net/stream_thread.py`) over real loopback TCP: the
+"""The connector's stream thread (`net/tunnel/stream_job.py`) over real loopback TCP: the
 relay state, a stream's life, stopping, refusals. End-to-end through an ingress:
 tests/test_tunnel.py."""
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pact_ingress.net.stream_thread import (
+from pact_ingress.net.tunnel.stream_job import (
     ACTIVE,
     DONE,
     IDLE,

@@ -1,7 +1,7 @@
 """Reverse tunnel, home side: `pact-ingress connect` dials out so the ingress can dial in.
 
 Theory of operation (the protocol and its security argument are in
-`net/tunnel_server.py`; this is the other end of it)
+`net/tunnel/server.py`; this is the other end of it)
 -----------------------------------------------------
 `cfg.connections` slots each keep one **control connection** to the ingress: TCP to
 `ingress.address`, TLS 1.3 with SNI `tunnel_hostname`, ALPN `pact-tunnel/1`, our PACT key
@@ -12,9 +12,9 @@ HELLO, answer and send heartbeats, and receive TOKENs and SPAREs.
 Every TOKEN makes us dial one **data connection** at once; SPAREs we keep, and a data
 connection that has carried a stream's first answer is replaced by one dialed with a
 spare (`_replace`), so a stream costs the control connection nothing (why:
-`tunnel_server.py`, "Refilling"). A data connection is plain TCP to the ingress, then
+`server.py`, "Refilling"). A data connection is plain TCP to the ingress, then
 `RAW_DATA_MAGIC` + DATA_HELLO(token) in one write, and the ingress answers DATA_OK (why a
-token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallback,
+token without TLS is enough: `server.py`, "Security argument"). The fallback,
 `data_transport="tls"` or chosen by itself (below), is the older way: ALPN
 `pact-tunnel-data/1` with the same pinned mutual TLS as the control connection, the token
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
@@ -23,13 +23,13 @@ then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "
 a stream now": we connect `forward`, pass them on and splice both ways (kernel splice,
 both ends plain TCP).
 
-Each data connection lives on an OS thread of its own (`stream_thread.StreamJob`):
+Each data connection lives on an OS thread of its own (`stream_job.StreamJob`):
 a raw one is dialled there too, then the thread parks in poll(2) until the first bytes
 and runs the stream to its end. trio only starts the job (`_run_job`), hears about the
 stream's first answer (`_stream_opened`: count, replacement dial) and its end. Why
 threads in a trio program: both first-byte crossings of every stream run here, on the
 home machine's core, next to the service; trio's per-wake-up cost there was most of
-what the tunnel added to a stream's open (`stream_thread.py`; the numbers are in the
+what the tunnel added to a stream's open (`stream_job.py`; the numbers are in the
 README's "Performance" section). TLS data
 connections are handshaken in trio first (ssl + trio), then handed over the same way.
 Dials wait while a stream is opening (OPENING_YIELD), replacements REPLACE_DELAY more,
@@ -86,8 +86,8 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
-from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
-from pact_ingress.net.tunnel_server import (
+from pact_ingress.net.tunnel.stream_job import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
+from pact_ingress.net.tunnel.server import (
     ALPN_CONTROL,
     ALPN_DATA,
     CONTROL_READ,
@@ -95,7 +95,7 @@ from pact_ingress.net.tunnel_server import (
     HEARTBEAT_MISSES,
     set_keepalive,
 )
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.stats import Stats
 
 #: Connecting (TCP) to the ingress or to `forward` gives up after this.
@@ -117,7 +117,7 @@ DRAIN_IDLE_WAIT = 5.0
 #: Data connections being set up or idle per control connection. The ingress caps its
 #: own grants (POOL_MAX + waiters); this guards against a misbehaving ingress.
 MAX_PENDING_DATA = 256
-#: Threads for data connections (`stream_thread`: one per idle pooled connection and per
+#: Threads for data connections (`stream_job`: one per idle pooled connection and per
 #: stream, parked in the kernel while idle). Past this a dialled connection waits for a
 #: thread; the ingress's pool (POOL_MAX) and its per-tenant connection limit stay far
 #: below it in any sane deployment.
@@ -551,7 +551,7 @@ class Connector:
     async def _run_job(self, link: _Link, data: socket.socket | Dial, first: bytes = b""
                        ) -> tuple[str, BaseException | None]:
         """The connection's life from here on: a `StreamJob` on a thread of its own (why:
-        `stream_thread.py`). Idle, it ends with its control connection (`stop_if_idle`
+        `stream_job.py`). Idle, it ends with its control connection (`stop_if_idle`
         in `_serve_link`); a stream that has begun is only ended by the connector
         stopping (cancellation: `stop`). Returns the job's outcome and error."""
         forward = self.cfg.forward

@@ -6,7 +6,7 @@ A home node behind NAT runs `pact-ingress connect`, which dials this ingress on 
 The router hands us two kinds of connection (`handle`):
 
 * **control** (TLS, SNI = `tunnel.hostname`, ALPN `pact-tunnel/1`), one per connector
-  `connections` slot: pinned mutual TLS carrying small frames (`proto.tunnel_frames`):
+  `connections` slot: pinned mutual TLS carrying small frames (`proto.tunnel.frames`):
   HELLO/WELCOME, PING/PONG heartbeats, TOKEN grants, GOAWAY. It never carries payload.
 * **data**, one per stream: a plain TCP connection that starts with `RAW_DATA_MAGIC`
   and a DATA_HELLO frame carrying one single-use TOKEN (the router checks the magic
@@ -124,7 +124,7 @@ from pact_ingress.logs import log
 from pact_ingress.model import Config
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 from pact_ingress.net.replay import ReplayStream
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.stats import Stats
 
 ALPN_CONTROL = "pact-tunnel/1"
