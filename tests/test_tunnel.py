@@ -34,6 +34,7 @@ from pact_ingress.net.router import Router
 from pact_ingress.net.splice import relay
 from pact_ingress.net.tunnel.server import TunnelServer
 from pact_ingress.proto import tls_alert
+from pact_ingress.proto.tunnel import constants as tc
 from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.stats import Stats
 from tests.netutil import (
@@ -379,7 +380,7 @@ async def read_all(stream: trio.abc.Stream) -> bytes:
 
 async def raw_data_connection(port: int, ident: Identity, ingress_key: Identity,
                               token: bytes) -> bytes:
-    tls = await pinned_tls(port, ident, ingress_key, ts.ALPN_DATA)
+    tls = await pinned_tls(port, ident, ingress_key, tc.ALPN_DATA)
     await tls.send_all(tf.encode(tf.DataHello(token)))
     data = await read_all(tls)
     await trio.aclose_forcefully(tls)
@@ -428,7 +429,7 @@ async def test_wrong_alpn_and_no_cert_refused(tmp_path: Path, keys: Keys,
             assert await read_all(tls) == b""  # TLS 1.3: refusal shows on first read
             raise trio.BrokenResourceError
         with pytest.raises((trio.BrokenResourceError, ssl.SSLError)):
-            tls = await pinned_tls(ing.tunnel_port, None, keys.ingress, ts.ALPN_CONTROL)
+            tls = await pinned_tls(ing.tunnel_port, None, keys.ingress, tc.ALPN_CONTROL)
             await tls.send_all(b"x")
             assert await read_all(tls) == b""
             raise trio.BrokenResourceError
@@ -443,7 +444,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
         fds_before = len(os.listdir("/proc/self/fd"))
         # garbage right after the handshake
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(b"\xff" * 64)
         answer = tf.Decoder()
         answer.feed(await read_all(tls))
@@ -453,7 +454,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         await eventually(lambda: events(ing.stats, "alina", "refused_protocol_error") == 1)
 
         # a valid session that floods pings
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"f" * 16)))
         await tls.send_all(tf.encode(tf.Ping(1)) * (ts.CONTROL_FRAME_BURST + 50))
         data = await read_all(tls)
@@ -490,7 +491,7 @@ async def control_session(port: int, keys: Keys, kind: type = tf.Token,
                           ) -> tuple[trio.SSLStream[trio.SocketStream], list[bytes]]:
     """A hand-made control session of alina's key; returns it and the first `count`
     tokens granted of `kind` (TOKEN or SPARE)."""
-    tls = await pinned_tls(port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+    tls = await pinned_tls(port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
     await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
     decoder, tokens = tf.Decoder(), []
     with trio.fail_after(TEST_TIMEOUT):
@@ -570,7 +571,7 @@ async def test_older_protocol_version_refused_with_a_reason(
     """A connector speaking another version (e.g. 1, before SPARE frames) gets a
     GOAWAY naming the version expected, and the refusal is counted."""
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(tf.encode(tf.Hello(tf.VERSION - 1, 0, b"h" * 16)))
         decoder = tf.Decoder()
         decoder.feed(await read_all(tls))

@@ -73,6 +73,7 @@ from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.ratelimit import client_bucket
 from pact_ingress.proto.routing import RouteTable
+from pact_ingress.proto.tunnel.constants import TUNNEL_ALPNS
 from pact_ingress.proto.tunnel.frames import raw_data_prefix
 from pact_ingress.stats import Stats
 
@@ -92,7 +93,6 @@ HEAD_TIMEOUT = 10.0
 #: How long a handshake with the ACME TLS-ALPN-01 challenge cert may take.
 CHALLENGE_TIMEOUT = 10.0
 ACME_ALPN = "acme-tls/1"
-TUNNEL_ALPNS = ("pact-tunnel/1", "pact-tunnel-data/1")
 #: Connections a client at its cap may still open to show what they are (a connector's
 #: data connections show it in the first read, within milliseconds). Bounded: they are
 #: closed unanswered after `clienthello_timeout` at the latest.

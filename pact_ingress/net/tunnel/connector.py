@@ -87,21 +87,27 @@ from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
 from pact_ingress.net.tunnel.stream_job import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
-from pact_ingress.net.tunnel.server import (
-    ALPN_CONTROL,
-    ALPN_DATA,
-    CONTROL_READ,
-    HEARTBEAT_INTERVAL,
-    HEARTBEAT_MISSES,
+from pact_ingress.net.tunnel.common import (
+    first_error,
+    heartbeat,
+    read_message,
+    send_quietly,
     set_keepalive,
 )
 from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel.constants import (
+    ALPN_CONTROL,
+    ALPN_DATA,
+    CONTROL_READ,
+    DATA_OK,
+    HANDSHAKE_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_MISSES,
+)
 from pact_ingress.stats import Stats
 
 #: Connecting (TCP) to the ingress or to `forward` gives up after this.
 CONNECT_TIMEOUT = 10.0
-#: TLS handshake plus the first answer (WELCOME / DATA_OK) must come within this.
-HANDSHAKE_TIMEOUT = 10.0
 #: Reconnect delays: 0.5 s, 1 s, 2 s, … capped at 30 s, each × a random factor in
 #: [0.5, 1) ("equal jitter"): quick to come back after a blip, and a fleet of connectors
 #: that lost the same ingress neither hammers it nor reconnects in lockstep.
@@ -130,8 +136,6 @@ SPARE_USE_WITHIN = tf.SPARE_TTL / 2
 #: A stream with no byte either way for this long is closed. The ingress's route idle
 #: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
 RELAY_IDLE_TIMEOUT = 3600.0
-#: Best-effort sends on the way out.
-GOAWAY_TIMEOUT = 1.0
 #: A dial (a new data connection for a TOKEN or a replacement) waits at most this long
 #: while a stream is opening — its first bytes arrived, its first answer is not back yet
 #: — so that the dial, the ingress's accept and DATA_OK do not land on that stream's
@@ -150,8 +154,6 @@ DATA_TRANSPORTS = ("auto", "raw", "tls")
 #: `auto` switch to TLS. One failure can be a race with an ingress restart; three in a
 #: row on a live control link is a pattern.
 RAW_FAILURES_BEFORE_FALLBACK = 3
-#: The ingress's answer accepting a data connection's token.
-_DATA_OK = tf.encode(tf.DataOk())
 
 _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
                trio.TooSlowError, RemoteProtocolError, IdentityError)
@@ -211,6 +213,10 @@ class _Link:
     async def send(self, msg: tf.Message) -> None:
         async with self.send_lock:
             await self.tls.send_all(tf.encode(msg))
+
+    async def ping(self, nonce: int, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self.send(tf.Ping(nonce))
 
 
 class Connector:
@@ -308,7 +314,7 @@ class Connector:
         log.info("connector_draining", ingress=self.label, streams=self.active_streams,
                  grace_s=grace)
         for link in list(self._links):
-            await _send_quietly(link, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
+            await send_quietly(link.send, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
         with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_IDLE_WAIT)):
             await self._wait_until(lambda: self.idle_data == 0)
         slots.cancel()  # control connections close; idle data connections with them
@@ -379,7 +385,7 @@ class Connector:
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 await tls.send_all(tf.encode(tf.Hello(tf.VERSION, slot, self.instance)))
-                welcome = await _read_message(tls, decoder)
+                welcome = await read_message(tls, decoder)
             if isinstance(welcome, tf.Goaway):
                 raise _Goaway(welcome)
             if not isinstance(welcome, tf.Welcome):
@@ -400,9 +406,13 @@ class Connector:
         ended: list[BaseException] = []
         try:
             async with trio.open_nursery() as nursery:
-                for task in (self._read_link, self._heartbeat):
-                    nursery.start_soon(_first_error, task, link, decoder, ended,
-                                       nursery.cancel_scope)
+                def end(exc: BaseException) -> None:  # the first failure ends the link
+                    ended.append(exc)
+                    nursery.cancel_scope.cancel()
+
+                for task in (functools.partial(self._read_link, link, decoder),
+                             functools.partial(self._heartbeat, link)):
+                    nursery.start_soon(first_error, task, (*_NET_ERRORS, _Goaway), end)
             raise ended[0]
         finally:
             self._links.discard(link)
@@ -440,21 +450,11 @@ class Connector:
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from the ingress")
 
-    async def _heartbeat(self, link: _Link, decoder: tf.Decoder) -> None:
+    async def _heartbeat(self, link: _Link) -> None:
+        await heartbeat(link.heartbeat, lambda: link.last_rx, link.ping)
+        self._event("heartbeat_timeout")
         timeout = link.heartbeat * HEARTBEAT_MISSES
-        next_ping = trio.current_time() + link.heartbeat
-        nonce = 0
-        while True:
-            await trio.sleep_until(min(next_ping, link.last_rx + timeout))
-            now = trio.current_time()
-            if now >= link.last_rx + timeout:
-                self._event("heartbeat_timeout")
-                raise trio.TooSlowError(f"no frame from the ingress for {timeout:g} s")
-            if now >= next_ping:
-                nonce += 1
-                with trio.move_on_at(link.last_rx + timeout):
-                    await link.send(tf.Ping(nonce))
-                next_ping = now + link.heartbeat
+        raise trio.TooSlowError(f"no frame from the ingress for {timeout:g} s")
 
     # --- data connections --------------------------------------------------------------
 
@@ -498,7 +498,7 @@ class Connector:
                 self._dialed(link)
                 raise
             ingress = self.cfg.ingress
-            dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), _DATA_OK,
+            dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), DATA_OK,
                         delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
             outcome, error = await self._run_job(link, dial)
             if outcome not in ("dial_refused", "dial_failed"):
@@ -644,7 +644,7 @@ class Connector:
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 await tls.send_all(tf.encode(tf.DataHello(token)))
-                answer = await _read_message(tls, decoder)
+                answer = await read_message(tls, decoder)
                 if isinstance(answer, tf.Goaway):
                     raise _Goaway(answer)
                 if not isinstance(answer, tf.DataOk) or decoder.buffered:
@@ -668,19 +668,6 @@ def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
     return None
 
 
-async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
-                       ended: list[BaseException], scope: trio.CancelScope) -> None:
-    """Run one of a link's tasks; the first to fail records why and ends the link.
-
-    (Raising out of the nursery would wrap the reason in an ExceptionGroup.)
-    """
-    try:
-        await task(link, decoder)  # type: ignore[operator]
-    except (*_NET_ERRORS, _Goaway) as exc:
-        ended.append(exc)
-        scope.cancel()
-
-
 @functools.lru_cache(maxsize=64)
 def _literal_family(host: str) -> int | None:
     """AF_INET / AF_INET6 for an IP literal, None for a name (looked up once per host:
@@ -688,23 +675,6 @@ def _literal_family(host: str) -> int | None:
     if not is_ip(host):
         return None
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
-    while (msg := decoder.next_message()) is None:
-        data = await stream.receive_some(CONTROL_READ)
-        if not data:
-            raise trio.BrokenResourceError("ingress closed the connection")
-        decoder.feed(data)
-    return msg
-
-
-async def _send_quietly(link: _Link, msg: tf.Message) -> None:
-    with trio.move_on_after(GOAWAY_TIMEOUT):
-        try:
-            await link.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
 
 
 async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,

@@ -107,6 +107,7 @@ instead of hammering a restarting ingress.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -124,17 +125,27 @@ from pact_ingress.logs import log
 from pact_ingress.model import Config
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.tunnel.common import (
+    PEER_GONE,
+    first_error,
+    heartbeat,
+    read_message,
+    send_quietly,
+    set_keepalive,
+)
 from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel.constants import (
+    ALPN_CONTROL,
+    CONTROL_READ,
+    DATA_OK,
+    GOAWAY_TIMEOUT,
+    HANDSHAKE_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_MISSES,
+    TUNNEL_ALPNS,
+)
 from pact_ingress.stats import Stats
 
-ALPN_CONTROL = "pact-tunnel/1"
-ALPN_DATA = "pact-tunnel-data/1"
-
-#: Ping interval. With HEARTBEAT_MISSES = 3 a dead path is noticed within 15 s, well before callers give up.
-HEARTBEAT_INTERVAL = 5.0
-HEARTBEAT_MISSES = 3
-#: TLS handshake plus the first frame (HELLO / DATA_HELLO) must arrive within this.
-HANDSHAKE_TIMEOUT = 10.0
 #: A token not used by then is void: a connector that got it dials within milliseconds
 #: to a few RTTs; 30 s covers a slow handshake without keeping stale credentials around.
 TOKEN_TTL = 30.0
@@ -166,15 +177,8 @@ CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
 #: What we tell connectors when shutting down: come back after this many seconds.
 RECONNECT_AFTER_SHUTDOWN = 2.0
-#: Best-effort sends on the way out (GOAWAY, close_notify) give up after this.
-GOAWAY_TIMEOUT = 1.0
 #: Pool maintenance wakes at least this often (token expiry, ageing, stream gauge).
 MAINTENANCE_TICK = 1.0
-#: Read size on control connections (frames are ≤ 1 KiB).
-CONTROL_READ = 4096
-#: TCP keepalive on idle data connections: first probe after 30 s idle, every 10 s, dead
-#: after 3 misses — keeps NAT mappings warm and frees a dead socket within ~1 minute.
-KEEPALIVE = (30, 10, 3)
 #: Window for estimating the open rate (pool sizing).
 RATE_WINDOW = 5.0
 #: Refill latency (token sent → data connection pooled) assumed before any was measured:
@@ -182,8 +186,6 @@ RATE_WINDOW = 5.0
 INITIAL_REFILL_LATENCY = 0.05
 #: The refill latency is the minimum of the refills of the last this many seconds.
 LATENCY_WINDOW = 10
-#: The ingress's answer on a raw data connection whose token it accepted.
-_DATA_OK = tf.encode(tf.DataOk())
 
 
 class _SendTimeout(trio.BrokenResourceError):
@@ -197,14 +199,6 @@ class _Refused(Exception):
         super().__init__(detail)
         self.event = event
         self.goaway = goaway
-
-
-def set_keepalive(sock: socket.socket) -> None:
-    """TCP keepalive with KEEPALIVE timings (Linux names; ignored where missing)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class _PoolSizer:
@@ -302,6 +296,12 @@ class _Session:
             if scope.cancelled_caught:
                 raise _SendTimeout(f"control frame not sent within {self.send_timeout} s")
 
+    async def ping(self, nonce: int, deadline: float) -> None:
+        try:
+            await self.send(tf.Ping(nonce), deadline=deadline)
+        except _SendTimeout:
+            pass  # silent for a whole timeout: the heartbeat's next turn declares it dead
+
     def close_idle(self) -> None:
         while self.idle:
             self.idle.popleft()[0].close()
@@ -332,7 +332,7 @@ class TunnelServer:
 
     @staticmethod
     def _make_context(identity: Identity) -> SSL.Context:
-        ctx = server_context(identity, alpn=(ALPN_CONTROL, ALPN_DATA),
+        ctx = server_context(identity, alpn=TUNNEL_ALPNS,
                              require_client_cert=True)
         ctx.set_min_proto_version(SSL.TLS1_3_VERSION)  # both ends are ours
         return ctx
@@ -423,7 +423,7 @@ class TunnelServer:
 
     def _admit(self, tls: OpenSSLStream, fingerprint: str | None) -> tuple[str, str]:
         alpn = tls.selected_alpn_protocol()
-        if alpn not in (ALPN_CONTROL, ALPN_DATA):
+        if alpn not in TUNNEL_ALPNS:
             raise _Refused("bad_alpn", f"ALPN {alpn!r} is not a tunnel protocol")
         if self._closing:
             raise _Refused("shutting_down", "ingress shutting down", tf.GoawayCode.SHUTDOWN)
@@ -450,7 +450,7 @@ class TunnelServer:
                     transport="tls" if tls is not None else "raw")
         if exc.goaway is not None and tls is not None:
             retry = int(RECONNECT_AFTER_SHUTDOWN * 1000) if exc.event == "shutting_down" else 0
-            await _send_quietly(tls, tf.Goaway(exc.goaway, retry, str(exc)))
+            await _send_goaway(tls, tf.Goaway(exc.goaway, retry, str(exc)))
 
     # --- control sessions --------------------------------------------------------------
 
@@ -458,7 +458,7 @@ class TunnelServer:
                              client: tuple[str, int]) -> None:
         decoder = tf.Decoder()
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            hello = await _read_message(tls, decoder)
+            hello = await read_message(tls, decoder)
         if not isinstance(hello, tf.Hello) or hello.version != tf.VERSION:
             raise _Refused("protocol_error", f"expected HELLO v{tf.VERSION}, got {hello!r}",
                            tf.GoawayCode.PROTOCOL_ERROR)
@@ -471,16 +471,20 @@ class TunnelServer:
                            send_timeout=self.heartbeat * HEARTBEAT_MISSES)
         await session.send(tf.Welcome(sid, int(self.heartbeat * 1000)))
         self._register(session, hello)
+        def broken(_exc: BaseException) -> None:
+            session.kill(None)  # the session ends, not the router
+
         try:
             with session.scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_until_broken, self._read_control, session, decoder)
-                    nursery.start_soon(_until_broken, self._heartbeat, session)
-                    nursery.start_soon(_until_broken, self._maintain_pool, session)
+                    for task in (functools.partial(self._read_control, session, decoder),
+                                 functools.partial(self._heartbeat, session),
+                                 functools.partial(self._maintain_pool, session)):
+                        nursery.start_soon(first_error, task, PEER_GONE, broken)
         finally:
             self._unregister(session)
         if session.goaway is not None:
-            await _send_quietly(tls, session.goaway)
+            await _send_goaway(tls, session.goaway)
 
     def _register(self, session: _Session, hello: tf.Hello) -> None:
         self._sessions.setdefault(session.tenant, []).append(session)
@@ -557,33 +561,16 @@ class TunnelServer:
             raise _Refused("protocol_error", f"unexpected {type(msg).__name__} on control",
                            tf.GoawayCode.PROTOCOL_ERROR)
 
-    async def _heartbeat(self, session: _Session, _decoder: tf.Decoder | None = None
-                         ) -> None:
-        timeout = self.heartbeat * HEARTBEAT_MISSES
-        next_ping = trio.current_time() + self.heartbeat
-        nonce = 0
-        while True:
-            await trio.sleep_until(min(next_ping, session.last_rx + timeout))
-            now = trio.current_time()
-            if now >= session.last_rx + timeout:
-                self._event(session.tenant, "heartbeat_timeout")
-                log.warning("tunnel_dead", tenant=session.tenant, session=session.sid,
-                            fingerprint=session.fingerprint,
-                            silent_s=round(now - session.last_rx, 3))
-                session.kill(None)
-                return
-            if now >= next_ping:
-                nonce += 1
-                try:
-                    await session.send(tf.Ping(nonce), deadline=session.last_rx + timeout)
-                except _SendTimeout:
-                    pass  # silent for a whole timeout: the next turn declares it dead
-                next_ping = now + self.heartbeat
+    async def _heartbeat(self, session: _Session) -> None:
+        silent = await heartbeat(self.heartbeat, lambda: session.last_rx, session.ping)
+        self._event(session.tenant, "heartbeat_timeout")
+        log.warning("tunnel_dead", tenant=session.tenant, session=session.sid,
+                    fingerprint=session.fingerprint, silent_s=round(silent, 3))
+        session.kill(None)
 
     # --- the data-connection pool ------------------------------------------------------
 
-    async def _maintain_pool(self, session: _Session, _decoder: tf.Decoder | None = None
-                             ) -> None:
+    async def _maintain_pool(self, session: _Session) -> None:
         while True:
             session.wakeup = trio.Event()  # before granting: a take meanwhile wakes us again
             now = trio.current_time()
@@ -642,7 +629,7 @@ class TunnelServer:
         """The TLS fallback: DATA_HELLO inside pinned mutual TLS, DATA_OK, unwrap."""
         decoder = tf.Decoder()
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            hello = await _read_message(tls, decoder)
+            hello = await read_message(tls, decoder)
             if not isinstance(hello, tf.DataHello) or decoder.buffered:
                 raise _Refused("protocol_error", f"expected DATA_HELLO, got {hello!r}")
             session = self._redeem(hello.token, fingerprint)
@@ -669,7 +656,7 @@ class TunnelServer:
             hello = decoder.next_message()
             if hello is None:  # the rest of the frame is still on its way
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
-                    hello = await _read_message(stream, decoder)
+                    hello = await read_message(stream, decoder)
             if not isinstance(hello, tf.DataHello) or decoder.buffered:
                 raise _Refused("protocol_error", "expected DATA_HELLO, alone")
             if self._closing:
@@ -677,7 +664,7 @@ class TunnelServer:
             session = self._redeem(hello.token, None)
             tenant = session.tenant
             sock = stream.inner.socket
-            if os.write(sock.fileno(), _DATA_OK) != len(_DATA_OK):
+            if os.write(sock.fileno(), DATA_OK) != len(DATA_OK):
                 raise trio.BrokenResourceError("DATA_OK not taken whole")
             self._pool(session, hello.token, sock)
         except _Refused as exc:
@@ -841,18 +828,6 @@ def _spare_target(pool_target: int) -> int:
     return min(SPARE_MAX, max(SPARE_MIN, 2 * pool_target))
 
 
-async def _until_broken(task: object, session: _Session,
-                        decoder: tf.Decoder | None = None) -> None:
-    """Run one of a session's tasks; a broken connection ends the session, not the router.
-
-    (Letting it escape would surface as an ExceptionGroup in the router's nursery.)
-    """
-    try:
-        await task(session, decoder)  # type: ignore[operator]
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        session.kill(None)
-
-
 def _pop_usable(session: _Session) -> socket.socket | None:
     """The next idle connection that is still open and silent, closing dead ones."""
     while session.idle:
@@ -870,16 +845,6 @@ def _pop_usable(session: _Session) -> socket.socket | None:
     return None
 
 
-async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
-    """The next frame; EOF before one is complete is a BrokenResourceError."""
-    while (msg := decoder.next_message()) is None:
-        data = await stream.receive_some(CONTROL_READ)
-        if not data:
-            raise trio.BrokenResourceError("peer closed before a complete frame")
-        decoder.feed(data)
-    return msg
-
-
 async def _unwrap(tls: OpenSSLStream) -> None:
     """Exchange close_notify both ways; afterwards the transport carries raw bytes.
 
@@ -892,11 +857,9 @@ async def _unwrap(tls: OpenSSLStream) -> None:
     raise RemoteProtocolError("TLS shutdown did not complete")
 
 
-async def _send_quietly(tls: OpenSSLStream, msg: tf.Message) -> None:
-    with trio.move_on_after(GOAWAY_TIMEOUT) as scope:
-        scope.shield = True
-        try:
-            await tls.send_all(tf.encode(msg))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
-                OSError):
-            pass
+async def _send_goaway(tls: OpenSSLStream, goaway: tf.Goaway) -> None:
+    """Tell the peer why we end (shielded: the handler may be being torn down)."""
+    async def send(msg: tf.Message) -> None:
+        await tls.send_all(tf.encode(msg))
+
+    await send_quietly(send, goaway, shield=True)
