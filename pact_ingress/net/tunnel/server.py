@@ -35,7 +35,7 @@ router splices caller ↔ data connection and the connector splices data connect
 forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
 network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
 still alive). The pool size adapts to the open rate × the path's refill latency
-(`_PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
+(`proto.tunnel.session.PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
 the pool), within [POOL_MIN, POOL_MAX].
 
 Refilling without a word per stream: two kinds of token. A TOKEN means "dial one data
@@ -144,15 +144,18 @@ from pact_ingress.proto.tunnel.constants import (
     HEARTBEAT_MISSES,
     TUNNEL_ALPNS,
 )
+from pact_ingress.proto.tunnel.session import (
+    POOL_MAX,
+    POOL_MIN,
+    BadToken,
+    Grants,
+    Kind,
+    PoolSizer,
+    TokenTable,
+    spare_target,
+)
 from pact_ingress.stats import Stats
 
-#: A token not used by then is void: a connector that got it dials within milliseconds
-#: to a few RTTs; 30 s covers a slow handshake without keeping stale credentials around.
-TOKEN_TTL = 30.0
-#: Idle data connections per session: never fewer than POOL_MIN, never more than POOL_MAX
-#: (each is one fd here and one at the connector).
-POOL_MIN = 4
-POOL_MAX = 64
 #: An idle data connection older than this is closed and replaced, so NAT state and
 #: silently dead paths never linger in the pool (keepalive covers the time before).
 POOL_MAX_AGE = 300.0
@@ -164,11 +167,6 @@ MAX_SESSIONS_PER_TENANT = 16
 MAX_WAITERS_PER_TENANT = 256
 #: Tokens outstanding per session (pool target already bounded; this caps bursts).
 MAX_OUTSTANDING_TOKENS = 128
-#: SPARE tokens a session keeps at its connector: twice the pool target, at least
-#: SPARE_MIN, at most SPARE_MAX; topped up, in one TLS record, once below half of it (so
-#: a top-up costs one control write per SPARE_MIN / 2 streams or more).
-SPARE_MIN = 16
-SPARE_MAX = 128
 #: A taken data connection whose replacement (dialed with a spare) has not arrived after
 #: this long is given up on: TOKENs make up for it. Replacements normally take ms.
 REPLACE_WAIT = 1.0
@@ -179,13 +177,6 @@ CONTROL_FRAME_BURST = 100
 RECONNECT_AFTER_SHUTDOWN = 2.0
 #: Pool maintenance wakes at least this often (token expiry, ageing, stream gauge).
 MAINTENANCE_TICK = 1.0
-#: Window for estimating the open rate (pool sizing).
-RATE_WINDOW = 5.0
-#: Refill latency (token sent → data connection pooled) assumed before any was measured:
-#: a slow home uplink; the first refills replace it.
-INITIAL_REFILL_LATENCY = 0.05
-#: The refill latency is the minimum of the refills of the last this many seconds.
-LATENCY_WINDOW = 10
 
 
 class _SendTimeout(trio.BrokenResourceError):
@@ -199,50 +190,6 @@ class _Refused(Exception):
         super().__init__(detail)
         self.event = event
         self.goaway = goaway
-
-
-class _PoolSizer:
-    """Pool target = POOL_MIN + 2 × (opens/s × refill latency), clamped. Pure (now in).
-
-    The refill latency is the *minimum* over the last LATENCY_WINDOW seconds, not an
-    average: refills queue behind each other (and, with TLS data connections, behind each
-    other's handshakes), so an average measures our own burst and feeds back — a bigger
-    target means more concurrent refills, slower refills, a bigger target, up to
-    POOL_MAX. The minimum is the path's own cost (as min-RTT in congestion control);
-    queueing can only add to it. A path that really got slower raises the minimum once
-    the faster samples leave the window; until then `open_stream` waiters add to the
-    target directly (`TunnelServer._target`).
-    """
-
-    def __init__(self) -> None:
-        self.takes: deque[float] = deque(maxlen=4096)
-        # (second, fastest refill in it): a window minimum in O(window) space, however
-        # many refills a burst brings
-        self.fastest: deque[tuple[int, float]] = deque()
-
-    def took(self, now: float) -> None:
-        self.takes.append(now)
-
-    def refilled(self, now: float, latency: float) -> None:
-        """A data connection arrived `latency` seconds after its token was sent."""
-        second = math.floor(now)
-        if self.fastest and self.fastest[-1][0] == second:
-            self.fastest[-1] = (second, min(self.fastest[-1][1], latency))
-        else:
-            self.fastest.append((second, latency))
-
-    def latency(self, now: float) -> float:
-        while len(self.fastest) > 1 and self.fastest[0][0] < now - LATENCY_WINDOW:
-            self.fastest.popleft()  # the newest second stays: better than a guess
-        if not self.fastest:
-            return INITIAL_REFILL_LATENCY
-        return min(latency for _, latency in self.fastest)
-
-    def target(self, now: float) -> int:
-        while self.takes and self.takes[0] < now - RATE_WINDOW:
-            self.takes.popleft()
-        rate = len(self.takes) / RATE_WINDOW
-        return min(POOL_MAX, POOL_MIN + math.ceil(2 * rate * self.latency(now)))
 
 
 @dataclass(eq=False)
@@ -259,10 +206,9 @@ class _Session:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     idle: deque[tuple[socket.socket, float]] = field(default_factory=deque)
-    tokens: dict[bytes, float] = field(default_factory=dict)  # TOKEN → issued at
-    spares: dict[bytes, float] = field(default_factory=dict)  # SPARE → issued at
+    grants: Grants = field(default_factory=Grants)  # its TOKENs and SPAREs out
     replacing: deque[float] = field(default_factory=deque)  # takes awaiting a spare's dial
-    sizer: _PoolSizer = field(default_factory=_PoolSizer)
+    sizer: PoolSizer = field(default_factory=PoolSizer)
     wakeup: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
     closed: bool = False
@@ -318,7 +264,7 @@ class TunnelServer:
         self._ctx = self._make_context(identity)
         self._tenant_of: dict[str, str | None] = {}  # fingerprint → tenant (None: ambiguous)
         self._sessions: dict[str, list[_Session]] = {}
-        self._tokens: dict[bytes, _Session] = {}
+        self._tokens: TokenTable[_Session] = TokenTable()
         self._arrival: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._rr: dict[str, int] = {}
@@ -503,10 +449,7 @@ class TunnelServer:
             group.remove(session)
         if not group:
             self._sessions.pop(session.tenant, None)
-        for token in (*session.tokens, *session.spares):
-            self._tokens.pop(token, None)
-        session.tokens.clear()
-        session.spares.clear()
+        self._tokens.forget(session)
         session.close_idle()
         self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
         self._event(session.tenant, "disconnect")
@@ -582,11 +525,7 @@ class TunnelServer:
                 await session.wakeup.wait()
 
     def _expire(self, session: _Session, now: float) -> None:
-        for table, ttl in ((session.tokens, TOKEN_TTL), (session.spares, tf.SPARE_TTL)):
-            for token, issued in list(table.items()):
-                if now - issued > ttl:
-                    del table[token]
-                    self._tokens.pop(token, None)
+        self._tokens.expire(session, now)
         while session.replacing and now - session.replacing[0] > REPLACE_WAIT:
             session.replacing.popleft()
         while session.idle and now - session.idle[0][1] > POOL_MAX_AGE:
@@ -601,15 +540,16 @@ class TunnelServer:
         """TOKENs for what the pool lacks beyond replacements on their way; SPAREs when
         the connector's stock runs low. All in one TLS record and one write."""
         target = self._target(session, now)
-        want = target - len(session.idle) - len(session.tokens) - len(session.replacing)
-        want = min(want, MAX_OUTSTANDING_TOKENS - len(session.tokens))
-        grants: list[tf.Message] = [tf.Token(self._issue(session, session.tokens, now))
+        out = session.grants
+        want = target - len(session.idle) - len(out.tokens) - len(session.replacing)
+        want = min(want, MAX_OUTSTANDING_TOKENS - len(out.tokens))
+        grants: list[tf.Message] = [tf.Token(self._tokens.issue(session, Kind.TOKEN, now))
                                     for _ in range(max(0, want))]
         tokens = len(grants)
-        spare_target = _spare_target(target)
-        if len(session.spares) < spare_target // 2:
-            grants += [tf.Spare(self._issue(session, session.spares, now))
-                       for _ in range(spare_target - len(session.spares))]
+        spares = spare_target(target)
+        if len(out.spares) < spares // 2:
+            grants += [tf.Spare(self._tokens.issue(session, Kind.SPARE, now))
+                       for _ in range(spares - len(out.spares))]
         if grants:
             events = self.stats.tunnel_events
             if tokens:
@@ -617,12 +557,6 @@ class TunnelServer:
             if len(grants) > tokens:
                 events.labels(session.tenant, "spares_granted").inc(len(grants) - tokens)
             await session.send(*grants)
-
-    def _issue(self, session: _Session, table: dict[bytes, float], now: float) -> bytes:
-        token = secrets.token_bytes(tf.TOKEN_BYTES)
-        table[token] = now
-        self._tokens[token] = session
-        return token
 
     async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
                            fingerprint: str, client: tuple[str, int]) -> None:
@@ -689,13 +623,14 @@ class TunnelServer:
         raw = socket.socket(fileno=os.dup(sock.fileno()))
         raw.setblocking(False)
         set_keepalive(raw)
-        if session.spares.pop(token, None) is not None:  # a replacement
+        latency = session.grants.settle(token, now)
+        if latency is None:  # a replacement, dialled with a spare
             if session.replacing:
                 session.replacing.popleft()
-            if len(session.spares) < _spare_target(self._target(session, now)) // 2:
+            if len(session.grants.spares) < spare_target(self._target(session, now)) // 2:
                 session.poke()  # the connector's stock runs low
         else:
-            session.sizer.refilled(now, now - session.tokens.pop(token, now))
+            session.sizer.refilled(now, latency)
         session.idle.append((raw, now))
         self._wake_waiters(session.tenant)
 
@@ -706,22 +641,10 @@ class TunnelServer:
         connection has none: the token, issued only inside that session's pinned TLS,
         is its credential.
         """
-        session = self._tokens.pop(token, None)
-        if session is None:
-            raise _Refused("bad_token", "unknown, used or expired token")
-        table, ttl = (session.spares, tf.SPARE_TTL) if token in session.spares \
-            else (session.tokens, TOKEN_TTL)
-        issued = table.get(token)
-        if issued is None:
-            raise _Refused("bad_token", "unknown, used or expired token")
-        if fingerprint is not None and session.fingerprint != fingerprint:
-            del table[token]
-            raise _Refused("token_mismatch",
-                           f"token of tenant {session.tenant} presented by this key")
-        if trio.current_time() - issued > ttl:
-            del table[token]
-            raise _Refused("bad_token", "expired token")
-        return session
+        try:
+            return self._tokens.redeem(token, fingerprint, trio.current_time())
+        except BadToken as exc:
+            raise _Refused(exc.event, str(exc)) from None
 
     def _wake_waiters(self, tenant: str) -> None:
         event = self._arrival.pop(tenant, None)
@@ -778,7 +701,7 @@ class TunnelServer:
             session.sizer.took(now)
             # the connector replaces it with a spare if it holds one for it; else (or
             # if the pool runs low) the maintenance task grants TOKENs now
-            replaced = len(session.replacing) < len(session.spares)
+            replaced = len(session.replacing) < len(session.grants.spares)
             if replaced:
                 session.replacing.append(now)
             if not replaced or len(session.idle) < POOL_MIN:
@@ -822,10 +745,6 @@ class TunnelServer:
             session.kill(goaway)
         with trio.move_on_after(GOAWAY_TIMEOUT * 2):
             await self._all_gone.wait()
-
-
-def _spare_target(pool_target: int) -> int:
-    return min(SPARE_MAX, max(SPARE_MIN, 2 * pool_target))
 
 
 def _pop_usable(session: _Session) -> socket.socket | None:
