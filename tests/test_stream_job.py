@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pact_ingress.net.splice import Direction
 from pact_ingress.net.tunnel.stream_job import (
     ACTIVE,
     DONE,
     IDLE,
     OPENING,
-    Direction,
     Hooks,
     StreamJob,
     interest,

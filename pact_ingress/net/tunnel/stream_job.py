@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pact_ingress.net.backends import STREAM_OPTIONS
-from pact_ingress.net.splice import PIPE_SIZE, SPLICE_FLAGS, give_pipe, take_pipe
+from pact_ingress.net.splice import Direction, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 
 IDLE, OPENING, ACTIVE, DONE = "idle", "opening", "active", "done"
@@ -107,17 +107,6 @@ class Dial:
     setup: Callable[[socket.socket], None] = lambda sock: None
 
 
-@dataclass
-class Direction:
-    """One direction's relay state (sans-I/O: the loop does the syscalls)."""
-
-    name: str  # "up" | "down"
-    src: int
-    dst: int
-    pending: int = 0  # bytes in this direction's pipe, not yet taken by dst
-    done: bool = False  # src reached EOF and it was passed on, or the relay is over
-
-
 def interest(directions: tuple[Direction, ...]) -> dict[int, int]:
     """poll(2) events to wait for, per fd, for the directions still running: bytes in a
     direction's pipe wait for its destination to take them, otherwise for its source."""
@@ -128,10 +117,6 @@ def interest(directions: tuple[Direction, ...]) -> dict[int, int]:
         fd, event = (d.dst, _POLLOUT) if d.pending else (d.src, _POLLIN)
         masks[fd] = masks.get(fd, 0) | event
     return masks
-
-
-class _Reset(Exception):
-    """A side failed: the relay is over."""
 
 
 class StreamJob:
@@ -165,6 +150,8 @@ class StreamJob:
         self._running = False
         self._closed = False
         self._opened = False
+        self._active = False  # the relay moved a byte since the last poll
+        self._movers = {"up": self._moved_up, "down": self._moved_down}
 
     # --- any thread ----------------------------------------------------------------------
 
@@ -377,49 +364,27 @@ class StreamJob:
                 return "idle_timeout"
             if not poller.poll(left * 1000):
                 continue  # the deadline is checked above
+            self._active = False
             try:
                 for d in directions:
-                    if self._pump(d, pipes[d.name]):
-                        deadline = time.monotonic() + self._idle_timeout
-            except _Reset:
+                    if not d.done and pump(d, pipes[d.name], self._movers[d.name],
+                                           BURST) is Wait.EOF:
+                        # pass the EOF on; the other direction keeps going
+                        _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
+            except OSError:  # a side failed: the relay is over
                 return "reset"
+            if self._active:
+                deadline = time.monotonic() + self._idle_timeout
         return "ok"
 
-    def _pump(self, d: Direction, pipe: tuple[int, int]) -> bool:
-        """Move what is ready in direction `d` now (≤ BURST chunks); True if it moved
-        bytes. Never blocks: EAGAIN leaves the rest to the next poll."""
-        moved = False
-        for _ in range(BURST):
-            if d.done:
-                return moved
-            if d.pending:
-                try:
-                    n = os.splice(pipe[0], d.dst, d.pending, flags=SPLICE_FLAGS)
-                except BlockingIOError:
-                    return moved
-                except OSError as exc:
-                    raise _Reset from exc
-                d.pending -= n
-                moved = True
-                self._moved(d.name, n)
-                if d.pending:
-                    return moved
-            try:
-                n = os.splice(d.src, pipe[1], PIPE_SIZE, flags=SPLICE_FLAGS)
-            except BlockingIOError:
-                return moved
-            except OSError as exc:
-                raise _Reset from exc
-            if n == 0:  # EOF: pass it on; the other direction keeps going
-                d.done = True
-                _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
-                return moved
-            d.pending = n
-        return moved
+    def _moved_up(self, n: int) -> None:
+        self._active = True
+        self._hooks.moved("up", n)
 
-    def _moved(self, direction: str, n: int) -> None:
-        self._hooks.moved(direction, n)
-        if direction == "down" and not self._opened:
+    def _moved_down(self, n: int) -> None:
+        self._active = True
+        self._hooks.moved("down", n)
+        if not self._opened:
             self._opened = True
             with self._lock:
                 self.state = ACTIVE
