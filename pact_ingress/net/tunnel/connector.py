@@ -86,7 +86,7 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
-from pact_ingress.net.tunnel.stream_job import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
+from pact_ingress.net.tunnel.stream_job import Dial, Hooks, State, StreamJob
 from pact_ingress.net.tunnel.common import (
     first_error,
     heartbeat,
@@ -265,12 +265,12 @@ class Connector:
 
     @property
     def active_streams(self) -> int:
-        return sum(1 for job in self._jobs if job.state in (OPENING, ACTIVE))
+        return sum(1 for job in self._jobs if job.streaming)
 
     @property
     def idle_data(self) -> int:
         """Data connections being dialled or waiting in the ingress's pool."""
-        return self._dialing + sum(1 for job in self._jobs if job.state == IDLE)
+        return self._dialing + sum(1 for job in self._jobs if job.waiting)
 
     @property
     def raw_data(self) -> bool:
@@ -461,7 +461,7 @@ class Connector:
     def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
         """Start a data connection with `token` (in the root nursery: see module doc),
         once no stream is opening, and `delay` after that."""
-        idle = link.dialing + sum(1 for job in link.jobs if job.state == IDLE)
+        idle = link.dialing + sum(1 for job in link.jobs if job.waiting)
         if self._draining or idle >= MAX_PENDING_DATA:
             return  # the token expires unused at the ingress
         assert self._root is not None
@@ -615,7 +615,7 @@ class Connector:
         log.warning("forward_unreachable", forward=str(self.cfg.forward), error=repr(exc))
 
     def _opening(self) -> bool:
-        return any(job.state == OPENING for job in self._jobs)
+        return any(job.state is State.OPENING for job in self._jobs)
 
     async def _yield_to_openings(self) -> None:
         """Wait (≤ OPENING_YIELD) until no stream is opening: see OPENING_YIELD."""
