@@ -665,7 +665,7 @@ async def test_auto_falls_back_to_tls_data_behind_a_tls_only_middlebox(
             await s.aclose()
         # the failed raw dials and their TLS retries were each counted once: the
         # connector's idle count settles on the ingress's pool
-        await eventually(lambda: connector._dialing == 0
+        await eventually(lambda: connector.dialing == 0
                          and connector.idle_data == ing.server.idle_connections("alina"))
         assert all(link.dialing == 0 for link in connector._links)
     ing.scope.cancel()

@@ -18,15 +18,19 @@ token without TLS is enough: `server.py`, "Security argument"). The fallback,
 `data_transport="tls"` or chosen by itself (below), is the older way: ALPN
 `pact-tunnel-data/1` with the same pinned mutual TLS as the control connection, the token
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
-ends per stream, which costs far more CPU than the raw dial. Either way the connection
-then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "this is
+ends per stream, which costs far more CPU than the raw dial. The two ways are one
+interface (`transport.RawTransport`, `transport.TlsTransport`); which one new data
+connections use is the connector's policy (`_transport`, `_fallback`). Either way the
+connection then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "this is
 a stream now": we connect `forward`, pass them on and splice both ways (kernel splice,
 both ends plain TCP).
 
 Each data connection lives on an OS thread of its own (`stream_job.StreamJob`):
 a raw one is dialled there too, then the thread parks in poll(2) until the first bytes
 and runs the stream to its end. trio only starts the job (`_run_job`), hears about the
-stream's first answer (`_stream_opened`: count, replacement dial) and its end. Why
+stream's first answer (`_stream_opened`: count, replacement dial) and its end. A job
+exists from the moment its dial starts, so what the connector counts (dialling, idle,
+streaming) is read off the jobs' states, never kept apart. Why
 threads in a trio program: both first-byte crossings of every stream run here, on the
 home machine's core, next to the service; trio's per-wake-up cost there was most of
 what the tunnel added to a stream's open (`stream_job.py`; the numbers are in the
@@ -86,20 +90,19 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
-from pact_ingress.net.tunnel.stream_job import Dial, Hooks, State, StreamJob
+from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
+from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
 from pact_ingress.net.tunnel.common import (
     first_error,
     heartbeat,
     read_message,
     send_quietly,
-    set_keepalive,
 )
 from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.proto.tunnel.constants import (
     ALPN_CONTROL,
     ALPN_DATA,
     CONTROL_READ,
-    DATA_OK,
     HANDSHAKE_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_MISSES,
@@ -155,6 +158,8 @@ DATA_TRANSPORTS = ("auto", "raw", "tls")
 #: row on a live control link is a pattern.
 RAW_FAILURES_BEFORE_FALLBACK = 3
 
+#: A job in one of these is a data connection still being made.
+_MAKING = (State.NEW, State.DIALING)
 _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
                trio.TooSlowError, RemoteProtocolError, IdentityError)
 
@@ -205,9 +210,8 @@ class _Link:
     heartbeat: float
     last_rx: float
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # TLS dials running
-    dialing: int = 0  # data connections started, not yet a job
-    jobs: set[StreamJob] = field(default_factory=set)  # its data connections, after dial
+    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # dials in trio
+    jobs: set[StreamJob] = field(default_factory=set)  # its data connections, from dial on
     spares: deque[tuple[bytes, float]] = field(default_factory=deque)  # (token, arrived)
 
     async def send(self, msg: tf.Message) -> None:
@@ -217,6 +221,11 @@ class _Link:
     async def ping(self, nonce: int, deadline: float) -> None:
         with trio.move_on_at(deadline):
             await self.send(tf.Ping(nonce))
+
+    @property
+    def dialing(self) -> int:
+        """Its data connections still being made."""
+        return sum(1 for job in self.jobs if job.state in _MAKING)
 
 
 class Connector:
@@ -229,7 +238,7 @@ class Connector:
         if data_transport not in DATA_TRANSPORTS:
             raise ValueError(f"data_transport must be one of {DATA_TRANSPORTS}")
         self.cfg = cfg
-        self.data_transport = data_transport
+        self.data_transport = data_transport  # as configured (the policy; never changes)
         self._raw_failures = 0  # raw data connections failed in a row (auto mode)
         self.stats = stats or Stats()
         self.identity = identity or load_identity(cfg.identity_key)
@@ -238,9 +247,17 @@ class Connector:
         self.instance = secrets.token_bytes(tf.ID_BYTES)
         self._ctx_control = self._context(ALPN_CONTROL)
         self._ctx_data = self._context(ALPN_DATA)
+        raw = RawTransport(cfg.ingress.host, cfg.ingress.port, CONNECT_TIMEOUT,
+                           HANDSHAKE_TIMEOUT)
+        tls = TlsTransport(functools.partial(self._dial, self._ctx_data), CONNECT_TIMEOUT,
+                           HANDSHAKE_TIMEOUT)
+        #: How new data connections are made: raw unless configured "tls", or until
+        #: `auto` fell back (`_raw_failed`).
+        self._transport: Transport = tls if data_transport == "tls" else raw
+        #: Where a raw connection's token goes when the raw dial failed (auto only).
+        self._fallback: Transport | None = tls if data_transport == "auto" else None
         self._links: set[_Link] = set()
-        self._dialing = 0  # data connections being dialled
-        self._jobs: set[StreamJob] = set()  # data connections dialled: idle or streaming
+        self._jobs: set[StreamJob] = set()  # data connections, from the dial on
         self._threads: trio.CapacityLimiter | None = None  # one per job (run())
         self._opened = trio.Event()  # set (and replaced) when a stream's answer went back
         self._changed = trio.Event()
@@ -270,12 +287,17 @@ class Connector:
     @property
     def idle_data(self) -> int:
         """Data connections being dialled or waiting in the ingress's pool."""
-        return self._dialing + sum(1 for job in self._jobs if job.waiting)
+        return sum(1 for job in self._jobs if job.waiting)
+
+    @property
+    def dialing(self) -> int:
+        """Data connections still being made."""
+        return sum(1 for job in self._jobs if job.state in _MAKING)
 
     @property
     def raw_data(self) -> bool:
         """Whether new data connections are raw (else TLS)."""
-        return self.data_transport != "tls"
+        return self._transport.name == "raw"
 
     def _event(self, event: str) -> None:
         self.stats.tunnel_events.labels(self.label, event).inc()
@@ -461,13 +483,12 @@ class Connector:
     def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
         """Start a data connection with `token` (in the root nursery: see module doc),
         once no stream is opening, and `delay` after that."""
-        idle = link.dialing + sum(1 for job in link.jobs if job.waiting)
+        idle = sum(1 for job in link.jobs if job.waiting)
         if self._draining or idle >= MAX_PENDING_DATA:
             return  # the token expires unused at the ingress
         assert self._root is not None
-        link.dialing += 1
-        self._dialing += 1
-        self._root.start_soon(self._data, link, token, delay)
+        self._root.start_soon(self._data, link, self._new_job(link), token, delay,
+                              self._transport)
 
     def _replace(self, link: _Link) -> None:
         """A data connection of `link` carried a stream's first answer (or its stream
@@ -480,101 +501,76 @@ class Connector:
         if token is not None:
             self._dial_data(link, token, REPLACE_DELAY)
 
-    async def _data(self, link: _Link, token: bytes, delay: float) -> None:
+    def _new_job(self, link: _Link) -> StreamJob:
+        """A job for a data connection about to be made, counted from now on (its state
+        says whether it is being made, idle or streaming)."""
+        forward = self.cfg.forward
+        job = StreamJob(None, b"", (forward.host, forward.port),
+                        _literal_family(forward.host), self._hooks(link),
+                        connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
+        link.jobs.add(job)
+        self._jobs.add(job)
+        return job
+
+    async def _data(self, link: _Link, job: StreamJob, token: bytes, delay: float,
+                    transport: Transport) -> None:
         """A data connection with `token`, served until it ends. Raw: dialled on the
         job's own thread too (no trio wake-ups on the way); TLS: handshaken here first.
         In auto mode a raw dial that connected but got no DATA_OK counts towards the TLS
         fallback (a refused connect is an ingress down, not a middlebox) and its token
         is tried once more over TLS: behind a middlebox the ingress never saw it;
         otherwise it is used up and refused again. Either way the ingress's pool does
-        not wait TOKEN_TTL for a token that is lost.
+        not wait TOKEN_TTL for a token that is lost."""
+        try:
+            outcome = await self._run_job(link, job, token, delay, transport)
+        finally:
+            link.jobs.discard(job)
+            self._jobs.discard(job)
+            self._touch()
+        if outcome not in ("dial_refused", "dial_failed"):
+            return
+        self._event("data_failed")
+        log.debug("tunnel_data_failed", ingress=self.label, error=repr(job.error))
+        if outcome == "dial_refused":
+            return
+        if link in self._links:
+            self._raw_failed()
+        if self._fallback is not None:  # the same token once more, over TLS
+            await self._data(link, self._new_job(link), token, 0.0, self._fallback)
 
-        Counted in `dialing` (per link and in total) from `_dial_data` until its job is
-        registered (`_run_job`) or the dial failed (`_dialed`)."""
-        if self.raw_data:
-            try:
-                await self._yield_to_openings()
-            except BaseException:
-                self._dialed(link)
-                raise
-            ingress = self.cfg.ingress
-            dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), DATA_OK,
-                        delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
-            outcome, error = await self._run_job(link, dial)
-            if outcome not in ("dial_refused", "dial_failed"):
-                return
-            self._event("data_failed")
-            log.debug("tunnel_data_failed", ingress=self.label, error=repr(error))
-            if outcome == "dial_refused":
-                return
-            if link in self._links:
-                self._raw_failed()
-            if self.data_transport == "raw":
-                return
-            link.dialing += 1  # the same token once more, over TLS
-            self._dialing += 1
-            delay = 0.0
-        await self._tls_data(link, token, delay)
-
-    def _dialed(self, link: _Link) -> None:
-        """A dial of `link` is over (its job is registered, or it failed)."""
-        link.dialing -= 1
-        self._dialing -= 1
-        self._touch()
-
-    async def _tls_data(self, link: _Link, token: bytes, delay: float) -> None:
-        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped; the
-        connection, raw again, goes to a job."""
-        scope = trio.CancelScope()  # cancelled if the link dies during the handshake
+    async def _run_job(self, link: _Link, job: StreamJob, token: bytes, delay: float,
+                       transport: Transport) -> str:
+        """The connection made by `transport` (in trio for TLS; a `Dial` for the job's
+        thread when raw), then its life on a thread of its own (why: `stream_job.py`).
+        Idle, it ends with its control connection (`stop_if_idle` in `_serve_link`); a
+        stream that has begun is only ended by the connector stopping (cancellation:
+        `stop`). Returns the job's outcome."""
+        scope = trio.CancelScope()  # cancelled if the link dies while it is made
         link.idle_scopes.add(scope)
-        raw: trio.SocketStream | None = None
-        first = b""
+        source = None
         try:
             with scope:
                 await self._yield_to_openings()
-                if delay:
-                    await trio.sleep(delay)
-                raw, first = await self._open_tls_data(token)
+                source = await transport.connect(token, delay)
         except (*_NET_ERRORS, _Goaway) as exc:
             self._event("data_failed")
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
         finally:
             link.idle_scopes.discard(scope)
-            if raw is None:
-                self._dialed(link)
-        if raw is None:
-            return
-        sock = raw.socket
-        trio.lowlevel.notify_closing(sock)  # trio forgets the fd: the job owns it now
-        await self._run_job(link, socket.socket(fileno=sock.detach()), first)
-
-    async def _run_job(self, link: _Link, data: socket.socket | Dial, first: bytes = b""
-                       ) -> tuple[str, BaseException | None]:
-        """The connection's life from here on: a `StreamJob` on a thread of its own (why:
-        `stream_job.py`). Idle, it ends with its control connection (`stop_if_idle`
-        in `_serve_link`); a stream that has begun is only ended by the connector
-        stopping (cancellation: `stop`). Returns the job's outcome and error."""
-        forward = self.cfg.forward
-        job = StreamJob(data, first, (forward.host, forward.port),
-                        _literal_family(forward.host), self._hooks(link),
-                        connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
-        link.jobs.add(job)
-        self._jobs.add(job)
-        self._dialed(link)  # from now on counted as a job
+        if source is None or not job.hand_over(*source):  # failed, or its link died
+            if source is not None and isinstance(source[0], socket.socket):
+                source[0].close()
+            job.stop()
+            return "retired"
         if link not in self._links:  # its control connection died meanwhile
             job.stop_if_idle()
         assert self._threads is not None
         try:
-            outcome = await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
-                                                    limiter=self._threads)
+            return await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
+                                                 limiter=self._threads)
         except BaseException:
             job.stop()  # cancelled: the connector is stopping
             raise
-        finally:
-            link.jobs.discard(job)
-            self._jobs.discard(job)
-            self._touch()
-        return outcome, job.error
 
     def _hooks(self, link: _Link) -> Hooks:
         """A job's calls from its thread: counters directly (prometheus locks them), the
@@ -627,36 +623,14 @@ class Connector:
 
     def _raw_failed(self) -> None:
         self._raw_failures += 1
-        if self.data_transport == "auto" and \
+        if self._fallback is not None and self._transport is not self._fallback and \
                 self._raw_failures >= RAW_FAILURES_BEFORE_FALLBACK:
-            self.data_transport = "tls"
+            self._transport = self._fallback
             self._event("data_fallback_tls")
             log.warning("tunnel_data_fallback_tls", ingress=self.label,
                         failures=self._raw_failures,
                         why="raw data connections fail while the control connection "
                             "works: something in between allows only TLS")
-
-    async def _open_tls_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
-        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped."""
-        decoder = tf.Decoder()
-        with trio.fail_after(CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT):
-            tls = await self._dial(self._ctx_data)
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await tls.send_all(tf.encode(tf.DataHello(token)))
-                answer = await read_message(tls, decoder)
-                if isinstance(answer, tf.Goaway):
-                    raise _Goaway(answer)
-                if not isinstance(answer, tf.DataOk) or decoder.buffered:
-                    raise RemoteProtocolError(f"expected DATA_OK, got {answer!r}")
-                transport, trailing = await tls.unwrap()
-        except BaseException:
-            await trio.aclose_forcefully(tls)
-            raise
-        raw = transport
-        assert isinstance(raw, trio.SocketStream)
-        set_keepalive(raw.socket)  # type: ignore[arg-type]
-        return raw, bytes(trailing)
 
 
 def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
