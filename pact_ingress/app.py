@@ -44,7 +44,7 @@ class Ingress:
     def __init__(self, config: Config, *, stats: Stats | None = None) -> None:
         from pact_ingress.acme.manager import CertManager
         from pact_ingress.net.terminate import Terminator
-        from pact_ingress.net.tunnel_server import TunnelServer
+        from pact_ingress.net.tunnel.server import TunnelServer
 
         self.config = config
         self.started = time.time()
@@ -274,7 +274,7 @@ def _operational_fault(exc: BaseException) -> PactIngressError | None:
 
 def main_connect(path: Path, *, log_format: str = "json") -> int:
     """Run the connector until SIGTERM/SIGINT, then drain its open streams and exit 0."""
-    from pact_ingress.net.connector import run_connector
+    from pact_ingress.net.tunnel.connector import run_connector
 
     setup_logs(log_format)
     cfg = load_connector_config(path)

@@ -4,7 +4,7 @@ Starts in one process, under one trio nursery:
 
 * an ingress (the real `app.Ingress`) on 127.0.0.1:PORT with a generated config,
 * the demo home node (`demo_node`) on a loopback port that only the connector uses,
-* a tunnel connector (`net.connector`) dialling the ingress as a home node behind NAT
+* a tunnel connector (`net.tunnel.connector`) dialling the ingress as a home node behind NAT
   would, so both demo routes use `backend: tunnel`:
   - `demo.localhost` — passthrough: the caller's TLS (and client certificate) reaches
     the node untouched;
@@ -34,7 +34,7 @@ from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import keygen, load_identity
 from pact_ingress.logs import log
 from pact_ingress.logs import setup as setup_logs
-from pact_ingress.net.connector import run_connector
+from pact_ingress.net.tunnel.connector import run_connector
 
 PASSTHROUGH_HOST = "demo.localhost"
 TERMINATE_HOST = "mcp.demo.localhost"

@@ -1,5 +1,6 @@
 """The sans-I/O core stays sans-I/O: nothing under `pact_ingress/proto/` imports trio,
-sockets, YAML or the config loader (it reads the model, `pact_ingress.model`)."""
+sockets, YAML or the config loader (it reads the model, `pact_ingress.model`); and the
+tunnel's two ends share the protocol and its helpers, never each other."""
 
 from __future__ import annotations
 
@@ -65,3 +66,36 @@ def test_the_check_allows_the_model(tmp_path: Path) -> None:
                      "from pact_ingress.proto import tls_alert\nimport struct\n")  # fmt: skip
     modules = imported_modules(probe, "pact_ingress.proto")
     assert not any(forbidden(module) for _, module in modules)
+
+
+# --- the tunnel: two ends that share a protocol, not each other ------------------------
+
+TUNNEL = ROOT / "pact_ingress" / "net" / "tunnel"
+
+
+def tunnel_imports(name: str) -> set[str]:
+    path = TUNNEL / f"{name}.py"
+    return {module for _, module in imported_modules(path, "pact_ingress.net.tunnel")}
+
+
+@pytest.mark.parametrize("end, other", [("connector", "server"), ("server", "connector")])
+def test_a_tunnel_end_does_not_import_the_other(end: str, other: str) -> None:
+    modules = tunnel_imports(end)
+    other_module = f"pact_ingress.net.tunnel.{other}"
+    assert not any(m == other_module or m.startswith(other_module + ".") for m in modules)
+    assert "pact_ingress.net.tunnel.common" in modules  # what both ends share
+    assert "pact_ingress.proto.tunnel.constants" in modules
+
+
+@pytest.mark.parametrize("name", ["common", "transport", "stream_job"])
+def test_shared_tunnel_modules_import_neither_end(name: str) -> None:
+    modules = tunnel_imports(name)
+    for end in ("server", "connector"):
+        assert not any(m.startswith(f"pact_ingress.net.tunnel.{end}") for m in modules)
+
+
+def test_the_router_takes_the_tunnel_alpns_from_the_protocol() -> None:
+    router = ROOT / "pact_ingress" / "net" / "router.py"
+    assert "pact-tunnel" not in router.read_text()
+    modules = {m for _, m in imported_modules(router, "pact_ingress.net")}
+    assert "pact_ingress.proto.tunnel.constants.TUNNEL_ALPNS" in modules

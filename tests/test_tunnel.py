@@ -25,16 +25,18 @@ import trio
 from pact_ingress.config import Address, ConnectorConfig, Limits
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, check_pin, pinned_client_context
-from pact_ingress.net import connector as connector_mod
-from pact_ingress.net import tunnel_server as ts
 from pact_ingress.net.backends import Backends
-from pact_ingress.net.connector import Connector
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.router import Router
 from pact_ingress.net.splice import relay
-from pact_ingress.net.tunnel_server import TunnelServer
+from pact_ingress.net.tunnel import connector as connector_mod
+from pact_ingress.net.tunnel import server as ts
+from pact_ingress.net.tunnel.connector import Connector
+from pact_ingress.net.tunnel.server import TunnelServer
 from pact_ingress.proto import tls_alert
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.proto.tunnel import constants as tc
+from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel import session as tsess
 from pact_ingress.stats import Stats
 from tests.netutil import (
     TEST_TIMEOUT,
@@ -211,7 +213,7 @@ async def test_passthrough_through_tunnel_sees_caller_cert(tmp_path: Path, keys:
                                ing.tunnel_port, backend.port)
         connector, _ = await start_connector(nursery, cfg, data_transport=transport)
         await eventually(lambda: ing.server.live_tunnels("alina") == 2)
-        await eventually(lambda: ing.server.idle_connections("alina") >= ts.POOL_MIN)
+        await eventually(lambda: ing.server.idle_connections("alina") >= tsess.POOL_MIN)
         for _ in range(5):
             body, server_fp = await https_get(ing.caller_ports["alina"], "alina.test",
                                               keys.caller)
@@ -270,9 +272,9 @@ async def test_used_data_connections_are_replaced_with_spares(
         cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint,
                                ing.tunnel_port, port, connections=1)
         connector, _ = await start_connector(nursery, cfg, data_transport="raw")
-        await eventually(lambda: ing.server.idle_connections("alina") == ts.POOL_MIN)
+        await eventually(lambda: ing.server.idle_connections("alina") == tsess.POOL_MIN)
         [session] = ing.server._sessions["alina"]
-        assert len(session.spares) == ts.SPARE_MIN  # granted with the first TOKENs
+        assert len(session.grants.spares) == tsess.SPARE_MIN  # granted with the first TOKENs
         tokens_before = events(ing.stats, "alina", "tokens_granted")
         spares_before = events(ing.stats, "alina", "spares_granted")
         for i in range(20):
@@ -290,9 +292,9 @@ async def test_used_data_connections_are_replaced_with_spares(
         assert events(ing.stats, "alina", "stream_open") == 20
         # every take was replaced with a spare (none expire here: SPARE_TTL is 300 s)
         await eventually(lambda: events(ing.stats, "alina", "spares_granted")
-                         - len(session.spares) == 20)
+                         - len(session.grants.spares) == 20)
         assert not session.replacing
-        assert connector.idle_data >= ts.POOL_MIN
+        assert connector.idle_data >= tsess.POOL_MIN
     ing.scope.cancel()
 
 
@@ -344,8 +346,8 @@ async def test_tenant_isolation(tmp_path: Path, keys: Keys, nursery: trio.Nurser
         # (the test plays an attacker that learned a token granted to bob's connector)
         bob_session = ing.server._sessions["bob"][0]
         bob_token = os.urandom(32)
-        bob_session.tokens[bob_token] = trio.current_time()
-        ing.server._tokens[bob_token] = bob_session
+        ing.server._tokens.issue(bob_session, tsess.Kind.TOKEN, trio.current_time(),
+                                 token=bob_token)
         with pytest.raises((trio.BrokenResourceError, ssl.SSLError)):
             await raw_data_connection(ing.tunnel_port, keys.alina, keys.ingress, bob_token)
         await eventually(lambda: events(ing.stats, "alina", "refused_token_mismatch") == 1)
@@ -379,7 +381,7 @@ async def read_all(stream: trio.abc.Stream) -> bytes:
 
 async def raw_data_connection(port: int, ident: Identity, ingress_key: Identity,
                               token: bytes) -> bytes:
-    tls = await pinned_tls(port, ident, ingress_key, ts.ALPN_DATA)
+    tls = await pinned_tls(port, ident, ingress_key, tc.ALPN_DATA)
     await tls.send_all(tf.encode(tf.DataHello(token)))
     data = await read_all(tls)
     await trio.aclose_forcefully(tls)
@@ -428,7 +430,7 @@ async def test_wrong_alpn_and_no_cert_refused(tmp_path: Path, keys: Keys,
             assert await read_all(tls) == b""  # TLS 1.3: refusal shows on first read
             raise trio.BrokenResourceError
         with pytest.raises((trio.BrokenResourceError, ssl.SSLError)):
-            tls = await pinned_tls(ing.tunnel_port, None, keys.ingress, ts.ALPN_CONTROL)
+            tls = await pinned_tls(ing.tunnel_port, None, keys.ingress, tc.ALPN_CONTROL)
             await tls.send_all(b"x")
             assert await read_all(tls) == b""
             raise trio.BrokenResourceError
@@ -443,7 +445,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
         fds_before = len(os.listdir("/proc/self/fd"))
         # garbage right after the handshake
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(b"\xff" * 64)
         answer = tf.Decoder()
         answer.feed(await read_all(tls))
@@ -453,7 +455,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
         await eventually(lambda: events(ing.stats, "alina", "refused_protocol_error") == 1)
 
         # a valid session that floods pings
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"f" * 16)))
         await tls.send_all(tf.encode(tf.Ping(1)) * (ts.CONTROL_FRAME_BURST + 50))
         data = await read_all(tls)
@@ -474,7 +476,7 @@ async def test_garbage_and_floods_on_control_refused(tmp_path: Path, keys: Keys,
                                           os.urandom(32))
         assert events(ing.stats, "alina", "refused_bad_token") == 20
         await eventually(lambda: ing.server.tenants() == [])
-        assert ing.server._tokens == {}
+        assert len(ing.server._tokens) == 0
         await eventually(lambda: len(os.listdir("/proc/self/fd")) <= fds_before)  # no leak
     ing.scope.cancel()
 
@@ -486,11 +488,11 @@ async def raw_dial(port: int, payload: bytes) -> trio.SocketStream:
 
 
 async def control_session(port: int, keys: Keys, kind: type = tf.Token,
-                          count: int = ts.POOL_MIN
+                          count: int = tsess.POOL_MIN
                           ) -> tuple[trio.SSLStream[trio.SocketStream], list[bytes]]:
     """A hand-made control session of alina's key; returns it and the first `count`
     tokens granted of `kind` (TOKEN or SPARE)."""
-    tls = await pinned_tls(port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+    tls = await pinned_tls(port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
     await tls.send_all(tf.encode(tf.Hello(tf.VERSION, 0, b"h" * 16)))
     decoder, tokens = tf.Decoder(), []
     with trio.fail_after(TEST_TIMEOUT):
@@ -537,7 +539,7 @@ async def test_raw_data_tokens_single_use_and_bound_to_their_session(
         await eventually(lambda: ing.server.live_tunnels("alina") == 0)
         late = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(tokens[2]))
         assert await read_all(late) == b""
-        assert ing.server._tokens == {}
+        assert len(ing.server._tokens) == 0
         await trio.aclose_forcefully(first)
         await trio.aclose_forcefully(caller)
     ing.scope.cancel()
@@ -550,7 +552,7 @@ async def test_spare_tokens_single_use_bound_and_expiring(
     SPARE_TTL."""
     monkeypatch.setattr(tf, "SPARE_TTL", 1.0)
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
-        tls, spares = await control_session(ing.tunnel_port, keys, tf.Spare, ts.SPARE_MIN)
+        tls, spares = await control_session(ing.tunnel_port, keys, tf.Spare, tsess.SPARE_MIN)
         used = await raw_dial(ing.tunnel_port, tf.raw_data_preamble(spares[0]))
         with trio.fail_after(TEST_TIMEOUT):
             assert await used.receive_some(3) == tf.encode(tf.DataOk())
@@ -570,7 +572,7 @@ async def test_older_protocol_version_refused_with_a_reason(
     """A connector speaking another version (e.g. 1, before SPARE frames) gets a
     GOAWAY naming the version expected, and the refusal is counted."""
     async with ingress(nursery, keys, config(tmp_path, keys)) as ing:
-        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, ts.ALPN_CONTROL)
+        tls = await pinned_tls(ing.tunnel_port, keys.alina, keys.ingress, tc.ALPN_CONTROL)
         await tls.send_all(tf.encode(tf.Hello(tf.VERSION - 1, 0, b"h" * 16)))
         decoder = tf.Decoder()
         decoder.feed(await read_all(tls))
@@ -654,7 +656,7 @@ async def test_auto_falls_back_to_tls_data_behind_a_tls_only_middlebox(
         assert proxy.dropped >= connector_mod.RAW_FAILURES_BEFORE_FALLBACK
         assert connector.stats.value("pact_ingress_tunnel_events_total", {
             "tenant": connector.label, "event": "data_fallback_tls"}) == 1
-        await eventually(lambda: ing.server.idle_connections("alina") >= ts.POOL_MIN)
+        await eventually(lambda: ing.server.idle_connections("alina") >= tsess.POOL_MIN)
         for _ in range(3):
             s = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
             await s.send_all(b"through")
@@ -663,7 +665,7 @@ async def test_auto_falls_back_to_tls_data_behind_a_tls_only_middlebox(
             await s.aclose()
         # the failed raw dials and their TLS retries were each counted once: the
         # connector's idle count settles on the ingress's pool
-        await eventually(lambda: connector._dialing == 0
+        await eventually(lambda: connector.dialing == 0
                          and connector.idle_data == ing.server.idle_connections("alina"))
         assert all(link.dialing == 0 for link in connector._links)
     ing.scope.cancel()
@@ -685,7 +687,7 @@ async def test_raw_data_connections_through_the_real_router(tmp_path: Path, keys
     cfg = connector_config(tmp_path, keys.alina, keys.ingress.fingerprint, port,
                            backend.port)
     connector, scope = await start_connector(nursery, cfg, data_transport="raw")
-    await eventually(lambda: server.idle_connections("alina") >= ts.POOL_MIN)
+    await eventually(lambda: server.idle_connections("alina") >= tsess.POOL_MIN)
     for _ in range(3):
         body, server_fp = await https_get(port, "alina.test", keys.caller)
         assert body == f"alina-home {keys.caller.fingerprint}"
@@ -731,7 +733,7 @@ async def test_household_behind_one_address_cannot_lock_out_its_connector(
                            backend.port, connections=1)
     connector, scope = await start_connector(nursery, cfg, data_transport="raw")
     await eventually(lambda: server.live_tunnels("alina") == 1
-                     and server.idle_connections("alina") >= ts.POOL_MIN)
+                     and server.idle_connections("alina") >= tsess.POOL_MIN)
     body, _ = await https_get(port, "alina.test", keys.caller, local_address="127.0.0.2")
     assert body == f"alina-home {keys.caller.fingerprint}"
     # the household's own cap still holds for its ordinary connections
@@ -884,7 +886,7 @@ async def test_silent_dead_path_detected_and_replaced(tmp_path: Path, keys: Keys
         proxy.blackhole()
         # both ends notice within the heartbeat bound (3 × HB, plus scheduling slack);
         # ≥: on a loaded machine a new connection can time out too (HB is tiny here)
-        bound = HB * ts.HEARTBEAT_MISSES * 3 + 1
+        bound = HB * tc.HEARTBEAT_MISSES * 3 + 1
         await eventually(lambda: events(ing.stats, "alina", "heartbeat_timeout") >= 2, bound)
         await eventually(lambda: connector.stats.value(
             "pact_ingress_tunnel_events_total",

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pact_ingress.net.connector import BACKOFF_CAP, Backoff
-from pact_ingress.net.tunnel_server import POOL_MAX, POOL_MIN, _PoolSizer
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.net.tunnel.connector import BACKOFF_CAP, Backoff
+from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel.session import POOL_MAX, POOL_MIN, PoolSizer
 
 TOKEN = bytes(range(32))
 MESSAGES: list[tf.Message] = [
@@ -160,7 +160,7 @@ def test_backoff_grows_jittered_capped_and_resets() -> None:
 
 
 def test_pool_sizer_follows_open_rate_and_latency() -> None:
-    sizer = _PoolSizer()
+    sizer = PoolSizer()
     assert sizer.target(0.0) == POOL_MIN
     for i in range(500):  # 100 opens/s for 5 s
         sizer.took(i / 100)
@@ -174,7 +174,7 @@ def test_pool_sizer_follows_open_rate_and_latency() -> None:
 def test_pool_sizer_does_not_feed_on_its_own_bursts() -> None:
     """Refills queued behind each other look slow; that must not grow the pool (which
     would queue more refills: the loop the bench hinted at)."""
-    sizer = _PoolSizer()
+    sizer = PoolSizer()
     for i in range(500):  # 100 opens/s for 5 s
         sizer.took(i / 100)
     for i in range(10):

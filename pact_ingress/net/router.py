@@ -7,10 +7,10 @@ parse the ClientHello (sans-I/O, `proto.clienthello`), without answering anythin
 hands the connection — with the peeked bytes replayed first — to exactly one owner.
 
 One kind of connection is not TLS: a reverse-tunnel *raw data connection*, which starts
-with the fixed magic `tunnel_frames.RAW_DATA_MAGIC` (first byte "P"; a TLS record's is
+with the fixed magic `proto.tunnel.frames.RAW_DATA_MAGIC` (first byte "P"; a TLS record's is
 0x16, so the first bytes decide). It is checked before ClientHello parsing and goes to
 the tunnel server (`tunnels.handle`), which authenticates it by its single-use token
-(why no TLS is needed there: `net/tunnel_server.py`). Every TLS connection goes to:
+(why no TLS is needed there: `net/tunnel/server.py`). Every TLS connection goes to:
 
 - ALPN `acme-tls/1` for a host this edge terminates → the ACME TLS-ALPN-01 responder
   (a passthrough host's challenge goes through to the home node like any connection);
@@ -73,7 +73,8 @@ from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.ratelimit import client_bucket
 from pact_ingress.proto.routing import RouteTable
-from pact_ingress.proto.tunnel_frames import raw_data_prefix
+from pact_ingress.proto.tunnel.constants import TUNNEL_ALPNS
+from pact_ingress.proto.tunnel.frames import raw_data_prefix
 from pact_ingress.stats import Stats
 
 #: Bytes asked of the socket per read while peeking. A typical ClientHello is 250–600
@@ -92,7 +93,6 @@ HEAD_TIMEOUT = 10.0
 #: How long a handshake with the ACME TLS-ALPN-01 challenge cert may take.
 CHALLENGE_TIMEOUT = 10.0
 ACME_ALPN = "acme-tls/1"
-TUNNEL_ALPNS = ("pact-tunnel/1", "pact-tunnel-data/1")
 #: Connections a client at its cap may still open to show what they are (a connector's
 #: data connections show it in the first read, within milliseconds). Bounded: they are
 #: closed unanswered after `clienthello_timeout` at the latest.

@@ -40,12 +40,12 @@ stops is closed).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import trio
@@ -209,38 +209,68 @@ async def _splice_direction(
     src_sock: trio.socket.SocketType, dst_sock: trio.socket.SocketType,
     moved: Callable[[int], None]
 ) -> None:
-    src_fd, dst_fd = src_sock.fileno(), dst_sock.fileno()
+    d = Direction("", src_sock.fileno(), dst_sock.fileno())
     pipe = take_pipe()
-    pipe_r, pipe_w = pipe
-    pending = 0
     try:
-        streak = 0
         while True:
-            try:
-                n = os.splice(src_fd, pipe_w, PIPE_SIZE, flags=SPLICE_FLAGS)
-            except BlockingIOError:
-                streak = 0
+            wait = pump(d, pipe, moved, YIELD_EVERY)
+            if wait is Wait.READ:
                 await trio.lowlevel.wait_readable(src_sock)
-                continue
-            if n == 0:
+            elif wait is Wait.WRITE:
+                await trio.lowlevel.wait_writable(dst_sock)
+            elif wait is Wait.EOF:
                 _shutdown_write(dst_sock)
                 return
-            pending = n
-            while pending:
-                try:
-                    m = os.splice(pipe_r, dst_fd, pending, flags=SPLICE_FLAGS)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_writable(dst_sock)
-                    continue
-                except OSError as exc:
-                    if exc.errno in (errno.EPIPE, errno.ECONNRESET):
-                        raise trio.BrokenResourceError from exc
-                    raise
-                pending -= m
-                moved(m)
-            streak += 1
-            if streak >= YIELD_EVERY:
-                streak = 0
+            else:  # a busy direction lets the others (and a cancel) in now and then
                 await trio.lowlevel.checkpoint()
     finally:
-        give_pipe(pipe, drained=pending == 0)
+        give_pipe(pipe, drained=d.pending == 0)
+
+
+class Wait(Enum):
+    """Why `pump` stopped: what the direction waits for next."""
+
+    READ = "read"  # its source has nothing now
+    WRITE = "write"  # its destination takes nothing now (bytes wait in the pipe)
+    EOF = "eof"  # its source said EOF: the caller half-closes the destination
+    BUSY = "busy"  # moved `burst` pipefuls: more may be ready
+
+
+@dataclass
+class Direction:
+    """One direction's relay state (sans-I/O: `pump` does the syscalls)."""
+
+    name: str  # "up" | "down" (the connector's stream threads); "" here
+    src: int
+    dst: int
+    pending: int = 0  # bytes in this direction's pipe, not yet taken by dst
+    done: bool = False  # src reached EOF and it was passed on, or the relay is over
+
+
+def pump(d: Direction, pipe: tuple[int, int], moved: Callable[[int], None],
+         burst: int) -> Wait:
+    """Splice what direction `d` can move now, src → pipe → dst, at most `burst`
+    pipefuls; never blocks. The one relay step both relays use: the trio one (waits on
+    the scheduler between calls) and the connector's stream threads (wait in poll(2)).
+
+    The pipe is drained before the next fill, so a slow reader holds the writer back
+    through TCP instead of a growing buffer. `moved(n)` is called per chunk taken by
+    dst. A failed splice (reset, broken pipe) raises OSError: the relay is over.
+    """
+    for _ in range(burst):
+        while d.pending:
+            try:
+                n = os.splice(pipe[0], d.dst, d.pending, flags=SPLICE_FLAGS)
+            except BlockingIOError:
+                return Wait.WRITE
+            d.pending -= n
+            moved(n)
+        try:
+            n = os.splice(d.src, pipe[1], PIPE_SIZE, flags=SPLICE_FLAGS)
+        except BlockingIOError:
+            return Wait.READ
+        if n == 0:
+            d.done = True
+            return Wait.EOF
+        d.pending = n
+    return Wait.BUSY

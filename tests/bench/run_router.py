@@ -31,7 +31,7 @@ from pact_ingress.identity import load_identity
 from pact_ingress.logs import setup as setup_logs
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.router import Router, open_listeners
-from pact_ingress.net.tunnel_server import TunnelServer
+from pact_ingress.net.tunnel.server import TunnelServer
 from pact_ingress.stats import Stats
 
 #: Seconds open connections get after SIGTERM (a bench stops its proxies when idle).

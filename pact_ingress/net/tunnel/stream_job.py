@@ -33,13 +33,16 @@ The job owns its sockets: only its thread closes them. Any other thread may call
 `stop()` (end it, idle or not: connector shutdown) or `stop_if_idle()` (end it only if
 no stream has started on it: its control connection died). Both just `shutdown(2)` the
 sockets, under the job's lock and never after the thread closed them, which wakes the
-thread's poll; the thread then ends and closes. `state` moves IDLE → OPENING (first
-bytes read) → ACTIVE (first answer passed back) → DONE; the IDLE → OPENING step and
-`stop_if_idle` exclude each other, so a stream that has begun is never cut off because
-its control connection went away.
+thread's poll; the thread then ends and closes. `state` is one `State`, moved only by
+`next_state` (the whole table is `TRANSITIONS`; anything else raises): NEW → DIALING
+(its own dial) → IDLE (in the ingress's pool) → OPENING (first bytes read) → ACTIVE
+(first answer passed back) → DONE, with STOPPING for a stop while its thread runs. The
+connector counts idle and streaming connections from it (`waiting`, `streaming`). The
+step to OPENING and `stop_if_idle` exclude each other (both under the job's lock), so a
+stream that has begun is never cut off because its control connection went away.
 
-The relay loop itself is `Direction` + `interest` (pure, tested byte by byte) driving
-poll(2): a direction with bytes in its pipe waits for its destination to take them
+The relay loop itself is `interest` (pure, tested byte by byte) driving poll(2), and on
+each wake-up `splice.pump` — the same relay step as the ingress's trio relay: a direction with bytes in its pipe waits for its destination to take them
 (backpressure through TCP, as in `splice.py`), otherwise for its source; EOF is passed on
 as `shutdown(SHUT_WR)` so the other direction keeps flowing; an error on either side
 ends both (a reset means the conversation is over); no byte either way for
@@ -56,12 +59,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from pact_ingress.net.backends import STREAM_OPTIONS
-from pact_ingress.net.splice import PIPE_SIZE, SPLICE_FLAGS, give_pipe, take_pipe
+from pact_ingress.net.splice import Direction, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 
-IDLE, OPENING, ACTIVE, DONE = "idle", "opening", "active", "done"
 #: First read from the data connection: a ClientHello (≤ 16 KiB record) fits with room.
 FIRST_READ = 64 * 1024
 #: Chunks a direction moves back to back before polling again (a busy direction does not
@@ -69,6 +72,59 @@ FIRST_READ = 64 * 1024
 BURST = 16
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
+
+
+class State(Enum):
+    """Where a job is in its life. Only `next_state` moves it."""
+
+    NEW = "new"  # made; its thread has not started (a TLS connection may be on its way)
+    DIALING = "dialing"  # its thread makes the data connection itself (`Dial`)
+    IDLE = "idle"  # in the ingress's pool, parked until a stream's first bytes
+    OPENING = "opening"  # first bytes read: forward connecting, first answer not back
+    ACTIVE = "active"  # the first answer went back to the ingress
+    STOPPING = "stopping"  # stopped while its thread runs: the thread ends and closes
+    DONE = "done"  # its sockets are closed
+
+
+class Event(Enum):
+    RUN_DIAL = "run_dial"  # the thread starts with a `Dial` to make
+    RUN_IDLE = "run_idle"  # the thread starts with a connection, no stream yet
+    RUN_STREAM = "run_stream"  # the thread starts with a connection and first bytes
+    DIALLED = "dialled"  # DATA_OK came, nothing after it
+    FIRST_BYTES = "first_bytes"  # the ingress sent a stream's first bytes
+    NO_BYTES = "no_bytes"  # woken, but there was nothing to read after all
+    ANSWERED = "answered"  # the first answer went back
+    STOP = "stop"  # stop(), or stop_if_idle() on a job without a stream
+    CLOSE = "close"  # its sockets are closed (by its thread, or by stop before it ran)
+
+
+_RUNNING = (State.DIALING, State.IDLE, State.OPENING, State.ACTIVE)
+#: Every legal move; anything else is a bug and raises IllegalTransition.
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.NEW, Event.RUN_DIAL): State.DIALING,
+    (State.NEW, Event.RUN_IDLE): State.IDLE,
+    (State.NEW, Event.RUN_STREAM): State.OPENING,
+    (State.NEW, Event.CLOSE): State.DONE,  # stopped before its thread ran
+    (State.DIALING, Event.DIALLED): State.IDLE,
+    (State.DIALING, Event.FIRST_BYTES): State.OPENING,  # they came with DATA_OK
+    (State.IDLE, Event.FIRST_BYTES): State.OPENING,
+    (State.OPENING, Event.NO_BYTES): State.IDLE,
+    (State.OPENING, Event.ANSWERED): State.ACTIVE,
+    **{(state, Event.STOP): State.STOPPING for state in _RUNNING},
+    **{(state, Event.CLOSE): State.DONE for state in (*_RUNNING, State.STOPPING)},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A job was asked to move where its life does not go."""
+
+
+def next_state(state: State, event: Event) -> State:
+    """The state `event` moves a job in `state` to; IllegalTransition if it cannot."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransition(f"{event.name} in {state.name}") from None
 
 
 class ForwardUnreachable(OSError):
@@ -107,17 +163,6 @@ class Dial:
     setup: Callable[[socket.socket], None] = lambda sock: None
 
 
-@dataclass
-class Direction:
-    """One direction's relay state (sans-I/O: the loop does the syscalls)."""
-
-    name: str  # "up" | "down"
-    src: int
-    dst: int
-    pending: int = 0  # bytes in this direction's pipe, not yet taken by dst
-    done: bool = False  # src reached EOF and it was passed on, or the relay is over
-
-
 def interest(directions: tuple[Direction, ...]) -> dict[int, int]:
     """poll(2) events to wait for, per fd, for the directions still running: bytes in a
     direction's pipe wait for its destination to take them, otherwise for its source."""
@@ -130,43 +175,70 @@ def interest(directions: tuple[Direction, ...]) -> dict[int, int]:
     return masks
 
 
-class _Reset(Exception):
-    """A side failed: the relay is over."""
-
-
 class StreamJob:
-    """One data connection's life after its handshake; `run()` on a thread of its own."""
+    """One data connection's life after its handshake; `run()` on a thread of its own.
 
-    def __init__(self, data: socket.socket | Dial, first: bytes, forward: tuple[str, int],
-                 family: int | None, hooks: Hooks, *, connect_timeout: float,
-                 idle_timeout: float) -> None:
+    `state` (a `State`) is written only under `_lock` and only through `next_state`;
+    other threads may read it at any time (one attribute load).
+    """
+
+    def __init__(self, data: socket.socket | Dial | None, first: bytes,
+                 forward: tuple[str, int], family: int | None, hooks: Hooks, *,
+                 connect_timeout: float, idle_timeout: float) -> None:
         """`data`: the connection to the ingress (non-blocking; the job owns it now), or
-        how to make it (`Dial`, on the job's thread). `first`: stream bytes that came
-        with the handshake's answer, if any. `forward`: host and port; `family`:
-        AF_INET/AF_INET6 if host is an IP literal (connected without a lookup), None
-        for a name (resolved on the job's thread)."""
-        self.state = OPENING if first else IDLE
+        how to make it (`Dial`, on the job's thread), or None to be given later
+        (`hand_over`, before `run`). `first`: stream bytes that came with the
+        handshake's answer, if any. `forward`: host and port; `family`: AF_INET/AF_INET6
+        if host is an IP literal (connected without a lookup), None for a name
+        (resolved on the job's thread)."""
+        self.state = State.NEW
         #: Why the job's own dial failed (outcome dial_refused / dial_failed).
         self.error: BaseException | None = None
-        self._dial = data if isinstance(data, Dial) else None
-        self._data = data if isinstance(data, socket.socket) else None
-        self._first = first
+        self._dial: Dial | None = None
+        self._data: socket.socket | None = None
+        self._first = b""
         self._forward = forward
         self._family = family
         self._fwd: socket.socket | None = None
         self._by_fd: dict[int, socket.socket] = {}
-        if self._data is not None:
-            self._by_fd[self._data.fileno()] = self._data
         self._hooks = hooks
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._lock = threading.Lock()
-        self._stopped = False
-        self._running = False
-        self._closed = False
-        self._opened = False
+        self._active = False  # the relay moved a byte since the last poll
+        self._answered = False  # this stream's `opened` hook was called
+        self._movers = {"up": self._moved_up, "down": self._moved_down}
+        if data is not None:
+            self.hand_over(data, first)
 
     # --- any thread ----------------------------------------------------------------------
+
+    @property
+    def streaming(self) -> bool:
+        """A stream has begun on it (its first bytes came), and it has not ended."""
+        state = self.state
+        return state in (State.OPENING, State.ACTIVE) or (state is State.NEW
+                                                           and bool(self._first))
+
+    @property
+    def waiting(self) -> bool:
+        """No stream on it yet: being made, or idle in the ingress's pool (a STOPPING
+        job is one whose control connection died while it was idle: it is closing)."""
+        return self.state is not State.DONE and not self.streaming
+
+    def hand_over(self, data: socket.socket | Dial, first: bytes = b"") -> bool:
+        """Give a NEW job its connection (or how to make it). False if the job was
+        stopped meanwhile: then the caller still owns `data` and closes it."""
+        with self._lock:
+            if self.state is not State.NEW:
+                return False
+            if isinstance(data, Dial):
+                self._dial = data
+            else:
+                self._data = data
+                self._by_fd[data.fileno()] = data
+            self._first = first
+            return True
 
     def stop(self) -> None:
         """End the job soon, idle or not: its thread notices and closes (a job whose
@@ -177,18 +249,22 @@ class StreamJob:
     def stop_if_idle(self) -> bool:
         """End the job if no stream has started on it; True if it was idle."""
         with self._lock:
-            if self.state != IDLE:
+            if self.state is State.DONE or self.streaming:
                 return False
-            self._stop_locked()  # and IDLE cannot turn OPENING now (see _begin)
+            self._stop_locked()  # and no stream can begin now (see _begin)
             return True
 
+    def _to(self, event: Event) -> None:
+        """Move on (the caller holds `_lock`)."""
+        self.state = next_state(self.state, event)
+
     def _stop_locked(self) -> None:
-        self._stopped = True
-        if self._closed:
-            return
-        if not self._running:
+        if self.state is State.NEW:  # its thread never ran: close here
             self._close_locked()
             return
+        if self.state in (State.STOPPING, State.DONE):
+            return
+        self._to(Event.STOP)
         for sock in (self._data, self._fwd):
             if sock is not None:
                 _shutdown(sock, socket.SHUT_RDWR)
@@ -200,9 +276,10 @@ class StreamJob:
         dial_refused (no TCP connection) | dial_failed (connected, no answer: `error`) |
         forward_unreachable | ok | reset | idle_timeout."""
         with self._lock:
-            if self._closed:
+            if self.state is State.DONE:
                 return "retired"
-            self._running = True
+            self._to(Event.RUN_DIAL if self._dial is not None else
+                     Event.RUN_STREAM if self._first else Event.RUN_IDLE)
         try:
             if self._dial is not None:
                 failed = self._make_data(self._dial)
@@ -235,7 +312,7 @@ class StreamJob:
         with self._lock:
             self._data = sock
             self._by_fd[sock.fileno()] = sock
-            if self._stopped:
+            if self.state is State.STOPPING:
                 return "retired"
         try:
             for option, value in STREAM_OPTIONS:
@@ -254,19 +331,25 @@ class StreamJob:
             sock.setblocking(False)
         except OSError as exc:
             self.error = exc
-            return "retired" if self._stopped else "dial_failed"
+            return "retired" if self.state is State.STOPPING else "dial_failed"
         self._first = answer[len(dial.expect):]
-        if self._first and not self._begin():
-            return "retired"
+        if self._first:
+            if not self._begin():
+                return "retired"
+        else:
+            with self._lock:
+                if self.state is State.DIALING:  # else STOPPING: _wait_first sees it
+                    self._to(Event.DIALLED)
         self._hooks.dialled()
         return None
 
     def _begin(self) -> bool:
-        """IDLE → OPENING, unless stopped (under the lock: see stop_if_idle)."""
+        """A stream's first bytes are here: → OPENING, unless stopped (under the lock:
+        see stop_if_idle)."""
         with self._lock:
-            if self._stopped:
+            if self.state is State.STOPPING:
                 return False
-            self.state = OPENING
+            self._to(Event.FIRST_BYTES)
             return True
 
     def _wait_first(self) -> bytes:
@@ -284,7 +367,8 @@ class StreamJob:
                 return os.read(self._data.fileno(), FIRST_READ)
             except BlockingIOError:  # woken without data after all
                 with self._lock:
-                    self.state = IDLE
+                    if self.state is State.OPENING:  # else STOPPING: the next turn ends
+                        self._to(Event.NO_BYTES)
             except OSError:
                 return b""
 
@@ -304,7 +388,7 @@ class StreamJob:
         with self._lock:
             self._fwd = fwd
             self._by_fd[fwd.fileno()] = fwd
-            if self._stopped:
+            if self.state is State.STOPPING:
                 raise ForwardUnreachable(errno.ECANCELED, "stopped")
         for option, value in STREAM_OPTIONS:
             fwd.setsockopt(socket.IPPROTO_TCP, option, value)
@@ -338,10 +422,9 @@ class StreamJob:
             os.write(self._data.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
         except OSError:
             pass
-        self._opened = True
-        if not self._stopped:  # stopped mid-connect: the connector is going, not forward
-            self._hooks.forward_failed(exc)
-        self._hooks.opened()
+        if self.state is not State.STOPPING:  # stopped mid-connect: the connector is
+            self._hooks.forward_failed(exc)  # going, not forward
+        self._answer()
 
     def _relay(self, fwd: socket.socket, rest: bytes) -> str:
         assert self._data is not None
@@ -355,9 +438,7 @@ class StreamJob:
         finally:
             give_pipe(pipes["up"], drained=up.pending == 0)
             give_pipe(pipes["down"], drained=down.pending == 0)
-            if not self._opened:
-                self._opened = True
-                self._hooks.opened()
+            self._answer()  # ended before any answer: the stream is over all the same
 
     def _loop(self, directions: tuple[Direction, Direction],
               pipes: dict[str, tuple[int, int]]) -> str:
@@ -377,57 +458,42 @@ class StreamJob:
                 return "idle_timeout"
             if not poller.poll(left * 1000):
                 continue  # the deadline is checked above
+            self._active = False
             try:
                 for d in directions:
-                    if self._pump(d, pipes[d.name]):
-                        deadline = time.monotonic() + self._idle_timeout
-            except _Reset:
+                    if not d.done and pump(d, pipes[d.name], self._movers[d.name],
+                                           BURST) is Wait.EOF:
+                        # pass the EOF on; the other direction keeps going
+                        _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
+            except OSError:  # a side failed: the relay is over
                 return "reset"
+            if self._active:
+                deadline = time.monotonic() + self._idle_timeout
         return "ok"
 
-    def _pump(self, d: Direction, pipe: tuple[int, int]) -> bool:
-        """Move what is ready in direction `d` now (≤ BURST chunks); True if it moved
-        bytes. Never blocks: EAGAIN leaves the rest to the next poll."""
-        moved = False
-        for _ in range(BURST):
-            if d.done:
-                return moved
-            if d.pending:
-                try:
-                    n = os.splice(pipe[0], d.dst, d.pending, flags=SPLICE_FLAGS)
-                except BlockingIOError:
-                    return moved
-                except OSError as exc:
-                    raise _Reset from exc
-                d.pending -= n
-                moved = True
-                self._moved(d.name, n)
-                if d.pending:
-                    return moved
-            try:
-                n = os.splice(d.src, pipe[1], PIPE_SIZE, flags=SPLICE_FLAGS)
-            except BlockingIOError:
-                return moved
-            except OSError as exc:
-                raise _Reset from exc
-            if n == 0:  # EOF: pass it on; the other direction keeps going
-                d.done = True
-                _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
-                return moved
-            d.pending = n
-        return moved
+    def _moved_up(self, n: int) -> None:
+        self._active = True
+        self._hooks.moved("up", n)
 
-    def _moved(self, direction: str, n: int) -> None:
-        self._hooks.moved(direction, n)
-        if direction == "down" and not self._opened:
-            self._opened = True
-            with self._lock:
-                self.state = ACTIVE
-            self._hooks.opened()
+    def _moved_down(self, n: int) -> None:
+        self._active = True
+        self._hooks.moved("down", n)
+        if not self._answered:
+            self._answer()
+
+    def _answer(self) -> None:
+        """The stream's first answer went back (or it ended without one): OPENING →
+        ACTIVE, and the `opened` hook, once per stream."""
+        if self._answered:
+            return
+        self._answered = True
+        with self._lock:
+            if self.state is State.OPENING:  # else STOPPING: it stays that way
+                self._to(Event.ANSWERED)
+        self._hooks.opened()
 
     def _close_locked(self) -> None:
-        self._closed = True
-        self.state = DONE
+        self._to(Event.CLOSE)
         for sock in (self._fwd, self._data):
             if sock is not None:
                 sock.close()

@@ -6,7 +6,7 @@ A home node behind NAT runs `pact-ingress connect`, which dials this ingress on 
 The router hands us two kinds of connection (`handle`):
 
 * **control** (TLS, SNI = `tunnel.hostname`, ALPN `pact-tunnel/1`), one per connector
-  `connections` slot: pinned mutual TLS carrying small frames (`proto.tunnel_frames`):
+  `connections` slot: pinned mutual TLS carrying small frames (`proto.tunnel.frames`):
   HELLO/WELCOME, PING/PONG heartbeats, TOKEN grants, GOAWAY. It never carries payload.
 * **data**, one per stream: a plain TCP connection that starts with `RAW_DATA_MAGIC`
   and a DATA_HELLO frame carrying one single-use TOKEN (the router checks the magic
@@ -35,7 +35,7 @@ router splices caller ↔ data connection and the connector splices data connect
 forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
 network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
 still alive). The pool size adapts to the open rate × the path's refill latency
-(`_PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
+(`proto.tunnel.session.PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
 the pool), within [POOL_MIN, POOL_MAX].
 
 Refilling without a word per stream: two kinds of token. A TOKEN means "dial one data
@@ -107,6 +107,7 @@ instead of hammering a restarting ingress.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -124,24 +125,37 @@ from pact_ingress.logs import log
 from pact_ingress.model import Config
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 from pact_ingress.net.replay import ReplayStream
-from pact_ingress.proto import tunnel_frames as tf
+from pact_ingress.net.tunnel.common import (
+    PEER_GONE,
+    first_error,
+    heartbeat,
+    read_message,
+    send_quietly,
+    set_keepalive,
+)
+from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel.constants import (
+    ALPN_CONTROL,
+    CONTROL_READ,
+    DATA_OK,
+    GOAWAY_TIMEOUT,
+    HANDSHAKE_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_MISSES,
+    TUNNEL_ALPNS,
+)
+from pact_ingress.proto.tunnel.session import (
+    POOL_MAX,
+    POOL_MIN,
+    BadToken,
+    Grants,
+    Kind,
+    PoolSizer,
+    TokenTable,
+    spare_target,
+)
 from pact_ingress.stats import Stats
 
-ALPN_CONTROL = "pact-tunnel/1"
-ALPN_DATA = "pact-tunnel-data/1"
-
-#: Ping interval. With HEARTBEAT_MISSES = 3 a dead path is noticed within 15 s, well before callers give up.
-HEARTBEAT_INTERVAL = 5.0
-HEARTBEAT_MISSES = 3
-#: TLS handshake plus the first frame (HELLO / DATA_HELLO) must arrive within this.
-HANDSHAKE_TIMEOUT = 10.0
-#: A token not used by then is void: a connector that got it dials within milliseconds
-#: to a few RTTs; 30 s covers a slow handshake without keeping stale credentials around.
-TOKEN_TTL = 30.0
-#: Idle data connections per session: never fewer than POOL_MIN, never more than POOL_MAX
-#: (each is one fd here and one at the connector).
-POOL_MIN = 4
-POOL_MAX = 64
 #: An idle data connection older than this is closed and replaced, so NAT state and
 #: silently dead paths never linger in the pool (keepalive covers the time before).
 POOL_MAX_AGE = 300.0
@@ -153,11 +167,6 @@ MAX_SESSIONS_PER_TENANT = 16
 MAX_WAITERS_PER_TENANT = 256
 #: Tokens outstanding per session (pool target already bounded; this caps bursts).
 MAX_OUTSTANDING_TOKENS = 128
-#: SPARE tokens a session keeps at its connector: twice the pool target, at least
-#: SPARE_MIN, at most SPARE_MAX; topped up, in one TLS record, once below half of it (so
-#: a top-up costs one control write per SPARE_MIN / 2 streams or more).
-SPARE_MIN = 16
-SPARE_MAX = 128
 #: A taken data connection whose replacement (dialed with a spare) has not arrived after
 #: this long is given up on: TOKENs make up for it. Replacements normally take ms.
 REPLACE_WAIT = 1.0
@@ -166,24 +175,8 @@ CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
 #: What we tell connectors when shutting down: come back after this many seconds.
 RECONNECT_AFTER_SHUTDOWN = 2.0
-#: Best-effort sends on the way out (GOAWAY, close_notify) give up after this.
-GOAWAY_TIMEOUT = 1.0
 #: Pool maintenance wakes at least this often (token expiry, ageing, stream gauge).
 MAINTENANCE_TICK = 1.0
-#: Read size on control connections (frames are ≤ 1 KiB).
-CONTROL_READ = 4096
-#: TCP keepalive on idle data connections: first probe after 30 s idle, every 10 s, dead
-#: after 3 misses — keeps NAT mappings warm and frees a dead socket within ~1 minute.
-KEEPALIVE = (30, 10, 3)
-#: Window for estimating the open rate (pool sizing).
-RATE_WINDOW = 5.0
-#: Refill latency (token sent → data connection pooled) assumed before any was measured:
-#: a slow home uplink; the first refills replace it.
-INITIAL_REFILL_LATENCY = 0.05
-#: The refill latency is the minimum of the refills of the last this many seconds.
-LATENCY_WINDOW = 10
-#: The ingress's answer on a raw data connection whose token it accepted.
-_DATA_OK = tf.encode(tf.DataOk())
 
 
 class _SendTimeout(trio.BrokenResourceError):
@@ -197,58 +190,6 @@ class _Refused(Exception):
         super().__init__(detail)
         self.event = event
         self.goaway = goaway
-
-
-def set_keepalive(sock: socket.socket) -> None:
-    """TCP keepalive with KEEPALIVE timings (Linux names; ignored where missing)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-class _PoolSizer:
-    """Pool target = POOL_MIN + 2 × (opens/s × refill latency), clamped. Pure (now in).
-
-    The refill latency is the *minimum* over the last LATENCY_WINDOW seconds, not an
-    average: refills queue behind each other (and, with TLS data connections, behind each
-    other's handshakes), so an average measures our own burst and feeds back — a bigger
-    target means more concurrent refills, slower refills, a bigger target, up to
-    POOL_MAX. The minimum is the path's own cost (as min-RTT in congestion control);
-    queueing can only add to it. A path that really got slower raises the minimum once
-    the faster samples leave the window; until then `open_stream` waiters add to the
-    target directly (`TunnelServer._target`).
-    """
-
-    def __init__(self) -> None:
-        self.takes: deque[float] = deque(maxlen=4096)
-        # (second, fastest refill in it): a window minimum in O(window) space, however
-        # many refills a burst brings
-        self.fastest: deque[tuple[int, float]] = deque()
-
-    def took(self, now: float) -> None:
-        self.takes.append(now)
-
-    def refilled(self, now: float, latency: float) -> None:
-        """A data connection arrived `latency` seconds after its token was sent."""
-        second = math.floor(now)
-        if self.fastest and self.fastest[-1][0] == second:
-            self.fastest[-1] = (second, min(self.fastest[-1][1], latency))
-        else:
-            self.fastest.append((second, latency))
-
-    def latency(self, now: float) -> float:
-        while len(self.fastest) > 1 and self.fastest[0][0] < now - LATENCY_WINDOW:
-            self.fastest.popleft()  # the newest second stays: better than a guess
-        if not self.fastest:
-            return INITIAL_REFILL_LATENCY
-        return min(latency for _, latency in self.fastest)
-
-    def target(self, now: float) -> int:
-        while self.takes and self.takes[0] < now - RATE_WINDOW:
-            self.takes.popleft()
-        rate = len(self.takes) / RATE_WINDOW
-        return min(POOL_MAX, POOL_MIN + math.ceil(2 * rate * self.latency(now)))
 
 
 @dataclass(eq=False)
@@ -265,10 +206,9 @@ class _Session:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     idle: deque[tuple[socket.socket, float]] = field(default_factory=deque)
-    tokens: dict[bytes, float] = field(default_factory=dict)  # TOKEN → issued at
-    spares: dict[bytes, float] = field(default_factory=dict)  # SPARE → issued at
+    grants: Grants = field(default_factory=Grants)  # its TOKENs and SPAREs out
     replacing: deque[float] = field(default_factory=deque)  # takes awaiting a spare's dial
-    sizer: _PoolSizer = field(default_factory=_PoolSizer)
+    sizer: PoolSizer = field(default_factory=PoolSizer)
     wakeup: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
     closed: bool = False
@@ -302,6 +242,12 @@ class _Session:
             if scope.cancelled_caught:
                 raise _SendTimeout(f"control frame not sent within {self.send_timeout} s")
 
+    async def ping(self, nonce: int, deadline: float) -> None:
+        try:
+            await self.send(tf.Ping(nonce), deadline=deadline)
+        except _SendTimeout:
+            pass  # silent for a whole timeout: the heartbeat's next turn declares it dead
+
     def close_idle(self) -> None:
         while self.idle:
             self.idle.popleft()[0].close()
@@ -318,7 +264,7 @@ class TunnelServer:
         self._ctx = self._make_context(identity)
         self._tenant_of: dict[str, str | None] = {}  # fingerprint → tenant (None: ambiguous)
         self._sessions: dict[str, list[_Session]] = {}
-        self._tokens: dict[bytes, _Session] = {}
+        self._tokens: TokenTable[_Session] = TokenTable()
         self._arrival: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._rr: dict[str, int] = {}
@@ -332,7 +278,7 @@ class TunnelServer:
 
     @staticmethod
     def _make_context(identity: Identity) -> SSL.Context:
-        ctx = server_context(identity, alpn=(ALPN_CONTROL, ALPN_DATA),
+        ctx = server_context(identity, alpn=TUNNEL_ALPNS,
                              require_client_cert=True)
         ctx.set_min_proto_version(SSL.TLS1_3_VERSION)  # both ends are ours
         return ctx
@@ -423,7 +369,7 @@ class TunnelServer:
 
     def _admit(self, tls: OpenSSLStream, fingerprint: str | None) -> tuple[str, str]:
         alpn = tls.selected_alpn_protocol()
-        if alpn not in (ALPN_CONTROL, ALPN_DATA):
+        if alpn not in TUNNEL_ALPNS:
             raise _Refused("bad_alpn", f"ALPN {alpn!r} is not a tunnel protocol")
         if self._closing:
             raise _Refused("shutting_down", "ingress shutting down", tf.GoawayCode.SHUTDOWN)
@@ -450,7 +396,7 @@ class TunnelServer:
                     transport="tls" if tls is not None else "raw")
         if exc.goaway is not None and tls is not None:
             retry = int(RECONNECT_AFTER_SHUTDOWN * 1000) if exc.event == "shutting_down" else 0
-            await _send_quietly(tls, tf.Goaway(exc.goaway, retry, str(exc)))
+            await _send_goaway(tls, tf.Goaway(exc.goaway, retry, str(exc)))
 
     # --- control sessions --------------------------------------------------------------
 
@@ -458,7 +404,7 @@ class TunnelServer:
                              client: tuple[str, int]) -> None:
         decoder = tf.Decoder()
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            hello = await _read_message(tls, decoder)
+            hello = await read_message(tls, decoder)
         if not isinstance(hello, tf.Hello) or hello.version != tf.VERSION:
             raise _Refused("protocol_error", f"expected HELLO v{tf.VERSION}, got {hello!r}",
                            tf.GoawayCode.PROTOCOL_ERROR)
@@ -471,16 +417,20 @@ class TunnelServer:
                            send_timeout=self.heartbeat * HEARTBEAT_MISSES)
         await session.send(tf.Welcome(sid, int(self.heartbeat * 1000)))
         self._register(session, hello)
+        def broken(_exc: BaseException) -> None:
+            session.kill(None)  # the session ends, not the router
+
         try:
             with session.scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_until_broken, self._read_control, session, decoder)
-                    nursery.start_soon(_until_broken, self._heartbeat, session)
-                    nursery.start_soon(_until_broken, self._maintain_pool, session)
+                    for task in (functools.partial(self._read_control, session, decoder),
+                                 functools.partial(self._heartbeat, session),
+                                 functools.partial(self._maintain_pool, session)):
+                        nursery.start_soon(first_error, task, PEER_GONE, broken)
         finally:
             self._unregister(session)
         if session.goaway is not None:
-            await _send_quietly(tls, session.goaway)
+            await _send_goaway(tls, session.goaway)
 
     def _register(self, session: _Session, hello: tf.Hello) -> None:
         self._sessions.setdefault(session.tenant, []).append(session)
@@ -499,10 +449,7 @@ class TunnelServer:
             group.remove(session)
         if not group:
             self._sessions.pop(session.tenant, None)
-        for token in (*session.tokens, *session.spares):
-            self._tokens.pop(token, None)
-        session.tokens.clear()
-        session.spares.clear()
+        self._tokens.forget(session)
         session.close_idle()
         self.stats.tunnels.labels(session.tenant).set(len(self._live(session.tenant)))
         self._event(session.tenant, "disconnect")
@@ -557,33 +504,16 @@ class TunnelServer:
             raise _Refused("protocol_error", f"unexpected {type(msg).__name__} on control",
                            tf.GoawayCode.PROTOCOL_ERROR)
 
-    async def _heartbeat(self, session: _Session, _decoder: tf.Decoder | None = None
-                         ) -> None:
-        timeout = self.heartbeat * HEARTBEAT_MISSES
-        next_ping = trio.current_time() + self.heartbeat
-        nonce = 0
-        while True:
-            await trio.sleep_until(min(next_ping, session.last_rx + timeout))
-            now = trio.current_time()
-            if now >= session.last_rx + timeout:
-                self._event(session.tenant, "heartbeat_timeout")
-                log.warning("tunnel_dead", tenant=session.tenant, session=session.sid,
-                            fingerprint=session.fingerprint,
-                            silent_s=round(now - session.last_rx, 3))
-                session.kill(None)
-                return
-            if now >= next_ping:
-                nonce += 1
-                try:
-                    await session.send(tf.Ping(nonce), deadline=session.last_rx + timeout)
-                except _SendTimeout:
-                    pass  # silent for a whole timeout: the next turn declares it dead
-                next_ping = now + self.heartbeat
+    async def _heartbeat(self, session: _Session) -> None:
+        silent = await heartbeat(self.heartbeat, lambda: session.last_rx, session.ping)
+        self._event(session.tenant, "heartbeat_timeout")
+        log.warning("tunnel_dead", tenant=session.tenant, session=session.sid,
+                    fingerprint=session.fingerprint, silent_s=round(silent, 3))
+        session.kill(None)
 
     # --- the data-connection pool ------------------------------------------------------
 
-    async def _maintain_pool(self, session: _Session, _decoder: tf.Decoder | None = None
-                             ) -> None:
+    async def _maintain_pool(self, session: _Session) -> None:
         while True:
             session.wakeup = trio.Event()  # before granting: a take meanwhile wakes us again
             now = trio.current_time()
@@ -595,11 +525,7 @@ class TunnelServer:
                 await session.wakeup.wait()
 
     def _expire(self, session: _Session, now: float) -> None:
-        for table, ttl in ((session.tokens, TOKEN_TTL), (session.spares, tf.SPARE_TTL)):
-            for token, issued in list(table.items()):
-                if now - issued > ttl:
-                    del table[token]
-                    self._tokens.pop(token, None)
+        self._tokens.expire(session, now)
         while session.replacing and now - session.replacing[0] > REPLACE_WAIT:
             session.replacing.popleft()
         while session.idle and now - session.idle[0][1] > POOL_MAX_AGE:
@@ -614,15 +540,16 @@ class TunnelServer:
         """TOKENs for what the pool lacks beyond replacements on their way; SPAREs when
         the connector's stock runs low. All in one TLS record and one write."""
         target = self._target(session, now)
-        want = target - len(session.idle) - len(session.tokens) - len(session.replacing)
-        want = min(want, MAX_OUTSTANDING_TOKENS - len(session.tokens))
-        grants: list[tf.Message] = [tf.Token(self._issue(session, session.tokens, now))
+        out = session.grants
+        want = target - len(session.idle) - len(out.tokens) - len(session.replacing)
+        want = min(want, MAX_OUTSTANDING_TOKENS - len(out.tokens))
+        grants: list[tf.Message] = [tf.Token(self._tokens.issue(session, Kind.TOKEN, now))
                                     for _ in range(max(0, want))]
         tokens = len(grants)
-        spare_target = _spare_target(target)
-        if len(session.spares) < spare_target // 2:
-            grants += [tf.Spare(self._issue(session, session.spares, now))
-                       for _ in range(spare_target - len(session.spares))]
+        spares = spare_target(target)
+        if len(out.spares) < spares // 2:
+            grants += [tf.Spare(self._tokens.issue(session, Kind.SPARE, now))
+                       for _ in range(spares - len(out.spares))]
         if grants:
             events = self.stats.tunnel_events
             if tokens:
@@ -631,18 +558,12 @@ class TunnelServer:
                 events.labels(session.tenant, "spares_granted").inc(len(grants) - tokens)
             await session.send(*grants)
 
-    def _issue(self, session: _Session, table: dict[bytes, float], now: float) -> bytes:
-        token = secrets.token_bytes(tf.TOKEN_BYTES)
-        table[token] = now
-        self._tokens[token] = session
-        return token
-
     async def _accept_data(self, tls: OpenSSLStream, stream: ReplayStream, tenant: str,
                            fingerprint: str, client: tuple[str, int]) -> None:
         """The TLS fallback: DATA_HELLO inside pinned mutual TLS, DATA_OK, unwrap."""
         decoder = tf.Decoder()
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            hello = await _read_message(tls, decoder)
+            hello = await read_message(tls, decoder)
             if not isinstance(hello, tf.DataHello) or decoder.buffered:
                 raise _Refused("protocol_error", f"expected DATA_HELLO, got {hello!r}")
             session = self._redeem(hello.token, fingerprint)
@@ -669,7 +590,7 @@ class TunnelServer:
             hello = decoder.next_message()
             if hello is None:  # the rest of the frame is still on its way
                 with trio.fail_after(HANDSHAKE_TIMEOUT):
-                    hello = await _read_message(stream, decoder)
+                    hello = await read_message(stream, decoder)
             if not isinstance(hello, tf.DataHello) or decoder.buffered:
                 raise _Refused("protocol_error", "expected DATA_HELLO, alone")
             if self._closing:
@@ -677,7 +598,7 @@ class TunnelServer:
             session = self._redeem(hello.token, None)
             tenant = session.tenant
             sock = stream.inner.socket
-            if os.write(sock.fileno(), _DATA_OK) != len(_DATA_OK):
+            if os.write(sock.fileno(), DATA_OK) != len(DATA_OK):
                 raise trio.BrokenResourceError("DATA_OK not taken whole")
             self._pool(session, hello.token, sock)
         except _Refused as exc:
@@ -702,13 +623,14 @@ class TunnelServer:
         raw = socket.socket(fileno=os.dup(sock.fileno()))
         raw.setblocking(False)
         set_keepalive(raw)
-        if session.spares.pop(token, None) is not None:  # a replacement
+        latency = session.grants.settle(token, now)
+        if latency is None:  # a replacement, dialled with a spare
             if session.replacing:
                 session.replacing.popleft()
-            if len(session.spares) < _spare_target(self._target(session, now)) // 2:
+            if len(session.grants.spares) < spare_target(self._target(session, now)) // 2:
                 session.poke()  # the connector's stock runs low
         else:
-            session.sizer.refilled(now, now - session.tokens.pop(token, now))
+            session.sizer.refilled(now, latency)
         session.idle.append((raw, now))
         self._wake_waiters(session.tenant)
 
@@ -719,22 +641,10 @@ class TunnelServer:
         connection has none: the token, issued only inside that session's pinned TLS,
         is its credential.
         """
-        session = self._tokens.pop(token, None)
-        if session is None:
-            raise _Refused("bad_token", "unknown, used or expired token")
-        table, ttl = (session.spares, tf.SPARE_TTL) if token in session.spares \
-            else (session.tokens, TOKEN_TTL)
-        issued = table.get(token)
-        if issued is None:
-            raise _Refused("bad_token", "unknown, used or expired token")
-        if fingerprint is not None and session.fingerprint != fingerprint:
-            del table[token]
-            raise _Refused("token_mismatch",
-                           f"token of tenant {session.tenant} presented by this key")
-        if trio.current_time() - issued > ttl:
-            del table[token]
-            raise _Refused("bad_token", "expired token")
-        return session
+        try:
+            return self._tokens.redeem(token, fingerprint, trio.current_time())
+        except BadToken as exc:
+            raise _Refused(exc.event, str(exc)) from None
 
     def _wake_waiters(self, tenant: str) -> None:
         event = self._arrival.pop(tenant, None)
@@ -791,7 +701,7 @@ class TunnelServer:
             session.sizer.took(now)
             # the connector replaces it with a spare if it holds one for it; else (or
             # if the pool runs low) the maintenance task grants TOKENs now
-            replaced = len(session.replacing) < len(session.spares)
+            replaced = len(session.replacing) < len(session.grants.spares)
             if replaced:
                 session.replacing.append(now)
             if not replaced or len(session.idle) < POOL_MIN:
@@ -837,22 +747,6 @@ class TunnelServer:
             await self._all_gone.wait()
 
 
-def _spare_target(pool_target: int) -> int:
-    return min(SPARE_MAX, max(SPARE_MIN, 2 * pool_target))
-
-
-async def _until_broken(task: object, session: _Session,
-                        decoder: tf.Decoder | None = None) -> None:
-    """Run one of a session's tasks; a broken connection ends the session, not the router.
-
-    (Letting it escape would surface as an ExceptionGroup in the router's nursery.)
-    """
-    try:
-        await task(session, decoder)  # type: ignore[operator]
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        session.kill(None)
-
-
 def _pop_usable(session: _Session) -> socket.socket | None:
     """The next idle connection that is still open and silent, closing dead ones."""
     while session.idle:
@@ -870,16 +764,6 @@ def _pop_usable(session: _Session) -> socket.socket | None:
     return None
 
 
-async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
-    """The next frame; EOF before one is complete is a BrokenResourceError."""
-    while (msg := decoder.next_message()) is None:
-        data = await stream.receive_some(CONTROL_READ)
-        if not data:
-            raise trio.BrokenResourceError("peer closed before a complete frame")
-        decoder.feed(data)
-    return msg
-
-
 async def _unwrap(tls: OpenSSLStream) -> None:
     """Exchange close_notify both ways; afterwards the transport carries raw bytes.
 
@@ -892,11 +776,9 @@ async def _unwrap(tls: OpenSSLStream) -> None:
     raise RemoteProtocolError("TLS shutdown did not complete")
 
 
-async def _send_quietly(tls: OpenSSLStream, msg: tf.Message) -> None:
-    with trio.move_on_after(GOAWAY_TIMEOUT) as scope:
-        scope.shield = True
-        try:
-            await tls.send_all(tf.encode(msg))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
-                OSError):
-            pass
+async def _send_goaway(tls: OpenSSLStream, goaway: tf.Goaway) -> None:
+    """Tell the peer why we end (shielded: the handler may be being torn down)."""
+    async def send(msg: tf.Message) -> None:
+        await tls.send_all(tf.encode(msg))
+
+    await send_quietly(send, goaway, shield=True)

@@ -1,6 +1,6 @@
 """Tunnel control framing (sans-I/O): messages ↔ bytes, with caps.
 
-The reverse tunnel has two kinds of connection (theory in `net/tunnel_server.py`):
+The reverse tunnel has two kinds of connection (theory in `net/tunnel/server.py`):
 control connections, which carry only these small messages inside pinned mutual TLS,
 and data connections, which carry one `DataHello`/`DataOk` exchange and then raw bytes.
 A data connection is either *raw* — `RAW_DATA_MAGIC` then the DATA_HELLO frame in the

@@ -1,7 +1,7 @@
 """Reverse tunnel, home side: `pact-ingress connect` dials out so the ingress can dial in.
 
 Theory of operation (the protocol and its security argument are in
-`net/tunnel_server.py`; this is the other end of it)
+`net/tunnel/server.py`; this is the other end of it)
 -----------------------------------------------------
 `cfg.connections` slots each keep one **control connection** to the ingress: TCP to
 `ingress.address`, TLS 1.3 with SNI `tunnel_hostname`, ALPN `pact-tunnel/1`, our PACT key
@@ -12,24 +12,28 @@ HELLO, answer and send heartbeats, and receive TOKENs and SPAREs.
 Every TOKEN makes us dial one **data connection** at once; SPAREs we keep, and a data
 connection that has carried a stream's first answer is replaced by one dialed with a
 spare (`_replace`), so a stream costs the control connection nothing (why:
-`tunnel_server.py`, "Refilling"). A data connection is plain TCP to the ingress, then
+`server.py`, "Refilling"). A data connection is plain TCP to the ingress, then
 `RAW_DATA_MAGIC` + DATA_HELLO(token) in one write, and the ingress answers DATA_OK (why a
-token without TLS is enough: `tunnel_server.py`, "Security argument"). The fallback,
+token without TLS is enough: `server.py`, "Security argument"). The fallback,
 `data_transport="tls"` or chosen by itself (below), is the older way: ALPN
 `pact-tunnel-data/1` with the same pinned mutual TLS as the control connection, the token
 inside, DATA_OK, then TLS unwrapped (close_notify both ways) — a full handshake on both
-ends per stream, which costs far more CPU than the raw dial. Either way the connection
-then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "this is
+ends per stream, which costs far more CPU than the raw dial. The two ways are one
+interface (`transport.RawTransport`, `transport.TlsTransport`); which one new data
+connections use is the connector's policy (`_transport`, `_fallback`). Either way the
+connection then waits, raw, in the ingress's pool. The first bytes the ingress sends mean "this is
 a stream now": we connect `forward`, pass them on and splice both ways (kernel splice,
 both ends plain TCP).
 
-Each data connection lives on an OS thread of its own (`stream_thread.StreamJob`):
+Each data connection lives on an OS thread of its own (`stream_job.StreamJob`):
 a raw one is dialled there too, then the thread parks in poll(2) until the first bytes
 and runs the stream to its end. trio only starts the job (`_run_job`), hears about the
-stream's first answer (`_stream_opened`: count, replacement dial) and its end. Why
+stream's first answer (`_stream_opened`: count, replacement dial) and its end. A job
+exists from the moment its dial starts, so what the connector counts (dialling, idle,
+streaming) is read off the jobs' states, never kept apart. Why
 threads in a trio program: both first-byte crossings of every stream run here, on the
 home machine's core, next to the service; trio's per-wake-up cost there was most of
-what the tunnel added to a stream's open (`stream_thread.py`; the numbers are in the
+what the tunnel added to a stream's open (`stream_job.py`; the numbers are in the
 README's "Performance" section). TLS data
 connections are handshaken in trio first (ssl + trio), then handed over the same way.
 Dials wait while a stream is opening (OPENING_YIELD), replacements REPLACE_DELAY more,
@@ -86,22 +90,27 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
-from pact_ingress.net.stream_thread import ACTIVE, IDLE, OPENING, Dial, Hooks, StreamJob
-from pact_ingress.net.tunnel_server import (
+from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
+from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
+from pact_ingress.net.tunnel.common import (
+    first_error,
+    heartbeat,
+    read_message,
+    send_quietly,
+)
+from pact_ingress.proto.tunnel import frames as tf
+from pact_ingress.proto.tunnel.constants import (
     ALPN_CONTROL,
     ALPN_DATA,
     CONTROL_READ,
+    HANDSHAKE_TIMEOUT,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_MISSES,
-    set_keepalive,
 )
-from pact_ingress.proto import tunnel_frames as tf
 from pact_ingress.stats import Stats
 
 #: Connecting (TCP) to the ingress or to `forward` gives up after this.
 CONNECT_TIMEOUT = 10.0
-#: TLS handshake plus the first answer (WELCOME / DATA_OK) must come within this.
-HANDSHAKE_TIMEOUT = 10.0
 #: Reconnect delays: 0.5 s, 1 s, 2 s, … capped at 30 s, each × a random factor in
 #: [0.5, 1) ("equal jitter"): quick to come back after a blip, and a fleet of connectors
 #: that lost the same ingress neither hammers it nor reconnects in lockstep.
@@ -117,7 +126,7 @@ DRAIN_IDLE_WAIT = 5.0
 #: Data connections being set up or idle per control connection. The ingress caps its
 #: own grants (POOL_MAX + waiters); this guards against a misbehaving ingress.
 MAX_PENDING_DATA = 256
-#: Threads for data connections (`stream_thread`: one per idle pooled connection and per
+#: Threads for data connections (`stream_job`: one per idle pooled connection and per
 #: stream, parked in the kernel while idle). Past this a dialled connection waits for a
 #: thread; the ingress's pool (POOL_MAX) and its per-tenant connection limit stay far
 #: below it in any sane deployment.
@@ -130,8 +139,6 @@ SPARE_USE_WITHIN = tf.SPARE_TTL / 2
 #: A stream with no byte either way for this long is closed. The ingress's route idle
 #: timeout (default 300 s) normally ends streams first; TCP keepalive finds dead peers.
 RELAY_IDLE_TIMEOUT = 3600.0
-#: Best-effort sends on the way out.
-GOAWAY_TIMEOUT = 1.0
 #: A dial (a new data connection for a TOKEN or a replacement) waits at most this long
 #: while a stream is opening — its first bytes arrived, its first answer is not back yet
 #: — so that the dial, the ingress's accept and DATA_OK do not land on that stream's
@@ -150,9 +157,9 @@ DATA_TRANSPORTS = ("auto", "raw", "tls")
 #: `auto` switch to TLS. One failure can be a race with an ingress restart; three in a
 #: row on a live control link is a pattern.
 RAW_FAILURES_BEFORE_FALLBACK = 3
-#: The ingress's answer accepting a data connection's token.
-_DATA_OK = tf.encode(tf.DataOk())
 
+#: A job in one of these is a data connection still being made.
+_MAKING = (State.NEW, State.DIALING)
 _NET_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError,
                trio.TooSlowError, RemoteProtocolError, IdentityError)
 
@@ -203,14 +210,22 @@ class _Link:
     heartbeat: float
     last_rx: float
     send_lock: trio.Lock = field(default_factory=trio.Lock)
-    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # TLS dials running
-    dialing: int = 0  # data connections started, not yet a job
-    jobs: set[StreamJob] = field(default_factory=set)  # its data connections, after dial
+    idle_scopes: set[trio.CancelScope] = field(default_factory=set)  # dials in trio
+    jobs: set[StreamJob] = field(default_factory=set)  # its data connections, from dial on
     spares: deque[tuple[bytes, float]] = field(default_factory=deque)  # (token, arrived)
 
     async def send(self, msg: tf.Message) -> None:
         async with self.send_lock:
             await self.tls.send_all(tf.encode(msg))
+
+    async def ping(self, nonce: int, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self.send(tf.Ping(nonce))
+
+    @property
+    def dialing(self) -> int:
+        """Its data connections still being made."""
+        return sum(1 for job in self.jobs if job.state in _MAKING)
 
 
 class Connector:
@@ -223,7 +238,7 @@ class Connector:
         if data_transport not in DATA_TRANSPORTS:
             raise ValueError(f"data_transport must be one of {DATA_TRANSPORTS}")
         self.cfg = cfg
-        self.data_transport = data_transport
+        self.data_transport = data_transport  # as configured (the policy; never changes)
         self._raw_failures = 0  # raw data connections failed in a row (auto mode)
         self.stats = stats or Stats()
         self.identity = identity or load_identity(cfg.identity_key)
@@ -232,9 +247,17 @@ class Connector:
         self.instance = secrets.token_bytes(tf.ID_BYTES)
         self._ctx_control = self._context(ALPN_CONTROL)
         self._ctx_data = self._context(ALPN_DATA)
+        raw = RawTransport(cfg.ingress.host, cfg.ingress.port, CONNECT_TIMEOUT,
+                           HANDSHAKE_TIMEOUT)
+        tls = TlsTransport(functools.partial(self._dial, self._ctx_data), CONNECT_TIMEOUT,
+                           HANDSHAKE_TIMEOUT)
+        #: How new data connections are made: raw unless configured "tls", or until
+        #: `auto` fell back (`_raw_failed`).
+        self._transport: Transport = tls if data_transport == "tls" else raw
+        #: Where a raw connection's token goes when the raw dial failed (auto only).
+        self._fallback: Transport | None = tls if data_transport == "auto" else None
         self._links: set[_Link] = set()
-        self._dialing = 0  # data connections being dialled
-        self._jobs: set[StreamJob] = set()  # data connections dialled: idle or streaming
+        self._jobs: set[StreamJob] = set()  # data connections, from the dial on
         self._threads: trio.CapacityLimiter | None = None  # one per job (run())
         self._opened = trio.Event()  # set (and replaced) when a stream's answer went back
         self._changed = trio.Event()
@@ -259,17 +282,22 @@ class Connector:
 
     @property
     def active_streams(self) -> int:
-        return sum(1 for job in self._jobs if job.state in (OPENING, ACTIVE))
+        return sum(1 for job in self._jobs if job.streaming)
 
     @property
     def idle_data(self) -> int:
         """Data connections being dialled or waiting in the ingress's pool."""
-        return self._dialing + sum(1 for job in self._jobs if job.state == IDLE)
+        return sum(1 for job in self._jobs if job.waiting)
+
+    @property
+    def dialing(self) -> int:
+        """Data connections still being made."""
+        return sum(1 for job in self._jobs if job.state in _MAKING)
 
     @property
     def raw_data(self) -> bool:
         """Whether new data connections are raw (else TLS)."""
-        return self.data_transport != "tls"
+        return self._transport.name == "raw"
 
     def _event(self, event: str) -> None:
         self.stats.tunnel_events.labels(self.label, event).inc()
@@ -308,7 +336,7 @@ class Connector:
         log.info("connector_draining", ingress=self.label, streams=self.active_streams,
                  grace_s=grace)
         for link in list(self._links):
-            await _send_quietly(link, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
+            await send_quietly(link.send, tf.Goaway(tf.GoawayCode.DRAINING, 0, "draining"))
         with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_IDLE_WAIT)):
             await self._wait_until(lambda: self.idle_data == 0)
         slots.cancel()  # control connections close; idle data connections with them
@@ -379,7 +407,7 @@ class Connector:
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 await tls.send_all(tf.encode(tf.Hello(tf.VERSION, slot, self.instance)))
-                welcome = await _read_message(tls, decoder)
+                welcome = await read_message(tls, decoder)
             if isinstance(welcome, tf.Goaway):
                 raise _Goaway(welcome)
             if not isinstance(welcome, tf.Welcome):
@@ -400,9 +428,13 @@ class Connector:
         ended: list[BaseException] = []
         try:
             async with trio.open_nursery() as nursery:
-                for task in (self._read_link, self._heartbeat):
-                    nursery.start_soon(_first_error, task, link, decoder, ended,
-                                       nursery.cancel_scope)
+                def end(exc: BaseException) -> None:  # the first failure ends the link
+                    ended.append(exc)
+                    nursery.cancel_scope.cancel()
+
+                for task in (functools.partial(self._read_link, link, decoder),
+                             functools.partial(self._heartbeat, link)):
+                    nursery.start_soon(first_error, task, (*_NET_ERRORS, _Goaway), end)
             raise ended[0]
         finally:
             self._links.discard(link)
@@ -440,34 +472,23 @@ class Connector:
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from the ingress")
 
-    async def _heartbeat(self, link: _Link, decoder: tf.Decoder) -> None:
+    async def _heartbeat(self, link: _Link) -> None:
+        await heartbeat(link.heartbeat, lambda: link.last_rx, link.ping)
+        self._event("heartbeat_timeout")
         timeout = link.heartbeat * HEARTBEAT_MISSES
-        next_ping = trio.current_time() + link.heartbeat
-        nonce = 0
-        while True:
-            await trio.sleep_until(min(next_ping, link.last_rx + timeout))
-            now = trio.current_time()
-            if now >= link.last_rx + timeout:
-                self._event("heartbeat_timeout")
-                raise trio.TooSlowError(f"no frame from the ingress for {timeout:g} s")
-            if now >= next_ping:
-                nonce += 1
-                with trio.move_on_at(link.last_rx + timeout):
-                    await link.send(tf.Ping(nonce))
-                next_ping = now + link.heartbeat
+        raise trio.TooSlowError(f"no frame from the ingress for {timeout:g} s")
 
     # --- data connections --------------------------------------------------------------
 
     def _dial_data(self, link: _Link, token: bytes, delay: float = 0.0) -> None:
         """Start a data connection with `token` (in the root nursery: see module doc),
         once no stream is opening, and `delay` after that."""
-        idle = link.dialing + sum(1 for job in link.jobs if job.state == IDLE)
+        idle = sum(1 for job in link.jobs if job.waiting)
         if self._draining or idle >= MAX_PENDING_DATA:
             return  # the token expires unused at the ingress
         assert self._root is not None
-        link.dialing += 1
-        self._dialing += 1
-        self._root.start_soon(self._data, link, token, delay)
+        self._root.start_soon(self._data, link, self._new_job(link), token, delay,
+                              self._transport)
 
     def _replace(self, link: _Link) -> None:
         """A data connection of `link` carried a stream's first answer (or its stream
@@ -480,101 +501,76 @@ class Connector:
         if token is not None:
             self._dial_data(link, token, REPLACE_DELAY)
 
-    async def _data(self, link: _Link, token: bytes, delay: float) -> None:
+    def _new_job(self, link: _Link) -> StreamJob:
+        """A job for a data connection about to be made, counted from now on (its state
+        says whether it is being made, idle or streaming)."""
+        forward = self.cfg.forward
+        job = StreamJob(None, b"", (forward.host, forward.port),
+                        _literal_family(forward.host), self._hooks(link),
+                        connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
+        link.jobs.add(job)
+        self._jobs.add(job)
+        return job
+
+    async def _data(self, link: _Link, job: StreamJob, token: bytes, delay: float,
+                    transport: Transport) -> None:
         """A data connection with `token`, served until it ends. Raw: dialled on the
         job's own thread too (no trio wake-ups on the way); TLS: handshaken here first.
         In auto mode a raw dial that connected but got no DATA_OK counts towards the TLS
         fallback (a refused connect is an ingress down, not a middlebox) and its token
         is tried once more over TLS: behind a middlebox the ingress never saw it;
         otherwise it is used up and refused again. Either way the ingress's pool does
-        not wait TOKEN_TTL for a token that is lost.
+        not wait TOKEN_TTL for a token that is lost."""
+        try:
+            outcome = await self._run_job(link, job, token, delay, transport)
+        finally:
+            link.jobs.discard(job)
+            self._jobs.discard(job)
+            self._touch()
+        if outcome not in ("dial_refused", "dial_failed"):
+            return
+        self._event("data_failed")
+        log.debug("tunnel_data_failed", ingress=self.label, error=repr(job.error))
+        if outcome == "dial_refused":
+            return
+        if link in self._links:
+            self._raw_failed()
+        if self._fallback is not None:  # the same token once more, over TLS
+            await self._data(link, self._new_job(link), token, 0.0, self._fallback)
 
-        Counted in `dialing` (per link and in total) from `_dial_data` until its job is
-        registered (`_run_job`) or the dial failed (`_dialed`)."""
-        if self.raw_data:
-            try:
-                await self._yield_to_openings()
-            except BaseException:
-                self._dialed(link)
-                raise
-            ingress = self.cfg.ingress
-            dial = Dial(ingress.host, ingress.port, tf.raw_data_preamble(token), _DATA_OK,
-                        delay, CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, set_keepalive)
-            outcome, error = await self._run_job(link, dial)
-            if outcome not in ("dial_refused", "dial_failed"):
-                return
-            self._event("data_failed")
-            log.debug("tunnel_data_failed", ingress=self.label, error=repr(error))
-            if outcome == "dial_refused":
-                return
-            if link in self._links:
-                self._raw_failed()
-            if self.data_transport == "raw":
-                return
-            link.dialing += 1  # the same token once more, over TLS
-            self._dialing += 1
-            delay = 0.0
-        await self._tls_data(link, token, delay)
-
-    def _dialed(self, link: _Link) -> None:
-        """A dial of `link` is over (its job is registered, or it failed)."""
-        link.dialing -= 1
-        self._dialing -= 1
-        self._touch()
-
-    async def _tls_data(self, link: _Link, token: bytes, delay: float) -> None:
-        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped; the
-        connection, raw again, goes to a job."""
-        scope = trio.CancelScope()  # cancelled if the link dies during the handshake
+    async def _run_job(self, link: _Link, job: StreamJob, token: bytes, delay: float,
+                       transport: Transport) -> str:
+        """The connection made by `transport` (in trio for TLS; a `Dial` for the job's
+        thread when raw), then its life on a thread of its own (why: `stream_job.py`).
+        Idle, it ends with its control connection (`stop_if_idle` in `_serve_link`); a
+        stream that has begun is only ended by the connector stopping (cancellation:
+        `stop`). Returns the job's outcome."""
+        scope = trio.CancelScope()  # cancelled if the link dies while it is made
         link.idle_scopes.add(scope)
-        raw: trio.SocketStream | None = None
-        first = b""
+        source = None
         try:
             with scope:
                 await self._yield_to_openings()
-                if delay:
-                    await trio.sleep(delay)
-                raw, first = await self._open_tls_data(token)
+                source = await transport.connect(token, delay)
         except (*_NET_ERRORS, _Goaway) as exc:
             self._event("data_failed")
             log.debug("tunnel_data_failed", ingress=self.label, error=repr(exc))
         finally:
             link.idle_scopes.discard(scope)
-            if raw is None:
-                self._dialed(link)
-        if raw is None:
-            return
-        sock = raw.socket
-        trio.lowlevel.notify_closing(sock)  # trio forgets the fd: the job owns it now
-        await self._run_job(link, socket.socket(fileno=sock.detach()), first)
-
-    async def _run_job(self, link: _Link, data: socket.socket | Dial, first: bytes = b""
-                       ) -> tuple[str, BaseException | None]:
-        """The connection's life from here on: a `StreamJob` on a thread of its own (why:
-        `stream_thread.py`). Idle, it ends with its control connection (`stop_if_idle`
-        in `_serve_link`); a stream that has begun is only ended by the connector
-        stopping (cancellation: `stop`). Returns the job's outcome and error."""
-        forward = self.cfg.forward
-        job = StreamJob(data, first, (forward.host, forward.port),
-                        _literal_family(forward.host), self._hooks(link),
-                        connect_timeout=CONNECT_TIMEOUT, idle_timeout=RELAY_IDLE_TIMEOUT)
-        link.jobs.add(job)
-        self._jobs.add(job)
-        self._dialed(link)  # from now on counted as a job
+        if source is None or not job.hand_over(*source):  # failed, or its link died
+            if source is not None and isinstance(source[0], socket.socket):
+                source[0].close()
+            job.stop()
+            return "retired"
         if link not in self._links:  # its control connection died meanwhile
             job.stop_if_idle()
         assert self._threads is not None
         try:
-            outcome = await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
-                                                    limiter=self._threads)
+            return await trio.to_thread.run_sync(job.run, abandon_on_cancel=True,
+                                                 limiter=self._threads)
         except BaseException:
             job.stop()  # cancelled: the connector is stopping
             raise
-        finally:
-            link.jobs.discard(job)
-            self._jobs.discard(job)
-            self._touch()
-        return outcome, job.error
 
     def _hooks(self, link: _Link) -> Hooks:
         """A job's calls from its thread: counters directly (prometheus locks them), the
@@ -615,7 +611,7 @@ class Connector:
         log.warning("forward_unreachable", forward=str(self.cfg.forward), error=repr(exc))
 
     def _opening(self) -> bool:
-        return any(job.state == OPENING for job in self._jobs)
+        return any(job.state is State.OPENING for job in self._jobs)
 
     async def _yield_to_openings(self) -> None:
         """Wait (≤ OPENING_YIELD) until no stream is opening: see OPENING_YIELD."""
@@ -627,36 +623,14 @@ class Connector:
 
     def _raw_failed(self) -> None:
         self._raw_failures += 1
-        if self.data_transport == "auto" and \
+        if self._fallback is not None and self._transport is not self._fallback and \
                 self._raw_failures >= RAW_FAILURES_BEFORE_FALLBACK:
-            self.data_transport = "tls"
+            self._transport = self._fallback
             self._event("data_fallback_tls")
             log.warning("tunnel_data_fallback_tls", ingress=self.label,
                         failures=self._raw_failures,
                         why="raw data connections fail while the control connection "
                             "works: something in between allows only TLS")
-
-    async def _open_tls_data(self, token: bytes) -> tuple[trio.SocketStream, bytes]:
-        """The fallback: the token inside pinned mutual TLS, then TLS unwrapped."""
-        decoder = tf.Decoder()
-        with trio.fail_after(CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT):
-            tls = await self._dial(self._ctx_data)
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await tls.send_all(tf.encode(tf.DataHello(token)))
-                answer = await _read_message(tls, decoder)
-                if isinstance(answer, tf.Goaway):
-                    raise _Goaway(answer)
-                if not isinstance(answer, tf.DataOk) or decoder.buffered:
-                    raise RemoteProtocolError(f"expected DATA_OK, got {answer!r}")
-                transport, trailing = await tls.unwrap()
-        except BaseException:
-            await trio.aclose_forcefully(tls)
-            raise
-        raw = transport
-        assert isinstance(raw, trio.SocketStream)
-        set_keepalive(raw.socket)  # type: ignore[arg-type]
-        return raw, bytes(trailing)
 
 
 def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
@@ -668,19 +642,6 @@ def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
     return None
 
 
-async def _first_error(task: object, link: _Link, decoder: tf.Decoder,
-                       ended: list[BaseException], scope: trio.CancelScope) -> None:
-    """Run one of a link's tasks; the first to fail records why and ends the link.
-
-    (Raising out of the nursery would wrap the reason in an ExceptionGroup.)
-    """
-    try:
-        await task(link, decoder)  # type: ignore[operator]
-    except (*_NET_ERRORS, _Goaway) as exc:
-        ended.append(exc)
-        scope.cancel()
-
-
 @functools.lru_cache(maxsize=64)
 def _literal_family(host: str) -> int | None:
     """AF_INET / AF_INET6 for an IP literal, None for a name (looked up once per host:
@@ -688,23 +649,6 @@ def _literal_family(host: str) -> int | None:
     if not is_ip(host):
         return None
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-async def _read_message(stream: trio.abc.Stream, decoder: tf.Decoder) -> tf.Message:
-    while (msg := decoder.next_message()) is None:
-        data = await stream.receive_some(CONTROL_READ)
-        if not data:
-            raise trio.BrokenResourceError("ingress closed the connection")
-        decoder.feed(data)
-    return msg
-
-
-async def _send_quietly(link: _Link, msg: tf.Message) -> None:
-    with trio.move_on_after(GOAWAY_TIMEOUT):
-        try:
-            await link.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
 
 
 async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,

@@ -1,4 +1,4 @@
-"""The connector's stream thread (`net/stream_thread.py`) over real loopback TCP: the
+"""The connector's stream thread (`net/tunnel/stream_job.py`) over real loopback TCP: the
 relay state, a stream's life, stopping, refusals. End-to-end through an ingress:
 tests/test_tunnel.py."""
 
@@ -16,16 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pact_ingress.net.stream_thread import (
-    ACTIVE,
-    DONE,
-    IDLE,
-    OPENING,
-    Direction,
-    Hooks,
-    StreamJob,
-    interest,
-)
+from pact_ingress.net.splice import Direction
+from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob, interest
 from pact_ingress.proto import tls_alert
 
 TIMEOUT = 10.0
@@ -152,16 +144,16 @@ def test_stream_echo_and_half_close_pass_through(pair: Pair) -> None:
     ingress, data = pair
     with backend(echo) as port:
         job = make_job(data, port, calls)
-        assert job.state == IDLE
+        assert job.state is State.NEW and job.waiting  # its thread has not started
         t, outcome = start(job)
         ingress.sendall(HELLO)
         assert ingress.recv(len(HELLO), socket.MSG_WAITALL) == HELLO
-        until(lambda: job.state == ACTIVE and calls.opened == 1)
+        until(lambda: job.state is State.ACTIVE and calls.opened == 1)
         ingress.sendall(b"more")
         ingress.shutdown(socket.SHUT_WR)  # half-close: the echo still comes back
         assert read_until_eof(ingress) == b"more"
         t.join(TIMEOUT)
-    assert outcome == ["ok"] and job.state == DONE
+    assert outcome == ["ok"] and job.state is State.DONE
     assert calls.opened == 1
     assert calls.moved == {"up": len(HELLO) + 4, "down": len(HELLO) + 4}
     assert data.fileno() == -1  # the job closed what it owned
@@ -197,7 +189,7 @@ def test_idle_job_stops_if_idle_and_closes_its_connection(pair: Pair) -> None:
         assert job.stop_if_idle() is True
         t.join(TIMEOUT)
         assert ingress.recv(1) == b""  # the ingress sees its pooled connection close
-    assert outcome == ["retired"] and job.state == DONE
+    assert outcome == ["retired"] and job.state is State.DONE
     assert calls.opened == 0 and calls.moved == {"up": 0, "down": 0}
 
 
@@ -215,7 +207,7 @@ def test_a_begun_stream_is_not_stopped_as_idle(pair: Pair) -> None:
         job = make_job(data, port, calls)
         t, outcome = start(job)
         ingress.sendall(HELLO)
-        until(lambda: job.state == OPENING)
+        until(lambda: job.state is State.OPENING)
         assert job.stop_if_idle() is False  # its control connection died: keeps going
         answered.set()
         assert ingress.recv(len(HELLO), socket.MSG_WAITALL) == HELLO
@@ -243,7 +235,7 @@ def test_stop_before_the_thread_runs_closes_the_connection(pair: Pair) -> None:
     ingress, data = pair
     job = make_job(data, 9, Calls())  # never connected anywhere
     job.stop()
-    assert data.fileno() == -1 and job.state == DONE
+    assert data.fileno() == -1 and job.state is State.DONE
     assert job.run() == "retired"
     assert ingress.recv(1) == b""
 
