@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,3 +271,95 @@ def test_http2(serve: RelayServe, ids: RelayIdentities) -> None:
         anon.close()
     items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
     assert [i["envelope"]["protected"] for i in items] != []
+
+
+def test_cli_ls_and_purge(serve: RelayServe, ids: RelayIdentities) -> None:
+    recipient, sender = _callers(serve, ids)
+    for i in range(2):
+        sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id=f"c{i}"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pact_ingress", "relay", *args, "-c",
+                               str(serve.config)], capture_output=True, text=True, timeout=30)
+
+    ls = cli("ls")
+    assert ls.returncode == 0, ls.stderr
+    row = ls.stdout.splitlines()[1].split("\t")
+    assert row[:4] == ["home", ids.recipient.fingerprint, "2", row[3]] and int(row[3]) > 0
+    refused = cli("purge", "--all")
+    assert refused.returncode == 2 and "--recipient" in refused.stderr
+    assert cli("purge").stdout.startswith("purged 0 expired")
+    done = cli("purge", "--all", "--recipient", ids.recipient.fingerprint)
+    assert done.returncode == 0 and done.stdout.startswith("purged 2 queued"), done
+    assert recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"] == []
+
+
+def test_corrupt_store_answers_unavailable(tmp_path: Path, ids: RelayIdentities) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "relay.sqlite").write_bytes(b"garbage, not SQLite " * 500)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient])
+    try:
+        sender = RelayCaller(serve.port, ids.sender)
+        result, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient))
+        assert code_of(result) == "unavailable"
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert code_of(recipient.tool("fetch_queued", {})[0]) == "unavailable"
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 503
+        status = serve.status()["relay"]
+        assert status["healthy"] is False and "not a database" in status["last_error"]
+        errors = [e for e in serve.log_events() if e.get("event") == "relay_store_unavailable"]
+        assert errors and "Traceback" not in serve.logs()
+        assert serve.proc is not None and serve.proc.poll() is None  # still serving
+    finally:
+        serve.stop()
+
+
+async def test_expiry_on_an_injected_clock(tmp_path: Path, ids: RelayIdentities) -> None:
+    """In process, so the relay's clock can be moved: an item expires at min(exp, 30
+    days), disappears from fetch at once and is purged (and counted) later."""
+    import trio
+
+    from pact_ingress.app import Ingress
+    from pact_ingress.config import load_config
+    from tests.terminate_env import free_port
+
+    port = free_port()
+    config_path = tmp_path / "ingress.yaml"
+    config_path.write_text(f"""\
+identity: {{key: ingress.key}}
+state_dir: state
+listen: {{tls: ["127.0.0.1:{port}"]}}
+relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
+tenants:
+  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
+""")
+    ingress = Ingress(load_config(config_path))
+    clock = [time.time()]
+    ingress.relay.clock = lambda: clock[0]
+    now = int(clock[0])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
+                                                           task_status=task_status))
+
+        def calls() -> list[str]:
+            recipient = RelayCaller(port, ids.recipient)
+            sender = RelayCaller(port, ids.sender)
+            recipient.allowlist_set([ids.sender.fingerprint])
+            sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="soon",
+                                               ts=now, exp=now + 60))
+            sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="late",
+                                               ts=now, exp=now + 30 * 86400))
+            clock[0] = now + 61
+            page = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
+            recipient.close()
+            sender.close()
+            return [json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"]
+                    for i in page]
+
+        assert await trio.to_thread.run_sync(calls) == ["late"]
+        assert await ingress.relay.purge() == 1
+        assert ingress.stats.value("pact_ingress_relay_expired_items_total") == 1
+        clock[0] = now + 30 * 86400 + 1
+        assert await ingress.relay.purge() == 1
+        assert ingress.relay.status()["queues"] == []
+        await ingress.stop(deadline=1)
