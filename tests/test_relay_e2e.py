@@ -15,8 +15,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 
+from pact_ingress.admin.client import format_status
+from pact_ingress.admin.schema import STATUS_SCHEMA
 from pact_ingress.identity import b64url, b64url_decode, keygen
 from tests.relay_env import (
     RELAY_HOST,
@@ -239,9 +242,12 @@ def test_depth_bounds(serve: RelayServe, ids: RelayIdentities) -> None:
     assert code_of(full) == "rate_limited"
     retry = full["structuredContent"]["retry_after"]
     assert isinstance(retry, int) and retry >= 1
-    status = serve.status()["relay"]
+    doc = serve.status()
+    jsonschema.validate(doc, STATUS_SCHEMA, cls=jsonschema.Draft202012Validator)
+    status = doc["relay"]
     assert status["healthy"] is True
     assert status["queues"][0]["items"] == 5 and status["queues"][0]["tenant"] == "home"
+    assert ids.recipient.fingerprint in format_status(doc)
     page = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
     recipient.tool("ack", {"ids": [page[0]["id"]]})
     assert not sender.tool("relay_call", envelope(ids.sender, ids.recipient,
@@ -305,7 +311,9 @@ def test_corrupt_store_answers_unavailable(tmp_path: Path, ids: RelayIdentities)
         recipient = RelayCaller(serve.port, ids.recipient)
         assert code_of(recipient.tool("fetch_queued", {})[0]) == "unavailable"
         assert recipient.allowlist_set([ids.sender.fingerprint]).status == 503
-        status = serve.status()["relay"]
+        doc = serve.status()
+        jsonschema.validate(doc, STATUS_SCHEMA, cls=jsonschema.Draft202012Validator)
+        status = doc["relay"]
         assert status["healthy"] is False and "not a database" in status["last_error"]
         errors = [e for e in serve.log_events() if e.get("event") == "relay_store_unavailable"]
         assert errors and "Traceback" not in serve.logs()
