@@ -117,17 +117,22 @@ def check_relay_call(
     caller_key: PublicKey,
     now: float,
     allowlists: Mapping[str, frozenset[str]],
+    seen: dict[str, Any] | None = None,
 ) -> Accepted:
     """Everything a relay checks before queueing (module docstring); raises `Refusal`.
 
     `allowlists` maps each served recipient to its allowed senders; a recipient that is
-    served but has no list yet maps to an empty set (nobody may queue for it).
+    served but has no list yet maps to an empty set (nobody may queue for it). `seen`,
+    when given, receives the header's `to` and `msg_id` as soon as they are decoded (for
+    the caller's log line, refusals included).
     """
     if isinstance(arguments, Mapping) and not (set(arguments) & ENVELOPE_MEMBERS) and (
             "method" in arguments or "params" in arguments):
         raise Refusal(SEAL_REQUIRED, "relayed calls must be sealed (PACT §13.4)")
     try:
         header = decode_header(arguments)
+        if seen is not None:
+            seen.update(to=header.to, msg_id=header.msg_id[:128])
         if header.cty != CALL_CTY:
             raise EnvelopeInvalid(f"cty must be {CALL_CTY}")
         if header.sender != caller:
@@ -136,7 +141,7 @@ def check_relay_call(
             suite_for(caller_key)
         except TypeError:
             raise EnvelopeInvalid("the caller's key is not P-256 or Ed25519") from None
-        verify_signature(arguments, caller_key)
+        verify_signature(arguments, caller_key, header=header)
         check_time(header, now=now, direct=False)
     except EnvelopeInvalid as exc:
         raise Refusal(ENVELOPE_INVALID, exc.reason) from None

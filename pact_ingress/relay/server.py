@@ -245,10 +245,11 @@ class RelayServer:
             if not self.store.healthy:
                 raise StoreUnavailable("relay store unavailable")
 
-    async def relay_call(self, fp: str, key: PublicKey, arguments: object
-                         ) -> dict[str, Any]:
+    async def relay_call(self, fp: str, key: PublicKey, arguments: object,
+                         seen: dict[str, Any] | None = None) -> dict[str, Any]:
         accepted = rules.check_relay_call(arguments, caller=fp, caller_key=key,
-                                          now=self.clock(), allowlists=self._allowlists())
+                                          now=self.clock(), allowlists=self._allowlists(),
+                                          seen=seen)
         header = accepted.header
         try:
             done = await self.store.enqueue(header.to, header.sender, header.msg_id,
@@ -464,11 +465,11 @@ class _Exchange:
         started = trio.current_time()
         fields: dict[str, Any] = {}
         if name == "relay_call" and isinstance(arguments, dict):
-            fields = _header_fields(arguments)
+            fields["bytes"] = sum(len(v) for v in arguments.values() if isinstance(v, str))
         try:
             await self.server._ensure_store()
             if name == "relay_call":
-                data = await self.server.relay_call(fp, key, arguments)
+                data = await self.server.relay_call(fp, key, arguments, fields)
             elif name == "fetch_queued":
                 data = await self.server.fetch_queued(fp, arguments)
                 fields = {"items": len(data["items"]), "more": data["more"]}
@@ -489,18 +490,6 @@ class _Exchange:
         log.info("relay_" + name, caller=fp, client_ip=self.client[0], outcome=outcome,
                  duration_ms=round((trio.current_time() - started) * 1000, 2), **fields)
         return result
-
-
-def _header_fields(arguments: dict[str, Any]) -> dict[str, Any]:
-    """What a relay_call log line may carry: the protected header's metadata, no body."""
-    from pact_ingress.envelope import EnvelopeInvalid, decode_header
-
-    size = sum(len(v) for v in arguments.values() if isinstance(v, str))
-    try:
-        h = decode_header(arguments)
-    except EnvelopeInvalid:
-        return {"bytes": size}
-    return {"to": h.to, "msg_id": h.msg_id[:128], "bytes": size}
 
 
 def _rpc(rpc_id: Any, *, result: Any = None, error: tuple[Any, ...] | None = None

@@ -43,7 +43,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -371,19 +371,24 @@ class SqliteStore:
             self._fail(batch, StoreUnavailable("relay store internal error"))
             return
         self._publish_depths()
-        for job in batch:
-            self._deliver(job)
+        self._deliver(batch)
 
-    def _fail(self, batch: Iterable[_Job], exc: BaseException) -> None:
+    def _fail(self, batch: list[_Job], exc: BaseException) -> None:
         for job in batch:
             job.error = exc
             job.result = None
-            self._deliver(job)
+        self._deliver(batch)
 
-    def _deliver(self, job: _Job) -> None:
+    def _deliver(self, batch: list[_Job]) -> None:
+        """Wake the batch's callers: one hop to the trio thread for the whole batch."""
         assert self._token is not None
+
+        def wake() -> None:
+            for job in batch:
+                job.done.set()
+
         try:
-            self._token.run_sync_soon(job.done.set)
+            self._token.run_sync_soon(wake)
         except trio.RunFinishedError:
             pass
 

@@ -132,6 +132,10 @@ def main() -> int:
         backend: "127.0.0.1:{node.port}"
         seal: optional
         cert: {{cert: certs/term.crt, key: certs/term.key}}
+limits:                     # budgets far above the load: the rate is what is measured
+  calls_per_hour_per_ip: 1000000000
+  calls_per_hour_per_ip_key: 1000000000
+  max_connections_per_ip: 4000
 """
     serve = RelayServe(tmp, recipients=[ids.recipient], max_items=10_000_000,
                        max_bytes="10GiB", tunnel=True, extra=extra)
