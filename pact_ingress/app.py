@@ -58,6 +58,8 @@ class Ingress:
         self.state = open_state(config.state, self.stats)
         self.terminator = Terminator(identity=self.identity, backends=self.backends,
                                      stats=self.stats, limiter=self.state.limiter)
+        self.relay: Any = None  # RelayServer, built when a config first has a relay block
+        self._nursery: trio.Nursery | None = None
         self.router = Router(config, stats=self.stats, backends=self.backends,
                              terminator=self.terminator, certs=self.certs,
                              tunnels=self.tunnels)
@@ -76,6 +78,11 @@ class Ingress:
                     r.host, r.cert.cert, r.cert.key):
                 log.warning("selfsigned_cert_created", route=r.host, cert=str(r.cert.cert),
                             detail="no cert files existed; callers must not expect WebPKI trust")
+        relay = config.relay
+        if relay is not None and isinstance(relay.cert, CertFiles) and ensure_selfsigned_cert(
+                relay.host, relay.cert.cert, relay.cert.key):
+            log.warning("selfsigned_cert_created", route=relay.host, cert=str(relay.cert.cert),
+                        detail="no cert files existed; callers must not expect WebPKI trust")
 
     def _switch(self, config: Config) -> None:
         self.config = config
@@ -85,6 +92,22 @@ class Ingress:
         self.certs.update(config)
         self.terminator.update(config)
         self.router.update(config)
+        self._switch_relay(config)
+
+    def _switch_relay(self, config: Config) -> None:
+        if config.relay is None:
+            self.router.relay = None  # the store stays open: a reload may bring it back
+            return
+        if self.relay is None:
+            from pact_ingress.relay.server import RelayServer
+
+            self.relay = RelayServer(config, stats=self.stats, certs=self.certs,
+                                     wake=self.tunnels.wake)
+            if self._nursery is not None:  # added by a reload: start its store now
+                self._nursery.start_soon(self.relay.run)
+        else:
+            self.relay.update(config)
+        self.router.relay = self.relay
 
     async def reload(self) -> tuple[bool, str]:
         """Load the config file again; keep the running one when the new one is bad.
@@ -155,6 +178,7 @@ class Ingress:
             "counters": schema.counters_from(self.stats),
             "recent_refusals": schema.refusals_from(self.stats),
             "state": self.state.status(),
+            **({"relay": self.relay.status()} if self.relay and cfg.relay else {}),
         }
 
     async def run(self, *, handle_signals: bool = True,
@@ -168,6 +192,8 @@ class Ingress:
             nursery.start_soon(self.resolver.refresh_forever)
             await nursery.start(self.state.run)
             await nursery.start(self.certs.run)
+            if self.relay is not None:
+                await nursery.start(self.relay.run)
             if cfg.listen.http:
                 from pact_ingress.net.http_listener import serve_http
 
@@ -212,6 +238,8 @@ class Ingress:
                  deadline_s=deadline)
         await self.router.drain(deadline)
         await self.terminator.drain()
+        if self.relay is not None:
+            self.relay.drain()
         await self.tunnels.aclose()
 
     async def _signals(self) -> None:

@@ -106,6 +106,42 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    import sqlite3
+    import time
+
+    from pact_ingress.config import load_config
+    from pact_ingress.relay.store import inspect, purge_file
+
+    cfg = load_config(Path(args.config))
+    if cfg.relay is None:
+        raise ConfigError(f"{args.config}: no relay block; there is no relay queue")
+    store = cfg.relay.store
+    if not store.exists():
+        raise PactIngressError(f"{store}: no relay store yet (serve creates it)")
+    tenants = cfg.relay_recipients()
+    try:
+        if args.action == "ls":
+            rows = inspect(store, time.time())
+            print("tenant\trecipient\titems\tbytes\toldest (UTC)\texpired\tallowlist")
+            for r in rows:
+                oldest = "-" if r["oldest"] is None else time.strftime(
+                    "%Y-%m-%d %H:%M:%S", time.gmtime(r["oldest"]))
+                print(f"{tenants.get(r['recipient'], '(not served)')}\t{r['recipient']}\t"
+                      f"{r['items']}\t{r['bytes']}\t{oldest}\t{r['expired']}\t"
+                      f"{r['allowlist']}")
+            return 0
+        if args.all and not args.recipient and not args.everyone:
+            raise ConfigError("relay purge --all drops queued mail: name --recipient PIN, "
+                              "or say --everyone")
+        n = purge_file(store, time.time(), recipient=args.recipient, everything=args.all)
+    except sqlite3.Error as exc:
+        raise PactIngressError(f"{store}: {exc}") from exc
+    what = "queued" if args.all else "expired"
+    print(f"purged {n} {what} items; the running ingress recounts within a minute")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pact-ingress", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"pact-ingress {__version__}")
@@ -146,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("action", choices=("list", "renew"))
     ce.add_argument("host", nargs="?")
     cmd("status", _cmd_status, "ask the running instance for routes, tunnels, certs")
+    rl = cmd("relay", _cmd_relay, "relay queues: ls (depths), purge (expired, or --all)")
+    rl.add_argument("action", choices=("ls", "purge"))
+    rl.add_argument("--recipient", help="purge only this recipient's queue (sha256:…)")
+    rl.add_argument("--all", action="store_true",
+                    help="purge queued items too, not only expired ones")
+    rl.add_argument("--everyone", action="store_true",
+                    help="with --all and no --recipient: every recipient's queue")
     return p
 
 

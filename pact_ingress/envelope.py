@@ -482,9 +482,14 @@ def open_envelope(
     return Opened(header, plaintext, payload, header.sender)
 
 
-def verify_signature(envelope: object, sender_public_key: PublicKey) -> Header:
-    """Verify without opening (what a relay does, spec §9): shape + sig by `from`'s key."""
-    header = decode_header(envelope)
+def verify_signature(envelope: object, sender_public_key: PublicKey, *,
+                     header: Header | None = None) -> Header:
+    """Verify without opening (what a relay does, spec §9): shape + sig by `from`'s key.
+
+    `header` is this envelope's `decode_header` result when the caller has it already
+    (the relay decodes first to check cty and from; decoding again would double the cost).
+    """
+    header = header if header is not None else decode_header(envelope)
     assert isinstance(envelope, Mapping)
     if fingerprint(sender_public_key) != header.sender:
         raise EnvelopeInvalid("from is not the given sender key")

@@ -92,6 +92,8 @@ class Tenant:
     routes: tuple[Route, ...]
     # Added by the loader: the file that defined this tenant (main file or an include).
     source: Path | None = field(default=None, compare=False)
+    #: Whether the relay queues calls for this tenant's pins (they become served recipients).
+    relay: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,22 @@ class State:
 
     backend: Literal["local", "redis"] = "local"
     redis: RedisSettings | None = None  # set exactly when backend is redis
+#: Per-recipient relay queue bounds when the config names none: ten thousand calls or
+#: 256 MiB, whichever comes first — weeks of a busy person's mail, a small slice of a VPS disk.
+RELAY_MAX_ITEMS = 10_000
+RELAY_MAX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Relay:
+    """The relay gateway host: served at SNI `host` with its own certificate; its durable
+    queue lives in the SQLite file `store` (default STATE_DIR/relay.sqlite)."""
+
+    host: str
+    cert: Literal["acme"] | CertFiles
+    store: Path
+    max_items: int = RELAY_MAX_ITEMS
+    max_bytes: int = RELAY_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -207,12 +225,22 @@ class Config:
     # Added by the loader: the include globs, absolute (resolved against path's directory).
     includes: tuple[str, ...] = ()
     state: State = field(default_factory=State)
+    relay: Relay | None = None
 
     def routes(self) -> tuple[Route, ...]:
         return tuple(r for t in self.tenants for r in t.routes)
 
     def tenant(self, name: str) -> Tenant | None:
         return next((t for t in self.tenants if t.name == name), None)
+
+    def relay_recipients(self) -> dict[str, str]:
+        """Served relay recipients: each pin of a `relay: true` tenant → that tenant."""
+        out: dict[str, str] = {}
+        for t in self.tenants:
+            if t.relay:
+                for pin in t.pins:
+                    out.setdefault(pin, t.name)
+        return out
 
 
 @dataclass(frozen=True)
@@ -227,6 +255,17 @@ class ConnectorConfig:
     #: How tunnel data connections are made: raw token-authenticated TCP (fast, spliced),
     #: TLS (for networks that pass only TLS on 443), or auto (raw, falling back to TLS).
     data_transport: Literal["auto", "raw", "tls"] = "auto"
+    #: What the connector does when the ingress says mail is queued at the relay.
+    on_mail: OnMail | None = None
+
+
+@dataclass(frozen=True)
+class OnMail:
+    """A local hook for relay wakes: POST `{"queued": 1}` to `url`, and/or run `command`
+    (an argv list, no shell). Either or both."""
+
+    url: str | None = None
+    command: tuple[str, ...] | None = None
 
 
 _LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")

@@ -86,6 +86,28 @@ class Stats:
         self.rate_decisions = Counter(
             p + "rate_limit_decisions", "Rate-limit decisions of the shared limiter "
             "by where they were made (shared: Redis, fallback: this process alone)", ["where"], registry=r)
+        self.relay_queued_items = Gauge(
+            p + "relay_queued_items", "Relay items waiting per recipient", ["recipient"],
+            registry=r)
+        self.relay_queued_bytes = Gauge(
+            p + "relay_queued_bytes", "Relay envelope bytes waiting per recipient",
+            ["recipient"], registry=r)
+        self.relay_enqueues = Counter(
+            p + "relay_enqueues", "relay_calls queued (duplicate: answered from the store)",
+            ["outcome"], registry=r)
+        self.relay_fetched = Counter(
+            p + "relay_fetched_items", "Items handed out by fetch_queued", registry=r)
+        self.relay_acks = Counter(
+            p + "relay_acked_items", "Items deleted by ack", registry=r)
+        self.relay_expiries = Counter(
+            p + "relay_expired_items", "Unacked items purged at expiry", registry=r)
+        self.relay_refusals = Counter(
+            p + "relay_refusals", "Relay requests refused, by PACT code", ["code"], registry=r)
+        self.relay_fsync_seconds = Histogram(
+            p + "relay_commit_seconds", "Relay store COMMIT (fsync) latency", registry=r,
+            buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .25, .5, 1, 2.5))
+        self.relay_wakes = Counter(
+            p + "relay_wakes", "Wake requests for recipients with a live tunnel", registry=r)
         self.recent_refusals: collections.deque[Refusal] = collections.deque(
             maxlen=RECENT_REFUSALS)
 

@@ -281,6 +281,25 @@ def test_connector_config(tmp_path: Path) -> None:
     assert config.data_transport == "auto"
     path.write_text(CONNECTOR + "data_transport: tls\n")
     assert load_connector_config(path).data_transport == "tls"
+    assert load_connector_config(path).on_mail is None
+    path.write_text(CONNECTOR + "on_mail: {url: 'http://127.0.0.1:9/mail', command: [a, '-b']}\n")
+    on_mail = load_connector_config(path).on_mail
+    assert on_mail is not None
+    assert (on_mail.url, on_mail.command) == ("http://127.0.0.1:9/mail", ("a", "-b"))
+
+
+def test_relay_config() -> None:
+    config = load_config(ROOT / "tests/configs/valid/relay.yaml")
+    relay = config.relay
+    assert relay is not None
+    assert relay.host == "relay.example"
+    assert relay.store == ROOT / "tests/configs/valid/relay/queue.sqlite"
+    assert (relay.max_items, relay.max_bytes) == (500, 64 * 1024 * 1024)
+    assert config.relay_recipients() == {PIN_A: "alina"}
+    acme = load_config(ROOT / "tests/configs/valid/relay-acme.yaml")
+    assert acme.relay is not None and acme.relay.cert == "acme"
+    assert acme.relay.store == ROOT / "tests/configs/valid/state/relay.sqlite"
+    assert load_config(ROOT / "tests/configs/valid/minimal.yaml").relay is None
 
 
 @pytest.mark.parametrize(
@@ -295,6 +314,12 @@ def test_connector_config(tmp_path: Path) -> None:
         (("forward", "forward: 8443"), 6, "forward must be a string, got an integer"),
         (("forward", 'forward: "127.0.0.1"'), 6, "forward: '127.0.0.1': missing port"),
         (("address", "adress: x:1"), 3, "(did you mean 'address'?)"),
+        (("connections", "on_mail: {url: ftp://x/}\n"), 7, "on_mail.url must be an http://"),
+        (("connections", "on_mail: {command: []}\n"), 7, "on_mail.command needs at least"),
+        (("connections", "on_mail: {command: [notify, 3]}\n"), 7,
+         "each item of on_mail.command must be a string"),
+        (("connections", "on_mail: {}\n"), 7, "on_mail needs url, command or both"),
+        (("connections", "on_mail: {shell: x}\n"), 7, "unknown key 'shell' in on_mail"),
     ],
 )
 def test_connector_config_errors(

@@ -150,6 +150,11 @@ class CertManager:
                 files[route.host] = route.cert
             else:
                 acme_hosts.add(route.host)
+        if config.relay is not None:  # the relay host's certificate: chosen the same way
+            if isinstance(config.relay.cert, CertFiles):
+                files[config.relay.host] = config.relay.cert
+            else:
+                acme_hosts.add(config.relay.host)
         self._update_files(files)
         self._update_acme_hosts(acme_hosts)
         self._contexts = {h: f.ctx for h, f in self._files.items() if f.ctx is not None}
@@ -252,6 +257,19 @@ class CertManager:
         if ctx is None:
             self._missing(route.host)
         return ctx
+
+    def cert_files(self, host: str) -> tuple[Path, Path] | None:
+        """(chain, key) files of the certificate `host` serves now, for servers that load
+        it into another TLS library (the relay's pyOpenSSL); None while there is none."""
+        if host in self._files:
+            f = self._files[host]
+            return (f.files.cert, f.files.key) if f.ctx is not None else None
+        h = self._hosts.get(host)
+        if h is None or h.cert is None or h.ctx is None:
+            if h is not None:
+                self._missing(host)
+            return None
+        return (h.cert.chain_path, h.cert.key_path)
 
     def challenge_context(self, host: str) -> ssl.SSLContext | None:
         """The TLS-ALPN-01 context for `host` while its challenge is pending."""

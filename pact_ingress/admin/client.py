@@ -154,6 +154,13 @@ def format_status(d: dict[str, Any]) -> str:
                            [(c.get("host"), c.get("issuer"), c.get("not_after"),
                              c.get("next_renewal"), c.get("last_error"))
                             for c in d.get("certs", [])])
+    relay = d.get("relay")
+    if isinstance(relay, dict):
+        state = "ok" if relay.get("healthy") else f"UNAVAILABLE: {relay.get('last_error')}"
+        lines += ["", f"relay {relay.get('host')}: store {relay.get('store')} {state}"]
+        lines += _table("relay queues", ("tenant", "recipient", "items", "bytes"),
+                        [(q.get("tenant"), q.get("recipient"), q.get("items"), q.get("bytes"))
+                         for q in relay.get("queues", [])])
     lines += [""] + _table("counters", ("name", "value"),
                            sorted(d.get("counters", {}).items()))
     refusals = d.get("recent_refusals", [])[-10:]

@@ -173,6 +173,20 @@ def _refusals(status: dict[str, Any]) -> str:
     return _table(("time (UTC)", "route", "client", "reason"), rows, "No refusals recorded.")
 
 
+def _relay(status: dict[str, Any]) -> str:
+    relay = status.get("relay")
+    if not isinstance(relay, dict):
+        return "<p>No relay configured.</p>"
+    state = _badge("store ok", "ok") if relay.get("healthy") else _badge(
+        f"store unavailable: {relay.get('last_error') or '?'}", "bad")
+    rows = [[_e(q.get("tenant") or "—"), f"<code>{_e(q.get('recipient'))}</code>",
+             _number(q.get("items")), _number(q.get("bytes"))]
+            for q in relay.get("queues", [])]
+    return (f"<p><code>{_e(relay.get('host'))}</code> {state}</p>"
+            + _table(("tenant", "recipient", "queued items", "queued bytes"), rows,
+                     "No queued items."))
+
+
 def _number(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -211,6 +225,7 @@ def render_page(status: dict[str, Any], *, now: float) -> str:
         _section("Tenants", _tenants(status), "tenants"),
         _section("Tunnels", _tunnels(status), "tunnels"),
         _section("Certificates", _certs(status, now), "certs"),
+        _section("Relay", _relay(status), "relay"),
         _section("Recent refusals", _refusals(status), "refusals"),
         _section("Counters", _counters(status), "counters"),
     ])

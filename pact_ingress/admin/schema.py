@@ -66,6 +66,13 @@ CERT_SCHEMA = _obj(
     {"host": _STR, "issuer": _STR_OR_NULL, "not_after": _STR_OR_NULL,
      "next_renewal": _STR_OR_NULL, "last_error": _STR_OR_NULL},
 )
+RELAY_QUEUE_SCHEMA = _obj(
+    {"recipient": _STR, "tenant": _STR_OR_NULL, "items": _COUNT, "bytes": _COUNT})
+RELAY_SCHEMA = _obj(
+    {"host": _STR, "store": _STR, "healthy": {"type": "boolean"},
+     "queues": _list(RELAY_QUEUE_SCHEMA)},
+    {"last_error": _STR_OR_NULL},
+)
 REFUSAL_SCHEMA = _obj(
     {"at": {"type": "number"}, "route": _STR, "client_ip": _STR, "reason": _STR})
 STATE_SCHEMA = _obj(
@@ -88,7 +95,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "certs": _list(CERT_SCHEMA),
         "counters": {"type": "object", "additionalProperties": {"type": "number"}},
         "recent_refusals": _list(REFUSAL_SCHEMA),
-    }, {"identity": _STR, "state": STATE_SCHEMA}),
+    }, {"identity": _STR, "state": STATE_SCHEMA, "relay": RELAY_SCHEMA}),
 }
 
 

@@ -54,6 +54,10 @@ Decisions worth knowing:
   instead and is held as a `Secret`. ``encryption_key_file`` is required from the start,
   so a cluster never runs without the key its certificate keys will be sealed with.
   Secret files must not be readable by every user on the machine.
+* ``relay:`` (top level) serves the relay gateway on its own ``host``, which must not be
+  a route host or the tunnel hostname; its ``cert`` is chosen like a terminate route's.
+  Tenants opt in with ``relay: true``. The connector's ``on_mail`` hook is ``{url: URL}``
+  (http or https) and/or ``{command: [ARGV...]}`` (run without a shell).
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from cryptography import x509
@@ -97,6 +102,10 @@ from pact_ingress.model import (
     Listen,
     RedisSettings,
     RedisTLS,
+    RELAY_MAX_BYTES,
+    RELAY_MAX_ITEMS,
+    OnMail,
+    Relay,
     Route,
     Secret,
     State,
@@ -493,19 +502,21 @@ def _start(path: Path, overlay: Mapping[str, str]) -> tuple[_Ctx, Node | None]:
 
 _TOP_KEYS = (
     "identity", "state_dir", "listen", "tunnel", "acme", "limits", "include", "tenants", "state",
+    "relay",
 )  # fmt: skip
 _STATE_KEYS = (
     "backend", "url", "password_file", "key_prefix", "encryption_key_file", "tls", "deadline",
 )  # fmt: skip
 _REDIS_TLS_KEYS = ("ca_file", "cert_file", "key_file")
 _KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9._:/{}-]+")
+_RELAY_KEYS = ("host", "cert", "store", "max_items", "max_bytes")
 _LISTEN_KEYS = ("tls", "http", "admin", "admin_token_file")
 _ACME_KEYS = ("directory", "email", "agree_tos", "challenges", "ca_bundle", "dns01")
 _DNS01_KEYS = ("server", "zone", "tsig_key_file")
 _LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(Limits))
 _DURATION_LIMITS = ("clienthello_timeout", "idle_timeout")
 _SIZE_LIMITS = ("max_body_bytes",)
-_TENANT_KEYS = ("name", "pins", "routes")
+_TENANT_KEYS = ("name", "pins", "routes", "relay")
 _ROUTE_KEYS = (
     "host", "mode", "backend", "proxy_protocol", "seal", "mcp_path", "cert", "limits",
     "client_cert",
@@ -548,6 +559,7 @@ class _Seen:
     broken: frozenset[str] = frozenset()  # top-level blocks present but invalid (no cascade)
     names: dict[str, str] = field(default_factory=dict)  # name -> "FILE:LINE"
     hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # host -> (tenant, where)
+    relay_host: tuple[str, str] | None = None  # (host, where) of the relay gateway
 
 
 def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Config | None:
@@ -563,6 +575,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     state = top.opt("state", _state, default=State())
     broken = frozenset(k for k, v in (("tunnel", tunnel), ("acme", acme)) if top.get(k) and not v)
     seen = _Seen(tunnel, acme, limits or Limits(), broken)
+    relay = top.opt("relay", _relay, seen, state_dir)
     tenants = [t for n in _items(ctx, top, "tenants") if (t := _tenant(ctx, n, seen, path))]
     patterns = top.opt("include", _include_patterns, default=[])
     for file in _expand_includes(ctx, patterns, path, overlay):
@@ -581,6 +594,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
         tenants=tuple(tenants),
         includes=tuple(str(_resolve(ctx.base, p)) for p, _ in patterns),
         state=state,
+        relay=relay,
     )
 
 
@@ -983,9 +997,51 @@ def _tenant(ctx: _Ctx, node: Node, seen: _Seen, source: Path) -> Tenant | None:
     pins = fields.opt("pins", _pins)
     nodes = _items(ctx, fields, "routes")
     routes = [r for n in nodes if (r := _route(ctx, n, seen, name or "?")) is not None]
-    if name is None or not pins or len(routes) != len(nodes):
+    relay = fields.opt("relay", _boolean, "tenant relay", default=False)
+    if name is None or not pins or len(routes) != len(nodes) or relay is None:
         return None
-    return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)))
+    return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)), relay=relay)
+
+
+def _boolean(ctx: _Ctx, node: Node, what: str) -> bool | None:
+    if not isinstance(node, ScalarNode) or node.tag != _BOOL:
+        ctx.at(node, f"{what} must be true or false, got {_kind(node)}")
+        return None
+    return bool(SafeConstructor().construct_yaml_bool(node))
+
+
+# --- the relay gateway --------------------------------------------------------------------
+
+
+def _relay(ctx: _Ctx, node: Node, seen: _Seen, state_dir: Path | None) -> Relay | None:
+    fields = _mapping(ctx, node, "relay", _RELAY_KEYS, required=("host", "cert"))
+    if fields is None:
+        return None
+    host = fields.opt("host", _relay_host, seen)
+    store = fields.opt("store", _path, "relay.store")
+    if store is None and fields.get("store") is None and state_dir is not None:
+        store = state_dir / "relay.sqlite"
+    max_items = fields.opt("max_items", _integer, "relay.max_items", default=RELAY_MAX_ITEMS)
+    max_bytes = fields.opt("max_bytes", _size, "relay.max_bytes", default=RELAY_MAX_BYTES)
+    if host is None or None in (store, max_items, max_bytes):
+        return None
+    # The certificate is chosen exactly as for a terminate route of that host.
+    route = Route(host, "-", "terminate", Backend(None))
+    cert = _cert(ctx, fields, route, seen) if fields.get("cert") is not None else None
+    if cert is None:
+        return None
+    return Relay(host, cert, store, max_items, max_bytes)  # type: ignore[arg-type]
+
+
+def _relay_host(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
+    host = _hostname(ctx, node, "relay.host")
+    if host is None:
+        return None
+    if host == seen.tunnel_hostname:
+        ctx.at(node, f"relay.host {host!r} is the tunnel hostname; pick a name of its own")
+        return None
+    seen.relay_host = (host, ctx.where(node))
+    return host
 
 
 def _tenant_name(ctx: _Ctx, node: Node, seen: _Seen) -> str | None:
@@ -1046,6 +1102,10 @@ def _route_host(ctx: _Ctx, node: Node, seen: _Seen, tenant: str) -> str | None:
         return None
     if host == seen.tunnel_hostname:
         ctx.at(node, f"host {host!r} is the tunnel hostname; routes cannot claim it")
+        return None
+    if seen.relay_host is not None and host == seen.relay_host[0]:
+        ctx.at(node, f"host {host!r} is the relay host (at {seen.relay_host[1]}); "
+               "a host belongs to exactly one route or the relay")  # fmt: skip
         return None
     if host in seen.hosts:
         owner, where = seen.hosts[host]
@@ -1306,7 +1366,11 @@ def _acme_cert(ctx: _Ctx, node: Node, route: Route, seen: _Seen) -> Literal["acm
 
 # --- connector config ---------------------------------------------------------------------
 
-_CONNECTOR_KEYS = ("identity", "ingress", "forward", "connections", "data_transport")
+_CONNECTOR_KEYS = ("identity", "ingress", "forward", "connections", "data_transport",
+                   "on_mail")
+_ON_MAIL_KEYS = ("url", "command")
+#: argv items of an on_mail command: a program and its arguments, not a script.
+MAX_ON_MAIL_ARGS = 64
 _INGRESS_KEYS = ("address", "tunnel_hostname", "pin")
 
 
@@ -1335,11 +1399,49 @@ def _connector(ctx: _Ctx, path: Path, root: Node) -> ConnectorConfig | None:
     count = top.opt("connections", _integer, "connections", 1, MAX_TUNNEL_CONNECTIONS, default=2)
     transport = top.opt("data_transport", _choice, "data_transport", ("auto", "raw", "tls"),
                         default="auto")
+    on_mail = top.opt("on_mail", _on_mail)
     if ctx.errors or None in (key, ingress, forward, count, transport):
         return None
     address, sni, pin = ingress
     return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count,
-                           transport)
+                           transport, on_mail)
+
+
+def _on_mail(ctx: _Ctx, node: Node) -> OnMail | None:
+    fields = _mapping(ctx, node, "on_mail", _ON_MAIL_KEYS)
+    if fields is None:
+        return None
+    url = fields.opt("url", _hook_url)
+    command = None
+    if (cmd := fields.get("command")) is not None:
+        argv = [t for t, _ in _strings(ctx, cmd, "on_mail.command")]
+        if isinstance(cmd, SequenceNode) and not cmd.value:
+            ctx.at(cmd, "on_mail.command needs at least the program to run")
+        elif len(argv) > MAX_ON_MAIL_ARGS:
+            ctx.at(cmd, f"on_mail.command has more than {MAX_ON_MAIL_ARGS} items")
+        elif argv and len(argv) == len(cmd.value):
+            command = tuple(argv)
+    if url is None and command is None:
+        if fields.get("url") is None and fields.get("command") is None:
+            ctx.at(node, "on_mail needs url, command or both")
+        return None
+    return OnMail(url, command)
+
+
+def _hook_url(ctx: _Ctx, node: Node) -> str | None:
+    text = _string(ctx, node, "on_mail.url")
+    if text is None:
+        return None
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        ctx.at(node, f"on_mail.url must be an http:// or https:// URL with a host, got {text!r}")
+        return None
+    try:
+        parts.port  # noqa: B018 — raises on a bad port
+    except ValueError:
+        ctx.at(node, f"on_mail.url has a bad port: {text!r}")
+        return None
+    return text
 
 
 def _connector_identity(ctx: _Ctx, node: Node) -> Path | None:

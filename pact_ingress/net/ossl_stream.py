@@ -10,7 +10,8 @@ can: `set_verify(VERIFY_PEER, lambda *a: True)` requests a certificate, accepts 
 is presented, and leaves the pin decision to the application (which reads
 `peer_fingerprint` after the handshake). No maintained trio/anyio pyOpenSSL stream exists,
 hence this module. Its users are the servers that must take any key: the tunnel server
-(connectors' keys, pinned per tenant) and the demo node. Every client end — the tunnel
+(connectors' keys, pinned per tenant), the relay gateway (any caller; its key is who it
+is) and the demo node. Every client end — the tunnel
 connector, the terminate upstream — stays on stdlib `ssl`, which can present a
 self-signed certificate and leaves the server's pin to `identity.check_pin`.
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -104,7 +106,7 @@ def _base_context(identity: Identity | None) -> SSL.Context:
 
 
 def server_context(
-    identity: Identity,
+    identity: Identity | None,
     *,
     alpn: Iterable[str] = ("h2", "http/1.1"),
     request_client_cert: bool = True,
@@ -127,6 +129,17 @@ def server_context(
     protos = tuple(p.encode("ascii") for p in alpn)
     if protos:
         ctx.set_alpn_select_callback(_alpn_selector(protos))
+    return ctx
+
+
+def files_server_context(chain: str | os.PathLike[str], key: str | os.PathLike[str], *,
+                         alpn: Iterable[str] = ("h2", "http/1.1")) -> SSL.Context:
+    """A server context presenting a PEM chain + key (an ACME or operator certificate)
+    that requests, and accepts, any client certificate: the relay pins callers itself."""
+    ctx = server_context(None, alpn=alpn)
+    ctx.use_certificate_chain_file(os.fspath(chain))
+    ctx.use_privatekey_file(os.fspath(key))
+    ctx.check_privatekey()
     return ctx
 
 

@@ -17,7 +17,9 @@ the tunnel server (`tunnels.handle`), which authenticates it by its single-use t
 - SNI = `tunnel.hostname` → the tunnel server (connectors dial in here);
 - a passthrough route → a backend stream, [PROXY v2 header], the peeked bytes, then a
   splice both ways until both sides are done;
-- a terminate route → the route's certificate context and the `Terminator`.
+- a terminate route → the route's certificate context and the `Terminator`;
+- SNI = the relay host (`relay.host`) → the relay server (`relay/server.py`), which ends
+  TLS itself (ACME TLS-ALPN-01 for that host is answered here, as for terminate hosts).
 
 Anything else gets a defined answer: unknown/missing SNI → alert unrecognized_name
 (112); backend down or no certificate yet → alert internal_error (80); a ClientHello that
@@ -64,7 +66,7 @@ import trio
 
 from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
-from pact_ingress.model import Config, Route
+from pact_ingress.model import Config, Route, normalize_hostname
 from pact_ingress.net.backends import STREAM_OPTIONS, Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.splice import relay, relay_sockets
@@ -113,6 +115,12 @@ class TunnelsLike(Protocol):
     async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
 
 
+class RelayLike(Protocol):
+    host: str
+
+    async def serve(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
+
+
 @dataclass
 class _Counts:
     """Open connections: in total, and per client (IPv4 address or IPv6 /64) by kind."""
@@ -150,12 +158,15 @@ class Router:
         terminator: TerminatorLike | None = None,
         certs: CertsLike | None = None,
         tunnels: TunnelsLike | None = None,
+        relay: RelayLike | None = None,
     ) -> None:
         self.stats = stats
         self.backends = backends
         self.terminator = terminator
         self.certs = certs
         self.tunnels = tunnels
+        #: The relay gateway, served on its own host (the app sets it on reload too).
+        self.relay = relay
         self._counts = _Counts()
         self._bytes_by_route: dict[str, tuple[Any, Any]] = {}
         self._conn_counters: dict[tuple[str, str], Any] = {}
@@ -388,6 +399,10 @@ class Router:
             await self.tunnels.handle(  # type: ignore[union-attr]
                 ReplayStream(data, trio.SocketStream(sock)), client)
             return
+        if self.relay is not None and sni is not None and normalize_hostname(
+                sni, validate=False) == self.relay.host:
+            await self._relay(sock, hello, data, client)
+            return
         route = self.table.lookup(sni)
         if route is None:
             self._reject(client[0], "unknown_sni" if sni else "no_sni")
@@ -400,6 +415,28 @@ class Router:
                 await self._terminate(sock, data, route, client, sni)
             return
         await self._passthrough(sock, data, route, client)
+
+    async def _relay(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
+                     client: tuple[str, int]) -> None:
+        """The relay host: its TLS ends in the relay server (any client key, pinned
+        there), except an ACME TLS-ALPN-01 validation of its certificate."""
+        assert self.relay is not None
+        stream = ReplayStream(data, trio.SocketStream(sock))
+        if ACME_ALPN not in hello.alpn:
+            await self.relay.serve(stream, client)
+            return
+        ctx = self.certs.challenge_context(self.relay.host) if self.certs is not None else None
+        if ctx is None:
+            self._reject(client[0], "acme_no_challenge", self.relay.host)
+            _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
+            return
+        tls = trio.SSLStream(stream, ctx, server_side=True)
+        with trio.move_on_after(CHALLENGE_TIMEOUT):
+            try:
+                await tls.do_handshake()
+                log.info("acme_tls_alpn_answered", host=self.relay.host, client_ip=client[0])
+            except (trio.BrokenResourceError, ssl.SSLError, OSError):
+                pass
 
     async def _answer_challenge(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                                 host: str, client: tuple[str, int]) -> None:

@@ -90,6 +90,7 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig
 from pact_ingress.net.backends import is_ip
+from pact_ingress.net.mail_hook import MailHook
 from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
 from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
 from pact_ingress.net.tunnel.common import (
@@ -268,6 +269,8 @@ class Connector:
         self._bytes_up = self.stats.bytes.labels("tunnel", "up")
         self._bytes_down = self.stats.bytes.labels("tunnel", "down")
         self._stream_opens = self.stats.tunnel_events.labels(self.label, "stream_open")
+        #: The on_mail hook relay WAKEs run (None: not configured, and WAKE not offered).
+        self.mail = MailHook(cfg.on_mail) if cfg.on_mail is not None else None
 
     def _context(self, alpn: str) -> ssl.SSLContext:
         ctx = pinned_client_context(self.identity, [alpn])
@@ -317,6 +320,8 @@ class Connector:
             self._root = root
             slots = trio.CancelScope()
             root.start_soon(self._run_slots, slots)
+            if self.mail is not None:
+                root.start_soon(self.mail.run)
             task_status.started(self)
             if shutdown is None:
                 await trio.sleep_forever()
@@ -406,7 +411,8 @@ class Connector:
             tls = await self._dial(self._ctx_control)
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await tls.send_all(tf.encode(tf.Hello(tf.VERSION, slot, self.instance)))
+                await tls.send_all(tf.encode(tf.Hello(tf.VERSION, slot, self.instance,
+                                                      wake=self.mail is not None)))
                 welcome = await read_message(tls, decoder)
             if isinstance(welcome, tf.Goaway):
                 raise _Goaway(welcome)
@@ -469,6 +475,9 @@ class Connector:
             link.spares.append((msg.token, trio.current_time()))
         elif isinstance(msg, tf.Goaway):
             raise _Goaway(msg)
+        elif isinstance(msg, tf.Wake):
+            if self.mail is not None:
+                self.mail.notify()
         else:
             raise RemoteProtocolError(f"unexpected {type(msg).__name__} from the ingress")
 

@@ -175,6 +175,9 @@ CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
 #: What we tell connectors when shutting down: come back after this many seconds.
 RECONNECT_AFTER_SHUTDOWN = 2.0
+#: WAKE frames (relay mail queued) per tenant: at most one per this many seconds. The
+#: connector fetches everything queued on one wake, so more would only repeat it.
+WAKE_INTERVAL = 1.0
 #: Pool maintenance wakes at least this often (token expiry, ageing, stream gauge).
 MAINTENANCE_TICK = 1.0
 
@@ -214,6 +217,8 @@ class _Session:
     closed: bool = False
     goaway: tf.Goaway | None = None
     send_timeout: float = HEARTBEAT_INTERVAL * HEARTBEAT_MISSES
+    wake_ok: bool = False  # the connector's HELLO said it understands WAKE
+    wake_pending: bool = False  # a WAKE is owed (sent by the pool task, rate-limited)
 
     def poke(self) -> None:
         self.wakeup.set()
@@ -272,6 +277,7 @@ class TunnelServer:
         # per tenant: (streams gauge, stream_open counter), looked up once — prometheus
         # `labels()` hashes and locks on every call, and these are on every open
         self._stream_metrics: dict[str, tuple[Any, Any]] = {}
+        self._woken: dict[str, float] = {}  # tenant → when its last WAKE went out
         self._closing = False
         self._all_gone = trio.Event()
         self._all_gone.set()
@@ -414,7 +420,7 @@ class TunnelServer:
         now = trio.current_time()
         sid = secrets.token_bytes(tf.ID_BYTES)
         session = _Session(tenant, fingerprint, client, tls, sid.hex()[:16], now, now,
-                           send_timeout=self.heartbeat * HEARTBEAT_MISSES)
+                           send_timeout=self.heartbeat * HEARTBEAT_MISSES, wake_ok=hello.wake)
         await session.send(tf.Welcome(sid, int(self.heartbeat * 1000)))
         self._register(session, hello)
         def broken(_exc: BaseException) -> None:
@@ -521,6 +527,11 @@ class TunnelServer:
             self._sweep(session.tenant)
             if not session.draining:
                 await self._grant_tokens(session, now)
+            if session.wake_pending and now >= self._woken.get(session.tenant, -WAKE_INTERVAL) \
+                    + WAKE_INTERVAL:
+                session.wake_pending = False
+                self._woken[session.tenant] = now
+                await session.send(tf.Wake())
             with trio.move_on_after(MAINTENANCE_TICK):
                 await session.wakeup.wait()
 
@@ -645,6 +656,20 @@ class TunnelServer:
             return self._tokens.redeem(token, fingerprint, trio.current_time())
         except BadToken as exc:
             raise _Refused(exc.event, str(exc)) from None
+
+    def wake(self, tenant: str) -> bool:
+        """Tell one of `tenant`'s connectors that relay mail is queued (a content-free
+        WAKE on a control link whose HELLO offered CAP_WAKE). At most one per
+        WAKE_INTERVAL per tenant; one asked for meanwhile goes out when the interval
+        ends, so the last item queued always causes a wake. False: no such link."""
+        live = [s for s in self._live(tenant) if s.wake_ok]
+        if not live:
+            return False
+        if not any(s.wake_pending for s in live):
+            session = live[0]
+            session.wake_pending = True
+            session.poke()
+        return True
 
     def _wake_waiters(self, tenant: str) -> None:
         event = self._arrival.pop(tenant, None)

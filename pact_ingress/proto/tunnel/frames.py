@@ -66,6 +66,7 @@ class FrameType(IntEnum):
     DATA_HELLO = 7  # connector → ingress, first frame on a data connection
     DATA_OK = 8  # ingress → connector: token accepted, both ends now unwrap TLS
     SPARE = 9  # ingress → connector: keep this token to replace a data connection once used
+    WAKE = 10  # ingress → connector: mail is queued at the relay (no payload, no content)
 
 
 class GoawayCode(IntEnum):
@@ -77,11 +78,20 @@ class GoawayCode(IntEnum):
     OVER_CAPACITY = 5  # too many tunnel connections for this tenant
 
 
+#: HELLO's slot byte carries capability flags in its top bit(s). Slots are < 16 (the
+#: connector's `connections` cap), and an ingress that predates a flag reads the byte for
+#: logs only, so a flag costs no version bump. An ingress sends a WAKE only to a connector
+#: that set CAP_WAKE: one that predates WAKE would drop the link on an unknown frame type.
+CAP_WAKE = 0x80
+_SLOT_MASK = 0x7F
+
+
 @dataclass(frozen=True)
 class Hello:
     version: int
     slot: int  # which of the connector's `connections` slots (logs only)
     instance: bytes  # random per connector process (logs: tells restarts apart)
+    wake: bool = False  # the connector understands WAKE frames (CAP_WAKE)
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,12 @@ class DataOk:
     pass
 
 
-Message = Hello | Welcome | Ping | Pong | Token | Spare | Goaway | DataHello | DataOk
+@dataclass(frozen=True)
+class Wake:
+    pass
+
+
+Message = Hello | Welcome | Ping | Pong | Token | Spare | Goaway | DataHello | DataOk | Wake
 
 _HELLO = struct.Struct(f"!BB{ID_BYTES}s")
 _WELCOME = struct.Struct(f"!{ID_BYTES}sI")
@@ -145,8 +160,12 @@ def encode(msg: Message) -> bytes:
 
 def _payload(msg: Message) -> tuple[FrameType, bytes]:
     match msg:
-        case Hello(version, slot, instance):
-            return FrameType.HELLO, _HELLO.pack(version, slot, _exact(instance, ID_BYTES))
+        case Hello(version, slot, instance, wake):
+            if not 0 <= slot <= _SLOT_MASK:
+                raise ValueError("slot out of range")
+            flags = CAP_WAKE if wake else 0
+            return FrameType.HELLO, _HELLO.pack(version, slot | flags,
+                                                _exact(instance, ID_BYTES))
         case Welcome(session, heartbeat_ms):
             return FrameType.WELCOME, _WELCOME.pack(_exact(session, ID_BYTES), heartbeat_ms)
         case Ping(nonce):
@@ -164,6 +183,8 @@ def _payload(msg: Message) -> tuple[FrameType, bytes]:
             return FrameType.DATA_HELLO, _exact(token, TOKEN_BYTES)
         case DataOk():
             return FrameType.DATA_OK, b""
+        case Wake():
+            return FrameType.WAKE, b""
     raise TypeError(f"not a tunnel message: {msg!r}")
 
 
@@ -213,8 +234,13 @@ def _decode_goaway(payload: bytes) -> Goaway:
     return Goaway(GoawayCode(code), retry, reason.decode("utf-8", "replace"))
 
 
+def _decode_hello(payload: bytes) -> Hello:
+    version, slot, instance = _HELLO.unpack(_fixed(payload, _HELLO.size))
+    return Hello(version, slot & _SLOT_MASK, instance, bool(slot & CAP_WAKE))
+
+
 _DECODERS = {
-    FrameType.HELLO: lambda p: Hello(*_HELLO.unpack(_fixed(p, _HELLO.size))),
+    FrameType.HELLO: _decode_hello,
     FrameType.WELCOME: lambda p: Welcome(*_WELCOME.unpack(_fixed(p, _WELCOME.size))),
     FrameType.PING: lambda p: Ping(*_U64.unpack(_fixed(p, 8))),
     FrameType.PONG: lambda p: Pong(*_U64.unpack(_fixed(p, 8))),
@@ -223,6 +249,7 @@ _DECODERS = {
     FrameType.GOAWAY: _decode_goaway,
     FrameType.DATA_HELLO: lambda p: DataHello(_fixed(p, TOKEN_BYTES)),
     FrameType.DATA_OK: lambda p: DataOk() if not p else _raise("DATA_OK has no payload"),
+    FrameType.WAKE: lambda p: Wake() if not p else _raise("WAKE has no payload"),
 }
 
 

@@ -1,0 +1,518 @@
+"""The relay's durable queue: an interface (`RelayStore`) and its SQLite implementation.
+
+Theory of operation
+-------------------
+The promise is: a relay_call that got a success answer survives `kill -9` and a power
+cut. So an item is *committed and fsynced* before its caller is told "queued". SQLite in
+WAL mode with ``synchronous=FULL`` gives exactly that per COMMIT (the WAL is fsynced
+before COMMIT returns); a crash mid-transaction leaves the WAL's uncommitted tail, which
+recovery ignores, so nothing half-written is ever read back.
+
+An fsync costs milliseconds, far more than the insert. **Group commit** makes many
+concurrent senders share one: every operation is a job on a queue served by *one* writer
+thread (one connection, so no lock contention and no event-loop blocking). The thread
+takes the first job, then every job that queued up meanwhile (up to `MAX_BATCH`), runs
+them all in one transaction — each inside its own SAVEPOINT, so one job's failure
+undoes only that job — and COMMITs once. Only after COMMIT returned does any job of the
+batch get its result; a COMMIT that fails fails the whole batch (`StoreUnavailable`),
+and their callers answer ``unavailable``. While one COMMIT is fsyncing, the next batch
+is queueing: the busier the relay, the more calls each fsync carries.
+
+Results travel back to trio through the trio token (`run_sync_soon`), so nothing but the
+job queue is shared between threads. The in-memory mirrors the trio side reads — queue
+depth per recipient, allow-lists — are replaced (never mutated in place) by the writer
+thread after its COMMIT, so a reader sees the old or the new mapping, both consistent.
+
+Rows are never updated into another shape: ``ack`` sets ``acked = 1`` and drops the
+envelope, keeping the (recipient, msg_id) row until the item would have expired, so a
+sender retrying after the recipient acked is still told "queued" (the duplicate answer)
+instead of queueing the call a second time. `purge` deletes rows whose ``expires_at``
+passed (unacked ones count as expiries) and recounts depths from the table, which also
+picks up changes an operator made with ``pact-ingress relay purge``.
+
+A store that cannot be opened (unwritable directory, a file that is not a database, a
+failed integrity check) or whose COMMIT fails is *broken*: one clear log line, every job
+fails with `StoreUnavailable`, the process keeps serving everything else, and opening is
+retried at most every `REOPEN_INTERVAL` seconds when a job arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from pact_ingress.logs import log
+from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
+from pact_ingress.stats import Stats
+
+#: Jobs one transaction may carry: enough to absorb hundreds of concurrent senders per
+#: fsync, few enough that one batch's results never wait behind a huge transaction.
+MAX_BATCH = 512
+#: Jobs waiting for the writer; beyond this the store is overloaded and says so.
+MAX_PENDING = 20_000
+#: How long a caller waits for its job before answering unavailable (a disk that hangs).
+JOB_TIMEOUT = 30.0
+#: A broken store is reopened at most this often (on demand, when a job arrives).
+REOPEN_INTERVAL = 10.0
+#: SQLite waits this long for a lock another process (the `relay` CLI) holds.
+BUSY_TIMEOUT_MS = 5000
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    recipient TEXT NOT NULL,
+    sender TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    queued_at INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    envelope BLOB,
+    acked INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (recipient, msg_id)
+);
+CREATE INDEX IF NOT EXISTS items_queue ON items (recipient, acked, id);
+CREATE INDEX IF NOT EXISTS items_expiry ON items (expires_at);
+CREATE TABLE IF NOT EXISTS allowlists (
+    recipient TEXT PRIMARY KEY,
+    senders TEXT NOT NULL
+);
+"""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot take or answer this operation now (broken, overloaded, slow)."""
+
+
+class QueueFull(Exception):
+    """The recipient's queue is at its item or byte bound."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"queue full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Item:
+    id: int
+    queued_at: int
+    envelope: bytes  # the four envelope members as canonical JSON
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    id: int
+    duplicate: bool  # the (recipient, msg_id) was queued before: nothing new stored
+
+
+class RelayStore(Protocol):
+    """What the relay needs of a queue store (SQLite here; others may follow)."""
+
+    healthy: bool
+
+    async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
+                      expires_at: int) -> Enqueued: ...
+    async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]: ...
+    async def ack(self, recipient: str, ids: list[int]) -> int: ...
+    async def set_allowlist(self, recipient: str, senders: tuple[str, ...]) -> None: ...
+    def allowlists(self) -> dict[str, frozenset[str]]: ...
+    def depths(self) -> dict[str, tuple[int, int]]: ...
+    async def purge(self) -> int: ...
+    async def aclose(self) -> None: ...
+
+
+@dataclass(eq=False)
+class _Job:
+    fn: Callable[[sqlite3.Connection], Any]
+    writes: bool
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class SqliteStore:
+    """The relay queue in one SQLite file (WAL, synchronous=FULL), one writer thread."""
+
+    def __init__(self, path: Path, *, max_items: int, max_bytes: int,
+                 stats: Stats | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self.clock = clock
+        self.healthy = False
+        self.last_error: str | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._depths: dict[str, tuple[int, int]] = {}
+        self._allowlists: dict[str, frozenset[str]] = {}
+        self._next_open = 0.0
+        #: Transactions committed (tests check that concurrent calls shared them).
+        self.commits = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Start the writer thread and open the file (a failure leaves the store broken,
+        logged, not raised: the ingress serves on and answers relay calls unavailable)."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._run, name="relay-store", daemon=True)
+        self._thread.start()
+        await self._submit(lambda conn: None, writes=False, allow_broken=True)
+
+    async def aclose(self) -> None:
+        if self._thread is None:
+            return
+        self._jobs.put(None)
+        await trio.to_thread.run_sync(self._thread.join)
+        self._thread = None
+
+    def set_bounds(self, max_items: int, max_bytes: int) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+
+    # --- the trio side -----------------------------------------------------------------
+
+    async def _submit(self, fn: Callable[[sqlite3.Connection], Any], *, writes: bool,
+                      allow_broken: bool = False) -> Any:
+        if self._thread is None:
+            raise StoreUnavailable("relay store not running")
+        if self._jobs.qsize() >= MAX_PENDING:
+            raise StoreUnavailable("relay store overloaded")
+        job = _Job(fn, writes)
+        self._jobs.put(job)
+        with trio.move_on_after(JOB_TIMEOUT):
+            await job.done.wait()
+        if not job.done.is_set():
+            raise StoreUnavailable(f"relay store did not answer within {JOB_TIMEOUT:g} s")
+        if job.error is not None:
+            if allow_broken and isinstance(job.error, StoreUnavailable):
+                return None
+            raise job.error
+        return job.result
+
+    async def probe(self) -> None:
+        """A no-op job: reopens a broken store when its retry time has come."""
+        await self._submit(lambda conn: None, writes=False, allow_broken=True)
+
+    async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
+                      expires_at: int) -> Enqueued:
+        """Queue one item (durably, before returning) or name the existing one; QueueFull
+        when the recipient is at a bound, StoreUnavailable when the store is broken."""
+        now = int(self.clock())
+
+        def run(conn: sqlite3.Connection) -> Enqueued:
+            row = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
+                               (recipient, msg_id)).fetchone()
+            if row is not None:
+                return Enqueued(int(row[0]), True)
+            items, size = self._depths.get(recipient, (0, 0))
+            if items + 1 > self.max_items or size + len(envelope) > self.max_bytes:
+                raise QueueFull(FULL_RETRY_AFTER)
+            cur = conn.execute(
+                "INSERT INTO items (recipient, sender, msg_id, queued_at, expires_at, size,"
+                " envelope) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (recipient, sender, msg_id, now, expires_at, len(envelope), envelope))
+            self._depths = {**self._depths, recipient: (items + 1, size + len(envelope))}
+            return Enqueued(int(cur.lastrowid or 0), False)
+
+        return await self._submit(run, writes=True)  # type: ignore[no-any-return]
+
+    async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
+        """The oldest unacked, unexpired items (at most `limit`, and `MAX_PAGE_BYTES` of
+        envelopes but always one); `more` says whether others wait behind them."""
+        now = int(self.clock())
+
+        def run(conn: sqlite3.Connection) -> tuple[list[Item], bool]:
+            rows = conn.execute(
+                "SELECT id, queued_at, envelope FROM items WHERE recipient = ? AND acked = 0"
+                " AND expires_at > ? ORDER BY id LIMIT ?", (recipient, now, limit + 1))
+            items: list[Item] = []
+            total = 0
+            more = False
+            for item_id, queued_at, env in rows:
+                if len(items) == limit or (items and total + len(env) > MAX_PAGE_BYTES):
+                    more = True
+                    break
+                items.append(Item(int(item_id), int(queued_at), bytes(env)))
+                total += len(env)
+            return items, more
+
+        return await self._submit(run, writes=False)  # type: ignore[no-any-return]
+
+    async def ack(self, recipient: str, ids: list[int]) -> int:
+        """Drop the named items of this recipient's queue; returns how many were there."""
+        if not ids:
+            return 0
+
+        def run(conn: sqlite3.Connection) -> int:
+            acked = 0
+            freed = 0
+            for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
+                chunk = ids[start:start + 500]
+                marks = ",".join("?" * len(chunk))
+                where = f"recipient = ? AND acked = 0 AND id IN ({marks})"
+                size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM items "
+                                    f"WHERE {where}", (recipient, *chunk)).fetchone()
+                conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}",
+                             (recipient, *chunk))
+                acked += int(size[0])
+                freed += int(size[1])
+            items, total = self._depths.get(recipient, (0, 0))
+            self._depths = {**self._depths,
+                            recipient: (max(0, items - acked), max(0, total - freed))}
+            return acked
+
+        return await self._submit(run, writes=True)  # type: ignore[no-any-return]
+
+    async def set_allowlist(self, recipient: str, senders: tuple[str, ...]) -> None:
+        """Replace the recipient's allow-list (one row: atomic by construction)."""
+
+        def run(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO allowlists (recipient, senders) VALUES (?, ?) ON "
+                         "CONFLICT (recipient) DO UPDATE SET senders = excluded.senders",
+                         (recipient, "\n".join(senders)))
+            self._allowlists = {**self._allowlists, recipient: frozenset(senders)}
+
+        await self._submit(run, writes=True)
+
+    async def purge(self) -> int:
+        """Delete what expired; recount depths from the table. Returns unacked expiries."""
+        now = int(self.clock())
+
+        def run(conn: sqlite3.Connection) -> int:
+            expired = conn.execute("SELECT COUNT(*) FROM items WHERE expires_at <= ? AND "
+                                   "acked = 0", (now,)).fetchone()[0]
+            conn.execute("DELETE FROM items WHERE expires_at <= ?", (now,))
+            self._depths = _count_depths(conn)
+            return int(expired)
+
+        return await self._submit(run, writes=True)  # type: ignore[no-any-return]
+
+    def allowlists(self) -> dict[str, frozenset[str]]:
+        return self._allowlists
+
+    def depths(self) -> dict[str, tuple[int, int]]:
+        """(items, bytes) queued per recipient (unacked; expired ones until purged)."""
+        return self._depths
+
+    # --- the writer thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            stop = False
+            while len(batch) < MAX_BATCH:
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            self._execute(batch)
+            if stop:
+                break
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _execute(self, batch: list[_Job]) -> None:
+        conn = self._connection()
+        if conn is None:
+            self._fail(batch, StoreUnavailable(f"relay store unavailable: {self.last_error}"))
+            return
+        saved = (self._depths, self._allowlists)
+        try:
+            conn.execute("BEGIN IMMEDIATE" if any(j.writes for j in batch) else "BEGIN")
+            for job in batch:
+                conn.execute("SAVEPOINT job")
+                try:
+                    job.result = job.fn(conn)
+                except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
+                    job.error = exc
+                    conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
+            started = time.perf_counter()
+            conn.execute("COMMIT")
+            if any(j.writes for j in batch):
+                self.commits += 1
+                if self.stats is not None:
+                    self.stats.relay_fsync_seconds.observe(time.perf_counter() - started)
+        except sqlite3.Error as exc:
+            self._depths, self._allowlists = saved
+            self._broken(f"{type(exc).__name__}: {exc}")
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self._fail(batch, StoreUnavailable(f"relay store unavailable: {self.last_error}"))
+            return
+        except BaseException as exc:  # a bug in a job: fail the batch, keep the thread
+            self._depths, self._allowlists = saved
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            log.error("relay_store_internal_error", error=repr(exc))
+            self._fail(batch, StoreUnavailable("relay store internal error"))
+            return
+        self._publish_depths()
+        self._deliver(batch)
+
+    def _fail(self, batch: list[_Job], exc: BaseException) -> None:
+        for job in batch:
+            job.error = exc
+            job.result = None
+        self._deliver(batch)
+
+    def _deliver(self, batch: list[_Job]) -> None:
+        """Wake the batch's callers: one hop to the trio thread for the whole batch."""
+        assert self._token is not None
+
+        def wake() -> None:
+            for job in batch:
+                job.done.set()
+
+        try:
+            self._token.run_sync_soon(wake)
+        except trio.RunFinishedError:
+            pass
+
+    def _publish_depths(self) -> None:
+        if self.stats is None:
+            return
+        for recipient, (items, size) in self._depths.items():
+            self.stats.relay_queued_items.labels(recipient).set(items)
+            self.stats.relay_queued_bytes.labels(recipient).set(size)
+
+    def _connection(self) -> sqlite3.Connection | None:
+        if self._conn is not None:
+            return self._conn
+        now = time.monotonic()
+        if now < self._next_open:
+            return None
+        self._next_open = now + REOPEN_INTERVAL
+        try:
+            self._conn = _open(self.path)
+            self._depths = _count_depths(self._conn)
+            self._allowlists = _load_allowlists(self._conn)
+        except (sqlite3.Error, OSError) as exc:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self._broken(f"{type(exc).__name__}: {exc}")
+            return None
+        if not self.healthy:
+            log.info("relay_store_open", path=str(self.path),
+                     items=sum(d[0] for d in self._depths.values()))
+        self.healthy = True
+        self.last_error = None
+        return self._conn
+
+    def _broken(self, error: str) -> None:
+        if self.healthy or self.last_error != error:
+            log.error("relay_store_unavailable", path=str(self.path), error=error,
+                      detail="relay_call is answered 'unavailable' until the store can be "
+                             f"opened again (retried every {REOPEN_INTERVAL:g} s); move a "
+                             "corrupt file aside or fix the directory's permissions")
+        self.healthy = False
+        self.last_error = error
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+        self._next_open = time.monotonic() + REOPEN_INTERVAL
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """Open (creating if needed) and check the store; raises sqlite3.Error / OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot use WAL mode (got {mode})")
+        conn.execute("PRAGMA synchronous = FULL")
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+        conn.executescript(_SCHEMA)
+        os.chmod(path, 0o600)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _count_depths(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
+    rows = conn.execute("SELECT recipient, COUNT(*), COALESCE(SUM(size), 0) FROM items "
+                        "WHERE acked = 0 GROUP BY recipient")
+    return {str(r): (int(n), int(s)) for r, n, s in rows}
+
+
+def _load_allowlists(conn: sqlite3.Connection) -> dict[str, frozenset[str]]:
+    rows = conn.execute("SELECT recipient, senders FROM allowlists")
+    return {str(r): frozenset(s for s in str(senders).split("\n") if s) for r, senders in rows}
+
+
+# --- operator access (the `relay` CLI; works beside a running serve) -----------------------
+
+
+def inspect(path: Path, now: float) -> list[dict[str, Any]]:
+    """Per recipient: queued items and bytes, oldest queued_at, expired-but-unpurged."""
+    conn = _open(path)
+    try:
+        rows = conn.execute(
+            "SELECT recipient, COUNT(*), COALESCE(SUM(size), 0), MIN(queued_at), "
+            "SUM(expires_at <= ?) FROM items WHERE acked = 0 GROUP BY recipient "
+            "ORDER BY recipient", (int(now),)).fetchall()
+        allow = _load_allowlists(conn)
+    finally:
+        conn.close()
+    out = [{"recipient": r, "items": int(n), "bytes": int(s), "oldest": int(o),
+            "expired": int(e or 0), "allowlist": len(allow.get(r, ()))}
+           for r, n, s, o, e in rows]
+    for r in sorted(set(allow) - {row["recipient"] for row in out}):
+        out.append({"recipient": r, "items": 0, "bytes": 0, "oldest": None, "expired": 0,
+                    "allowlist": len(allow[r])})
+    return out
+
+
+def purge_file(path: Path, now: float, *, recipient: str | None = None,
+               everything: bool = False) -> int:
+    """Delete expired rows (or, with `everything`, all queued items of `recipient`, or of
+    every recipient); returns the unacked items removed."""
+    conn = _open(path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        where, args = ("expires_at <= ?", [int(now)]) if not everything else ("1", [])
+        if recipient is not None:
+            where += " AND recipient = ?"
+            args.append(recipient)
+        n = conn.execute(f"SELECT COUNT(*) FROM items WHERE acked = 0 AND {where}",
+                         args).fetchone()[0]
+        if everything:
+            conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}", args)
+        else:
+            conn.execute(f"DELETE FROM items WHERE {where}", args)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return int(n)

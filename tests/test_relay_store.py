@@ -1,0 +1,173 @@
+"""The relay store in process: group commit, dedupe, bounds, expiry on an injected clock,
+allow-lists across reopen, and a broken store that answers instead of crashing.
+
+Also the sans-I/O rules of `proto/relay.py` that need no store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from pact_ingress.identity import keygen
+from pact_ingress.proto import relay as rules
+from pact_ingress.relay.store import (
+    QueueFull,
+    SqliteStore,
+    StoreUnavailable,
+    inspect,
+    purge_file,
+)
+from pact_ingress.stats import Stats
+from tests.relay_env import envelope
+
+A, B = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _store(path: Path, clock: Clock | None = None, **kw: int) -> SqliteStore:
+    store = SqliteStore(path, max_items=kw.get("max_items", 100),
+                        max_bytes=kw.get("max_bytes", 10_000), stats=Stats(),
+                        clock=clock or Clock())
+    await store.open()
+    return store
+
+
+async def test_concurrent_enqueues_share_commits(tmp_path: Path) -> None:
+    store = await _store(tmp_path / "q.sqlite", max_items=1000, max_bytes=10**6)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(store.enqueue, A, B, f"m{i}", b"x" * 10, 2_000_000_000)
+        assert store.depths()[A] == (200, 2000)
+        # 200 durable calls in far fewer fsyncs: that is the group commit
+        assert 1 <= store.commits < 100, store.commits
+        items, more = await store.fetch(A, 1000)
+        assert [i.envelope for i in items] == [b"x" * 10] * 200 and not more
+        assert [i.id for i in items] == sorted(i.id for i in items)  # oldest first
+    finally:
+        await store.aclose()
+
+
+async def test_dedupe_bounds_ack(tmp_path: Path) -> None:
+    store = await _store(tmp_path / "q.sqlite", max_items=2, max_bytes=25)
+    try:
+        first = await store.enqueue(A, B, "m1", b"0123456789", 2_000_000_000)
+        again = await store.enqueue(A, B, "m1", b"0123456789", 2_000_000_000)
+        assert again.id == first.id and again.duplicate and not first.duplicate
+        await store.enqueue(A, B, "m2", b"0123456789", 2_000_000_000)
+        with pytest.raises(QueueFull) as full:
+            await store.enqueue(A, B, "m3", b"0", 2_000_000_000)  # items bound
+        assert full.value.retry_after == rules.FULL_RETRY_AFTER
+        items, _ = await store.fetch(A, 10)
+        assert await store.ack(A, [items[0].id, 424242]) == 1
+        assert await store.ack(B, [items[1].id]) == 0  # not B's queue
+        with pytest.raises(QueueFull):
+            await store.enqueue(A, B, "m3", b"x" * 16, 2_000_000_000)  # bytes bound
+        await store.enqueue(A, B, "m3", b"x" * 15, 2_000_000_000)
+        assert (await store.enqueue(A, B, "m1", b"other", 2_000_000_000)).duplicate
+    finally:
+        await store.aclose()
+
+
+async def test_expiry_and_purge_on_injected_clock(tmp_path: Path) -> None:
+    clock = Clock()
+    store = await _store(tmp_path / "q.sqlite", clock)
+    try:
+        now = int(clock.now)
+        await store.enqueue(A, B, "short", b"s", now + 60)
+        await store.enqueue(A, B, "long", b"l", now + 3600)
+        clock.now += 61
+        items, _ = await store.fetch(A, 10)
+        assert [i.envelope for i in items] == [b"l"]  # expired: invisible at once
+        assert await store.purge() == 1
+        assert store.depths()[A] == (1, 1)
+        assert (await store.enqueue(A, B, "short", b"s", now + 7200)).duplicate is False
+    finally:
+        await store.aclose()
+
+
+async def test_allowlists_and_depths_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "q.sqlite"
+    store = await _store(path)
+    await store.set_allowlist(A, (B,))
+    await store.enqueue(A, B, "m", b"abc", 2_000_000_000)
+    await store.aclose()
+    store = await _store(path)
+    try:
+        assert store.allowlists() == {A: frozenset({B})}
+        assert store.depths() == {A: (1, 3)}
+    finally:
+        await store.aclose()
+    assert inspect(path, time.time())[0]["items"] == 1
+    assert purge_file(path, time.time(), recipient=A, everything=True) == 1
+    assert inspect(path, time.time())[0]["items"] == 0
+
+
+async def test_corrupt_or_unwritable_store_is_unavailable(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not a database" * 100)
+    store = await _store(bad)
+    try:
+        assert not store.healthy and "not a database" in (store.last_error or "")
+        with pytest.raises(StoreUnavailable):
+            await store.enqueue(A, B, "m", b"x", 2_000_000_000)
+        with pytest.raises(StoreUnavailable):
+            await store.fetch(A, 1)
+    finally:
+        await store.aclose()
+    if os.geteuid() == 0:
+        return  # root writes anywhere: the unwritable case cannot be made here
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    store = await _store(locked / "q.sqlite")
+    try:
+        assert not store.healthy
+    finally:
+        await store.aclose()
+
+
+# --- sans-I/O rules ----------------------------------------------------------------------
+
+
+def test_check_relay_call_rules(tmp_path: Path) -> None:
+    sender = keygen(tmp_path / "s.key", ed25519_key=True)
+    recipient = keygen(tmp_path / "r.key")
+    now = time.time()
+    env = envelope(sender, recipient, msg_id="x", ts=int(now), exp=int(now) + 600)
+    lists = {recipient.fingerprint: frozenset({sender.fingerprint})}
+    ok = rules.check_relay_call(env, caller=sender.fingerprint,
+                                caller_key=sender.key.public_key(),  # type: ignore[arg-type]
+                                now=now, allowlists=lists)
+    assert ok.header.msg_id == "x" and ok.expires_at == int(now) + 600
+    # the retention cap: min(exp, now + 30 days)
+    long = envelope(sender, recipient, msg_id="y", ts=int(now) - 86400,
+                    exp=int(now) + 29 * 86400)
+    capped = rules.check_relay_call(long, caller=sender.fingerprint,
+                                    caller_key=sender.key.public_key(),  # type: ignore[arg-type]
+                                    now=now + 2 * 86400, allowlists=lists)
+    assert capped.expires_at == int(now) + 29 * 86400
+    for allow in ({}, {recipient.fingerprint: frozenset()}):
+        with pytest.raises(rules.Refusal) as denied:
+            rules.check_relay_call(env, caller=sender.fingerprint,
+                                   caller_key=sender.key.public_key(),  # type: ignore[arg-type]
+                                   now=now, allowlists=allow)
+        assert (denied.value.code, denied.value.reason) == (
+            "permission_denied", rules.PERMISSION_DENIED_TEXT)
+    assert rules.fetch_limit({}) == rules.DEFAULT_PAGE
+    assert rules.fetch_limit({"limit": 10**6}) == rules.MAX_PAGE
+    assert rules.ack_ids({"ids": [3, 1, 3, True, "2", -1]}) == [1, 3]
+    assert rules.parse_allowlist(f'{{"senders": ["{A}", "{A}"]}}'.encode()) == (A,)
+    error = rules.tool_error(rules.Refusal("rate_limited", "full", 7))
+    assert error["structuredContent"] == {"code": "rate_limited", "retry_after": 7}
