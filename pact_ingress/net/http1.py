@@ -187,6 +187,7 @@ class H1Exchange(Exchange):
         self._continued = False
         self._framing: Framing | None = None
         self._complete = False
+        self._pending = b""  # a response head not written yet
 
     def reusable(self) -> bool:
         return (self._complete and self.body_done and self.request.keep_alive
@@ -220,21 +221,31 @@ class H1Exchange(Exchange):
         return b""
 
     async def respond(self, status: int, headers: Headers) -> None:
+        """A response of declared length (or none) waits for its first body bytes, so
+        head and body leave in one write; a stream's head goes out at once (an SSE
+        client waits for it before the first event)."""
         self._framing = response_framing(self.method, self.request.http_version, status,
                                          headers)
         close = self.stopped_early or not self.request.keep_alive
-        await self._write(response_head(status, headers, self._framing, close=close))
+        self._pending = response_head(status, headers, self._framing, close=close)
+        if self._framing in (Framing.CHUNKED, Framing.CLOSE):
+            await self._write_pending(b"")
 
     async def send(self, data: bytes) -> None:
         if self._framing is Framing.CHUNKED:
-            await self._write(chunk(data))
+            await self._write_pending(chunk(data))
         elif self._framing is not Framing.NONE:
-            await self._write(data)
+            await self._write_pending(data)
 
     async def end(self) -> None:
-        if self._framing is Framing.CHUNKED:
-            await self._write(LAST_CHUNK)
+        await self._write_pending(LAST_CHUNK if self._framing is Framing.CHUNKED else b"")
         self._complete = True
+
+    async def _write_pending(self, data: bytes) -> None:
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        if data:
+            await self._write(data)
 
     async def abort(self) -> None:
         self.broken = True  # the connection is dropped: the client sees a truncated body
