@@ -201,6 +201,7 @@ class Ingress:
                     await nursery.start(serve_http, a, self.certs)
             if cfg.listen.admin is not None:
                 from pact_ingress.admin.server import serve_admin
+                from pact_ingress.admin.token import read_admin_token
 
                 token = read_admin_token(cfg)
                 bound = await nursery.start(lambda task_status: serve_admin(
@@ -255,18 +256,6 @@ def _reason(exc: BaseException) -> str:
     """An exception as one line for an operator: the message, or its type if empty."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def read_admin_token(config: Config) -> str | None:
-    """The admin bearer token from `listen.admin_token_file` (None when not configured)."""
-    path = config.listen.admin_token_file
-    if path is None:
-        return None
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{config.path}: listen.admin_token_file {path}: cannot read: "
-                          f"{exc.strerror}") from exc
 
 
 def main_serve(path: Path, *, log_format: str = "json") -> int:

@@ -79,7 +79,7 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     target = host or "all terminate hosts"
     print(f"renewing {target} through the running instance at {config.listen.admin} …",
           file=sys.stderr, flush=True)
-    from pact_ingress.app import read_admin_token
+    from pact_ingress.admin.token import read_admin_token
 
     answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""),
                   token=read_admin_token(config))

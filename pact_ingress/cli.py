@@ -99,7 +99,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     cfg = load_config(Path(args.config))
     if cfg.listen.admin is None:
         raise ConfigError(f"{args.config}: listen.admin is not set; no admin endpoint to ask")
-    from pact_ingress.app import read_admin_token
+    from pact_ingress.admin.token import read_admin_token
 
     data = fetch_status(cfg.listen.admin, token=read_admin_token(cfg))
     print(format_status(data))

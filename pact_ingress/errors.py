@@ -62,3 +62,11 @@ class RemoteProtocolError(PactIngressError):
 
 class BackendError(PactIngressError):
     """A backend (address or tunnel) could not be reached or failed mid-way."""
+
+
+class AcmeError(PactIngressError):
+    """An ACME account, order or store operation failed. `reason` is a short metric label."""
+
+    def __init__(self, message: str, *, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -367,7 +367,7 @@ async def test_forced_renew_and_unknown_hosts(
     assert lines[-1].startswith(f"{host}: issued by Pebble Intermediate")
     second = await wait_served(edge, host, not_serial=first.serial)
     await second.tls.aclose()
-    from pact_ingress.acme.store import AcmeError
+    from pact_ingress.errors import AcmeError
     with pytest.raises(AcmeError, match="not a terminate route"):
         await edge.certs.renew("other.pact.test")
     assert edge.certs.orders_sent == 2

@@ -28,9 +28,10 @@ from pact_ingress.acme.dns01 import challenge_name, read_tsig_key
 from pact_ingress.acme.issuer import Issued
 from pact_ingress.acme.manager import CertManager
 from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
-from pact_ingress.acme.store import AcmeError, Store, host_dir_name, list_store
+from pact_ingress.acme.store import Store, host_dir_name, list_store
 from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID, challenge_cert
 from pact_ingress.config import Acme, CertFiles, Config
+from pact_ingress.errors import AcmeError
 from pact_ingress.net.http_listener import handle_http, plan_response
 from pact_ingress.stats import Stats
 from tests.netutil import make_config, route

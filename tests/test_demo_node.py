@@ -11,7 +11,7 @@ import httpcore
 import pytest
 import trio
 
-from pact_ingress.demo_node import DemoNode, serve_demo_node
+from pact_ingress.demo.node import DemoNode, serve_demo_node
 from pact_ingress.envelope import RESULT_CTY, open_envelope, seal
 from pact_ingress.identity import Identity, b64url, check_pin, pinned_client_context, spki_der
 from tests.tls_helpers import LOOPBACK, http_client, make_identity

@@ -22,7 +22,7 @@ import trio
 import trio.testing
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
-from pact_ingress.demo_node import DemoNode, serve_demo_node
+from pact_ingress.demo.node import DemoNode, serve_demo_node
 from pact_ingress.envelope import RESULT_CTY, canonical_json, open_envelope, seal
 from pact_ingress.identity import Identity, b64url, spki_der
 from pact_ingress.net.backends import Backends

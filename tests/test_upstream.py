@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from pact_ingress.config import Address, Backend, Limits, Route
-from pact_ingress.demo_node import serve_demo_node
+from pact_ingress.demo.node import serve_demo_node
 from pact_ingress.identity import Identity
 from pact_ingress.net import upstream as upstream_mod
 from pact_ingress.net.backends import Backends

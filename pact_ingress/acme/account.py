@@ -24,7 +24,8 @@ from acme import messages
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from pact_ingress.acme.store import AcmeError, Store
+from pact_ingress.acme.store import Store
+from pact_ingress.errors import AcmeError
 from pact_ingress.model import Acme
 
 #: Seconds for one HTTP request to the CA (connect + read). Bounds every worker-thread call.

@@ -30,7 +30,7 @@ import dns.tsig
 import dns.tsigkeyring
 import dns.update
 
-from pact_ingress.acme.store import AcmeError
+from pact_ingress.errors import AcmeError
 from pact_ingress.model import Dns01
 
 #: TTL of the challenge record: short, it is deleted right after validation anyway.

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from pact_ingress.acme import tlsalpn
 from pact_ingress.acme.account import Account, translated_errors
 from pact_ingress.acme.dns01 import Dns01Solver
-from pact_ingress.acme.store import AcmeError
+from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
 
 #: Seconds between authorization polls (the CA's Retry-After is not sent for authzs).

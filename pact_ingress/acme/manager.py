@@ -51,7 +51,8 @@ from pact_ingress.acme.account import Account, open_account
 from pact_ingress.acme.dns01 import Dns01Solver
 from pact_ingress.acme.issuer import DNS_01, HTTP_01, TLS_ALPN_01, Issued
 from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
-from pact_ingress.acme.store import AcmeError, CertInfo, Store, StoredCert, issuer_name
+from pact_ingress.acme.store import CertInfo, Store, StoredCert, issuer_name
+from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
 from pact_ingress.model import Acme, CertFiles, Config, Route
 from pact_ingress.stats import Stats

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from cryptography import x509
 
-from pact_ingress.errors import PactIngressError
+from pact_ingress.errors import AcmeError
 from pact_ingress.identity import atomic_write
 
 #: A DNS name (optionally with one leading "*." label), lower case, as config.py stores it.
@@ -42,14 +42,6 @@ HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
 MAX_CHAIN_BYTES = 64 * 1024
 
 CertSource = Literal["acme", "file"]
-
-
-class AcmeError(PactIngressError):
-    """An ACME account, order or store operation failed. `reason` is a short metric label."""
-
-    def __init__(self, message: str, *, reason: str = "error") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

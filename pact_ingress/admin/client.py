@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import PactIngressError
-from ..model import Address
+from pact_ingress.errors import PactIngressError
+from pact_ingress.model import Address
 
 #: Largest admin response we read; a status document of thousands of routes is ~1 MiB.
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024

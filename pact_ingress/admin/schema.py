@@ -30,8 +30,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ..model import Config
-from ..stats import Stats
+from pact_ingress.model import Config
+from pact_ingress.stats import Stats
 
 _STR = {"type": "string"}
 _STR_OR_NULL = {"type": ["string", "null"]}

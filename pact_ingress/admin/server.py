@@ -48,11 +48,11 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..errors import ConfigError, ListenError
-from ..logs import log
-from ..model import Address
-from ..stats import Stats
-from .page import render_page
+from pact_ingress.admin.page import render_page
+from pact_ingress.errors import ConfigError, ListenError
+from pact_ingress.logs import log
+from pact_ingress.model import Address
+from pact_ingress.stats import Stats
 
 StatusFn = Callable[[], dict[str, Any]]
 ReloadFn = Callable[[], Awaitable[tuple[bool, str]]]

@@ -697,22 +697,34 @@ def _secret_file(ctx: _Ctx, node: Node | None, path: Path, what: str) -> Secret 
 def _read_secret(ctx: _Ctx, node: Node | None, path: Path, what: str) -> bytes | None:
     """A small regular file that not every local user can read (it guards every tenant)."""
     assert node is not None
+    return _read_small_file(ctx, node, path, what, MAX_SECRET_FILE_BYTES, private=True)
+
+
+def _read_small_file(ctx: _Ctx, node: Node, path: Path, what: str, cap: int, *,
+                     kind: str | None = None, private: bool = False) -> bytes | None:
+    """The bytes of a regular file of at most `cap` bytes, or None with the reason recorded.
+    `kind` names what the file should be (in the messages); `private` refuses a file every
+    local user may read."""
     try:
         mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
+        if kind is not None and stat.S_ISDIR(mode):
+            ctx.at(node, f"{what} {path} is a directory, not a {kind}")
+            return None
+        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
             ctx.at(node, f"{what} {path} is not a regular file")
             return None
-        if mode & 0o007:
+        if private and mode & 0o007:
             ctx.at(node, f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
                    "or 0640 with the service's group)")  # fmt: skip
             return None
         with open(path, "rb") as fh:
-            data = fh.read(MAX_SECRET_FILE_BYTES + 1)
+            data = fh.read(cap + 1)  # one byte more tells an over-size file
     except OSError as exc:
         ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
         return None
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        ctx.at(node, f"{what} {path} is larger than {MAX_SECRET_FILE_BYTES} bytes")
+    if len(data) > cap:
+        ctx.at(node, f"{what} {path} is larger than {cap} bytes"
+               + (f": not a {kind}" if kind else ""))
         return None
     return data
 
@@ -1327,23 +1339,7 @@ def _not_a_directory(path: Path) -> Path | None:
 
 
 def _read_pem(ctx: _Ctx, node: Node, path: Path, what: str) -> bytes | None:
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            ctx.at(node, f"{what} {path} is a directory, not a PEM file")
-            return None
-        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
-            ctx.at(node, f"{what} {path} is not a regular file")
-            return None
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_CERT_FILE_BYTES + 1)
-    except OSError as exc:
-        ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
-        return None
-    if len(data) > MAX_CERT_FILE_BYTES:
-        ctx.at(node, f"{what} {path} is larger than {MAX_CERT_FILE_BYTES} bytes: not a PEM file")
-        return None
-    return data
+    return _read_small_file(ctx, node, path, what, MAX_CERT_FILE_BYTES, kind="PEM file")
 
 
 def _spki(public_key: Any) -> bytes:

@@ -15,7 +15,6 @@ name share it.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import os
 import socket
 from collections.abc import Iterable
@@ -25,7 +24,7 @@ import trio
 
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import log
-from pact_ingress.model import Address, Route
+from pact_ingress.model import Address, Route, is_ip_address
 
 #: How long a resolved answer is used before it is refreshed. Home-node addresses change
 #: rarely (dynamic DNS updates within minutes); 60 s bounds staleness cheaply.
@@ -37,14 +36,6 @@ CONNECT_TIMEOUT = 5.0
 #: TCP options every relayed socket gets — the ones `trio.SocketStream` sets: no Nagle
 #: delay on relayed records, and at most 16 KiB unsent in the kernel per socket.
 STREAM_OPTIONS = ((socket.TCP_NODELAY, 1), (socket.TCP_NOTSENT_LOWAT, 1 << 14))
-
-
-def is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class Resolver:
@@ -62,7 +53,7 @@ class Resolver:
         IP literals are cached forever here, so the hot path never parses them again.
         """
         names = set(names)
-        self._names = {n for n in names if not is_ip(n)}
+        self._names = {n for n in names if not is_ip_address(n)}
         for stale in set(self._cache) - names:
             del self._cache[stale]
         for ip in names - self._names:
@@ -77,7 +68,7 @@ class Resolver:
         return await self._lookup(host)
 
     async def _lookup(self, host: str) -> tuple[str, ...]:
-        if is_ip(host):
+        if is_ip_address(host):
             return (host,)
         event = self._inflight.get(host)
         if event is not None:

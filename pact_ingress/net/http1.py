@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers
+from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
 from pact_ingress.proto.http1_server import (
     CONTINUE,
     END_OF_MESSAGE,
@@ -167,13 +167,7 @@ class H1Connection:
     # -- writing ----------------------------------------------------------------------
 
     async def write(self, data: bytes) -> None:
-        with trio.move_on_after(self.write_timeout):
-            try:
-                await self.stream.send_all(data)
-                return
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise ClientGone("client connection broke") from exc
-        raise ClientGone("client did not read the response in time")
+        await send_to_client(self.stream, data, self.write_timeout)
 
 
 class H1Exchange(Exchange):

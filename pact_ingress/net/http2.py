@@ -42,7 +42,9 @@ import h2.settings
 import trio
 
 from pact_ingress.logs import log
-from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange, Headers
+from pact_ingress.net.http_exchange import (
+    BadResponse, ClientGone, Exchange, Headers, send_to_client,
+)
 from pact_ingress.proto.h2_guard import Flood, FloodGuard
 from pact_ingress.proto.http_request import header
 
@@ -222,13 +224,7 @@ class H2Connection:
             data = self.conn.data_to_send()
             if not data:
                 return
-            with trio.move_on_after(self.write_timeout):
-                try:
-                    await self.stream.send_all(data)
-                    return
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise ClientGone("client connection broke") from exc
-            raise ClientGone("client did not read in time")
+            await send_to_client(self.stream, data, self.write_timeout)
 
     async def wait_window(self, deadline: float) -> None:
         with trio.move_on_at(deadline):

@@ -12,11 +12,26 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+import trio
+
 Headers = list[tuple[bytes, bytes]]
 
 
 class ClientGone(Exception):
     """The client disconnected, reset the stream, or missed a deadline mid-exchange."""
+
+
+async def send_to_client(stream: trio.abc.SendStream, data: bytes, timeout: float) -> None:
+    """Write to the client connection, both HTTP versions alike: a client that breaks the
+    connection or stops reading for `timeout` seconds is gone (`ClientGone`), so a slow
+    reader cannot hold a response, and its upstream request, open."""
+    with trio.move_on_after(timeout):
+        try:
+            await stream.send_all(data)
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ClientGone("client connection broke") from exc
+    raise ClientGone("client did not read in time")
 
 
 @dataclass

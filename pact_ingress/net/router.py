@@ -322,18 +322,6 @@ class Router:
 
     # --- one connection ----------------------------------------------------------------
 
-    async def handle(self, tcp: trio.SocketStream) -> None:
-        """Route one accepted connection; always closes it."""
-        try:
-            await self._route(tcp.socket, _peer(tcp.socket))
-        finally:
-            tcp.socket.close()
-
-    async def _route(self, sock: trio.socket.SocketType, client: tuple[str, int]) -> None:
-        peeked = await self._peek(sock, client[0])
-        if peeked is not None:
-            await self._serve_peeked(sock, *peeked, client)
-
     async def _serve_peeked(self, sock: trio.socket.SocketType, hello: ClientHello | None,
                             data: bytes, client: tuple[str, int]) -> None:
         if hello is None:  # a tunnel raw data connection (see module docstring)

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pact_ingress.errors import RemoteProtocolError
+from pact_ingress.model import normalize_hostname
 from pact_ingress.proto import tls_alert
 
 # A ClientHello (handshake header + body) larger than this is refused. Real hellos are far
@@ -305,7 +306,7 @@ def _server_name(buf: bytes, pos: int, end: int) -> str | None:
         if host is not None:
             raise _malformed("two host_name entries", tls_alert.ILLEGAL_PARAMETER)
         host = buf[name_start:pos]
-    return None if host is None else normalize_hostname(host)
+    return None if host is None else _sni_hostname(host)
 
 
 def _alpn(buf: bytes, pos: int, end: int) -> tuple[str, ...]:
@@ -329,18 +330,24 @@ def _supported_versions(buf: bytes, pos: int, end: int) -> tuple[int, ...]:
     return tuple((buf[i] << 8) | buf[i + 1] for i in range(start, stop, 2))
 
 
-def normalize_hostname(raw: bytes) -> str:
-    """Validate an SNI host_name and return it lower-cased without its trailing dot.
+def _sni_hostname(raw: bytes) -> str:
+    """Check an SNI host_name and return it spelled as the route table spells hosts.
 
     Accepts ASCII letters, digits, '-', '_' and dots; IDNs arrive as A-labels ("xn--"),
-    so they pass. Labels are 1-63 bytes, the whole name ≤ 253. Raises `bad_sni` otherwise.
+    so they pass. Labels are 1-63 bytes, the whole name ≤ 253 (one trailing dot aside).
+    Raises `bad_sni` (alert illegal_parameter) otherwise.
+
+    The canonical spelling comes from `model.normalize_hostname`, the function configured
+    hosts go through, so an SNI and a route host are equal exactly when they name the same
+    host. The check stays here and is its own: it runs on a peer's bytes and must answer
+    with a TLS alert, and it is deliberately looser than the config's (an IP literal or a
+    label with a leading '-' is not an error here: it matches no route and gets
+    unrecognized_name like any unknown name).
     """
-    if raw.endswith(b"."):
-        raw = raw[:-1]
-    name = raw.lower()
-    if len(name) > _MAX_HOSTNAME or _HOST_RE.fullmatch(name) is None:
+    name = raw.removesuffix(b".")
+    if len(name) > _MAX_HOSTNAME or _HOST_RE.fullmatch(name.lower()) is None:
         shown = raw[:80].decode("ascii", "backslashreplace")
         raise ClientHelloError(
             "bad_sni", f"invalid host_name {shown!r}", alert=tls_alert.ILLEGAL_PARAMETER
         )
-    return name.decode("ascii")
+    return normalize_hostname(raw.decode("ascii"), validate=False)

@@ -46,6 +46,7 @@ from OpenSSL import SSL
 from pact_ingress import __version__
 from pact_ingress.identity import PublicKey, fingerprint_of_cert_der
 from pact_ingress.logs import log
+from pact_ingress.net.hypercorn_guard import install_h2_guard
 from pact_ingress.model import Config
 from pact_ingress.net.ossl_stream import OpenSSLStream, files_server_context
 from pact_ingress.net.replay import ReplayStream
@@ -88,10 +89,8 @@ class RelayServer:
                  wake: Callable[[str], bool] | None = None,
                  store: RelayStore | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        from pact_ingress.demo_node import install_h2_guard
-
         assert config.relay is not None
-        install_h2_guard()  # hypercorn crash on DATA for a finished stream (demo_node)
+        install_h2_guard()  # hypercorn crash on DATA for a finished stream
         self.stats = stats
         self.certs = certs
         self.wake = wake

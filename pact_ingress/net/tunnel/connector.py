@@ -88,8 +88,7 @@ from pact_ingress.identity import (
     pinned_client_context,
 )
 from pact_ingress.logs import log
-from pact_ingress.model import ConnectorConfig
-from pact_ingress.net.backends import is_ip
+from pact_ingress.model import ConnectorConfig, is_ip_address
 from pact_ingress.net.mail_hook import MailHook
 from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
 from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
@@ -655,7 +654,7 @@ def take_spare(spares: deque[tuple[bytes, float]], now: float) -> bytes | None:
 def _literal_family(host: str) -> int | None:
     """AF_INET / AF_INET6 for an IP literal, None for a name (looked up once per host:
     parsing an address is measurable on a first-byte path)."""
-    if not is_ip(host):
+    if not is_ip_address(host):
         return None
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 

@@ -322,9 +322,6 @@ class TunnelServer:
         self._sweep(tenant)
         return len(self._streams.get(tenant, ()))
 
-    def tenants(self) -> list[str]:
-        return sorted(t for t, group in self._sessions.items() if group)
-
     def _live(self, tenant: str) -> list[_Session]:
         return [s for s in self._sessions.get(tenant, ()) if not (s.draining or s.closed)]
 

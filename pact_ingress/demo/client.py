@@ -1,4 +1,4 @@
-"""A tiny PACT caller for trying the demo: `python -m pact_ingress.demo_client ...`.
+"""A tiny PACT caller for trying the demo: `python -m pact_ingress.demo.client ...`.
 
 `pact-ingress demo` prints commands that use it. It speaks MCP JSON-RPC over HTTPS to the
 ingress on loopback (SNI and Host set to the route's name), either
@@ -131,7 +131,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pact_ingress.demo_client",
+    p = argparse.ArgumentParser(prog="python -m pact_ingress.demo.client",
                                 description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("plain", "sealed"))
     p.add_argument("--host", required=True, help="route name (SNI and Host)")

@@ -3,7 +3,7 @@
 Starts in one process, under one trio nursery:
 
 * an ingress (the real `app.Ingress`) on 127.0.0.1:PORT with a generated config,
-* the demo home node (`demo_node`) on a loopback port that only the connector uses,
+* the demo home node (`demo.node`) on a loopback port that only the connector uses,
 * a tunnel connector (`net.tunnel.connector`) dialling the ingress as a home node behind NAT
   would, so both demo routes use `backend: tunnel`:
   - `demo.localhost` — passthrough: the caller's TLS (and client certificate) reaches
@@ -15,6 +15,10 @@ It prints commands to try both modes (curl, the demo client's plain and sealed c
 and where the admin page is. State (keys, config, self-signed cert) lives in a fresh
 directory under the system temp dir and is shown; nothing is written elsewhere.
 Ctrl-C (SIGINT) or SIGTERM stops everything and exits 0.
+
+The package keeps demo code out of the product's modules: this module is the command,
+`demo.node` the home node (the end-to-end tests use it too), `demo.client` the caller
+the printed commands run (`python -m pact_ingress.demo.client`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import trio
 
 from pact_ingress.app import Ingress
 from pact_ingress.config import load_config, load_connector_config
-from pact_ingress.demo_node import serve_demo_node
+from pact_ingress.demo.node import serve_demo_node
 from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import keygen, load_identity
 from pact_ingress.logs import log
@@ -103,10 +107,10 @@ def instructions(state: Path, port: int, admin_port: int) -> list[tuple[str, str
          f"curl -sk {resolve_t} -H 'content-type: application/json' "
          f"-H 'accept: application/json' -d {rpc_list} https://{TERMINATE_HOST}:{port}/mcp"),
         ("terminate: an unsealed send_message is refused at the edge (seal_required)",
-         f"{py} -m pact_ingress.demo_client plain --host {TERMINATE_HOST} --port {port} "
+         f"{py} -m pact_ingress.demo.client plain --host {TERMINATE_HOST} --port {port} "
          f"--key {s}/caller.key"),
         ("terminate: a sealed send_message reaches the node attributed to the caller's key",
-         f"{py} -m pact_ingress.demo_client sealed --host {TERMINATE_HOST} --port {port} "
+         f"{py} -m pact_ingress.demo.client sealed --host {TERMINATE_HOST} --port {port} "
          f"--key {s}/caller.key --node-cert {s}/node.crt"),
         ("the node's record: who each call was attributed to, and who was on its TLS link",
          f"curl -sk {resolve_p} https://{PASSTHROUGH_HOST}:{port}/_demo/calls"),

@@ -36,11 +36,8 @@ from urllib.parse import parse_qs
 
 import trio
 from cryptography.hazmat.primitives import serialization
-import h2.events
-import hypercorn.protocol
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
@@ -48,6 +45,7 @@ from hypercorn.typing import ConnectionState
 from pact_ingress.envelope import RESULT_CTY, EnvelopeInvalid, open_envelope, seal
 from pact_ingress.identity import Identity, b64url_decode
 from pact_ingress.logs import log
+from pact_ingress.net.hypercorn_guard import install_h2_guard
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 
 Scope = dict[str, Any]
@@ -350,36 +348,6 @@ def demo_hypercorn_config() -> HypercornConfig:
     config.accesslog = None
     config.errorlog = None
     return config
-
-
-class _GuardedH2Protocol(H2Protocol):
-    """hypercorn's H2Protocol, minus a crash: DATA for a stream whose response is done.
-
-    hypercorn 0.18.0 forgets a stream once its response ends and then raises KeyError
-    (killing the whole connection, every stream on it) when the client's DATA for that
-    stream still arrives — which is exactly what happens when we answer 413/421/refusals
-    before reading the body. Such DATA is acknowledged (so the connection's flow-control
-    window is not leaked) and dropped. Events are judged one at a time, in order: DATA
-    that arrived in the same read as its HEADERS finds its stream created by then.
-    """
-
-    async def _handle_events(self, events: list[h2.events.Event]) -> None:
-        for event in events:
-            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
-                self.connection.acknowledge_received_data(
-                    event.flow_controlled_length, event.stream_id)
-                continue
-            await super()._handle_events([event])
-
-
-def install_h2_guard() -> None:
-    """Make hypercorn build `_GuardedH2Protocol` for HTTP/2 connections (idempotent).
-
-    ProtocolWrapper looks the class up in `hypercorn.protocol` at connection time; this
-    process-wide swap is the only hook it offers. Safe for any other hypercorn user in
-    the process (the demo node): it only removes a crash.
-    """
-    hypercorn.protocol.H2Protocol = _GuardedH2Protocol  # type: ignore[misc]
 
 
 async def serve_demo_node(
