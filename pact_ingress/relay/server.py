@@ -46,8 +46,8 @@ from OpenSSL import SSL
 from pact_ingress import __version__
 from pact_ingress.identity import PublicKey, fingerprint_of_cert_der
 from pact_ingress.logs import log
-from pact_ingress.net.hypercorn_guard import install_h2_guard
 from pact_ingress.model import Config
+from pact_ingress.net.hypercorn_guard import install_h2_guard
 from pact_ingress.net.ossl_stream import OpenSSLStream, files_server_context
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.proto import relay as rules
