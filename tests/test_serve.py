@@ -124,7 +124,8 @@ def listener_closed(port: int) -> bool:
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, ConnectionResetError):
+            # reset: the connection sat in the backlog of a listener that then closed
             return True
         time.sleep(0.05)
     return False
