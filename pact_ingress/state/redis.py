@@ -46,7 +46,8 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import coredis
 import trio
@@ -81,6 +82,9 @@ CONNECT_DEADLINE = 2.0
 MAX_CONNECTIONS = 16
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from pact_ingress.state.acme import RedisAcmeStore
 
 #: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
 #: float slack; then per bucket: cost, emission interval, burst. Returns 'ok' (every
@@ -230,6 +234,12 @@ class RedisState:
             while True:
                 await trio.sleep(self.probe_interval)
                 await self.probe()
+
+    def acme_store(self, state_dir: Path) -> RedisAcmeStore:
+        """Certificates shared by the cluster (reads the encryption key; raises SealError)."""
+        from pact_ingress.state.acme import open_acme_store
+
+        return open_acme_store(state_dir, self)
 
     def status(self) -> dict[str, Any]:
         return {
