@@ -18,7 +18,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

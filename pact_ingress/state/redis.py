@@ -198,7 +198,8 @@ class RedisState:
         self.stats.state_shared.set(0)
         self.stats.state_fallbacks.inc()
         log.warning("state_backend_lost", backend=str(self.settings), error=why,
-                    detail="rate limits are counted by this instance alone until it returns")
+                    detail="rate limits are counted by this instance alone and new "
+                    "certificate orders wait until it returns")
 
     def found(self) -> None:
         if self.healthy:
