@@ -53,9 +53,10 @@ class Ingress:
         self.resolver = Resolver()
         self.tunnels = TunnelServer(identity=self.identity, stats=self.stats)
         self.backends = Backends(self.resolver, self.tunnels)
-        self.certs = CertManager(state_dir=config.state_dir, stats=self.stats)
         # where shared state lives is chosen here, once; components get its objects
         self.state = open_state(config.state, self.stats)
+        self.certs = CertManager(state_dir=config.state_dir, stats=self.stats,
+                                 store=self.state.acme_store(config.state_dir))
         self.terminator = Terminator(identity=self.identity, backends=self.backends,
                                      stats=self.stats, limiter=self.state.limiter)
         self.relay: Any = None  # RelayServer, built when a config first has a relay block

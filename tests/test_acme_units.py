@@ -136,6 +136,9 @@ class _Answers:
     def http01_response(self, host: str, token: str) -> bytes | None:
         return b"tok.thumb" if (host, token) == ("h.example", "A" * 43) else None
 
+    async def find_http01(self, host: str, token: str) -> bytes | None:
+        return self.http01_response(host, token)
+
 
 @pytest.mark.parametrize("method,target,host,status,location", [
     ("GET", "/.well-known/acme-challenge/" + "A" * 43, "h.example", 200, None),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import josepy as jose
 import requests
@@ -24,9 +25,11 @@ from acme import messages
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from pact_ingress.acme.store import Store
 from pact_ingress.errors import AcmeError
 from pact_ingress.model import Acme
+
+if TYPE_CHECKING:  # the Redis client is imported only when the redis backend runs
+    from pact_ingress.state.acme import AcmeStore
 
 #: Seconds for one HTTP request to the CA (connect + read). Bounds every worker-thread call.
 HTTP_TIMEOUT = 20
@@ -38,7 +41,7 @@ class Account:
     """A ready-to-use ACME client bound to our registered account."""
 
     cfg: Acme
-    store: Store
+    store: AcmeStore
     jwk: jose.JWK
     client: acme_client.ClientV2
 
@@ -86,13 +89,13 @@ def translated_errors() -> Iterator[None]:
                         reason="client_error") from exc
 
 
-def open_account(store: Store, cfg: Acme) -> Account:
+def open_account(store: AcmeStore, cfg: Acme) -> Account:
     """Load or create the key, fetch the directory, reuse or create the registration."""
     with translated_errors():
         return _open_account(store, cfg)
 
 
-def _open_account(store: Store, cfg: Acme) -> Account:
+def _open_account(store: AcmeStore, cfg: Acme) -> Account:
     jwk = jose.JWKEC(key=_load_or_create_key(store, cfg.directory))
     verify: bool | str = str(cfg.ca_bundle) if cfg.ca_bundle else True
     net = acme_client.ClientNetwork(jwk, alg=jose.ES256, verify_ssl=verify,  # type: ignore[arg-type]
@@ -107,14 +110,18 @@ def _open_account(store: Store, cfg: Acme) -> Account:
     return account
 
 
-def _load_or_create_key(store: Store, directory_url: str) -> ec.EllipticCurvePrivateKey:
+def _load_or_create_key(store: AcmeStore, directory_url: str) -> ec.EllipticCurvePrivateKey:
     key_pem, _ = store.read_account(directory_url)
     if key_pem is None:
         key = ec.generate_private_key(ec.SECP256R1())
         store.write_account_key(directory_url, key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption()))
-        return key
+        # read back: in a cluster another instance's key may have been stored first
+        key_pem, _ = store.read_account(directory_url)
+        if key_pem is None:
+            raise AcmeError("the account key just stored cannot be read back",
+                            reason="account_key")
     loaded = serialization.load_pem_private_key(key_pem, password=None)
     if not isinstance(loaded, ec.EllipticCurvePrivateKey):
         raise AcmeError("stored ACME account key is not an EC key", reason="account_key")

@@ -22,7 +22,18 @@ plain dict lookups.
 
 A new certificate is written to the store (atomic; keys 0600), loaded into a fresh
 `SSLContext` and swapped into the table: the very next handshake gets it, connections
-already established keep the context they started with. A failed order keeps the
+already established keep the context they started with.
+
+Several instances (the redis state backend) share one store (`state.acme`): an order
+runs under the store's lease for its name — taken before, the store looked at again
+right after (another instance may have just finished), so one order per name runs in
+the cluster; an instance that does not get the lease retries after `ELSEWHERE_RETRY`
+and meanwhile adopts what the holder stores (`store.watch` reports new serials within
+seconds). Challenge answers are published to the store too, and a challenge this
+instance has no answer for is looked up there, so whichever instance the CA reaches
+answers. While the store is unreachable new orders wait (logged once per outage,
+`cert_failures{reason="state_unavailable"}`), and the certificates in memory keep
+serving. One instance's store shares nothing and these steps cost nothing. A failed order keeps the
 previous certificate in service, backs off exponentially, counts a metric, and records the
 error for `certs list`. Budgets (schedule.py) defer orders instead of hammering the CA.
 
@@ -41,6 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 from cryptography import x509
@@ -51,15 +63,30 @@ from pact_ingress.acme.account import Account, open_account
 from pact_ingress.acme.dns01 import Dns01Solver
 from pact_ingress.acme.issuer import DNS_01, HTTP_01, TLS_ALPN_01, Issued
 from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
-from pact_ingress.acme.store import CertInfo, Store, StoredCert, issuer_name
+from pact_ingress.acme.store import (
+    CertInfo,
+    OrderElsewhere,
+    SharedStateUnavailable,
+    Store,
+    StoredCert,
+    issuer_name,
+)
 from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
 from pact_ingress.model import Acme, CertFiles, Config, Route
 from pact_ingress.stats import Stats
 
+if TYPE_CHECKING:
+    from pact_ingress.state.acme import AcmeStore
+
 #: ALPN protocols of served (terminate) contexts: the terminate engine speaks both
 #: (`net.http2`, `net.http1`).
 SERVED_ALPN = ["h2", "http/1.1"]
+#: Another instance holds a name's order lease: look again this much later (by then its
+#: certificate has usually been adopted and nothing is due).
+ELSEWHERE_RETRY = 2.0
+#: The shared store does not answer: try the next order this much later.
+STATE_RETRY = 5.0
 
 
 def served_context(chain_path: Path, key_path: Path) -> ssl.SSLContext:
@@ -114,8 +141,9 @@ class CertManager:
 
     def __init__(self, *, state_dir: Path, stats: Stats,
                  wall_clock: Callable[[], float] = time.time,
-                 policy: Policy | None = None, rng: random.Random | None = None) -> None:
-        self.store = Store(state_dir)
+                 policy: Policy | None = None, rng: random.Random | None = None,
+                 store: AcmeStore | None = None) -> None:
+        self.store: AcmeStore = store if store is not None else Store(state_dir)
         self.stats = stats
         self.policy = policy = policy or Policy()
         self._now = wall_clock
@@ -135,6 +163,8 @@ class CertManager:
         self._failed: dict[str, SlidingWindow] = {}
         self._wake = trio.Event()
         self._running = False
+        self._alpn_shared: dict[tuple[str, str], ssl.SSLContext] = {}
+        self._state_waiting = False  # orders wait for the shared store (logged once)
         #: New-order requests sent to the CA since start (tests, status page).
         self.orders_sent = 0
 
@@ -272,13 +302,36 @@ class CertManager:
             return None
         return (h.cert.chain_path, h.cert.key_path)
 
-    def challenge_context(self, host: str) -> ssl.SSLContext | None:
-        """The TLS-ALPN-01 context for `host` while its challenge is pending."""
-        return self._alpn.get(host)
+    async def challenge_context(self, host: str) -> ssl.SSLContext | None:
+        """The TLS-ALPN-01 context for `host` while its challenge is pending: this
+        instance's own order, or one another instance published in the shared store."""
+        ctx = self._alpn.get(host)
+        if ctx is not None or host not in self._hosts:
+            return ctx
+        key_authz = await self.store.find_challenge(TLS_ALPN_01, host, "")
+        if key_authz is None:
+            return None
+        ctx = self._alpn_shared.get((host, key_authz))
+        if ctx is None:
+            ctx = await trio.to_thread.run_sync(functools.partial(
+                tlsalpn.challenge_context, host, key_authz,
+                now=datetime.datetime.now(datetime.UTC)))
+            # one pending challenge per name: an older answer is of no further use
+            self._alpn_shared = {k: v for k, v in self._alpn_shared.items() if k[0] != host}
+            self._alpn_shared[(host, key_authz)] = ctx
+        return ctx
 
     def http01_response(self, host: str, token: str) -> bytes | None:
         """The HTTP-01 key authorization for (host, token) while pending."""
         return self._http01.get((host, token))
+
+    async def find_http01(self, host: str, token: str) -> bytes | None:
+        """`http01_response`, or the answer another instance published."""
+        found = self._http01.get((host, token))
+        if found is not None or host not in self._hosts:
+            return found
+        key_authz = await self.store.find_challenge(HTTP_01, host, token)
+        return key_authz.encode("ascii") if key_authz is not None else None
 
     def _missing(self, host: str) -> None:
         now = self._now()
@@ -307,6 +360,7 @@ class CertManager:
         """Order and renew certificates until cancelled."""
         async with trio.open_nursery() as nursery:
             self._running = True
+            nursery.start_soon(self.store.watch, self._serials, self._picked_up)
             task_status.started()
             try:
                 while True:  # one round per wake-up; each round sleeps (bounded by max_sleep)
@@ -378,20 +432,34 @@ class CertManager:
 
     # ---------------------------------------------------------------- one order
     async def _order(self, h: _Host) -> None:
-        waiters, h.waiters, h.forced = h.waiters, [], False
+        waiters, h.waiters, forced, h.forced = h.waiters, [], h.forced, False
         started = trio.current_time()
         error: str | None = None
         try:
-            async with self._limiter:
+            async with self._limiter, self.store.order_lock(h.name):
+                self._state_back()
+                # Looked at again under the lease: another instance may have stored
+                # this name's certificate while we waited for it.
+                if await self._adopt_shared(h) and not forced and \
+                        not self._needs_order(h, self._now()):
+                    return
                 account = await self._get_account()
                 issued = await self._issue(account, h.name)
                 stored, ctx, renew_at = await trio.to_thread.run_sync(
                     self._save, h.name, issued, account, abandon_on_cancel=True)
-            self._install(h, stored, ctx, renew_at)
+                self._install(h, stored, ctx, renew_at)
             log.info("cert_issued", host=h.name, issuer=stored.issuer,
                      challenge=issued.challenge, not_after=_iso(stored.not_after),
                      next_renewal=_iso(h.next_renewal or 0),
                      seconds=round(trio.current_time() - started, 3))
+        except OrderElsewhere as exc:
+            h.retry_at = self._now() + ELSEWHERE_RETRY
+            log.info("cert_order_elsewhere", host=h.name, detail=str(exc))
+            if forced:
+                error = str(exc)
+        except SharedStateUnavailable as exc:
+            error = str(exc)
+            self._state_lost(h, exc)
         except AcmeError as exc:
             error = str(exc)
             await self._failed_order(h, exc)
@@ -404,6 +472,54 @@ class CertManager:
             for w in waiters:
                 w.done(error)
             self._wake.set()
+
+    def _state_lost(self, h: _Host, exc: SharedStateUnavailable) -> None:
+        h.retry_at = self._now() + STATE_RETRY
+        self.stats.cert_failures.labels(host=h.name, reason=exc.reason).inc()
+        if not self._state_waiting:
+            self._state_waiting = True
+            log.warning("cert_orders_waiting", host=h.name, error=str(exc),
+                        detail="new orders wait for the shared state; certificates "
+                        "already loaded keep serving")
+
+    def _state_back(self) -> None:
+        if self._state_waiting:
+            self._state_waiting = False
+            log.info("cert_orders_resumed")
+
+    def _serials(self) -> dict[str, str | None]:
+        """The serial each ACME host serves now (None: nothing yet), for `store.watch`."""
+        return {h.name: h.cert.serial if h.cert else None for h in self._hosts.values()}
+
+    async def _picked_up(self, host: str) -> None:
+        """`store.watch`: another instance stored a new certificate for `host`."""
+        h = self._hosts.get(host)
+        if h is None or h.busy:
+            return  # not ours, or our own order is about to install one
+        h.busy = True
+        try:
+            await self._adopt_shared(h)
+        except AcmeError as exc:
+            h.last_error = str(exc)
+        finally:
+            h.busy = False
+            self._wake.set()
+
+    async def _adopt_shared(self, h: _Host) -> bool:
+        """Serve the certificate the shared store holds for `h` when it is not the one
+        served now; True when one was adopted. (One instance's store holds none.)"""
+        found = await self.store.fetch_shared(h.name, h.cert.serial if h.cert else None)
+        if found is None:
+            return False
+        stored, renew_at = found
+        ctx = await trio.to_thread.run_sync(served_context, stored.chain_path, stored.key_path)
+        if renew_at is None:
+            renew_at = renewal_time(stored.not_before, stored.not_after, self.policy, self._rng)
+        self._install(h, stored, ctx, renew_at)
+        log.info("cert_adopted", host=h.name, issuer=stored.issuer, serial=stored.serial,
+                 not_after=_iso(stored.not_after), next_renewal=_iso(renew_at),
+                 detail="stored by another instance")
+        return True
 
     async def _check_ari(self, h: _Host) -> None:
         """Ask the CA (if it offers ARI) when to renew `h`; it may move the window."""
@@ -557,6 +673,9 @@ class _ThreadHooks:
         self.m = manager
 
     def offer(self, kind: str, host: str, token: str, key_authorization: str) -> None:
+        # published for the other instances first: the CA may reach any of them
+        trio.from_thread.run(self.m.store.publish_challenge, kind, host, token,
+                             key_authorization)
         if kind == TLS_ALPN_01:
             ctx = tlsalpn.challenge_context(
                 host, key_authorization, now=datetime.datetime.now(datetime.UTC))
@@ -570,6 +689,7 @@ class _ThreadHooks:
             trio.from_thread.run_sync(self.m._alpn.pop, host, None)
         elif kind == HTTP_01:
             trio.from_thread.run_sync(self.m._http01.pop, (host, token), None)
+        trio.from_thread.run(self.m.store.withdraw_challenge, kind, host, token)
 
 
 def _iso(ts: float) -> str:

@@ -21,10 +21,12 @@ come in as arguments, so `list_store` works offline against a stopped instance.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +44,20 @@ HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
 MAX_CHAIN_BYTES = 64 * 1024
 
 CertSource = Literal["acme", "file"]
+
+
+class OrderElsewhere(AcmeError):
+    """Another instance of the cluster holds this name's order lock: it orders, we wait."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="elsewhere")
+
+
+class SharedStateUnavailable(AcmeError):
+    """The shared state (Redis) does not answer: no new order may start until it does."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="state_unavailable")
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,11 @@ class StoredCert:
     not_after: float
     issuer: str
     directory: str | None
+
+    @property
+    def serial(self) -> str:
+        """The serial in hex: the files of one issuance are named by it."""
+        return self.chain_path.stem
 
 
 def host_dir_name(host: str) -> str:
@@ -102,7 +123,14 @@ def issuer_name(cert: x509.Certificate) -> str:
 
 
 class Store:
-    """Files under `state_dir/acme`. Synchronous and small: callers run it where they like."""
+    """Files under `state_dir/acme`. Synchronous and small: callers run it where they like.
+
+    The async methods at the end are what a cluster shares (`pact_ingress.state.acme`);
+    for one instance they are empty: its `_Host.busy` flags already make one order per
+    name, and its challenge answers live in the manager's own tables."""
+
+    #: Whether other instances see what this store holds.
+    shared = False
 
     def __init__(self, state_dir: Path) -> None:
         self.root = Path(state_dir) / "acme"
@@ -209,6 +237,31 @@ class Store:
             last_error=meta.get("last_error"),
             directory=meta.get("directory"))
 
+    # -- the cluster: nothing to share for one instance -------------------------------------
+    @contextlib.asynccontextmanager
+    async def order_lock(self, host: str) -> AsyncIterator[None]:
+        yield
+
+    async def fetch_shared(self, host: str,
+                           known_serial: str | None) -> tuple[StoredCert, float | None] | None:
+        """A certificate another instance stored that is not `known_serial` (None here)."""
+        return None
+
+    async def publish_challenge(self, kind: str, host: str, token: str,
+                                key_authorization: str) -> None:
+        pass
+
+    async def withdraw_challenge(self, kind: str, host: str, token: str) -> None:
+        pass
+
+    async def find_challenge(self, kind: str, host: str, token: str) -> str | None:
+        return None
+
+    async def watch(self, known: Callable[[], dict[str, str | None]],
+                    changed: Callable[[str], Awaitable[None]]) -> None:
+        """Call `changed(host)` whenever another instance stored a new certificate."""
+        await _sleep_forever()
+
     @staticmethod
     def _remove_stale(d: Path, keep: str) -> None:
         for p in d.iterdir():
@@ -227,6 +280,12 @@ def list_store(state_dir: Path) -> list[CertInfo]:
     """
     store = Store(state_dir)
     return [store.info(h) for h in store.hosts()]
+
+
+async def _sleep_forever() -> None:
+    import trio  # only the running ingress gets here; `certs list` never imports trio
+
+    await trio.sleep_forever()
 
 
 def _read_optional(path: Path, cap: int = MAX_CHAIN_BYTES) -> bytes | None:

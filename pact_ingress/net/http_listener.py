@@ -46,6 +46,32 @@ class Http01Answers(Protocol):
     def http01_response(self, host: str, token: str) -> bytes | None: ...
 
 
+class Http01Lookup(Protocol):
+    """Where `handle_http` looks answers up: may ask the shared state (a round trip)."""
+
+    async def find_http01(self, host: str, token: str) -> bytes | None: ...
+
+
+@dataclass(frozen=True)
+class _Found:
+    """The one answer looked up for a request, as `plan_response` asks for it."""
+
+    host: str
+    token: str
+    value: bytes | None
+
+    def http01_response(self, host: str, token: str) -> bytes | None:
+        return self.value if (host, token) == (self.host, self.token) else None
+
+
+async def _look_up(answers: Http01Lookup, target: str, host_header: str | None) -> _Found:
+    m = HOST_RE.fullmatch((host_header or "").lower())
+    token = target[len(CHALLENGE_PREFIX):] if target.startswith(CHALLENGE_PREFIX) else ""
+    if m is None or not TOKEN_RE.fullmatch(token):
+        return _Found("", "", None)
+    return _Found(m["name"], token, await answers.find_http01(m["name"], token))
+
+
 @dataclass(frozen=True)
 class Answer:
     status: int
@@ -77,7 +103,7 @@ def _text(status: int, text: str, extra: tuple[tuple[str, str], ...] = ()) -> An
                   text.encode())
 
 
-async def handle_http(stream: trio.abc.Stream, answers: Http01Answers) -> None:
+async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
     """Serve one connection: one request, one answer, close."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     try:
@@ -89,7 +115,7 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Answers) -> None:
             host = next((v.decode("ascii", "replace") for k, v in request.headers
                          if k == b"host"), None)
             method = request.method.decode("ascii", "replace")
-            answer = plan_response(method, target, host, answers)
+            answer = plan_response(method, target, host, await _look_up(answers, target, host))
             if target.startswith(CHALLENGE_PREFIX):
                 log.info("acme_http01_request", host=host, status=answer.status)
             await _send(stream, conn, answer, head_only=method == "HEAD")
@@ -134,7 +160,7 @@ async def _send_raw_error(stream: trio.abc.Stream, status: int) -> None:
             pass
 
 
-async def serve_http(address: Address, answers: Http01Answers, *,
+async def serve_http(address: Address, answers: Http01Lookup, *,
                      task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
     """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
@@ -151,7 +177,7 @@ async def serve_http(address: Address, answers: Http01Answers, *,
         task_status.started((str(bound[0]), int(bound[1])))
 
 
-async def _accept_loop(listener: trio.SocketListener, answers: Http01Answers,
+async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
                        slots: trio.Semaphore, nursery: trio.Nursery) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
@@ -168,7 +194,7 @@ async def _accept_loop(listener: trio.SocketListener, answers: Http01Answers,
             nursery.start_soon(_serve_one, stream, answers, slots)
 
 
-async def _serve_one(stream: trio.SocketStream, answers: Http01Answers,
+async def _serve_one(stream: trio.SocketStream, answers: Http01Lookup,
                      slots: trio.Semaphore) -> None:
     try:
         await handle_http(stream, answers)

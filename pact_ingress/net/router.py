@@ -108,7 +108,7 @@ class TerminatorLike(Protocol):
 
 class CertsLike(Protocol):
     def server_context(self, route: Route) -> ssl.SSLContext | None: ...
-    def challenge_context(self, host: str) -> ssl.SSLContext | None: ...
+    async def challenge_context(self, host: str) -> ssl.SSLContext | None: ...
 
 
 class TunnelsLike(Protocol):
@@ -413,7 +413,9 @@ class Router:
         if ACME_ALPN not in hello.alpn:
             await self.relay.serve(stream, client)
             return
-        ctx = self.certs.challenge_context(self.relay.host) if self.certs is not None else None
+        ctx = None
+        if self.certs is not None:
+            ctx = await self.certs.challenge_context(self.relay.host)
         if ctx is None:
             self._reject(client[0], "acme_no_challenge", self.relay.host)
             _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
@@ -428,7 +430,7 @@ class Router:
 
     async def _answer_challenge(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                                 host: str, client: tuple[str, int]) -> None:
-        ctx = self.certs.challenge_context(host) if self.certs is not None else None
+        ctx = await self.certs.challenge_context(host) if self.certs is not None else None
         if ctx is None:
             self._reject(client[0], "acme_no_challenge", route.host)
             _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)

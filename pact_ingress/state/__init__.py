@@ -14,6 +14,9 @@ kind           local (default)              redis
 rate limits    `LocalLimiter`: buckets in   `RedisLimiter`: the same buckets in Redis, one
                this process                 atomic script per decision; falls back to a
                                             `LocalLimiter` while Redis is unreachable/slow
+ACME           `acme.store.Store`: files    `state.acme.RedisAcmeStore`: account, certs
+               under `state_dir`            (keys sealed), one order lease per name,
+                                            challenge answers; files stay as its cache
 =============  ===========================  ===============================================
 
 A backend also has `run` (a task in the ingress's root nursery: connections and health
@@ -25,13 +28,17 @@ Redis client library is imported only when the redis backend is configured.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from pact_ingress.model import State
 from pact_ingress.state.limiter import Limiter, LocalLimiter
 from pact_ingress.stats import Stats
+
+if TYPE_CHECKING:
+    from pact_ingress.state.acme import AcmeStore
 
 __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"]
 
@@ -43,6 +50,8 @@ class StateBackend(Protocol):
                   ) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def acme_store(self, state_dir: Path) -> AcmeStore: ...
 
 
 class LocalState:
@@ -57,6 +66,11 @@ class LocalState:
 
     def status(self) -> dict[str, Any]:
         return {"backend": "local", "mode": "local", "since": None, "last_error": None}
+
+    def acme_store(self, state_dir: Path) -> AcmeStore:
+        from pact_ingress.acme.store import Store
+
+        return Store(state_dir)
 
 
 def open_state(settings: State, stats: Stats) -> StateBackend:

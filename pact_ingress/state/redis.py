@@ -46,7 +46,8 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import coredis
 import trio
@@ -81,6 +82,9 @@ CONNECT_DEADLINE = 2.0
 MAX_CONNECTIONS = 16
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from pact_ingress.state.acme import RedisAcmeStore
 
 #: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
 #: float slack; then per bucket: cost, emission interval, burst. Returns 'ok' (every
@@ -194,7 +198,8 @@ class RedisState:
         self.stats.state_shared.set(0)
         self.stats.state_fallbacks.inc()
         log.warning("state_backend_lost", backend=str(self.settings), error=why,
-                    detail="rate limits are counted by this instance alone until it returns")
+                    detail="rate limits are counted by this instance alone and new "
+                    "certificate orders wait until it returns")
 
     def found(self) -> None:
         if self.healthy:
@@ -230,6 +235,12 @@ class RedisState:
             while True:
                 await trio.sleep(self.probe_interval)
                 await self.probe()
+
+    def acme_store(self, state_dir: Path) -> RedisAcmeStore:
+        """Certificates shared by the cluster (reads the encryption key; raises SealError)."""
+        from pact_ingress.state.acme import open_acme_store
+
+        return open_acme_store(state_dir, self)
 
     def status(self) -> dict[str, Any]:
         return {
