@@ -14,6 +14,9 @@ kind           local (default)              redis
 rate limits    `LocalLimiter`: buckets in   `RedisLimiter`: the same buckets in Redis, one
                this process                 atomic script per decision; falls back to a
                                             `LocalLimiter` while Redis is unreachable/slow
+relay queue    `SqliteStore`: one SQLite    `RedisRelayStore`: the same queue in Redis, one
+               file under state_dir         script per operation; `unavailable` while
+                                            Redis is unreachable/slow
 =============  ===========================  ===============================================
 
 A backend also has `run` (a task in the ingress's root nursery: connections and health
@@ -25,13 +28,18 @@ Redis client library is imported only when the redis backend is configured.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from pact_ingress.model import State
 from pact_ingress.state.limiter import Limiter, LocalLimiter
 from pact_ingress.stats import Stats
+
+if TYPE_CHECKING:
+    from pact_ingress.model import Relay
+    from pact_ingress.relay.store import RelayStore
 
 __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"]
 
@@ -43,6 +51,9 @@ class StateBackend(Protocol):
                   ) -> None: ...
 
     def status(self) -> dict[str, Any]: ...
+
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RelayStore: ...
 
 
 class LocalState:
@@ -57,6 +68,13 @@ class LocalState:
 
     def status(self) -> dict[str, Any]:
         return {"backend": "local", "mode": "local", "since": None, "last_error": None}
+
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RelayStore:
+        from pact_ingress.relay.store import SqliteStore
+
+        return SqliteStore(relay.store, max_items=relay.max_items, max_bytes=relay.max_bytes,
+                           stats=stats, clock=clock)
 
 
 def open_state(settings: State, stats: Stats) -> StateBackend:

@@ -46,14 +46,14 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
 
 from pact_ingress.logs import log
-from pact_ingress.model import RedisSettings
+from pact_ingress.model import Relay, RedisSettings
 from pact_ingress.proto.ratelimit import (
     _EPSILON,
     ALLOWED,
@@ -66,6 +66,9 @@ from pact_ingress.proto.ratelimit import (
 )
 from pact_ingress.state.limiter import LocalLimiter
 from pact_ingress.stats import Stats
+
+if TYPE_CHECKING:
+    from pact_ingress.state.relay_store import RedisRelayStore
 
 #: The default of `state.deadline`: a rate-limit decision waits at most this long for
 #: Redis before this instance decides alone. A request must not feel a sick Redis, and a
@@ -230,6 +233,13 @@ class RedisState:
             while True:
                 await trio.sleep(self.probe_interval)
                 await self.probe()
+
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RedisRelayStore:
+        from pact_ingress.state.relay_store import RedisRelayStore
+
+        return RedisRelayStore(self, max_items=relay.max_items, max_bytes=relay.max_bytes,
+                               stats=stats, clock=clock)
 
     def status(self) -> dict[str, Any]:
         return {
