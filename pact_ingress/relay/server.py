@@ -16,8 +16,9 @@ each connection's peer key in the app). The app serves two paths:
 
 * ``POST /relay/mcp`` — JSON-RPC: ``initialize``, ``ping``, ``tools/list``,
   ``tools/call`` of ``relay_call`` / ``fetch_queued`` / ``ack``. The rules are
-  `proto.relay`'s; the queue is a `RelayStore`. A success answer to relay_call is sent
-  only after the store's COMMIT returned (see `relay/store.py`).
+  `proto.relay`'s; the queue is a `RelayStore`, chosen by the state backend (SQLite, or
+  Redis: `state/relay_store.py`). A success answer to relay_call is sent only after the
+  store's COMMIT returned, or Redis answered the write (see `relay/store.py`).
 * ``GET|POST /relay/allowlist`` — the recipient's own allow-list.
 
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One

@@ -36,6 +36,9 @@ bucket errs towards admitting, like the pure limiter's LRU).
 While in fallback, decisions go to this instance's own `LocalLimiter`: limits still
 hold, per instance instead of cluster-wide. Its buckets start from what this instance
 charged during earlier fallbacks, not from the shared counts.
+
+**The relay queue** (`relay_store`) is `state.relay_store.RedisRelayStore`, on this
+client and this health: while in fallback the relay answers ``unavailable``.
 """
 
 from __future__ import annotations
