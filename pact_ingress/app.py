@@ -103,7 +103,7 @@ class Ingress:
             from pact_ingress.relay.server import RelayServer
 
             self.relay = RelayServer(config, stats=self.stats, certs=self.certs,
-                                     wake=self.tunnels.wake)
+                                     wake=self.tunnels.wake, state=self.state)
             if self._nursery is not None:  # added by a reload: start its store now
                 self._nursery.start_soon(self.relay.run)
         else:

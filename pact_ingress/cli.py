@@ -116,6 +116,9 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     cfg = load_config(Path(args.config))
     if cfg.relay is None:
         raise ConfigError(f"{args.config}: no relay block; there is no relay queue")
+    if cfg.state.backend == "redis":
+        raise PactIngressError(f"{args.config}: the relay queue is in Redis (state.backend: "
+                               "redis); `relay` reads the embedded store only: use redis-cli")
     store = cfg.relay.store
     if not store.exists():
         raise PactIngressError(f"{store}: no relay store yet (serve creates it)")

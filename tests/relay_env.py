@@ -100,8 +100,8 @@ def client_context(ident: Identity | None, alpn: Iterable[str] = ("http/1.1",)
 
 
 def relay_socket(port: int, ident: Identity | None, *, alpn: Iterable[str] = ("http/1.1",),
-                 timeout: float = WAIT) -> ssl.SSLSocket:
-    raw = socket.create_connection((LOOPBACK, port), timeout=timeout)
+                 timeout: float = WAIT, host: str = LOOPBACK) -> ssl.SSLSocket:
+    raw = socket.create_connection((host, port), timeout=timeout)
     try:
         return client_context(ident, alpn).wrap_socket(raw, server_hostname=RELAY_HOST)
     except BaseException:
@@ -112,14 +112,14 @@ def relay_socket(port: int, ident: Identity | None, *, alpn: Iterable[str] = ("h
 class RelayCaller:
     """One keep-alive HTTP/1.1 connection to the relay host, as `ident` (None: no cert)."""
 
-    def __init__(self, port: int, ident: Identity | None) -> None:
-        self.port, self.ident = port, ident
+    def __init__(self, port: int, ident: Identity | None, host: str = LOOPBACK) -> None:
+        self.port, self.ident, self.host = port, ident, host
         self.sock: ssl.SSLSocket | None = None
 
     def request(self, method: str, path: str, body: bytes = b"", **kw: Any) -> RawResponse:
         for attempt in (0, 1):  # a keep-alive connection the server closed: once more
             if self.sock is None:
-                self.sock = relay_socket(self.port, self.ident)
+                self.sock = relay_socket(self.port, self.ident, host=self.host)
             try:
                 self.sock.sendall(request_bytes(method, path, RELAY_HOST, body=body, **kw))
                 return read_response(self.sock)
@@ -183,6 +183,7 @@ class RelayServe:
     tunnel: bool = False
     extra: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    address: str = LOOPBACK  # the TLS listener's (the admin one stays on LOOPBACK)
 
     def __post_init__(self) -> None:
         self.port, self.admin_port = free_port(), free_port()
@@ -209,7 +210,7 @@ class RelayServe:
 identity: {{key: ingress.key}}
 state_dir: state
 listen:
-  tls: ["{LOOPBACK}:{self.port}"]
+  tls: ["{self.address}:{self.port}"]
   admin: "{LOOPBACK}:{self.admin_port}"
 {tunnel}relay:
   host: {RELAY_HOST}

@@ -1,31 +1,42 @@
 """The relay store in process: group commit, dedupe, bounds, expiry on an injected clock,
 allow-lists across reopen, and a broken store that answers instead of crashing.
 
+The contract tests run against both stores the state seam can give the relay: the
+embedded SQLite one and the Redis one (a real redis-server, a fresh key prefix per test).
+
 Also the sans-I/O rules of `proto/relay.py` that need no store.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
 from pact_ingress.identity import keygen
+from pact_ingress.model import Relay, RedisSettings
 from pact_ingress.proto import relay as rules
 from pact_ingress.relay.store import (
     QueueFull,
+    RelayStore,
     SqliteStore,
     StoreUnavailable,
     inspect,
     purge_file,
 )
+from pact_ingress.state import LocalState, StateBackend
+from pact_ingress.state.redis import RedisState
 from pact_ingress.stats import Stats
+from tests.redis_server import RedisServer
 from tests.relay_env import envelope
 
 A, B = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+_prefixes = itertools.count()
 
 
 class Clock:
@@ -44,15 +55,58 @@ async def _store(path: Path, clock: Clock | None = None, **kw: int) -> SqliteSto
     return store
 
 
-async def test_concurrent_enqueues_share_commits(tmp_path: Path) -> None:
-    store = await _store(tmp_path / "q.sqlite", max_items=1000, max_bytes=10**6)
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        request.getfixturevalue("redis")  # started once per module
+    return str(request.param)
+
+
+Make = Callable[..., Awaitable[RelayStore]]
+
+
+@pytest.fixture
+async def make(kind: str, request: pytest.FixtureRequest, tmp_path: Path,
+               nursery: trio.Nursery) -> Make:
+    """Opens a store of `kind` through the state seam, as the app does; every store made
+    in one test sees the same queue (the same file, or the same Redis key prefix)."""
+    backend: StateBackend = LocalState()
+    if kind == "redis":
+        server: RedisServer = request.getfixturevalue("redis")
+        state = RedisState(RedisSettings(
+            host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
+            key_prefix=f"t{next(_prefixes)}:", deadline=0.5), Stats(), probe_interval=0.05)
+        await nursery.start(state.run)
+        backend = state
+
+    async def open_store(clock: Clock | None = None, **kw: int) -> RelayStore:
+        relay = Relay(host="relay.test", cert="acme", store=tmp_path / "q.sqlite",
+                      max_items=kw.get("max_items", 100), max_bytes=kw.get("max_bytes", 10_000))
+        store = backend.relay_store(relay, Stats(), clock or Clock())
+        await store.open()
+        return store
+
+    return open_store
+
+
+async def test_concurrent_enqueues_share_commits(make: Make) -> None:
+    store = await make(max_items=1000, max_bytes=10**6)
     try:
         async with trio.open_nursery() as nursery:
             for i in range(200):
                 nursery.start_soon(store.enqueue, A, B, f"m{i}", b"x" * 10, 2_000_000_000)
+        assert await store.purge() == 0  # recounts
         assert store.depths()[A] == (200, 2000)
-        # 200 durable calls in far fewer fsyncs: that is the group commit
-        assert 1 <= store.commits < 100, store.commits
+        if isinstance(store, SqliteStore):
+            # 200 durable calls in far fewer fsyncs: that is the group commit
+            assert 1 <= store.commits < 100, store.commits
         items, more = await store.fetch(A, 1000)
         assert [i.envelope for i in items] == [b"x" * 10] * 200 and not more
         assert [i.id for i in items] == sorted(i.id for i in items)  # oldest first
@@ -60,8 +114,8 @@ async def test_concurrent_enqueues_share_commits(tmp_path: Path) -> None:
         await store.aclose()
 
 
-async def test_dedupe_bounds_ack(tmp_path: Path) -> None:
-    store = await _store(tmp_path / "q.sqlite", max_items=2, max_bytes=25)
+async def test_dedupe_bounds_ack(make: Make) -> None:
+    store = await make(max_items=2, max_bytes=25)
     try:
         first = await store.enqueue(A, B, "m1", b"0123456789", 2_000_000_000)
         again = await store.enqueue(A, B, "m1", b"0123456789", 2_000_000_000)
@@ -81,9 +135,28 @@ async def test_dedupe_bounds_ack(tmp_path: Path) -> None:
         await store.aclose()
 
 
-async def test_expiry_and_purge_on_injected_clock(tmp_path: Path) -> None:
+async def test_pages_oldest_first_until_acked(make: Make) -> None:
+    store = await make()
+    try:
+        for i in range(5):
+            await store.enqueue(A, B, f"m{i}", f"e{i}".encode(), 2_000_000_000)
+        items, more = await store.fetch(A, 2)
+        assert [i.envelope for i in items] == [b"e0", b"e1"] and more
+        again, _ = await store.fetch(A, 2)  # not acked: the same page again
+        assert again == items
+        assert await store.ack(A, [i.id for i in items]) == 2
+        items, more = await store.fetch(A, 3)
+        assert [i.envelope for i in items] == [b"e2", b"e3", b"e4"] and not more
+        assert await store.ack(A, [i.id for i in items]) == 3
+        assert await store.fetch(A, 3) == ([], False)
+        assert store.depths()[A] == (0, 0)
+    finally:
+        await store.aclose()
+
+
+async def test_expiry_and_purge_on_injected_clock(make: Make) -> None:
     clock = Clock()
-    store = await _store(tmp_path / "q.sqlite", clock)
+    store = await make(clock)
     try:
         now = int(clock.now)
         await store.enqueue(A, B, "short", b"s", now + 60)
@@ -98,18 +171,22 @@ async def test_expiry_and_purge_on_injected_clock(tmp_path: Path) -> None:
         await store.aclose()
 
 
-async def test_allowlists_and_depths_survive_reopen(tmp_path: Path) -> None:
+async def test_allowlists_and_depths_survive_reopen(make: Make, tmp_path: Path) -> None:
     path = tmp_path / "q.sqlite"
-    store = await _store(path)
+    store = await make()
     await store.set_allowlist(A, (B,))
     await store.enqueue(A, B, "m", b"abc", 2_000_000_000)
     await store.aclose()
-    store = await _store(path)
+    store = await make()
     try:
         assert store.allowlists() == {A: frozenset({B})}
         assert store.depths() == {A: (1, 3)}
+        items, more = await store.fetch(A, 10)  # unacked: still there, again
+        assert [i.envelope for i in items] == [b"abc"] and not more
     finally:
         await store.aclose()
+    if not isinstance(store, SqliteStore):
+        return  # the `relay` CLI reads the embedded store's file
     assert inspect(path, time.time())[0]["items"] == 1
     assert purge_file(path, time.time(), recipient=A, everything=True) == 1
     assert inspect(path, time.time())[0]["items"] == 0

@@ -158,6 +158,8 @@ def format_status(d: dict[str, Any]) -> str:
     if isinstance(relay, dict):
         state = "ok" if relay.get("healthy") else f"UNAVAILABLE: {relay.get('last_error')}"
         lines += ["", f"relay {relay.get('host')}: store {relay.get('store')} {state}"]
+        if relay.get("persistence_warning"):
+            lines.append(f"WARNING: relay store can lose items: {relay['persistence_warning']}")
         lines += _table("relay queues", ("tenant", "recipient", "items", "bytes"),
                         [(q.get("tenant"), q.get("recipient"), q.get("items"), q.get("bytes"))
                          for q in relay.get("queues", [])])

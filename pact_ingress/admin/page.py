@@ -179,6 +179,8 @@ def _relay(status: dict[str, Any]) -> str:
         return "<p>No relay configured.</p>"
     state = _badge("store ok", "ok") if relay.get("healthy") else _badge(
         f"store unavailable: {relay.get('last_error') or '?'}", "bad")
+    if relay.get("persistence_warning"):
+        state += " " + _badge(f"can lose items: {relay['persistence_warning']}", "bad")
     rows = [[_e(q.get("tenant") or "—"), f"<code>{_e(q.get('recipient'))}</code>",
              _number(q.get("items")), _number(q.get("bytes"))]
             for q in relay.get("queues", [])]

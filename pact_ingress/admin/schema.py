@@ -71,7 +71,7 @@ RELAY_QUEUE_SCHEMA = _obj(
 RELAY_SCHEMA = _obj(
     {"host": _STR, "store": _STR, "healthy": {"type": "boolean"},
      "queues": _list(RELAY_QUEUE_SCHEMA)},
-    {"last_error": _STR_OR_NULL},
+    {"last_error": _STR_OR_NULL, "persistence_warning": _STR_OR_NULL},
 )
 REFUSAL_SCHEMA = _obj(
     {"at": {"type": "number"}, "route": _STR, "client_ip": _STR, "reason": _STR})

@@ -16,8 +16,9 @@ each connection's peer key in the app). The app serves two paths:
 
 * ``POST /relay/mcp`` — JSON-RPC: ``initialize``, ``ping``, ``tools/list``,
   ``tools/call`` of ``relay_call`` / ``fetch_queued`` / ``ack``. The rules are
-  `proto.relay`'s; the queue is a `RelayStore`. A success answer to relay_call is sent
-  only after the store's COMMIT returned (see `relay/store.py`).
+  `proto.relay`'s; the queue is a `RelayStore`, chosen by the state backend (SQLite, or
+  Redis: `state/relay_store.py`). A success answer to relay_call is sent only after the
+  store's COMMIT returned, or Redis answered the write (see `relay/store.py`).
 * ``GET|POST /relay/allowlist`` — the recipient's own allow-list.
 
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
@@ -54,6 +55,7 @@ from pact_ingress.proto import relay as rules
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.relay import Refusal
 from pact_ingress.relay.store import QueueFull, RelayStore, SqliteStore, StoreUnavailable
+from pact_ingress.state import LocalState, StateBackend
 from pact_ingress.stats import Stats
 
 MCP_PATH = "/relay/mcp"
@@ -87,7 +89,7 @@ class RelayServer:
 
     def __init__(self, config: Config, *, stats: Stats, certs: Any,
                  wake: Callable[[str], bool] | None = None,
-                 store: RelayStore | None = None,
+                 store: RelayStore | None = None, state: StateBackend | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         assert config.relay is not None
         install_h2_guard()  # hypercorn crash on DATA for a finished stream
@@ -95,9 +97,9 @@ class RelayServer:
         self.certs = certs
         self.wake = wake
         self.clock = clock
-        self.store: RelayStore = store or SqliteStore(
-            config.relay.store, max_items=config.relay.max_items,
-            max_bytes=config.relay.max_bytes, stats=stats, clock=lambda: self.clock())
+        # the queue lives where the state backend keeps shared state (SQLite or Redis)
+        self.store: RelayStore = store or (state or LocalState()).relay_store(
+            config.relay, stats, lambda: self.clock())
         self._hconfig = _hypercorn_config()
         self._ctx: tuple[tuple[Any, ...], SSL.Context] | None = None
         self._conns: set[_Conn] = set()
@@ -111,8 +113,8 @@ class RelayServer:
         self.relay = config.relay
         self.host = config.relay.host
         self.recipients = config.relay_recipients()
+        self.store.set_bounds(config.relay.max_items, config.relay.max_bytes)
         if isinstance(self.store, SqliteStore):
-            self.store.set_bounds(config.relay.max_items, config.relay.max_bytes)
             if self.store.path != config.relay.store:
                 log.warning("relay_store_path_unchanged", running=str(self.store.path),
                             configured=str(config.relay.store),
@@ -123,8 +125,7 @@ class RelayServer:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Open the store, then purge expired items every PURGE_INTERVAL until cancelled."""
-        if isinstance(self.store, SqliteStore):
-            await self.store.open()
+        await self.store.open()
         task_status.started()
         try:
             while True:
@@ -148,11 +149,15 @@ class RelayServer:
         depths = self.store.depths()
         queues = [{"recipient": r, "tenant": self.recipients.get(r), "items": n, "bytes": b}
                   for r, (n, b) in sorted(depths.items()) if n]
-        out: dict[str, Any] = {"host": self.host, "store": str(self.relay.store),
+        store = str(self.relay.store) if isinstance(self.store, SqliteStore) else str(self.store)
+        out: dict[str, Any] = {"host": self.host, "store": store,
                                "healthy": self.store.healthy, "queues": queues}
-        error = getattr(self.store, "last_error", None)
+        error = self.store.last_error
         if error:
             out["last_error"] = error
+        warning = getattr(self.store, "persistence_warning", None)
+        if warning:
+            out["persistence_warning"] = warning
         return out
 
     # --- connections ---------------------------------------------------------------------
@@ -238,11 +243,10 @@ class RelayServer:
         """A broken store says unavailable (before any permission answer, which would
         otherwise be computed from allow-lists we could not read)."""
         if not self.store.healthy:
-            probe = getattr(self.store, "probe", None)
-            if probe is not None:
-                await probe()
+            await self.store.probe()
             if not self.store.healthy:
                 raise StoreUnavailable("relay store unavailable")
+        await self.store.refresh()  # a shared store: what other instances changed
 
     async def relay_call(self, fp: str, key: PublicKey, arguments: object,
                          seen: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -114,9 +114,15 @@ class Enqueued:
 
 
 class RelayStore(Protocol):
-    """What the relay needs of a queue store (SQLite here; others may follow)."""
+    """What the relay needs of a queue store (SQLite here, Redis in `state.relay_store`)."""
 
     healthy: bool
+    last_error: str | None
+
+    async def open(self) -> None: ...
+    def set_bounds(self, max_items: int, max_bytes: int) -> None: ...
+    async def probe(self) -> None: ...
+    async def refresh(self) -> None: ...
 
     async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
                       expires_at: int) -> Enqueued: ...
@@ -203,6 +209,9 @@ class SqliteStore:
     async def probe(self) -> None:
         """A no-op job: reopens a broken store when its retry time has come."""
         await self._submit(lambda conn: None, writes=False, allow_broken=True)
+
+    async def refresh(self) -> None:
+        """Nothing to re-read: this process is the file's only writer while it serves."""
 
     async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
                       expires_at: int) -> Enqueued:

@@ -17,6 +17,9 @@ rate limits    `LocalLimiter`: buckets in   `RedisLimiter`: the same buckets in 
 ACME           `acme.store.Store`: files    `state.acme.RedisAcmeStore`: account, certs
                under `state_dir`            (keys sealed), one order lease per name,
                                             challenge answers; files stay as its cache
+relay queue    `SqliteStore`: one SQLite    `RedisRelayStore`: the same queue in Redis, one
+               file under state_dir         script per operation; `unavailable` while
+                                            Redis is unreachable/slow
 =============  ===========================  ===============================================
 
 A backend also has `run` (a task in the ingress's root nursery: connections and health
@@ -29,6 +32,7 @@ Redis client library is imported only when the redis backend is configured.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -39,6 +43,8 @@ from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
     from pact_ingress.state.acme import AcmeStore
+    from pact_ingress.model import Relay
+    from pact_ingress.relay.store import RelayStore
 
 __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"]
 
@@ -52,6 +58,8 @@ class StateBackend(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     def acme_store(self, state_dir: Path) -> AcmeStore: ...
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RelayStore: ...
 
 
 class LocalState:
@@ -71,6 +79,12 @@ class LocalState:
         from pact_ingress.acme.store import Store
 
         return Store(state_dir)
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RelayStore:
+        from pact_ingress.relay.store import SqliteStore
+
+        return SqliteStore(relay.store, max_items=relay.max_items, max_bytes=relay.max_bytes,
+                           stats=stats, clock=clock)
 
 
 def open_state(settings: State, stats: Stats) -> StateBackend:

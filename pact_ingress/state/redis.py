@@ -36,6 +36,9 @@ bucket errs towards admitting, like the pure limiter's LRU).
 While in fallback, decisions go to this instance's own `LocalLimiter`: limits still
 hold, per instance instead of cluster-wide. Its buckets start from what this instance
 charged during earlier fallbacks, not from the shared counts.
+
+**The relay queue** (`relay_store`) is `state.relay_store.RedisRelayStore`, on this
+client and this health: while in fallback the relay answers ``unavailable``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import trio
 from coredis.retry import NoRetryPolicy
 
 from pact_ingress.logs import log
-from pact_ingress.model import RedisSettings
+from pact_ingress.model import Relay, RedisSettings
 from pact_ingress.proto.ratelimit import (
     _EPSILON,
     ALLOWED,
@@ -67,6 +70,9 @@ from pact_ingress.proto.ratelimit import (
 )
 from pact_ingress.state.limiter import LocalLimiter
 from pact_ingress.stats import Stats
+
+if TYPE_CHECKING:
+    from pact_ingress.state.relay_store import RedisRelayStore
 
 #: The default of `state.deadline`: a rate-limit decision waits at most this long for
 #: Redis before this instance decides alone. A request must not feel a sick Redis, and a
@@ -241,6 +247,12 @@ class RedisState:
         from pact_ingress.state.acme import open_acme_store
 
         return open_acme_store(state_dir, self)
+    def relay_store(self, relay: Relay, stats: Stats, clock: Callable[[], float]
+                    ) -> RedisRelayStore:
+        from pact_ingress.state.relay_store import RedisRelayStore
+
+        return RedisRelayStore(self, max_items=relay.max_items, max_bytes=relay.max_bytes,
+                               stats=stats, clock=clock)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,112 @@
+"""The relay queue on a real redis-server, what only the Redis store has: the persistence
+check (what it says for each setting, and when CONFIG is not allowed), and a Redis that
+goes away — every operation answers unavailable at once, nothing is acknowledged that
+was not stored, and it works again by itself when Redis returns."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import pytest
+import trio
+
+from pact_ingress.model import Relay, RedisSettings
+from pact_ingress.relay.store import StoreUnavailable
+from pact_ingress.state.redis import RedisState
+from pact_ingress.state.relay_store import RELAY_DEADLINE, RedisRelayStore
+from pact_ingress.stats import Stats
+from tests.redis_server import RedisServer
+
+A, B = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+DURABLE = ("--save", "", "--appendonly", "yes", "--appendfsync", "always")
+_prefixes = itertools.count()
+
+
+async def _open(nursery: trio.Nursery, server: RedisServer) -> RedisRelayStore:
+    state = RedisState(RedisSettings(
+        host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
+        key_prefix=f"r{next(_prefixes)}:", deadline=0.5), Stats(), probe_interval=0.05)
+    await nursery.start(state.run)
+    store = state.relay_store(Relay(host="relay.test", cert="acme", store=Path("/unused"),
+                                    max_items=100, max_bytes=10_000), Stats(), trio.current_time)
+    assert isinstance(store, RedisRelayStore)
+    await store.open()
+    return store
+
+
+async def _config_set(store: RedisRelayStore, name: str, value: str) -> None:
+    await store.state.client.config_set({name: value})
+
+
+async def test_persistence_check_says_what_can_be_lost(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = RedisServer(tmp_path / "redis")  # appendonly no: the test default
+    try:
+        with caplog.at_level(logging.INFO, logger="pact_ingress"):
+            store = await _open(nursery, server)
+            assert "appendonly is not yes" in (store.persistence_warning or "")
+            assert "loses every acknowledged one" in (store.persistence_warning or "")
+            await _config_set(store, "appendonly", "yes")
+            await _config_set(store, "appendfsync", "everysec")
+            assert "last second" in (await store.check_persistence() or "")
+            await _config_set(store, "appendfsync", "always")
+            assert await store.check_persistence() is None
+            await _config_set(store, "maxmemory-policy", "allkeys-lru")
+            assert "may evict" in (await store.check_persistence() or "")
+            await _config_set(store, "maxmemory-policy", "noeviction")
+            assert await store.check_persistence() is None
+            assert await store.check_persistence() is None  # unchanged: no new line
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records
+                 if r.getMessage().startswith("relay_store")]
+        assert lines == [("WARNING", "relay_store_may_lose_items")] * 2 + [
+            ("INFO", "relay_store_open"), ("WARNING", "relay_store_may_lose_items"),
+            ("INFO", "relay_store_open")], lines
+    finally:
+        server.stop()
+
+
+async def test_persistence_check_without_config(nursery: trio.Nursery, tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", extra=(*DURABLE, "--rename-command", "CONFIG", ""))
+    try:
+        store = await _open(nursery, server)
+        assert "cannot read Redis's persistence settings" in (store.persistence_warning or "")
+        assert store.healthy  # a refused CONFIG is not a lost Redis
+        assert not (await store.enqueue(A, B, "m", b"x", 2_000_000_000)).duplicate
+    finally:
+        server.stop()
+
+
+async def test_redis_gone_answers_unavailable_then_recovers(
+    nursery: trio.Nursery, tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path / "redis", extra=DURABLE)
+    try:
+        store = await _open(nursery, server)
+        assert store.persistence_warning is None
+        await store.enqueue(A, B, "before", b"b", 2_000_000_000)
+        server.stop()
+        # every operation fails (none hangs past the relay deadline), whether the state
+        # backend has noticed yet or not
+        for attempt in range(3):
+            with trio.fail_after(RELAY_DEADLINE + 1):
+                with pytest.raises(StoreUnavailable):
+                    await store.enqueue(A, B, f"during{attempt}", b"d", 2_000_000_000)
+                with pytest.raises(StoreUnavailable):
+                    await store.fetch(A, 10)
+                with pytest.raises(StoreUnavailable):
+                    await store.ack(A, [1])
+        assert not store.healthy and store.last_error
+        server.start()  # the AOF brings back what was acknowledged
+        with trio.fail_after(10):
+            while not store.healthy:
+                await trio.sleep(0.05)
+        await store.refresh()
+        items, _ = await store.fetch(A, 10)
+        assert [i.envelope for i in items] == [b"b"]  # nothing from the failed calls
+        assert not (await store.enqueue(A, B, "after", b"a", 2_000_000_000)).duplicate
+        assert (await store.enqueue(A, B, "before", b"b", 2_000_000_000)).duplicate
+    finally:
+        server.stop()
