@@ -309,7 +309,8 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
             nursery.start_soon(sdnotify.watchdog_loop)
             await nursery.start(connector)
             sdnotify.ready()
-            log.info("connector_started", ingress=str(cfg.ingress), forward=str(cfg.forward),
+            log.info("connector_started", ingress=[str(a) for a in cfg.ingress_addresses],
+                     forward=str(cfg.forward),
                      connections=cfg.connections)
 
     trio.run(run)
