@@ -77,3 +77,68 @@ async def test_a_name_stands_for_every_record() -> None:
     assert found is not None and Address("127.0.0.1", 9) in found
     assert len(found) == len(set(found))
     assert await resolve_all(Address("no-such-name.invalid", 9)) is None
+
+
+def test_registry_in_redis_lists_members_and_holders(tmp_path: Path,
+                                                     node: RecordingNode) -> None:
+    import base64
+    import os
+
+    import jsonschema
+
+    from pact_ingress.admin.schema import STATUS_SCHEMA
+    from tests.redis_server import RedisServer
+
+    redis = RedisServer(tmp_path / "redis")
+    key = tmp_path / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    state = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
+             " deadline: 500ms}\n")
+    port = free_port()
+    instances = [Instance(tmp_path, a, port, node.identity.fingerprint, extra=state)
+                 for a in ADDRESSES]
+    connect = None
+
+    def cluster(instance: Instance) -> dict:
+        doc = instance.status()
+        jsonschema.validate(doc, STATUS_SCHEMA)
+        return doc["cluster"]
+
+    def view(instance: Instance, members: set[str], holders: set[str]) -> bool:
+        c = cluster(instance)
+        return (not c["stale"] and {m["fingerprint"] for m in c["members"]} == members
+                and set(c["holders"].get("family", ())) == holders)
+
+    try:
+        for instance in instances:
+            instance.start()
+        a, b = instances
+        fps = {i.identity.fingerprint for i in instances}
+        connect = Connect(tmp_path, node.identity, node.port,
+                          [f"{i.address}:{port}" for i in instances],
+                          [i.identity.fingerprint for i in instances])
+        for instance in instances:
+            wait_for(lambda i=instance: view(i, fps, fps), f"both held, seen by {instance.address}")
+        members = {m["fingerprint"]: m for m in cluster(b)["members"]}
+        assert members[a.identity.fingerprint]["address"] == f"{a.address}:{port}"
+        assert members[b.identity.fingerprint]["self"]
+        assert members[a.identity.fingerprint]["last_heartbeat"] > 0
+
+        a.kill()  # its keys expire on their own: nobody cleans up after a dead instance
+        only_b = {b.identity.fingerprint}
+        wait_for(lambda: view(b, only_b, only_b), "A gone from the registry", timeout=15)
+
+        redis.stop()  # the registry is unavailable; B serves its own tunnels as before
+        wait_for(lambda: cluster(b)["stale"], "a stale registry", timeout=15)
+        assert request(b, PT_HOST) == 200
+        a.start()
+        redis.start()  # recovery needs nothing but Redis answering again
+        wait_for(lambda: view(b, fps, fps), "the registry back", timeout=20)
+        assert "Traceback" not in b.logs()
+    finally:
+        if connect is not None:
+            connect.close()
+        for instance in instances:
+            instance.close()
+        redis.stop()

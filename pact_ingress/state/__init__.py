@@ -14,6 +14,8 @@ kind           local (default)              redis
 rate limits    `LocalLimiter`: buckets in   `RedisLimiter`: the same buckets in Redis, one
                this process                 atomic script per decision; falls back to a
                                             `LocalLimiter` while Redis is unreachable/slow
+tunnel        `LocalRegistry`: this        `RedisRegistry`: a key per (tenant, instance)
+registry      process's own tunnels        and per instance, TTL refreshed by heartbeat
 =============  ===========================  ===============================================
 
 A backend also has `run` (a task in the ingress's root nursery: connections and health
@@ -31,6 +33,7 @@ import trio
 
 from pact_ingress.model import State
 from pact_ingress.state.limiter import Limiter, LocalLimiter
+from pact_ingress.state.registry import LocalRegistry, Registry
 from pact_ingress.stats import Stats
 
 __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"]
@@ -38,6 +41,7 @@ __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"
 
 class StateBackend(Protocol):
     limiter: Limiter
+    registry: Registry
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None: ...
@@ -50,6 +54,7 @@ class LocalState:
 
     def __init__(self) -> None:
         self.limiter = LocalLimiter()
+        self.registry = LocalRegistry()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:

@@ -65,6 +65,7 @@ from pact_ingress.proto.ratelimit import (
     client_bucket,
 )
 from pact_ingress.state.limiter import LocalLimiter
+from pact_ingress.state.registry import RedisRegistry
 from pact_ingress.stats import Stats
 
 #: The default of `state.deadline`: a rate-limit decision waits at most this long for
@@ -163,6 +164,7 @@ class RedisState:
         self.since = time.time()
         self.last_error: str | None = "not connected yet"
         self.limiter = RedisLimiter(self)
+        self.registry = RedisRegistry(self)
         stats.state_shared.set(0)
 
     def key(self, *parts: str) -> str:
