@@ -151,6 +151,10 @@ class Ingress:
             log.error("reload_refused", error=line)
         return False, "\n".join(messages)
 
+    def _tunnels_held(self) -> dict[str, int]:
+        """Live tunnel connections per tenant, for the cluster's registry."""
+        return {t.name: self.tunnels.live_tunnels(t.name) for t in self.config.tenants}
+
     def status(self) -> dict[str, Any]:
         """The `/status` document (schema: pact_ingress.admin.schema.STATUS_SCHEMA)."""
         from pact_ingress.admin import schema
@@ -179,6 +183,7 @@ class Ingress:
             "counters": schema.counters_from(self.stats),
             "recent_refusals": schema.refusals_from(self.stats),
             "state": self.state.status(),
+            "cluster": self.state.registry.status(),
             **({"relay": self.relay.status()} if self.relay and cfg.relay else {}),
         }
 
@@ -192,6 +197,12 @@ class Ingress:
             self._nursery = nursery
             nursery.start_soon(self.resolver.refresh_forever)
             await nursery.start(self.state.run)
+            # peers would reach this instance where callers do: its first TLS address
+            host, port = self.bound["tls"][0] if self.bound["tls"] else ("", 0)
+            self.state.registry.attach(self.identity.fingerprint,
+                                       str(Address(str(host), int(port))) if host else None,
+                                       self._tunnels_held)
+            nursery.start_soon(self.state.registry.run)
             await nursery.start(self.certs.run)
             if self.relay is not None:
                 await nursery.start(self.relay.run)
@@ -310,7 +321,8 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
             nursery.start_soon(sdnotify.watchdog_loop)
             await nursery.start(connector)
             sdnotify.ready()
-            log.info("connector_started", ingress=str(cfg.ingress), forward=str(cfg.forward),
+            log.info("connector_started", ingress=[str(a) for a in cfg.ingress_addresses],
+                     forward=str(cfg.forward),
                      connections=cfg.connections)
 
     trio.run(run)

@@ -257,6 +257,20 @@ class ConnectorConfig:
     data_transport: Literal["auto", "raw", "tls"] = "auto"
     #: What the connector does when the ingress says mail is queued at the relay.
     on_mail: OnMail | None = None
+    #: Every configured ingress address when there are several (`ingress` is the first):
+    #: empty means just `ingress`. A name among them stands for all its A/AAAA records.
+    ingresses: tuple[Address, ...] = ()
+    #: Every ingress key accepted (`pin` is the first); empty means just `pin`. One list
+    #: for all addresses: which instance answers behind an address is not known ahead.
+    pins: tuple[str, ...] = ()
+
+    @property
+    def ingress_addresses(self) -> tuple[Address, ...]:
+        return self.ingresses or (self.ingress,)
+
+    @property
+    def ingress_pins(self) -> tuple[str, ...]:
+        return self.pins or (self.pin,)
 
 
 @dataclass(frozen=True)

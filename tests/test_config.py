@@ -492,3 +492,36 @@ def test_mutated_valid_config_loads_or_raises_config_error(data: st.DataObject) 
             load_config(path)
         except ConfigError as exc:
             assert exc.messages and all(m.startswith(str(path)) for m in exc.messages)
+
+
+def test_connector_config_several_ingresses(tmp_path: Path) -> None:
+    path = tmp_path / "connector.yaml"
+    path.write_text(CONNECTOR.replace(
+        "address: ingress.example", 'address: ["127.0.0.2:8443", edge.example]').replace(
+        f'pin: "{PIN_B}"', f'pin: ["{PIN_B}", "{PIN_A}"]'))
+    config = load_connector_config(path)
+    assert config.ingress_addresses == (Address("127.0.0.2", 8443), Address("edge.example", 443))
+    assert config.ingress == Address("127.0.0.2", 8443)
+    assert config.ingress_pins == (PIN_B, PIN_A)
+    # the single forms stay what they were: one address, one pin
+    path.write_text(CONNECTOR)
+    config = load_connector_config(path)
+    assert (config.ingress_addresses, config.ingress_pins) == ((config.ingress,), (PIN_B,))
+
+
+@pytest.mark.parametrize(("address", "pin", "text"), [
+    ("[]", f'"{PIN_B}"', "ingress.address must not be an empty list"),
+    ('["a.example", "a.example:443"]', f'"{PIN_B}"', "ingress.address lists a.example:443 twice"),
+    ('["a.example", "bad host!"]', f'"{PIN_B}"', "each item of ingress.address"),
+    ("a.example", f'["{PIN_B}", "sha256:nope"]', "each item of ingress.pin 'sha256:nope'"),
+    ("a.example", f'["{PIN_B}", "{PIN_B}"]', "ingress.pin lists"),
+    ("[" + ", ".join(f'"127.0.0.{i}"' for i in range(1, 18)) + "]", f'"{PIN_B}"',
+     "ingress.address lists more than 16 items"),
+])
+def test_connector_config_several_ingresses_errors(tmp_path: Path, address: str, pin: str,
+                                                  text: str) -> None:
+    path = tmp_path / "connector.yaml"
+    path.write_text(CONNECTOR.replace("address: ingress.example", f"address: {address}")
+                    .replace(f'pin: "{PIN_B}"', f"pin: {pin}"))
+    messages = _connector_messages(path)
+    assert any(text in m for m in messages), messages

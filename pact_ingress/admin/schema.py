@@ -20,6 +20,9 @@ Shape, in words:
 - `state`: where shared state lives: `backend` (local|redis), `mode` (local: one
   instance; shared: Redis answers; fallback: Redis lost, this instance counts alone),
   `since` (unix seconds of the last switch, null for local), `last_error` (text or null)
+- `cluster`: the tunnel registry: `registry` (local|redis), `stale` (no fresh view of
+  Redis), `members` (`fingerprint`, `address`, `last_heartbeat` in unix seconds, `self`)
+  and `holders` (tenant → fingerprints of the instances holding its tunnel)
 
 Times are ISO 8601 strings where people read them (certificates) and unix seconds where
 they come from the event log (refusals), so neither side has to guess a timezone.
@@ -80,6 +83,13 @@ STATE_SCHEMA = _obj(
      "mode": {"enum": ["local", "shared", "fallback"]},
      "since": {"type": ["number", "null"]}, "last_error": _STR_OR_NULL},
 )
+CLUSTER_MEMBER_SCHEMA = _obj(
+    {"fingerprint": _STR, "address": _STR_OR_NULL,
+     "last_heartbeat": {"type": ["number", "null"]}, "self": {"type": "boolean"}})
+CLUSTER_SCHEMA = _obj(
+    {"registry": {"enum": ["local", "redis"]}, "stale": {"type": "boolean"},
+     "members": _list(CLUSTER_MEMBER_SCHEMA),
+     "holders": {"type": "object", "additionalProperties": _list(_STR)}})
 
 #: JSON Schema (draft 2020-12) of the `GET /status` document.
 STATUS_SCHEMA: dict[str, Any] = {
@@ -95,7 +105,8 @@ STATUS_SCHEMA: dict[str, Any] = {
         "certs": _list(CERT_SCHEMA),
         "counters": {"type": "object", "additionalProperties": {"type": "number"}},
         "recent_refusals": _list(REFUSAL_SCHEMA),
-    }, {"identity": _STR, "state": STATE_SCHEMA, "relay": RELAY_SCHEMA}),
+    }, {"identity": _STR, "state": STATE_SCHEMA, "cluster": CLUSTER_SCHEMA,
+        "relay": RELAY_SCHEMA}),
 }
 
 

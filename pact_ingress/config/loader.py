@@ -46,7 +46,9 @@ Decisions worth knowing:
 * Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
   and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
   its own tenant's hosts, never another tenant's or the tunnel hostname.
-* Connector config: ``ingress.address`` may omit the port (443).
+* Connector config: ``ingress.address`` may omit the port (443). It is one address or a
+  list of them (several ingress instances; a name stands for all its A/AAAA records), and
+  ``ingress.pin`` is one pin or a list (any of them is accepted on every address).
 * ``state`` picks where state shared by several instances lives: ``backend: local`` (the
   default: this process, as a single instance always was) or ``backend: redis`` with a
   ``url`` (``redis://HOST:PORT/DB``, ``rediss://`` for TLS). A password in the URL is
@@ -131,6 +133,10 @@ MAX_PINS_PER_TENANT = 8
 MAX_TENANT_NAME = 63
 #: Parallel tunnel connections a connector may keep (redundancy, not throughput).
 MAX_TUNNEL_CONNECTIONS = 16
+#: Ingress addresses and ingress pins one connector config may list (a cluster of a few
+#: instances; each address costs `connections` control links).
+MAX_INGRESS_ADDRESSES = 16
+MAX_INGRESS_PINS = 16
 #: Durations above a day are a typo (e.g. "300" meant as ms) rather than a wish.
 MAX_DURATION_SECONDS = 86_400.0
 #: A password or key file is a line of text; anything larger is the wrong file.
@@ -1398,9 +1404,11 @@ def _connector(ctx: _Ctx, path: Path, root: Node) -> ConnectorConfig | None:
     on_mail = top.opt("on_mail", _on_mail)
     if ctx.errors or None in (key, ingress, forward, count, transport):
         return None
-    address, sni, pin = ingress
-    return ConnectorConfig(Path(os.path.abspath(path)), key, address, sni, pin, forward, count,
-                           transport, on_mail)
+    addresses, sni, pins = ingress
+    return ConnectorConfig(Path(os.path.abspath(path)), key, addresses[0], sni, pins[0],
+                           forward, count, transport, on_mail,
+                           ingresses=addresses if len(addresses) > 1 else (),
+                           pins=pins if len(pins) > 1 else ())
 
 
 def _on_mail(ctx: _Ctx, node: Node) -> OnMail | None:
@@ -1445,21 +1453,46 @@ def _connector_identity(ctx: _Ctx, node: Node) -> Path | None:
     return fields.opt("key", _path, "identity.key") if fields else None
 
 
-def _connector_ingress(ctx: _Ctx, node: Node) -> tuple[Address, str, str] | None:
+def _connector_ingress(ctx: _Ctx, node: Node
+                       ) -> tuple[tuple[Address, ...], str, tuple[str, ...]] | None:
     fields = _mapping(ctx, node, "ingress", _INGRESS_KEYS, required=_INGRESS_KEYS)
     if fields is None:
         return None
-    address = fields.opt("address", _address, "ingress.address", 443)
+    addresses = fields.opt("address", _one_or_list, "ingress.address", MAX_INGRESS_ADDRESSES,
+                           lambda c, n, what: _address(c, n, what, 443))
     sni = fields.opt("tunnel_hostname", _hostname, "ingress.tunnel_hostname")
-    pin = fields.opt("pin", _connector_pin)
-    return None if None in (address, sni, pin) else (address, sni, pin)
+    pins = fields.opt("pin", _one_or_list, "ingress.pin", MAX_INGRESS_PINS, _connector_pin)
+    return None if None in (addresses, sni, pins) else (addresses, sni, pins)
 
 
-def _connector_pin(ctx: _Ctx, node: Node) -> str | None:
-    pin = _string(ctx, node, "ingress.pin")
+def _one_or_list(ctx: _Ctx, node: Node, what: str, cap: int,
+                 item: Callable[[_Ctx, Node, str], Any]) -> tuple[Any, ...] | None:
+    """One value, or a non-empty list of distinct ones (at most `cap`), each read by
+    `item`; the single form stays what it always was."""
+    if not isinstance(node, SequenceNode):
+        value = item(ctx, node, what)
+        return None if value is None else (value,)
+    if not node.value:
+        ctx.at(node, f"{what} must not be an empty list")
+        return None
+    if len(node.value) > cap:
+        ctx.at(node, f"{what} lists more than {cap} items")
+        return None
+    values = [item(ctx, n, f"each item of {what}") for n in node.value]
+    if None in values:
+        return None
+    for n, value in zip(node.value, values):
+        if values.count(value) > 1:
+            ctx.at(n, f"{what} lists {value} twice")
+            return None
+    return tuple(values)
+
+
+def _connector_pin(ctx: _Ctx, node: Node, what: str = "ingress.pin") -> str | None:
+    pin = _string(ctx, node, what)
     why = pin_problem(pin) if pin is not None else None
     if why is not None:
-        ctx.at(node, f"ingress.pin {pin!r} {why} "
+        ctx.at(node, f"{what} {pin!r} {why} "
                "(`pact-ingress tenant add` prints the ingress's pin)")  # fmt: skip
         return None
     return pin

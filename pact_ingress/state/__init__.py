@@ -20,6 +20,8 @@ ACME           `acme.store.Store`: files    `state.acme.RedisAcmeStore`: account
 relay queue    `SqliteStore`: one SQLite    `RedisRelayStore`: the same queue in Redis, one
                file under state_dir         script per operation; `unavailable` while
                                             Redis is unreachable/slow
+tunnel         `LocalRegistry`: this        `RedisRegistry`: a key per (tenant, instance)
+registry       process's own tunnels        and per instance, TTL refreshed by heartbeat
 =============  ===========================  ===============================================
 
 A backend also has `run` (a task in the ingress's root nursery: connections and health
@@ -39,6 +41,7 @@ import trio
 
 from pact_ingress.model import State
 from pact_ingress.state.limiter import Limiter, LocalLimiter
+from pact_ingress.state.registry import LocalRegistry, Registry
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"
 
 class StateBackend(Protocol):
     limiter: Limiter
+    registry: Registry
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None: ...
@@ -67,6 +71,7 @@ class LocalState:
 
     def __init__(self) -> None:
         self.limiter = LocalLimiter()
+        self.registry = LocalRegistry()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:

@@ -69,6 +69,7 @@ from pact_ingress.proto.ratelimit import (
     client_bucket,
 )
 from pact_ingress.state.limiter import LocalLimiter
+from pact_ingress.state.registry import RedisRegistry
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -173,6 +174,7 @@ class RedisState:
         self.since = time.time()
         self.last_error: str | None = "not connected yet"
         self.limiter = RedisLimiter(self)
+        self.registry = RedisRegistry(self)
         stats.state_shared.set(0)
 
     def key(self, *parts: str) -> str:

@@ -5,8 +5,9 @@ Theory of operation (the protocol and its security argument are in
 -----------------------------------------------------
 `cfg.connections` slots each keep one **control connection** to the ingress: TCP to
 `ingress.address`, TLS 1.3 with SNI `tunnel_hostname`, ALPN `pact-tunnel/1`, our PACT key
-as client certificate, and the ingress accepted only if its key's fingerprint is
-`ingress.pin` (stdlib ssl verifies nothing else; `identity.check_pin`). Over it we send
+as client certificate, and the ingress accepted only if its key's fingerprint is one of
+`ingress.pin` (stdlib ssl verifies nothing else; `identity.check_pin`). One Connector
+talks to one ingress address; several instances get one each (`multi.py`). Over it we send
 HELLO, answer and send heartbeats, and receive TOKENs and SPAREs.
 
 Every TOKEN makes us dial one **data connection** at once; SPAREs we keep, and a data
@@ -76,6 +77,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -366,7 +368,8 @@ class Connector:
                 self._log_goaway(slot, exc.msg)
             except PinMismatch as exc:
                 self._event("refused_ingress_pin")
-                log.error("ingress_pin_mismatch", ingress=self.label, expected=self.cfg.pin,
+                log.error("ingress_pin_mismatch", ingress=self.label,
+                          expected=list(self.cfg.ingress_pins),
                           seen=exc.seen, slot=slot)
             except _NET_ERRORS as exc:
                 log.warning("tunnel_control_failed", ingress=self.label, slot=slot,
@@ -397,7 +400,7 @@ class Connector:
         tls = trio.SSLStream(tcp, ctx, server_hostname=self.cfg.tunnel_hostname)
         try:
             await tls.do_handshake()
-            check_pin(tls, [self.cfg.pin])  # type: ignore[arg-type]
+            check_pin(tls, self.cfg.ingress_pins)  # type: ignore[arg-type]
         except BaseException:
             await trio.aclose_forcefully(tls)
             raise
@@ -662,13 +665,17 @@ def _literal_family(host: str) -> int | None:
 async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,
                         shutdown: trio.Event | None = None, grace: float = DRAIN_GRACE,
                         heartbeat: float = HEARTBEAT_INTERVAL,
-                        task_status: trio.TaskStatus[Connector] = trio.TASK_STATUS_IGNORED
+                        task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
                         ) -> None:
     """Run the connector until cancelled, or until `shutdown` is set (then drain ≤ grace).
 
-    The CLI sets `shutdown` on SIGTERM. `task_status.started()` receives the Connector
-    (live counts for status output and tests).
+    The CLI sets `shutdown` on SIGTERM. `task_status.started()` receives the
+    `multi.ConnectorSet`: one Connector per ingress target (live counts for status output
+    and tests).
     """
-    connector = Connector(cfg, stats=stats, heartbeat=heartbeat,
-                          data_transport=cfg.data_transport)
-    await connector.run(shutdown=shutdown, grace=grace, task_status=task_status)
+    # one Connector per ingress target, even for a single address: the set is where
+    # names are resolved (every record an instance) and kept resolved
+    from pact_ingress.net.tunnel.multi import ConnectorSet  # it builds on this module
+
+    connectors = ConnectorSet(cfg, stats=stats, heartbeat=heartbeat)
+    await connectors.run(shutdown=shutdown, grace=grace, task_status=task_status)
