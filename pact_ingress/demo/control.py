@@ -79,7 +79,8 @@ class DemoControl:
     # --- the connector -------------------------------------------------------------------
 
     async def start_connector(self, nursery: trio.Nursery) -> None:
-        """Start the connector in `nursery` and wait until the ingress sees its tunnel."""
+        """Start the connector in `nursery`; wait until the ingress sees all its control
+        connections (what the printed status command then shows)."""
         self._nursery = nursery
         stop, scope, done = trio.Event(), trio.CancelScope(), trio.Event()
 
@@ -94,7 +95,7 @@ class DemoControl:
         await nursery.start(connector_task)
         self._running = (stop, scope, done)
         with trio.fail_after(TUNNEL_WAIT):
-            while not self.ingress.tunnels.live_tunnels(self.tenant):
+            while self.ingress.tunnels.live_tunnels(self.tenant) < self.connector.connections:
                 await trio.sleep(0.05)
 
     async def stop_connector(self) -> None:
