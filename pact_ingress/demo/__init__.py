@@ -9,20 +9,29 @@ Starts in one process, under one trio nursery:
   - `demo.localhost` — passthrough: the caller's TLS (and client certificate) reaches
     the node untouched;
   - `mcp.demo.localhost` — terminate with `seal: required`: the edge refuses unsealed
-    substantive calls and re-originates over pinned mTLS to the node.
+    substantive calls and re-originates over pinned mTLS to the node;
+* the relay gateway on `relay.demo.localhost` (self-signed, store in the state dir), with
+  the demo tenant `relay: true` and the demo caller on the node's allow-list (the demo
+  posts it at start with the node's key, as the node itself would);
+* the demo control (`demo.control`) on loopback: plain HTTP that takes the node off line
+  (stops the connector) and back, and is the connector's `on_mail` hook URL.
 
-It prints commands to try both modes (curl, the demo client's plain and sealed calls)
-and where the admin page is. State (keys, config, self-signed cert) lives in a fresh
-directory under the system temp dir and is shown; nothing is written elsewhere.
-Ctrl-C (SIGINT) or SIGTERM stops everything and exits 0.
+It prints commands to try both modes (curl, the demo client's plain and sealed calls),
+then the relay story — node offline, a sealed call queued at the relay, node back, woken
+over its tunnel, fetching, opening and acking — and where the admin page is. State (keys,
+configs, self-signed certs, the relay store) lives in a fresh directory under the system
+temp dir and is shown; nothing is written elsewhere. Ctrl-C (SIGINT) or SIGTERM stops
+everything and exits 0.
 
 The package keeps demo code out of the product's modules: this module is the command,
 `demo.node` the home node (the end-to-end tests use it too), `demo.client` the caller
-the printed commands run (`python -m pact_ingress.demo.client`).
+the printed commands run (`python -m pact_ingress.demo.client`), `demo.control` the
+offline/online switch and the node's mail run.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
 import sys
@@ -33,22 +42,28 @@ import trio
 
 from pact_ingress.app import Ingress
 from pact_ingress.config import load_config, load_connector_config
+from pact_ingress.demo.wire import post
+from pact_ingress.demo.control import DemoControl
 from pact_ingress.demo.node import serve_demo_node
 from pact_ingress.errors import PactIngressError
-from pact_ingress.identity import keygen, load_identity
+from pact_ingress.identity import fingerprint_file, keygen, load_identity
 from pact_ingress.logs import log
 from pact_ingress.logs import setup as setup_logs
-from pact_ingress.net.tunnel.connector import run_connector
 
 PASSTHROUGH_HOST = "demo.localhost"
 TERMINATE_HOST = "mcp.demo.localhost"
 TUNNEL_HOST = "tunnel.localhost"
+RELAY_HOST = "relay.demo.localhost"
+TENANT = "demo"
+#: Loopback ports the demo takes, from --port on: TLS, admin, node, control.
+PORTS = 4
 #: How long open connections get when the demo is stopped (it is interactive: be quick).
 DEMO_DRAIN = 2.0
 READY_LINE = "pact-ingress demo is running."
 
 
-def write_configs(state: Path, port: int, admin_port: int, node_port: int) -> tuple[Path, Path]:
+def write_configs(state: Path, port: int, admin_port: int, node_port: int,
+                  control_port: int) -> tuple[Path, Path]:
     """Keys + ingress and connector configs for the demo; returns their paths."""
     ingress = keygen(state / "ingress.key", common_name="pact-ingress-demo")
     node = keygen(state / "node.key", common_name="demo-node")
@@ -62,9 +77,13 @@ listen:
   tls: ["127.0.0.1:{port}"]
   admin: "127.0.0.1:{admin_port}"
 tunnel: {{hostname: {TUNNEL_HOST}}}
+relay:
+  host: {RELAY_HOST}
+  cert: {{cert: selfsigned/{RELAY_HOST}.crt, key: selfsigned/{RELAY_HOST}.key}}
 tenants:
-  - name: demo
+  - name: {TENANT}
     pins: ["{node.fingerprint}"]
+    relay: true
     routes:
       - {{host: {PASSTHROUGH_HOST}, mode: passthrough, backend: tunnel}}
       - host: {TERMINATE_HOST}
@@ -84,17 +103,20 @@ ingress:
   pin: "{ingress.fingerprint}"
 forward: "127.0.0.1:{node_port}"
 connections: 2
+on_mail: {{url: "http://127.0.0.1:{control_port}/mail"}}
 """)
     return cfg, conn
 
 
-def instructions(state: Path, port: int, admin_port: int) -> list[tuple[str, str]]:
+def instructions(state: Path, port: int, admin_port: int, control_port: int
+                 ) -> list[tuple[str, str]]:
     """(what it shows, command) pairs printed for the user (and run by the tests)."""
     py = shlex.quote(sys.executable)
     s = shlex.quote(str(state))
     resolve_p = f"--resolve {PASSTHROUGH_HOST}:{port}:127.0.0.1"
     resolve_t = f"--resolve {TERMINATE_HOST}:{port}:127.0.0.1"
     rpc_list = "'{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/list\"}'"
+    control = f"http://127.0.0.1:{control_port}"
     return [
         ("passthrough: the caller's client certificate reaches the node (its fingerprint "
          "comes back as `caller`)",
@@ -112,7 +134,21 @@ def instructions(state: Path, port: int, admin_port: int) -> list[tuple[str, str
         ("terminate: a sealed send_message reaches the node attributed to the caller's key",
          f"{py} -m pact_ingress.demo.client sealed --host {TERMINATE_HOST} --port {port} "
          f"--key {s}/caller.key --node-cert {s}/node.crt"),
-        ("the node's record: who each call was attributed to, and who was on its TLS link",
+        ("relay: the node goes offline (the demo stops its connector; the tunnel goes down)",
+         f"curl -s -X POST {control}/offline"),
+        ("relay: a sealed send_message while the node is away: the direct call gets 503, so "
+         "the caller hands the same envelope to the node's relay, which answers `queued`",
+         f"{py} -m pact_ingress.demo.client relay-send --host {TERMINATE_HOST} "
+         f"--relay {RELAY_HOST} --port {port} --key {s}/caller.key --node-cert {s}/node.crt"),
+        ("relay: the node comes back (connector restarted); the ingress wakes it over the "
+         "tunnel, the connector's on_mail hook starts the node's mail run: fetch, open "
+         "with the node key, deliver, ack (the answer shows the opened call)",
+         f"curl -s -X POST {control}/online"),
+        ("relay: the node's queue, fetched with the node's key, is empty: the item was acked",
+         f"{py} -m pact_ingress.demo.client relay-fetch --relay {RELAY_HOST} --port {port} "
+         f"--key {s}/node.key"),
+        ("the node's record: who each call was attributed to, who was on its TLS link, "
+         "and whether it came direct or via the relay",
          f"curl -sk {resolve_p} https://{PASSTHROUGH_HOST}:{port}/_demo/calls"),
         ("status of the running ingress (also http://127.0.0.1:"
          f"{admin_port}/ in a browser)",
@@ -120,39 +156,45 @@ def instructions(state: Path, port: int, admin_port: int) -> list[tuple[str, str
     ]
 
 
+async def allow_caller(state: Path, port: int) -> None:
+    """Put the demo caller on the node's relay allow-list, as the node would: a POST to
+    /relay/allowlist with the node's key as client certificate."""
+    node = load_identity(state / "node.key")
+    body = json.dumps({"senders": [fingerprint_file(state / "caller.key")]}).encode()
+    status, answer = await post(RELAY_HOST, port, "/relay/allowlist", body,
+                                (node.cert_path, node.key_path))
+    if status != 200:
+        raise PactIngressError(f"demo: the relay refused the node's allow-list: HTTP {status} "
+                               f"{answer.decode(errors='replace')}")
+
+
 async def run_demo(state: Path, port: int) -> None:
-    admin_port, node_port = port + 1, port + 2
-    cfg_path, conn_path = write_configs(state, port, admin_port, node_port)
+    admin_port, node_port, control_port = port + 1, port + 2, port + 3
+    cfg_path, conn_path = write_configs(state, port, admin_port, node_port, control_port)
     config = load_config(cfg_path)
     connector = load_connector_config(conn_path)
     node_id = load_identity(state / "node.key")
     ingress = Ingress(config)
-    stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve_demo_node, node_id, "127.0.0.1", node_port)
+        node = await nursery.start(serve_demo_node, node_id, "127.0.0.1", node_port)
         await nursery.start(lambda task_status: ingress.run(handle_signals=False,
                                                             task_status=task_status))
-        connector_done = trio.Event()
-
-        async def connector_task(task_status: trio.TaskStatus[object]) -> None:
-            try:
-                await run_connector(connector, shutdown=stop, grace=DEMO_DRAIN,
-                                    task_status=task_status)
-            finally:
-                connector_done.set()
-
-        await nursery.start(connector_task)
-        with trio.fail_after(10):  # the tunnel is up before we say "try this"
-            while not ingress.tunnels.live_tunnels("demo"):
-                await trio.sleep(0.05)
-        _print_instructions(state, port, admin_port)
+        control = DemoControl(ingress=ingress, connector=connector, node=node,
+                              node_id=node_id, tenant=TENANT, port=port,
+                              relay_host=RELAY_HOST, grace=DEMO_DRAIN)
+        await nursery.start(control.serve, "127.0.0.1", control_port)
+        # the tunnel is up and the caller allowed before we say "try this"
+        await control.start_connector(nursery)
+        await allow_caller(state, port)
+        _print_instructions(state, port, admin_port, control_port)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 break
         log.info("demo_stopping")
-        stop.set()
-        with trio.move_on_after(DEMO_DRAIN + 1):
-            await connector_done.wait()
+        try:
+            await control.stop_connector()
+        except trio.TooSlowError:  # the ingress stops next anyway: its tunnels go with it
+            log.warning("demo_connector_slow_to_stop")
         await ingress.stop(deadline=DEMO_DRAIN)
         with trio.move_on_after(DEMO_DRAIN + 1):
             while ingress.router.open_connections:
@@ -160,11 +202,12 @@ async def run_demo(state: Path, port: int) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _print_instructions(state: Path, port: int, admin_port: int) -> None:
+def _print_instructions(state: Path, port: int, admin_port: int, control_port: int) -> None:
     lines = [READY_LINE, f"  state (keys, configs): {state}",
-             f"  ingress: 127.0.0.1:{port}   admin: http://127.0.0.1:{admin_port}/", "",
-             "Try these in another terminal:", ""]
-    for what, cmd in instructions(state, port, admin_port):
+             f"  ingress: 127.0.0.1:{port}   admin: http://127.0.0.1:{admin_port}/   "
+             f"demo control: http://127.0.0.1:{control_port}/", "",
+             "Try these in another terminal, in order:", ""]
+    for what, cmd in instructions(state, port, admin_port, control_port):
         lines += [f"# {what}", f"$ {cmd}", ""]
     lines += ["Ctrl-C stops everything."]
     print("\n".join(lines), flush=True)
@@ -176,6 +219,7 @@ def main(*, log_format: str = "text", base_port: int = 8443) -> int:
     try:
         trio.run(run_demo, state, base_port)
     except OSError as exc:
-        raise PactIngressError(f"demo cannot start: {exc} (is port {base_port}, "
-                               f"{base_port + 1} or {base_port + 2} taken? try --port)") from exc
+        taken = ", ".join(str(base_port + i) for i in range(PORTS))
+        raise PactIngressError(f"demo cannot start: {exc} (is one of ports {taken} taken? "
+                               f"try --port)") from exc
     return 0

@@ -7,7 +7,13 @@ ingress on loopback (SNI and Host set to the route's name), either
   `seal: required` refuses it at the edge with `seal_required`), or
 * `sealed` — the same call sealed to the node's key with the caller's key (spec §13): the
   edge checks the envelope header, the node opens it, attributes the call to the
-  caller's fingerprint and seals the result back, which this client opens and prints.
+  caller's fingerprint and seals the result back, which this client opens and prints;
+* `relay-send` — what a sender does when the node may be away (spec §9): the sealed call
+  goes direct first; when that fails (the node is offline: 503), the *same* envelope is
+  handed to the node's relay gateway with `relay_call` (the caller's key as client
+  certificate), which answers `queued`;
+* `relay-fetch` — the node's side, run with the node's key: `fetch_queued` until `more` is
+  false, open each envelope with the node key, print the plaintext call, `ack`.
 
 `--cert` presents the caller key as a TLS client certificate (passthrough routes: it
 reaches the node untouched). Certificates are not verified by chain here: the demo's
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import ssl
 import sys
 import time
 import uuid
@@ -28,10 +33,13 @@ from typing import Any
 import trio
 from cryptography import x509
 
+from pact_ingress.demo.wire import fetch_open_ack, post, relay_tool, rpc_call, shown
 from pact_ingress.envelope import RESULT_CTY, open_envelope, seal
 from pact_ingress.identity import b64url, fingerprint, load_identity, load_private_key, spki_der
 
-TIMEOUT = 15.0
+#: A relayed call may wait for its node for a while; a day is plenty for the demo (the
+#: relay keeps an item until `exp`, at most 30 days).
+RELAY_LIFETIME = 24 * 3600
 
 
 def _inner(text: str) -> dict[str, Any]:
@@ -41,60 +49,58 @@ def _inner(text: str) -> dict[str, Any]:
                                      "sender": "agent"}}}
 
 
-async def _post(host: str, port: int, path: str, body: bytes, cert: tuple[Path, Path] | None
-                ) -> tuple[int, bytes]:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["http/1.1"])
-    if cert is not None:
-        ctx.load_cert_chain(*cert)
-    with trio.fail_after(TIMEOUT):
-        tcp = await trio.open_tcp_stream("127.0.0.1", port)
-        tls = trio.SSLStream(tcp, ctx, server_hostname=host)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Accept: application/json, text/event-stream\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        await tls.send_all(head + body)
-        data = b""
-        while True:
-            try:
-                chunk = await tls.receive_some(65536)
-            except trio.BrokenResourceError:
-                break
-            if not chunk:
-                break
-            data += chunk
-    head_bytes, _, payload = data.partition(b"\r\n\r\n")
-    status = int(head_bytes.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head_bytes.lower():
-        payload = _dechunk(payload)
-    return status, payload
-
-
-def _dechunk(data: bytes) -> bytes:
-    out = b""
-    while data:
-        size_line, _, rest = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        data = rest[size + 2:]
-    return out
-
-
 def _public_key(path: Path) -> Any:
     """The public key in a PEM certificate (what a caller holds of the node)."""
     return x509.load_pem_x509_certificate(path.read_bytes()).public_key()
 
 
-def _rpc(params: dict[str, Any]) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                       "params": params}).encode()
+async def relay_send(args: argparse.Namespace) -> int:
+    """Direct first; on failure, the same envelope to the relay."""
+    caller = load_identity(Path(args.key))
+    node_pub = _public_key(Path(args.node_cert))
+    now = int(time.time())
+    payload = {**_inner(args.text), "spk": b64url(spki_der(caller.key.public_key()))}
+    envelope = seal(payload, sender_key=caller.key,
+                    recipient_public_key=node_pub,  # type: ignore[arg-type]
+                    msg_id=str(uuid.uuid4()), ts=now, exp=now + RELAY_LIFETIME)
+    print(f"call: {json.dumps(shown(payload))}")
+    status, body = await post(args.host, args.port, args.path,
+                              rpc_call({"name": "sealed_call", "arguments": envelope}), None)
+    if status == 200:
+        result = json.loads(body).get("result", {})
+        if {"protected", "enc", "ct", "sig"} <= set(result.get("structuredContent") or {}):
+            print(f"direct ({args.host}): HTTP 200, delivered; the relay is not needed")
+            return 0
+    print(f"direct ({args.host}): HTTP {status} {body.decode(errors='replace').strip()}")
+    print(f"the node is unreachable: handing the same envelope to its relay ({args.relay})")
+    status, result = await relay_tool(args.port, args.relay, caller, "relay_call", envelope)
+    print(f"relay ({args.relay}): HTTP {status} {json.dumps(result.get('structuredContent', result))}")
+    return 0 if status == 200 and not result.get("isError") else 1
+
+
+async def relay_fetch(args: argparse.Namespace) -> int:
+    node = load_identity(Path(args.key))
+    items = await fetch_open_ack(args.port, args.relay, node)
+    if not items:
+        print(f"the relay queue of {node.fingerprint} is empty")
+        return 0
+    for item in items:
+        print(json.dumps(item))
+    print(f"fetched, opened and acked {len(items)} item(s) for {node.fingerprint}")
+    return 0
 
 
 async def run(args: argparse.Namespace) -> int:
+    if args.mode == "relay-fetch":
+        if not args.relay:
+            raise SystemExit("relay-fetch needs --relay: the gateway to fetch from")
+        return await relay_fetch(args)
+    if not args.host:
+        raise SystemExit(f"{args.mode} needs --host: the route to call")
+    if args.mode == "relay-send":
+        if not (args.relay and args.node_cert):
+            raise SystemExit("relay-send needs --relay (the gateway) and --node-cert")
+        return await relay_send(args)
     cert = None
     if args.cert:
         caller = load_identity(Path(args.key))
@@ -102,8 +108,8 @@ async def run(args: argparse.Namespace) -> int:
     if args.mode == "sealed" and not args.node_cert:
         raise SystemExit("sealed needs --node-cert: the node's public key to seal to")
     if args.mode == "plain":
-        body = _rpc(_inner(args.text)["params"])
-        status, payload = await _post(args.host, args.port, args.path, body, cert)
+        body = rpc_call(_inner(args.text)["params"])
+        status, payload = await post(args.host, args.port, args.path, body, cert)
         print(f"HTTP {status}")
         print(payload.decode(errors="replace"))
         return 0
@@ -113,8 +119,8 @@ async def run(args: argparse.Namespace) -> int:
     payload = {**_inner(args.text), "spk": b64url(spki_der(key.public_key()))}
     envelope = seal(payload, sender_key=key, recipient_public_key=node_pub,  # type: ignore[arg-type]
                     msg_id=str(uuid.uuid4()), ts=now, exp=now + 300)
-    status, body = await _post(args.host, args.port, args.path,
-                               _rpc({"name": "sealed_call", "arguments": envelope}), cert)
+    status, body = await post(args.host, args.port, args.path,
+                               rpc_call({"name": "sealed_call", "arguments": envelope}), cert)
     print(f"HTTP {status}")
     answer = json.loads(body)
     result = answer.get("result", {})
@@ -133,11 +139,13 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pact_ingress.demo.client",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("plain", "sealed"))
-    p.add_argument("--host", required=True, help="route name (SNI and Host)")
+    p.add_argument("mode", choices=("plain", "sealed", "relay-send", "relay-fetch"))
+    p.add_argument("--host", help="route name (SNI and Host)")
+    p.add_argument("--relay", help="the relay gateway's host name (relay-send, relay-fetch)")
     p.add_argument("--port", type=int, required=True, help="ingress TLS port on 127.0.0.1")
     p.add_argument("--path", default="/mcp")
-    p.add_argument("--key", required=True, help="the caller's key file")
+    p.add_argument("--key", required=True,
+                   help="the caller's key file (relay-fetch: the node's)")
     p.add_argument("--node-cert", help="the node's certificate (its public key is sealed to)")
     p.add_argument("--cert", action="store_true", help="present the caller key as client cert")
     p.add_argument("--text", default="hello from the demo client")

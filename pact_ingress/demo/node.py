@@ -105,6 +105,7 @@ class CallRecord:
     sealed: bool
     msg_id: str | None
     at: float  # wall clock
+    via: str = "direct"  # "relay": fetched from the node's relay queue, not called directly
 
 
 @dataclass
@@ -120,7 +121,7 @@ class DemoNode:
     sse_open: int = 0
     #: Requests that reached the node: (method, path, transport peer).
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
-    _sealed_results: dict[str, dict[str, str]] = field(default_factory=dict)
+    _sealed_results: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def app(self, tls: OpenSSLStream) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         """The ASGI app for one connection (it knows that connection's peer key)."""
@@ -140,6 +141,62 @@ class DemoNode:
             await server.run()
         finally:
             await trio.aclose_forcefully(tls)
+
+    # -- calls (shared by the MCP endpoint and relayed delivery) --------------------------
+
+    def dispatch(self, name: Any, arguments: dict[str, Any], *, caller: str,
+                 peer: str | None, sealed: bool, via: str = "direct") -> dict[str, Any]:
+        msg_id = arguments.get("msg_id") if isinstance(arguments.get("msg_id"), str) else None
+        if name not in ("echo", "send_message"):
+            return _tool_error("bad_request", f"unknown tool {str(name)[:64]!r}")
+        self.calls.append(CallRecord(str(name), caller, peer, sealed, msg_id, time.time(), via))
+        log.info("demo_call", tool=name, caller=caller, transport_peer=peer, sealed=sealed,
+                 via=via)
+        if name == "echo":
+            text = str(arguments.get("text", ""))
+            return {"content": [{"type": "text", "text": text}],
+                    "structuredContent": {"text": text, "caller": caller}}
+        thread_id = str(arguments.get("thread_id") or uuid.uuid4())
+        return {"content": [{"type": "text", "text": "delivered"}],
+                "structuredContent": {"thread_id": thread_id, "status": "delivered",
+                                      "caller": caller}}
+
+    def sealed_call(self, envelope: Any, *, peer: str | None, relayed: bool = False
+                    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """Open, verify, dispatch as the envelope's sender, seal the result back.
+
+        Returns (the opened payload or None, the sealed result or a tool error). A relayed
+        envelope was queued at a gateway, so its `ts` may be old: only `exp` bounds it.
+        """
+        now = time.time()
+        try:
+            opened = open_envelope(envelope, recipient_key=self.identity.key, now=now,
+                                   direct=not relayed)
+        except EnvelopeInvalid as exc:
+            return None, _tool_error("envelope_invalid", exc.reason)
+        header = opened.header
+        payload = opened.payload
+        remembered = self._sealed_results.get(f"env:{header.sender}:{header.msg_id}")
+        if remembered is not None:  # spec §13.3: a replay gets the original result
+            return payload, remembered
+        caller_key = serialization.load_der_public_key(b64url_decode(payload["spk"]))
+        inner = payload.get("params") or {}
+        if payload.get("method") == "tools/list":
+            result: dict[str, Any] = {"tools": GUEST_TOOLS}
+        elif payload.get("method") == "tools/call" and isinstance(inner, dict):
+            result = self.dispatch(inner.get("name"), inner.get("arguments") or {},
+                                   caller=opened.sender_fingerprint, peer=peer, sealed=True,
+                                   via="relay" if relayed else "direct")
+        else:
+            result = _tool_error("bad_request", "sealed method must be tools/call or tools/list")
+        sealed = seal(result, sender_key=self.identity.key,
+                      recipient_public_key=caller_key,  # type: ignore[arg-type]
+                      msg_id=header.msg_id, ts=int(now), exp=int(now) + RESULT_LIFETIME,
+                      cty=RESULT_CTY, kid=header.sender)
+        if len(self._sealed_results) >= MAX_REMEMBERED:
+            self._sealed_results.pop(next(iter(self._sealed_results)))
+        self._sealed_results[f"env:{header.sender}:{header.msg_id}"] = sealed
+        return payload, sealed
 
 
 class _Exchange:
@@ -277,59 +334,17 @@ class _Exchange:
     def _tools_call(self, params: dict[str, Any]) -> dict[str, Any]:
         name, arguments = params.get("name"), params.get("arguments") or {}
         if name == "sealed_call":
-            return self._sealed_call(arguments)
-        return self._dispatch(name, arguments, caller=self.peer or "anonymous", sealed=False)
-
-    def _dispatch(self, name: Any, arguments: dict[str, Any], *, caller: str,
-                  sealed: bool) -> dict[str, Any]:
-        msg_id = arguments.get("msg_id") if isinstance(arguments.get("msg_id"), str) else None
-        if name not in ("echo", "send_message"):
-            return _tool_error("bad_request", f"unknown tool {str(name)[:64]!r}")
-        self.node.calls.append(CallRecord(str(name), caller, self.peer, sealed, msg_id, time.time()))
-        log.info("demo_call", tool=name, caller=caller, transport_peer=self.peer, sealed=sealed)
-        if name == "echo":
-            text = str(arguments.get("text", ""))
-            return {"content": [{"type": "text", "text": text}],
-                    "structuredContent": {"text": text, "caller": caller}}
-        thread_id = str(arguments.get("thread_id") or uuid.uuid4())
-        return {"content": [{"type": "text", "text": "delivered"}],
-                "structuredContent": {"thread_id": thread_id, "status": "delivered",
-                                      "caller": caller}}
-
-    def _sealed_call(self, envelope: Any) -> dict[str, Any]:
-        now = time.time()
-        try:
-            opened = open_envelope(envelope, recipient_key=self.node.identity.key, now=now)
-        except EnvelopeInvalid as exc:
-            return _tool_error("envelope_invalid", exc.reason)
-        header = opened.header
-        remembered = self.node._sealed_results.get(f"env:{header.sender}:{header.msg_id}")
-        if remembered is not None:  # spec §13.3: a replay gets the original result
-            return _sealed_tool_result(remembered)
-        payload = opened.payload
-        caller_key = serialization.load_der_public_key(b64url_decode(payload["spk"]))
-        inner = payload.get("params") or {}
-        if payload.get("method") == "tools/list":
-            result: dict[str, Any] = {"tools": GUEST_TOOLS}
-        elif payload.get("method") == "tools/call" and isinstance(inner, dict):
-            result = self._dispatch(inner.get("name"), inner.get("arguments") or {},
-                                    caller=opened.sender_fingerprint, sealed=True)
-        else:
-            result = _tool_error("bad_request", "sealed method must be tools/call or tools/list")
-        sealed = seal(result, sender_key=self.node.identity.key,
-                      recipient_public_key=caller_key,  # type: ignore[arg-type]
-                      msg_id=header.msg_id, ts=int(now), exp=int(now) + RESULT_LIFETIME,
-                      cty=RESULT_CTY, kid=header.sender)
-        results = self.node._sealed_results
-        if len(results) >= MAX_REMEMBERED:
-            results.pop(next(iter(results)))
-        results[f"env:{header.sender}:{header.msg_id}"] = sealed
-        return _sealed_tool_result(sealed)
+            return _sealed_tool_result_or_error(self.node.sealed_call(arguments, peer=self.peer)[1])
+        return self.node.dispatch(name, arguments, caller=self.peer or "anonymous",
+                                  peer=self.peer, sealed=False)
 
 
-def _sealed_tool_result(envelope: dict[str, str]) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": json.dumps(envelope)}],
-            "structuredContent": envelope}
+def _sealed_tool_result_or_error(answer: dict[str, Any]) -> dict[str, Any]:
+    """A sealed result travels as the tool result's structured content; an error as is."""
+    if answer.get("isError"):
+        return answer
+    return {"content": [{"type": "text", "text": json.dumps(answer)}],
+            "structuredContent": answer}
 
 
 def _tool_error(code: str, why: str) -> dict[str, Any]:
