@@ -104,6 +104,8 @@ class Ingress:
 
             self.relay = RelayServer(config, stats=self.stats, certs=self.certs,
                                      wake=self.tunnels.wake, state=self.state)
+            # mail queued while a node was offline wakes it as its tunnel comes back
+            self.tunnels.has_mail = self.relay.has_mail
             if self._nursery is not None:  # added by a reload: start its store now
                 self._nursery.start_soon(self.relay.run)
         else:

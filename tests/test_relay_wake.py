@@ -152,3 +152,32 @@ def test_wake_frame_and_capability() -> None:
     dec.feed(bytes([99, 0, 0]))
     with pytest.raises(tf.FrameError):
         dec.next_message()
+
+
+def test_mail_queued_while_offline_wakes_the_node_when_it_connects(tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    hook = Hook()
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True)
+    connector = None
+    try:
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender)
+        result, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="off1"))
+        assert code_of(result) is None  # queued while no tunnel was up: nobody to wake
+        connector = start_connector(tmp_path, serve, ids.recipient.key_path,
+                                    ids.ingress.fingerprint, f"http://127.0.0.1:{hook.port}/mail")
+        wait_tunnel_up(serve)
+        assert hook.wait_for(1), "the node was not woken when its tunnel came up"
+        items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
+        assert len(items) == 1  # the wake is content-free: the node fetched what waited
+    finally:
+        if connector is not None:
+            connector.terminate()
+            try:
+                connector.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                connector.kill()
+                connector.wait()
+        serve.stop()
+        hook.close()

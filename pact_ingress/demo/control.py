@@ -122,25 +122,25 @@ class DemoControl:
         return {"connector": "stopped", "tunnels": self.ingress.tunnels.live_tunnels(self.tenant)}
 
     async def online(self) -> dict[str, Any]:
+        queued = self._queued()
+        runs_before = len(self.mail_runs)  # before the tunnel is up: the wake may be quick
         async with self._switch_lock:
             if self._running is None:
                 assert self._nursery is not None
                 await self.start_connector(self._nursery)
-        queued = self._queued()
         answer: dict[str, Any] = {"connector": "running",
                                   "tunnels": self.ingress.tunnels.live_tunnels(self.tenant),
                                   "relay_queued": queued, "woken": False}
         if queued:
-            runs_before = len(self.mail_runs)
-            answer["woken"] = bool(self.ingress.tunnels.wake(self.tenant))
+            # the ingress wakes a node with waiting mail as its tunnel comes up: wait for
+            # the mail run that wake causes, so the next printed command sees its result
+            with trio.move_on_after(MAIL_WAIT):
+                while len(self.mail_runs) == runs_before:
+                    await self._mail_ran.wait()
+            answer["woken"] = len(self.mail_runs) > runs_before
             log.info("demo_node_online", relay_queued=queued, woken=answer["woken"])
-            if answer["woken"]:
-                with trio.move_on_after(MAIL_WAIT):
-                    while len(self.mail_runs) == runs_before:
-                        await self._mail_ran.wait()
-                answer["mail_run"] = (self.mail_runs[runs_before]
-                                      if len(self.mail_runs) > runs_before else None)
-                answer["relay_queued_now"] = self._queued()
+            answer["mail_run"] = self.mail_runs[runs_before] if answer["woken"] else None
+            answer["relay_queued_now"] = self._queued()
         return answer
 
     async def mail(self) -> dict[str, Any]:

@@ -267,6 +267,13 @@ class RelayServer:
                 self.stats.relay_wakes.inc()
         return rules.queued(header.msg_id)
 
+    def has_mail(self, tenant: str) -> bool:
+        """Does any of `tenant`'s served recipients have items waiting? (Asked when one
+        of its tunnel links comes up, so mail queued while it was away wakes it.)"""
+        depths = self.store.depths()
+        return any(depths.get(fp, (0, 0))[0] > 0
+                   for fp, owner in self.recipients.items() if owner == tenant)
+
     async def fetch_queued(self, fp: str, arguments: object) -> dict[str, Any]:
         limit = rules.fetch_limit(arguments)
         if fp not in self.recipients:

@@ -113,6 +113,7 @@ import os
 import secrets
 import socket
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,6 +281,9 @@ class TunnelServer:
         self._woken: dict[str, float] = {}  # tenant → when its last WAKE went out
         self._closing = False
         self._all_gone = trio.Event()
+        #: Asked as a WAKE-capable link comes up: has relay mail waited for this tenant?
+        #: (Set by the app when a relay is configured.)
+        self.has_mail: Callable[[str], bool] | None = None
         self._all_gone.set()
 
     @staticmethod
@@ -444,6 +448,8 @@ class TunnelServer:
                  session=session.sid, slot=hello.slot, instance=hello.instance.hex()[:16],
                  client_ip=session.client[0])
         self._wake_waiters(session.tenant)
+        if session.wake_ok and self.has_mail is not None and self.has_mail(session.tenant):
+            self.wake(session.tenant)
 
     def _unregister(self, session: _Session) -> None:
         session.closed = True
