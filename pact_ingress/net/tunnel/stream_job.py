@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pact_ingress.net.backends import STREAM_OPTIONS
-from pact_ingress.net.splice import Direction, Wait, give_pipe, pump, take_pipe
+from pact_ingress.net.splice import Direction, Pipe, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 
 #: First read from the data connection: a ClientHello (≤ 16 KiB record) fits with room.
@@ -430,18 +430,22 @@ class StreamJob:
         assert self._data is not None
         up = Direction("up", self._data.fileno(), fwd.fileno())
         down = Direction("down", fwd.fileno(), self._data.fileno())
-        pipes = {"up": take_pipe(), "down": take_pipe()}
+        # a direction holds a pipe only while it moves bytes, as in the trio relay
+        pipes: dict[str, Pipe | None] = {"up": None, "down": None}
         try:
-            if rest:  # ≤ FIRST_READ: fits the pipe whole
-                up.pending = os.write(pipes["up"][1], rest)
+            if rest:  # ≤ FIRST_READ: fits a pipe whole (a default-size one too)
+                pipes["up"] = take_pipe()
+                up.pending = os.write(pipes["up"].w, rest)
             return self._loop((up, down), pipes)
         finally:
-            give_pipe(pipes["up"], drained=up.pending == 0)
-            give_pipe(pipes["down"], drained=down.pending == 0)
+            for d in (up, down):
+                pipe = pipes[d.name]
+                if pipe is not None:
+                    give_pipe(pipe, drained=d.pending == 0)
             self._answer()  # ended before any answer: the stream is over all the same
 
     def _loop(self, directions: tuple[Direction, Direction],
-              pipes: dict[str, tuple[int, int]]) -> str:
+              pipes: dict[str, Pipe | None]) -> str:
         poller = select.poll()
         registered: dict[int, int] = {}
         deadline = time.monotonic() + self._idle_timeout
@@ -456,13 +460,22 @@ class StreamJob:
             left = deadline - time.monotonic()
             if left <= 0:
                 return "idle_timeout"
-            if not poller.poll(left * 1000):
+            ready = poller.poll(left * 1000)
+            if not ready:
                 continue  # the deadline is checked above
+            woken = {fd for fd, _ in ready}
             self._active = False
             try:
                 for d in directions:
-                    if not d.done and pump(d, pipes[d.name], self._movers[d.name],
-                                           BURST) is Wait.EOF:
+                    if d.done or (d.src not in woken and d.dst not in woken):
+                        continue
+                    pipe = pipes[d.name] or take_pipe()
+                    pipes[d.name] = pipe
+                    wait = pump(d, pipe, self._movers[d.name], BURST)
+                    if wait is Wait.READ:  # drained: an idle direction holds no pipe
+                        give_pipe(pipe, drained=True)
+                        pipes[d.name] = None
+                    elif wait is Wait.EOF:
                         # pass the EOF on; the other direction keeps going
                         _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
             except OSError:  # a side failed: the relay is over
