@@ -14,7 +14,15 @@ ClientHello names its own backend):
 | new TLS connections/s, 1 and 8 clients | handshake + `GET /`, no resumption | HAProxy terminating TLS (core 1) |
 | ClientHello flood | new TCP conn, canned hello, wait for close; 64 in flight | HAProxy sink: reads the hello, closes |
 | bulk MB/s, 1 and 8 connections | hello, then N bytes, half-close, count checked | raw sink counting bytes |
-| keep-alive 1 KiB requests/s, 1 and 8 connections | 1 KiB ping-pong | raw echo |
+| keep-alive 1 KiB requests/s, 1, 8 and 32 connections | 1 KiB ping-pong | raw echo |
+| idle connections (`idle10k`, only when asked) | 10,000 connections: hello, then nothing | raw echo |
+
+`idle10k` is pact-ingress only (HAProxy's `maxconn` is sized for the 20,000-fd limit):
+the orchestrator holds 10,000 connections open at once, each past its hello and idle,
+and reads the whole instance's RSS and open fds from /proc before and while they are
+held. Each side then needs more than 20,000 fds, so the orchestrator raises
+RLIMIT_NOFILE for itself and the processes it starts when it may (CAP_SYS_RESOURCE);
+otherwise it holds as many connections as the limit allows and says so in the notes.
 
 The proxy's CPU is read from /proc before and after each phase (`harness.CpuMeter`), so
 "µs per connection" and "s per GB" are the proxy process's own cost. Ratios are to the
@@ -31,7 +39,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -78,8 +89,19 @@ SNI = {"flood": "www.example.test", "bulk": "blk.example.test",
        "keepalive": "kal.example.test", "tls": "tls.example.test"}
 DIRECT, PEER, SUBJECT = "direct", "haproxy", "pact-ingress"
 PATHS = (DIRECT, PEER, SUBJECT)
-#: Generous limits for the ingress under test: the bench, not a limit, must be the cap.
-INGRESS_MAX_CONNECTIONS = 4000
+#: Idle connections held at once by the `idle10k` row.
+IDLE_CONNS = 10_000
+#: Generous limits for the ingress under test: the bench, not a limit, must be the cap
+#: (the idle row holds IDLE_CONNS from one address).
+INGRESS_MAX_CONNECTIONS = IDLE_CONNS + 2000
+#: Descriptors the ingress needs beside two per idle connection: its listeners, logs and
+#: pooled pipes (at most a few hundred).
+IDLE_FD_RESERVE = 512
+#: The fd limit the idle row asks for (the ingress holds two per connection).
+IDLE_NOFILE = 2 * IDLE_CONNS + IDLE_FD_RESERVE
+#: A sample of the idle connections must still echo: they are alive, not just open.
+IDLE_PROBES = 20
+IDLE_KEY = "idle10k"
 INGRESS_IDLE_TIMEOUT = "120s"
 #: A core busier than this during a phase was (close to) the bottleneck.
 LOAD_BOUND = 0.9
@@ -137,6 +159,8 @@ def phases(s: Settings, hellos: dict[str, Path]) -> list[Phase]:
                                    "--conns", "1", "--seconds", str(t)), t),
         Phase("ka8", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
                                    "--conns", "8", "--seconds", str(t)), t),
+        Phase("ka32", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
+                                    "--conns", "32", "--seconds", str(t)), t),
     ]
 
 
@@ -289,7 +313,88 @@ METRICS: list[MetricSpec] = [
     ("keep-alive 1 KiB, 1 conn", "req/s", "ka1", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("keep-alive 1 KiB, 8 conns", "req/s", "ka8", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("proxy CPU per request, 8 conns", "µs", "ka8", lambda r: per_unit(r, 1e6), None),
+    ("keep-alive 1 KiB, 32 conns", "req/s", "ka32", lambda r: r["rate"],
+     Target(min_ratio=1.0)),
+    ("proxy CPU per request, 32 conns", "µs", "ka32", lambda r: per_unit(r, 1e6), None),
 ]
+
+
+def raise_nofile(want: int) -> int:
+    """Raise this process's fd limit (inherited by everything it starts) to `want` if it
+    may; the soft limit in force afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
+        except (ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def instance_usage(pid: int) -> tuple[int, int]:
+    """(RSS bytes, open fds) of `pid` and its live descendants: the whole instance."""
+    rss = fds = 0
+    for p in harness.process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss += int(line.split()[1]) * 1024
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            pass  # gone meanwhile
+    return rss, fds
+
+
+def measure_idle(rig: Rig, conns: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Hold `conns` idle passthrough connections (hello sent, then nothing) through
+    pact-ingress; the instance's RSS and fds before and while they are held."""
+    pid, port = rig.proxies[SUBJECT].pid, rig.ports[SUBJECT]
+    hello = rig.hellos["keepalive"].read_bytes()
+    rss0, fds0 = instance_usage(pid)
+    socks: list[socket.socket] = []
+    started = time.monotonic()
+    try:
+        for _ in range(conns):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(hello)
+            socks.append(s)
+        opened = time.monotonic() - started
+        # each relayed: the ingress holds the caller's socket and the backend's
+        deadline = time.monotonic() + 120
+        while instance_usage(pid)[1] < fds0 + 2 * conns and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for s in socks[::max(1, conns // IDLE_PROBES)]:
+            s.sendall(b"ping")
+            got = b""
+            while len(got) < 4:
+                chunk = s.recv(4 - len(got))
+                if not chunk:
+                    raise SystemExit("an idle connection was closed by the ingress")
+                got += chunk
+        time.sleep(1.0)  # let the probes' pipes go back and the allocator settle
+        rss1, fds1 = instance_usage(pid)
+    finally:
+        for s in socks:
+            s.close()
+    log(f"{IDLE_KEY}: {conns:,} idle conns opened in {opened:.1f} s; RSS "
+        f"{rss0 / 1e6:.1f} → {rss1 / 1e6:.1f} MB, fds {fds0} → {fds1}")
+    return {"conns": conns, "rss_before": rss0, "rss": rss1, "fds_before": fds0,
+            "fds": fds1, "open_seconds": opened}
+
+
+def idle_metrics(idle: dict[str, Any]) -> list[Metric]:
+    n = idle["conns"]
+
+    def only_subject(v: float) -> dict[str, float | None]:
+        return {DIRECT: None, PEER: None, SUBJECT: v}
+
+    return [
+        Metric(f"idle passthrough conns held ({n:,})", "conns", only_subject(n)),
+        Metric("RSS of the instance, idle conns held", "MB", only_subject(idle["rss"] / 1e6)),
+        Metric("RSS added per idle conn", "KiB",
+               only_subject((idle["rss"] - idle["rss_before"]) / n / 1024)),
+        Metric("fds of the instance per idle conn", "fds", only_subject(idle["fds"] / n)),
+    ]
 
 
 def warm_up(rig: Rig, s: Settings) -> None:
@@ -325,7 +430,7 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
 
 
 def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Settings,
-                 title: str, notes: list[str]) -> Report:
+                 title: str, notes: list[str], idle: dict[str, Any] | None = None) -> Report:
     report = Report(title, baseline=DIRECT, peer=PEER, subject=SUBJECT)
     for name, unit, key, value, target in METRICS:
         if key not in results:
@@ -336,6 +441,9 @@ def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Setting
             nums = [v for v in per_round if v is not None]
             values[path] = statistics.median(nums) if nums else None
         report.add(Metric(name, unit, values, target))
+    if idle is not None:
+        for metric in idle_metrics(idle):
+            report.add(metric)
     for key, by_path in results.items():
         for path, runs in by_path.items():
             errs = sum(r["errors"] for r in runs)
@@ -364,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-ingress", type=Path, metavar="OUT",
                    help="run the router runner under cProfile, pstats to OUT (slow!)")
     p.add_argument("--only", help="comma-separated phases to run: " + ",".join(
-        ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})))
+        [ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})]
+        + [IDLE_KEY]))
     args = p.parse_args(argv)
     if shutil.which(HAPROXY) is None:
         p.error(f"{HAPROXY} not found: apt-get install haproxy")
@@ -385,6 +494,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"orchestrator on core {CORE_LOAD}")
     else:
         notes.append("fewer than 2 cores: NOT pinned, numbers are not comparable")
+    only = args.only.split(",") if args.only else None
+    idle_conns = 0
+    if only is not None and IDLE_KEY in only:
+        limit = raise_nofile(IDLE_NOFILE)
+        idle_conns = min(IDLE_CONNS, (limit - IDLE_FD_RESERVE) // 2)
+        if idle_conns < IDLE_CONNS:
+            notes.append(f"fd limit {limit}: the idle row holds {idle_conns:,} connections, "
+                         f"not {IDLE_CONNS:,}")
     tmpdir = tempfile.mkdtemp(prefix="pact-bench-")
     tmp = Path(tmpdir)
     started_at = time.monotonic()
@@ -396,12 +513,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{s.flood_inflight} in flight")
         log(f"rig up in {tmp} (ingress: {rig.runner}); warming up")
         warm_up(rig, s)
-        results = measure(rig, s, log, args.only.split(",") if args.only else None)
+        results = measure(rig, s, log, only)
+        idle = measure_idle(rig, idle_conns, log) if idle_conns else None
     title = f"Passthrough on loopback ({'quick smoke run' if args.quick else 'full run'})"
-    report = build_report(results, s, title, notes)
+    report = build_report(results, s, title, notes, idle)
     return harness.finish(report, json_path=args.json, tmp=tmp, keep=args.keep,
                           started_at=started_at, log=log,
-                          payload={"settings": asdict(s), "results": results})
+                          payload={"settings": asdict(s), "results": results, "idle": idle})
 
 
 if __name__ == "__main__":
