@@ -433,9 +433,15 @@ class StreamJob:
         # a direction holds a pipe only while it moves bytes, as in the trio relay
         pipes: dict[str, Pipe | None] = {"up": None, "down": None}
         try:
-            if rest:  # ≤ FIRST_READ: fits a pipe whole (a default-size one too)
-                pipes["up"] = take_pipe()
-                up.pending = os.write(pipes["up"].w, rest)
+            if rest:  # forward is connected now; the rest of the first bytes (≤
+                # FIRST_READ) goes straight to it: a pipe from the pool may be smaller
+                try:
+                    fwd.settimeout(self._connect_timeout)
+                    fwd.sendall(rest)
+                    fwd.setblocking(False)
+                except OSError:  # forward went away, or stop() shut it down
+                    return "reset"
+                self._movers["up"](len(rest))
             return self._loop((up, down), pipes)
         finally:
             for d in (up, down):
