@@ -13,7 +13,7 @@ ClientHello names its own backend):
 | --- | --- | --- |
 | new TLS connections/s, 1 and 8 clients | handshake + `GET /`, no resumption | HAProxy terminating TLS (core 1) |
 | ClientHello flood | new TCP conn, canned hello, wait for close; 64 in flight | HAProxy sink: reads the hello, closes |
-| bulk MB/s, 1 and 8 connections | hello, then N bytes, half-close, count checked | raw sink counting bytes |
+| bulk MB/s, 1, 8 and 100 connections | hello, then N bytes, half-close, count checked | raw sink counting bytes |
 | keep-alive 1 KiB requests/s, 1, 8 and 32 connections | 1 KiB ping-pong | raw echo |
 | idle connections (`idle10k`, only when asked) | 10,000 connections: hello, then nothing | raw echo |
 
@@ -29,6 +29,10 @@ The proxy's CPU is read from /proc before and after each phase (`harness.CpuMete
 direct path of the same run, and pact-ingress ÷ HAProxy is checked against the passthrough
 targets: flood conn/s ≥ 0.75×, bulk and keep-alive ≥ 1.0×, CPU s/GB ≤ 1.0×.
 
+`--ingress-uid UID` runs pact-ingress as that uid without CAP_SYS_RESOURCE and
+CAP_SYS_ADMIN (`setpriv`), as the systemd unit's dynamic user: the kernel's per-user pipe
+budget then applies to it, which it never does to root.
+
 pact-ingress runs as `python -m pact_ingress serve -c CONFIG` (`--ingress serve`), or,
 while `serve` cannot start because components are missing, as
 `python -m tests.bench.run_router -c CONFIG` (`--ingress router`): the same loader,
@@ -41,6 +45,7 @@ import argparse
 import json
 import os
 import resource
+import selectors
 import shutil
 import socket
 import statistics
@@ -99,8 +104,15 @@ INGRESS_MAX_CONNECTIONS = IDLE_CONNS + 2000
 IDLE_FD_RESERVE = 512
 #: The fd limit the idle row asks for (the ingress holds two per connection).
 IDLE_NOFILE = 2 * IDLE_CONNS + IDLE_FD_RESERVE
-#: A sample of the idle connections must still echo: they are alive, not just open.
-IDLE_PROBES = 20
+#: Opening an idle connection that takes longer than this means the ingress stopped
+#: accepting (out of descriptors): the row then reports what it held.
+IDLE_CONNECT_TIMEOUT = 5.0
+#: Waiting for the ingress to take every connection: at most this long, or until its fd
+#: count has not moved for IDLE_SETTLE_STILL seconds.
+IDLE_SETTLE_MAX = 120.0
+IDLE_SETTLE_STILL = 3.0
+#: Every connection is pinged at once; the ones whose echo is back by then are held.
+IDLE_PROBE_WAIT = 15.0
 IDLE_KEY = "idle10k"
 INGRESS_IDLE_TIMEOUT = "120s"
 #: A core busier than this during a phase was (close to) the bottleneck.
@@ -155,6 +167,9 @@ def phases(s: Settings, hellos: dict[str, Path]) -> list[Phase]:
         Phase("bulk8", "bulk", ("bulk", "--hello", str(hellos["bulk"]), "--conns", "8",
                                 "--bytes", str(s.bulk_bytes), "--seconds", str(bulk_bound)),
               bulk_bound),
+        Phase("bulk100", "bulk", ("bulk", "--hello", str(hellos["bulk"]), "--conns", "100",
+                                  "--bytes", str(s.bulk_bytes), "--seconds", str(bulk_bound)),
+              bulk_bound),
         Phase("ka1", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
                                    "--conns", "1", "--seconds", str(t)), t),
         Phase("ka8", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
@@ -206,11 +221,28 @@ tenants:
 """
 
 
+def as_user(uid: int) -> list[str]:
+    """argv prefix: run as `uid` without the capabilities that lift the kernel's pipe
+    limits (CAP_SYS_RESOURCE, CAP_SYS_ADMIN), as the systemd unit's dynamic user runs.
+    Only CAP_DAC_READ_SEARCH is kept, to read the interpreter wherever it is installed."""
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
+            "--clear-groups", "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=-all,+dac_read_search"]
+
+
 def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
-                  profile: Path | None = None) -> tuple[Service, str]:
+                  profile: Path | None = None, uid: int | None = None
+                  ) -> tuple[Service, str]:
+    prefix: list[str] = []
+    if uid is not None:
+        for path in (tmp, *tmp.iterdir()):  # it writes its key and state there
+            os.chown(path, uid, uid)
+        prefix = as_user(uid)
+        notes.append(f"pact-ingress ran as uid {uid} without CAP_SYS_RESOURCE/CAP_SYS_ADMIN "
+                     f"(the systemd unit's limits on pipes apply)")
     argv = {
-        "serve": python_module("pact_ingress", "serve", "-c", str(cfg)),
-        "router": python_module("tests.bench.run_router", "-c", str(cfg)),
+        "serve": prefix + python_module("pact_ingress", "serve", "-c", str(cfg)),
+        "router": prefix + python_module("tests.bench.run_router", "-c", str(cfg)),
     }
     if profile is not None:  # cProfile costs several times the CPU: figures are not real
         argv["router"] += ["--profile", str(profile.resolve())]
@@ -223,7 +255,7 @@ def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
 
 
 def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[str],
-              profile: Path | None = None) -> Rig:
+              profile: Path | None = None, uid: int | None = None) -> Rig:
     hellos = {k: tmp / f"hello-{k}.bin" for k in ("flood", "bulk", "keepalive")}
     for kind, path in hellos.items():
         path.write_bytes(hello_for(SNI[kind]))
@@ -253,7 +285,7 @@ def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[
     started.append(haproxy)
     haproxy.start([ports[PEER]])
     ingress, runner = start_ingress(tmp, tmp / "ingress.yaml", ports[SUBJECT], ingress_mode,
-                                    notes, profile)
+                                    notes, profile, uid)
     started.append(ingress)
     return Rig(tmp, ports, {PEER: haproxy, SUBJECT: ingress}, load_side, runner, hellos)
 
@@ -310,6 +342,9 @@ METRICS: list[MetricSpec] = [
      Target(max_ratio=1.0)),
     ("proxy CPU, bulk 8 conns", "s/GB", "bulk8", lambda r: per_unit(r, 1e9),
      Target(max_ratio=1.0)),
+    ("bulk, 100 conns", "MB/s", "bulk100", lambda r: r["rate"] / 1e6, Target(min_ratio=1.0)),
+    ("proxy CPU, bulk 100 conns", "s/GB", "bulk100", lambda r: per_unit(r, 1e9),
+     Target(max_ratio=1.0)),
     ("keep-alive 1 KiB, 1 conn", "req/s", "ka1", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("keep-alive 1 KiB, 8 conns", "req/s", "ka8", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("proxy CPU per request, 8 conns", "µs", "ka8", lambda r: per_unit(r, 1e6), None),
@@ -347,7 +382,9 @@ def instance_usage(pid: int) -> tuple[int, int]:
 
 def measure_idle(rig: Rig, conns: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Hold `conns` idle passthrough connections (hello sent, then nothing) through
-    pact-ingress; the instance's RSS and fds before and while they are held."""
+    pact-ingress; the instance's RSS and fds before and while they are held. A
+    connection counts as held only if a ping sent on it comes back through the relay:
+    an ingress out of descriptors leaves the rest in its accept queue or closes them."""
     pid, port = rig.proxies[SUBJECT].pid, rig.ports[SUBJECT]
     hello = rig.hellos["keepalive"].read_bytes()
     rss0, fds0 = instance_usage(pid)
@@ -355,41 +392,82 @@ def measure_idle(rig: Rig, conns: int, log: Callable[[str], None]) -> dict[str, 
     started = time.monotonic()
     try:
         for _ in range(conns):
-            s = socket.create_connection(("127.0.0.1", port), timeout=30)
-            s.sendall(hello)
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=IDLE_CONNECT_TIMEOUT)
+                s.sendall(hello)
+            except OSError as exc:  # the accept queue is full: the ingress stopped taking
+                log(f"{IDLE_KEY}: connection {len(socks) + 1} failed ({exc}); stop opening")
+                break
             socks.append(s)
         opened = time.monotonic() - started
-        # each relayed: the ingress holds the caller's socket and the backend's
-        deadline = time.monotonic() + 120
-        while instance_usage(pid)[1] < fds0 + 2 * conns and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for s in socks[::max(1, conns // IDLE_PROBES)]:
-            s.sendall(b"ping")
-            got = b""
-            while len(got) < 4:
-                chunk = s.recv(4 - len(got))
-                if not chunk:
-                    raise SystemExit("an idle connection was closed by the ingress")
-                got += chunk
+        settle_fds(pid, fds0 + 2 * len(socks))
+        held = count_echoing(socks)
         time.sleep(1.0)  # let the probes' pipes go back and the allocator settle
         rss1, fds1 = instance_usage(pid)
     finally:
         for s in socks:
             s.close()
-    log(f"{IDLE_KEY}: {conns:,} idle conns opened in {opened:.1f} s; RSS "
+    log(f"{IDLE_KEY}: {len(socks):,} conns opened in {opened:.1f} s, {held:,} held; RSS "
         f"{rss0 / 1e6:.1f} → {rss1 / 1e6:.1f} MB, fds {fds0} → {fds1}")
-    return {"conns": conns, "rss_before": rss0, "rss": rss1, "fds_before": fds0,
-            "fds": fds1, "open_seconds": opened}
+    return {"asked": conns, "opened": len(socks), "conns": held, "rss_before": rss0,
+            "rss": rss1, "fds_before": fds0, "fds": fds1, "open_seconds": opened}
+
+
+def settle_fds(pid: int, expect: int) -> None:
+    """Wait until the instance holds `expect` fds, or its count stops moving."""
+    last, still_since = -1, time.monotonic()
+    deadline = time.monotonic() + IDLE_SETTLE_MAX
+    while time.monotonic() < deadline:
+        fds = instance_usage(pid)[1]
+        if fds >= expect:
+            return
+        if fds != last:
+            last, still_since = fds, time.monotonic()
+        elif time.monotonic() - still_since > IDLE_SETTLE_STILL:
+            return
+        time.sleep(0.2)
+
+
+def count_echoing(socks: list[socket.socket]) -> int:
+    """How many of `socks` echo a ping back within IDLE_PROBE_WAIT (all probed at once)."""
+    sel = selectors.DefaultSelector()
+    got: dict[socket.socket, bytes] = {}
+    for s in socks:
+        s.setblocking(False)
+        try:
+            s.send(b"ping")
+        except OSError:
+            continue
+        got[s] = b""
+        sel.register(s, selectors.EVENT_READ)
+    held = 0
+    deadline = time.monotonic() + IDLE_PROBE_WAIT
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=0.5):
+            s = key.fileobj  # type: ignore[assignment]
+            try:
+                data = s.recv(64)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            got[s] += data
+            if not data or len(got[s]) >= 4:
+                sel.unregister(s)
+                held += got[s] == b"ping"
+    sel.close()
+    return held
 
 
 def idle_metrics(idle: dict[str, Any]) -> list[Metric]:
-    n = idle["conns"]
+    n = max(1, idle["conns"])
 
     def only_subject(v: float) -> dict[str, float | None]:
         return {DIRECT: None, PEER: None, SUBJECT: v}
 
     return [
-        Metric(f"idle passthrough conns held ({n:,})", "conns", only_subject(n)),
+        Metric(f"idle passthrough conns held (of {idle['asked']:,} asked)", "conns",
+               only_subject(idle["conns"])),
         Metric("RSS of the instance, idle conns held", "MB", only_subject(idle["rss"] / 1e6)),
         Metric("RSS added per idle conn", "KiB",
                only_subject((idle["rss"] - idle["rss_before"]) / n / 1024)),
@@ -471,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     p.add_argument("--profile-ingress", type=Path, metavar="OUT",
                    help="run the router runner under cProfile, pstats to OUT (slow!)")
+    p.add_argument("--ingress-uid", type=int, metavar="UID",
+                   help="run pact-ingress as this unprivileged uid (needs root and setpriv)")
     p.add_argument("--only", help="comma-separated phases to run: " + ",".join(
         [ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})]
         + [IDLE_KEY]))
@@ -506,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tmpdir)
     started_at = time.monotonic()
     with services() as started:
-        rig = build_rig(tmp, started, args.ingress, notes, args.profile_ingress)
+        rig = build_rig(tmp, started, args.ingress, notes, args.profile_ingress,
+                        args.ingress_uid)
         notes.append(f"pact-ingress ran as `{rig.runner}`; mode "
                      f"{'quick (smoke)' if args.quick else 'full'}: {s.seconds:g} s phases, "
                      f"bulk {s.bulk_bytes >> 20} MiB, {s.rounds} round(s), median; flood "
