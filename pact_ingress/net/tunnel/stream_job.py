@@ -21,7 +21,8 @@ stream costs the trio thread two wake-ups (its first answer, its end) instead of
 eight. (What this bought, in latency and CPU: the README's "Performance" section.) The
 GIL is free at the moments that matter (the trio thread is parked in epoll_wait, every
 syscall here releases it). The payload still never enters Python: socket → pipe →
-socket with `os.splice`, pipes from `splice.take_pipe`.
+socket with `os.splice`, through pipes from the shared pool (`splice.take_pipe`), held
+only while a direction has bytes in flight.
 
 A thread per pooled connection costs a parked thread (a few pages of stack actually
 touched) each; the ingress's pool bounds them (and the connector's `MAX_PENDING_DATA`,
