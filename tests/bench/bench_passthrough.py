@@ -13,13 +13,25 @@ ClientHello names its own backend):
 | --- | --- | --- |
 | new TLS connections/s, 1 and 8 clients | handshake + `GET /`, no resumption | HAProxy terminating TLS (core 1) |
 | ClientHello flood | new TCP conn, canned hello, wait for close; 64 in flight | HAProxy sink: reads the hello, closes |
-| bulk MB/s, 1 and 8 connections | hello, then N bytes, half-close, count checked | raw sink counting bytes |
-| keep-alive 1 KiB requests/s, 1 and 8 connections | 1 KiB ping-pong | raw echo |
+| bulk MB/s, 1, 8 and 100 connections | hello, then N bytes, half-close, count checked | raw sink counting bytes |
+| keep-alive 1 KiB requests/s, 1, 8 and 32 connections | 1 KiB ping-pong | raw echo |
+| idle connections (`idle10k`, only when asked) | 10,000 connections: hello, then nothing | raw echo |
+
+`idle10k` is pact-ingress only (HAProxy's `maxconn` is sized for the 20,000-fd limit):
+the orchestrator holds 10,000 connections open at once, each past its hello and idle,
+and reads the whole instance's RSS and open fds from /proc before and while they are
+held. Each side then needs more than 20,000 fds, so the orchestrator raises
+RLIMIT_NOFILE for itself and the processes it starts when it may (CAP_SYS_RESOURCE);
+otherwise it holds as many connections as the limit allows and says so in the notes.
 
 The proxy's CPU is read from /proc before and after each phase (`harness.CpuMeter`), so
 "µs per connection" and "s per GB" are the proxy process's own cost. Ratios are to the
 direct path of the same run, and pact-ingress ÷ HAProxy is checked against the passthrough
 targets: flood conn/s ≥ 0.75×, bulk and keep-alive ≥ 1.0×, CPU s/GB ≤ 1.0×.
+
+`--ingress-uid UID` runs pact-ingress as that uid without CAP_SYS_RESOURCE and
+CAP_SYS_ADMIN (`setpriv`), as the systemd unit's dynamic user: the kernel's per-user pipe
+budget then applies to it, which it never does to root.
 
 pact-ingress runs as `python -m pact_ingress serve -c CONFIG` (`--ingress serve`), or,
 while `serve` cannot start because components are missing, as
@@ -31,7 +43,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import selectors
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -78,8 +94,26 @@ SNI = {"flood": "www.example.test", "bulk": "blk.example.test",
        "keepalive": "kal.example.test", "tls": "tls.example.test"}
 DIRECT, PEER, SUBJECT = "direct", "haproxy", "pact-ingress"
 PATHS = (DIRECT, PEER, SUBJECT)
-#: Generous limits for the ingress under test: the bench, not a limit, must be the cap.
-INGRESS_MAX_CONNECTIONS = 4000
+#: Idle connections held at once by the `idle10k` row.
+IDLE_CONNS = 10_000
+#: Generous limits for the ingress under test: the bench, not a limit, must be the cap
+#: (the idle row holds IDLE_CONNS from one address).
+INGRESS_MAX_CONNECTIONS = IDLE_CONNS + 2000
+#: Descriptors the ingress needs beside two per idle connection: its listeners, logs and
+#: pooled pipes (at most a few hundred).
+IDLE_FD_RESERVE = 512
+#: The fd limit the idle row asks for (the ingress holds two per connection).
+IDLE_NOFILE = 2 * IDLE_CONNS + IDLE_FD_RESERVE
+#: Opening an idle connection that takes longer than this means the ingress stopped
+#: accepting (out of descriptors): the row then reports what it held.
+IDLE_CONNECT_TIMEOUT = 5.0
+#: Waiting for the ingress to take every connection: at most this long, or until its fd
+#: count has not moved for IDLE_SETTLE_STILL seconds.
+IDLE_SETTLE_MAX = 120.0
+IDLE_SETTLE_STILL = 3.0
+#: Every connection is pinged at once; the ones whose echo is back by then are held.
+IDLE_PROBE_WAIT = 15.0
+IDLE_KEY = "idle10k"
 INGRESS_IDLE_TIMEOUT = "120s"
 #: A core busier than this during a phase was (close to) the bottleneck.
 LOAD_BOUND = 0.9
@@ -133,10 +167,15 @@ def phases(s: Settings, hellos: dict[str, Path]) -> list[Phase]:
         Phase("bulk8", "bulk", ("bulk", "--hello", str(hellos["bulk"]), "--conns", "8",
                                 "--bytes", str(s.bulk_bytes), "--seconds", str(bulk_bound)),
               bulk_bound),
+        Phase("bulk100", "bulk", ("bulk", "--hello", str(hellos["bulk"]), "--conns", "100",
+                                  "--bytes", str(s.bulk_bytes), "--seconds", str(bulk_bound)),
+              bulk_bound),
         Phase("ka1", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
                                    "--conns", "1", "--seconds", str(t)), t),
         Phase("ka8", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
                                    "--conns", "8", "--seconds", str(t)), t),
+        Phase("ka32", "keepalive", ("keepalive", "--hello", str(hellos["keepalive"]),
+                                    "--conns", "32", "--seconds", str(t)), t),
     ]
 
 
@@ -182,11 +221,28 @@ tenants:
 """
 
 
+def as_user(uid: int) -> list[str]:
+    """argv prefix: run as `uid` without the capabilities that lift the kernel's pipe
+    limits (CAP_SYS_RESOURCE, CAP_SYS_ADMIN), as the systemd unit's dynamic user runs.
+    Only CAP_DAC_READ_SEARCH is kept, to read the interpreter wherever it is installed."""
+    return [shutil.which("setpriv") or "setpriv", f"--reuid={uid}", f"--regid={uid}",
+            "--clear-groups", "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=-all,+dac_read_search"]
+
+
 def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
-                  profile: Path | None = None) -> tuple[Service, str]:
+                  profile: Path | None = None, uid: int | None = None
+                  ) -> tuple[Service, str]:
+    prefix: list[str] = []
+    if uid is not None:
+        for path in (tmp, *tmp.iterdir()):  # it writes its key and state there
+            os.chown(path, uid, uid)
+        prefix = as_user(uid)
+        notes.append(f"pact-ingress ran as uid {uid} without CAP_SYS_RESOURCE/CAP_SYS_ADMIN "
+                     f"(the systemd unit's limits on pipes apply)")
     argv = {
-        "serve": python_module("pact_ingress", "serve", "-c", str(cfg)),
-        "router": python_module("tests.bench.run_router", "-c", str(cfg)),
+        "serve": prefix + python_module("pact_ingress", "serve", "-c", str(cfg)),
+        "router": prefix + python_module("tests.bench.run_router", "-c", str(cfg)),
     }
     if profile is not None:  # cProfile costs several times the CPU: figures are not real
         argv["router"] += ["--profile", str(profile.resolve())]
@@ -199,7 +255,7 @@ def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
 
 
 def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[str],
-              profile: Path | None = None) -> Rig:
+              profile: Path | None = None, uid: int | None = None) -> Rig:
     hellos = {k: tmp / f"hello-{k}.bin" for k in ("flood", "bulk", "keepalive")}
     for kind, path in hellos.items():
         path.write_bytes(hello_for(SNI[kind]))
@@ -229,7 +285,7 @@ def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[
     started.append(haproxy)
     haproxy.start([ports[PEER]])
     ingress, runner = start_ingress(tmp, tmp / "ingress.yaml", ports[SUBJECT], ingress_mode,
-                                    notes, profile)
+                                    notes, profile, uid)
     started.append(ingress)
     return Rig(tmp, ports, {PEER: haproxy, SUBJECT: ingress}, load_side, runner, hellos)
 
@@ -286,10 +342,137 @@ METRICS: list[MetricSpec] = [
      Target(max_ratio=1.0)),
     ("proxy CPU, bulk 8 conns", "s/GB", "bulk8", lambda r: per_unit(r, 1e9),
      Target(max_ratio=1.0)),
+    ("bulk, 100 conns", "MB/s", "bulk100", lambda r: r["rate"] / 1e6, Target(min_ratio=1.0)),
+    ("proxy CPU, bulk 100 conns", "s/GB", "bulk100", lambda r: per_unit(r, 1e9),
+     Target(max_ratio=1.0)),
     ("keep-alive 1 KiB, 1 conn", "req/s", "ka1", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("keep-alive 1 KiB, 8 conns", "req/s", "ka8", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("proxy CPU per request, 8 conns", "µs", "ka8", lambda r: per_unit(r, 1e6), None),
+    ("keep-alive 1 KiB, 32 conns", "req/s", "ka32", lambda r: r["rate"],
+     Target(min_ratio=1.0)),
+    ("proxy CPU per request, 32 conns", "µs", "ka32", lambda r: per_unit(r, 1e6), None),
 ]
+
+
+def raise_nofile(want: int) -> int:
+    """Raise this process's fd limit (inherited by everything it starts) to `want` if it
+    may; the soft limit in force afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
+        except (ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def instance_usage(pid: int) -> tuple[int, int]:
+    """(RSS bytes, open fds) of `pid` and its live descendants: the whole instance."""
+    rss = fds = 0
+    for p in harness.process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss += int(line.split()[1]) * 1024
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except OSError:
+            pass  # gone meanwhile
+    return rss, fds
+
+
+def measure_idle(rig: Rig, conns: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Hold `conns` idle passthrough connections (hello sent, then nothing) through
+    pact-ingress; the instance's RSS and fds before and while they are held. A
+    connection counts as held only if a ping sent on it comes back through the relay:
+    an ingress out of descriptors leaves the rest in its accept queue or closes them."""
+    pid, port = rig.proxies[SUBJECT].pid, rig.ports[SUBJECT]
+    hello = rig.hellos["keepalive"].read_bytes()
+    rss0, fds0 = instance_usage(pid)
+    socks: list[socket.socket] = []
+    started = time.monotonic()
+    try:
+        for _ in range(conns):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=IDLE_CONNECT_TIMEOUT)
+                s.sendall(hello)
+            except OSError as exc:  # the accept queue is full: the ingress stopped taking
+                log(f"{IDLE_KEY}: connection {len(socks) + 1} failed ({exc}); stop opening")
+                break
+            socks.append(s)
+        opened = time.monotonic() - started
+        settle_fds(pid, fds0 + 2 * len(socks))
+        held = count_echoing(socks)
+        time.sleep(1.0)  # let the probes' pipes go back and the allocator settle
+        rss1, fds1 = instance_usage(pid)
+    finally:
+        for s in socks:
+            s.close()
+    log(f"{IDLE_KEY}: {len(socks):,} conns opened in {opened:.1f} s, {held:,} held; RSS "
+        f"{rss0 / 1e6:.1f} → {rss1 / 1e6:.1f} MB, fds {fds0} → {fds1}")
+    return {"asked": conns, "opened": len(socks), "conns": held, "rss_before": rss0,
+            "rss": rss1, "fds_before": fds0, "fds": fds1, "open_seconds": opened}
+
+
+def settle_fds(pid: int, expect: int) -> None:
+    """Wait until the instance holds `expect` fds, or its count stops moving."""
+    last, still_since = -1, time.monotonic()
+    deadline = time.monotonic() + IDLE_SETTLE_MAX
+    while time.monotonic() < deadline:
+        fds = instance_usage(pid)[1]
+        if fds >= expect:
+            return
+        if fds != last:
+            last, still_since = fds, time.monotonic()
+        elif time.monotonic() - still_since > IDLE_SETTLE_STILL:
+            return
+        time.sleep(0.2)
+
+
+def count_echoing(socks: list[socket.socket]) -> int:
+    """How many of `socks` echo a ping back within IDLE_PROBE_WAIT (all probed at once)."""
+    sel = selectors.DefaultSelector()
+    got: dict[socket.socket, bytes] = {}
+    for s in socks:
+        s.setblocking(False)
+        try:
+            s.send(b"ping")
+        except OSError:
+            continue
+        got[s] = b""
+        sel.register(s, selectors.EVENT_READ)
+    held = 0
+    deadline = time.monotonic() + IDLE_PROBE_WAIT
+    while sel.get_map() and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=0.5):
+            s = key.fileobj  # type: ignore[assignment]
+            try:
+                data = s.recv(64)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            got[s] += data
+            if not data or len(got[s]) >= 4:
+                sel.unregister(s)
+                held += got[s] == b"ping"
+    sel.close()
+    return held
+
+
+def idle_metrics(idle: dict[str, Any]) -> list[Metric]:
+    n = max(1, idle["conns"])
+
+    def only_subject(v: float) -> dict[str, float | None]:
+        return {DIRECT: None, PEER: None, SUBJECT: v}
+
+    return [
+        Metric(f"idle passthrough conns held (of {idle['asked']:,} asked)", "conns",
+               only_subject(idle["conns"])),
+        Metric("RSS of the instance, idle conns held", "MB", only_subject(idle["rss"] / 1e6)),
+        Metric("RSS added per idle conn", "KiB",
+               only_subject((idle["rss"] - idle["rss_before"]) / n / 1024)),
+        Metric("fds of the instance per idle conn", "fds", only_subject(idle["fds"] / n)),
+    ]
 
 
 def warm_up(rig: Rig, s: Settings) -> None:
@@ -325,7 +508,7 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
 
 
 def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Settings,
-                 title: str, notes: list[str]) -> Report:
+                 title: str, notes: list[str], idle: dict[str, Any] | None = None) -> Report:
     report = Report(title, baseline=DIRECT, peer=PEER, subject=SUBJECT)
     for name, unit, key, value, target in METRICS:
         if key not in results:
@@ -336,6 +519,9 @@ def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Setting
             nums = [v for v in per_round if v is not None]
             values[path] = statistics.median(nums) if nums else None
         report.add(Metric(name, unit, values, target))
+    if idle is not None:
+        for metric in idle_metrics(idle):
+            report.add(metric)
     for key, by_path in results.items():
         for path, runs in by_path.items():
             errs = sum(r["errors"] for r in runs)
@@ -363,8 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     p.add_argument("--profile-ingress", type=Path, metavar="OUT",
                    help="run the router runner under cProfile, pstats to OUT (slow!)")
+    p.add_argument("--ingress-uid", type=int, metavar="UID",
+                   help="run pact-ingress as this unprivileged uid (needs root and setpriv)")
     p.add_argument("--only", help="comma-separated phases to run: " + ",".join(
-        ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})))
+        [ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})]
+        + [IDLE_KEY]))
     args = p.parse_args(argv)
     if shutil.which(HAPROXY) is None:
         p.error(f"{HAPROXY} not found: apt-get install haproxy")
@@ -385,23 +574,33 @@ def main(argv: list[str] | None = None) -> int:
                      f"orchestrator on core {CORE_LOAD}")
     else:
         notes.append("fewer than 2 cores: NOT pinned, numbers are not comparable")
+    only = args.only.split(",") if args.only else None
+    idle_conns = 0
+    if only is not None and IDLE_KEY in only:
+        limit = raise_nofile(IDLE_NOFILE)
+        idle_conns = min(IDLE_CONNS, (limit - IDLE_FD_RESERVE) // 2)
+        if idle_conns < IDLE_CONNS:
+            notes.append(f"fd limit {limit}: the idle row holds {idle_conns:,} connections, "
+                         f"not {IDLE_CONNS:,}")
     tmpdir = tempfile.mkdtemp(prefix="pact-bench-")
     tmp = Path(tmpdir)
     started_at = time.monotonic()
     with services() as started:
-        rig = build_rig(tmp, started, args.ingress, notes, args.profile_ingress)
+        rig = build_rig(tmp, started, args.ingress, notes, args.profile_ingress,
+                        args.ingress_uid)
         notes.append(f"pact-ingress ran as `{rig.runner}`; mode "
                      f"{'quick (smoke)' if args.quick else 'full'}: {s.seconds:g} s phases, "
                      f"bulk {s.bulk_bytes >> 20} MiB, {s.rounds} round(s), median; flood "
                      f"{s.flood_inflight} in flight")
         log(f"rig up in {tmp} (ingress: {rig.runner}); warming up")
         warm_up(rig, s)
-        results = measure(rig, s, log, args.only.split(",") if args.only else None)
+        results = measure(rig, s, log, only)
+        idle = measure_idle(rig, idle_conns, log) if idle_conns else None
     title = f"Passthrough on loopback ({'quick smoke run' if args.quick else 'full run'})"
-    report = build_report(results, s, title, notes)
+    report = build_report(results, s, title, notes, idle)
     return harness.finish(report, json_path=args.json, tmp=tmp, keep=args.keep,
                           started_at=started_at, log=log,
-                          payload={"settings": asdict(s), "results": results})
+                          payload={"settings": asdict(s), "results": results, "idle": idle})
 
 
 if __name__ == "__main__":

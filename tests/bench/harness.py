@@ -92,16 +92,21 @@ def _children_map() -> dict[int, list[int]]:
     return kids
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (a multi-process instance is measured whole)."""
+    pids = [pid]
+    kids = _children_map()
+    i = 0
+    while i < len(pids):  # breadth-first over a finite process table
+        pids.extend(kids.get(pids[i], ()))
+        i += 1
+    return pids
+
+
 def cpu_seconds(pid: int, *, descendants: bool = True) -> float:
     """CPU seconds (user + system, reaped children included) of `pid` and, by default,
     its live descendants. 0.0 for a process that is gone."""
-    pids = [pid]
-    if descendants:
-        kids = _children_map()
-        i = 0
-        while i < len(pids):  # breadth-first over a finite process table
-            pids.extend(kids.get(pids[i], ()))
-            i += 1
+    pids = process_tree(pid) if descendants else [pid]
     total = 0
     for p in pids:
         fields = _stat_fields(p)

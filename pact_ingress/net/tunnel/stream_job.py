@@ -21,7 +21,8 @@ stream costs the trio thread two wake-ups (its first answer, its end) instead of
 eight. (What this bought, in latency and CPU: the README's "Performance" section.) The
 GIL is free at the moments that matter (the trio thread is parked in epoll_wait, every
 syscall here releases it). The payload still never enters Python: socket → pipe →
-socket with `os.splice`, pipes from `splice.take_pipe`.
+socket with `os.splice`, through pipes from the shared pool (`splice.take_pipe`), held
+only while a direction has bytes in flight.
 
 A thread per pooled connection costs a parked thread (a few pages of stack actually
 touched) each; the ingress's pool bounds them (and the connector's `MAX_PENDING_DATA`,
@@ -62,7 +63,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pact_ingress.net.backends import STREAM_OPTIONS
-from pact_ingress.net.splice import Direction, Wait, give_pipe, pump, take_pipe
+from pact_ingress.net.splice import Direction, Pipe, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 
 #: First read from the data connection: a ClientHello (≤ 16 KiB record) fits with room.
@@ -430,18 +431,28 @@ class StreamJob:
         assert self._data is not None
         up = Direction("up", self._data.fileno(), fwd.fileno())
         down = Direction("down", fwd.fileno(), self._data.fileno())
-        pipes = {"up": take_pipe(), "down": take_pipe()}
+        # a direction holds a pipe only while it moves bytes, as in the trio relay
+        pipes: dict[str, Pipe | None] = {"up": None, "down": None}
         try:
-            if rest:  # ≤ FIRST_READ: fits the pipe whole
-                up.pending = os.write(pipes["up"][1], rest)
+            if rest:  # forward is connected now; the rest of the first bytes (≤
+                # FIRST_READ) goes straight to it: a pipe from the pool may be smaller
+                try:
+                    fwd.settimeout(self._connect_timeout)
+                    fwd.sendall(rest)
+                    fwd.setblocking(False)
+                except OSError:  # forward went away, or stop() shut it down
+                    return "reset"
+                self._movers["up"](len(rest))
             return self._loop((up, down), pipes)
         finally:
-            give_pipe(pipes["up"], drained=up.pending == 0)
-            give_pipe(pipes["down"], drained=down.pending == 0)
+            for d in (up, down):
+                pipe = pipes[d.name]
+                if pipe is not None:
+                    give_pipe(pipe, drained=d.pending == 0)
             self._answer()  # ended before any answer: the stream is over all the same
 
     def _loop(self, directions: tuple[Direction, Direction],
-              pipes: dict[str, tuple[int, int]]) -> str:
+              pipes: dict[str, Pipe | None]) -> str:
         poller = select.poll()
         registered: dict[int, int] = {}
         deadline = time.monotonic() + self._idle_timeout
@@ -456,13 +467,22 @@ class StreamJob:
             left = deadline - time.monotonic()
             if left <= 0:
                 return "idle_timeout"
-            if not poller.poll(left * 1000):
+            ready = poller.poll(left * 1000)
+            if not ready:
                 continue  # the deadline is checked above
+            woken = {fd for fd, _ in ready}
             self._active = False
             try:
                 for d in directions:
-                    if not d.done and pump(d, pipes[d.name], self._movers[d.name],
-                                           BURST) is Wait.EOF:
+                    if d.done or (d.src not in woken and d.dst not in woken):
+                        continue
+                    pipe = pipes[d.name] or take_pipe()
+                    pipes[d.name] = pipe
+                    wait = pump(d, pipe, self._movers[d.name], BURST)
+                    if wait is Wait.READ:  # drained: an idle direction holds no pipe
+                        give_pipe(pipe, drained=True)
+                        pipes[d.name] = None
+                    elif wait is Wait.EOF:
                         # pass the EOF on; the other direction keeps going
                         _shutdown(self._by_fd[d.dst], socket.SHUT_WR)
             except OSError:  # a side failed: the relay is over
