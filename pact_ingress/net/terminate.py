@@ -43,6 +43,7 @@ the same story on each, whichever the version:
 
 from __future__ import annotations
 
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +60,8 @@ from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
 from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange
+from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
     DEFAULT_HEADER_TIMEOUT,
     NodeUnreachable,
@@ -197,7 +200,7 @@ class Terminator:
         if sni is None and not route.host.startswith("*."):
             sni = route.host
         limits = route.limits
-        tls = trio.SSLStream(stream, server_ctx, server_side=True, https_compatible=True)
+        tls = _server_tls(stream, server_ctx)
         conn = _Connection(route.host, sni, client[0])
         handle = partial(self._exchange, conn)
         try:
@@ -453,6 +456,16 @@ async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> bool:
     except ClientGone:
         return False
     return True
+
+
+def _server_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext) -> ServerTLS | trio.SSLStream:
+    """TLS over the socket itself when the router handed us one (the peeked ClientHello
+    goes into the TLS engine first); any other stream gets trio's general SSLStream."""
+    if isinstance(stream, ReplayStream):
+        raw = getattr(stream.socket, "_sock", None)  # the stdlib socket trio wraps
+        if isinstance(raw, socket.socket):
+            return ServerTLS(raw, ctx, stream.take_pending())
+    return trio.SSLStream(stream, ctx, server_side=True, https_compatible=True)
 
 
 async def _cancel_when_gone(ex: Exchange, scope: trio.CancelScope) -> None:
