@@ -106,7 +106,7 @@ MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
 #: JSON document does not stall the event loop every other connection runs on.
 INLINE_PARSE_BYTES = 64 * 1024
 
-#: Labelled request counters kept at hand (routes × statuses seen); past this the cache
+#: Labelled metric children kept at hand (routes × statuses seen); past this the cache
 #: starts again, so a config with many routes costs lookups, never memory.
 MAX_CACHED_COUNTERS = 1024
 #: The in-flight total per route is bounded by the upstream pool itself; only the
@@ -170,7 +170,7 @@ class Terminator:
         self._parse_slot = trio.CapacityLimiter(1)
         self._idle_scopes: set[trio.CancelScope] = set()
         self._draining = trio.Event()
-        self._request_counters: dict[tuple[str, int], Any] = {}
+        self._children: dict[tuple[Any, ...], Any] = {}
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
@@ -242,16 +242,19 @@ class Terminator:
     # -- one exchange -----------------------------------------------------------------
 
     def _count(self, route_host: str, status: int) -> None:
-        """Count one answered request; the labelled child is looked up once per pair
-        (prometheus_client's `labels()` costs more than the increment)."""
-        key = (route_host, status)
-        child = self._request_counters.get(key)
+        """Count one answered request."""
+        self._labelled(self.stats.requests, route_host, str(status)).inc()
+
+    def _labelled(self, family: Any, *labels: str) -> Any:
+        """`family.labels(*labels)`, looked up once per label set: prometheus_client's
+        `labels()` costs more than the increment it leads to."""
+        key = (id(family), *labels)
+        child = self._children.get(key)
         if child is None:
-            if len(self._request_counters) >= MAX_CACHED_COUNTERS:
-                self._request_counters.clear()
-            child = self._request_counters[key] = self.stats.requests.labels(
-                route=route_host, status=str(status))
-        child.inc()
+            if len(self._children) >= MAX_CACHED_COUNTERS:
+                self._children.clear()
+            child = self._children[key] = family.labels(*labels)
+        return child
 
 
     async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
@@ -418,7 +421,7 @@ class Terminator:
                 route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
                 headers=out, body=body, idle_timeout=route.limits.idle_timeout,
             ) as response:
-                self.stats.upstream_seconds.labels(route=route.host).observe(
+                self._labelled(self.stats.upstream_seconds, route.host).observe(
                     trio.current_time() - started)
                 await self._relay(ex, route, response)
                 return response.status
