@@ -259,6 +259,26 @@ def test_depth_bounds(serve: RelayServe, ids: RelayIdentities) -> None:
     assert "pact_ingress_relay_queued_items{" in serve.metrics()
 
 
+def test_relay_call_is_charged_to_the_senders_budget(tmp_path: Path,
+                                                    ids: RelayIdentities) -> None:
+    # 10 calls an hour per (IP, key): a burst of 5, then rate_limited with retry_after
+    serve = RelayServe(tmp_path, recipients=[ids.recipient],
+                       extra="limits: {calls_per_hour_per_ip_key: 10}\n")
+    try:
+        recipient, sender = _callers(serve, ids)
+        codes = [code_of(sender.tool("relay_call", envelope(
+            ids.sender, ids.recipient, msg_id=f"r-{i}"))[0]) for i in range(7)]
+        assert codes == [None] * 5 + ["rate_limited"] * 2
+        limited, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="x"))
+        retry = limited["structuredContent"]["retry_after"]
+        assert isinstance(retry, int) and retry >= 1
+        # the recipient's own tools are not the sender's budget
+        items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
+        assert len(items) == 5
+    finally:
+        serve.stop()
+
+
 def test_http2(serve: RelayServe, ids: RelayIdentities) -> None:
     recipient, _ = _callers(serve, ids)
     conn = RelayH2(serve.port, ids.sender)

@@ -53,6 +53,7 @@ from pact_ingress.net.ossl_stream import OpenSSLStream, files_server_context
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.proto import relay as rules
 from pact_ingress.proto import tls_alert
+from pact_ingress.proto.ratelimit import Budget, Limited
 from pact_ingress.proto.relay import Refusal
 from pact_ingress.relay.store import QueueFull, RelayStore, SqliteStore, StoreUnavailable
 from pact_ingress.state import LocalState, StateBackend
@@ -98,8 +99,12 @@ class RelayServer:
         self.wake = wake
         self.clock = clock
         # the queue lives where the state backend keeps shared state (SQLite or Redis)
-        self.store: RelayStore = store or (state or LocalState()).relay_store(
+        backend = state or LocalState()
+        self.store: RelayStore = store or backend.relay_store(
             config.relay, stats, lambda: self.clock())
+        # relay_call is charged like a terminate call: the caller's (IP, key) budget and
+        # the IP ceiling, cluster-wide when the state backend is shared
+        self.limiter = backend.limiter
         self._hconfig = _hypercorn_config()
         self._ctx: tuple[tuple[Any, ...], SSL.Context] | None = None
         self._conns: set[_Conn] = set()
@@ -112,6 +117,7 @@ class RelayServer:
         assert config.relay is not None
         self.relay = config.relay
         self.host = config.relay.host
+        self.budget = Budget.from_limits(config.limits)
         self.recipients = config.relay_recipients()
         self.store.set_bounds(config.relay.max_items, config.relay.max_bytes)
         if isinstance(self.store, SqliteStore):
@@ -479,6 +485,7 @@ class _Exchange:
         try:
             await self.server._ensure_store()
             if name == "relay_call":
+                await self._charge(fp)
                 data = await self.server.relay_call(fp, key, arguments, fields)
             elif name == "fetch_queued":
                 data = await self.server.fetch_queued(fp, arguments)
@@ -500,6 +507,16 @@ class _Exchange:
         log.info("relay_" + name, caller=fp, client_ip=self.client[0], outcome=outcome,
                  duration_ms=round((trio.current_time() - started) * 1000, 2), **fields)
         return result
+
+
+    async def _charge(self, fp: str) -> None:
+        """One call of the caller's budget, or `rate_limited` with when to come back."""
+        server = self.server
+        decision = await server.limiter.check_calls(
+            self.client[0], (fp,), trio.current_time(), budget=server.budget,
+            scope=server.host)
+        if isinstance(decision, Limited):
+            raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
 
 
 def _rpc(rpc_id: Any, *, result: Any = None, error: tuple[Any, ...] | None = None
