@@ -1,8 +1,9 @@
 """The preamble of an instance-to-instance forward link, sans-I/O.
 
 After the pinned mutual TLS handshake (ALPN `pact-forward/1`), the forwarding instance
-names the tenant whose tunnel it wants; the holder answers with one byte. From then on
-the link carries the caller's bytes unchanged, so this is the whole protocol:
+names the tenant whose tunnel it wants (inside TLS); both ends close TLS, and the holder
+answers with one byte (why it comes after the TLS shutdown: `net/forward.py`). From then
+on the link carries the caller's bytes unchanged, so this is the whole protocol:
 
     request:  MAGIC (4 bytes) | VERSION (1) | length (1) | tenant (length bytes, ASCII)
     answer:   one byte, an `Answer`
@@ -89,8 +90,8 @@ def encode_answer(answer: Answer) -> bytes:
 
 
 def decode_answer(data: bytes) -> Answer:
-    """The receiver's one-byte answer (exactly one byte: it may not say anything else
-    before the forwarder starts relaying)."""
+    """The holder's one-byte answer (exactly one byte: it says nothing else before the
+    caller's bytes start)."""
     if len(data) != 1:
         raise ForwardProtocolError(f"expected a one-byte answer, got {len(data)} bytes")
     try:
