@@ -50,6 +50,7 @@ optional PROXY v2 header.
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import ssl
 import trio
@@ -129,8 +130,10 @@ class Forwarder:
         for fp in holders[:MAX_ATTEMPTS]:
             address = self.registry.address_of(fp)
             try:
-                if address is None:
-                    raise _Refused("no_address", "the registry names no address")
+                if address is None or _unspecified(address):
+                    raise _Refused("no_address", f"the registry names no address peers can "
+                                   f"dial ({address}): list a specific one first in that "
+                                   "instance's listen.tls")
                 with trio.fail_after(FORWARD_CONNECT_TIMEOUT):
                     stream = await self._dial(address, fp, tenant)
             except _Refused as exc:
@@ -233,6 +236,16 @@ class Forwarder:
         self.stats.refused("forward", client[0], outcome)
         log.warning("forward_refused", reason=outcome, detail=detail, tenant=tenant,
                     peer=fingerprint, client_ip=client[0])
+
+
+def _unspecified(address: str) -> bool:
+    """0.0.0.0 / [::]: what an instance listening on every address publishes; dialling
+    it would reach this very host, not the peer."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # a name
 
 
 async def _read_request(tls: OpenSSLStream) -> str:
