@@ -51,7 +51,7 @@ class Tunnels:
 
 def _config(peers: list[str]) -> Any:
     return SimpleNamespace(state=SimpleNamespace(redis=SimpleNamespace(peers=tuple(peers))),
-                           tunnel_hostname=HOST)
+                           tunnel_hostname=HOST, routes=lambda: ())
 
 
 def _count(fwd: Forwarder, side: str, outcome: str) -> float:

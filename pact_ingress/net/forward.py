@@ -76,10 +76,11 @@ FORWARD_CONNECT_TIMEOUT = 2.0
 #: Holders tried per connection at most: enough to step over one or two dead ones,
 #: and bounding what one caller can make us dial.
 MAX_ATTEMPTS = 3
-#: A forwarded stream with nothing moving for this long is closed at the receiver. The
-#: forwarding instance applies the route's own `idle_timeout`; this is the backstop for
-#: a peer that vanished without a FIN (the route limits cannot be larger than this).
-RECEIVE_IDLE_TIMEOUT = 3600.0
+#: A forwarded stream with nothing moving for this long is closed at the receiver, at
+#: least (the largest route `idle_timeout` of the config counts if larger): the
+#: forwarding instance applies the route's own; this is the backstop for a peer that
+#: vanished without a FIN.
+RECEIVE_IDLE_TIMEOUT = 300.0
 #: Errors that mean the peer or the path went away.
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ssl.SSLError)
 
@@ -113,6 +114,8 @@ class Forwarder:
 
     def update(self, config: Config) -> None:
         self.hostname = config.tunnel_hostname
+        self.idle_timeout = max([RECEIVE_IDLE_TIMEOUT]
+                                + [r.limits.idle_timeout for r in config.routes()])
 
     def _count(self, side: str, outcome: str) -> None:
         self.stats.forwards.labels(side, outcome).inc()
@@ -213,7 +216,7 @@ class Forwarder:
                 raise refusal
             assert backend is not None
             self._count("in", "ok")
-            result = await relay(stream.inner, backend, idle_timeout=RECEIVE_IDLE_TIMEOUT)
+            result = await relay(stream.inner, backend, idle_timeout=self.idle_timeout)
             log.info("forward_close", tenant=tenant, peer=fingerprint,
                      bytes_up=result.up, bytes_down=result.down, outcome=result.outcome)
         except _Refused as exc:
