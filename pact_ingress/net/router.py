@@ -14,7 +14,8 @@ the tunnel server (`tunnels.handle`), which authenticates it by its single-use t
 
 - ALPN `acme-tls/1` for a host this edge terminates → the ACME TLS-ALPN-01 responder
   (a passthrough host's challenge goes through to the home node like any connection);
-- SNI = `tunnel.hostname` → the tunnel server (connectors dial in here);
+- SNI = `tunnel.hostname` → the tunnel server (connectors dial in here), or with ALPN
+  `pact-forward/1` a peer instance's forward link (`net/forward.py`);
 - a passthrough route → a backend stream, [PROXY v2 header], the peeked bytes, then a
   splice both ways until both sides are done;
 - a terminate route → the route's certificate context and the `Terminator`;
