@@ -55,7 +55,8 @@ Decisions worth knowing:
   refused — URLs end up in logs and status pages — so it comes from ``password_file``
   instead and is held as a `Secret`. ``encryption_key_file`` is required from the start,
   so a cluster never runs without the key its certificate keys will be sealed with.
-  Secret files must not be readable by every user on the machine.
+  Secret files must not be readable by every user on the machine. ``peers`` lists the
+  other instances' fingerprints: the only keys forward links are made to or taken from.
 * ``relay:`` (top level) serves the relay gateway on its own ``host``, which must not be
   a route host or the tunnel hostname; its ``cert`` is chosen like a terminate route's.
   Tenants opt in with ``relay: true``. The connector's ``on_mail`` hook is ``{url: URL}``
