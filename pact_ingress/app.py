@@ -55,6 +55,14 @@ class Ingress:
         self.backends = Backends(self.resolver, self.tunnels)
         # where shared state lives is chosen here, once; components get its objects
         self.state = open_state(config.state, self.stats)
+        self.forwarder = None
+        if config.state.redis is not None and config.state.redis.peers:
+            from pact_ingress.net.forward import Forwarder
+
+            self.forwarder = Forwarder(identity=self.identity, stats=self.stats,
+                                       registry=self.state.registry, tunnels=self.tunnels,
+                                       config=config)
+            self.backends.forwarder = self.forwarder
         self.certs = CertManager(state_dir=config.state_dir, stats=self.stats,
                                  store=self.state.acme_store(config.state_dir))
         self.terminator = Terminator(identity=self.identity, backends=self.backends,
@@ -64,6 +72,7 @@ class Ingress:
         self.router = Router(config, stats=self.stats, backends=self.backends,
                              terminator=self.terminator, certs=self.certs,
                              tunnels=self.tunnels)
+        self.router.forward = self.forwarder
         self.bound: dict[str, list[tuple[str, int]]] = {}
         self._apply(config)
 
@@ -90,6 +99,8 @@ class Ingress:
         self.resolver.watch(r.backend.address.host for r in config.routes()
                             if r.backend.address is not None)
         self.tunnels.update(config)
+        if self.forwarder is not None:
+            self.forwarder.update(config)
         self.certs.update(config)
         self.terminator.update(config)
         self.router.update(config)

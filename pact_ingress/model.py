@@ -179,6 +179,9 @@ class RedisSettings:
     tls: RedisTLS | None = None
     #: A decision waits at most this long for Redis before this instance decides alone.
     deadline: float = 0.05
+    #: Fingerprints of the other instances: the only keys a forward link is opened to
+    #: or accepted from (see `net/forward.py` for why the registry is not enough).
+    peers: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         scheme = "rediss" if self.tls is not None else "redis"

@@ -66,6 +66,9 @@ class Stats:
         self.tunnel_events = Counter(
             p + "tunnel_events", "Tunnel connects, disconnects and refusals by reason",
             ["tenant", "event"], registry=r)
+        self.forwards = Counter(
+            p + "forwards", "Connections forwarded between instances, by side (out: to the "
+            "holder of a tunnel; in: from a peer) and outcome", ["side", "outcome"], registry=r)
         self.cert_expiry = Gauge(
             p + "certificate_expiry_timestamp_seconds", "Not-after of the served cert",
             ["host"], registry=r)

@@ -14,6 +14,7 @@ from pact_ingress.errors import ConfigError
 from pact_ingress.model import RedisTLS, Secret, State
 
 PASSWORD = "correct-horse-battery-staple"
+PEER = "sha256:rAGyIJ6GNU-4UyN7XeD0-rE8f8v0M6YcAZNpYX_s8Qs"
 BASE = """\
 state_dir: ./state
 listen:
@@ -119,6 +120,14 @@ def test_secret_repr_and_equality() -> None:
      "  url: redis://127.0.0.1\n  tls: {cert_file: state.key}\n", 8, "go together"),
     ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
      "  url: redis://127.0.0.1\n  deadline: 5s\n", 8, "state.deadline must be at most 1s"),
+    ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
+     "  url: redis://127.0.0.1\n  peers:\n    - sha256:short\n", 9, "state.peers: 'sha256:short'"),
+    ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
+     f"  url: redis://127.0.0.1\n  peers: [{PEER}, {PEER}]\n", 8, "the same fingerprint twice"),
+    ("state:\n  backend: redis\n  encryption_key_file: state.key\n"
+     f"  url: redis://127.0.0.1\n  peers: {PEER}\n", 8, "state.peers"),
+    ("state:\n  backend: local\n"
+     f"  peers: [{PEER}]\n", 6, "applies to backend: redis only"),
 ])  # fmt: skip
 def test_redis_errors_name_their_line(secrets: Path, state: str, line: int, wanted: str) -> None:
     errors = _errors(secrets, state)
@@ -136,3 +145,10 @@ def test_secret_files_must_not_be_world_readable(secrets: Path) -> None:
     os.chmod(secrets / "redis.pass", 0o640)  # the service's group may read it
     _load(secrets, "state:\n  backend: redis\n  encryption_key_file: state.key\n"
           "  url: redis://127.0.0.1\n  password_file: redis.pass\n")
+
+
+def test_peers(secrets: Path) -> None:
+    base = "state: {backend: redis, url: 'redis://127.0.0.1', encryption_key_file: state.key"
+    assert _load(secrets, base + "}\n").state.redis.peers == ()  # type: ignore[attr-defined]
+    config = _load(secrets, base + f", peers: [{PEER}]}}\n")
+    assert config.state.redis.peers == (PEER,)  # type: ignore[attr-defined]

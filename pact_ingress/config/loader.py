@@ -55,7 +55,8 @@ Decisions worth knowing:
   refused — URLs end up in logs and status pages — so it comes from ``password_file``
   instead and is held as a `Secret`. ``encryption_key_file`` is required from the start,
   so a cluster never runs without the key its certificate keys will be sealed with.
-  Secret files must not be readable by every user on the machine.
+  Secret files must not be readable by every user on the machine. ``peers`` lists the
+  other instances' fingerprints: the only keys forward links are made to or taken from.
 * ``relay:`` (top level) serves the relay gateway on its own ``host``, which must not be
   a route host or the tunnel hostname; its ``cert`` is chosen like a terminate route's.
   Tenants opt in with ``relay: true``. The connector's ``on_mail`` hook is ``{url: URL}``
@@ -145,6 +146,9 @@ MAX_SECRET_FILE_BYTES = 4096
 ENCRYPTION_KEY_BYTES = 32
 #: Redis key prefixes are short printable names; the bound keeps every key small.
 MAX_KEY_PREFIX = 64
+#: Other instances one may name in state.peers: a cluster is a handful of VPSes; the cap
+#: keeps a pasted list of something else from becoming a long per-connection scan.
+MAX_PEERS = 64
 #: state.deadline above this would let a sick Redis stall every request for longer than
 #: a client waits; below the round trip to a distant Redis, it would never be shared.
 MAX_STATE_DEADLINE = 1.0
@@ -512,6 +516,7 @@ _TOP_KEYS = (
 )  # fmt: skip
 _STATE_KEYS = (
     "backend", "url", "password_file", "key_prefix", "encryption_key_file", "tls", "deadline",
+    "peers",
 )  # fmt: skip
 _REDIS_TLS_KEYS = ("ca_file", "cert_file", "key_file")
 _KEY_PREFIX_RE = re.compile(r"[A-Za-z0-9._:/{}-]+")
@@ -627,16 +632,35 @@ def _state(ctx: _Ctx, node: Node) -> State | None:
     prefix = fields.opt("key_prefix", _key_prefix, default="pact-ingress:")
     tls = fields.opt("tls", _redis_tls)
     deadline = fields.opt("deadline", _state_deadline, default=RedisSettings.deadline)
+    peers = fields.opt("peers", _peers, default=())
     if url is not None and url[4] and fields.get("tls") is not None and tls is False:
         ctx.at(fields.get("tls") or fields.node, "state.tls: false contradicts a rediss:// url")
         return None
-    if None in (url, key_file, prefix, deadline) or (password_file and password is None):
+    if None in (url, key_file, prefix, deadline, peers) or (password_file and password is None):
         return None
     host, port, db, username, tls_scheme = url  # type: ignore[misc]
     if tls is None or tls is False:
         tls = RedisTLS() if tls_scheme else None
     return State("redis", RedisSettings(host, port, db, key_file, username, password,
-                                        password_file, prefix, tls, deadline))
+                                        password_file, prefix, tls, deadline,
+                                        peers))  # type: ignore[arg-type]
+
+
+def _peers(ctx: _Ctx, node: Node) -> tuple[str, ...] | None:
+    """The fingerprints of the other instances this one forwards to and accepts forwards
+    from (each is what `pact-ingress fingerprint` prints for that instance's key)."""
+    items = _strings(ctx, node, "state.peers")
+    bad = [(t, n, why) for t, n in items if (why := pin_problem(t)) is not None]
+    for text, item, why in bad:
+        ctx.at(item, f"state.peers: {text!r} {why} (get it with `pact-ingress fingerprint "
+               "KEYFILE` on that instance)")  # fmt: skip
+    peers = tuple(t for t, _ in items)
+    if len(set(peers)) != len(peers):
+        ctx.at(node, "state.peers lists the same fingerprint twice")
+    if len(peers) > MAX_PEERS:
+        ctx.at(node, f"state.peers: at most {MAX_PEERS} instances")
+    ok = not bad and len(set(peers)) == len(peers) <= MAX_PEERS
+    return peers if ok else None
 
 
 def _state_deadline(ctx: _Ctx, node: Node) -> float | None:

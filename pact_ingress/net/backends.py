@@ -108,19 +108,37 @@ class TunnelPool(Protocol):
     async def open_stream(self, tenant: str) -> trio.abc.Stream: ...
 
 
+class Forwarding(Protocol):
+    """Another instance's tunnel for a tenant (`net/forward.py`), or BackendError."""
+
+    async def open(self, tenant: str) -> trio.abc.Stream: ...
+
+
 class Backends:
     """Opens streams to route backends; the router's only way out."""
 
-    def __init__(self, resolver: Resolver | None = None, tunnels: TunnelPool | None = None):
+    def __init__(self, resolver: Resolver | None = None, tunnels: TunnelPool | None = None,
+                 forwarder: Forwarding | None = None):
         self.resolver = resolver or Resolver()
         self.tunnels = tunnels
+        #: Set by the app when instances share a registry and name their peers.
+        self.forwarder = forwarder
 
     async def connect(self, route: Route) -> trio.abc.Stream:
-        """A connected stream to `route`'s backend, or BackendError."""
+        """A connected stream to `route`'s backend, or BackendError.
+
+        A tunnel route tries this instance's own tunnel first, then (with several
+        instances) an instance that holds one; only when neither works does the caller
+        get the answer for a tunnel that is down."""
         if route.backend.address is None:
             if self.tunnels is None:
                 raise BackendError(f"no tunnel for tenant {route.tenant}")
-            return await self.tunnels.open_stream(route.tenant)
+            try:
+                return await self.tunnels.open_stream(route.tenant)
+            except BackendError:
+                if self.forwarder is None:
+                    raise
+            return await self.forwarder.open(route.tenant)
         return await self.connect_address(route.backend.address)
 
     async def connect_address(self, address: Address) -> trio.SocketStream:

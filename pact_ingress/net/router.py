@@ -14,7 +14,8 @@ the tunnel server (`tunnels.handle`), which authenticates it by its single-use t
 
 - ALPN `acme-tls/1` for a host this edge terminates → the ACME TLS-ALPN-01 responder
   (a passthrough host's challenge goes through to the home node like any connection);
-- SNI = `tunnel.hostname` → the tunnel server (connectors dial in here);
+- SNI = `tunnel.hostname` → the tunnel server (connectors dial in here), or with ALPN
+  `pact-forward/1` a peer instance's forward link (`net/forward.py`);
 - a passthrough route → a backend stream, [PROXY v2 header], the peeked bytes, then a
   splice both ways until both sides are done;
 - a terminate route → the route's certificate context and the `Terminator`;
@@ -75,7 +76,7 @@ from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.ratelimit import client_bucket
 from pact_ingress.proto.routing import RouteTable
-from pact_ingress.proto.tunnel.constants import TUNNEL_ALPNS
+from pact_ingress.proto.tunnel.constants import ALPN_FORWARD, TUNNEL_ALPNS
 from pact_ingress.proto.tunnel.frames import raw_data_prefix
 from pact_ingress.stats import Stats
 
@@ -112,6 +113,10 @@ class CertsLike(Protocol):
 
 
 class TunnelsLike(Protocol):
+    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
+
+
+class ForwardLike(Protocol):
     async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
 
 
@@ -167,6 +172,8 @@ class Router:
         self.tunnels = tunnels
         #: The relay gateway, served on its own host (the app sets it on reload too).
         self.relay = relay
+        #: Forward links from peer instances (`net/forward.py`), when configured.
+        self.forward: ForwardLike | None = None
         self._counts = _Counts()
         self._bytes_by_route: dict[str, tuple[Any, Any]] = {}
         self._conn_counters: dict[tuple[str, str], Any] = {}
@@ -334,7 +341,8 @@ class Router:
         """A connector's TLS connection (control, or data over TLS): what `_dispatch`
         hands to the tunnel server."""
         return (hello.sni is not None and hello.sni == self.tunnel_hostname
-                and self.tunnels is not None and any(p in TUNNEL_ALPNS for p in hello.alpn))
+                and self.tunnels is not None
+                and any(p in TUNNEL_ALPNS or p == ALPN_FORWARD for p in hello.alpn))
 
     async def _peek(self, sock: trio.socket.SocketType, ip: str
                     ) -> tuple[ClientHello | None, bytes] | None:
@@ -383,6 +391,13 @@ class Router:
     async def _dispatch(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
                         client: tuple[str, int]) -> None:
         sni = hello.sni
+        if self._is_tunnel(hello) and ALPN_FORWARD in hello.alpn:
+            if self.forward is not None:  # a peer instance's forward link
+                await self.forward.handle(ReplayStream(data, trio.SocketStream(sock)), client)
+            else:
+                self._reject(client[0], "forward_not_configured")
+                _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
+            return
         if self._is_tunnel(hello):
             await self.tunnels.handle(  # type: ignore[union-attr]
                 ReplayStream(data, trio.SocketStream(sock)), client)

@@ -74,6 +74,10 @@ class Registry(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    def holders_of(self, tenant: str) -> list[str]: ...
+
+    def address_of(self, fingerprint: str) -> str | None: ...
+
 
 class LocalRegistry:
     """One instance: the registry is this process's own tunnels, and nothing to run."""
@@ -87,6 +91,12 @@ class LocalRegistry:
 
     async def run(self) -> None:
         return
+
+    def holders_of(self, tenant: str) -> list[str]:
+        return []  # nobody else
+
+    def address_of(self, fingerprint: str) -> str | None:
+        return None
 
     def status(self) -> dict[str, Any]:
         return {"registry": "local", "stale": False, "members": [],
@@ -128,6 +138,11 @@ class RedisRegistry:
             return []
         return [fp for fp, n in self.holders.get(tenant, {}).items()
                 if n and fp != self.fingerprint and fp in self.members]
+
+    def address_of(self, fingerprint: str) -> str | None:
+        """Where a member said peers reach it (its first `listen.tls` address)."""
+        address = self.members.get(fingerprint, {}).get("address")
+        return address if isinstance(address, str) else None
 
     async def run(self) -> None:
         while True:

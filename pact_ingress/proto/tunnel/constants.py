@@ -35,3 +35,7 @@ KEEPALIVE = (30, 10, 3)
 #: The ingress's answer on a data connection whose token it accepted, as bytes: a raw
 #: data connection's whole answer, compared (connector) and written (ingress) as is.
 DATA_OK = frames.encode(frames.DataOk())
+
+#: ALPN of an instance-to-instance forward link (SNI `tunnel.hostname`, mutual TLS with
+#: instance keys): one caller connection carried to the instance holding the tunnel.
+ALPN_FORWARD = "pact-forward/1"
