@@ -11,20 +11,16 @@ assertions on invariants only (what the client got, what the node received, /sta
 
 from __future__ import annotations
 
-import socket
 import ssl
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.terminate_env import (
     ATTACKER_IP,
-    BYSTANDER_IP,
     HOST,
+    H2Conn,
     RawResponse,
-    closed_by_peer,
     exchange,
     forget,
     read_response,
@@ -119,3 +115,16 @@ def test_duplicate_content_type_cannot_smuggle_json_off_mcp_path(env: Env) -> No
     got = [(r.target, r.header_values("content-type")) for r in env.node.requests()]
     assert got == [], f"JSON body with a second application/json reached the node: {got}"
     assert 400 <= resp.status < 500, resp.status_line
+
+
+def test_duplicate_content_type_cannot_smuggle_json_off_mcp_path_h2(env: Env) -> None:
+    """The same over HTTP/2: two `content-type` fields, the first `text/plain`."""
+    conn = H2Conn(env.serve.port, HOST)
+    try:
+        res = conn.request("POST", "/other", body=unsealed_call_body(), content_type="text/plain",
+                           headers=[("content-type", "application/json")], coalesce=False)
+    finally:
+        conn.close()
+    got = [(r.target, r.header_values("content-type")) for r in env.node.requests()]
+    assert got == [], f"JSON body with a second application/json reached the node: {got}"
+    assert res.status is None or 400 <= res.status < 500, (res.status, res.body[:200])
