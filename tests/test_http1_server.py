@@ -134,3 +134,34 @@ def test_response_framing_and_head() -> None:
     assert head == (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
                     b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
     assert chunk(b"abc") == b"3\r\nabc\r\n"
+
+
+def test_trailers_are_bounded() -> None:
+    head = b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+    parser = H1ServerParser()
+    parser.feed(head)
+    with pytest.raises(ParseError) as info:
+        for _ in range(40):  # a trailer value growing 1 KiB per read, bounded
+            parser.feed(b"X-T: " if _ == 0 else b"a" * 1024)
+    assert info.value.status == 431
+    parser = H1ServerParser()
+    parser.feed(head)
+    with pytest.raises(ParseError) as info:
+        parser.feed(b"".join(b"T%d: x\r\n" % i for i in range(101)) + b"\r\n")
+    assert info.value.status == 431
+
+
+def test_every_transfer_encoding_field_counts() -> None:
+    with pytest.raises(ParseError) as info:
+        H1ServerParser().feed(b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    assert info.value.status == 501
+
+
+def test_small_chunks_of_a_real_body_pass() -> None:
+    parser = H1ServerParser()
+    body = b"".join(b"1\r\n%c\r\n" % c for c in b"x" * 3000) + b"0\r\n\r\n"
+    parser.feed(b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for i in range(0, len(body), 4096):
+        parser.feed(body[i:i + 4096])
+    assert _summary(_events(parser)) == [("POST", b"/", True), b"x" * 3000]

@@ -113,3 +113,21 @@ def test_shares_cap_each_client_and_the_total() -> None:
     shares.give("a", 3)
     shares.give("b", 7)  # never more than held
     assert (shares.held, len(shares)) == (0, 0)
+
+
+def test_json_is_recognised_however_it_is_spelled() -> None:
+    from pact_ingress.proto.http_request import is_json_type
+    for value in (b"application/json", b"Application/JSON; charset=utf-8", b"text/json",
+                  b"application/merge-patch+json", b"application/json, text/plain",
+                  b"text/plain, application/json", b"application/x-json-stream"):
+        assert is_json_type(value), value
+    assert not is_json_type(b"text/plain") and not is_json_type(None)
+
+
+def test_content_type_and_encoding_are_single_valued() -> None:
+    from pact_ingress.proto.http_request import check_single_valued
+    check_single_valued([(b"content-type", b"a/b"), (b"content-encoding", b"gzip")])
+    for name in (b"content-type", b"content-encoding"):
+        with pytest.raises(BadRequest) as info:
+            check_single_valued([(name, b"a"), (b"x", b"y"), (name, b"b")])
+        assert info.value.status == 400

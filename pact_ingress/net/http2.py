@@ -21,8 +21,8 @@ waits for the client's flow-control window with the same deadline.
 
 A stream reset by the client cancels its task at once (and with it the upstream request).
 Frames that cost a client nothing and us something (RST_STREAM, PING, SETTINGS,
-PRIORITY) are metered per connection (`proto.h2_guard`): a flood ends the connection with
-GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write deadline.
+PRIORITY, empty DATA) are metered per connection (`proto.h2_guard`): a flood ends the
+connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write deadline.
 An answer given before the body was read ends the stream with `RST_STREAM(NO_ERROR)`
 after the complete response (RFC 9113 §8.1). A drain sends GOAWAY; open streams finish.
 """
@@ -143,6 +143,8 @@ class H2Connection:
                 self.streams[event.stream_id] = exchange
                 nursery.start_soon(self._run, handle, exchange)
         elif isinstance(event, h2.events.DataReceived):
+            if not event.data and event.stream_ended is None:
+                self._charge(Flood.EMPTY_DATA)
             exchange = self.streams.get(event.stream_id)
             if exchange is None or exchange.stopped:
                 self.conn.acknowledge_received_data(event.flow_controlled_length,

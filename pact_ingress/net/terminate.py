@@ -79,6 +79,7 @@ from pact_ingress.proto.http_request import (
     Scope,
     Target,
     check_host,
+    check_single_valued,
     header,
     in_mcp_scope,
     judge_scope,
@@ -281,6 +282,7 @@ class Terminator:
         try:
             target = parse_target(ex.target)
             host = check_host(ex.authority, target, conn.sni, route.host)
+            check_single_valued(ex.headers)
         except BadRequest as exc:
             return await self._answer(ex, conn, _Answer.text(exc.status, exc.why))
         if isinstance(ip_unit, Limited):

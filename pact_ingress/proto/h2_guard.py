@@ -22,6 +22,7 @@ class Flood(enum.Enum):
     PING = "ping"
     SETTINGS = "settings"
     PRIORITY = "priority"  # PRIORITY frames: free to send, answered with bookkeeping
+    EMPTY_DATA = "empty_data"  # DATA frames with no payload that do not end the stream
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ ALLOWANCES = {
     Flood.PING: Allowance(burst=50, per_second=10),
     Flood.SETTINGS: Allowance(burst=50, per_second=10),
     Flood.PRIORITY: Allowance(burst=500, per_second=100),
+    Flood.EMPTY_DATA: Allowance(burst=100, per_second=20),
 }
 
 

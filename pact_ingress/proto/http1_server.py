@@ -13,9 +13,10 @@ responses:
   reads ahead (`buffered`).
 * Caps llhttp lacks: a head (request line + fields) over `MAX_HEAD_BYTES` is a 431,
   more than `MAX_FIELDS` fields a 431 (llhttp itself would accumulate a value of any
-  size before calling back).
+  size before calling back); the same for trailer fields, and chunk framing plus
+  trailers may not exceed `MAX_HEAD_BYTES` beyond the body bytes they carry.
 * Refusals on top of llhttp's: more than one `Host`; a transfer coding other than a
-  single `chunked` (a node might decode `gzip, chunked` differently); an upgrade or
+  single `chunked` (counted over every `Transfer-Encoding` field) (a node might decode `gzip, chunked` differently); an upgrade or
   `CONNECT` (not offered here); `Expect` other than `100-continue` (417).
 * Trailer fields of a chunked request are dropped: nothing downstream reads them.
 
@@ -95,6 +96,9 @@ class H1ServerParser:
         self._fields: Headers = []
         self._broken: ParseError | None = None
         self.closed = False  # the client ended its side
+        self._trailer_fields = 0
+        self._body_bytes = 0  # of the current message
+        self._body_phase_bytes = 0  # fed while its body (framing, trailers) was arriving
         self.buffered = 0  # body bytes queued in events, not yet taken
 
     # -- feeding --------------------------------------------------------------------------
@@ -111,6 +115,8 @@ class H1ServerParser:
             return
         if self._phase is not _Phase.BODY:
             self._head_bytes += len(data)
+        else:
+            self._body_phase_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -121,6 +127,12 @@ class H1ServerParser:
             raise self._broken
         if self._phase is not _Phase.BODY and self._head_bytes > MAX_HEAD_BYTES:
             self._fail(431, "request head too large")
+            raise self._broken  # type: ignore[misc]
+        if self._phase is _Phase.BODY and (self._body_phase_bytes - self._body_bytes
+                                           > MAX_HEAD_BYTES + self._body_bytes):
+            # chunk framing and trailers beyond any real client's: llhttp would go on
+            # accumulating a trailer value of any size, quadratically
+            self._fail(431, "chunk framing or trailer section too large")
             raise self._broken  # type: ignore[misc]
 
     def _fail(self, status: int, why: str) -> None:
@@ -146,13 +158,19 @@ class H1ServerParser:
         self._phase = _Phase.HEAD
         self._target.clear()
         self._fields = []
+        self._trailer_fields = 0
+        self._body_bytes = 0
+        self._body_phase_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._target += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._phase is not _Phase.HEAD:
-            return  # a trailer field
+        if self._phase is not _Phase.HEAD:  # a trailer field: counted, then dropped
+            self._trailer_fields += 1
+            if self._trailer_fields > MAX_FIELDS:
+                self._fail(431, "too many trailer fields")
+            return
         if len(self._fields) >= MAX_FIELDS:
             self._fail(431, "too many header fields")
             return
@@ -167,14 +185,15 @@ class H1ServerParser:
         for name, value in fields:
             if name == b"content-length":
                 length = int(value)  # llhttp accepted it: digits, one field
-            elif name == b"transfer-encoding":
-                transfer = value
+            elif name == b"transfer-encoding":  # every field counts: gzip + chunked is two
+                transfer = value if transfer is None else transfer + b"," + value
             elif name == b"expect":
                 expect = value
         version = self._parser.get_http_version()
         if len(hosts) > 1:
             self._fail(400, "more than one Host field")
-        elif transfer is not None and transfer.strip().lower() != b"chunked":
+        elif transfer is not None and [t.strip() for t in transfer.lower().split(b",")] != [
+                b"chunked"]:
             self._fail(501, "transfer codings other than chunked are not accepted")
         elif expect is not None and expect.strip().lower() != b"100-continue":
             self._fail(417, "only 100-continue is understood")
@@ -188,6 +207,7 @@ class H1ServerParser:
             keep_alive=self._parser.should_keep_alive()))
 
     def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
         self.buffered += len(body)
         self._events.append(Data(bytes(body)))
 

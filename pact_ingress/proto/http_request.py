@@ -220,11 +220,25 @@ _BODILESS_MCP_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 
 def is_json_type(content_type: bytes | None) -> bool:
-    """`application/json`, `text/json`, any `+json` type, with or without parameters."""
-    if content_type is None:
-        return False
-    media = content_type.split(b";", 1)[0].strip().lower()
-    return media.endswith(b"/json") or media.endswith(b"+json")
+    """Could a node read this body as JSON? `application/json`, `text/json`, any `+json`
+    type — and, since servers differ in how they read a list or a malformed value, any
+    value that mentions json at all."""
+    return content_type is not None and b"json" in content_type.lower()
+
+
+#: Fields a node reads one value of, and that decide what the edge judges: a second
+#: copy would let the edge judge one value while the node acts on the other.
+SINGLE_VALUED = (b"content-type", b"content-encoding")
+
+
+def check_single_valued(headers: Iterable[tuple[bytes, bytes]]) -> None:
+    """`BadRequest` (400) when a field of `SINGLE_VALUED` appears more than once."""
+    seen: set[bytes] = set()
+    for name, _ in headers:
+        if name in SINGLE_VALUED:
+            if name in seen:
+                raise BadRequest(f"more than one {name.decode()} field")
+            seen.add(name)
 
 
 def judge_scope(method: str, target: Target, mcp_path: str, *, has_body: bool,

@@ -76,6 +76,8 @@ class ResponseParser:
         self._in_interim = False
         self._close_delimited = False
         self._header_count = 0
+        self._head_end = 0
+        self._body_bytes = 0
 
     # -- feeding --------------------------------------------------------------------------
 
@@ -87,6 +89,11 @@ class ResponseParser:
             return
         if not self.head_done and self.received > MAX_HEAD_BYTES:
             raise ResponseError(f"response head over {MAX_HEAD_BYTES} bytes")
+        if self.head_done and (self.received - self._head_end - self._body_bytes
+                               > MAX_HEAD_BYTES + self._body_bytes):
+            # chunk framing and trailers beyond any real node's: llhttp would go on
+            # accumulating a trailer value of any size
+            raise ResponseError("chunk framing or trailers of the response too large")
         try:
             self._parser.feed_data(data)
         except _HeadOnly:
@@ -150,6 +157,7 @@ class ResponseParser:
             return
         self.status = status
         self.head_done = True
+        self._head_end = self.received  # at most: where in the fed bytes the head ended
         version = self._parser.get_http_version()
         self.version = f"HTTP/{version}"
         connection = b""
@@ -172,6 +180,7 @@ class ResponseParser:
             self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
         self._pieces.append(body)
 
     def on_message_complete(self) -> None:
