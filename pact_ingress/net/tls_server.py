@@ -20,6 +20,8 @@ import ssl
 
 import trio
 
+from pact_ingress.net import rawsock
+
 #: Ciphertext read per syscall; a TLS record is at most ~16 KiB.
 READ_SIZE = 64 * 1024
 #: Plaintext handed to `SSLObject.write` at once: a few records, so a large response
@@ -43,26 +45,16 @@ class ServerTLS(trio.abc.Stream):
     async def _flush(self) -> None:
         async with self._flush_lock:
             while data := self._out.read():
-                view = memoryview(data)
-                while view:
-                    try:
-                        sent = self._sock.send(view)
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_writable(self._sock)
-                        continue
-                    except OSError as exc:
-                        raise trio.BrokenResourceError(f"send failed: {exc!r}") from exc
-                    view = view[sent:]
+                try:
+                    await rawsock.send_all(self._sock, data)
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"send failed: {exc!r}") from exc
 
     async def _fill(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(READ_SIZE)
-                break
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(self._sock)
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"receive failed: {exc!r}") from exc
+        try:
+            data = await rawsock.recv(self._sock, READ_SIZE)
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"receive failed: {exc!r}") from exc
         if data:
             self._in.write(data)
         else:

@@ -73,6 +73,7 @@ import trio
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
 from pact_ingress.model import Route
+from pact_ingress.net import rawsock
 from pact_ingress.net.backends import Backends
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
@@ -186,15 +187,8 @@ class _Conn:
         try:
             if raw is None:
                 await self.stream.send_all(data)
-                return
-            view = memoryview(data)
-            while view:
-                try:
-                    sent = raw.send(view)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_writable(raw)
-                    continue
-                view = view[sent:]
+            else:
+                await rawsock.send_all(raw, data)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _Broken(f"sending to the node failed: {exc!r}") from exc
 
@@ -204,12 +198,7 @@ class _Conn:
             if raw is None:
                 data = await self.stream.receive_some(READ_SIZE)
             else:
-                while True:
-                    try:
-                        data = raw.recv(READ_SIZE)
-                        break
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_readable(raw)
+                data = await rawsock.recv(raw, READ_SIZE)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise _Broken(f"receiving from the node failed: {exc!r}") from exc
         if data:
