@@ -79,7 +79,7 @@ class EventLogger:
             try:
                 handler.stream.write(line + "\n")
                 handler.stream.flush()
-            except Exception:  # noqa: BLE001 — like logging: a broken stderr stops no caller
+            except Exception:
                 pass
             finally:
                 handler.release()

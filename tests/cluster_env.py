@@ -65,7 +65,7 @@ tunnel: {{hostname: {TUNNEL_HOST}}}
         cert: {{cert: certs/tm.crt, key: certs/tm.key}}
 """)
         self.log_path = self.dir / "serve.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill()
+        self._log = open(self.log_path, "ab")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Instance:
@@ -112,7 +112,7 @@ tunnel: {{hostname: {TUNNEL_HOST}}}
     def tunnels_up(self) -> int:
         try:
             doc = self.status()
-        except Exception:  # noqa: BLE001 - down or starting: no tunnels to speak of
+        except Exception:
             return 0
         return sum(t["tunnels_up"] for t in doc["tenants"] if t["name"] == "family")
 
@@ -135,7 +135,7 @@ forward: "127.0.0.1:{node_port}"
 connections: {connections}
 """)
         self.log_path = tmp / "connector.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "connect", "-c", str(self.config)],
             stdout=self._log, stderr=subprocess.STDOUT)

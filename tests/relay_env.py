@@ -152,7 +152,7 @@ class RelayCaller:
 class RelayH2(H2Conn):
     """HTTP/2 to the relay host with a client certificate (H2Conn's machinery)."""
 
-    def __init__(self, port: int, ident: Identity | None) -> None:  # noqa: D107
+    def __init__(self, port: int, ident: Identity | None) -> None:
         self.sock = relay_socket(port, ident, alpn=("h2",))
         assert self.sock.selected_alpn_protocol() == "h2"
         cfg = h2.config.H2Configuration(client_side=True, header_encoding=None)
@@ -190,7 +190,7 @@ class RelayServe:
         self.config = self.tmp / "ingress.yaml"
         self.config.write_text(self.render())
         self.log_path = self.tmp / "serve.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab")
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 

@@ -412,7 +412,7 @@ class Serve:
         self.notify.bind(str(self.tmp / "notify.sock"))
         self.notify.settimeout(WAIT)
         self.log_path = self.tmp / "serve.log"
-        self._log = open(self.log_path, "w+b")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "w+b")
         env = dict(os.environ, NOTIFY_SOCKET=str(self.tmp / "notify.sock"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],

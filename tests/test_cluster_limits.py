@@ -71,7 +71,7 @@ tenants:
                 fetch_status(self.admin, timeout=1)
                 socket.create_connection((address, tls_port), timeout=1).close()
                 return
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 assert self.proc.poll() is None, self.logs()
                 time.sleep(0.05)
         raise AssertionError(f"serve on {address} did not start:\n{self.logs()}")

@@ -38,7 +38,7 @@ class Hook:
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 with hook.arrived:
                     hook.posts.append((time.monotonic(), json.loads(body)))
@@ -73,7 +73,7 @@ ingress: {{address: "127.0.0.1:{serve.port}", tunnel_hostname: {TUNNEL_HOST}, pi
 forward: "127.0.0.1:9"
 connections: 1
 {on_mail}""")
-    log = open(tmp / "connector.log", "ab")  # noqa: SIM115 - owned by the process
+    log = open(tmp / "connector.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "pact_ingress", "connect", "-c", str(config)],
                             stdout=log, stderr=subprocess.STDOUT)
 

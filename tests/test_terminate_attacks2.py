@@ -24,7 +24,6 @@ from tests.terminate_env import (
     exchange,
     forget,
     read_response,
-    request_bytes,
     rpc,
     tls_socket,
     unsealed_call_body,

@@ -25,7 +25,7 @@ async def _serve(nursery: trio.Nursery, pki: WebPKI, peek: int,
         peeked = b""
         while len(peeked) < peek:
             peeked += await tcp.receive_some(peek - len(peeked))
-        tls = ServerTLS(tcp.socket._sock, ctx, peeked)  # noqa: SLF001 - as the engine does
+        tls = ServerTLS(tcp.socket._sock, ctx, peeked)
         try:
             await tls.do_handshake()
             results.append(tls.selected_alpn_protocol())
@@ -81,7 +81,7 @@ async def test_a_bad_handshake_is_a_broken_stream(nursery: trio.Nursery) -> None
     outcome: list[str] = []
 
     async def handler(tcp: trio.SocketStream) -> None:
-        tls = ServerTLS(tcp.socket._sock, ctx, b"")  # noqa: SLF001
+        tls = ServerTLS(tcp.socket._sock, ctx, b"")
         try:
             await tls.do_handshake()
             outcome.append("handshook")
@@ -113,7 +113,7 @@ async def test_close_wakes_a_waiting_reader(nursery: trio.Nursery) -> None:
     done: list[str] = []
 
     async def handler(tcp: trio.SocketStream) -> None:
-        tls = ServerTLS(tcp.socket._sock, ctx, b"")  # noqa: SLF001
+        tls = ServerTLS(tcp.socket._sock, ctx, b"")
         await tls.do_handshake()
         async with trio.open_nursery() as inner:
             async def reader() -> None:

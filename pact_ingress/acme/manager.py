@@ -463,7 +463,7 @@ class CertManager:
         except AcmeError as exc:
             error = str(exc)
             await self._failed_order(h, exc)
-        except Exception as exc:  # noqa: BLE001 — a bug here must not take the ingress down
+        except Exception as exc:
             error = f"internal error: {type(exc).__name__}: {exc}"
             log.error("cert_order_crashed", host=h.name, error=error)
             await self._failed_order(h, AcmeError(error, reason="internal"))
@@ -540,7 +540,7 @@ class CertManager:
                 log.info("cert_renewal_window", host=h.name, source="ari",
                          next_renewal=_iso(h.next_renewal))
             h.ari_check_at = max(next_check.timestamp(), self._now() + 60.0)
-        except Exception as exc:  # noqa: BLE001 — ARI is advisory: keep the current plan
+        except Exception as exc:
             log.info("acme_ari_unavailable", host=h.name, error=f"{type(exc).__name__}: {exc}")
             h.ari_check_at = self._now() + interval
         finally:
@@ -587,7 +587,7 @@ class CertManager:
             return None
         try:
             when, _ = account.client.renewal_time(chain_pem)
-        except Exception as exc:  # noqa: BLE001 — ARI is advisory: use the lifetime rule
+        except Exception as exc:
             log.warning("acme_ari_failed", error=f"{type(exc).__name__}: {exc}")
             return None
         return when.timestamp() if when else None

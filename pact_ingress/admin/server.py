@@ -276,7 +276,7 @@ class AdminApp:
     def _status_doc(self) -> dict[str, Any] | Response:
         try:
             return self.status()
-        except Exception as exc:  # noqa: BLE001 - the page must say so, not drop the connection
+        except Exception as exc:
             log.error("admin_status_failed", error=repr(exc))
             return _error(500, f"status unavailable: {exc!r}")
 

@@ -1465,7 +1465,7 @@ def _hook_url(ctx: _Ctx, node: Node) -> str | None:
         ctx.at(node, f"on_mail.url must be an http:// or https:// URL with a host, got {text!r}")
         return None
     try:
-        parts.port  # noqa: B018 — raises on a bad port
+        parts.port
     except ValueError:
         ctx.at(node, f"on_mail.url has a bad port: {text!r}")
         return None

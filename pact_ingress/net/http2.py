@@ -210,7 +210,7 @@ class H2Connection:
                 await handle(exchange)
         except ClientGone:
             pass
-        except Exception as exc:  # noqa: BLE001 - one stream's fault must not end the others
+        except Exception as exc:
             log.warning("h2_stream_error", error=repr(exc))
         finally:
             del self.streams[exchange.stream_id]

@@ -222,7 +222,7 @@ class Terminator:
                                    idle_scopes=self._idle_scopes).serve(handle)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
             log.debug("terminate_connection_ended", route=route.host, error=repr(exc))
-        except Exception as exc:  # noqa: BLE001 - one connection's fault must not reach the router
+        except Exception as exc:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             await trio.aclose_forcefully(tls)

@@ -191,7 +191,7 @@ class RedisState:
         except trio.TooSlowError:
             self.lost(f"no answer within {deadline * 1000:.0f} ms")
             raise Unavailable("timeout") from None
-        except Exception as exc:  # noqa: BLE001 - any client failure means: decide alone
+        except Exception as exc:
             self.lost(_reason(exc))
             raise Unavailable(_reason(exc)) from exc
         self.stats.state_seconds.labels(op).observe(trio.current_time() - started)

@@ -149,7 +149,7 @@ class RedisRegistry:
             if self.state.healthy and self.fingerprint:
                 try:
                     await self.state.call("registry", self.beat, REGISTRY_DEADLINE)
-                except Exception as exc:  # noqa: BLE001 - `call` logged and fell back
+                except Exception as exc:
                     log.debug("tunnel_registry_beat_failed", error=repr(exc))
             await trio.sleep(self.interval)
 

@@ -327,7 +327,7 @@ class RedisRelayStore:
                        f"{' '.join(str(exc).split())[:120]}); acknowledged relay items are "
                        "safe only with appendonly yes and appendfsync always: check them "
                        "on the Redis host")
-        except Exception:  # noqa: BLE001 - Redis went away meanwhile: check on return
+        except Exception:
             self._checked = None
             return self.persistence_warning
         else:

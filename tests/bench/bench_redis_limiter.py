@@ -30,7 +30,6 @@ import os
 import shutil
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import threading

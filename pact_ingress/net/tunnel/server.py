@@ -367,7 +367,7 @@ class TunnelServer:
             if fingerprint is None:  # failed in the handshake: wrong ALPN, no cert, junk
                 await self._refuse(tls, tenant, fingerprint, client,
                                    _Refused("handshake_failed", str(exc)))
-        except Exception as exc:  # noqa: BLE001 — a bug costs one connection, not the router
+        except Exception as exc:
             self._event(tenant, "internal_error")
             log.error("tunnel_internal_error", tenant=tenant, fingerprint=fingerprint,
                       error=repr(exc))
