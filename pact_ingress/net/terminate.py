@@ -257,7 +257,6 @@ class Terminator:
             child = self._children[key] = family.labels(*labels)
         return child
 
-
     async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
         held = [0]  # body bytes this exchange holds in `buffers`
         client = client_bucket(conn.client_ip) or conn.client_ip
