@@ -70,6 +70,7 @@ from pact_ingress.proto.ratelimit import (
 )
 from pact_ingress.state.limiter import LocalLimiter
 from pact_ingress.state.registry import RedisRegistry
+from pact_ingress.state.resp_client import RespClient, Script
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -235,14 +236,18 @@ class RedisState:
         """Hold the client's connections and probe Redis's health until cancelled."""
         log.info("state_backend_connecting", backend=str(self.settings))
         async with self.client:
-            if not await self.probe():
-                log.warning("state_backend_unavailable", backend=str(self.settings),
-                            error=self.last_error, detail="starting with this instance's "
-                            "own rate-limit counts; joining when Redis answers")
-            task_status.started()
-            while True:
-                await trio.sleep(self.probe_interval)
-                await self.probe()
+            try:
+                if not await self.probe():
+                    log.warning("state_backend_unavailable", backend=str(self.settings),
+                                error=self.last_error, detail="starting with this "
+                                "instance's own rate-limit counts; joining when Redis "
+                                "answers")
+                task_status.started()
+                while True:
+                    await trio.sleep(self.probe_interval)
+                    await self.probe()
+            finally:
+                self.limiter.resp.close()
 
     def acme_store(self, state_dir: Path) -> RedisAcmeStore:
         """Certificates shared by the cluster (reads the encryption key; raises SealError)."""
@@ -271,12 +276,15 @@ class RedisLimiter:
     def __init__(self, state: RedisState, fallback: LocalLimiter | None = None) -> None:
         self.state = state
         self.fallback = fallback or LocalLimiter()
-        self.script = state.client.register_script(GCRA_SCRIPT)
+        self.script = Script(GCRA_SCRIPT)
+        # the hot path's own client (see state.resp_client for why not coredis)
+        self.resp = RespClient(state.settings, ssl_context=_tls_context(state.settings))
         self._prefix = state.key("rl", "")
 
     async def load(self) -> None:
-        """Put the script into Redis's cache (a restarted Redis has forgotten it)."""
-        await self.state.client.script_load(GCRA_SCRIPT)
+        """Put the script into Redis's cache (a restarted Redis has forgotten it); this
+        also opens a decision connection, so the first decision does not connect."""
+        await self.resp.script_load(self.script)
 
     async def check_calls(
         self,
@@ -327,7 +335,8 @@ class RedisLimiter:
             names.append(self._name(scope, client, bucket))
             args += [str(cost), repr(interval), str(burst)]
         answer = await self.state.call(
-            "ratelimit", lambda: self.script(keys=names, args=args), self.state.deadline)
+            "ratelimit", lambda: self.resp.evalsha(self.script, names, args),
+            self.state.deadline)
         if answer == b"ok":
             return ALLOWED
         return Limited(max(1, math.ceil(float(answer) - _EPSILON)))
