@@ -174,6 +174,7 @@ class RedisState:
         self.healthy = False
         self.since = time.time()
         self.last_error: str | None = "not connected yet"
+        self._seconds: dict[str, Any] = {}  # state_seconds by op, looked up once
         self.limiter = RedisLimiter(self)
         self.registry = RedisRegistry(self)
         stats.state_shared.set(0)
@@ -195,7 +196,10 @@ class RedisState:
         except Exception as exc:  # noqa: BLE001 - any client failure means: decide alone
             self.lost(_reason(exc))
             raise Unavailable(_reason(exc)) from exc
-        self.stats.state_seconds.labels(op).observe(trio.current_time() - started)
+        seconds = self._seconds.get(op)
+        if seconds is None:
+            seconds = self._seconds[op] = self.stats.state_seconds.labels(op)
+        seconds.observe(trio.current_time() - started)
         return result
 
     def lost(self, why: str) -> None:
@@ -280,6 +284,8 @@ class RedisLimiter:
         # the hot path's own client (see state.resp_client for why not coredis)
         self.resp = RespClient(state.settings, ssl_context=_tls_context(state.settings))
         self._prefix = state.key("rl", "")
+        self._decided_shared = state.stats.rate_decisions.labels("shared")
+        self._decided_alone = state.stats.rate_decisions.labels("fallback")
 
     async def load(self) -> None:
         """Put the script into Redis's cache (a restarted Redis has forgotten it); this
@@ -306,9 +312,9 @@ class RedisLimiter:
             except Unavailable:
                 pass
             else:
-                self.state.stats.rate_decisions.labels("shared").inc()
+                self._decided_shared.inc()
                 return decision
-        self.state.stats.rate_decisions.labels("fallback").inc()
+        self._decided_alone.inc()
         return await self.fallback.check_calls(ip, keys, now, budget=budget, scope=scope,
                                                prepaid=prepaid)
 

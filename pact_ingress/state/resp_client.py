@@ -30,8 +30,10 @@ Rules
 from __future__ import annotations
 
 import hashlib
+import socket
 import ssl
 from collections.abc import Sequence
+from typing import Union
 
 import trio
 
@@ -49,13 +51,6 @@ class ConnectionLost(Exception):
     """Redis closed the connection (a restart, a kill, `timeout` on its side)."""
 
 
-def _close(stream: trio.abc.Stream) -> None:
-    """Close at once, without awaiting (safe inside a cancelled scope)."""
-    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-    if isinstance(inner, trio.SocketStream):
-        inner.socket.close()
-
-
 class Script:
     """A Lua script by body and SHA1, as EVALSHA wants it."""
 
@@ -67,6 +62,8 @@ class Script:
 
 
 class _Connection:
+    """A TLS connection, on trio's streams."""
+
     __slots__ = ("stream", "parser")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
@@ -88,6 +85,62 @@ class _Connection:
                 raise ConnectionLost("Redis closed the connection")
             parser.feed(chunk)
 
+    def close(self) -> None:
+        """Close at once, without awaiting (safe inside a cancelled scope)."""
+        stream = self.stream
+        inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if isinstance(inner, trio.SocketStream):
+            inner.socket.close()
+
+
+class _PlainConnection:
+    """A plain TCP connection on the bare socket. trio's SocketStream yields to the
+    scheduler after every send, and each round through trio's loop costs µs per
+    decision; here a command is one non-blocking send() (the socket buffer takes it
+    whole) and the reply one recv() after one wait_readable — which is also where a
+    deadline or a cancellation arrives."""
+
+    __slots__ = ("sock", "parser")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.parser = Parser()
+
+    async def request(self, data: bytes) -> Reply:
+        sock = self.sock
+        view = memoryview(data)
+        while view:
+            try:
+                sent = sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            view = view[sent:]
+        return await self.reply()
+
+    async def reply(self) -> Reply:
+        parser = self.parser
+        sock = self.sock
+        while True:
+            reply = parser.next_reply()
+            if reply is not NEED_DATA:
+                return reply  # type: ignore[return-value]
+            try:
+                chunk = sock.recv(RECEIVE_SIZE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if not chunk:
+                raise ConnectionLost("Redis closed the connection")
+            parser.feed(chunk)
+
+    def close(self) -> None:
+        trio.lowlevel.notify_closing(self.sock)
+        self.sock.close()
+
+
+_Conn = Union[_Connection, _PlainConnection]
+
 
 def _check(reply: Reply) -> Reply:
     if isinstance(reply, RespError):
@@ -103,7 +156,7 @@ class RespClient:
         self.settings = settings
         self.ssl_context = ssl_context
         self.max_connections = max_connections
-        self._idle: list[_Connection] = []
+        self._idle: list[_Conn] = []
         self._open = 0  # idle + in use + connecting
         self._waiting = trio.lowlevel.ParkingLot()
         hello: list[bytes] = []
@@ -120,12 +173,12 @@ class RespClient:
 
     @property
     def connections(self) -> int:
-        """Connections open now (idle or in use)."""
+        """Connections open now (idle, in use or connecting)."""
         return self._open
 
     # -- the pool ---------------------------------------------------------------------
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self) -> _Conn:
         while True:
             if self._idle:
                 return self._idle.pop()
@@ -139,42 +192,47 @@ class RespClient:
                     raise
             await self._waiting.park()
 
-    def _release(self, conn: _Connection) -> None:
+    def _release(self, conn: _Conn) -> None:
         self._idle.append(conn)
         self._waiting.unpark()
 
-    def _discard(self, conn: _Connection) -> None:
-        _close(conn.stream)
+    def _discard(self, conn: _Conn) -> None:
+        conn.close()
         self._open -= 1
         # its siblings most likely died with it (a restart): start afresh
-        while self._idle:
-            _close(self._idle.pop().stream)
-            self._open -= 1
+        self.close()
         self._waiting.unpark_all()
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> _Conn:
         settings = self.settings
         tcp = await trio.open_tcp_stream(settings.host, settings.port)
-        stream: trio.abc.Stream = tcp
+        conn: _Conn
         try:
             if self.ssl_context is not None:
                 stream = trio.SSLStream(tcp, self.ssl_context, server_hostname=settings.host)
+                conn = _Connection(stream)
                 await stream.do_handshake()
-            conn = _Connection(stream)
-            await stream.send_all(b"".join(self._hello))
-            for _ in self._hello:  # every reply read, even after an error: stay in step
-                reply = await conn.reply()
-                if isinstance(reply, RespError):
-                    raise reply
+            else:
+                # the bare socket, non-blocking and TCP_NODELAY as trio left it
+                conn = _PlainConnection(socket.socket(fileno=tcp.socket.detach()))
         except BaseException:
-            _close(stream)
+            tcp.socket.close()
+            raise
+        try:
+            replies = [await conn.request(b"".join(self._hello))]
+            for _ in self._hello[1:]:  # every reply read, even after an error
+                replies.append(await conn.reply())
+            for reply in replies:
+                _check(reply)
+        except BaseException:
+            conn.close()
             raise
         return conn
 
     def close(self) -> None:
         """Close the idle connections (those in use close when their request ends)."""
         while self._idle:
-            _close(self._idle.pop().stream)
+            self._idle.pop().close()
             self._open -= 1
 
     # -- commands ---------------------------------------------------------------------
