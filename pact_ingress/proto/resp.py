@@ -145,9 +145,10 @@ class Parser:
     def _line(self, start: int) -> int:
         """The index of the CRLF ending the line at `start`, or -1 if it has not come."""
         buf = self._buf
-        end = buf.find(b"\r\n", start, start + MAX_LINE_LENGTH + 2)
+        # the type byte, at most MAX_LINE_LENGTH bytes, CRLF
+        end = buf.find(b"\r\n", start, start + MAX_LINE_LENGTH + 3)
         if end < 0:
-            if len(buf) - start > MAX_LINE_LENGTH + 1:
+            if len(buf) - start > MAX_LINE_LENGTH + 2:
                 raise RespProtocolError("a line longer than MAX_LINE_LENGTH")
             if buf.find(b"\n", start) >= 0:
                 raise RespProtocolError("a bare LF in a line")
