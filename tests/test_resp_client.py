@@ -170,3 +170,27 @@ async def test_reconnects_after_a_restart(tmp_path: Path) -> None:
         client.close()
     finally:
         server.stop()
+
+
+async def test_many_callers_share_few_connections_in_turn(redis: RedisServer) -> None:
+    """More callers than connections: each waits its turn (first come, first served), so
+    none starves while the others loop; never more connections than the cap."""
+    client = RespClient(_settings(redis.host, redis.port), max_connections=2)
+    worst = 0.0
+    peak = 0
+
+    async def caller(i: int) -> None:
+        nonlocal worst, peak
+        for j in range(100):
+            started = trio.current_time()
+            assert await client.execute("ECHO", f"{i}/{j}") == f"{i}/{j}".encode()
+            worst = max(worst, trio.current_time() - started)
+            peak = max(peak, client.connections)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(caller, i)
+    assert peak == 2
+    assert worst < 0.5, worst  # a fair queue: 16 callers ahead at most, not a starved one
+    client.close()

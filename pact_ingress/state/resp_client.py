@@ -32,9 +32,11 @@ from __future__ import annotations
 import hashlib
 import socket
 import ssl
+from collections import deque
 from collections.abc import Sequence
 from typing import Union
 
+import outcome
 import trio
 
 from pact_ingress.model import RedisSettings
@@ -158,7 +160,7 @@ class RespClient:
         self.max_connections = max_connections
         self._idle: list[_Conn] = []
         self._open = 0  # idle + in use + connecting
-        self._waiting = trio.lowlevel.ParkingLot()
+        self._waiting: deque[trio.lowlevel.Task] = deque()
         hello: list[bytes] = []
         if settings.password is not None:
             auth: list[str] = ["AUTH"]
@@ -188,20 +190,39 @@ class RespClient:
                     return await self._connect()
                 except BaseException:
                     self._open -= 1
-                    self._waiting.unpark()
+                    self._wake(1)
                     raise
-            await self._waiting.park()
+            # all in use: wait in line; a released connection is handed to the first in
+            # line (were it put back instead, the task that released it would take it
+            # again at once and a waiter could starve past any deadline)
+            task = trio.lowlevel.current_task()
+            self._waiting.append(task)
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._waiting.remove(task)
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            conn = await trio.lowlevel.wait_task_rescheduled(abort)
+            if conn is not None:
+                return conn  # type: ignore[no-any-return]
+            # None: a connection was closed, so there is room to open one
 
     def _release(self, conn: _Conn) -> None:
-        self._idle.append(conn)
-        self._waiting.unpark()
+        if self._waiting:
+            trio.lowlevel.reschedule(self._waiting.popleft(), outcome.Value(conn))
+        else:
+            self._idle.append(conn)
+
+    def _wake(self, slots: int) -> None:
+        """`slots` connections were closed: that many waiters may open their own."""
+        for _ in range(min(slots, len(self._waiting))):
+            trio.lowlevel.reschedule(self._waiting.popleft(), outcome.Value(None))
 
     def _discard(self, conn: _Conn) -> None:
         conn.close()
         self._open -= 1
         # its siblings most likely died with it (a restart): start afresh
-        self.close()
-        self._waiting.unpark_all()
+        self._wake(1 + self.close())
 
     async def _connect(self) -> _Conn:
         settings = self.settings
@@ -229,11 +250,14 @@ class RespClient:
             raise
         return conn
 
-    def close(self) -> None:
-        """Close the idle connections (those in use close when their request ends)."""
+    def close(self) -> int:
+        """Close the idle connections (those in use close when their request ends);
+        how many were closed."""
+        closed = len(self._idle)
         while self._idle:
             self._idle.pop().close()
             self._open -= 1
+        return closed
 
     # -- commands ---------------------------------------------------------------------
 
