@@ -15,7 +15,7 @@ from pact_ingress.proto.resp import RespError
 from pact_ingress.state.redis import GCRA_SCRIPT, RedisState
 from pact_ingress.state.resp_client import ConnectionLost, RespClient, Script
 from pact_ingress.stats import Stats
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 PASSWORD = "s3cret-for-tests-only"
 
@@ -194,3 +194,45 @@ async def test_many_callers_share_few_connections_in_turn(redis: RedisServer) ->
     assert peak == 2
     assert worst < 0.5, worst  # a fair queue: 16 callers ahead at most, not a starved one
     client.close()
+
+
+async def test_tls_with_client_certificate(tmp_path: Path) -> None:
+    """TLS via the same RedisTLS settings coredis gets: the CA checks Redis, our
+    certificate is checked by Redis (tls-auth-clients)."""
+    import trustme
+
+    from pact_ingress.model import RedisTLS
+    from pact_ingress.state.redis import _tls_context
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    client_cert = ca.issue_cert("pact-ingress.test")
+    files = {}
+    for name, blob in [("ca.pem", ca.cert_pem), ("server.pem", server_cert.cert_chain_pems[0]),
+                       ("server.key", server_cert.private_key_pem),
+                       ("client.pem", client_cert.cert_chain_pems[0]),
+                       ("client.key", client_cert.private_key_pem)]:
+        blob.write_to_path(str(tmp_path / name))
+        files[name] = tmp_path / name
+    tls_port = free_port()
+    server = RedisServer(tmp_path / "redis", extra=(
+        "--save", "", "--appendonly", "no", "--tls-port", str(tls_port),
+        "--tls-cert-file", str(files["server.pem"]), "--tls-key-file", str(files["server.key"]),
+        "--tls-ca-cert-file", str(files["ca.pem"]), "--tls-auth-clients", "yes"))
+    try:
+        tls = RedisTLS(ca_file=files["ca.pem"], cert_file=files["client.pem"],
+                       key_file=files["client.key"])
+        settings = _settings(server.host, tls_port, tls=tls)
+        client = RespClient(settings, ssl_context=_tls_context(settings))
+        with trio.fail_after(5):
+            assert await client.execute("PING") == b"PONG"
+            assert await client.evalsha(Script("return ARGV[1]"), [], ["over tls"]) == \
+                b"over tls"
+        client.close()
+        no_cert = _settings(server.host, tls_port, tls=RedisTLS(ca_file=files["ca.pem"]))
+        refused = RespClient(no_cert, ssl_context=_tls_context(no_cert))
+        with trio.fail_after(5), pytest.raises((trio.BrokenResourceError, ConnectionLost)):
+            await refused.execute("PING")
+        assert refused.connections == 0
+    finally:
+        server.stop()
