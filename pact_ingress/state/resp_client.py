@@ -30,6 +30,7 @@ Rules
 from __future__ import annotations
 
 import hashlib
+import select
 import socket
 import ssl
 from collections import deque
@@ -87,6 +88,17 @@ class _Connection:
                 raise ConnectionLost("Redis closed the connection")
             parser.feed(chunk)
 
+    def idle_ok(self) -> bool:
+        """Nothing to read on an idle connection: any byte (a TLS close_notify), EOF
+        or an error means Redis closed it or it is out of step."""
+        stream = self.stream
+        inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if not isinstance(inner, trio.SocketStream):
+            return True
+        poller = select.poll()
+        poller.register(inner.socket.fileno(), select.POLLIN)
+        return not poller.poll(0)
+
     def close(self) -> None:
         """Close at once, without awaiting (safe inside a cancelled scope)."""
         stream = self.stream
@@ -136,6 +148,17 @@ class _PlainConnection:
                 raise ConnectionLost("Redis closed the connection")
             parser.feed(chunk)
 
+    def idle_ok(self) -> bool:
+        """Nothing to read on an idle connection (see `_Connection.idle_ok`): one
+        non-blocking peek, about a µs."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:  # ECONNRESET: Redis is gone
+            return False
+        return False  # EOF, or bytes nobody asked for
+
     def close(self) -> None:
         trio.lowlevel.notify_closing(self.sock)
         self.sock.close()
@@ -182,8 +205,14 @@ class RespClient:
 
     async def _acquire(self) -> _Conn:
         while True:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.idle_ok():
+                    return conn
+                # closed while idle (a Redis restart, its `timeout`): coredis's pool
+                # notices in the background; here it is noticed before use
+                conn.close()
+                self._open -= 1
             if self._open < self.max_connections:
                 self._open += 1
                 try:
