@@ -4,13 +4,14 @@ one command at a time on each, RESP2 via `proto.resp`.
 Why it exists next to coredis
 -----------------------------
 coredis carries everything else (ACME store, relay store, registry, health probe), but a
-rate-limit decision through it cost about 400 µs of ingress CPU (measured with
-`tests.bench.bench_redis_limiter`: 407.7 µs per decision, one at a time, against
-~66 µs of redis-server CPU), nearly all of it coredis's per-call machinery — anyio
-streams and events, its connection pool, command and response callbacks. A terminate
+rate-limit decision through it cost 300–400 µs of ingress CPU (measured with
+`tests.bench.bench_redis_limiter`, one decision at a time: 304, 328 and 359 µs in three
+runs, 408 µs earlier, against 50–70 µs of redis-server CPU), nearly all of it coredis's
+per-call machinery — anyio streams and events, its connection pool, command and
+response callbacks. A terminate
 request costs ~285 µs in total, so sharing limits made two instances slower than one.
 Here a decision is one `send` and usually one `recv` on a socket this task holds:
-tens of µs. It does no more than the limiter needs: connect (TCP or TLS), AUTH, SELECT,
+64–129 µs in the same runs, most of it the kernel's round trip. It does no more than the limiter needs: connect (TCP or TLS), AUTH, SELECT,
 EVALSHA with a NOSCRIPT → SCRIPT LOAD retry.
 
 Rules
