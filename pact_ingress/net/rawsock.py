@@ -1,9 +1,8 @@
 """Ciphertext on a stdlib socket under trio: try the syscall, wait only when it would block.
 
-The two TLS engines that run `ssl.SSLObject` on memory BIOs (the terminate engine's
-public side, `net/tls_server.py`, and the pinned upstream pool, `net/upstream.py`) move
-their ciphertext with these two functions instead of trio's socket wrappers, which cost
-more per call than the syscall itself on this path. The socket must be non-blocking (trio
+`net/memory_tls.py` (the terminate engine's TLS on both legs) moves its ciphertext with
+these two functions instead of trio's socket wrappers, which cost more per call than the
+syscall itself on this path. The socket must be non-blocking (trio
 sockets' underlying sockets are). Errors are the caller's to name.
 """
 

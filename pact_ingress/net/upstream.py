@@ -73,7 +73,7 @@ import trio
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
 from pact_ingress.model import Route
-from pact_ingress.net import rawsock
+from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
 from pact_ingress.net.backends import Backends
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
@@ -87,12 +87,6 @@ CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
-#: Ciphertext read per receive on the upstream link (also the most plaintext one read
-#: yields, so it bounds what a body chunk can be).
-READ_SIZE = 64 * 1024
-#: Plaintext encrypted per write: a large bytes body goes out in slices, so the
-#: ciphertext buffered at once stays this size, not the size of the body.
-WRITE_SLICE = 64 * 1024
 #: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
 #: many names; beyond this the oldest is forgotten).
 MAX_SESSIONS_PER_POOL = 64
@@ -146,17 +140,13 @@ class _Broken(Exception):
 # --- one TLS connection ---------------------------------------------------------------------
 
 
-class _Conn:
-    """A pinned TLS connection to a node: an `ssl.SSLObject` on memory BIOs.
+class _Conn(MemoryTLS):
+    """A pinned TLS connection to a node (`MemoryTLS`, client side).
 
     Over a `trio.SocketStream` the ciphertext goes straight through the stdlib socket
-    underneath it (non-blocking; trio only waits for readiness); over any other stream
-    (a tunnel) through `receive_some`/`send_all`. Only one task uses a connection at a
-    time: the pool hands it to one request.
+    underneath it; over any other stream (a tunnel) through `receive_some`/`send_all`.
+    Only one task uses a connection at a time: the pool hands it to one request.
     """
-
-    __slots__ = ("stream", "sni", "idle_since", "session_saved", "_sock", "_raw", "_ssl",
-                 "_in", "_out")
 
     def __init__(self, stream: trio.abc.Stream, context: ssl.SSLContext, sni: str,
                  session: ssl.SSLSession | None) -> None:
@@ -165,91 +155,27 @@ class _Conn:
         self.idle_since = 0.0
         self.session_saved = False
         self._sock: trio.socket.SocketType | None = None
-        self._raw: socket.socket | None = None
+        raw: socket.socket | None = None
         if isinstance(stream, trio.SocketStream):
             self._sock = stream.socket
             # trio keeps the stdlib socket it wraps here; without it we fall back to the
             # stream's own methods, which work on any stream, only slower.
-            raw = getattr(stream.socket, "_sock", None)
-            self._raw = raw if isinstance(raw, socket.socket) else None
-        self._in = ssl.MemoryBIO()
-        self._out = ssl.MemoryBIO()
-        self._ssl = context.wrap_bio(self._in, self._out, server_hostname=sni or None,
-                                     session=session)
+            inner = getattr(stream.socket, "_sock", None)
+            raw = inner if isinstance(inner, socket.socket) else None
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        super().__init__(
+            context.wrap_bio(incoming, outgoing, server_hostname=sni or None, session=session),
+            incoming, outgoing, raw=raw, stream=None if raw is not None else stream)
 
-    # -- ciphertext moves ----------------------------------------------------------------
-
-    async def _flush(self) -> None:
-        data = self._out.read()
-        if not data:
-            return
-        raw = self._raw
-        try:
-            if raw is None:
-                await self.stream.send_all(data)
-            else:
-                await rawsock.send_all(raw, data)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise _Broken(f"sending to the node failed: {exc!r}") from exc
-
-    async def _fill(self) -> None:
-        raw = self._raw
-        try:
-            if raw is None:
-                data = await self.stream.receive_some(READ_SIZE)
-            else:
-                data = await rawsock.recv(raw, READ_SIZE)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise _Broken(f"receiving from the node failed: {exc!r}") from exc
-        if data:
-            self._in.write(data)
-        else:
-            self._in.write_eof()
-
-    # -- TLS -----------------------------------------------------------------------------
-
-    async def handshake(self) -> None:
-        while True:
-            try:
-                self._ssl.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
-        await self._flush()
-
-    @property
-    def ssl_object(self) -> ssl.SSLObject:
-        return self._ssl
+    def _broken(self, why: str) -> Exception:
+        return _Broken(f"the link to the node failed: {why}")
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            if len(data) <= WRITE_SLICE:
-                self._ssl.write(data)
-                await self._flush()
-                return
-            view = memoryview(data)
-            for start in range(0, len(view), WRITE_SLICE):
-                self._ssl.write(view[start:start + WRITE_SLICE])
-                await self._flush()
-        except ssl.SSLError as exc:
-            raise _Broken(f"TLS to the node failed: {exc}") from exc
+        await self.write(data)
 
     async def recv(self) -> bytes:
         """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link."""
-        while True:
-            try:
-                return self._ssl.read(READ_SIZE)
-            except ssl.SSLWantReadError:
-                if self._out.pending:  # post-handshake replies (key update)
-                    await self._flush()
-                await self._fill()
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                # A close without close_notify counts as a close, as https clients treat
-                # it; a framed body cut short is caught by the parser all the same.
-                return b""
-            except ssl.SSLError as exc:
-                raise _Broken(f"TLS from the node failed: {exc}") from exc
+        return await self.read(READ_SIZE)
 
     def alive(self) -> bool:
         """Cheap check before reuse: has the node closed (or written to) an idle connection?
