@@ -6,6 +6,7 @@ Everything here runs real sockets on 127.0.0.1 and real TLS; nothing is mocked.
 from __future__ import annotations
 
 import hashlib
+import socket
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -152,3 +153,20 @@ def sha256_stream(seed: bytes, size: int, chunk: int = 1 << 20) -> Iterable[byte
         yield piece
         sent += len(piece)
         i += 1
+
+
+def free_port_on(*addresses: str) -> int:
+    """A TCP port free on every one of `addresses` right now (a port free on 127.0.0.1 may
+    still be held on 127.0.0.2 by a connection's local end)."""
+    for _ in range(50):  # bounded
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            for address in addresses:
+                with socket.socket() as s:
+                    s.bind((address, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no port free on all of {addresses}")

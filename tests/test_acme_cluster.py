@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.acme_servers import ChallTestSrv, Pebble, free_port
+from tests.acme_servers import ChallTestSrv, Pebble
+from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
 
 INSTANCES = ("127.0.0.2", "127.0.0.3")
@@ -191,7 +192,8 @@ async def test_two_instances_one_order_same_cert_validated_by_the_other(
         tmp_path: Path, redis: RedisServer, challtestsrv: ChallTestSrv, challenge: str) -> None:
     host = f"{challenge.replace('-', '')}.cluster.pact.test"
     pebble = Pebble(tmp_path / "pebble", f"127.0.0.1:{challtestsrv.dns_port}",
-                    http_port=free_port(), tls_port=free_port()).start()
+                    http_port=free_port_on("127.0.0.1", *INSTANCES),
+                    tls_port=free_port_on("127.0.0.1", *INSTANCES)).start()
     key = tmp_path / "state.key"
     key.write_bytes(base64.b64encode(os.urandom(32)))
     key.chmod(0o600)

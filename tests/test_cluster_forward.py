@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
-from tests.terminate_env import RecordingNode, free_port
+from tests.netutil import free_port_on
+from tests.terminate_env import RecordingNode
 from tests.tools import require
 
 
@@ -53,7 +54,7 @@ def test_a_caller_through_b_reaches_the_tunnel_on_a(tmp_path: Path,
     key = tmp_path / "state.key"
     key.write_bytes(base64.b64encode(os.urandom(32)))
     os.chmod(key, 0o600)
-    port = free_port()
+    port = free_port_on("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
     state = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
              " deadline: 500ms, peers: [PEERS]}\n")
     a, b, c = (Instance(tmp_path, addr, port, node.identity.fingerprint, extra=state)

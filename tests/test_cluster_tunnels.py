@@ -19,7 +19,8 @@ from tests.cluster_env import (
     request,
     wait_for,
 )
-from tests.terminate_env import RecordingNode, free_port
+from tests.netutil import free_port_on
+from tests.terminate_env import RecordingNode
 
 ADDRESSES = ("127.0.0.2", "127.0.0.3")
 
@@ -33,7 +34,7 @@ def node(tmp_path: Path) -> Iterator[RecordingNode]:
 
 def test_connector_holds_tunnels_on_every_instance(tmp_path: Path,
                                                    node: RecordingNode) -> None:
-    port = free_port()
+    port = free_port_on("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
     fp = node.identity.fingerprint
     instances = [Instance(tmp_path, a, port, fp) for a in ADDRESSES]
     connect = None
@@ -95,7 +96,7 @@ def test_registry_in_redis_lists_members_and_holders(tmp_path: Path,
     os.chmod(key, 0o600)
     state = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
              " deadline: 500ms}\n")
-    port = free_port()
+    port = free_port_on("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
     instances = [Instance(tmp_path, a, port, node.identity.fingerprint, extra=state)
                  for a in ADDRESSES]
     connect = None
