@@ -49,6 +49,7 @@ from tests.terminate_env import (
     HOST,
     LOOPBACK,
     OPT_HOST,
+    WAIT,
     H2Conn,
     Identities,
     RawResponse,
@@ -64,7 +65,6 @@ from tests.terminate_env import (
     request_bytes,
     rpc,
     sealed_call_body,
-    WAIT,
     tls_socket,
     unsealed_call_body,
 )
@@ -625,18 +625,18 @@ def _framing(env: Env, head: bytes, body: bytes) -> tuple[RawResponse | None, bo
 
 
 FRAMING_CASES = {
-    "cl-and-te": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: application/octet-stream"
-                  b"\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", b"0\r\n\r\n"),
-    "te-and-cl": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n"
-                  b"Content-Length: 5\r\n\r\n", b"0\r\n\r\n"),
-    "cl-and-te-mcp": (b"POST /mcp HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", b"0\r\n\r\n"),
-    "folded-te": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
-                  b"Transfer-Encoding:\r\n chunked\r\n\r\n", b"0\r\n\r\n"),
-    "folded-te-and-cl": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\n"
-                         b"Transfer-Encoding:\r\n chunked\r\n\r\n", b"0\r\n\r\n"),
-    "duplicate-cl": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\n"
-                     b"Content-Length: 46\r\n\r\n", b"hello"),
+    "cl-and-te": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: application/octet-stream"
+                  b"\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"), b"0\r\n\r\n"),
+    "te-and-cl": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n"
+                  b"Content-Length: 5\r\n\r\n"), b"0\r\n\r\n"),
+    "cl-and-te-mcp": ((b"POST /mcp HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"), b"0\r\n\r\n"),
+    "folded-te": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
+                  b"Transfer-Encoding:\r\n chunked\r\n\r\n"), b"0\r\n\r\n"),
+    "folded-te-and-cl": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\n"
+                         b"Transfer-Encoding:\r\n chunked\r\n\r\n"), b"0\r\n\r\n"),
+    "duplicate-cl": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: 5\r\n"
+                     b"Content-Length: 46\r\n\r\n"), b"hello"),
     "cl-list": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Length: 5, 46\r\n\r\n", b"hello"),
 }
 
