@@ -238,7 +238,6 @@ class H2Connection:
 class H2Exchange(Exchange):
     def __init__(self, *, connection: H2Connection, stream_id: int, **fields: object) -> None:
         super().__init__(**fields)  # type: ignore[arg-type]
-        self.http2 = True
         self.c = connection
         self.stream_id = stream_id
         self.scope = trio.CancelScope()

@@ -10,7 +10,7 @@ client disconnects, or the stream is reset, so no exchange can outlive its budge
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 
@@ -42,7 +42,6 @@ class Exchange(abc.ABC):
     authority: bytes | None  # Host (HTTP/1.1) or :authority (HTTP/2)
     content_length: int | None  # declared, when it was
     body_done: bool  # nothing (more) of the request body will arrive
-    http2: bool = field(default=False, init=False)
 
     @property
     def has_body(self) -> bool:

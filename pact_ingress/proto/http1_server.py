@@ -10,14 +10,15 @@ responses:
 
 * `feed(bytes)` parses; `next_event()` returns `Request`, `Data`, `EndOfMessage` or
   `NEED_DATA`. Pipelined requests queue up as events; the caller bounds how much it
-  reads ahead (`buffered`).
+  reads ahead.
 * Caps llhttp lacks: a head (request line + fields) over `MAX_HEAD_BYTES` is a 431,
   more than `MAX_FIELDS` fields a 431 (llhttp itself would accumulate a value of any
   size before calling back); the same for trailer fields, and chunk framing plus
   trailers may not exceed `MAX_HEAD_BYTES` beyond the body bytes they carry.
 * Refusals on top of llhttp's: more than one `Host`; a transfer coding other than a
-  single `chunked` (counted over every `Transfer-Encoding` field) (a node might decode `gzip, chunked` differently); an upgrade or
-  `CONNECT` (not offered here); `Expect` other than `100-continue` (417).
+  single `chunked`, counted over every `Transfer-Encoding` field (a node might decode
+  `gzip, chunked` differently); an upgrade or `CONNECT` (not offered here); `Expect`
+  other than `100-continue` (417).
 * Trailer fields of a chunked request are dropped: nothing downstream reads them.
 
 Errors raise `ParseError` with the HTTP status to answer; after one, the connection is
@@ -99,7 +100,6 @@ class H1ServerParser:
         self._trailer_fields = 0
         self._body_bytes = 0  # of the current message
         self._body_phase_bytes = 0  # fed while its body (framing, trailers) was arriving
-        self.buffered = 0  # body bytes queued in events, not yet taken
 
     # -- feeding --------------------------------------------------------------------------
 
@@ -140,12 +140,7 @@ class H1ServerParser:
             self._broken = ParseError(status, why)
 
     def next_event(self) -> Event:
-        if self._events:
-            event = self._events.popleft()
-            if isinstance(event, Data):
-                self.buffered -= len(event.data)
-            return event
-        return NEED_DATA
+        return self._events.popleft() if self._events else NEED_DATA
 
     @property
     def in_head(self) -> bool:
@@ -208,7 +203,6 @@ class H1ServerParser:
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
-        self.buffered += len(body)
         self._events.append(Data(bytes(body)))
 
     def on_message_complete(self) -> None:
