@@ -88,7 +88,8 @@ class Stats:
             ["op"], buckets=STATE_SECONDS_BUCKETS, registry=r)
         self.rate_decisions = Counter(
             p + "rate_limit_decisions", "Rate-limit decisions of the shared limiter "
-            "by where they were made (shared: Redis, fallback: this process alone)", ["where"], registry=r)
+            "by where they were made (shared: Redis, fallback: this process alone)",
+            ["where"], registry=r)
         self.relay_queued_items = Gauge(
             p + "relay_queued_items", "Relay items waiting per recipient", ["recipient"],
             registry=r)

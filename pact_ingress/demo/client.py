@@ -74,7 +74,8 @@ async def relay_send(args: argparse.Namespace) -> int:
     print(f"direct ({args.host}): HTTP {status} {body.decode(errors='replace').strip()}")
     print(f"the node is unreachable: handing the same envelope to its relay ({args.relay})")
     status, result = await relay_tool(args.port, args.relay, caller, "relay_call", envelope)
-    print(f"relay ({args.relay}): HTTP {status} {json.dumps(result.get('structuredContent', result))}")
+    answer = json.dumps(result.get("structuredContent", result))
+    print(f"relay ({args.relay}): HTTP {status} {answer}")
     return 0 if status == 200 and not result.get("isError") else 1
 
 
@@ -128,8 +129,8 @@ async def run(args: argparse.Namespace) -> int:
     if not {"protected", "enc", "ct", "sig"} <= set(sealed):
         print(json.dumps(answer, indent=2))
         return 1
-    opened = open_envelope(sealed, recipient_key=key, sender_public_key=node_pub, now=int(time.time()),
-                           expected_cty=RESULT_CTY)
+    opened = open_envelope(sealed, recipient_key=key, sender_public_key=node_pub,
+                           now=int(time.time()), expected_cty=RESULT_CTY)
     print(f"sealed result from {opened.sender_fingerprint}, opened by "
           f"{fingerprint(key.public_key())}:")
     print(json.dumps(opened.payload, indent=2))

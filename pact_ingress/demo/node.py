@@ -132,7 +132,8 @@ class DemoNode:
 
         return app
 
-    async def serve_stream(self, stream: trio.abc.Stream, ctx: Any, config: HypercornConfig) -> None:
+    async def serve_stream(self, stream: trio.abc.Stream, ctx: Any,
+                           config: HypercornConfig) -> None:
         """Serve one accepted connection (its transport must expose `.socket`)."""
         tls = OpenSSLStream(stream, ctx, server_side=True, https_compatible=True)
         server = TCPServer(ASGIWrapper(self.app(tls)), config, WorkerContext(None),
@@ -256,7 +257,8 @@ class _Exchange:
         await self.send({"type": "http.response.start", "status": status, "headers": all_headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _json(self, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def _json(self, status: int, obj: Any,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
         await self._respond(status, json.dumps(obj).encode(), headers=headers)
 
     # -- SSE ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ per-call machinery — anyio streams and events, its connection pool, command an
 response callbacks. A terminate
 request costs ~285 µs in total, so sharing limits made two instances slower than one.
 Here a decision is one `send` and usually one `recv` on a socket this task holds:
-64–129 µs in the same runs, most of it the kernel's round trip. It does no more than the limiter needs: connect (TCP or TLS), AUTH, SELECT,
+64–129 µs in the same runs, most of it the kernel's round trip. It does no more than
+the limiter needs: connect (TCP or TLS), AUTH, SELECT,
 EVALSHA with a NOSCRIPT → SCRIPT LOAD retry.
 
 Rules

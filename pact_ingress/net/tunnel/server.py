@@ -35,8 +35,8 @@ router splices caller ↔ data connection and the connector splices data connect
 forward, so the tunnel costs one extra kernel hop. The pool keeps stream opening off the
 network: `open_stream` pops an idle connection (one non-blocking MSG_PEEK to check it is
 still alive). The pool size adapts to the open rate × the path's refill latency
-(`proto.tunnel.session.PoolSizer`: a windowed minimum, so refills queued behind each other cannot inflate
-the pool), within [POOL_MIN, POOL_MAX].
+(`proto.tunnel.session.PoolSizer`: a windowed minimum, so refills queued behind each
+other cannot inflate the pool), within [POOL_MIN, POOL_MAX].
 
 Refilling without a word per stream: two kinds of token. A TOKEN means "dial one data
 connection now"; we send them when the pool is short of its target (at start, growth,

@@ -43,9 +43,10 @@ step to OPENING and `stop_if_idle` exclude each other (both under the job's lock
 stream that has begun is never cut off because its control connection went away.
 
 The relay loop itself is `interest` (pure, tested byte by byte) driving poll(2), and on
-each wake-up `splice.pump` — the same relay step as the ingress's trio relay: a direction with bytes in its pipe waits for its destination to take them
-(backpressure through TCP, as in `splice.py`), otherwise for its source; EOF is passed on
-as `shutdown(SHUT_WR)` so the other direction keeps flowing; an error on either side
+each wake-up `splice.pump` — the same relay step as the ingress's trio relay: a
+direction with bytes in its pipe waits for its destination to take them (backpressure
+through TCP, as in `splice.py`), otherwise for its source; EOF is passed on as
+`shutdown(SHUT_WR)` so the other direction keeps flowing; an error on either side
 ends both (a reset means the conversation is over); no byte either way for
 `idle_timeout` seconds ends it too.
 """
