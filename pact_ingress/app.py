@@ -41,7 +41,8 @@ def _addr(a: Address) -> tuple[str, int]:
 class Ingress:
     """All components of one running ingress, built from one config."""
 
-    def __init__(self, config: Config, *, stats: Stats | None = None) -> None:
+    def __init__(self, config: Config, *, stats: Stats | None = None, workers: int = 1,
+                 log_format: str = "json") -> None:
         from pact_ingress.acme.manager import CertManager
         from pact_ingress.net.terminate import Terminator
         from pact_ingress.net.tunnel.server import TunnelServer
@@ -73,6 +74,16 @@ class Ingress:
                              terminator=self.terminator, certs=self.certs,
                              tunnels=self.tunnels)
         self.router.forward = self.forwarder
+        #: Worker processes for terminate connections (`net/workers.py`); None with one
+        #: worker: then this process is the whole ingress, exactly as without the option.
+        self.workers: Any = None
+        if workers > 1:
+            from pact_ingress.net.workers import WorkerPool
+
+            self.workers = WorkerPool(workers, config=config, stats=self.stats,
+                                      backends=self.backends, certs=self.certs,
+                                      log_format=log_format)
+            self.router.handoff = self.workers
         self.bound: dict[str, list[tuple[str, int]]] = {}
         self._apply(config)
 
@@ -105,6 +116,8 @@ class Ingress:
         self.terminator.update(config)
         self.router.update(config)
         self._switch_relay(config)
+        if self.workers is not None:  # last: workers only ever see a config main applied
+            self.workers.update(config)
 
     def _switch_relay(self, config: Config) -> None:
         if config.relay is None:
@@ -193,12 +206,48 @@ class Ingress:
                  "next_renewal": schema.iso(c.next_renewal), "last_error": c.last_error}
                 for c in self.certs.inventory()
             ],
-            "counters": schema.counters_from(self.stats),
-            "recent_refusals": schema.refusals_from(self.stats),
+            "counters": schema.counters_from_families(self._families()),
+            "recent_refusals": self._refusals(),
             "state": self.state.status(),
             "cluster": self.state.registry.status(),
             **({"relay": self.relay.status()} if self.relay and cfg.relay else {}),
+            **({"workers": self.workers.status()} if self.workers is not None else {}),
         }
+
+    def _families(self) -> list[Any]:
+        """This instance's metric families: main's registry, plus (with workers) the last
+        report of each worker folded in (`admin/merge.py`)."""
+        families = list(self.stats.registry.collect())
+        if self.workers is None:
+            return families
+        from pact_ingress.admin.merge import merge_families
+
+        return merge_families(families, self.workers.reports())
+
+    def _refusals(self) -> list[dict[str, Any]]:
+        from pact_ingress.admin import schema
+        from pact_ingress.stats import RECENT_REFUSALS
+
+        mine = schema.refusals_from(self.stats)
+        if self.workers is None:
+            return mine
+        theirs = [{"at": at, "route": route, "client_ip": ip, "reason": reason}
+                  for at, route, ip, reason in self.workers.refusals()]
+        return sorted(mine + theirs, key=lambda r: r["at"])[-RECENT_REFUSALS:]
+
+    async def fresh_status(self) -> dict[str, Any]:
+        """`status()` after asking every worker for its numbers (admin `/status`)."""
+        if self.workers is not None:
+            await self.workers.refresh()
+        return self.status()
+
+    async def metrics(self) -> bytes:
+        """The instance's `/metrics` text: every process summed, plus per-worker series."""
+        from pact_ingress.admin.merge import exposition
+
+        if self.workers is not None:
+            await self.workers.refresh()
+        return exposition(self._families())
 
     async def run(self, *, handle_signals: bool = True,
                   task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED) -> None:
@@ -230,13 +279,16 @@ class Ingress:
 
                 token = read_admin_token(cfg)
                 bound = await nursery.start(lambda task_status: serve_admin(
-                    cfg.listen.admin, stats=self.stats, status=self.status,
+                    cfg.listen.admin, stats=self.stats, status=self.fresh_status,
+                    metrics=self.metrics if self.workers is not None else None,
                     reload=self.reload, renew=self._renew, token=token,
                     allow_remote=token is not None, task_status=task_status))
                 self.bound["admin"] = [bound]
             if handle_signals:
                 nursery.start_soon(self._signals)
             nursery.start_soon(sdnotify.watchdog_loop)
+            if self.workers is not None:  # READY below only once the workers are
+                await nursery.start(self.workers.run)
             await nursery.start(self._serve_router, listeners)
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
@@ -247,6 +299,8 @@ class Ingress:
                             task_status: trio.TaskStatus[None]) -> None:
         await self.router.serve(listeners, task_status=task_status)
         # every connection finished or was cancelled at the deadline: we are done
+        if self.workers is not None:
+            await self.workers.wait_exited()
         await self.terminator.aclose()
         self._nursery.cancel_scope.cancel()
 
@@ -264,6 +318,8 @@ class Ingress:
                  deadline_s=deadline)
         await self.router.drain(deadline)
         await self.terminator.drain()
+        if self.workers is not None:
+            self.workers.drain()
         if self.relay is not None:
             self.relay.drain()
         await self.tunnels.aclose()
@@ -283,12 +339,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def main_serve(path: Path, *, log_format: str = "json") -> int:
+def main_serve(path: Path, *, log_format: str = "json", workers: int | None = None) -> int:
+    """Run `serve` until SIGTERM. `workers`: processes for terminate work; None = one per
+    usable core, 1 = this process alone (no children), see `net/workers.py`."""
+    from pact_ingress.net.workers import default_workers
+
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI
+    count = default_workers() if workers is None else workers
 
     async def run() -> None:
-        await Ingress(config).run()
+        await Ingress(config, workers=count, log_format=log_format).run()
 
     try:
         trio.run(run)

@@ -49,7 +49,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pact_ingress import app
 
-    return app.main_serve(Path(args.config), log_format=args.log_format or "json")
+    return app.main_serve(Path(args.config), log_format=args.log_format or "json",
+                          workers=args.workers)
 
 
 def _cmd_connect(args: argparse.Namespace) -> int:
@@ -145,6 +146,16 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pact-ingress", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"pact-ingress {__version__}")
@@ -160,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=fn)
         return sp
 
-    cmd("serve", _cmd_serve, "run the ingress (SIGHUP reloads, SIGTERM drains)")
+    sv = cmd("serve", _cmd_serve, "run the ingress (SIGHUP reloads, SIGTERM drains)")
+    sv.add_argument("--workers", type=_positive, default=None, metavar="N",
+                    help="processes for TLS-terminating work (default: one per usable "
+                    "core; 1: everything in this one process)")
     cmd("connect", _cmd_connect, "run the home-side tunnel connector")
     demo = cmd("demo", _cmd_demo, "run ingress + demo node + connector on loopback",
                config=False)

@@ -61,6 +61,14 @@ def setup(fmt: str = "json", level: int = logging.INFO, stream: Any = None) -> N
 #: the router writes one per connection.
 _direct: logging.StreamHandler[Any] | None = None
 
+#: Fields every line of this process carries (a worker process: its index).
+_bound: dict[str, Any] = {}
+
+
+def bind(**fields: Any) -> None:
+    """Add `fields` to every line this process logs from now on."""
+    _bound.update(fields)
+
 
 class EventLogger:
     """`log.info("event", field=value, ...)`: one line per call."""
@@ -72,6 +80,8 @@ class EventLogger:
             clean = fields
         else:
             clean = {k: ("MASKED" if k in MASKED_FIELDS else v) for k, v in fields.items()}
+        if _bound:
+            clean = {**_bound, **clean}
         handler = _direct
         if handler is not None and _LOGGER.handlers == [handler]:
             line = _json_line(time.time(), _LEVEL_NAMES.get(level, "info"), event, clean)

@@ -112,6 +112,19 @@ class Stats:
             buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .25, .5, 1, 2.5))
         self.relay_wakes = Counter(
             p + "relay_wakes", "Wake requests for recipients with a live tunnel", registry=r)
+        self.worker_up = Gauge(
+            p + "worker_up", "1 while the worker process takes connections (serve "
+            "--workers)", ["worker"], registry=r)
+        self.worker_restarts = Counter(
+            p + "worker_restarts", "Worker processes that exited unexpectedly and were "
+            "replaced", ["worker"], registry=r)
+        self.worker_open_connections = Gauge(
+            p + "worker_open_connections", "Connections handed to the worker and not "
+            "yet closed", ["worker"], registry=r)
+        self.worker_handoffs = Counter(
+            p + "worker_handoffs", "Terminate connections by where they were served "
+            "(worker: handed over; main: no worker ready, served by main)", ["served_by"],
+            registry=r)
         self.recent_refusals: collections.deque[Refusal] = collections.deque(
             maxlen=RECENT_REFUSALS)
 

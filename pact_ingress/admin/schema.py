@@ -23,6 +23,11 @@ Shape, in words:
 - `cluster`: the tunnel registry: `registry` (local|redis), `stale` (no fresh view of
   Redis), `members` (`fingerprint`, `address`, `last_heartbeat` in unix seconds, `self`)
   and `holders` (tenant → fingerprints of the instances holding its tunnel)
+- `workers` (only with `serve --workers N`, N ≥ 2): one per worker process: `index`,
+  `pid`, `state` (starting|ready|draining|exited|respawning), `started` (unix seconds
+  of the current process's spawn), `restarts` (unexpected exits replaced),
+  `open_connections` (handed to it, not yet closed), `requests` (HTTP requests it
+  answered). With workers, `counters` and `recent_refusals` cover every process.
 
 Times are ISO 8601 strings where people read them (certificates) and unix seconds where
 they come from the event log (refusals), so neither side has to guess a timezone.
@@ -30,6 +35,7 @@ they come from the event log (refusals), so neither side has to guess a timezone
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -86,6 +92,11 @@ STATE_SCHEMA = _obj(
 CLUSTER_MEMBER_SCHEMA = _obj(
     {"fingerprint": _STR, "address": _STR_OR_NULL,
      "last_heartbeat": {"type": ["number", "null"]}, "self": {"type": "boolean"}})
+WORKER_SCHEMA = _obj(
+    {"index": _COUNT, "pid": {"type": ["integer", "null"]},
+     "state": {"enum": ["starting", "ready", "draining", "exited", "respawning"]},
+     "started": {"type": ["number", "null"]}, "restarts": _COUNT,
+     "open_connections": _COUNT, "requests": _COUNT})
 CLUSTER_SCHEMA = _obj(
     {"registry": {"enum": ["local", "redis"]}, "stale": {"type": "boolean"},
      "members": _list(CLUSTER_MEMBER_SCHEMA),
@@ -106,7 +117,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "counters": {"type": "object", "additionalProperties": {"type": "number"}},
         "recent_refusals": _list(REFUSAL_SCHEMA),
     }, {"identity": _STR, "state": STATE_SCHEMA, "cluster": CLUSTER_SCHEMA,
-        "relay": RELAY_SCHEMA}),
+        "relay": RELAY_SCHEMA, "workers": _list(WORKER_SCHEMA)}),
 }
 
 
@@ -138,6 +149,11 @@ def tenants_from(config: Config, tunnels_up: dict[str, int]) -> list[dict[str, A
 
 
 def counters_from(stats: Stats) -> dict[str, float]:
+    """Flat totals per metric family of one process (see `counters_from_families`)."""
+    return counters_from_families(stats.registry.collect())
+
+
+def counters_from_families(families: Iterable[Any]) -> dict[str, float]:
     """Flat totals per metric family (labels summed), without the common name prefix.
 
     Counters appear as `<name>_total`, gauges as `<name>`, histograms as `<name>_count`;
@@ -145,7 +161,7 @@ def counters_from(stats: Stats) -> dict[str, float]:
     left out: a sum of timestamps means nothing, and `certs` carries them per host.
     """
     out: dict[str, float] = {}
-    for family in stats.registry.collect():
+    for family in families:
         if family.name.endswith("_timestamp_seconds"):
             continue
         wanted = {"counter": family.name + "_total", "gauge": family.name,

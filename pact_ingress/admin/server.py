@@ -28,6 +28,7 @@ callable; every handler is a small function returning (status, headers, body).
 from __future__ import annotations
 
 import hmac
+import inspect
 import ipaddress
 import json
 import logging
@@ -54,7 +55,8 @@ from pact_ingress.logs import log
 from pact_ingress.model import Address
 from pact_ingress.stats import Stats
 
-StatusFn = Callable[[], dict[str, Any]]
+StatusFn = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+MetricsFn = Callable[[], Awaitable[bytes]]
 ReloadFn = Callable[[], Awaitable[tuple[bool, str]]]
 RenewFn = Callable[[str | None], Awaitable[tuple[bool, str]]]
 
@@ -209,9 +211,13 @@ class AdminApp:
     def __init__(
         self, *, stats: Stats, status: StatusFn, reload: ReloadFn, renew: RenewFn | None,
         token: str | None, check_host: bool, clock: Callable[[], float] = time.time,
+        metrics: MetricsFn | None = None,
     ) -> None:
         self.stats = stats
         self.status = status
+        #: The instance's metrics when it is more than this process (worker processes);
+        #: None: this process's registry is the instance.
+        self.metrics = metrics
         self.reload = reload
         self.renew = renew
         self.token = token
@@ -247,7 +253,7 @@ class AdminApp:
         method, path = scope["method"], scope["path"]
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         if method in ("GET", "HEAD") and path in _GETS:
-            status, hdrs, body = _GETS[path](self)
+            status, hdrs, body = await _GETS[path](self)
             return status, hdrs, b"" if method == "HEAD" else body
         if method == "POST" and path in _POSTS:
             if _from_browser(headers):
@@ -270,22 +276,27 @@ class AdminApp:
 
     # -- GET handlers --
 
-    def get_metrics(self) -> Response:
+    async def get_metrics(self) -> Response:
+        if self.metrics is not None:
+            return _response(200, await self.metrics(), CONTENT_TYPE_LATEST)
         return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
 
-    def _status_doc(self) -> dict[str, Any] | Response:
+    async def _status_doc(self) -> dict[str, Any] | Response:
         try:
-            return self.status()
+            doc = self.status()
+            if inspect.isawaitable(doc):
+                doc = await doc
+            return doc
         except Exception as exc:
             log.error("admin_status_failed", error=repr(exc))
             return _error(500, f"status unavailable: {exc!r}")
 
-    def get_status(self) -> Response:
-        doc = self._status_doc()
+    async def get_status(self) -> Response:
+        doc = await self._status_doc()
         return doc if isinstance(doc, tuple) else _json(200, doc)
 
-    def get_page(self) -> Response:
-        doc = self._status_doc()
+    async def get_page(self) -> Response:
+        doc = await self._status_doc()
         if isinstance(doc, tuple):
             return doc
         page = render_page(doc, now=self.clock()).encode()
@@ -308,7 +319,7 @@ class AdminApp:
         return _json(200 if ok else 422, {"ok": ok, "message": message, "host": host})
 
 
-_GETS: dict[str, Callable[[AdminApp], Response]] = {
+_GETS: dict[str, Callable[[AdminApp], Awaitable[Response]]] = {
     "/": AdminApp.get_page,
     "/status": AdminApp.get_status,
     "/metrics": AdminApp.get_metrics,
@@ -360,6 +371,7 @@ async def serve_admin(
     renew: RenewFn | None = None,
     token: str | None = None,
     allow_remote: bool = False,
+    metrics: MetricsFn | None = None,
     task_status: trio.TaskStatus[Address | Path] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the admin endpoint until cancelled.
@@ -372,7 +384,7 @@ async def serve_admin(
         raise ConfigError("admin token must not be empty")
     sock, bound = await _bind(listen, token, allow_remote)
     app = AdminApp(stats=stats, status=status, reload=reload, renew=renew, token=token,
-                   check_host=isinstance(bound, Address))
+                   check_host=isinstance(bound, Address), metrics=metrics)
     config = _hypercorn_config()
     try:
         sock.listen(ADMIN_BACKLOG)

@@ -120,6 +120,12 @@ class ForwardLike(Protocol):
     async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
 
 
+class HandoffLike(Protocol):
+    async def serve(self, sock: trio.socket.SocketType, data: bytes, route: Route,
+                    client: tuple[str, int], sni: str | None,
+                    ctx: ssl.SSLContext) -> bool: ...
+
+
 class RelayLike(Protocol):
     host: str
 
@@ -174,6 +180,9 @@ class Router:
         self.relay = relay
         #: Forward links from peer instances (`net/forward.py`), when configured.
         self.forward: ForwardLike | None = None
+        #: Worker processes that take terminate connections (`net/workers.py`), when
+        #: `serve --workers` runs more than one; it answers False to leave one here.
+        self.handoff: HandoffLike | None = None
         self._counts = _Counts()
         self._bytes_by_route: dict[str, tuple[Any, Any]] = {}
         self._conn_counters: dict[tuple[str, str], Any] = {}
@@ -466,6 +475,9 @@ class Router:
             log.warning("terminate_no_cert", route=route.host,
                         detail="certificate issuance in progress or no cert source")
             _send_alert(sock, tls_alert.INTERNAL_ERROR)
+            return
+        if self.handoff is not None and await self.handoff.serve(sock, data, route, client,
+                                                                 sni, ctx):
             return
         await self.terminator.serve(ReplayStream(data, trio.SocketStream(sock)), ctx, route,
                                     client, sni=sni)

@@ -172,6 +172,7 @@ class Terminator:
         self._idle_scopes: set[trio.CancelScope] = set()
         self._draining = trio.Event()
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._open = 0
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
@@ -181,6 +182,16 @@ class Terminator:
 
     def tenant(self, name: str) -> Tenant | None:
         return self._tenants.get(name)
+
+    def route(self, host: str) -> Route | None:
+        """The terminate route of `host` in the running config (a worker process looks
+        up the route main chose for a connection it hands over)."""
+        return self._routes.get(host)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections inside `serve` now."""
+        return self._open
 
     # -- connections ------------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class Terminator:
         tls = _server_tls(stream, server_ctx)
         conn = _Connection(route.host, sni, client[0])
         handle = partial(self._exchange, conn)
+        self._open += 1
         try:
             with trio.move_on_after(limits.clienthello_timeout) as handshake:
                 await tls.do_handshake()
@@ -225,6 +237,7 @@ class Terminator:
         except Exception as exc:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
+            self._open -= 1
             await trio.aclose_forcefully(tls)
 
     def _flooded(self, conn: _Connection, kind: Flood) -> None:

@@ -1,0 +1,580 @@
+"""Worker processes: main hands terminate connections to them over a private channel.
+
+Theory of operation
+-------------------
+TLS, HTTP parsing and the seal posture of terminate routes are CPU work, and one
+Python process uses one core. With `serve --workers N` (N ≥ 2) the main process stays
+the whole ingress of a single process — it alone listens on :443/:80/admin, peeks
+ClientHellos and routes, and it alone runs passthrough splices, tunnels, the relay and
+its store (one writer), ACME orders and challenge answers, and the cluster registry
+and forwards — and spawns N workers (`python -m pact_ingress.worker`) that only run
+the terminate engine. Why this split rather than N copies of everything behind
+SO_REUSEPORT: a tenant's tunnel, the relay store and ACME state each want exactly one
+owner, and the router's ClientHello peek is cheap; what is expensive is what happens
+after a terminate route was chosen, and that is what moves.
+
+Where the router would call `Terminator.serve`, it asks this module's `WorkerPool.serve`
+(the `Router.handoff` hook). The pool picks the worker by the client's rate-limit bucket
+(`proto.workers.worker_for`: every budget stays exact with nothing shared, see there),
+sends the accepted socket's fd with SCM_RIGHTS and a `Handoff` header (route host, SNI,
+client address, the certificate files main serves for that host now, the peeked
+ClientHello), closes main's copy of the fd and waits until the worker reports the
+connection `CLOSED`. The waiting handler task keeps the connection in main's counts,
+so `max_connections` / `max_connections_per_ip`, `open_connections` and the drain
+deadline cover handed-over connections exactly as before. A worker that is not READY
+(starting, respawning) or a send that fails means main serves the connection itself
+(`worker_handoffs{outcome="main"}`): a connection is never dropped for want of a worker.
+
+A worker's tunnel-backed upstream comes through main: the worker makes a socketpair,
+sends one end with STREAM_OPEN(route host); main looks the route up in *its* config
+(only configured tunnel routes), opens the stream with its own `Backends` (own tunnel,
+or a peer instance's), answers STREAM_RESULT and splices the two; the worker then runs
+its pinned mTLS to the node over its end as over any tunnel stream.
+
+Certificates: the handoff names the chain and key files main's `CertManager` serves
+for the host and a generation number that changes whenever main swaps in another
+context; a worker loads a context once per generation. So a worker serves exactly the
+certificate main would, picks up a renewal with the first connection after it, and
+never orders, stores or answers challenges itself.
+
+Lifecycle: one supervisor task per worker (`_supervise`) spawns it, sends the config,
+reads its channel and waits for the process. States move only through
+`proto.workers.next_state`. An unexpected exit is logged as one `worker_exited` line
+(pid, exit code or signal), counted, and the worker respawned after a bounded backoff;
+its connections are gone with it, the other workers' are untouched. Reload: main
+reloads; only a config it accepted is pushed to the workers (a refused one never
+leaves main). Drain: `drain()` tells every worker (idempotent with the SIGTERM systemd
+sends the whole control group); `wait_exited` bounds their exit. A worker exits when
+its channel to main closes, so no worker outlives main.
+
+Workers are started without `NOTIFY_SOCKET`, `WATCHDOG_*` or `LISTEN_*` in their
+environment: only main speaks to systemd, and it says READY once the workers are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import signal
+import socket
+import ssl
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from pact_ingress.errors import BackendError
+from pact_ingress.logs import log
+from pact_ingress.model import Config, Route
+from pact_ingress.net.backends import Backends
+from pact_ingress.net.splice import relay
+from pact_ingress.proto import workers as wp
+from pact_ingress.proto.workers import Kind, Message, WorkerState
+from pact_ingress.stats import Stats
+
+#: How long a handoff may wait for room in a worker's channel (its queue holds only a
+#: few messages) before main serves the connection itself.
+HANDOFF_WAIT = 0.05
+#: How long main waits for a worker's first READY at start before declaring READY
+#: itself (main serves every connection a worker cannot take, so this is no outage).
+START_TIMEOUT = 30.0
+#: How long a worker has to answer a STATS question (/metrics, /status).
+STATS_TIMEOUT = 2.0
+#: After main's own drain ended, how long workers get to exit before they are killed.
+EXIT_TIMEOUT = 10.0
+#: Environment variables only main may act on (systemd notify, watchdog, socket
+#: activation): a worker that inherited them could claim READY or feed the watchdog.
+PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
+               "LISTEN_PID", "LISTEN_FDNAMES")
+
+
+# --- the channel -----------------------------------------------------------------------
+
+class Channel:
+    """One end of a SEQPACKET socketpair: frames out (with fds), messages in."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.raw = sock
+        self.sock = trio.socket.from_stdlib_socket(sock)
+        self._reasm = wp.Reassembler()
+        self._ids = itertools.count(1)
+
+    def next_id(self) -> int:
+        return next(self._ids) & 0xFFFFFFFF
+
+    def try_send_frame(self, frame: bytes, fds: tuple[int, ...] = ()) -> bool:
+        """One frame now, or False when the peer's queue is full."""
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(fds))] if fds else []
+        try:
+            self.raw.sendmsg([frame], anc)
+        except BlockingIOError:
+            return False
+        return True
+
+    async def send(self, kind: Kind, payload: bytes = b"", msg_id: int = 0,
+                   fds: tuple[int, ...] = ()) -> None:
+        """A whole message; raises OSError when the peer is gone."""
+        for i, frame in enumerate(wp.encode(kind, payload, msg_id)):
+            while not self.try_send_frame(frame, fds if i == 0 else ()):
+                await trio.lowlevel.wait_writable(self.sock)
+
+    async def send_bounded(self, kind: Kind, payload: bytes, timeout: float,
+                           fds: tuple[int, ...] = ()) -> bool:
+        """A one-frame message within `timeout`; False when it did not fit in time."""
+        (frame,) = wp.encode(kind, payload)
+        if self.try_send_frame(frame, fds):
+            return True
+        with trio.move_on_after(timeout):
+            while True:
+                await trio.lowlevel.wait_writable(self.sock)
+                if self.try_send_frame(frame, fds):
+                    return True
+        return False
+
+    async def receive(self) -> tuple[Message, list[int]] | None:
+        """The next whole message and the fds that came with it; None at EOF."""
+        while True:
+            try:
+                data, anc, flags, _ = self.raw.recvmsg(
+                    wp.FRAME_READ, socket.CMSG_SPACE(4 * wp.MAX_FDS),
+                    socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                return None
+            fds = _fds_of(anc)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                for fd in fds:
+                    os.close(fd)
+                raise wp.ProtocolError("truncated frame")
+            try:
+                msg = self._reasm.feed(data)
+            except wp.ProtocolError:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            if msg is not None:
+                return msg, fds
+            for fd in fds:  # fds only ride on one-frame messages
+                os.close(fd)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _fd_bytes(fds: tuple[int, ...]) -> bytes:
+    import array
+
+    return array.array("i", fds).tobytes()
+
+
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    import array
+
+    out: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+            out.extend(fds)
+    return out
+
+
+def worker_env() -> dict[str, str]:
+    """The environment a worker starts with: main's, minus what only main may use."""
+    return {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+
+
+def default_workers() -> int:
+    """Worker processes when `--workers` is not given: one per core this process may
+    run on (the affinity mask, not the machine's count: containers and `taskset`)."""
+    return len(os.sched_getaffinity(0))
+
+
+# --- main's side -----------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Slot:
+    """One worker position (index) and the process currently filling it."""
+
+    index: int
+    state: WorkerState = WorkerState.STARTING
+    process: trio.Process | None = None
+    channel: Channel | None = None
+    pid: int | None = None
+    started: float | None = None  # wall clock of the current process's spawn
+    restarts: int = 0
+    open: dict[int, trio.Event] = field(default_factory=dict)
+    ready: trio.Event = field(default_factory=trio.Event)
+    asks: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)  # the last STATS it sent
+    drain_sent: bool = False
+
+    def move(self, wanted: WorkerState) -> None:
+        self.state = wp.next_state(self.state, wanted)
+
+
+class WorkerPool:
+    """Main's side: spawns and supervises the workers, hands connections to them."""
+
+    def __init__(self, count: int, *, config: Config, stats: Stats, backends: Backends,
+                 certs: Any, log_format: str,
+                 argv: Callable[[int, int], list[str]] | None = None) -> None:
+        if count < 2:
+            raise ValueError("a pool has at least two workers (one means no pool)")
+        self.count = count
+        self.config = config
+        self.stats = stats
+        self.backends = backends
+        self.certs = certs
+        self.log_format = log_format
+        self._argv = argv or self._default_argv
+        self.slots = [_Slot(i) for i in range(count)]
+        self._conn_ids = itertools.count(1)
+        self._generations: weakref.WeakKeyDictionary[ssl.SSLContext, int] = \
+            weakref.WeakKeyDictionary()
+        self._next_generation = itertools.count(1)
+        self._draining = False
+        self._nursery: trio.Nursery | None = None
+        self._sent = stats.worker_handoffs.labels("worker")
+        self._fallback = stats.worker_handoffs.labels("main")
+        for slot in self.slots:
+            label = str(slot.index)
+            stats.worker_up.labels(label).set(0)
+            stats.worker_restarts.labels(label)
+            stats.worker_open_connections.labels(label).set_function(
+                lambda s=slot: len(s.open))
+
+    def _default_argv(self, index: int, fd: int) -> list[str]:
+        return [sys.executable, "-m", "pact_ingress.worker", "--index", str(index),
+                "--fd", str(fd), "--log-format", self.log_format]
+
+    # -- running --------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Supervise every worker until cancelled; started once each is READY (or
+        `START_TIMEOUT` passed: main serves what a missing worker would)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for slot in self.slots:
+                nursery.start_soon(self._supervise, slot)
+            with trio.move_on_after(START_TIMEOUT):
+                for slot in self.slots:
+                    await slot.ready.wait()
+            late = [s.index for s in self.slots if s.state is not WorkerState.READY]
+            if late:
+                log.warning("workers_not_ready", workers=late, timeout_s=START_TIMEOUT,
+                            detail="main serves their clients until they are")
+            log.info("workers_ready", workers=self.count,
+                     pids=[s.pid for s in self.slots])
+            task_status.started()
+
+    async def _supervise(self, slot: _Slot) -> None:
+        failures = 0
+        while True:
+            started = trio.current_time()
+            code = await self._run_one(slot)
+            if self._draining:
+                if slot.state is not WorkerState.EXITED:
+                    slot.move(WorkerState.EXITED)
+                return
+            slot.move(WorkerState.EXITED)
+            failures = failures + 1 if trio.current_time() - started < \
+                wp.RESPAWN_HEALTHY_AFTER else 1
+            delay = wp.respawn_delay(failures)
+            log.warning("worker_exited", worker=slot.index, pid=slot.pid,
+                        **_exit_fields(code), respawn_in_s=round(delay, 2))
+            self.stats.worker_restarts.labels(str(slot.index)).inc()
+            slot.restarts += 1
+            slot.move(WorkerState.RESPAWNING)
+            await trio.sleep(delay)
+            if self._draining:
+                slot.move(WorkerState.EXITED)
+                return
+            slot.move(WorkerState.STARTING)
+
+    async def _run_one(self, slot: _Slot) -> int | None:
+        """Spawn one process for `slot`, serve its channel until it exits; its code."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            theirs.set_inheritable(True)
+            process = await trio.lowlevel.open_process(
+                self._argv(slot.index, theirs.fileno()), pass_fds=(theirs.fileno(),),
+                env=worker_env(), stdin=subprocess_devnull())
+        except OSError as exc:
+            mine.close()
+            log.error("worker_spawn_failed", worker=slot.index, error=str(exc))
+            return None
+        finally:
+            theirs.close()
+        slot.process, slot.pid, slot.started = process, process.pid, time.time()
+        slot.channel = channel = Channel(mine)
+        slot.drain_sent = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, slot, channel, nursery.cancel_scope)
+                try:
+                    await channel.send(Kind.CONFIG, pickle.dumps(self.config))
+                except OSError:
+                    pass  # it died already; wait() below says how
+                await process.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            channel.close()
+            slot.channel = None
+            self._lost(slot)
+        return process.returncode
+
+    def _lost(self, slot: _Slot) -> None:
+        """The process is gone: its connections ended with it; nobody waits for them."""
+        self.stats.worker_up.labels(str(slot.index)).set(0)
+        for event in slot.open.values():
+            event.set()
+        slot.open.clear()
+        for event, _ in slot.asks.values():
+            event.set()
+        slot.asks.clear()
+        slot.ready = trio.Event()
+
+    async def _read(self, slot: _Slot, channel: Channel, scope: trio.CancelScope) -> None:
+        while True:
+            try:
+                got = await channel.receive()
+            except wp.ProtocolError as exc:
+                log.error("worker_channel_broken", worker=slot.index, error=str(exc))
+                self._kill(slot)
+                return
+            if got is None:
+                return  # the worker closed its end: it is exiting; wait() follows
+            msg, fds = got
+            try:
+                self._dispatch(slot, channel, msg, fds)
+            except wp.ProtocolError as exc:
+                for fd in fds:
+                    os.close(fd)
+                log.error("worker_channel_broken", worker=slot.index, error=str(exc))
+                self._kill(slot)
+                return
+
+    def _dispatch(self, slot: _Slot, channel: Channel, msg: Message, fds: list[int]) -> None:
+        if msg.kind is Kind.CLOSED:
+            for conn_id in wp.decode_closed(msg.payload):
+                event = slot.open.pop(conn_id, None)
+                if event is not None:
+                    event.set()
+        elif msg.kind is Kind.STATS:
+            waiting = slot.asks.pop(msg.id, None)
+            report = wp.decode_json(msg.payload)
+            slot.report = report
+            if waiting is not None:
+                waiting[1].append(report)
+                waiting[0].set()
+        elif msg.kind is Kind.READY:
+            if slot.state is WorkerState.STARTING:
+                slot.move(WorkerState.READY)
+                self.stats.worker_up.labels(str(slot.index)).set(1)
+                slot.ready.set()
+                if self._draining:
+                    self._nursery_soon(self._send_drain, slot)
+        elif msg.kind is Kind.STREAM_OPEN:
+            if len(fds) != 1:
+                raise wp.ProtocolError("STREAM_OPEN without exactly one fd")
+            self._nursery_soon(self._open_stream, channel, msg.id,
+                               msg.payload.decode("utf-8", "replace"), fds.pop())
+        else:
+            raise wp.ProtocolError(f"{msg.kind.name} is not a worker's message")
+
+    def _nursery_soon(self, fn: Any, *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.process is not None and slot.process.returncode is None:
+            slot.process.send_signal(signal.SIGKILL)
+
+    # -- the router's hook ----------------------------------------------------------
+
+    async def serve(self, sock: trio.socket.SocketType, data: bytes, route: Route,
+                    client: tuple[str, int], sni: str | None, ctx: ssl.SSLContext) -> bool:
+        """Hand a terminate connection to its worker and wait until it ended there;
+        False (nothing done) when main must serve it itself."""
+        slot = self.slots[wp.worker_for(client[0], self.count)]
+        channel = slot.channel
+        files = self.certs.cert_files(route.host)
+        if (slot.state is not WorkerState.READY or channel is None or files is None
+                or self._draining):
+            self._fallback.inc()
+            return False
+        conn_id = next(self._conn_ids)
+        header = wp.encode_handoff(wp.Handoff(
+            conn_id, client[0], client[1], route.host, sni, self._generation(ctx),
+            str(files[0]), str(files[1]), data))
+        done = slot.open[conn_id] = trio.Event()
+        try:
+            sent = await channel.send_bounded(Kind.HANDOFF, header, HANDOFF_WAIT,
+                                              (sock.fileno(),))
+        except OSError:
+            sent = False
+        if not sent:
+            slot.open.pop(conn_id, None)
+            self._fallback.inc()
+            return False
+        self._sent.inc()
+        sock.close()  # the worker's copy is the connection now: its close ends it
+        await done.wait()
+        return True
+
+    def _generation(self, ctx: ssl.SSLContext) -> int:
+        gen = self._generations.get(ctx)
+        if gen is None:
+            gen = self._generations[ctx] = next(self._next_generation)
+        return gen
+
+    # -- tunnel streams for workers -------------------------------------------------
+
+    async def _open_stream(self, channel: Channel, req_id: int, route_host: str,
+                           fd: int) -> None:
+        """A worker's request for its route's tunnel stream, spliced onto `fd`."""
+        theirs = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+        try:
+            route = next((r for r in self.config.routes() if r.host == route_host), None)
+            if route is None or route.mode != "terminate" or route.backend.address is not None:
+                await _answer(channel, req_id, f"{route_host}: no terminate tunnel route")
+                return
+            try:
+                backend = await self.backends.connect(route)
+            except BackendError as exc:
+                await _answer(channel, req_id, str(exc) or "tunnel unavailable")
+                return
+            try:
+                if not await _answer(channel, req_id, ""):
+                    return
+                await relay(theirs, backend, idle_timeout=route.limits.idle_timeout)
+            finally:
+                await trio.aclose_forcefully(backend)
+        finally:
+            await trio.aclose_forcefully(theirs)
+
+    # -- config, drain, reports -----------------------------------------------------
+
+    def update(self, config: Config) -> None:
+        """A config main accepted: every running worker applies it next."""
+        self.config = config
+        payload = pickle.dumps(config)
+        for slot in self.slots:
+            if slot.channel is not None and self._nursery is not None:
+                self._nursery.start_soon(_send_quietly, slot.channel, Kind.CONFIG, payload)
+
+    def drain(self) -> None:
+        """Shutdown: no more handoffs; every worker finishes its requests and exits."""
+        self._draining = True
+        for slot in self.slots:
+            if slot.channel is not None and self._nursery is not None:
+                self._nursery.start_soon(self._send_drain, slot)
+
+    async def _send_drain(self, slot: _Slot) -> None:
+        if slot.drain_sent or slot.channel is None:
+            return
+        slot.drain_sent = True
+        if slot.state in (WorkerState.STARTING, WorkerState.READY):
+            slot.move(WorkerState.DRAINING)
+        await _send_quietly(slot.channel, Kind.DRAIN, b"")
+
+    async def wait_exited(self, timeout: float = EXIT_TIMEOUT) -> None:
+        """After main's drain: wait for every worker process to exit; kill the late."""
+        with trio.move_on_after(timeout):
+            for slot in self.slots:
+                while slot.process is not None and slot.process.returncode is None:
+                    await slot.process.wait()
+            return
+        for slot in self.slots:
+            if slot.process is not None and slot.process.returncode is None:
+                log.warning("worker_killed", worker=slot.index, pid=slot.pid,
+                            why=f"still running {timeout} s after the drain")
+                self._kill(slot)
+
+    async def refresh(self, timeout: float = STATS_TIMEOUT) -> None:
+        """Ask every running worker for a fresh report (bounded); a worker that does
+        not answer keeps its last report."""
+        async with trio.open_nursery() as nursery:
+            for slot in self.slots:
+                if slot.channel is not None and slot.state in (WorkerState.READY,
+                                                               WorkerState.DRAINING):
+                    nursery.start_soon(self._ask, slot, slot.channel, timeout)
+
+    async def _ask(self, slot: _Slot, channel: Channel, timeout: float) -> None:
+        ask_id = channel.next_id()
+        event: trio.Event = trio.Event()
+        slot.asks[ask_id] = (event, [])
+        try:
+            with trio.move_on_after(timeout):
+                await channel.send(Kind.STATS_ASK, b"", ask_id)
+                await event.wait()
+        except OSError:
+            pass
+        finally:
+            slot.asks.pop(ask_id, None)
+
+    def reports(self) -> list[str]:
+        """The metrics text of every worker's last report (for /metrics)."""
+        return [str(s.report.get("metrics", "")) for s in self.slots
+                if s.report and s.state is not WorkerState.EXITED]
+
+    def refusals(self) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for slot in self.slots:
+            refusals = slot.report.get("refusals")
+            if isinstance(refusals, list):
+                out.extend(r for r in refusals if isinstance(r, list) and len(r) == 4)
+        return out
+
+    def status(self) -> list[dict[str, Any]]:
+        """The `/status` `workers` section."""
+        return [
+            {"index": s.index, "pid": s.pid, "state": s.state.value,
+             "started": s.started, "restarts": s.restarts, "open_connections": len(s.open),
+             "requests": int(s.report.get("requests", 0) or 0)}
+            for s in self.slots
+        ]
+
+
+async def _answer(channel: Channel, req_id: int, error: str) -> bool:
+    return await _send_quietly(channel, Kind.STREAM_RESULT, error.encode(), req_id)
+
+
+async def _send_quietly(channel: Channel, kind: Kind, payload: bytes, msg_id: int = 0) -> bool:
+    """Send; a worker that is gone is no error here (its supervisor handles that)."""
+    try:
+        await channel.send(kind, payload, msg_id)
+    except (OSError, trio.ClosedResourceError):
+        return False
+    return True
+
+
+def subprocess_devnull() -> int:
+    import subprocess
+
+    return subprocess.DEVNULL
+
+
+def _exit_fields(code: int | None) -> dict[str, Any]:
+    if code is None:
+        return {"code": None}
+    if code < 0:
+        try:
+            return {"signal": signal.Signals(-code).name}
+        except ValueError:
+            return {"signal": -code}
+    return {"code": code}
