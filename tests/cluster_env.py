@@ -37,7 +37,8 @@ class Instance:
     """One `serve` process; `start()` waits for READY, `kill()` is kill -9."""
 
     def __init__(self, tmp: Path, address: str, port: int, node_fp: str, *,
-                 extra: str = "") -> None:
+                 extra: str = "", args: tuple[str, ...] = ()) -> None:
+        self.args = args
         self.dir = tmp / address
         self.dir.mkdir(exist_ok=True)
         self.address = address
@@ -76,8 +77,8 @@ tunnel: {{hostname: {TUNNEL_HOST}}}
         notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
+             *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + WAIT
         try:
             while time.monotonic() < deadline:

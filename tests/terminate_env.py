@@ -403,6 +403,7 @@ class Serve:
     seal: str = "required"
     opt_seal: str = "optional"
     extra_routes: str = ""
+    workers: int | None = None  # `serve --workers N`; None: the default (one per core)
 
     def __post_init__(self) -> None:
         self.port, self.admin_port = free_port(), free_port()
@@ -414,8 +415,9 @@ class Serve:
         self.log_path = self.tmp / "serve.log"
         self._log = open(self.log_path, "w+b")
         env = dict(os.environ, NOTIFY_SOCKET=str(self.tmp / "notify.sock"))
+        workers = [] if self.workers is None else ["--workers", str(self.workers)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config), *workers],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self.wait_notify("READY=1")

@@ -289,6 +289,8 @@ class WorkerPool:
             if self._draining:
                 if slot.state is not WorkerState.EXITED:
                     slot.move(WorkerState.EXITED)
+                log.info("worker_stopped", worker=slot.index, pid=slot.pid,
+                         **_exit_fields(code))
                 return
             slot.move(WorkerState.EXITED)
             failures = failures + 1 if trio.current_time() - started < \
