@@ -81,6 +81,8 @@ from tests.bench.harness import (
     Service,
     Target,
     core_busy,
+    cpu_seconds,
+    fmt_value,
     core_ticks,
     cores_available,
     free_port,
@@ -654,6 +656,200 @@ def profile_ingress(rig: Rig, phase: Phase, seconds: float, out: Path,
     return summary
 
 
+# --- worker scaling (`--workers N`) ----------------------------------------------------------
+
+#: Source addresses for the scaling clients: the first two that `proto.workers.worker_for`
+#: sends to different workers of a two-worker serve (checked at start).
+SCALING_SOURCES = ("127.0.0.2", "127.0.0.4")
+#: curl processes per source address (each one keep-alive connection, requests in turn).
+SCALING_CONNS_PER_SOURCE = 4
+SCALING_1W, SCALING_NW = "pact-ingress, 1 worker", "pact-ingress, N workers"
+
+
+@dataclass
+class ScalingRun:
+    path: str
+    requests: int  # 200 answers
+    failed: int  # anything else curl reported
+    elapsed: float
+    proxy_cpu: float  # the proxy process and its descendants (main + workers)
+    main_cpu: float | None  # main process alone (pact-ingress)
+    client_cpu: float
+    core_busy: dict[str, float]
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def us_per_request(self) -> float | None:
+        return self.proxy_cpu / self.requests * 1e6 if self.requests else None
+
+
+def curl_keepalive(port: int, source: str, requests: int) -> list[str]:
+    """One keep-alive HTTP/1.1 connection from `source` making `requests` GETs in turn
+    (curl reuses the connection across a URL range). Each answer's status goes to stderr."""
+    return ["curl", "-sk", "--http1.1", "--interface", source, "-o", "/dev/null",
+            "-w", "%{stderr}%{http_code}\n", f"https://{HOST}:{port}/r[1-{requests}]"]
+
+
+def run_scaling(port: int, path: str, proxy: Service, requests: int) -> ScalingRun:
+    """Every source's curls at once; wall time until the last one finished."""
+    argvs = [curl_keepalive(port, src, requests) for src in SCALING_SOURCES
+             for _ in range(SCALING_CONNS_PER_SOURCE)]
+    meter = CpuMeter({"proxy": proxy.pid})
+    main0 = cpu_seconds(proxy.pid, descendants=False)
+    cpu0, ticks0 = _children_cpu(), core_ticks()
+    meter.start()
+    started = time.monotonic()
+    procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for a in argvs]
+    codes: Counter[str] = Counter()
+    for proc in procs:
+        _, err = proc.communicate(timeout=requests + LOAD_SLACK)  # bounded: ≥ 1 req/s
+        codes.update(err.decode().split())
+    elapsed = time.monotonic() - started
+    used = meter.stop()
+    busy = core_busy(ticks0, core_ticks())
+    main_cpu = cpu_seconds(proxy.pid, descendants=False) - main0
+    ok = codes.pop("200", 0)
+    return ScalingRun(path, ok, sum(codes.values()), elapsed, used["proxy"],
+                      main_cpu if path != PEER else None, _children_cpu() - cpu0,
+                      {str(k): v for k, v in busy.items()})
+
+
+def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """`--workers N`: keep-alive throughput and CPU per request of `serve --workers 1`
+    and `--workers N` (and HAProxy, one thread) under the same clients, nothing pinned:
+    the instance may use every core, as in production."""
+    from pact_ingress.identity import keygen
+    from pact_ingress.proto.workers import worker_for
+
+    n = args.workers
+    if n < 2:
+        raise SystemExit("--workers N compares N ≥ 2 workers with one")
+    if len({worker_for(src, 2) for src in SCALING_SOURCES}) != 2:
+        raise SystemExit(f"{SCALING_SOURCES} do not reach both workers of two")
+    requests = 300 if args.quick else 1500
+    rounds = args.rounds or (1 if args.quick else 3)
+    tmp = Path(tempfile.mkdtemp(prefix="pact-bench-workers-"))
+    notes = machine_notes()
+    notes.append(machine_state())
+    notes.append(f"clients: {len(SCALING_SOURCES) * SCALING_CONNS_PER_SOURCE} curl "
+                 f"processes ({SCALING_CONNS_PER_SOURCE} per source address "
+                 f"{', '.join(SCALING_SOURCES)}, which hash to different workers), each "
+                 f"one keep-alive HTTP/1.1 connection making {requests} GETs in turn; "
+                 f"{rounds} round(s), median; nothing pinned (proxies, node and clients "
+                 f"share all {os.cpu_count()} CPUs)")
+    results: dict[str, list[ScalingRun]] = {}
+    with services() as started:
+        ports = {"node": free_port(), PEER: free_port(), SCALING_1W: free_port(),
+                 SCALING_NW: free_port()}
+        ingress_id = keygen(tmp / "ingress.key", common_name="pact-ingress-bench")
+        ingress_pem = tmp / "ingress.pem"
+        ingress_pem.write_bytes(ingress_id.cert_path.read_bytes() +
+                                ingress_id.key_path.read_bytes())
+        node_id = keygen(tmp / "node.key", common_name="bench-node")
+        node_pem = tmp / "node.pem"
+        node_pem.write_bytes(node_id.cert_path.read_bytes() + node_id.key_path.read_bytes())
+        front_pem = make_tls_pem(tmp, HOST)
+        body = tmp / "body.txt"
+        body.write_bytes(b"o" * (BODY_BYTES - 1) + b"\n")
+        (tmp / "node.cfg").write_text(haproxy_http_backend_cfg(
+            port=ports["node"], pem=node_pem, body=body, alpn="h2,http/1.1",
+            client_ca=ingress_id.cert_path))
+        (tmp / "haproxy.cfg").write_text(haproxy_terminate_cfg(
+            port=ports[PEER], pem=front_pem, backend_port=ports["node"],
+            client_pem=ingress_pem, alpn="h2,http/1.1"))
+        node = Service("node (haproxy)", haproxy_argv(tmp / "node.cfg"), None,
+                       tmp / "node.log")
+        started.append(node)
+        node.start([ports["node"]])
+        proxies = {PEER: Service("haproxy", haproxy_argv(tmp / "haproxy.cfg"), None,
+                                 tmp / "haproxy.log")}
+        for path, count in ((SCALING_1W, 1), (SCALING_NW, n)):
+            d = tmp / f"w{count}"
+            d.mkdir()
+            for name in ("ingress.key", "ingress.crt", f"{HOST}.crt", f"{HOST}.key"):
+                if (tmp / name).exists():
+                    shutil.copy(tmp / name, d / name)
+            (d / "ingress.yaml").write_text(ingress_yaml(d, ports[path], ports["node"],
+                                                         node_id.fingerprint))
+            proxies[path] = Service(path, python_module(
+                "pact_ingress", "serve", "-c", str(d / "ingress.yaml"), "--workers",
+                str(count)), None, d / "ingress.log")
+        for path, svc in proxies.items():
+            started.append(svc)
+            svc.start([ports[path]])
+        log(f"rig up in {tmp}; warming up")
+        for path in proxies:
+            run = run_scaling(ports[path], path, proxies[path], 50)
+            if run.failed or run.requests != 50 * len(SCALING_SOURCES) * \
+                    SCALING_CONNS_PER_SOURCE:
+                raise SystemExit(f"warm-up via {path} failed: {run}\n"
+                                 f"{proxies[path].log_tail()}")
+        for rnd in range(rounds):
+            for path in proxies:
+                run = run_scaling(ports[path], path, proxies[path], requests)
+                results.setdefault(path, []).append(run)
+                log(f"round {rnd + 1}/{rounds} {path:24} rate={run.rate:8,.0f} "
+                    f"failed={run.failed} proxy_cpu={run.proxy_cpu:.2f}s "
+                    f"µs/req={run.us_per_request or 0:.0f} busy={run.core_busy}")
+        workers_seen = _worker_requests(proxies[SCALING_NW])
+    print(scaling_markdown(results, n, notes, workers_seen))
+    if args.json:
+        args.json.write_text(json.dumps({p_: [asdict(r) for r in runs]
+                                         for p_, runs in results.items()}, indent=1))
+    if not args.keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _worker_requests(svc: Service) -> str:
+    """Which worker served how much, from the worker processes' log lines: not
+    available without an admin endpoint, so read the process tree's CPU instead."""
+    from tests.bench.harness import process_tree
+
+    parts = []
+    for pid in process_tree(svc.pid)[1:]:
+        parts.append(f"pid {pid}: {cpu_seconds(pid, descendants=False):.1f} s CPU")
+    return "; ".join(parts)
+
+
+def scaling_markdown(results: dict[str, list[ScalingRun]], n: int, notes: list[str],
+                     workers_seen: str) -> str:
+    def med(path: str, fn: Callable[[ScalingRun], float | None]) -> float | None:
+        vals = [v for v in (fn(r) for r in results.get(path, [])) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    rows = []
+    for path in (PEER, SCALING_1W, SCALING_NW):
+        rate = med(path, lambda r: r.rate)
+        us = med(path, lambda r: r.us_per_request)
+        cores = med(path, lambda r: r.proxy_cpu / r.elapsed if r.elapsed else None)
+        main_share = med(path, lambda r: r.main_cpu / r.proxy_cpu
+                         if r.main_cpu is not None and r.proxy_cpu else None)
+        name = path.replace("N workers", f"{n} workers")
+        rows.append((name, rate, us, cores, main_share))
+    base = rows[1]
+    lines = [f"### Terminate keep-alive, `serve --workers 1` vs `--workers {n}`", "",
+             "| path | req/s | × 1 worker | proxy CPU per request (µs) | × 1 worker | "
+             "proxy cores busy | req/s per busy core | main's share of the CPU |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, rate, us, cores, main_share in rows:
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}×" if a is not None and b else "—"
+        lines.append(
+            f"| {name} | {fmt_value(rate)} | {ratio(rate, base[1])} | {fmt_value(us)} | "
+            f"{ratio(us, base[2])} | {cores:.2f} | "
+            f"{fmt_value(rate / cores if rate and cores else None)} | "
+            f"{'—' if main_share is None else f'{main_share:.0%}'} |")
+    failed = sum(r.failed for runs in results.values() for r in runs)
+    notes = [*notes, f"failed requests in all measured runs: {failed}",
+             f"after the run, {n}-worker instance's workers: {workers_seen}"]
+    return "\n".join([*lines, "", *(f"- {x}" for x in notes)])
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -677,6 +873,10 @@ def machine_state() -> str:
     return state + "no other bench running"
 
 
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 2 s runs, one round")
@@ -690,10 +890,16 @@ def main(argv: list[str] | None = None) -> int:
         ph.key for ph in PHASES))
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="instead of the comparison above: keep-alive throughput and CPU "
+                        "per request of `serve --workers 1` vs `--workers N` (+ HAProxy), "
+                        "clients from two source addresses that reach different workers")
     args = p.parse_args(argv)
     for tool in (HAPROXY, WRK):
         if shutil.which(tool) is None:
             p.error(f"{tool} not found: apt-get install haproxy wrk")
+    if args.workers is not None:
+        return scaling_main(args, _log)
     s = QUICK if args.quick else FULL
     if args.seconds:
         s = Settings(**{**asdict(s), "seconds": args.seconds})
