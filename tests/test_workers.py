@@ -19,9 +19,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pact_ingress.admin.schema import STATUS_SCHEMA
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.ratelimit import burst_for
 from pact_ingress.proto.workers import Kind, WorkerState
@@ -136,6 +138,8 @@ def test_two_workers_serve_every_client_and_the_instance_sums(
         assert status["counters"]["http_requests_total"] == made
         codes = {r["reason"] for r in status["recent_refusals"]}
         assert "seal_required" in codes  # refusals made in workers show on main's page
+        jsonschema.validate(status, STATUS_SCHEMA)
+        assert b"Worker processes" in serve._admin("/")
         metrics = serve.metrics()
         assert counter_total(metrics, "pact_ingress_http_requests") == made
         assert counter_total(metrics, "pact_ingress_worker_handoffs") == made
@@ -399,6 +403,19 @@ def read_rest_chunked(sock: ssl.SSLSocket) -> bytes:
             return body
         body += reader.exact(size)
         reader.line()
+
+
+def test_workers_do_not_outlive_a_killed_main(tmp_path: Path, ids: Identities,
+                                              node: RecordingNode) -> None:
+    serve = start(tmp_path, ids, node, workers=2)
+    try:
+        pids = worker_pids(serve)
+        serve.proc.kill()
+        serve.proc.wait(timeout=WAIT)
+        for pid in pids.values():
+            poll(lambda pid=pid: gone(pid), f"worker {pid} to exit after main died")
+    finally:
+        serve.stop()
 
 
 # --- the codec, sans I/O ----------------------------------------------------------------

@@ -163,6 +163,12 @@ def format_status(d: dict[str, Any]) -> str:
         lines += _table("relay queues", ("tenant", "recipient", "items", "bytes"),
                         [(q.get("tenant"), q.get("recipient"), q.get("items"), q.get("bytes"))
                          for q in relay.get("queues", [])])
+    if d.get("workers"):
+        lines += [""] + _table("workers", ("index", "pid", "state", "restarts", "open",
+                                           "requests"),
+                               [(w.get("index"), w.get("pid"), w.get("state"),
+                                 w.get("restarts"), w.get("open_connections"),
+                                 w.get("requests")) for w in d["workers"]])
     lines += [""] + _table("counters", ("name", "value"),
                            sorted(d.get("counters", {}).items()))
     refusals = d.get("recent_refusals", [])[-10:]

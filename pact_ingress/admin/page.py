@@ -189,6 +189,22 @@ def _relay(status: dict[str, Any]) -> str:
                      "No queued items."))
 
 
+def _workers(status: dict[str, Any]) -> str:
+    rows = []
+    for w in status.get("workers", []):
+        state = w.get("state")
+        kind = "up" if state == "ready" else "down" if state in ("exited", "respawning") \
+            else "warn"
+        started = w.get("started")
+        when = datetime.fromtimestamp(started, UTC).isoformat() \
+            if isinstance(started, (int, float)) else None
+        rows.append([_e(w.get("index")), _e(w.get("pid") or "—"), _badge(str(state), kind),
+                     _time(when), _number(w.get("restarts")),
+                     _number(w.get("open_connections")), _number(w.get("requests"))])
+    return _table(("worker", "pid", "state", "started", "restarts", "open connections",
+                   "requests"), rows, "")
+
+
 def _number(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -228,6 +244,8 @@ def render_page(status: dict[str, Any], *, now: float) -> str:
         _section("Tunnels", _tunnels(status), "tunnels"),
         _section("Certificates", _certs(status, now), "certs"),
         _section("Relay", _relay(status), "relay"),
+        _section("Worker processes", _workers(status), "workers") if status.get("workers")
+        else "",
         _section("Recent refusals", _refusals(status), "refusals"),
         _section("Counters", _counters(status), "counters"),
     ])

@@ -127,7 +127,10 @@ class Channel:
     async def send_bounded(self, kind: Kind, payload: bytes, timeout: float,
                            fds: tuple[int, ...] = ()) -> bool:
         """A one-frame message within `timeout`; False when it did not fit in time."""
-        (frame,) = wp.encode(kind, payload)
+        frames = wp.encode(kind, payload)
+        if len(frames) != 1:
+            return False  # fds ride on one-frame messages only
+        frame = frames[0]
         if self.try_send_frame(frame, fds):
             return True
         with trio.move_on_after(timeout):
