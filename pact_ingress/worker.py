@@ -148,6 +148,7 @@ class Worker:
         identity = load_identity(config.identity_key, create=False)
         if config.state.backend == "redis":  # budgets shared with other instances
             self.state = open_state(config.state, self.stats)
+            self.state.announce = False  # main logs the instance's switches
             limiter = self.state.limiter
         else:  # this worker's own buckets: exact, since a client always comes here
             limiter = LocalLimiter()

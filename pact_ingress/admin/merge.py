@@ -23,8 +23,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-#: Gauges that state a fact about the instance rather than count something.
-NOT_SUMMED = frozenset({"pact_ingress_state_shared"})
+#: Families that state a fact about the instance (shared or not; how often it fell back)
+#: rather than count work: every process with a Redis client switches with main.
+NOT_SUMMED = frozenset({"pact_ingress_state_shared", "pact_ingress_state_fallbacks"})
 
 
 def _key(sample: Any) -> tuple[str, tuple[tuple[str, str], ...]]:

@@ -187,6 +187,13 @@ class RedisState:
         self.registry = RedisRegistry(self)
         stats.state_shared.set(0)
 
+    #: False in a worker process of `serve --workers`: main logs the instance's switches
+    #: (one line each); a worker's own client switching with it says so at debug level.
+    announce = True
+
+    def _say(self, level: Callable[..., None]) -> Callable[..., None]:
+        return level if self.announce else log.debug
+
     def key(self, *parts: str) -> str:
         return self.settings.key_prefix + ":".join(parts)
 
@@ -218,7 +225,7 @@ class RedisState:
         self.since = time.time()
         self.stats.state_shared.set(0)
         self.stats.state_fallbacks.inc()
-        log.warning("state_backend_lost", backend=str(self.settings), error=why,
+        self._say(log.warning)("state_backend_lost", backend=str(self.settings), error=why,
                     detail="rate limits are counted by this instance alone and new "
                     "certificate orders wait until it returns")
 
@@ -229,7 +236,7 @@ class RedisState:
         self.since = time.time()
         self.last_error = None
         self.stats.state_shared.set(1)
-        log.info("state_backend_shared", backend=str(self.settings))
+        self._say(log.info)("state_backend_shared", backend=str(self.settings))
 
     async def probe(self) -> bool:
         """Connect if needed, load the scripts, and check Redis answers in time."""
@@ -246,11 +253,11 @@ class RedisState:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Hold the client's connections and probe Redis's health until cancelled."""
-        log.info("state_backend_connecting", backend=str(self.settings))
+        self._say(log.info)("state_backend_connecting", backend=str(self.settings))
         async with self.client:
             try:
                 if not await self.probe():
-                    log.warning("state_backend_unavailable", backend=str(self.settings),
+                    self._say(log.warning)("state_backend_unavailable", backend=str(self.settings),
                                 error=self.last_error, detail="starting with this "
                                 "instance's own rate-limit counts; joining when Redis "
                                 "answers")
