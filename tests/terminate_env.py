@@ -540,18 +540,36 @@ listen:
             value = self.open_connections()
         return value
 
+    def pids(self) -> list[int]:
+        """The instance's processes: serve and its worker processes (`--workers`)."""
+        pids = [self.proc.pid]
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
+
     def proc_status(self, field_name: str) -> int:
-        """A /proc/PID/status field in KiB (VmRSS, VmHWM)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-        raise KeyError(field_name)
+        """A /proc/PID/status field in KiB (VmRSS, VmHWM), summed over the instance's
+        processes (for VmHWM: the sum of each process's peak, an upper bound)."""
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(field_name + ":"):
+                        total += int(line.split()[1])
+        if not total:
+            raise KeyError(field_name)
+        return total
 
     def rss_kib(self) -> int:
         return self.proc_status("VmRSS")
 
     def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                total += len(os.listdir(f"/proc/{pid}/fd"))
+        return total
 
 
 # --- clients -----------------------------------------------------------------------------
