@@ -266,25 +266,32 @@ class Worker:
             self._ended(h.conn_id)
             return
         try:
-            raw.setblocking(False)
-            route = self.terminator.route(h.route_host)
-            ctx = self._context(h)
-            if route is None or ctx is None:
-                log.warning("worker_cannot_serve", route=h.route_host, client_ip=h.client_ip,
-                            why="route not in this worker's config" if route is None
-                            else "certificate files unreadable")
-                self.stats.rejections.labels("worker_cannot_serve").inc()
-                try:
-                    os.write(raw.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
-                except OSError:
-                    pass
-                return
-            stream = ReplayStream(h.data, trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
-            await self.terminator.serve(stream, ctx, route, (h.client_ip, h.client_port),
-                                        sni=h.sni)
+            await self._serve_socket(h, raw)
+        except Exception as exc:  # one connection's bug must not end the worker
+            self.stats.rejections.labels("handler_error").inc()
+            log.error("handler_error", client_ip=h.client_ip,
+                      error=f"{type(exc).__name__}: {exc}")
         finally:
             raw.close()
             self._ended(h.conn_id)
+
+    async def _serve_socket(self, h: wp.Handoff, raw: socket.socket) -> None:
+        raw.setblocking(False)
+        route = self.terminator.route(h.route_host)
+        ctx = self._context(h)
+        if route is None or ctx is None:
+            log.warning("worker_cannot_serve", route=h.route_host, client_ip=h.client_ip,
+                        why="route not in this worker's config" if route is None
+                        else "certificate files unreadable")
+            self.stats.rejections.labels("worker_cannot_serve").inc()
+            try:
+                os.write(raw.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
+            except OSError:
+                pass
+            return
+        stream = ReplayStream(h.data, trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
+        await self.terminator.serve(stream, ctx, route, (h.client_ip, h.client_port),
+                                    sni=h.sni)
 
     def _ended(self, conn_id: int) -> None:
         self._handling -= 1

@@ -337,6 +337,11 @@ def test_a_killed_worker_is_replaced_and_the_other_is_undisturbed(
         other = tls_socket(serve.port, OPT_HOST, source=groups[1][0])
         other.sendall(request_bytes("GET", "/before", OPT_HOST))
         assert read_response(other).status == 200
+        for ip in groups[0]:  # counted by worker 0, reported before it dies
+            assert exchange(serve.port, request_bytes("GET", "/x", OPT_HOST), host=OPT_HOST,
+                            source=ip).status == 200
+        made = 1 + len(groups[0])
+        assert serve.status()["counters"]["http_requests_total"] == made
         os.kill(pids[0], signal.SIGKILL)
         fresh = poll(lambda: (p := worker_pids(serve))[0] not in (None, pids[0])
                      and serve.status()["workers"][0]["state"] == "ready" and p,
@@ -352,6 +357,9 @@ def test_a_killed_worker_is_replaced_and_the_other_is_undisturbed(
         other.sendall(request_bytes("GET", "/after", OPT_HOST))
         assert read_response(other).status == 200
         forget(other)
+        made += len(groups[0]) + 1
+        # the dead worker's counts stay in the instance's sums: no counter goes down
+        assert counter_total(serve.metrics(), "pact_ingress_http_requests") == made
         status = serve.status()
         assert status["workers"][0]["restarts"] == 1 and status["workers"][1]["restarts"] == 0
         assert counter_total(serve.metrics(), "pact_ingress_worker_restarts") == 1
@@ -416,6 +424,43 @@ def test_workers_do_not_outlive_a_killed_main(tmp_path: Path, ids: Identities,
             poll(lambda pid=pid: gone(pid), f"worker {pid} to exit after main died")
     finally:
         serve.stop()
+
+
+# --- summing processes -----------------------------------------------------------------
+
+
+def test_metrics_of_processes_fold_into_one_instance() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from pact_ingress.admin.merge import exposition, merge_families, retire
+
+    def registry(requests: int, open_: int, expiry: float, created_offset: float
+                 ) -> CollectorRegistry:
+        r = CollectorRegistry()
+        c = Counter("pact_ingress_http_requests", "x", ["route"], registry=r)
+        c.labels("a").inc(requests)
+        Gauge("pact_ingress_open_connections", "x", registry=r).set(open_)
+        Gauge("pact_ingress_certificate_expiry_timestamp_seconds", "x", ["host"],
+              registry=r).labels("a").set(expiry)
+        Gauge("pact_ingress_state_shared", "x", registry=r).set(1)
+        return r
+
+    main = registry(1, 2, 1000.0, 0)
+    workers = [generate_latest(registry(n, 3, 5.0, 0)).decode() for n in (10, 20)]
+    merged = exposition(merge_families(main.collect(), workers)).decode()
+    assert counter_total(merged, "pact_ingress_http_requests") == 31
+    values = {s.name: s.value for f in text_string_to_metric_families(merged)
+              for s in f.samples}
+    assert values["pact_ingress_open_connections"] == 2 + 3 + 3
+    assert values["pact_ingress_certificate_expiry_timestamp_seconds"] == 1000.0
+    assert values["pact_ingress_state_shared"] == 1
+    created = [s.value for f in text_string_to_metric_families(merged) for s in f.samples
+               if s.name == "pact_ingress_http_requests_created"]
+    assert len(created) == 1
+    gone = retire(retire("", workers[0]), workers[1])
+    fams = {f.name for f in text_string_to_metric_families(gone)}
+    assert fams == {"pact_ingress_http_requests"}  # gauges died with their process
+    assert counter_total(gone, "pact_ingress_http_requests") == 30
 
 
 # --- the codec, sans I/O ----------------------------------------------------------------

@@ -77,3 +77,14 @@ def exposition(families: list[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(families))  # type: ignore[arg-type]
     return generate_latest(registry)
+
+
+def retire(retired: str, report: str) -> str:
+    """`retired` (Prometheus text) plus the counters and histograms of `report`, the last
+    report of a process that is gone; its gauges are dropped (they described it)."""
+    kept = [fam for fam in text_string_to_metric_families(report)
+            if fam.type in ("counter", "histogram")]
+    if not retired:
+        return exposition(kept).decode()
+    return exposition(merge_families(list(text_string_to_metric_families(retired)),
+                                     [exposition(kept).decode()])).decode()

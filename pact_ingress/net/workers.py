@@ -85,6 +85,8 @@ HANDOFF_WAIT = 0.05
 START_TIMEOUT = 30.0
 #: How long a worker has to answer a STATS question (/metrics, /status).
 STATS_TIMEOUT = 2.0
+#: Seconds between reports main asks for unprompted (between scrapes).
+REPORT_INTERVAL = 5.0
 #: After main's own drain ended, how long workers get to exit before they are killed.
 EXIT_TIMEOUT = 10.0
 #: Environment variables only main may act on (systemd notify, watchdog, socket
@@ -249,6 +251,7 @@ class WorkerPool:
             weakref.WeakKeyDictionary()
         self._next_generation = itertools.count(1)
         self._draining = False
+        self._retired = ""  # counters of worker processes that are gone (Prometheus text)
         self._nursery: trio.Nursery | None = None
         self._sent = stats.worker_handoffs.labels("worker")
         self._fallback = stats.worker_handoffs.labels("main")
@@ -282,6 +285,7 @@ class WorkerPool:
                             detail="main serves their clients until they are")
             log.info("workers_ready", workers=self.count,
                      pids=[s.pid for s in self.slots])
+            nursery.start_soon(self._refresh_forever)
             task_status.started()
 
     async def _supervise(self, slot: _Slot) -> None:
@@ -343,8 +347,16 @@ class WorkerPool:
         return process.returncode
 
     def _lost(self, slot: _Slot) -> None:
-        """The process is gone: its connections ended with it; nobody waits for them."""
+        """The process is gone: its connections ended with it; nobody waits for them.
+        Its counters (as last reported) stay in the instance's sums, so a counter never
+        goes down because a worker was replaced; its gauges go with it."""
         self.stats.worker_up.labels(str(slot.index)).set(0)
+        text = slot.report.get("metrics")
+        if isinstance(text, str) and text:
+            from pact_ingress.admin.merge import retire
+
+            self._retired = retire(self._retired, text)
+        slot.report = {}
         for event in slot.open.values():
             event.set()
         slot.open.clear()
@@ -451,7 +463,16 @@ class WorkerPool:
 
     async def _open_stream(self, channel: Channel, req_id: int, route_host: str,
                            fd: int) -> None:
-        """A worker's request for its route's tunnel stream, spliced onto `fd`."""
+        """A worker's request for its route's tunnel stream, spliced onto `fd`. A bug
+        here costs that stream, never main (it runs in the pool's nursery)."""
+        try:
+            await self._splice_stream(channel, req_id, route_host, fd)
+        except Exception as exc:
+            log.error("worker_stream_error", route=route_host,
+                      error=f"{type(exc).__name__}: {exc}")
+
+    async def _splice_stream(self, channel: Channel, req_id: int, route_host: str,
+                             fd: int) -> None:
         theirs = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
         try:
             route = next((r for r in self.config.routes() if r.host == route_host), None)
@@ -510,6 +531,13 @@ class WorkerPool:
                             why=f"still running {timeout} s after the drain")
                 self._kill(slot)
 
+    async def _refresh_forever(self) -> None:
+        """Reports kept recent without a scrape: what a worker counted is lost with it
+        only back to its last report (see `_lost`)."""
+        while True:
+            await trio.sleep(REPORT_INTERVAL)
+            await self.refresh()
+
     async def refresh(self, timeout: float = STATS_TIMEOUT) -> None:
         """Ask every running worker for a fresh report (bounded); a worker that does
         not answer keeps its last report."""
@@ -533,9 +561,10 @@ class WorkerPool:
             slot.asks.pop(ask_id, None)
 
     def reports(self) -> list[str]:
-        """The metrics text of every worker's last report (for /metrics)."""
-        return [str(s.report.get("metrics", "")) for s in self.slots
-                if s.report and s.state is not WorkerState.EXITED]
+        """The metrics text of every running worker's last report, and the counters of
+        those gone (for /metrics)."""
+        live = [str(s.report.get("metrics", "")) for s in self.slots if s.report]
+        return [*live, self._retired] if self._retired else live
 
     def refusals(self) -> list[list[Any]]:
         out: list[list[Any]] = []
