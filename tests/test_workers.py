@@ -31,6 +31,7 @@ from tests.cluster_env import TM_HOST, Connect, Instance, home_node
 from tests.terminate_env import (
     OPT_HOST,
     WAIT,
+    H2Conn,
     Identities,
     RecordingNode,
     Serve,
@@ -129,11 +130,18 @@ def test_two_workers_serve_every_client_and_the_instance_sums(
                              source=ip)
             assert plain.status == 200
             made += 3
+        for ips in by_worker().values():  # HTTP/2 too, at each worker
+            h2 = H2Conn(serve.port, OPT_HOST, source=ips[0])
+            try:
+                assert h2.request("GET", "/h2").status == 200
+            finally:
+                h2.close()
+            made += 1
         assert node.unsealed_calls() == []
         status = serve.status()
         served = {w["index"]: w["requests"] for w in status["workers"]}
         for index, ips in by_worker().items():
-            assert served[index] == 3 * len(ips), (served, ips)
+            assert served[index] == 3 * len(ips) + 1, (served, ips)
         assert all(w["state"] == "ready" and w["restarts"] == 0 for w in status["workers"])
         assert status["counters"]["http_requests_total"] == made
         codes = {r["reason"] for r in status["recent_refusals"]}
@@ -424,6 +432,17 @@ def test_workers_do_not_outlive_a_killed_main(tmp_path: Path, ids: Identities,
             poll(lambda pid=pid: gone(pid), f"worker {pid} to exit after main died")
     finally:
         serve.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_workers_must_be_a_positive_count(value: str, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    from pact_ingress.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "-c", "unused.yaml", "--workers", value])
+    assert exc.value.code == 2
+    assert "--workers" in capsys.readouterr().err
 
 
 # --- summing processes -----------------------------------------------------------------
