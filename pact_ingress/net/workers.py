@@ -221,7 +221,7 @@ class _Slot:
     started: float | None = None  # wall clock of the current process's spawn
     restarts: int = 0
     open: dict[int, trio.Event] = field(default_factory=dict)
-    ready: trio.Event = field(default_factory=trio.Event)
+    ready: trio.Event = field(default_factory=trio.Event)  # set at its first READY ever
     asks: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)  # the last STATS it sent
     drain_sent: bool = False
@@ -363,7 +363,6 @@ class WorkerPool:
         for event, _ in slot.asks.values():
             event.set()
         slot.asks.clear()
-        slot.ready = trio.Event()
 
     async def _read(self, slot: _Slot, channel: Channel, scope: trio.CancelScope) -> None:
         while True:
@@ -442,7 +441,7 @@ class WorkerPool:
         try:
             sent = await channel.send_bounded(Kind.HANDOFF, header, HANDOFF_WAIT,
                                               (sock.fileno(),))
-        except OSError:
+        except (OSError, trio.ClosedResourceError):  # the worker went away meanwhile
             sent = False
         if not sent:
             slot.open.pop(conn_id, None)
