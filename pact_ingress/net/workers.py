@@ -203,7 +203,14 @@ def worker_env() -> dict[str, str]:
 
 def default_workers() -> int:
     """Worker processes when `--workers` is not given: one per core this process may
-    run on (the affinity mask, not the machine's count: containers and `taskset`)."""
+    run on (the affinity mask, not the machine's count: containers and `taskset`).
+
+    Why every core by default: terminate work is CPU-bound and an edge that serves
+    terminate routes should use the machine it was given without tuning; more workers
+    than cores would only add context switches. On one usable core this is 1, i.e. the
+    single process with no children. The price of a worker with nothing to do is an idle
+    Python process (tens of MB RSS), which a passthrough-only deployment can save with
+    `--workers 1`."""
     return len(os.sched_getaffinity(0))
 
 
