@@ -258,6 +258,11 @@ class Ingress:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self.resolver.refresh_forever)
+            if self.workers is not None:
+                # first, and waited for: READY below only once the workers are, and the
+                # CPU burst of N interpreters starting is over before main's own
+                # startup work (the state backend's first probes have deadlines)
+                await nursery.start(self.workers.run)
             await nursery.start(self.state.run)
             # peers would reach this instance where callers do: its first TLS address
             host, port = self.bound["tls"][0] if self.bound["tls"] else ("", 0)
@@ -287,8 +292,6 @@ class Ingress:
             if handle_signals:
                 nursery.start_soon(self._signals)
             nursery.start_soon(sdnotify.watchdog_loop)
-            if self.workers is not None:  # READY below only once the workers are
-                await nursery.start(self.workers.run)
             await nursery.start(self._serve_router, listeners)
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
