@@ -85,6 +85,8 @@ HANDOFF_WAIT = 0.05
 START_TIMEOUT = 30.0
 #: How long a worker has to answer a STATS question (/metrics, /status).
 STATS_TIMEOUT = 2.0
+#: A worker's connections served by main are logged at most once per this many seconds.
+FALLBACK_LOG_EVERY = 10.0
 #: Seconds between reports main asks for unprompted (between scrapes).
 REPORT_INTERVAL = 5.0
 #: After main's own drain ended, how long workers get to exit before they are killed.
@@ -232,6 +234,7 @@ class _Slot:
     asks: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = field(default_factory=dict)
     report: dict[str, Any] = field(default_factory=dict)  # the last STATS it sent
     drain_sent: bool = False
+    fallback_logged: float = float("-inf")  # trio time of the last worker_unavailable
 
     def move(self, wanted: WorkerState) -> None:
         self.state = wp.next_state(self.state, wanted)
@@ -438,7 +441,7 @@ class WorkerPool:
         files = self.certs.cert_files(route.host)
         if (slot.state is not WorkerState.READY or channel is None or files is None
                 or self._draining):
-            self._fallback.inc()
+            self._served_here(slot, slot.state.value)
             return False
         conn_id = next(self._conn_ids)
         header = wp.encode_handoff(wp.Handoff(
@@ -452,12 +455,22 @@ class WorkerPool:
             sent = False
         if not sent:
             slot.open.pop(conn_id, None)
-            self._fallback.inc()
+            self._served_here(slot, "channel full or closed")
             return False
         self._sent.inc()
         sock.close()  # the worker's copy is the connection now: its close ends it
         await done.wait()
         return True
+
+    def _served_here(self, slot: _Slot, why: str) -> None:
+        """Counted every time; logged at most once per `FALLBACK_LOG_EVERY` per worker
+        (a respawn can leave thousands of connections to main)."""
+        self._fallback.inc()
+        now = trio.current_time()
+        if now - slot.fallback_logged >= FALLBACK_LOG_EVERY and not self._draining:
+            slot.fallback_logged = now
+            log.warning("worker_unavailable", worker=slot.index, why=why,
+                        detail="main serves its clients' terminate connections meanwhile")
 
     def _generation(self, ctx: ssl.SSLContext) -> int:
         gen = self._generations.get(ctx)
