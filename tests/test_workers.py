@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import signal
 import socket
 import ssl
@@ -313,7 +314,16 @@ def test_reload_reaches_every_worker_and_a_bad_one_none(
         seal: optional
         cert: {{cert: certs/{NEW_HOST}.crt, key: certs/{NEW_HOST}.key}}
 """
-        assert serve.reload(extra_routes=new_route) == "reloaded"
+        # many more routes: the pickled config no longer fits one frame (64 KiB)
+        bulk = "".join(f"""\
+      - host: p{i}.bulk.attack.test
+        mode: passthrough
+        backend: "127.0.0.1:{node.port}"
+""" for i in range(600))
+        assert serve.reload(extra_routes=new_route + bulk) == "reloaded"
+        from pact_ingress.config import load_config
+
+        assert len(wp.encode(Kind.CONFIG, pickle.dumps(load_config(serve.config)))) > 1
         for ip in SOURCES:
             r = exchange(serve.port, request_bytes("GET", "/n", NEW_HOST), host=NEW_HOST,
                          source=ip)

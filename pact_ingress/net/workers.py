@@ -235,6 +235,7 @@ class _Slot:
     report: dict[str, Any] = field(default_factory=dict)  # the last STATS it sent
     drain_sent: bool = False
     fallback_logged: float = float("-inf")  # trio time of the last worker_unavailable
+    config_pending: trio.Event | None = None  # set when a reload's CONFIG is all sent
 
     def move(self, wanted: WorkerState) -> None:
         self.state = wp.next_state(self.state, wanted)
@@ -443,6 +444,12 @@ class WorkerPool:
                 or self._draining):
             self._served_here(slot, slot.state.value)
             return False
+        if slot.config_pending is not None:  # a reload's config is still on its way
+            await slot.config_pending.wait()
+            slot.config_pending = None
+            if slot.channel is not channel or slot.state is not WorkerState.READY:
+                self._served_here(slot, "restarted during a reload")
+                return False
         conn_id = next(self._conn_ids)
         header = wp.encode_handoff(wp.Handoff(
             conn_id, client[0], client[1], route.host, sni, self._generation(ctx),
@@ -515,12 +522,36 @@ class WorkerPool:
     # -- config, drain, reports -----------------------------------------------------
 
     def update(self, config: Config) -> None:
-        """A config main accepted: every running worker applies it next."""
+        """A config main accepted: every running worker applies it before anything
+        handed to it later. The frames go out now when the channel takes them (it
+        usually does); otherwise a task sends the rest, and handoffs to that worker wait
+        for it, so no connection reaches a worker ahead of the config it belongs to."""
         self.config = config
-        payload = pickle.dumps(config)
+        frames = wp.encode(Kind.CONFIG, pickle.dumps(config))
         for slot in self.slots:
-            if slot.channel is not None and self._nursery is not None:
-                self._nursery.start_soon(_send_quietly, slot.channel, Kind.CONFIG, payload)
+            channel = slot.channel
+            if channel is None or self._nursery is None:
+                continue  # a worker (re)starting gets `self.config` when it is spawned
+            rest = list(frames)
+            try:
+                while rest and channel.try_send_frame(rest[0]):
+                    rest.pop(0)
+            except OSError:
+                continue  # it is gone; its supervisor will see it exit
+            if rest:
+                done = slot.config_pending = trio.Event()
+                self._nursery.start_soon(self._send_rest, channel, rest, done)
+
+    @staticmethod
+    async def _send_rest(channel: Channel, frames: list[bytes], done: trio.Event) -> None:
+        try:
+            for frame in frames:
+                while not channel.try_send_frame(frame):
+                    await trio.lowlevel.wait_writable(channel.sock)
+        except (OSError, trio.ClosedResourceError):
+            pass
+        finally:
+            done.set()
 
     def drain(self) -> None:
         """Shutdown: no more handoffs; every worker finishes its requests and exits."""
