@@ -725,19 +725,22 @@ def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     from pact_ingress.identity import keygen
     from pact_ingress.proto.workers import worker_for
 
+    global SCALING_SOURCES
     n = args.workers
     if n < 2:
         raise SystemExit("--workers N compares N ≥ 2 workers with one")
-    if len({worker_for(src, 2) for src in SCALING_SOURCES}) != 2:
-        raise SystemExit(f"{SCALING_SOURCES} do not reach both workers of two")
+    if args.sources:  # e.g. two addresses of ONE worker: the handoff's own cost
+        SCALING_SOURCES = tuple(args.sources.split(","))
+    elif len({worker_for(src, n) for src in SCALING_SOURCES}) != min(n, 2):
+        raise SystemExit(f"{SCALING_SOURCES} do not reach two workers of {n}")
     requests = 300 if args.quick else 1500
     rounds = args.rounds or (1 if args.quick else 3)
     tmp = Path(tempfile.mkdtemp(prefix="pact-bench-workers-"))
     notes = machine_notes()
     notes.append(machine_state())
+    reach = ", ".join(f"{src} → worker {worker_for(src, n)}" for src in SCALING_SOURCES)
     notes.append(f"clients: {len(SCALING_SOURCES) * SCALING_CONNS_PER_SOURCE} curl "
-                 f"processes ({SCALING_CONNS_PER_SOURCE} per source address "
-                 f"{', '.join(SCALING_SOURCES)}, which hash to different workers), each "
+                 f"processes ({SCALING_CONNS_PER_SOURCE} per source address: {reach}), each "
                  f"one keep-alive HTTP/1.1 connection making {requests} GETs in turn; "
                  f"{rounds} round(s), median; nothing pinned (proxies, node and clients "
                  f"share all {os.cpu_count()} CPUs)")
@@ -890,6 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         ph.key for ph in PHASES))
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    p.add_argument("--sources", metavar="IP,IP",
+                   help="with --workers: the clients' source addresses (default "
+                        + ",".join(SCALING_SOURCES) + ", which reach different workers)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="instead of the comparison above: keep-alive throughput and CPU "
                         "per request of `serve --workers 1` vs `--workers N` (+ HAProxy), "
