@@ -53,12 +53,14 @@ environment: only main speaks to systemd, and it says READY once the workers are
 
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import pickle
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import time
 import weakref
@@ -181,14 +183,10 @@ class Channel:
 
 
 def _fd_bytes(fds: tuple[int, ...]) -> bytes:
-    import array
-
     return array.array("i", fds).tobytes()
 
 
 def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    import array
-
     out: list[int] = []
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -332,7 +330,7 @@ class WorkerPool:
             theirs.set_inheritable(True)
             process = await trio.lowlevel.open_process(
                 self._argv(slot.index, theirs.fileno()), pass_fds=(theirs.fileno(),),
-                env=worker_env(), stdin=subprocess_devnull())
+                env=worker_env(), stdin=subprocess.DEVNULL)
         except OSError as exc:
             mine.close()
             log.error("worker_spawn_failed", worker=slot.index, error=str(exc))
@@ -344,7 +342,7 @@ class WorkerPool:
         slot.drain_sent = False
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read, slot, channel, nursery.cancel_scope)
+                nursery.start_soon(self._read, slot, channel)
                 try:
                     await channel.send(Kind.CONFIG, pickle.dumps(self.config))
                 except OSError:
@@ -375,7 +373,7 @@ class WorkerPool:
             event.set()
         slot.asks.clear()
 
-    async def _read(self, slot: _Slot, channel: Channel, scope: trio.CancelScope) -> None:
+    async def _read(self, slot: _Slot, channel: Channel) -> None:
         while True:
             try:
                 got = await channel.receive()
@@ -645,12 +643,6 @@ async def _send_quietly(channel: Channel, kind: Kind, payload: bytes, msg_id: in
     except (OSError, trio.ClosedResourceError):
         return False
     return True
-
-
-def subprocess_devnull() -> int:
-    import subprocess
-
-    return subprocess.DEVNULL
 
 
 def _exit_fields(code: int | None) -> dict[str, Any]:

@@ -36,7 +36,6 @@ import enum
 import json
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pact_ingress.proto.ratelimit import client_bucket
@@ -259,8 +258,3 @@ RESPAWN_HEALTHY_AFTER = 10.0
 def respawn_delay(failures: int) -> float:
     """Seconds to wait before the `failures`-th consecutive respawn (1 = first)."""
     return min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** max(0, failures - 1))
-
-
-def chunks(seq: list[int], size: int) -> Iterator[list[int]]:
-    for i in range(0, len(seq), size):
-        yield seq[i:i + size]
