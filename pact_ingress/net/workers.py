@@ -23,7 +23,8 @@ connection `CLOSED`. The waiting handler task keeps the connection in main's cou
 so `max_connections` / `max_connections_per_ip`, `open_connections` and the drain
 deadline cover handed-over connections exactly as before. A worker that is not READY
 (starting, respawning) or a send that fails means main serves the connection itself
-(`worker_handoffs{outcome="main"}`): a connection is never dropped for want of a worker.
+(`worker_handoffs{served_by="main"}`, a `worker_unavailable` line at most every 10 s):
+a connection is never dropped for want of a worker.
 
 A worker's tunnel-backed upstream comes through main: the worker makes a socketpair,
 sends one end with STREAM_OPEN(route host); main looks the route up in *its* config
