@@ -22,8 +22,10 @@ connection of one bucket lands in one worker. Every budget a terminate route cha
 (the per-IP ceiling, each (IP, key) pair, the per-IP in-flight share and body buffers)
 is keyed by that bucket, so one process sees all of a client's traffic and the budgets
 stay exactly what a single process enforces — nothing is shared, nothing multiplied
-by the number of workers. CRC-32 rather than `hash()`: the same client goes to the same
-worker index after a restart too (TLS session tickets are per worker).
+by the number of workers. (A replaced worker's buckets start full in the new process,
+as any bucket does when an ingress restarts.) CRC-32 rather than `hash()`: the same
+client goes to the same worker index after a restart too (TLS session tickets are per
+worker).
 
 The payload of main → worker `CONFIG` is a pickled `Config` (same code on both ends,
 and the parent is the trusted side). Everything a worker sends back is JSON or fixed
