@@ -54,6 +54,11 @@ MAX_ALLOWLIST_BODY = 1024 * 1024
 BODY_TIMEOUT = 60.0
 #: MCP protocol version answered when the client names none we can echo.
 MCP_VERSION = "2025-06-18"
+#: Bodies larger than this are parsed (and their relay_call checked) in a worker thread,
+#: one at a time, as the terminate engine does with its large bodies: decoding and
+#: verifying megabytes would stall every other connection; below it a thread hand-off
+#: costs more CPU than the work it moves (measured: see README, Relay performance).
+INLINE_CHECK_BYTES = 64 * 1024
 
 _JSON = (b"content-type", b"application/json")
 _NO_STORE = (b"cache-control", b"no-store")
@@ -69,6 +74,7 @@ class RelayExchange:
     def __init__(self, server: RelayServer, caller: tuple[str, PublicKey] | None,
                  client: tuple[str, int], ex: Exchange) -> None:
         self.server, self.caller, self.client, self.ex = server, caller, client, ex
+        self.size = 0  # the request body's length, once read
 
     async def run(self) -> None:
         ex = self.ex
@@ -177,8 +183,9 @@ class RelayExchange:
             await self._json(413, _rpc(None, result=rules.tool_error(
                 Refusal(rules.TOO_LARGE, f"request over {rules.MAX_REQUEST_BYTES} bytes"))))
             return
+        self.size = len(body)
         try:
-            message = json.loads(body)
+            message = await self._parse(body)
         except (ValueError, RecursionError):
             await self._json(400, _rpc(None, error=(-32700, "Parse error")))
             return
@@ -205,6 +212,14 @@ class RelayExchange:
                     -32001, str(refusal), {"code": rules.IDENTITY_REQUIRED})))
             return
         await self._json(200, await self._dispatch(rpc_id, message["method"], params))
+
+    async def _parse(self, body: bytes) -> Any:
+        """The JSON document; megabytes of it are parsed in a worker thread (one at a
+        time), so a large call does not stall every other connection."""
+        if len(body) <= INLINE_CHECK_BYTES:
+            return json.loads(body)
+        return await trio.to_thread.run_sync(json.loads, body,
+                                             limiter=self.server._check_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
                         ) -> dict[str, Any]:
@@ -238,7 +253,7 @@ class RelayExchange:
             await server._ensure_store()
             if name == "relay_call":
                 await self._charge(fp)
-                data = await server.relay_call(fp, key, arguments, fields)
+                data = await server.relay_call(fp, key, arguments, fields, self.size)
             elif name == "fetch_queued":
                 data = await server.fetch_queued(fp, arguments)
                 fields = {"items": len(data["items"]), "more": data["more"]}

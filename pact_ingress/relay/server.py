@@ -28,10 +28,14 @@ are methods here:
 * ``GET|POST /relay/allowlist`` — the recipient's own allow-list.
 
 A relay_call's checks (`proto.relay.check_relay_call`: header, signature under the
-caller's key, time, allow-list) are a pure function of immutable inputs. Small ones run
-inline; the signature check is the costly part and `cryptography` releases the GIL while
-it verifies, so under load they run on a few worker threads (`_Checker`), next to the
-event loop rather than on it, and the loop keeps parsing and answering meanwhile.
+caller's key, time, allow-list) are a pure function of values nobody touches meanwhile
+(the allow-lists are the store's snapshot). A usual call (a few KiB) is checked on the
+event loop: the whole check costs less than one terminate request's handling, and
+handing it to a thread and back cost more CPU than it moved off the loop (measured on
+this engine: see README). A large one (over `INLINE_CHECK_BYTES`, up to 12 MiB) is
+parsed and checked in a worker thread, one at a time, as the terminate engine does with
+its large bodies. The queue write that follows is the store's writer thread's (group
+commit: one fsync for every call that arrived meanwhile).
 
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
 JSON log line per tool call names caller, recipient, msg_id, size and outcome, never a
@@ -66,7 +70,7 @@ from pact_ingress.proto import tls_alert
 from pact_ingress.proto.h2_guard import Flood
 from pact_ingress.proto.ratelimit import Budget
 from pact_ingress.proto.relay import Refusal
-from pact_ingress.relay.http import RelayExchange
+from pact_ingress.relay.http import INLINE_CHECK_BYTES, RelayExchange
 from pact_ingress.relay.store import QueueFull, RelayStore, SqliteStore, StoreUnavailable
 from pact_ingress.relay.tls import RelayTLS
 from pact_ingress.state import LocalState, StateBackend
@@ -108,6 +112,7 @@ class RelayServer:
         self._draining = False
         self._drain_event = trio.Event()  # HTTP/2 connections send GOAWAY on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
+        self._check_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
         self.update(config)
 
     def update(self, config: Config) -> None:
@@ -260,10 +265,17 @@ class RelayServer:
         await self.store.refresh()  # a shared store: what other instances changed
 
     async def relay_call(self, fp: str, key: PublicKey, arguments: object,
-                         seen: dict[str, Any] | None = None) -> dict[str, Any]:
-        accepted = rules.check_relay_call(arguments, caller=fp, caller_key=key,
-                                          now=self.clock(), allowlists=self._allowlists(),
-                                          seen=seen)
+                         seen: dict[str, Any] | None = None, size: int = 0
+                         ) -> dict[str, Any]:
+        """Check and queue one relay_call; `size` is its request body's length."""
+        check = partial(rules.check_relay_call, arguments, caller=fp, caller_key=key,
+                        now=self.clock(), allowlists=self._allowlists(), seen=seen)
+        if size <= INLINE_CHECK_BYTES:
+            accepted = check()
+        else:
+            # a pure function of values nobody touches meanwhile (the allow-lists are
+            # the store's snapshot, `seen` is this call's own)
+            accepted = await trio.to_thread.run_sync(check, limiter=self._check_slot)
         header = accepted.header
         try:
             done = await self.store.enqueue(header.to, header.sender, header.msg_id,
