@@ -225,18 +225,29 @@ class SqliteStore:
         when the recipient is at a bound, StoreUnavailable when the store is broken."""
         now = int(self.clock())
 
-        def run(conn: sqlite3.Connection) -> Enqueued:
+        def existing(conn: sqlite3.Connection) -> Enqueued | None:
             row = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
                                (recipient, msg_id)).fetchone()
-            if row is not None:
-                return Enqueued(int(row[0]), True)
+            return None if row is None else Enqueued(int(row[0]), True)
+
+        def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
             if items + 1 > self.max_items or size + len(envelope) > self.max_bytes:
+                # a duplicate is answered as one even at a full queue
+                dup = existing(conn)
+                if dup is not None:
+                    return dup
                 raise QueueFull(FULL_RETRY_AFTER)
+            # the usual case in one statement: the (recipient, msg_id) key decides
             cur = conn.execute(
-                "INSERT INTO items (recipient, sender, msg_id, queued_at, expires_at, size,"
-                " envelope) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO items (recipient, sender, msg_id, queued_at,"
+                " expires_at, size, envelope) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (recipient, sender, msg_id, now, expires_at, len(envelope), envelope))
+            if cur.rowcount != 1:
+                dup = existing(conn)
+                if dup is None:  # ignored for another constraint: none can fail here
+                    raise sqlite3.IntegrityError("relay item not stored")
+                return dup
             self._depths = {**self._depths, recipient: (items + 1, size + len(envelope))}
             return Enqueued(int(cur.lastrowid or 0), False)
 
