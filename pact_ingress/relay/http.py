@@ -219,7 +219,7 @@ class RelayExchange:
         if len(body) <= INLINE_CHECK_BYTES:
             return json.loads(body)
         return await trio.to_thread.run_sync(json.loads, body,
-                                             limiter=self.server._check_slot)
+                                             limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
                         ) -> dict[str, Any]:

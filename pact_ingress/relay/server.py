@@ -46,8 +46,8 @@ the tunnel server to push a content-free WAKE (it rate-limits per tenant).
 from __future__ import annotations
 
 import json
-import socket
 import os
+import socket
 import time
 from collections.abc import Callable
 from functools import partial
@@ -112,7 +112,7 @@ class RelayServer:
         self._draining = False
         self._drain_event = trio.Event()  # HTTP/2 connections send GOAWAY on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
-        self._check_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
+        self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
         self.update(config)
 
     def update(self, config: Config) -> None:
@@ -275,7 +275,7 @@ class RelayServer:
         else:
             # a pure function of values nobody touches meanwhile (the allow-lists are
             # the store's snapshot, `seen` is this call's own)
-            accepted = await trio.to_thread.run_sync(check, limiter=self._check_slot)
+            accepted = await trio.to_thread.run_sync(check, limiter=self.large_slot)
         header = accepted.header
         try:
             done = await self.store.enqueue(header.to, header.sender, header.msg_id,

@@ -36,6 +36,8 @@ from pact_ingress.net.memory_tls import READ_SIZE, MemoryTLS
 
 #: Ciphertext taken out of OpenSSL's outgoing BIO per call.
 _BIO_CHUNK = 64 * 1024
+#: The most plaintext one TLS record carries.
+_RECORD = 16 * 1024
 
 
 def _translate(exc: SSL.Error) -> ssl.SSLError:
@@ -65,7 +67,9 @@ class _Object:
 
     def read(self, size: int) -> bytes:
         try:
-            return self.conn.recv(size)
+            # one record's plaintext at most comes back per call anyway; asking for
+            # more only makes pyOpenSSL allocate a larger buffer every time
+            return self.conn.recv(min(size, _RECORD))
         except SSL.Error as exc:
             raise _translate(exc) from None
 
@@ -113,9 +117,13 @@ class _Outgoing:
         self._held = b""
         while True:
             try:
-                parts.append(self.conn.bio_read(_BIO_CHUNK))
+                data = self.conn.bio_read(_BIO_CHUNK)
             except SSL.WantReadError:
-                return b"".join(parts)
+                break
+            parts.append(data)
+            if len(data) < _BIO_CHUNK:  # a memory BIO hands out all it holds
+                break
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def read(self) -> bytes:
         return self._drain()
