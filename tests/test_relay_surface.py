@@ -425,3 +425,43 @@ def test_large_calls_are_checked_like_small_ones(serve: RelayServe,
         caller.close()
         other.close()
     assert queued(serve, ids) == ["big"]
+
+
+# --- shutdown ------------------------------------------------------------------------------
+
+
+def test_drain_closes_idle_connections_and_finishes_busy_ones(serve: RelayServe,
+                                                              ids: RelayIdentities) -> None:
+    """SIGTERM: idle keep-alive connections (both versions) close at once; a request
+    whose body is still arriving is answered and its item committed; then exit 0."""
+    import signal
+
+    idle = relay_socket(serve.port, ids.sender)
+    idle.sendall(request_bytes("POST", "/relay/mcp", RELAY_HOST, body=rpc("ping")))
+    assert read_response(idle).status == 200
+    h2conn = H2(serve.port, ids.sender)
+    assert h2conn.request("POST", "/relay/mcp", body=rpc("ping")).status == 200
+    busy = relay_socket(serve.port, ids.sender)
+    body = call_body(ids, "in-flight")
+    busy.sendall(request_bytes("POST", "/relay/mcp", RELAY_HOST, length=False,
+                               headers=[("Content-Length", str(len(body)))]) + body[:20])
+    try:
+        assert serve.proc is not None
+        serve.proc.send_signal(signal.SIGTERM)
+        idle.settimeout(WAIT)
+        try:
+            assert idle.recv(1) == b""  # the drain closed it
+        except (ConnectionError, ssl.SSLError):
+            pass
+        h2conn._pump(until=lambda: h2conn.goaway, timeout=WAIT)  # GOAWAY or closed
+        busy.sendall(body[20:])
+        resp = read_response(busy)
+        assert resp.status == 200
+        assert json.loads(resp.body)["result"]["structuredContent"]["msg_id"] == "in-flight"
+        assert serve.proc.wait(timeout=WAIT) == 0
+    finally:
+        for sock in (idle, busy):
+            forget(sock)
+        h2conn.close()
+    serve.restart()
+    assert queued(serve, ids) == ["in-flight"]
