@@ -295,6 +295,16 @@ def test_target_spellings_have_one_defined_answer(serve: RelayServe, ids: RelayI
     assert sorted(queued(serve, ids)) == sorted(expected)
 
 
+def test_exact_targets_read_as_the_normaliser_reads_them() -> None:
+    """The endpoints' exact spellings skip `parse_target`: only if it reads them alike."""
+    from pact_ingress.proto.http_request import parse_target
+    from pact_ingress.relay.http import _EXACT
+
+    assert set(_EXACT) == {b"/relay/mcp", b"/relay/allowlist"}
+    for raw, target in _EXACT.items():
+        assert parse_target(raw) == target
+
+
 def test_unknown_paths_and_methods(serve: RelayServe, ids: RelayIdentities) -> None:
     caller = RelayCaller(serve.port, ids.sender)
     anon = RelayCaller(serve.port, None)

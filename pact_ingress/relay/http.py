@@ -38,7 +38,7 @@ from pact_ingress.identity import PublicKey
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import Exchange, Headers
 from pact_ingress.proto import relay as rules
-from pact_ingress.proto.http_request import BadRequest, check_host, parse_target
+from pact_ingress.proto.http_request import BadRequest, Target, check_host, parse_target
 from pact_ingress.proto.ratelimit import Limited
 from pact_ingress.proto.relay import Refusal
 from pact_ingress.relay.store import StoreUnavailable
@@ -60,6 +60,10 @@ MCP_VERSION = "2025-06-18"
 #: costs more CPU than the work it moves (measured: see README, Relay performance).
 INLINE_CHECK_BYTES = 64 * 1024
 
+#: The two endpoints spelled exactly, as `parse_target` reads them: the usual request
+#: skips the normaliser (every other spelling still goes through it).
+_EXACT = {raw.encode(): Target(raw, None, None) for raw in (MCP_PATH, ALLOWLIST_PATH)}
+
 _JSON = (b"content-type", b"application/json")
 _NO_STORE = (b"cache-control", b"no-store")
 
@@ -79,7 +83,7 @@ class RelayExchange:
     async def run(self) -> None:
         ex = self.ex
         try:
-            target = parse_target(ex.target)
+            target = _EXACT.get(ex.target) or parse_target(ex.target)
             check_host(ex.authority, target, self.server.host, self.server.host)
         except BadRequest as exc:
             await self._json(exc.status, {"code": rules.BAD_REQUEST, "message": exc.why})
