@@ -16,9 +16,10 @@ the HTTP version:
    reading; otherwise read whole against the same cap and one deadline for the whole
    body (`BODY_TIMEOUT`). A client that misses it or leaves is dropped without an answer
    (`net.http_exchange.ClientGone`): nothing was queued.
-3. **JSON-RPC** at ``/relay/mcp``: parse, shape, notification (202), identity — a
-   connection without a client certificate gets ``identity_required`` (401) for every
-   request that would act —, then dispatch to the tools on `RelayServer`.
+3. **JSON-RPC** at ``/relay/mcp``: parse (in a worker thread over
+   `INLINE_CHECK_BYTES`), shape, notification (202), identity — a connection without a
+   client certificate gets ``identity_required`` (401) for every request that would
+   act —, then dispatch to the tools on `RelayServer`.
 4. **Answer**: JSON, ``Content-Length``, ``Cache-Control: no-store``. An answer
    given before the body was read first stops the upload (`Exchange.stop_body`: HTTP/1.1
    closes after it, HTTP/2 resets the stream with NO_ERROR).
