@@ -116,6 +116,17 @@ def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes],
             "cpu_us_per_call": cpu / max(1, len(lat)) * 1e6}
 
 
+def _commits(serve: RelayServe) -> tuple[float, float]:
+    """(COMMITs so far, seconds they took) from the serve's metrics."""
+    count = total = 0.0
+    for line in serve.metrics().splitlines():
+        if line.startswith("pact_ingress_relay_commit_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("pact_ingress_relay_commit_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -161,8 +172,14 @@ limits:                     # budgets far above the load: the rate is what is me
                                    "/mcp", seconds, pid)
         print("relay_call rate…", file=sys.stderr)
         sender_files = (str(ids.sender.cert_path), str(ids.sender.key_path))
+        commits0 = _commits(serve)
         result["relay_call"] = load("relay_call", serve.port, sender_files,
                                     bodies, "relay.test", "/relay/mcp", seconds, pid)
+        commits1 = _commits(serve)
+        n_commits = max(1.0, commits1[0] - commits0[0])
+        result["relay_call"]["commits"] = n_commits
+        result["relay_call"]["commit_ms"] = (commits1[1] - commits0[1]) / n_commits * 1000
+        result["relay_call"]["calls_per_commit"] = result["relay_call"]["calls"] / n_commits
         if result["relay_call"]["calls"] >= n_env:
             print("warning: ran out of distinct envelopes; later calls were duplicates",
                   file=sys.stderr)
@@ -243,6 +260,8 @@ def table(r: dict[str, Any], seconds: float) -> None:
     print(f"| durable relay_call/s | {rc['rate']:.0f} (p50 {rc['p50_ms']:.1f} ms, "
           f"p99 {rc['p99_ms']:.1f} ms; errors {rc['errors']}) |")
     print(f"| relay_call / terminate | {rc['rate'] / tm['rate']:.2f}× |")
+    print(f"| store during relay_call: COMMITs, mean COMMIT (fsync), calls per COMMIT | "
+          f"{rc['commits']:.0f}, {rc['commit_ms']:.1f} ms, {rc['calls_per_commit']:.1f} |")
     print(f"| serve CPU per request: terminate / relay_call | {tm['cpu_us_per_call']:.0f} µs / "
           f"{rc['cpu_us_per_call']:.0f} µs |")
     print(f"| fetch 1,000 items, one page | {r['fetch']['one_page_items_per_s']:.0f} items/s |")
