@@ -475,3 +475,75 @@ def test_drain_closes_idle_connections_and_finishes_busy_ones(serve: RelayServe,
         h2conn.close()
     serve.restart()
     assert queued(serve, ids) == ["in-flight"]
+
+
+async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
+                                                        ids: RelayIdentities) -> None:
+    """Body bytes held at once count per client address (HTTP/2 multiplexes, so one
+    connection could otherwise make the relay buffer 100 maximal bodies): past the
+    share → rate_limited (429, Retry-After); the share comes back when a request ends."""
+    import trio
+
+    from pact_ingress.app import Ingress
+    from pact_ingress.config import load_config
+    from pact_ingress.proto.shares import Shares
+
+    port = free_port()
+    config_path = tmp_path / "ingress.yaml"
+    config_path.write_text(f"""\
+identity: {{key: ingress.key}}
+state_dir: state
+listen: {{tls: ["127.0.0.1:{port}"]}}
+relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
+tenants:
+  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
+""")
+    ingress = Ingress(load_config(config_path))
+    ingress.relay.buffers = Shares(100_000, 10_000_000)  # small, so a test can cross it
+    size = 80_000
+
+    def exercise() -> list[Any]:
+        conn = H2(port, ids.sender)
+        try:
+            first = conn.conn.get_next_available_stream_id()
+            conn.conn.send_headers(first, [
+                (b":method", b"POST"), (b":scheme", b"https"),
+                (b":authority", RELAY_HOST.encode()), (b":path", b"/relay/mcp"),
+                (b"content-length", str(size).encode())])
+            conn.conn.send_data(first, b"x" * 10)
+            conn.sock.sendall(conn.conn.data_to_send())
+            conn._results[first] = H2Result(None, [], b"")
+            second = conn.request("POST", "/relay/mcp", body=b"y" * size)
+            view = memoryview(b"x" * (size - 10))
+            while view:  # the rest of the first body, within the flow-control window
+                window = min(conn.conn.local_flow_control_window(first),
+                             conn.conn.max_outbound_frame_size)
+                if window <= 0:
+                    conn.sock.sendall(conn.conn.data_to_send())
+                    conn._pump(until=lambda: conn.conn.local_flow_control_window(first) > 0
+                               or first in conn._done, timeout=WAIT)
+                    continue
+                piece, view = view[:window], view[window:]
+                conn.conn.send_data(first, bytes(piece), end_stream=not view)
+            conn.sock.sendall(conn.conn.data_to_send())
+            conn._pump(until=lambda: first in conn._done, timeout=WAIT)
+            first_res = conn._results.pop(first)
+            third = conn.request("POST", "/relay/mcp", body=b"z" * size)
+            return [first_res, second, third]
+        finally:
+            conn.close()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
+                                                           task_status=task_status))
+        first, second, third = await trio.to_thread.run_sync(exercise)
+        assert second.status == 429
+        assert dict(second.headers).get("retry-after") == "1"
+        result = json.loads(second.body)["result"]
+        assert code_of(result) == "rate_limited" and result["structuredContent"][
+            "retry_after"] == 1
+        # the first was read whole (garbage: a parse error), and the share came back
+        assert first.status == 400 and json.loads(first.body)["error"]["code"] == -32700
+        assert third.status == 400 and json.loads(third.body)["error"]["code"] == -32700
+        assert len(ingress.relay.buffers) == 0  # nothing held once every request ended
+        await ingress.stop(deadline=1)

@@ -14,7 +14,10 @@ the HTTP version:
    and ``/RELAY/mcp`` is not). A wrong method → 405 with ``Allow``.
 2. **Body**: a declared length over the endpoint's cap → ``too_large`` (413) before
    reading; otherwise read whole against the same cap and one deadline for the whole
-   body (`BODY_TIMEOUT`). A client that misses it or leaves is dropped without an answer
+   body (`BODY_TIMEOUT`). Every byte held counts in the server's `buffers` (per client
+   address and per process, as the terminate engine counts its bodies): beyond a share
+   → ``rate_limited`` (429, this address) or ``unavailable`` (503, the process). A
+   client that misses the deadline or leaves is dropped without an answer
    (`net.http_exchange.ClientGone`): nothing was queued.
 3. **JSON-RPC** at ``/relay/mcp``: parse (in a worker thread over
    `INLINE_CHECK_BYTES`), shape, notification (202), identity — a connection without a
@@ -40,8 +43,9 @@ from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import Exchange, Headers
 from pact_ingress.proto import relay as rules
 from pact_ingress.proto.http_request import BadRequest, Target, check_host, parse_target
-from pact_ingress.proto.ratelimit import Limited
+from pact_ingress.proto.ratelimit import Limited, client_bucket
 from pact_ingress.proto.relay import Refusal
+from pact_ingress.proto.shares import Refused
 from pact_ingress.relay.store import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -65,6 +69,13 @@ INLINE_CHECK_BYTES = 64 * 1024
 #: skips the normaliser (every other spelling still goes through it).
 _EXACT = {raw.encode(): Target(raw, None, None) for raw in (MCP_PATH, ALLOWLIST_PATH)}
 
+#: Request-body bytes the relay holds at once while reading them: per client address,
+#: three maximal calls; per process, what a small VPS can spare. HTTP/2 multiplexes up
+#: to 100 streams per connection, so without these one connection could make the relay
+#: buffer a gigabyte.
+MAX_BUFFERED_PER_CLIENT = 3 * rules.MAX_REQUEST_BYTES
+MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
+
 _JSON = (b"content-type", b"application/json")
 _NO_STORE = (b"cache-control", b"no-store")
 
@@ -73,13 +84,34 @@ class _TooLarge(Exception):
     """The body is over the endpoint's cap (declared or sent)."""
 
 
+class _Busy(Exception):
+    """Holding this body would cross a buffer share (`MAX_BUFFERED_*`)."""
+
+    def __init__(self, refused: Refused) -> None:
+        super().__init__(refused.value)
+        self.refused = refused
+
+    def refusal(self) -> Refusal:
+        if self.refused is Refused.CLIENT:
+            return Refusal(rules.RATE_LIMITED,
+                           "too much request data in flight from your address", 1)
+        return Refusal(rules.UNAVAILABLE, "the relay is busy")
+
+    @property
+    def status(self) -> int:
+        return 429 if self.refused is Refused.CLIENT else 503
+
+
 class RelayExchange:
     """One request to the relay host (module docstring)."""
 
     def __init__(self, server: RelayServer, caller: tuple[str, PublicKey] | None,
-                 client: tuple[str, int], ex: Exchange) -> None:
+                 client: tuple[str, int], ex: Exchange, bucket: str | None = None) -> None:
         self.server, self.caller, self.client, self.ex = server, caller, client, ex
         self.size = 0  # the request body's length, once read
+        self.held = 0  # body bytes this request holds in the server's `buffers`
+        # whose share they count in (the connection computes it once for its requests)
+        self.bucket = bucket or client_bucket(client[0]) or client[0]
 
     async def run(self) -> None:
         ex = self.ex
@@ -108,10 +140,14 @@ class RelayExchange:
     # --- plumbing ------------------------------------------------------------------------
 
     async def _body(self, cap: int) -> bytes:
-        """The whole body; `_TooLarge` over `cap`, `ClientGone` past the deadline."""
+        """The whole body; `_TooLarge` over `cap`, `_Busy` past a buffer share,
+        `ClientGone` past the deadline. Every byte is counted in the server's `buffers`
+        before it is kept (the caller gives them back, `release`)."""
         ex = self.ex
         if ex.content_length is not None and ex.content_length > cap:
             raise _TooLarge()
+        if ex.content_length:
+            self._hold(ex.content_length)
         deadline = trio.current_time() + BODY_TIMEOUT
         parts: list[bytes] = []
         size = 0
@@ -119,8 +155,22 @@ class RelayExchange:
             size += len(chunk)
             if size > cap:
                 raise _TooLarge()
+            if size > self.held:
+                self._hold(size - self.held)
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _hold(self, n: int) -> None:
+        refused = self.server.buffers.take(self.bucket, n)
+        if refused is not None:
+            raise _Busy(refused)
+        self.held += n
+
+    def release(self) -> None:
+        """The request is over: give back the body bytes it held."""
+        if self.held:
+            self.server.buffers.give(self.bucket, self.held)
+            self.held = 0
 
     async def _send(self, status: int, body: bytes, headers: Headers) -> None:
         ex = self.ex
@@ -153,6 +203,13 @@ class RelayExchange:
             except _TooLarge:
                 self._refused(rules.TOO_LARGE)
                 await self._json(413, {"code": rules.TOO_LARGE, "message": "body too large"})
+                return
+            except _Busy as busy:
+                refusal = busy.refusal()
+                self._refused(refusal.code)
+                await self._json(busy.status, {"code": refusal.code,
+                                               "message": refusal.reason},
+                                 [(b"retry-after", b"1")])
                 return
         server = self.server
         try:
@@ -187,6 +244,12 @@ class RelayExchange:
             self._refused(rules.TOO_LARGE)
             await self._json(413, _rpc(None, result=rules.tool_error(
                 Refusal(rules.TOO_LARGE, f"request over {rules.MAX_REQUEST_BYTES} bytes"))))
+            return
+        except _Busy as busy:
+            refusal = busy.refusal()
+            self._refused(refusal.code)
+            await self._json(busy.status, _rpc(None, result=rules.tool_error(refusal)),
+                             [(b"retry-after", b"1")])
             return
         self.size = len(body)
         try:

@@ -68,9 +68,15 @@ from pact_ingress.net.replay import ReplayStream
 from pact_ingress.proto import relay as rules
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.h2_guard import Flood
-from pact_ingress.proto.ratelimit import Budget
+from pact_ingress.proto.ratelimit import Budget, client_bucket
 from pact_ingress.proto.relay import Refusal
-from pact_ingress.relay.http import INLINE_CHECK_BYTES, RelayExchange
+from pact_ingress.proto.shares import Shares
+from pact_ingress.relay.http import (
+    INLINE_CHECK_BYTES,
+    MAX_BUFFERED_PER_CLIENT,
+    MAX_BUFFERED_TOTAL,
+    RelayExchange,
+)
 from pact_ingress.relay.store import QueueFull, RelayStore, SqliteStore, StoreUnavailable
 from pact_ingress.relay.tls import RelayTLS
 from pact_ingress.state import LocalState, StateBackend
@@ -113,6 +119,7 @@ class RelayServer:
         self._drain_event = trio.Event()  # HTTP/2 connections send GOAWAY on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
         self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
+        self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)  # request bodies
         self.update(config)
 
     def update(self, config: Config) -> None:
@@ -206,7 +213,8 @@ class RelayServer:
                     await tls.do_handshake()
                 if handshake.cancelled_caught:
                     return
-                handle = partial(self._exchange, conn, _caller(tls), client)
+                bucket = client_bucket(client[0]) or client[0]
+                handle = partial(self._exchange, conn, _caller(tls), client, bucket)
                 if tls.selected_alpn_protocol() == "h2":
                     await H2Connection(tls, idle_timeout=IDLE_TIMEOUT,
                                        write_timeout=WRITE_TIMEOUT,
@@ -226,11 +234,13 @@ class RelayServer:
             await trio.aclose_forcefully(tls)
 
     async def _exchange(self, conn: _Conn, caller: tuple[str, PublicKey] | None,
-                        client: tuple[str, int], ex: Exchange) -> None:
+                        client: tuple[str, int], bucket: str, ex: Exchange) -> None:
         conn.busy += 1
+        exchange = RelayExchange(self, caller, client, ex, bucket)
         try:
-            await RelayExchange(self, caller, client, ex).run()
+            await exchange.run()
         finally:
+            exchange.release()
             conn.busy -= 1
             if self._draining and not conn.busy:
                 conn.scope.cancel()
