@@ -1,5 +1,5 @@
-"""A guard for hypercorn's HTTP/2 protocol, for the apps we serve on hypercorn (the relay,
-the demo node).
+"""A guard for hypercorn's HTTP/2 protocol, for the app we serve on hypercorn over HTTP/2
+(the demo node; the relay runs on the edge's own engine).
 
 hypercorn 0.18.0 forgets a stream once its response ends and then raises KeyError,
 killing the whole connection with every stream on it, when the client's DATA for that

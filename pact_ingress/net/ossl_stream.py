@@ -10,10 +10,11 @@ can: `set_verify(VERIFY_PEER, lambda *a: True)` requests a certificate, accepts 
 is presented, and leaves the pin decision to the application (which reads
 `peer_fingerprint` after the handshake). No maintained trio/anyio pyOpenSSL stream exists,
 hence this module. Its users are the servers that must take any key: the tunnel server
-(connectors' keys, pinned per tenant), the relay gateway (any caller; its key is who it
-is) and the demo node. Every client end — the tunnel
-connector, the terminate upstream — stays on stdlib `ssl`, which can present a
-self-signed certificate and leaves the server's pin to `identity.check_pin`.
+(connectors' keys, pinned per tenant) and the demo node; the relay gateway (any caller;
+its key is who it is) takes only its contexts (`files_server_context`) and drives the
+`SSL.Connection` with the terminate engine's memory-BIO loop (`relay/tls.py`). Every
+client end — the tunnel connector, the terminate upstream — stays on stdlib `ssl`, which
+can present a self-signed certificate and leaves the server's pin to `identity.check_pin`.
 
 Theory of operation
 -------------------

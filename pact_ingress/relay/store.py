@@ -13,10 +13,12 @@ concurrent senders share one: every operation is a job on a queue served by *one
 thread (one connection, so no lock contention and no event-loop blocking). The thread
 takes the first job, then every job that queued up meanwhile (up to `MAX_BATCH`), runs
 them all in one transaction — each inside its own SAVEPOINT, so one job's failure
-undoes only that job — and COMMITs once. Only after COMMIT returned does any job of the
-batch get its result; a COMMIT that fails fails the whole batch (`StoreUnavailable`),
-and their callers answer ``unavailable``. While one COMMIT is fsyncing, the next batch
-is queueing: the busier the relay, the more calls each fsync carries.
+undoes only that job (an enqueue needs none: it writes one statement, after every check
+that can refuse it, and SQLite undoes a failed statement itself) — and COMMITs once.
+Only after COMMIT returned does any job of the batch get its result; a COMMIT that
+fails fails the whole batch (`StoreUnavailable`), and their callers answer
+``unavailable``. While one COMMIT is fsyncing, the next batch is queueing: the busier
+the relay, the more calls each fsync carries.
 
 Results travel back to trio through the trio token (`run_sync_soon`), so nothing but the
 job queue is shared between threads. The in-memory mirrors the trio side reads — queue
@@ -139,6 +141,10 @@ class RelayStore(Protocol):
 class _Job:
     fn: Callable[[sqlite3.Connection], Any]
     writes: bool
+    #: the job writes at most one statement, after every check that can refuse it: a
+    #: failure leaves nothing behind (SQLite undoes a failed statement), so it needs no
+    #: savepoint of its own
+    single: bool = False
     done: trio.Event = field(default_factory=trio.Event)
     result: Any = None
     error: BaseException | None = None
@@ -157,7 +163,7 @@ class SqliteStore:
         self.healthy = False
         self.last_error: str | None = None
         self._conn: sqlite3.Connection | None = None
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._depths: dict[str, tuple[int, int]] = {}
@@ -189,12 +195,12 @@ class SqliteStore:
     # --- the trio side -----------------------------------------------------------------
 
     async def _submit(self, fn: Callable[[sqlite3.Connection], Any], *, writes: bool,
-                      allow_broken: bool = False) -> Any:
+                      allow_broken: bool = False, single: bool = False) -> Any:
         if self._thread is None:
             raise StoreUnavailable("relay store not running")
         if self._jobs.qsize() >= MAX_PENDING:
             raise StoreUnavailable("relay store overloaded")
-        job = _Job(fn, writes)
+        job = _Job(fn, writes, single)
         self._jobs.put(job)
         with trio.move_on_after(JOB_TIMEOUT):
             await job.done.wait()
@@ -219,22 +225,33 @@ class SqliteStore:
         when the recipient is at a bound, StoreUnavailable when the store is broken."""
         now = int(self.clock())
 
-        def run(conn: sqlite3.Connection) -> Enqueued:
+        def existing(conn: sqlite3.Connection) -> Enqueued | None:
             row = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
                                (recipient, msg_id)).fetchone()
-            if row is not None:
-                return Enqueued(int(row[0]), True)
+            return None if row is None else Enqueued(int(row[0]), True)
+
+        def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
             if items + 1 > self.max_items or size + len(envelope) > self.max_bytes:
+                # a duplicate is answered as one even at a full queue
+                dup = existing(conn)
+                if dup is not None:
+                    return dup
                 raise QueueFull(FULL_RETRY_AFTER)
+            # the usual case in one statement: the (recipient, msg_id) key decides
             cur = conn.execute(
-                "INSERT INTO items (recipient, sender, msg_id, queued_at, expires_at, size,"
-                " envelope) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO items (recipient, sender, msg_id, queued_at,"
+                " expires_at, size, envelope) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (recipient, sender, msg_id, now, expires_at, len(envelope), envelope))
+            if cur.rowcount != 1:
+                dup = existing(conn)
+                if dup is None:  # ignored for another constraint: none can fail here
+                    raise sqlite3.IntegrityError("relay item not stored")
+                return dup
             self._depths = {**self._depths, recipient: (items + 1, size + len(envelope))}
             return Enqueued(int(cur.lastrowid or 0), False)
 
-        return await self._submit(run, writes=True)  # type: ignore[no-any-return]
+        return await self._submit(run, writes=True, single=True)  # type: ignore[no-any-return]
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         """The oldest unacked, unexpired items (at most `limit`, and `MAX_PAGE_BYTES` of
@@ -348,6 +365,13 @@ class SqliteStore:
         try:
             conn.execute("BEGIN IMMEDIATE" if any(j.writes for j in batch) else "BEGIN")
             for job in batch:
+                if job.single:
+                    try:
+                        job.result = job.fn(conn)
+                    except (QueueFull, sqlite3.IntegrityError,
+                            sqlite3.ProgrammingError) as exc:
+                        job.error = exc
+                    continue
                 conn.execute("SAVEPOINT job")
                 try:
                     job.result = job.fn(conn)

@@ -90,9 +90,13 @@ def _worker(kind: str, port: int, key: tuple[str, str] | None, bodies: list[byte
     out.put({"kind": kind, "latencies": latencies, "errors": errors[0]})
 
 
-def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes], host: str, path: str,
-         seconds: float) -> dict[str, float]:
+def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes], host: str,
+         path: str, seconds: float, pid: int | None = None) -> dict[str, float]:
+    """One rate phase; with `pid`, also that process's CPU (all threads) per request."""
+    from tests.bench.harness import cpu_seconds
+
     ctx = multiprocessing.get_context("fork")
+    cpu0 = cpu_seconds(pid) if pid is not None else 0.0
     q = ctx.Queue()
     per = [bodies[p::PROCS] for p in range(PROCS)]
     procs = [ctx.Process(target=_worker, args=(kind, port, key, per[p], host, path,
@@ -101,12 +105,26 @@ def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes],
     for p in procs:
         p.start()
     results = [q.get(timeout=seconds + 120) for _ in procs]
+    cpu = cpu_seconds(pid) - cpu0 if pid is not None else float("nan")
     for p in procs:
         p.join()
     lat = [x for r in results for x in r["latencies"]]
     return {"rate": len(lat) / seconds, "p50_ms": _pct(lat, 50) * 1000,
             "p99_ms": _pct(lat, 99) * 1000, "calls": len(lat),
-            "errors": sum(r["errors"] for r in results)}
+            "errors": sum(r["errors"] for r in results),
+            # the workers' connect and close fall inside the CPU window: a slight overcount
+            "cpu_us_per_call": cpu / max(1, len(lat)) * 1e6}
+
+
+def _commits(serve: RelayServe) -> tuple[float, float]:
+    """(COMMITs so far, seconds they took) from the serve's metrics."""
+    count = total = 0.0
+    for line in serve.metrics().splitlines():
+        if line.startswith("pact_ingress_relay_commit_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("pact_ingress_relay_commit_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
 
 
 def main() -> int:
@@ -149,12 +167,19 @@ limits:                     # budgets far above the load: the rate is what is me
                   for i in range(n_env)]
         term_bodies = [rpc("tools/list", {}, i) for i in range(1000)]
         print("terminate rate…", file=sys.stderr)
+        pid = serve.proc.pid if serve.proc is not None else None
         result["terminate"] = load("terminate", serve.port, None, term_bodies, TERM_HOST,
-                                   "/mcp", seconds)
+                                   "/mcp", seconds, pid)
         print("relay_call rate…", file=sys.stderr)
         sender_files = (str(ids.sender.cert_path), str(ids.sender.key_path))
+        commits0 = _commits(serve)
         result["relay_call"] = load("relay_call", serve.port, sender_files,
-                                    bodies, "relay.test", "/relay/mcp", seconds)
+                                    bodies, "relay.test", "/relay/mcp", seconds, pid)
+        commits1 = _commits(serve)
+        n_commits = max(1.0, commits1[0] - commits0[0])
+        result["relay_call"]["commits"] = n_commits
+        result["relay_call"]["commit_ms"] = (commits1[1] - commits0[1]) / n_commits * 1000
+        result["relay_call"]["calls_per_commit"] = result["relay_call"]["calls"] / n_commits
         if result["relay_call"]["calls"] >= n_env:
             print("warning: ran out of distinct envelopes; later calls were duplicates",
                   file=sys.stderr)
@@ -235,6 +260,10 @@ def table(r: dict[str, Any], seconds: float) -> None:
     print(f"| durable relay_call/s | {rc['rate']:.0f} (p50 {rc['p50_ms']:.1f} ms, "
           f"p99 {rc['p99_ms']:.1f} ms; errors {rc['errors']}) |")
     print(f"| relay_call / terminate | {rc['rate'] / tm['rate']:.2f}× |")
+    print(f"| store during relay_call: COMMITs, mean COMMIT (fsync), calls per COMMIT | "
+          f"{rc['commits']:.0f}, {rc['commit_ms']:.1f} ms, {rc['calls_per_commit']:.1f} |")
+    print(f"| serve CPU per request: terminate / relay_call | {tm['cpu_us_per_call']:.0f} µs / "
+          f"{rc['cpu_us_per_call']:.0f} µs |")
     print(f"| fetch 1,000 items, one page | {r['fetch']['one_page_items_per_s']:.0f} items/s |")
     print(f"| fetch 1,000 items, pages of 100 + ack | "
           f"{r['fetch']['pages_of_100_with_ack_items_per_s']:.0f} items/s |")
