@@ -179,6 +179,7 @@ class Router:
         self._conn_counters: dict[tuple[str, str], Any] = {}
         self._accepting = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        self._edge: Any = None  # the epoll engine (net/edge.py) while serving
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
         self.update(config)
@@ -198,20 +199,33 @@ class Router:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept on all listeners until `drain` is called, then wait for handlers."""
+        """Accept on all listeners until `drain` is called, then wait for handlers.
+
+        Socket listeners are served by the epoll engine (`net/edge.py`), any other
+        listener by an accept loop task (tests wrap listeners to inject faults)."""
+        from pact_ingress.net.edge import Edge  # it imports this module
+
+        sockets = [lst for lst in listeners if type(lst) is trio.SocketListener]
+        others = [lst for lst in listeners if type(lst) is not trio.SocketListener]
         async with trio.open_nursery() as handlers:
             self._handlers = handlers
+            if sockets:
+                self._edge = Edge(self, sockets)
+                handlers.start_soon(self._edge.run)
             with self._accepting:
                 async with trio.open_nursery() as acceptors:
-                    for listener in listeners:
+                    for listener in others:
                         acceptors.start_soon(self._accept_loop, listener, handlers)
                     task_status.started()
+                    await trio.sleep_forever()
+            if self._edge is not None:
+                self._edge.stop_accepting()
             for listener in listeners:
                 await listener.aclose()
 
     async def drain(self, deadline: float) -> None:
         """Stop accepting now; cancel connections still open after `deadline` seconds."""
-        self._accepting.cancel()
+        self._accepting.cancel()  # `serve` then stops the engine's accepts too
         if self._handlers is not None:
             handlers = self._handlers
             handlers.cancel_scope.deadline = min(
@@ -220,6 +234,30 @@ class Router:
     @property
     def open_connections(self) -> int:
         return self._counts.total
+
+    def adopt(self, sock: socket.socket, hello: ClientHello | None, data: bytes,
+              client: tuple[str, int], who: str, kind: Counter[str]) -> None:
+        """Take over a connection the engine peeked and counted (as `kind`) but does not
+        serve: it runs here as if this router had read `data` itself."""
+        assert self._handlers is not None
+        self._handlers.start_soon(self._handle_adopted, trio.socket.from_stdlib_socket(sock),
+                                  hello, data, client, who, kind)
+
+    async def _handle_adopted(self, sock: trio.socket.SocketType, hello: ClientHello | None,
+                              data: bytes, client: tuple[str, int], who: str,
+                              kind: Counter[str]) -> None:
+        try:
+            await self._serve_peeked(sock, hello, data, client)
+        except Exception as exc:  # a bug in one connection's handler must not stop the rest
+            self._handler_error(client[0], exc)
+        finally:
+            sock.close()
+            self._counts.total -= 1
+            self._counts.drop(kind, who)
+
+    def _handler_error(self, ip: str, exc: Exception) -> None:
+        self.stats.rejections.labels("handler_error").inc()
+        log.error("handler_error", client_ip=ip, error=f"{type(exc).__name__}: {exc}")
 
     async def _accept_loop(self, listener: trio.abc.Listener[Any],
                            handlers: trio.Nursery) -> None:
@@ -318,9 +356,7 @@ class Router:
                 if kind is not None:
                     await self._serve_peeked(sock, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
-            self.stats.rejections.labels("handler_error").inc()
-            log.error("handler_error", client_ip=client[0],
-                      error=f"{type(exc).__name__}: {exc}")
+            self._handler_error(client[0], exc)
         finally:
             sock.close()
             counts.total -= 1
