@@ -45,6 +45,7 @@ or is cancelled at the drain deadline with the router's handler nursery.
 
 from __future__ import annotations
 
+import _socket
 import errno
 import math
 import os
@@ -100,8 +101,6 @@ REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 _READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
-_FLOW = {Wait.READ: Flow.READ, Wait.WRITE: Flow.WRITE, Wait.EOF: Flow.DONE,
-         Wait.BUSY: Flow.READ}
 #: `Passthrough` outcomes past routing that are not a finished relay.
 _UNREACHABLE = "connect_timeout"
 _HEAD_STALLED = "head_timeout"
@@ -114,12 +113,12 @@ class _Conn(Passthrough):
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error")
 
-    def __init__(self, now: float, hello_timeout: float, csock: socket.socket,
+    def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
         super().__init__(now, hello_timeout)
         self.csock = csock
         self.cfd = csock.fileno()
-        self.bsock: socket.socket | None = None
+        self.bsock: _socket.socket | None = None
         self.bfd = -1
         self.client = client
         self.who = who
@@ -300,9 +299,10 @@ class Edge:
         router = self.router
         counts = router._counts
         limits = router.limits
+        family = raw.family
         for _ in range(ACCEPT_BATCH):
             try:
-                sock, addr = raw.accept()
+                fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -320,8 +320,9 @@ class Edge:
             if reason is not None:
                 self.stats.rejections.labels(reason).inc()
                 self.stats.refused("-", ip, reason)
-                sock.close()  # at accept: nothing read, nothing answered
+                os.close(fd)  # at accept: nothing read, nothing answered
                 continue
+            sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             sock.setblocking(False)
             counts.total += 1
             counts.pending[who] += 1
@@ -404,10 +405,11 @@ class Edge:
 
     def _hand_off(self, conn: _Conn, hello: ClientHello | None) -> None:
         """To the router's task path, with the bytes read so far."""
-        self._forget(conn)
+        self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
-        self.router.adopt(conn.csock, hello, conn.buf, conn.client, conn.who, conn.kind)
+        sock = socket.socket(fileno=conn.csock.detach())  # what trio wraps
+        self.router.adopt(sock, hello, conn.buf, conn.client, conn.who, conn.kind)
 
     # --- backend ---------------------------------------------------------------------------
 
@@ -432,8 +434,8 @@ class Edge:
         while conn.addr_i < len(conn.addrs):
             ip = conn.addrs[conn.addr_i]
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
-                                 | socket.SOCK_CLOEXEC)
+            sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+                                  | socket.SOCK_CLOEXEC)
             for option, value in STREAM_OPTIONS:
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
@@ -504,9 +506,10 @@ class Edge:
         if wait is Wait.READ or wait is Wait.EOF:
             give_pipe(pipe, drained=True)
             pipe = None
-            if wait is Wait.EOF:  # passed on as a half-close
+            other = conn.down if direction == UP else conn.up
+            if wait is Wait.EOF and other is not Flow.DONE:  # passed on as a half-close
                 dst = conn.bsock if direction == UP else conn.csock
-                try:
+                try:  # (the last EOF needs none: both sockets close right after)
                     dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                 except OSError:
                     pass  # the peer is gone: the other direction will see that
@@ -517,7 +520,8 @@ class Edge:
         after = conn.up_bytes if direction == UP else conn.down_bytes
         if after != before:
             self.router._byte_counters(conn.route.host)[direction].inc(after - before)
-        if conn.pumped(direction, _FLOW[wait], after != before, self.now):
+        flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
+        if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
     @staticmethod
@@ -590,10 +594,11 @@ class Edge:
         elif pending:
             counts.drop(counts.pending, conn.who)
 
-    def _forget(self, conn: _Conn) -> None:
-        """Out of the engine's tables (and its epoll set, for a socket that lives on)."""
+    def _forget(self, conn: _Conn, handing_off: bool = False) -> None:
+        """Out of the engine's tables; a client socket that lives on (handed off) out of
+        the epoll set too (closing an fd removes it: no epoll_ctl for the usual end)."""
         self.conns.discard(conn)
-        if self.fds.pop(conn.cfd, None) is not None:
+        if self.fds.pop(conn.cfd, None) is not None and handing_off:
             self.ep.unregister(conn.cfd)
         conn.creg = False
         if conn.bfd >= 0:

@@ -38,14 +38,16 @@ while its backend is silent must not hold the connection until the idle timeout.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntEnum
 
 
-class State(Enum):
-    HELLO = "hello"
-    CONNECTING = "connecting"
-    SPLICING = "splicing"
-    CLOSED = "closed"
+class State(IntEnum):
+    """(An IntEnum: looked up in `_NEXT` on every transition, and an int hashes in C.)"""
+
+    HELLO = 0
+    CONNECTING = 1
+    SPLICING = 2
+    CLOSED = 3
 
 
 _NEXT = {
