@@ -205,13 +205,17 @@ class Edge:
                     for raw in owed:
                         self._accept(raw)
                 events = ep.poll(0, MAX_EVENTS)
-                for fd, mask in events:
-                    self._event(fd, mask)
-                if self.again:
-                    again, self.again = self.again, []
-                    for conn, direction in again:
-                        if conn.state is State.SPLICING:
-                            self._guarded(conn, self._pump, direction)
+                log.hold()  # a batch's log lines go out in one write
+                try:
+                    for fd, mask in events:
+                        self._event(fd, mask)
+                    if self.again:
+                        again, self.again = self.again, []
+                        for conn, direction in again:
+                            if conn.state is State.SPLICING:
+                                self._guarded(conn, self._pump, direction)
+                finally:
+                    log.release()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
                     if batches >= BATCHES_PER_YIELD:
@@ -475,6 +479,7 @@ class Edge:
         if head:
             return
         conn.head = None
+        conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
         self.router._byte_counters(conn.route.host)[0].inc(conn.hello_len)
         conn.upd = Direction("", conn.cfd, conn.bfd)
