@@ -96,6 +96,9 @@ ACCEPT_BATCH = 64
 #: seconds to minutes, so a second of slack is noise, and a sweep of 10,000 connections
 #: costs a few milliseconds.
 SWEEP_INTERVAL = 1.0
+#: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
+#: request or a response usually fits; a read that fills it hands the direction to splice.
+COPY_PROBE = 16384
 #: Every fd's registration: both directions, peer half-close, edge-triggered.
 REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 _READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
@@ -111,7 +114,8 @@ class _Conn(Passthrough):
 
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
-                 "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error")
+                 "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
+                 "up_left", "down_left")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -137,6 +141,8 @@ class _Conn(Passthrough):
         self.up_bytes = 0
         self.down_bytes = 0
         self.creg = False  # the client fd is in the epoll set
+        self.up_left = b""  # copied bytes the backend has not taken yet
+        self.down_left = b""  # and the client
         self.last_error: str = ""
 
     def add_up(self, n: int) -> None:
@@ -500,19 +506,22 @@ class Edge:
         else:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
         assert d is not None
-        if pipe is None:
-            pipe = take_pipe()
         try:
-            wait = pump(d, pipe, moved, YIELD_EVERY)
+            wait = self._copy(conn, d, direction, moved) if pipe is None else Wait.BUSY
+            if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+                if pipe is None:
+                    pipe = take_pipe()
+                wait = pump(d, pipe, moved, YIELD_EVERY)
         except OSError:
             self._keep_pipe(conn, direction, pipe)
             self._finish(conn, "reset")
             return
-        if wait is Wait.READ or wait is Wait.EOF:
+        if pipe is not None and (wait is Wait.READ or wait is Wait.EOF):
             give_pipe(pipe, drained=True)
             pipe = None
+        if wait is Wait.EOF:
             other = conn.down if direction == UP else conn.up
-            if wait is Wait.EOF and other is not Flow.DONE:  # passed on as a half-close
+            if other is not Flow.DONE:  # passed on as a half-close
                 dst = conn.bsock if direction == UP else conn.csock
                 try:  # (the last EOF needs none: both sockets close right after)
                     dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
@@ -528,6 +537,52 @@ class Edge:
         flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
+
+    @staticmethod
+    def _copy(conn: _Conn, d: Direction, direction: int, moved: Any) -> Wait:
+        """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
+
+        Most wake-ups of a connection carry a request, a response or an EOF, far less
+        than a pipeful: read + write is two syscalls where a splice costs three (in,
+        out, and the EAGAIN that proves the source drained) plus a pipe from the pool.
+        A short read proves the source drained as well (a TCP read returns less than
+        asked only when nothing else is queued; anything arriving later raises a new
+        edge). A full probe means a bulk transfer: BUSY, and the rest goes by splice.
+        Bytes the destination does not take wait in `conn.up_left/down_left` (at most
+        COPY_PROBE per direction)."""
+        left = conn.up_left if direction == UP else conn.down_left
+        if left:
+            try:
+                n = os.write(d.dst, left)
+            except BlockingIOError:
+                n = 0
+            moved(n)
+            left = left[n:]
+            if direction == UP:
+                conn.up_left = left
+            else:
+                conn.down_left = left
+            if left:
+                return Wait.WRITE
+        try:
+            data = os.read(d.src, COPY_PROBE)
+        except BlockingIOError:
+            return Wait.READ
+        if not data:
+            return Wait.EOF
+        try:
+            n = os.write(d.dst, data)
+        except BlockingIOError:
+            n = 0
+        if n:
+            moved(n)
+        if n < len(data):
+            if direction == UP:
+                conn.up_left = data[n:]
+            else:
+                conn.down_left = data[n:]
+            return Wait.WRITE
+        return Wait.BUSY if len(data) == COPY_PROBE else Wait.READ
 
     @staticmethod
     def _keep_pipe(conn: _Conn, direction: int, pipe: Pipe | None) -> None:
