@@ -13,7 +13,10 @@ long-lived trio task that owns an epoll set (`Edge.run`):
   (an `epoll_ctl` per wait is what a task per connection pays);
 * every step is tried before anything waits: a new connection's ClientHello is read
   right after accept(2), the backend's connect is probed by writing the head to it, and
-  a splice that would block is the only thing that leaves a connection waiting;
+  a read or write that would block is the only thing that leaves a connection waiting;
+* each wake-up of a direction starts with one copied read of at most `COPY_PROBE`
+  bytes (a request, a response or an EOF costs read + write and no pipe); a read that
+  fills it hands the direction to splice through a pooled pipe for the rest;
 * accepts are batched until EAGAIN (bounded per round, the rest are owed and taken on
   the next round without waiting);
 * timers are not per connection: each connection has one deadline (its state machine,

@@ -39,13 +39,18 @@ out to be an ordinary client connection over the cap is then closed unanswered. 
 errors such as EMFILE are survived (logged, short back-off).
 
 Per-connection cost is the router's weak spot (measured: the interpreter, not the
-kernel, dominates a short connection), so the passthrough path works on bare trio
-sockets and tries every syscall before waiting: accept(2) on the listening socket
-returns the peer address (no getpeername, no `SocketStream`; TCP options are inherited
-from the listener), the ClientHello is read before any epoll wait, the backend connect is
-probed instead of waited on, and the relay splices fds. Only the modes that need a
-`Stream` (terminate, tunnel, ACME, a non-socket backend) wrap the socket in one.
-`tests/bench/profile_router.py` measures and profiles this path.
+kernel, dominated a short connection served by a task of its own), so socket listeners
+are served by the epoll engine (`net/edge.py`): one task accepts, peeks, routes and
+splices every passthrough connection to a configured address, and hands everything else
+to this module with the bytes it read (`adopt`), which runs it in a handler task exactly
+as if it had read them itself. Limits, counts, refusals, counters and log lines are this
+module's in both paths. The task path below still serves any other listener (tests wrap
+listeners to inject faults) and works on bare trio sockets, trying every syscall before
+waiting: accept(2) on the listening socket returns the peer address, the ClientHello is
+read before any epoll wait, the backend connect is probed instead of waited on, and the
+relay splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
+non-socket backend) wrap the socket in one. `tests/bench/profile_router.py` measures
+and profiles the passthrough path.
 
 Reload swaps the route table and limits atomically (`update`); connections already
 routed keep the `Route` object they were given. Shutdown (`drain`) closes the
