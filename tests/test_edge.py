@@ -349,3 +349,26 @@ def test_refusing_backend_gets_alert_log_and_counter(served: tuple[Served, int, 
     # and every served connection logged one conn_close line with its outcome
     closes = [e for e in s.log_events() if e.get("event") == "conn_close"]
     assert closes and all(e["mode"] == "passthrough" and e["outcome"] for e in closes)
+
+
+def test_eof_right_behind_the_data_is_not_lost(served: tuple[Served, int, int]):
+    """The peer's FIN often arrives with its last bytes: a read that returns them short
+    does not mean the EOF was seen, and no later edge reports it. Both ways, with the
+    hello whole or split (the engine then already waits on the client's fd)."""
+    _, tls, _ = served
+    rng = random.Random(3)
+    for i in range(60):
+        payload = os.urandom(rng.randrange(1, 3000))
+        with dial(tls) as c:
+            if i % 2:  # split: the engine registers the fd before the rest comes
+                cut = rng.randrange(1, len(HELLO))
+                c.sendall(HELLO[:cut])
+                time.sleep(0.002)
+                c.sendall(HELLO[cut:] + payload)
+            else:
+                c.sendall(HELLO + payload)
+            c.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            while chunk := c.recv(1 << 16):
+                got += chunk
+            assert bytes(got) == HELLO + payload, i

@@ -1,7 +1,8 @@
 """The passthrough state machine (`proto/passthrough.py`) without I/O: every transition,
-the steps each edge calls for in each state, half-close both ways, backend failures,
-timers driven by `now`, and illegal transitions raising. The engine's limits and wire
-answers are checked through a real router in tests/test_edge.py."""
+the steps each edge calls for in each state, half-close both ways, backend failures and
+their alert, timers driven by `now`, and illegal transitions raising; then the limits
+the engine applies at accept and after the first bytes (the router's, called without
+I/O). The wire answers are checked through a real serve in tests/test_edge.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pact_ingress.config import Limits
+from pact_ingress.net.backends import Backends
+from pact_ingress.net.router import PEEK_HEADROOM, Router
+from pact_ingress.proto import tls_alert
 from pact_ingress.proto.passthrough import (
     BACKEND,
     CLIENT,
@@ -21,7 +26,10 @@ from pact_ingress.proto.passthrough import (
     State,
     Step,
     TransitionError,
+    alert_for,
 )
+from pact_ingress.stats import Stats
+from tests.netutil import make_config, route
 
 HELLO_T, CONNECT_T, HEAD_T, IDLE_T = 10.0, 5.0, 10.0, 300.0
 
@@ -89,13 +97,40 @@ def test_connecting_sends_head_on_backend_edges() -> None:
 def test_connect_timer_then_head_timer() -> None:
     m = connecting(0.0)
     assert m.deadline == CONNECT_T
-    assert m.expired(CONNECT_T) == "connect_timeout"
+    assert m.expired(CONNECT_T) == "backend_down"  # never connected: alert 80
+    assert alert_for("backend_down") == tls_alert.INTERNAL_ERROR
 
     m = connecting(0.0)
     assert m.head_progress(1.0, done=False) == ()  # the backend took part of the head
     assert m.connected and m.deadline == 1.0 + HEAD_T
     assert m.expired(1.0 + HEAD_T - 0.5) is None
-    assert m.expired(1.0 + HEAD_T) == "head_timeout"
+    assert m.expired(1.0 + HEAD_T) == "backend_reset"  # it stopped taking it: no alert
+    assert alert_for("backend_reset") is None
+
+
+def test_backend_failure_tries_every_address_then_answers_alert_80() -> None:
+    m = connecting(0.0)
+    assert m.backend_failed(1.0, next_address=True, connect_timeout=CONNECT_T) is None
+    assert m.state is State.CONNECTING and m.deadline == 1.0 + CONNECT_T
+    assert m.backend_failed(2.0, next_address=True, connect_timeout=CONNECT_T) is None
+    assert m.backend_failed(3.0, next_address=False, connect_timeout=CONNECT_T) == (
+        "backend_down")
+    assert m.state is State.CLOSED and m.outcome == "backend_down"
+    assert alert_for(m.outcome) == tls_alert.INTERNAL_ERROR
+    # once the backend took a byte, a failure is a reset, whatever addresses are left
+    m = connecting(0.0)
+    m.head_progress(0.5, done=False)
+    assert m.backend_failed(1.0, next_address=True, connect_timeout=CONNECT_T) == (
+        "backend_reset")
+    assert alert_for(m.outcome or "") is None
+    with pytest.raises(TransitionError):
+        splicing().backend_failed(0.0, next_address=False, connect_timeout=CONNECT_T)
+
+
+def test_outcomes_other_than_an_unreachable_backend_get_no_alert() -> None:
+    for outcome in ("ok", "reset", "idle_timeout", "clienthello_timeout", "backend_reset",
+                    "error"):
+        assert alert_for(outcome) is None
 
 
 def test_retry_next_address_restarts_the_connect_timer() -> None:
@@ -230,3 +265,48 @@ def test_any_pump_sequence_closes_exactly_when_both_directions_are_done(
         done[direction] = flow is Flow.DONE
         assert over == (done[UP] and done[DOWN])
         assert (m.state is State.CLOSED) == over
+
+
+# --- limits (the router's decisions the engine calls; no I/O) --------------------------
+
+
+@pytest.fixture
+def router(tmp_path) -> Router:  # type: ignore[no-untyped-def]
+    limits = Limits(max_connections=100, max_connections_per_ip=3)
+    return Router(make_config(tmp_path, [route("a.test", "t", 9)], limits=limits),
+                  stats=Stats(), backends=Backends())
+
+
+def accept(router: Router, who: str) -> str | None:
+    """What the engine does at accept: the limit check, then count it as pending."""
+    reason = router._over_limit(who)
+    if reason is None:
+        router._counts.total += 1
+        router._counts.pending[who] += 1
+    return reason
+
+
+def test_per_ip_cap_leaves_peek_headroom_then_refuses_at_accept(router: Router) -> None:
+    cap = router.limits.max_connections_per_ip
+    results = [accept(router, "10.0.0.1") for _ in range(cap + PEEK_HEADROOM + 1)]
+    assert results[:cap + PEEK_HEADROOM] == [None] * (cap + PEEK_HEADROOM)
+    assert results[-1] == "max_connections_per_ip"
+    assert accept(router, "10.0.0.2") is None  # another client is not affected
+
+
+def test_first_bytes_classify_against_each_kinds_own_cap(router: Router) -> None:
+    cap = router.limits.max_connections_per_ip
+    for _ in range(2 * cap):  # within cap + PEEK_HEADROOM: all pending
+        assert accept(router, "10.0.0.1") is None
+    kinds = [router._classify("10.0.0.1", "10.0.0.1", tunnel=False) for _ in range(cap + 1)]
+    assert all(k is router._counts.clients for k in kinds[:cap]) and kinds[cap] is None
+    tunnels = [router._classify("10.0.0.1", "10.0.0.1", tunnel=True) for _ in range(cap)]
+    assert all(k is router._counts.tunnels for k in tunnels)  # the connector's own cap
+    assert router._counts.clients["10.0.0.1"] == cap
+    assert router._counts.tunnels["10.0.0.1"] == cap
+
+
+def test_global_cap(router: Router) -> None:
+    for i in range(router.limits.max_connections):
+        assert accept(router, f"10.0.1.{i}") is None
+    assert accept(router, "10.0.2.1") == "max_connections"

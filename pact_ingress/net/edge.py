@@ -83,6 +83,7 @@ from pact_ingress.proto.passthrough import (
     Passthrough,
     State,
     Step,
+    alert_for,
 )
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.tunnel.frames import raw_data_prefix
@@ -107,9 +108,8 @@ REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
 _READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
-#: `Passthrough` outcomes past routing that are not a finished relay.
-_UNREACHABLE = "connect_timeout"
-_HEAD_STALLED = "head_timeout"
+#: The peer shut its sending side: its EOF waits to be read, and no later edge reports it.
+_HUP = select.EPOLLRDHUP | select.EPOLLHUP
 
 
 class _Conn(Passthrough):
@@ -118,7 +118,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left")
+                 "up_left", "down_left", "hup")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -145,6 +145,7 @@ class _Conn(Passthrough):
         self.down_bytes = 0
         self.creg = False  # the client fd is in the epoll set
         self.up_left = b""  # copied bytes the backend has not taken yet
+        self.hup = 0  # sides whose peer shut down its sending side (bit per side)
         self.down_left = b""  # and the client
         self.last_error: str = ""
 
@@ -258,6 +259,8 @@ class Edge:
                     self.owed.append(raw)
             return  # or a stale event of a connection closed earlier in this batch
         conn, side = entry
+        if mask & _HUP:
+            conn.hup |= 1 << side
         try:
             steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
             for step in steps:
@@ -299,9 +302,9 @@ class Edge:
         if outcome == "clienthello_timeout":
             self.router._reject(conn.client[0], "clienthello_timeout")
             self._drop(conn)
-        elif outcome == _UNREACHABLE:
+        elif outcome == "backend_down":
             self._unreachable(conn, "timed out")
-        elif outcome == _HEAD_STALLED:
+        elif outcome == "backend_reset":
             self._backend_reset(conn, "backend did not take the ClientHello")
         else:
             self._finish(conn, outcome)
@@ -471,14 +474,15 @@ class Edge:
         except BlockingIOError:
             return  # connecting, or (connected) a full buffer: the backend's edge says
         except OSError as exc:
-            if conn.connected:
+            conn.addr_i += 1
+            outcome = conn.backend_failed(self.now, conn.addr_i < len(conn.addrs),
+                                          CONNECT_TIMEOUT)
+            if outcome == "backend_reset":
                 self._backend_reset(conn, str(exc))
                 return
             self._close_backend(conn)
             conn.last_error = str(exc)
-            conn.addr_i += 1
-            if conn.addr_i < len(conn.addrs):
-                conn.retry(self.now, CONNECT_TIMEOUT)
+            if outcome is None:  # the next address
                 self._dial(conn)
             else:
                 self._unreachable(conn, conn.last_error)
@@ -496,6 +500,8 @@ class Edge:
         if not conn.creg:  # registering reports what is ready now: no edge is lost
             self._register(conn.cfd, conn, CLIENT)
             conn.creg = True
+        if conn.hup & (1 << CLIENT) and Step.PUMP_UP not in steps:
+            steps += (Step.PUMP_UP,)  # its EOF arrived with the hello: no edge will come
         for step in steps:
             if conn.state is State.CLOSED:
                 return
@@ -567,25 +573,32 @@ class Edge:
                 conn.down_left = left
             if left:
                 return Wait.WRITE
-        try:
-            data = os.read(d.src, COPY_PROBE)
-        except BlockingIOError:
-            return Wait.READ
-        if not data:
-            return Wait.EOF
-        try:
-            n = os.write(d.dst, data)
-        except BlockingIOError:
-            n = 0
-        if n:
-            moved(n)
-        if n < len(data):
-            if direction == UP:
-                conn.up_left = data[n:]
-            else:
-                conn.down_left = data[n:]
-            return Wait.WRITE
-        return Wait.BUSY if len(data) == COPY_PROBE else Wait.READ
+        src_side = CLIENT if direction == UP else BACKEND
+        while True:
+            try:
+                data = os.read(d.src, COPY_PROBE)
+            except BlockingIOError:
+                return Wait.READ
+            if not data:
+                return Wait.EOF
+            try:
+                n = os.write(d.dst, data)
+            except BlockingIOError:
+                n = 0
+            if n:
+                moved(n)
+            if n < len(data):
+                if direction == UP:
+                    conn.up_left = data[n:]
+                else:
+                    conn.down_left = data[n:]
+                return Wait.WRITE
+            if len(data) == COPY_PROBE:
+                return Wait.BUSY
+            if not conn.hup & (1 << src_side):
+                return Wait.READ
+            # a short read does not prove a drained source when its peer has shut down:
+            # the EOF behind the data raises no new edge, so read on until it shows
 
     @staticmethod
     def _keep_pipe(conn: _Conn, direction: int, pipe: Pipe | None) -> None:
@@ -604,7 +617,9 @@ class Edge:
         log.warning("backend_unreachable", route=route.host, tenant=route.tenant,
                     error=f"backend {route.backend.address} unreachable: {error}")
         router._connections(route.host, "backend_down").inc()
-        _send_alert(conn.cfd, tls_alert.INTERNAL_ERROR)
+        alert = alert_for("backend_down")
+        if alert is not None:
+            _send_alert(conn.cfd, alert)
         self._end(conn, "backend_down")
 
     def _backend_reset(self, conn: _Conn, error: str) -> None:

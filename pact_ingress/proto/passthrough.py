@@ -26,6 +26,11 @@ States, each moved only through `_go` (anything not in `_NEXT` raises):
   as a half-close). An edge pumps the directions that wait for it. Both DONE → CLOSED,
   outcome "ok".
 
+A backend that cannot be reached (every address refused, or no connect within the
+connect timeout) ends the connection as "backend_down", answered with alert
+internal_error (`alert_for`); one that stops taking the head, or fails after taking
+some, as "backend_reset", answered with a close.
+
 One timer per connection, `deadline`, set by the state: `clienthello_timeout` in HELLO,
 the connect timeout until the backend takes its first byte then the head timeout, and
 in SPLICING the idle timeout, pushed forward by every moved byte. The engine sweeps its
@@ -39,6 +44,8 @@ while its backend is silent must not hold the connection until the idle timeout.
 from __future__ import annotations
 
 from enum import Enum, IntEnum
+
+from pact_ingress.proto import tls_alert
 
 
 class State(IntEnum):
@@ -91,12 +98,22 @@ _READ_HELLO = (Step.READ_HELLO,)
 _SEND_HEAD = (Step.SEND_HEAD,)
 _FAIL = (Step.FAIL,)
 
-#: The outcome a timer gives, by the state it fired in.
+#: The outcome a timer gives, by the state it fired in (a connect that never completed is
+#: a backend down; a backend that stopped taking the head is one that reset).
 _EXPIRED = {
     State.HELLO: "clienthello_timeout",
-    State.CONNECTING: "connect_timeout",
+    State.CONNECTING: "backend_down",
     State.SPLICING: "idle_timeout",
 }
+#: The TLS alert an outcome is answered with before the close: only a backend that could
+#: not be reached gets one (internal_error); a caller cut off mid-relay gets none, the
+#: bytes it already has may be a TLS session the backend is in the middle of.
+_ALERTS = {"backend_down": tls_alert.INTERNAL_ERROR}
+
+
+def alert_for(outcome: str) -> int | None:
+    """The alert description to send before closing with `outcome`, or None."""
+    return _ALERTS.get(outcome)
 
 
 class TransitionError(RuntimeError):
@@ -178,6 +195,22 @@ class Passthrough:
         self.deadline = now + connect_timeout
         self.seen &= ~(1 << BACKEND)
 
+    def backend_failed(self, now: float, next_address: bool, connect_timeout: float
+                       ) -> str | None:
+        """Writing the head failed. Before the backend took a byte the connect failed:
+        the next address is tried if there is one (None), else "backend_down". After,
+        the backend went away: "backend_reset". An outcome closes the connection."""
+        if self.state is not State.CONNECTING:
+            raise TransitionError(f"backend failure in {self.state.name}")
+        if self.connected:
+            self.close("backend_reset")
+            return "backend_reset"
+        if next_address:
+            self.retry(now, connect_timeout)
+            return None
+        self.close("backend_down")
+        return "backend_down"
+
     def head_progress(self, now: float, done: bool) -> tuple[Step, ...]:
         """The backend took head bytes (`done`: all of them). Returns the pumps owed to
         edges seen while connecting."""
@@ -224,6 +257,6 @@ class Passthrough:
             return None
         outcome = _EXPIRED[self.state]
         if self.state is State.CONNECTING and self.connected:
-            outcome = "head_timeout"
+            outcome = "backend_reset"
         self.close(outcome)
         return outcome
