@@ -145,8 +145,8 @@ class _Conn(Passthrough):
         self.down_bytes = 0
         self.creg = False  # the client fd is in the epoll set
         self.up_left = b""  # copied bytes the backend has not taken yet
-        self.hup = 0  # sides whose peer shut down its sending side (bit per side)
         self.down_left = b""  # and the client
+        self.hup = 0  # sides whose peer shut down its sending side (bit per side)
         self.last_error: str = ""
 
     def add_up(self, n: int) -> None:
@@ -181,10 +181,6 @@ class Edge:
             self.listeners[fd] = raw
             self.ep.register(fd, select.EPOLLIN | select.EPOLLET)
             self.owed.append(raw)  # a backlog that filled before registration
-
-    @property
-    def open(self) -> int:
-        return len(self.conns)
 
     def stop_accepting(self) -> None:
         """Drain: no more accepts; the task ends when the last connection has."""
@@ -450,8 +446,13 @@ class Edge:
         while conn.addr_i < len(conn.addrs):
             ip = conn.addrs[conn.addr_i]
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
-                                  | socket.SOCK_CLOEXEC)
+            try:  # out of fds (EMFILE) fails this address like a refusal would
+                sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+                                      | socket.SOCK_CLOEXEC)
+            except OSError as exc:
+                conn.last_error = str(exc)
+                conn.addr_i += 1
+                continue
             for option, value in STREAM_OPTIONS:
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
