@@ -45,10 +45,10 @@ splices every passthrough connection to a configured address, and hands everythi
 to this module with the bytes it read (`adopt`), which runs it in a handler task exactly
 as if it had read them itself. Limits, counts, refusals, counters and log lines are this
 module's in both paths. The task path below still serves any other listener (tests wrap
-listeners to inject faults) and works on bare trio sockets, trying every syscall before
-waiting: accept(2) on the listening socket returns the peer address, the ClientHello is
-read before any epoll wait, the backend connect is probed instead of waited on, and the
-relay splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
+listeners to inject faults) and every connection the engine hands over; it works on
+bare trio sockets, trying every syscall before waiting: the ClientHello is read before
+any epoll wait, the backend connect is probed instead of waited on, and the relay
+splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
 non-socket backend) wrap the socket in one. `tests/bench/profile_router.py` measures
 and profiles the passthrough path.
 
@@ -73,7 +73,7 @@ import trio
 from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Config, Route, normalize_hostname
-from pact_ingress.net.backends import STREAM_OPTIONS, Backends
+from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
@@ -90,8 +90,6 @@ from pact_ingress.stats import Stats
 PEEK_READ = 4096
 #: Errors from accept() that mean "out of resources for now", not "listener broken".
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-#: Connections accepted back to back before the accept loop yields to the handlers.
-ACCEPT_BATCH = 16
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
@@ -266,44 +264,15 @@ class Router:
 
     async def _accept_loop(self, listener: trio.abc.Listener[Any],
                            handlers: trio.Nursery) -> None:
-        if type(listener) is trio.SocketListener:
-            await self._accept_sockets(listener, handlers)
-            return
-        while True:  # any other listener (tests wrap one): the generic, slower path
+        """Any listener but a plain socket one (those are the engine's): tests wrap
+        listeners to inject faults; a task per connection from the start."""
+        while True:
             try:
                 stream = await listener.accept()
             except OSError as exc:
                 await self._accept_failed(exc)
                 continue
             self._admit(stream.socket, _peer(stream.socket), handlers)
-
-    async def _accept_sockets(self, listener: trio.SocketListener,
-                              handlers: trio.Nursery) -> None:
-        """accept(2) straight on the listening socket: the peer address comes with it (no
-        getpeername), no `SocketStream` is built, and the loop only waits — or yields,
-        every `ACCEPT_BATCH` — when the backlog is empty."""
-        raw = socket.socket(fileno=listener.socket.fileno())  # same fd, detached below
-        try:
-            for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
-                raw.setsockopt(socket.IPPROTO_TCP, option, value)
-            batch = 0
-            while True:
-                try:
-                    conn, addr = raw.accept()
-                except BlockingIOError:
-                    batch = 0
-                    await trio.lowlevel.wait_readable(listener.socket)
-                    continue
-                except OSError as exc:
-                    await self._accept_failed(exc)
-                    continue
-                self._admit(trio.socket.from_stdlib_socket(conn), (addr[0], addr[1]), handlers)
-                batch += 1
-                if batch >= ACCEPT_BATCH:
-                    batch = 0
-                    await trio.lowlevel.checkpoint()
-        finally:
-            raw.detach()
 
     async def _accept_failed(self, exc: OSError) -> None:
         if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
