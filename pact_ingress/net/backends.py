@@ -59,6 +59,17 @@ class Resolver:
         for ip in names - self._names:
             self._cache[ip] = ((ip,), float("inf"))
 
+    def cached(self, host: str) -> tuple[str, ...] | None:
+        """The cached answer for `host` (stale ones too, as `resolve` serves them), or
+        None when a lookup is needed: the epoll engine cannot wait for one."""
+        hit = self._cache.get(host)
+        if hit is not None:
+            return hit[0]
+        if is_ip_address(host):  # a literal needs no lookup: kept for next time
+            self._cache[host] = ((host,), float("inf"))
+            return (host,)
+        return None
+
     async def resolve(self, host: str) -> tuple[str, ...]:
         hit = self._cache.get(host)
         if hit is not None and hit[1] > trio.current_time():

@@ -39,13 +39,18 @@ out to be an ordinary client connection over the cap is then closed unanswered. 
 errors such as EMFILE are survived (logged, short back-off).
 
 Per-connection cost is the router's weak spot (measured: the interpreter, not the
-kernel, dominates a short connection), so the passthrough path works on bare trio
-sockets and tries every syscall before waiting: accept(2) on the listening socket
-returns the peer address (no getpeername, no `SocketStream`; TCP options are inherited
-from the listener), the ClientHello is read before any epoll wait, the backend connect is
-probed instead of waited on, and the relay splices fds. Only the modes that need a
-`Stream` (terminate, tunnel, ACME, a non-socket backend) wrap the socket in one.
-`tests/bench/profile_router.py` measures and profiles this path.
+kernel, dominated a short connection served by a task of its own), so socket listeners
+are served by the epoll engine (`net/edge.py`): one task accepts, peeks, routes and
+splices every passthrough connection to a configured address, and hands everything else
+to this module with the bytes it read (`adopt`), which runs it in a handler task exactly
+as if it had read them itself. Limits, counts, refusals, counters and log lines are this
+module's in both paths. The task path below still serves any other listener (tests wrap
+listeners to inject faults) and every connection the engine hands over; it works on
+bare trio sockets, trying every syscall before waiting: the ClientHello is read before
+any epoll wait, the backend connect is probed instead of waited on, and the relay
+splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
+non-socket backend) wrap the socket in one. `tests/bench/profile_router.py` measures
+and profiles the passthrough path.
 
 Reload swaps the route table and limits atomically (`update`); connections already
 routed keep the `Route` object they were given. Shutdown (`drain`) closes the
@@ -68,7 +73,7 @@ import trio
 from pact_ingress.errors import BackendError, ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Config, Route, normalize_hostname
-from pact_ingress.net.backends import STREAM_OPTIONS, Backends
+from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
@@ -85,8 +90,6 @@ from pact_ingress.stats import Stats
 PEEK_READ = 4096
 #: Errors from accept() that mean "out of resources for now", not "listener broken".
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-#: Connections accepted back to back before the accept loop yields to the handlers.
-ACCEPT_BATCH = 16
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
@@ -188,6 +191,7 @@ class Router:
         self._conn_counters: dict[tuple[str, str], Any] = {}
         self._accepting = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        self._edge: Any = None  # the epoll engine (net/edge.py) while serving
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
         self.update(config)
@@ -207,20 +211,33 @@ class Router:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept on all listeners until `drain` is called, then wait for handlers."""
+        """Accept on all listeners until `drain` is called, then wait for handlers.
+
+        Socket listeners are served by the epoll engine (`net/edge.py`), any other
+        listener by an accept loop task (tests wrap listeners to inject faults)."""
+        from pact_ingress.net.edge import Edge  # it imports this module
+
+        sockets = [lst for lst in listeners if type(lst) is trio.SocketListener]
+        others = [lst for lst in listeners if type(lst) is not trio.SocketListener]
         async with trio.open_nursery() as handlers:
             self._handlers = handlers
+            if sockets:
+                self._edge = Edge(self, sockets)
+                handlers.start_soon(self._edge.run)
             with self._accepting:
                 async with trio.open_nursery() as acceptors:
-                    for listener in listeners:
+                    for listener in others:
                         acceptors.start_soon(self._accept_loop, listener, handlers)
                     task_status.started()
+                    await trio.sleep_forever()
+            if self._edge is not None:
+                self._edge.stop_accepting()
             for listener in listeners:
                 await listener.aclose()
 
     async def drain(self, deadline: float) -> None:
         """Stop accepting now; cancel connections still open after `deadline` seconds."""
-        self._accepting.cancel()
+        self._accepting.cancel()  # `serve` then stops the engine's accepts too
         if self._handlers is not None:
             handlers = self._handlers
             handlers.cancel_scope.deadline = min(
@@ -230,46 +247,41 @@ class Router:
     def open_connections(self) -> int:
         return self._counts.total
 
+    def adopt(self, sock: socket.socket, hello: ClientHello | None, data: bytes,
+              client: tuple[str, int], who: str, kind: Counter[str]) -> None:
+        """Take over a connection the engine peeked and counted (as `kind`) but does not
+        serve: it runs here as if this router had read `data` itself."""
+        assert self._handlers is not None
+        self._handlers.start_soon(self._handle_adopted, trio.socket.from_stdlib_socket(sock),
+                                  hello, data, client, who, kind)
+
+    async def _handle_adopted(self, sock: trio.socket.SocketType, hello: ClientHello | None,
+                              data: bytes, client: tuple[str, int], who: str,
+                              kind: Counter[str]) -> None:
+        try:
+            await self._serve_peeked(sock, hello, data, client)
+        except Exception as exc:  # a bug in one connection's handler must not stop the rest
+            self._handler_error(client[0], exc)
+        finally:
+            sock.close()
+            self._counts.total -= 1
+            self._counts.drop(kind, who)
+
+    def _handler_error(self, ip: str, exc: Exception) -> None:
+        self.stats.rejections.labels("handler_error").inc()
+        log.error("handler_error", client_ip=ip, error=f"{type(exc).__name__}: {exc}")
+
     async def _accept_loop(self, listener: trio.abc.Listener[Any],
                            handlers: trio.Nursery) -> None:
-        if type(listener) is trio.SocketListener:
-            await self._accept_sockets(listener, handlers)
-            return
-        while True:  # any other listener (tests wrap one): the generic, slower path
+        """Any listener but a plain socket one (those are the engine's): tests wrap
+        listeners to inject faults; a task per connection from the start."""
+        while True:
             try:
                 stream = await listener.accept()
             except OSError as exc:
                 await self._accept_failed(exc)
                 continue
             self._admit(stream.socket, _peer(stream.socket), handlers)
-
-    async def _accept_sockets(self, listener: trio.SocketListener,
-                              handlers: trio.Nursery) -> None:
-        """accept(2) straight on the listening socket: the peer address comes with it (no
-        getpeername), no `SocketStream` is built, and the loop only waits — or yields,
-        every `ACCEPT_BATCH` — when the backlog is empty."""
-        raw = socket.socket(fileno=listener.socket.fileno())  # same fd, detached below
-        try:
-            for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
-                raw.setsockopt(socket.IPPROTO_TCP, option, value)
-            batch = 0
-            while True:
-                try:
-                    conn, addr = raw.accept()
-                except BlockingIOError:
-                    batch = 0
-                    await trio.lowlevel.wait_readable(listener.socket)
-                    continue
-                except OSError as exc:
-                    await self._accept_failed(exc)
-                    continue
-                self._admit(trio.socket.from_stdlib_socket(conn), (addr[0], addr[1]), handlers)
-                batch += 1
-                if batch >= ACCEPT_BATCH:
-                    batch = 0
-                    await trio.lowlevel.checkpoint()
-        finally:
-            raw.detach()
 
     async def _accept_failed(self, exc: OSError) -> None:
         if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
@@ -327,9 +339,7 @@ class Router:
                 if kind is not None:
                     await self._serve_peeked(sock, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
-            self.stats.rejections.labels("handler_error").inc()
-            log.error("handler_error", client_ip=client[0],
-                      error=f"{type(exc).__name__}: {exc}")
+            self._handler_error(client[0], exc)
         finally:
             sock.close()
             counts.total -= 1

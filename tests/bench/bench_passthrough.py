@@ -27,7 +27,8 @@ otherwise it holds as many connections as the limit allows and says so in the no
 The proxy's CPU is read from /proc before and after each phase (`harness.CpuMeter`), so
 "µs per connection" and "s per GB" are the proxy process's own cost. Ratios are to the
 direct path of the same run, and pact-ingress ÷ HAProxy is checked against the passthrough
-targets: flood conn/s ≥ 0.75×, bulk and keep-alive ≥ 1.0×, CPU s/GB ≤ 1.0×.
+targets: flood conn/s ≥ 0.85×, keep-alive at 32 connections ≥ 0.95×, bulk and the other
+keep-alive rows ≥ 1.0×, CPU s/GB ≤ 1.0×.
 
 `--ingress-uid UID` runs pact-ingress as that uid without CAP_SYS_RESOURCE and
 CAP_SYS_ADMIN (`setpriv`), as the systemd unit's dynamic user: the kernel's per-user pipe
@@ -332,10 +333,10 @@ METRICS: list[MetricSpec] = [
     ("new TLS conn/s, 1 client", "conn/s", "tls1", lambda r: r["rate"], None),
     ("new TLS conn/s, 8 clients", "conn/s", "tls8", lambda r: r["rate"], None),
     ("proxy CPU per TLS conn, 8 clients", "µs", "tls8", lambda r: per_unit(r, 1e6), None),
-    ("ClientHello flood", "conn/s", "flood", lambda r: r["rate"], Target(min_ratio=0.75)),
+    ("ClientHello flood", "conn/s", "flood", lambda r: r["rate"], Target(min_ratio=0.85)),
     ("proxy CPU per flood conn", "µs", "flood", lambda r: per_unit(r, 1e6), None),
     ("flood capacity of one core (1 s ÷ CPU per conn)", "conn/s", "flood",
-     lambda r: capacity(r), Target(min_ratio=0.75)),
+     lambda r: capacity(r), Target(min_ratio=0.85)),
     ("bulk, 1 conn", "MB/s", "bulk1", lambda r: r["rate"] / 1e6, Target(min_ratio=1.0)),
     ("bulk, 8 conns", "MB/s", "bulk8", lambda r: r["rate"] / 1e6, Target(min_ratio=1.0)),
     ("proxy CPU, bulk 1 conn", "s/GB", "bulk1", lambda r: per_unit(r, 1e9),
@@ -349,7 +350,7 @@ METRICS: list[MetricSpec] = [
     ("keep-alive 1 KiB, 8 conns", "req/s", "ka8", lambda r: r["rate"], Target(min_ratio=1.0)),
     ("proxy CPU per request, 8 conns", "µs", "ka8", lambda r: per_unit(r, 1e6), None),
     ("keep-alive 1 KiB, 32 conns", "req/s", "ka32", lambda r: r["rate"],
-     Target(min_ratio=1.0)),
+     Target(min_ratio=0.95)),
     ("proxy CPU per request, 32 conns", "µs", "ka32", lambda r: per_unit(r, 1e6), None),
 ]
 

@@ -13,6 +13,9 @@ one change can be measured in seconds and a profiler attached to the real proces
   raw`) to `--out`, and a summary: share of samples by leaf function and by our frames;
 - `strace`: `strace -c -f` on the proxy during one flood: syscalls per connection;
 - `perf`: `perf stat` (task-clock, instructions, context switches) per connection;
+- `perfrec`: `perf record -e cpu-clock` on the proxy during one flood: the share of
+  samples by DSO (kernel vs interpreter vs extension modules) and the top symbols —
+  the split py-spy cannot see (it counts a syscall's time on the Python line);
 - `cprofile`: the router runner under cProfile (call counts per connection; its times
   are inflated several times), pstats to `--out` with suffix `.pstats`.
 
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingress", choices=("serve", "router"), default="serve")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--tool", choices=("none", "pyspy", "strace", "perf", "cprofile"),
+    p.add_argument("--tool", choices=("none", "pyspy", "strace", "perf", "perfrec",
+                                      "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
     args = p.parse_args(argv)
@@ -187,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
             rows = [(int(f[3]), f[-1]) for f in per if len(f) >= 5 and f[3].isdigit()]
             for calls, name in sorted(rows, reverse=True):
                 print(f"  {calls / max(res['units'], 1):6.2f}  {name}")
+        elif args.tool == "perfrec":
+            data = args.out.with_suffix(".perf")
+            res, _ = attached(["perf", "record", "-e", "cpu-clock", "-F", "2000", "-p", pid,
+                               "-o", str(data)], proxy, port, hello, args.seconds)
+            for sort in ("dso", "sym"):
+                report = subprocess.run(
+                    ["perf", "report", "-i", str(data), "--sort", sort, "--stdio",
+                     "--percent-limit", "1"], capture_output=True, text=True, check=False)
+                print("\n".join(ln for ln in report.stdout.splitlines()
+                                if ln.strip() and not ln.startswith("#")))
+            print(f"connections: {res['units']}; perf data: {data}")
         else:
             res, out = attached(["perf", "stat", "-e",
                                  "task-clock,instructions,cycles,context-switches",

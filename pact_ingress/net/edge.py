@@ -1,0 +1,715 @@
+"""The passthrough engine: accept, peek, route and splice without a task per connection.
+
+Theory of operation
+-------------------
+A passthrough connection is the common case at the edge and the cheapest one to serve:
+the kernel moves its bytes (`os.splice`), so what it costs is the work around them —
+accept, one read, one connect, a few splices, two closes. A trio task per connection
+adds its own waiting machinery to each of those steps, and for a short connection
+that machinery costs more than the steps. So :443 connections are served by one
+long-lived trio task that owns an epoll set (`Edge.run`):
+
+* every fd is registered once, edge-triggered, for both directions, and never modified
+  (an `epoll_ctl` per wait is what a task per connection pays);
+* every step is tried before anything waits: a new connection's ClientHello is read
+  right after accept(2), the backend's connect is probed by writing the head to it, and
+  a read or write that would block is the only thing that leaves a connection waiting;
+* each wake-up of a direction starts with one copied read of at most `COPY_PROBE`
+  bytes (a request, a response or an EOF costs read + write and no pipe); a read that
+  fills it hands the direction to splice through a pooled pipe for the rest;
+* accepts are batched until EAGAIN (bounded per round, the rest are owed and taken on
+  the next round without waiting);
+* timers are not per connection: each connection has one deadline (its state machine,
+  `proto/passthrough.py`, keeps it) and the engine sweeps them every `SWEEP_INTERVAL`;
+* the engine waits for its epoll fd in trio (`wait_readable`), then takes ready events
+  with `poll(0)` in batches until none are left, yielding to trio every
+  `BATCHES_PER_YIELD` batches so the rest of the process (terminate, tunnels, admin,
+  reload) keeps running.
+
+What a connection does is decided by its sans-I/O state machine (`Passthrough`): an
+edge goes in, the steps to take come out; the engine performs them and reports what
+they did. The engine serves only passthrough routes to a configured address whose name
+is resolved already; everything else it peeks — a tunnel raw data connection, a
+connector's or peer's TLS, the relay host, a terminate route (ACME included), a tunnel
+backend, a cold DNS cache — is handed to the router's trio code with the bytes already
+read (`Router.adopt`), which replays them to whoever takes it next. A handed-off fd is
+first removed from the engine's epoll set. Limits, counts, refusal reasons, counters and
+the `conn_close` log line are the router's, shared with its task path.
+
+Ownership: the engine owns every connection it has not handed off — its client and
+backend sockets, and the pipes its directions hold while bytes are in flight (from the
+process's `PipePool`, as the task relay does). It closes them when the connection
+ends, and all of them when its task is cancelled (the drain deadline).
+
+Drain: `stop_accepting` removes the listeners from the epoll set (the router closes
+them); open connections run on, and the engine's task returns when the last one ends,
+or is cancelled at the drain deadline with the router's handler nursery.
+"""
+
+from __future__ import annotations
+
+import _socket
+import errno
+import math
+import os
+import select
+import socket
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from pact_ingress.logs import log
+from pact_ingress.model import Route, normalize_hostname
+from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
+from pact_ingress.net.router import (
+    ACCEPT_BACKOFF,
+    ACCEPT_CAPACITY_ERRNOS,
+    HEAD_TIMEOUT,
+    PEEK_READ,
+    Router,
+    client_of,
+)
+from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
+from pact_ingress.proto import tls_alert
+from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
+from pact_ingress.proto.passthrough import (
+    BACKEND,
+    CLIENT,
+    DOWN,
+    UP,
+    Flow,
+    Passthrough,
+    State,
+    Step,
+    alert_for,
+)
+from pact_ingress.proto.proxy_protocol import encode_v2
+from pact_ingress.proto.tunnel.frames import raw_data_prefix
+
+#: Events taken per `poll(0)`: enough to amortise the call, few enough that one batch
+#: does not hold the trio thread for long (a few ms at most).
+MAX_EVENTS = 256
+#: Batches handled back to back before the engine yields to the other trio tasks.
+BATCHES_PER_YIELD = 4
+#: Connections accepted per listener per round; the rest of the backlog is taken on
+#: the next round (edge-triggered: nothing would report it again).
+ACCEPT_BATCH = 64
+#: How often deadlines are checked: timeouts fire up to this late. Timeouts here are
+#: seconds to minutes, so a second of slack is noise, and a sweep of 10,000 connections
+#: costs a few milliseconds.
+SWEEP_INTERVAL = 1.0
+#: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
+#: request or a response usually fits; a read that fills it hands the direction to splice.
+COPY_PROBE = 16384
+#: Every fd's registration: both directions, peer half-close, edge-triggered.
+REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
+_READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
+_WRITABLE = select.EPOLLOUT | select.EPOLLHUP
+_ERROR = select.EPOLLERR
+#: The peer shut its sending side: its EOF waits to be read, and no later edge reports it.
+_HUP = select.EPOLLRDHUP | select.EPOLLHUP
+
+
+class _Conn(Passthrough):
+    """A connection the engine owns: its state machine plus sockets, pipes, counts."""
+
+    __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
+                 "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
+                 "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
+                 "up_left", "down_left", "hup")
+
+    def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
+                 client: tuple[str, int], who: str) -> None:
+        super().__init__(now, hello_timeout)
+        self.csock = csock
+        self.cfd = csock.fileno()
+        self.bsock: _socket.socket | None = None
+        self.bfd = -1
+        self.client = client
+        self.who = who
+        self.kind: Counter[str] | None = None  # the _Counts bucket it is counted in
+        self.buf = b""
+        self.route: Route | None = None
+        self.head: memoryview | None = None
+        self.hello_len = 0
+        self.addrs: tuple[str, ...] = ()
+        self.addr_i = 0
+        self.start = now
+        self.upd: Direction | None = None
+        self.downd: Direction | None = None
+        self.up_pipe: Pipe | None = None
+        self.down_pipe: Pipe | None = None
+        self.up_bytes = 0
+        self.down_bytes = 0
+        self.creg = False  # the client fd is in the epoll set
+        self.up_left = b""  # copied bytes the backend has not taken yet
+        self.down_left = b""  # and the client
+        self.hup = 0  # sides whose peer shut down its sending side (bit per side)
+        self.last_error: str = ""
+
+    def add_up(self, n: int) -> None:
+        self.up_bytes += n
+
+    def add_down(self, n: int) -> None:
+        self.down_bytes += n
+
+
+class Edge:
+    """The epoll engine serving the router's socket listeners (see the module doc)."""
+
+    def __init__(self, router: Router, listeners: Sequence[trio.SocketListener]) -> None:
+        self.router = router
+        self.stats = router.stats
+        self.ep = select.epoll()
+        self.fds: dict[int, tuple[_Conn, int]] = {}
+        self.conns: set[_Conn] = set()
+        self.listeners: dict[int, socket.socket] = {}
+        self.owed: list[socket.socket] = []  # listeners whose backlog was not emptied
+        self.again: list[tuple[_Conn, int]] = []  # directions that stopped busy
+        self.draining = False
+        self.accept_paused_until = -math.inf
+        self.next_sweep = -math.inf
+        self.now = 0.0
+        self._waiting: trio.CancelScope | None = None
+        for listener in listeners:
+            fd = listener.socket.fileno()
+            raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
+            for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
+                raw.setsockopt(socket.IPPROTO_TCP, option, value)
+            self.listeners[fd] = raw
+            self.ep.register(fd, select.EPOLLIN | select.EPOLLET)
+            self.owed.append(raw)  # a backlog that filled before registration
+
+    def stop_accepting(self) -> None:
+        """Drain: no more accepts; the task ends when the last connection has."""
+        for fd, raw in self.listeners.items():
+            try:
+                self.ep.unregister(fd)
+            except OSError:
+                pass
+            raw.detach()
+        self.listeners.clear()
+        self.owed.clear()
+        self.draining = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    # --- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        ep = self.ep
+        batches = 0
+        try:
+            while True:
+                self.now = now = trio.current_time()
+                if now >= self.next_sweep:
+                    self._sweep(now)
+                if self.owed and now >= self.accept_paused_until:
+                    owed, self.owed = self.owed, []
+                    for raw in owed:
+                        self._accept(raw)
+                events = ep.poll(0, MAX_EVENTS)
+                log.hold()  # a batch's log lines go out in one write
+                try:
+                    for fd, mask in events:
+                        self._event(fd, mask)
+                    if self.again:
+                        again, self.again = self.again, []
+                        for conn, direction in again:
+                            if conn.state is State.SPLICING:
+                                self._guarded(conn, self._pump, direction)
+                finally:
+                    log.release()
+                batches += 1
+                if events or self.again or (self.owed and now >= self.accept_paused_until):
+                    if batches >= BATCHES_PER_YIELD:
+                        batches = 0
+                        await trio.lowlevel.checkpoint()
+                    continue
+                if self.draining and not self.conns:
+                    return
+                batches = 0
+                await self._wait()
+        finally:
+            self._close_all()
+
+    async def _wait(self) -> None:
+        wake = self.next_sweep if self.conns else math.inf
+        if self.owed:
+            wake = min(wake, self.accept_paused_until)
+        with trio.CancelScope(deadline=wake) as scope:
+            self._waiting = scope
+            await trio.lowlevel.wait_readable(self.ep.fileno())
+        self._waiting = None
+
+    def _event(self, fd: int, mask: int) -> None:
+        entry = self.fds.get(fd)
+        if entry is None:
+            raw = self.listeners.get(fd)
+            if raw is not None:
+                if self.now >= self.accept_paused_until:
+                    self._accept(raw)
+                elif raw not in self.owed:
+                    self.owed.append(raw)
+            return  # or a stale event of a connection closed earlier in this batch
+        conn, side = entry
+        if mask & _HUP:
+            conn.hup |= 1 << side
+        try:
+            steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
+            for step in steps:
+                if conn.state is State.CLOSED:
+                    break
+                self._step(conn, step)
+        except Exception as exc:  # one connection's bug must not stop the engine
+            self._crashed(conn, exc)
+
+    def _guarded(self, conn: _Conn, action: Any, arg: Any) -> None:
+        try:
+            action(conn, arg)
+        except Exception as exc:
+            self._crashed(conn, exc)
+
+    def _step(self, conn: _Conn, step: Step) -> None:
+        if step is Step.PUMP_UP:
+            self._pump(conn, UP)
+        elif step is Step.PUMP_DOWN:
+            self._pump(conn, DOWN)
+        elif step is Step.READ_HELLO:
+            self._read_hello(conn)
+        elif step is Step.SEND_HEAD:
+            self._send_head(conn)
+        else:  # Step.FAIL
+            self._finish(conn, "reset")
+
+    def _sweep(self, now: float) -> None:
+        self.next_sweep = now + SWEEP_INTERVAL
+        for conn in [c for c in self.conns if c.deadline <= now]:
+            try:
+                outcome = conn.expired(now)
+                if outcome is not None:
+                    self._expired(conn, outcome)
+            except Exception as exc:
+                self._crashed(conn, exc)
+
+    def _expired(self, conn: _Conn, outcome: str) -> None:
+        if outcome == "clienthello_timeout":
+            self.router._reject(conn.client[0], "clienthello_timeout")
+            self._drop(conn)
+        elif outcome == "backend_down":
+            self._unreachable(conn, "timed out")
+        elif outcome == "backend_reset":
+            self._backend_reset(conn, "backend did not take the ClientHello")
+        else:
+            self._finish(conn, outcome)
+
+    # --- accept and peek -----------------------------------------------------------------
+
+    def _accept(self, raw: socket.socket) -> None:
+        router = self.router
+        counts = router._counts
+        limits = router.limits
+        family = raw.family
+        for _ in range(ACCEPT_BATCH):
+            try:
+                fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                name = errno.errorcode[exc.errno]
+                self.stats.rejections.labels("accept_" + name).inc()
+                log.error("accept_failed", error=name, backoff_s=ACCEPT_BACKOFF)
+                self.accept_paused_until = self.now + ACCEPT_BACKOFF
+                self.owed.append(raw)
+                return
+            ip = addr[0]
+            who = client_of(ip)
+            reason = router._over_limit(who)
+            if reason is not None:
+                self.stats.rejections.labels(reason).inc()
+                self.stats.refused("-", ip, reason)
+                os.close(fd)  # at accept: nothing read, nothing answered
+                continue
+            sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            sock.setblocking(False)
+            counts.total += 1
+            counts.pending[who] += 1
+            conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
+            self.conns.add(conn)
+            try:
+                self._read_hello(conn)
+            except Exception as exc:
+                self._crashed(conn, exc)
+        self.owed.append(raw)  # more may be queued: taken next round, without a wait
+
+    def _read_hello(self, conn: _Conn) -> None:
+        router = self.router
+        while True:
+            try:
+                chunk = os.read(conn.cfd, PEEK_READ)
+            except BlockingIOError:
+                if not conn.creg:
+                    self._register(conn.cfd, conn, CLIENT)
+                    conn.creg = True
+                return
+            except OSError:
+                router._reject(conn.client[0], "clienthello_reset")
+                self._drop(conn)
+                return
+            if not chunk:
+                router._reject(conn.client[0], "clienthello_eof")
+                self._drop(conn)
+                return
+            buf = conn.buf = conn.buf + chunk
+            if router.tunnels is not None and (raw := raw_data_prefix(buf)) is not False:
+                if raw:
+                    self._classified(conn, None)
+                    return
+                continue  # part of the magic so far
+            try:
+                hello = parse_client_hello(buf)
+            except ClientHelloError as exc:
+                router._reject(conn.client[0], "clienthello_" + exc.reason)
+                self._drop(conn)
+                return
+            if hello is not None:
+                self._classified(conn, hello, more=len(chunk) == PEEK_READ)
+                return
+
+    def _classified(self, conn: _Conn, hello: ClientHello | None, more: bool = False) -> None:
+        """The first bytes say what the connection is: serve it here or hand it off."""
+        router = self.router
+        ip = conn.client[0]
+        tunnel = hello is None or router._is_tunnel(hello)
+        kind = router._classify(conn.who, ip, tunnel)
+        if kind is None:  # over its kind's cap: refused (and uncounted) by _classify
+            self._drop(conn, counted=False)
+            return
+        conn.kind = kind
+        if tunnel:
+            self._hand_off(conn, hello)
+            return
+        assert hello is not None
+        sni = hello.sni
+        relay = router.relay
+        if relay is not None and sni is not None and normalize_hostname(
+                sni, validate=False) == relay.host:
+            self._hand_off(conn, hello)
+            return
+        route = router.table.lookup(sni)
+        if route is None:
+            router._reject(ip, "unknown_sni" if sni else "no_sni")
+            _send_alert(conn.cfd, tls_alert.UNRECOGNIZED_NAME)
+            self._drop(conn)
+            return
+        address = route.backend.address
+        addrs = None
+        if route.mode == "passthrough" and address is not None:
+            addrs = router.backends.resolver.cached(address.host)
+        if addrs is None:  # terminate, tunnel backend, or a name not resolved yet
+            self._hand_off(conn, hello)
+            return
+        self._connect(conn, route, addrs, more)
+
+    def _hand_off(self, conn: _Conn, hello: ClientHello | None) -> None:
+        """To the router's task path, with the bytes read so far."""
+        self._forget(conn, handing_off=True)
+        conn.close("handed_off")
+        assert conn.kind is not None
+        sock = socket.socket(fileno=conn.csock.detach())  # what trio wraps
+        self.router.adopt(sock, hello, conn.buf, conn.client, conn.who, conn.kind)
+
+    # --- backend ---------------------------------------------------------------------------
+
+    def _connect(self, conn: _Conn, route: Route, addrs: tuple[str, ...], more: bool) -> None:
+        conn.route = route
+        conn.addrs = addrs
+        conn.hello_len = len(conn.buf)
+        head = conn.buf
+        if route.proxy_protocol == "v2":
+            local = conn.csock.getsockname()
+            head = encode_v2(conn.client, (str(local[0]), int(local[1]))) + head
+        conn.head = memoryview(head)
+        limits = route.limits
+        conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, limits.idle_timeout, more)
+        self._dial(conn)
+
+    def _dial(self, conn: _Conn) -> None:
+        """Connect to the next address; a refusal moves on to the one after."""
+        route = conn.route
+        assert route is not None and route.backend.address is not None
+        port = route.backend.address.port
+        while conn.addr_i < len(conn.addrs):
+            ip = conn.addrs[conn.addr_i]
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            try:  # out of fds (EMFILE) fails this address like a refusal would
+                sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
+                                      | socket.SOCK_CLOEXEC)
+            except OSError as exc:
+                conn.last_error = str(exc)
+                conn.addr_i += 1
+                continue
+            for option, value in STREAM_OPTIONS:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            err = sock.connect_ex((ip, port))
+            if err in (0, errno.EINPROGRESS):
+                conn.bsock = sock
+                conn.bfd = sock.fileno()
+                self._register(conn.bfd, conn, BACKEND)
+                self._send_head(conn)
+                return
+            sock.close()
+            conn.last_error = f"[Errno {err}] {os.strerror(err)}"
+            conn.addr_i += 1
+        self._unreachable(conn, conn.last_error)
+
+    def _send_head(self, conn: _Conn) -> None:
+        head = conn.head
+        assert head is not None
+        try:
+            n = os.write(conn.bfd, head)
+        except BlockingIOError:
+            return  # connecting, or (connected) a full buffer: the backend's edge says
+        except OSError as exc:
+            conn.addr_i += 1
+            outcome = conn.backend_failed(self.now, conn.addr_i < len(conn.addrs),
+                                          CONNECT_TIMEOUT)
+            if outcome == "backend_reset":
+                self._backend_reset(conn, str(exc))
+                return
+            self._close_backend(conn)
+            conn.last_error = str(exc)
+            if outcome is None:  # the next address
+                self._dial(conn)
+            else:
+                self._unreachable(conn, conn.last_error)
+            return
+        head = conn.head = head[n:]
+        steps = conn.head_progress(self.now, not head)
+        if head:
+            return
+        conn.head = None
+        conn.buf = b""  # sent: an idle connection keeps no copy of its hello
+        assert conn.route is not None
+        self.router._byte_counters(conn.route.host)[0].inc(conn.hello_len)
+        conn.upd = Direction("", conn.cfd, conn.bfd)
+        conn.downd = Direction("", conn.bfd, conn.cfd)
+        if not conn.creg:  # registering reports what is ready now: no edge is lost
+            self._register(conn.cfd, conn, CLIENT)
+            conn.creg = True
+        if conn.hup & (1 << CLIENT) and Step.PUMP_UP not in steps:
+            steps += (Step.PUMP_UP,)  # its EOF arrived with the hello: no edge will come
+        for step in steps:
+            if conn.state is State.CLOSED:
+                return
+            self._step(conn, step)
+
+    # --- splice ------------------------------------------------------------------------------
+
+    def _pump(self, conn: _Conn, direction: int) -> None:
+        if direction == UP:
+            d, pipe, moved, before = conn.upd, conn.up_pipe, conn.add_up, conn.up_bytes
+        else:
+            d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
+        assert d is not None
+        try:
+            wait = self._copy(conn, d, direction, moved) if pipe is None else Wait.BUSY
+            if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+                if pipe is None:
+                    pipe = take_pipe()
+                wait = pump(d, pipe, moved, YIELD_EVERY)
+        except OSError:
+            self._keep_pipe(conn, direction, pipe)
+            self._finish(conn, "reset")
+            return
+        if pipe is not None and (wait is Wait.READ or wait is Wait.EOF):
+            give_pipe(pipe, drained=True)
+            pipe = None
+        if wait is Wait.EOF:
+            other = conn.down if direction == UP else conn.up
+            if other is not Flow.DONE:  # passed on as a half-close
+                dst = conn.bsock if direction == UP else conn.csock
+                try:  # (the last EOF needs none: both sockets close right after)
+                    dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
+                except OSError:
+                    pass  # the peer is gone: the other direction will see that
+        elif wait is Wait.BUSY:
+            self.again.append((conn, direction))
+        self._keep_pipe(conn, direction, pipe)
+        assert conn.route is not None
+        after = conn.up_bytes if direction == UP else conn.down_bytes
+        if after != before:
+            self.router._byte_counters(conn.route.host)[direction].inc(after - before)
+        flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
+        if conn.pumped(direction, flow, after != before, self.now):
+            self._finish(conn, "ok")
+
+    @staticmethod
+    def _copy(conn: _Conn, d: Direction, direction: int, moved: Any) -> Wait:
+        """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
+
+        Most wake-ups of a connection carry a request, a response or an EOF, far less
+        than a pipeful: read + write is two syscalls where a splice costs three (in,
+        out, and the EAGAIN that proves the source drained) plus a pipe from the pool.
+        A short read proves the source drained as well (a TCP read returns less than
+        asked only when nothing else is queued; anything arriving later raises a new
+        edge). A full probe means a bulk transfer: BUSY, and the rest goes by splice.
+        Bytes the destination does not take wait in `conn.up_left/down_left` (at most
+        COPY_PROBE per direction)."""
+        left = conn.up_left if direction == UP else conn.down_left
+        if left:
+            try:
+                n = os.write(d.dst, left)
+            except BlockingIOError:
+                n = 0
+            moved(n)
+            left = left[n:]
+            if direction == UP:
+                conn.up_left = left
+            else:
+                conn.down_left = left
+            if left:
+                return Wait.WRITE
+        src_side = CLIENT if direction == UP else BACKEND
+        while True:
+            try:
+                data = os.read(d.src, COPY_PROBE)
+            except BlockingIOError:
+                return Wait.READ
+            if not data:
+                return Wait.EOF
+            try:
+                n = os.write(d.dst, data)
+            except BlockingIOError:
+                n = 0
+            if n:
+                moved(n)
+            if n < len(data):
+                if direction == UP:
+                    conn.up_left = data[n:]
+                else:
+                    conn.down_left = data[n:]
+                return Wait.WRITE
+            if len(data) == COPY_PROBE:
+                return Wait.BUSY
+            if not conn.hup & (1 << src_side):
+                return Wait.READ
+            # a short read does not prove a drained source when its peer has shut down:
+            # the EOF behind the data raises no new edge, so read on until it shows
+
+    @staticmethod
+    def _keep_pipe(conn: _Conn, direction: int, pipe: Pipe | None) -> None:
+        if direction == UP:
+            conn.up_pipe = pipe
+        else:
+            conn.down_pipe = pipe
+
+    # --- endings ---------------------------------------------------------------------------
+
+    def _unreachable(self, conn: _Conn, error: str) -> None:
+        route = conn.route
+        assert route is not None
+        router = self.router
+        router._reject(conn.client[0], "backend_unreachable", route.host)
+        log.warning("backend_unreachable", route=route.host, tenant=route.tenant,
+                    error=f"backend {route.backend.address} unreachable: {error}")
+        router._connections(route.host, "backend_down").inc()
+        alert = alert_for("backend_down")
+        if alert is not None:
+            _send_alert(conn.cfd, alert)
+        self._end(conn, "backend_down")
+
+    def _backend_reset(self, conn: _Conn, error: str) -> None:
+        route = conn.route
+        assert route is not None
+        log.warning("backend_reset", route=route.host, error=error)
+        self.router._connections(route.host, "backend_reset").inc()
+        self._end(conn, "backend_reset")
+
+    def _finish(self, conn: _Conn, outcome: str) -> None:
+        """A routed connection is over: its log line and counter, then close."""
+        route = conn.route
+        assert route is not None
+        log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
+                 client_ip=conn.client[0], bytes_up=conn.up_bytes + conn.hello_len,
+                 bytes_down=conn.down_bytes, duration_s=round(self.now - conn.start, 3),
+                 outcome=outcome)
+        self.router._connections(route.host, outcome).inc()
+        self._end(conn, outcome)
+
+    def _crashed(self, conn: _Conn, exc: Exception) -> None:
+        self.stats.rejections.labels("handler_error").inc()
+        log.error("handler_error", client_ip=conn.client[0],
+                  error=f"{type(exc).__name__}: {exc}")
+        if conn.route is not None and conn.state is not State.HELLO:
+            self.router._connections(conn.route.host, "error").inc()
+        self._end(conn, "error")
+
+    def _drop(self, conn: _Conn, counted: bool = True) -> None:
+        """A connection that never got past its first bytes: close it, uncount it
+        (`counted` False: `_classify` refused it and took it out of the counts)."""
+        self._end(conn, "refused", pending=counted)
+
+    def _end(self, conn: _Conn, outcome: str, pending: bool = True) -> None:
+        if conn not in self.conns:
+            return  # ended already
+        if conn.state is not State.CLOSED:
+            conn.close(outcome)
+        self._forget(conn)
+        for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
+            if pipe is not None:
+                give_pipe(pipe, drained=d is not None and d.pending == 0)
+        conn.up_pipe = conn.down_pipe = None
+        self._close_backend(conn)
+        conn.csock.close()
+        counts = self.router._counts
+        counts.total -= 1
+        if conn.kind is not None:
+            counts.drop(conn.kind, conn.who)
+        elif pending:
+            counts.drop(counts.pending, conn.who)
+
+    def _forget(self, conn: _Conn, handing_off: bool = False) -> None:
+        """Out of the engine's tables; a client socket that lives on (handed off) out of
+        the epoll set too (closing an fd removes it: no epoll_ctl for the usual end)."""
+        self.conns.discard(conn)
+        if self.fds.pop(conn.cfd, None) is not None and handing_off:
+            self.ep.unregister(conn.cfd)
+        conn.creg = False
+        if conn.bfd >= 0:
+            self.fds.pop(conn.bfd, None)
+
+    def _close_backend(self, conn: _Conn) -> None:
+        if conn.bsock is not None:
+            self.fds.pop(conn.bfd, None)
+            conn.bsock.close()  # also out of the epoll set: this was its only fd
+            conn.bsock = None
+            conn.bfd = -1
+
+    def _register(self, fd: int, conn: _Conn, side: int) -> None:
+        self.fds[fd] = (conn, side)
+        self.ep.register(fd, REGISTER)
+
+    def _close_all(self) -> None:
+        """The task ends (drain deadline, shutdown): every connection closes now."""
+        for conn in list(self.conns):
+            if conn.route is not None and conn.state is not State.HELLO:
+                self.router._connections(conn.route.host, "error").inc()
+            self._end(conn, "error")
+        for raw in self.listeners.values():
+            raw.detach()
+        self.listeners.clear()
+        self.ep.close()
+
+
+def _send_alert(fd: int, description: int) -> None:
+    """Best effort: a fatal alert before the close (see `router._send_alert`)."""
+    try:
+        os.write(fd, tls_alert.alert_record(description))
+    except OSError:
+        pass
+
