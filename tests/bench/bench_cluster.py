@@ -1,40 +1,112 @@
-"""Several instances: failover after `kill -9`, and what forwarding costs.
+"""Several instances: capacity of two against one, failover after `kill -9`, forwarding.
 
-    python -m tests.bench.bench_cluster            # about two minutes
-    python -m tests.bench.bench_cluster --quick    # smoke run
+    python -m tests.bench.bench_cluster                    # every part, about ten minutes
+    python -m tests.bench.bench_cluster --quick            # smoke run
+    python -m tests.bench.bench_cluster --only capacity,flood --rounds 5
 
-Needs `redis-server`. Three `pact-ingress serve` processes on 127.0.0.2/.3/.4 sharing
-one Redis, each listing the others in `state.peers`; one `connect` holding tunnels on
-A and B only (C has none: its callers are always forwarded). Requests are the harness's
-(`tests/cluster_env.request`): one new TLS connection per request.
+Needs `redis-server`, `haproxy` and `wrk`. Five parts (`--only` picks some):
 
-1. **Failover**: per trial, `kill -9` of A, then requests are made back to back until one
-   succeeds — through B (it holds its own tunnel) and through C (forwarded: the
-   registry still names A for up to its TTL, so C may pick the dead A first). The time
-   from the kill to that first success; then A is restarted and the connector's slot
-   back on it is awaited before the next trial. p50/p99 over the trials.
-2. **Latency**: sequential requests through A (direct: its own tunnel) and through C
-   (forwarded to A or B), passthrough and terminate. Terminate keeps its upstream
-   connection, so its forwarded link is mostly reused; passthrough pays the link per
-   connection.
+1. **capacity** (terminate, HTTP/1.1 keep-alive): `serve` A on 127.0.0.2 pinned to core 0
+   and `serve` B on 127.0.0.3 pinned to core 1, one TLS port, both with `state: backend:
+   redis` (every request charges the caller's IP in Redis) and one terminate route to the
+   same node. The node is HAProxy answering `200` + 1 KiB itself over pinned mutual TLS
+   (C, one thread), the load `wrk -t1 -c8` per loaded instance (C; a Lua `setup` points
+   it at the instance's address while SNI and Host stay `localhost`). Two configurations
+   back to back, each round: **one** (only A carries load; wrk, the node and redis-server
+   pinned to core 1, B idle) and **two** (A and B each under their own wrk; wrk, node
+   and redis-server free to run on either core, so they compete with the instances).
+   Per run: requests/s, each process's CPU from /proc, each core's busy share. The
+   capacity of a configuration is its instances' cores × requests per ingress
+   CPU-second: what the instances would answer with a whole core each, whatever else
+   shares the machine; the raw rate is what this 2-core box delivers with everything
+   on it.
+2. **flood** (passthrough, no crypto): the canned-ClientHello flood of the passthrough
+   bench (`loadgen flood`, 64 connections in flight per instance, Python epoll) to a
+   passthrough route whose backend is HAProxy's sink (closes after the hello); same
+   instances, same pinning, same two configurations.
+3. **failover**: three `serve` processes (127.0.0.2/.3/.4), one `connect` holding tunnels
+   on A and B only (C has none: its callers are always forwarded). Per trial, `kill -9`
+   of A, then two probes start at once, one through B (its own tunnel) and one through
+   C (forwarded: the registry still names A for up to its TTL, so C may pick the dead A
+   first); each makes requests back to back until one succeeds. The time from the kill
+   to that first success; then A is restarted and the connector's slot back on it is
+   awaited. p50/p99 over the trials.
+4. **latency**: sequential requests (one new TLS connection each) through A (direct: its
+   own tunnel) and through C (forwarded), passthrough and terminate.
+5. **limiter**: `bench_redis_limiter`'s per-request part: the same terminate request on
+   a `serve` with local state and one with Redis state, back to back; latency and CPU
+   per request.
 
-Not a test: nothing is asserted; the tables go to stdout.
+Not a test: nothing is asserted; the tables go to stdout. Run on a machine shared with
+other work, compare the two configurations of one run, never absolute figures across runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
+import re
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from pact_ingress.admin.client import request as admin_request
+from pact_ingress.identity import keygen
+from pact_ingress.model import Address
+from tests.bench.bench_passthrough import hello_for
+from tests.bench.bench_terminate import BODY_BYTES, parse_wrk
+from tests.bench.harness import (
+    Service,
+    core_busy,
+    core_ticks,
+    cpu_seconds,
+    machine_notes,
+    python_module,
+    services,
+)
+from tests.bench.peers import HAPROXY_MAXCONN, HAPROXY_TIMEOUTS, haproxy_argv
 from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
+from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
 from tests.terminate_env import free_port
+
+PARTS = ("capacity", "flood", "failover", "latency", "limiter")
+#: The instances of the capacity and flood parts: address and the core each is pinned to.
+SCALE_INSTANCES = (("127.0.0.2", 0), ("127.0.0.3", 1))
+BOTH_CORES = "0,1"
+LOAD_CORE = 1
+#: SNI and Host of the terminate requests: wrk takes both from the URL, and `localhost` is
+#: the name that resolves here without touching /etc/hosts; the Lua script below points
+#: each wrk at its instance's own address.
+TM_NAME = "localhost"
+FLOOD_SNI = "www.example.test"
+HUGE = 1_000_000_000
+MAX_CONNS = 4000
+WRK_CONNS = 8
+FLOOD_INFLIGHT = 64
+#: Seconds a run may overrun its own bound before it is treated as hung.
+SLACK = 30.0
+_WRK_ADDR_LUA = """\
+-- connect to the instance's own address; SNI and Host stay those of the URL (wrk resolves
+-- and probes the URL's host before any thread starts, so its resolver is replaced)
+function wrk.resolve(host, service)
+  wrk.addrs = wrk.lookup("{host}", "{port}")
+end
+function setup(thread)
+  thread.addr = wrk.addrs[1]
+end
+"""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -42,70 +114,431 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _first_success(instance: Instance, host: str, since: float, limit: float = 30.0) -> float:
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- capacity and flood: one instance on one core against two, one per core -----------------
+
+
+def node_cfg(port: int, sink_port: int, pem: Path, client_ca: Path, body: Path) -> str:
+    """The cheap upstream, in C: TLS with the node key, every request answered by HAProxy
+    itself (the ingress's client certificate requested and checked); and the flood's sink,
+    which closes once a complete ClientHello has arrived."""
+    return f"""\
+global
+    nbthread 1
+    maxconn {HAPROXY_MAXCONN}
+defaults
+    maxconn {HAPROXY_MAXCONN}
+{HAPROXY_TIMEOUTS}\
+frontend node
+    mode http
+    bind 127.0.0.1:{port} ssl crt {pem} alpn http/1.1 verify optional ca-file {client_ca}
+    http-request return status 200 content-type text/plain file {body}
+frontend sink
+    mode tcp
+    bind 127.0.0.1:{sink_port}
+    tcp-request inspect-delay 5s
+    tcp-request content reject if {{ req_ssl_hello_type 1 }}
+"""
+
+
+def scale_yaml(d: Path, address: str, port: int, admin: int, node_port: int, node_pin: str,
+               sink_port: int, state: str) -> str:
+    return f"""\
+identity: {{key: {d}/ingress.key}}
+state_dir: {d}/state
+listen:
+  tls: ["{address}:{port}"]
+  admin: "127.0.0.1:{admin}"
+{state}
+limits:
+  clienthello_timeout: 10s
+  idle_timeout: 120s
+  max_connections: {MAX_CONNS}
+  max_connections_per_ip: {MAX_CONNS}
+  calls_per_hour_per_ip_key: {HUGE}
+  calls_per_hour_per_ip: {HUGE}
+  max_requests_in_flight_per_ip: {MAX_CONNS}
+tenants:
+  - name: bench
+    pins: ["{node_pin}"]
+    routes:
+      - host: {TM_NAME}
+        mode: terminate
+        backend: "127.0.0.1:{node_port}"
+        seal: optional
+        mcp_path: /mcp
+        cert: {{cert: {d.parent}/front.crt, key: {d.parent}/front.key}}
+      - host: {FLOOD_SNI}
+        mode: passthrough
+        backend: "127.0.0.1:{sink_port}"
+"""
+
+
+@dataclass
+class ScaleRig:
+    tmp: Path
+    port: int
+    instances: list[Service]
+    admins: list[Address]
+    node: Service
+    redis: RedisServer
+    hello: Path
+
+    def addresses(self) -> list[str]:
+        return [a for a, _ in SCALE_INSTANCES]
+
+
+def build_scale_rig(tmp: Path, started: list[Service], redis: RedisServer) -> ScaleRig:
+    key = tmp / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    # deadline 1 s: every decision is made in Redis even on a busy machine (a shorter one
+    # would push some into the local fallback and flatter the figures)
+    state = (f"state: {{backend: redis, url: '{redis.url}', deadline: 1s, "
+             f"encryption_key_file: '{key}'}}")
+    node_id = keygen(tmp / "node.key", common_name="bench-node")
+    node_pem = tmp / "node.pem"
+    node_pem.write_bytes(node_id.cert_path.read_bytes() + node_id.key_path.read_bytes())
+    keygen(tmp / "front.key", common_name=TM_NAME)
+    body = tmp / "body.txt"
+    body.write_bytes(b"o" * (BODY_BYTES - 1) + b"\n")
+    port = free_port_on(*(a for a, _ in SCALE_INSTANCES))
+    node_port, sink_port = free_port(), free_port()
+    dirs, idents = [], []
+    for address, _ in SCALE_INSTANCES:
+        d = tmp / address
+        d.mkdir()
+        dirs.append(d)
+        idents.append(keygen(d / "ingress.key", common_name=f"ingress {address}"))
+    client_ca = tmp / "instances.pem"  # the node checks either instance's client cert
+    client_ca.write_bytes(b"".join(i.cert_path.read_bytes() for i in idents))
+    (tmp / "node.cfg").write_text(node_cfg(node_port, sink_port, node_pem, client_ca, body))
+    node = Service("node + sink (haproxy)", haproxy_argv(tmp / "node.cfg"), LOAD_CORE,
+                   tmp / "node.log")
+    started.append(node)
+    node.start([node_port, sink_port])
+    hello = tmp / "hello.bin"
+    hello.write_bytes(hello_for(FLOOD_SNI))
+    instances, admins = [], []
+    for d, (address, core) in zip(dirs, SCALE_INSTANCES, strict=True):
+        admin = free_port()
+        (d / "ingress.yaml").write_text(scale_yaml(d, address, port, admin, node_port,
+                                                   node_id.fingerprint, sink_port, state))
+        svc = Service(f"serve {address}", python_module(
+            "pact_ingress", "serve", "-c", str(d / "ingress.yaml")), core, d / "serve.log")
+        started.append(svc)
+        svc.start([port], host=address)
+        instances.append(svc)
+        admins.append(Address("127.0.0.1", admin))
+    rig = ScaleRig(tmp, port, instances, admins, node, redis, hello)
+    for admin in admins:
+        wait_for(lambda a=admin: _state_mode(a) == "shared", "the instances on Redis")
+    return rig
+
+
+def _state_mode(admin: Address) -> str | None:
+    try:
+        status, body = admin_request(admin, "GET", "/status")
+        return json.loads(body)["state"]["mode"] if status == 200 else None
+    except Exception:
+        return None
+
+
+def _decisions(admin: Address) -> dict[str, float]:
+    """`pact_ingress_rate_limit_decisions_total` by `where` (shared / fallback)."""
+    _, body = admin_request(admin, "GET", "/metrics")
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^pact_ingress_rate_limit_decisions_total\{where="(\w+)"\} (\S+)$',
+                         body.decode(), re.M):
+        out[m[1]] = float(m[2])
+    return out
+
+
+def repin(pid: int, cores: str) -> None:
+    """Move a running process, every thread of it, to `cores`."""
+    subprocess.run(["taskset", "-a", "-pc", cores, str(pid)], stdout=subprocess.DEVNULL,
+                   check=True, timeout=10)
+
+
+@dataclass
+class ScaleRun:
+    config: str  # "one" | "two"
+    units: int
+    errors: int
+    non2xx: int
+    rate: float  # units/s: the sum of the generators' own rates
+    wall: float  # the measured window (start of the first to end of the last generator)
+    ingress_cpu: list[float]  # per loaded instance
+    idle_cpu: float  # the instance without load ("one"), else 0
+    node_cpu: float
+    redis_cpu: float
+    client_cpu: float
+    busy: dict[str, float]
+    shared: float = 0.0  # rate-limit decisions made in Redis during the run
+    fallback: float = 0.0
+    raw: list[str] = field(default_factory=list)
+
+    @property
+    def cpu_per_unit_us(self) -> float:
+        return sum(self.ingress_cpu) / self.units * 1e6 if self.units else float("nan")
+
+    @property
+    def capacity(self) -> float:
+        """Units/s the loaded instances would handle with a whole core each."""
+        return len(self.ingress_cpu) * 1e6 / self.cpu_per_unit_us
+
+    @property
+    def all_cpu_per_unit_us(self) -> float:
+        total = sum(self.ingress_cpu) + self.idle_cpu + self.node_cpu + self.redis_cpu + \
+            self.client_cpu
+        return total / self.units * 1e6 if self.units else float("nan")
+
+
+def _children_cpu() -> float:
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return c.ru_utime + c.ru_stime
+
+
+def _run_generators(argvs: list[list[str]], bound: float) -> tuple[list[str], float]:
+    """Start every generator at once, wait for all; (their stdout, wall seconds)."""
+    started = time.monotonic()
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for a in argvs]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=bound + SLACK)
+            if proc.returncode != 0:
+                raise RuntimeError(f"load generator failed ({proc.returncode}): "
+                                   f"{err.decode(errors='replace')[-1500:]}")
+            outs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outs, time.monotonic() - started
+
+
+def scale_run(rig: ScaleRig, kind: str, config: str, seconds: float) -> ScaleRun:
+    """One run of `kind` (terminate | flood) in `config` (one | two)."""
+    loaded = rig.instances[:1] if config == "one" else rig.instances
+    load_cores = str(LOAD_CORE) if config == "one" else BOTH_CORES
+    for pid in (rig.node.pid, rig.redis.proc.pid):  # type: ignore[union-attr]
+        repin(pid, load_cores)
+    argvs = []
+    for address, _ in SCALE_INSTANCES[:len(loaded)]:
+        if kind == "terminate":
+            lua = rig.tmp / f"wrk-{address}.lua"
+            lua.write_text(_WRK_ADDR_LUA.format(host=address, port=rig.port))
+            argv = ["wrk", "-t1", f"-c{WRK_CONNS}", f"-d{max(1, round(seconds))}s",
+                    "--timeout", "10s", "-s", str(lua), f"https://{TM_NAME}:{rig.port}/"]
+        else:
+            argv = python_module("tests.bench.loadgen", "flood", "--host", address,
+                                 "--port", str(rig.port), "--hello", str(rig.hello),
+                                 "--inflight", str(FLOOD_INFLIGHT), "--seconds", str(seconds))
+        argvs.append(["taskset", "-c", load_cores, *argv])
+    pids = {"node": rig.node.pid, "redis": rig.redis.proc.pid}  # type: ignore[union-attr]
+    pids.update({f"i{n}": svc.pid for n, svc in enumerate(rig.instances)})
+    before = {k: cpu_seconds(v) for k, v in pids.items()}
+    dec0 = [_decisions(a) for a in rig.admins[:len(loaded)]] if kind == "terminate" else []
+    client0, ticks0 = _children_cpu(), core_ticks()
+    outs, wall = _run_generators(argvs, seconds)
+    busy = core_busy(ticks0, core_ticks())
+    client = _children_cpu() - client0
+    used = {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+    for svc in (*rig.instances, rig.node):
+        if not svc.alive():
+            raise RuntimeError(f"{svc.name} died during {kind}/{config}:\n{svc.log_tail()}")
+    units = errors = non2xx = 0
+    rate = 0.0
+    for out in outs:
+        if kind == "terminate":
+            r = parse_wrk(out)
+            units, errors, non2xx = units + r["requests"], errors + r["errors"], \
+                non2xx + r["non2xx"]
+            rate += r["requests"] / r["elapsed"] if r["elapsed"] else 0.0
+        else:
+            r = json.loads(out.strip().splitlines()[-1])
+            units, errors = units + r["units"], errors + r["errors"]
+            rate += r["units"] / r["elapsed"] if r["elapsed"] else 0.0
+    run = ScaleRun(config, units, errors, non2xx, rate, wall,
+                   [used[f"i{n}"] for n in range(len(loaded))],
+                   used["i1"] if config == "one" else 0.0,
+                   used["node"], used["redis"], client, busy, raw=outs)
+    if kind == "terminate":
+        for a, d0 in zip(rig.admins, dec0, strict=False):
+            d1 = _decisions(a)
+            run.shared += d1.get("shared", 0) - d0.get("shared", 0)
+            run.fallback += d1.get("fallback", 0) - d0.get("fallback", 0)
+    return run
+
+
+def measure_scale(rig: ScaleRig, kind: str, rounds: int, seconds: float, warmup: float
+                  ) -> dict[str, list[ScaleRun]]:
+    for config in ("one", "two"):
+        scale_run(rig, kind, config, warmup)
+    runs: dict[str, list[ScaleRun]] = {"one": [], "two": []}
+    for rnd in range(rounds):
+        # alternate the order: a machine that gets busier during the run hurts both alike
+        for config in (("one", "two") if rnd % 2 == 0 else ("two", "one")):
+            run = scale_run(rig, kind, config, seconds)
+            runs[config].append(run)
+            log(f"{kind} round {rnd + 1}/{rounds} {config}: {run.rate:,.0f}/s, "
+                f"ingress {run.cpu_per_unit_us:.0f} µs each, capacity {run.capacity:,.0f}/s, "
+                f"err={run.errors} non2xx={run.non2xx} shared={run.shared:.0f} "
+                f"fallback={run.fallback:.0f}, cores "
+                + " ".join(f"{c}:{b:.0%}" for c, b in run.busy.items()))
+    return runs
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{format(med, fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+
+
+def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
+    unit = "req" if kind == "terminate" else "conn"
+    one, two = runs["one"], runs["two"]
+    rows: list[tuple[str, Callable[[ScaleRun], float], str]] = [
+        (f"{unit}/s, raw (all on this 2-core machine)", lambda r: r.rate, ",.0f"),
+        (f"ingress CPU per {unit} (µs)", lambda r: r.cpu_per_unit_us, ",.0f"),
+        ("ingress cores busy (CPU s ÷ wall s, summed)",
+         lambda r: sum(r.ingress_cpu) / r.wall, ".2f"),
+        (f"capacity: instances × {unit}s per ingress CPU-second ({unit}/s)",
+         lambda r: r.capacity, ",.0f"),
+        (f"every process's CPU per {unit} (µs: ingress + node + redis + client)",
+         lambda r: r.all_cpu_per_unit_us, ",.0f"),
+        ("redis-server CPU per unit (µs)", lambda r: r.redis_cpu / r.units * 1e6, ".1f"),
+        ("load generator CPU per unit (µs)", lambda r: r.client_cpu / r.units * 1e6, ".1f"),
+    ]
+    lines = [f"| {kind} | one instance (core 0) | two instances (cores 0, 1) | two ÷ one |",
+             "| --- | ---: | ---: | ---: |"]
+    for name, get, fmt in rows:
+        a, b = [get(r) for r in one], [get(r) for r in two]
+        ratio = (f"{statistics.median(b) / statistics.median(a):.2f}×"
+                 if statistics.median(a) else "–")
+        lines.append(f"| {name} | {_spread(a, fmt)} | {_spread(b, fmt)} | {ratio} |")
+    # the ratio's own spread: each round's two ÷ the same round's one
+    for name, get in ((f"{unit}/s, raw", lambda r: r.rate), ("capacity", lambda r: r.capacity)):
+        per_round = [get(b) / get(a) for a, b in zip(one, two, strict=True)]
+        lines.append(f"| {name}, two ÷ one per round | | | {_spread(per_round, '.2f')}× |")
+    notes = []
+    for cfg, rs in runs.items():
+        errs = sum(r.errors + r.non2xx for r in rs)
+        if errs:
+            notes.append(f"{cfg}: {errs} errors or non-2xx responses")
+        fb = sum(r.fallback for r in rs)
+        if kind == "terminate":
+            share = sum(r.shared for r in rs) / max(1, sum(r.units for r in rs))
+            notes.append(f"{cfg}: rate-limit decisions made in Redis per request: "
+                         f"{share:.2f}" + (f", {fb:.0f} in the local fallback" if fb else ""))
+        cores = {c: statistics.median(r.busy[c] for r in rs) for c in rs[0].busy}
+        notes.append(f"{cfg}: cores busy (median) " +
+                     ", ".join(f"core {c} {b:.0%}" for c, b in cores.items()))
+        if cfg == "one":
+            idle = statistics.median(r.idle_cpu / r.wall for r in rs)
+            notes.append(f"one: the idle instance B used {idle:.1%} of a core")
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def part_scale(tmp: Path, kinds: list[str], rounds: int, seconds: float, warmup: float
+               ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with services() as started:
+        redis = RedisServer(tmp / "redis-scale")
+        try:
+            rig = build_scale_rig(tmp, started, redis)
+            log(f"scale rig up: instances on {rig.addresses()}:{rig.port}")
+            for kind in kinds:
+                runs = measure_scale(rig, kind, rounds, seconds, warmup)
+                out[kind] = runs
+                print(f"\n### {kind}: one instance against two ({rounds} rounds of "
+                      f"{seconds:g} s, median (min–max))\n", flush=True)
+                print(scale_table(kind, runs), flush=True)
+        finally:
+            redis.stop()
+    return out
+
+
+# --- failover and latency: three instances, one connector ---------------------------------
+
+
+def _first_success(instance: Instance, host: str, since: float, out: list[float],
+                   limit: float = 30.0) -> None:
     while time.monotonic() - since < limit:
         if request(instance, host, timeout=5) == 200:
-            return time.monotonic() - since
-    return float("inf")
+            out.append(time.monotonic() - since)
+            return
+    out.append(float("inf"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    trials = 3 if args.quick else 12
-    samples = 30 if args.quick else 300
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        redis = RedisServer(tmp / "redis")
-        key = tmp / "state.key"
-        key.write_bytes(base64.b64encode(os.urandom(32)))
-        os.chmod(key, 0o600)
-        node = home_node(tmp)
-        port = free_port()
-        state = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
-                 " deadline: 500ms, peers: [PEERS]}\n"
-                 # every terminate request charges the caller's IP: the bench is one IP
-                 "limits: {calls_per_hour_per_ip: 10000000}\n")
-        instances = [Instance(tmp, addr, port, node.identity.fingerprint, extra=state)
-                     for addr in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
-        a, b, c = instances
-        fps = [i.identity.fingerprint for i in instances]
+def part_cluster(tmp: Path, parts: list[str], trials: int, samples: int) -> None:
+    redis = RedisServer(tmp / "redis")
+    key = tmp / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    node = home_node(tmp)
+    port = free_port_on("127.0.0.2", "127.0.0.3", "127.0.0.4")
+    state = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
+             " deadline: 500ms, peers: [PEERS]}\n"
+             # every terminate request charges the caller's IP: the bench is one IP
+             "limits: {calls_per_hour_per_ip: 10000000}\n")
+    instances = [Instance(tmp, addr, port, node.identity.fingerprint, extra=state)
+                 for addr in ("127.0.0.2", "127.0.0.3", "127.0.0.4")]
+    a, b, c = instances
+    fps = [i.identity.fingerprint for i in instances]
+    for instance in instances:
+        others = [fp for fp in fps if fp != instance.identity.fingerprint]
+        instance.config.write_text(
+            instance.config.read_text().replace("PEERS", ", ".join(others)))
+    connect = None
+    try:
         for instance in instances:
-            others = [fp for fp in fps if fp != instance.identity.fingerprint]
-            instance.config.write_text(
-                instance.config.read_text().replace("PEERS", ", ".join(others)))
-        connect = None
-        try:
-            for instance in instances:
-                instance.start()
-            connect = Connect(tmp, node.identity, node.port,
-                              [f"{a.address}:{port}", f"{b.address}:{port}"],
-                              [a.identity.fingerprint, b.identity.fingerprint])
-            for instance in (a, b):
-                wait_for(lambda i=instance: i.tunnels_up() >= 1, f"tunnel on {instance.address}")
-            wait_for(lambda: request(c, PT_HOST) == 200, "C forwarding")
+            instance.start()
+        connect = Connect(tmp, node.identity, node.port,
+                          [f"{a.address}:{port}", f"{b.address}:{port}"],
+                          [a.identity.fingerprint, b.identity.fingerprint])
+        for instance in (a, b):
+            wait_for(lambda i=instance: i.tunnels_up() >= 1, f"tunnel on {instance.address}")
+        wait_for(lambda: request(c, PT_HOST) == 200, "C forwarding")
 
+        if "failover" in parts:
             direct: list[float] = []
             forwarded: list[float] = []
-            for _ in range(trials):
+            for trial in range(trials):
                 killed = time.monotonic()
                 a.kill()
-                direct.append(_first_success(b, PT_HOST, killed))
-                killed = time.monotonic()  # C: measured from its own start, same situation
-                forwarded.append(_first_success(c, PT_HOST, killed))
+                probes = [threading.Thread(target=_first_success, args=(i, PT_HOST, killed, o))
+                          for i, o in ((b, direct), (c, forwarded))]
+                for t in probes:
+                    t.start()
+                for t in probes:
+                    t.join()
+                log(f"failover trial {trial + 1}/{trials}: B {direct[-1]:.3f} s, "
+                    f"C {forwarded[-1]:.3f} s")
                 a.start()
                 wait_for(lambda: a.tunnels_up() >= 1, "the connector back on A", timeout=60)
                 wait_for(lambda: request(a, PT_HOST) == 200, "A serving again")
-            print(f"\nFailover after kill -9 of A ({trials} trials), seconds to the first "
-                  "successful request")
+                # C must know A again, or the next trial would start from a registry
+                # without A in it (a different situation)
+                time.sleep(2.0)
+            print(f"\n### Failover after kill -9 of A ({trials} trials), seconds from the "
+                  "kill to the first successful request (both probes start at the kill)\n")
             print("| via | p50 | p99 | max |")
             print("| --- | ---: | ---: | ---: |")
             for name, values in (("B (own tunnel)", direct), ("C (forwarded)", forwarded)):
                 print(f"| {name} | {_pct(values, .5):.3f} | {_pct(values, .99):.3f} "
-                      f"| {max(values):.3f} |")
+                      f"| {max(values):.3f} |", flush=True)
 
-            print(f"\nRequest latency, {samples} sequential requests (new TLS connection each)")
+        if "latency" in parts:
+            print(f"\n### Request latency, {samples} sequential requests (new TLS connection "
+                  "each)\n")
             print("| route | via | p50 ms | p99 ms | failed |")
             print("| --- | --- | ---: | ---: | ---: |")
             for host, mode in ((PT_HOST, "passthrough"), (TM_HOST, "terminate")):
@@ -120,14 +553,64 @@ def main() -> None:
                         else:
                             failed[status] += 1
                     print(f"| {mode} | {via} | {statistics.median(times):.2f} "
-                          f"| {_pct(times, .99):.2f} | {dict(failed) or 0} |")
-        finally:
-            if connect is not None:
-                connect.close()
-            for instance in instances:
-                instance.close()
-            redis.stop()
-            node.stop()
+                          f"| {_pct(times, .99):.2f} | {dict(failed) or 0} |", flush=True)
+    finally:
+        if connect is not None:
+            connect.close()
+        for instance in instances:
+            instance.close()
+        redis.stop()
+        node.stop()
+
+
+def part_limiter(tmp: Path, requests: int) -> None:
+    from tests.bench.bench_redis_limiter import part_requests, table
+
+    redis = RedisServer(tmp / "redis-limiter")
+    try:
+        repin(redis.proc.pid, str(LOAD_CORE))  # type: ignore[union-attr]
+        rows = part_requests(redis, tmp / "limiter", requests)
+    finally:
+        redis.stop()
+    print()
+    print(table(f"Terminate request, keep-alive, node offline ({requests:,} requests; "
+                "local against Redis state)", rows), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument("--only", help="comma-separated parts: " + ",".join(PARTS))
+    parser.add_argument("--rounds", type=int, help="capacity/flood rounds (default 5)")
+    parser.add_argument("--seconds", type=float, help="capacity/flood run length (default 5)")
+    parser.add_argument("--trials", type=int, help="failover trials (default 12)")
+    args = parser.parse_args()
+    parts = args.only.split(",") if args.only else list(PARTS)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    rounds = args.rounds or (1 if args.quick else 5)
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    trials = args.trials or (3 if args.quick else 12)
+    samples = 30 if args.quick else 300
+    load1, load5, _ = os.getloadavg()
+    print(f"- {machine_notes()[0]}; load average at start {load1:.2f} (1 min), "
+          f"{load5:.2f} (5 min)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pact-bench-cluster-") as tmp_name:
+        tmp = Path(tmp_name)
+        kinds = [k for k, part in (("terminate", "capacity"), ("flood", "flood"))
+                 if part in parts]
+        if kinds:
+            (tmp / "scale").mkdir()
+            part_scale(tmp / "scale", kinds, rounds, seconds, 1.0 if args.quick else 2.0)
+        if "failover" in parts or "latency" in parts:
+            (tmp / "cluster").mkdir()
+            part_cluster(tmp / "cluster", parts, trials, samples)
+        if "limiter" in parts:
+            (tmp / "limiter").mkdir()
+            part_limiter(tmp, 1_000 if args.quick else 10_000)
+    load1, _, _ = os.getloadavg()
+    print(f"\n- load average at the end {load1:.2f} (1 min)")
 
 
 if __name__ == "__main__":
