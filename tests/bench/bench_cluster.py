@@ -291,10 +291,21 @@ class ScaleRun:
         return len(self.ingress_cpu) * 1e6 / self.cpu_per_unit_us
 
     @property
-    def all_cpu_per_unit_us(self) -> float:
-        total = sum(self.ingress_cpu) + self.idle_cpu + self.node_cpu + self.redis_cpu + \
+    def ours(self) -> float:
+        """CPU seconds of every process of the bench (instances, node, redis, clients)."""
+        return sum(self.ingress_cpu) + self.idle_cpu + self.node_cpu + self.redis_cpu + \
             self.client_cpu
-        return total / self.units * 1e6 if self.units else float("nan")
+
+    @property
+    def foreign(self) -> float:
+        """Cores' worth of other work on the machine during the run: busy time of both
+        cores that none of the bench's processes account for (other users' processes,
+        and kernel work not charged to a process)."""
+        return max(0.0, sum(self.busy.values()) - self.ours / self.wall)
+
+    @property
+    def all_cpu_per_unit_us(self) -> float:
+        return self.ours / self.units * 1e6 if self.units else float("nan")
 
 
 def _children_cpu() -> float:
@@ -390,7 +401,7 @@ def measure_scale(rig: ScaleRig, kind: str, rounds: int, seconds: float, warmup:
             log(f"{kind} round {rnd + 1}/{rounds} {config}: {run.rate:,.0f}/s, "
                 f"ingress {run.cpu_per_unit_us:.0f} µs each, capacity {run.capacity:,.0f}/s, "
                 f"err={run.errors} non2xx={run.non2xx} shared={run.shared:.0f} "
-                f"fallback={run.fallback:.0f}, cores "
+                f"fallback={run.fallback:.0f}, other work {run.foreign:.2f} cores, cores "
                 + " ".join(f"{c}:{b:.0%}" for c, b in run.busy.items()))
     return runs
 
@@ -416,6 +427,7 @@ def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
          lambda r: r.all_cpu_per_unit_us, ",.0f"),
         ("redis-server CPU per unit (µs)", lambda r: r.redis_cpu / r.units * 1e6, ".1f"),
         ("load generator CPU per unit (µs)", lambda r: r.client_cpu / r.units * 1e6, ".1f"),
+        ("other work on the machine meanwhile (cores, of 2)", lambda r: r.foreign, ".2f"),
     ]
     lines = [f"| {kind} | one instance (core 0) | two instances (cores 0, 1) | two ÷ one |",
              "| --- | ---: | ---: | ---: |"]
@@ -447,8 +459,71 @@ def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
-def part_scale(tmp: Path, kinds: list[str], rounds: int, seconds: float, warmup: float
-               ) -> dict[str, Any]:
+#: py-spy sampling rate (Hz) for `--profile`: low, since it pauses the process per sample.
+PROFILE_RATE = 100
+#: Where a sample's innermost frame lies, first match wins; the rest by the terminate
+#: bench's components.
+_OWN_PARTS = (("pact_ingress/state/", "pact-ingress state/ (Redis limiter client)"),
+              ("pact_ingress/net/", "pact-ingress net/ (router, terminate, upstream)"),
+              ("pact_ingress/proto/", "pact-ingress proto/"),
+              ("pact_ingress/", "pact-ingress (other)"))
+
+
+def _component(filename: str) -> str:
+    from tests.bench.bench_terminate import component
+
+    for needle, name in _OWN_PARTS:
+        if needle in filename:
+            return name
+    return component(filename)
+
+
+def profile_instance(rig: ScaleRig, kind: str, config: str, seconds: float
+                     ) -> tuple[ScaleRun, dict[str, float], float, int]:
+    """One run of `config` with py-spy sampling instance A: (the run, self share by
+    component, inclusive share of the state/ package, samples)."""
+    from tests.bench.bench_terminate import _task_frames, parse_collapsed
+
+    out = rig.tmp / f"py-spy-{kind}-{config}.txt"
+    spy = subprocess.Popen(
+        ["py-spy", "record", "--pid", str(rig.instances[0].pid), "--duration",
+         f"{seconds + 1:g}", "--rate", str(PROFILE_RATE), "--full-filenames", "--format",
+         "raw", "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the load starts
+    run = scale_run(rig, kind, config, seconds)
+    try:
+        spy.wait(seconds + SLACK)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+    stacks = parse_collapsed(out.read_text()) if out.exists() else []
+    total = sum(n for _, n in stacks) or 1
+    own: Counter[str] = Counter()
+    state = 0
+    for frames, n in stacks:
+        if frames:
+            own[_component(frames[-1][1])] += n
+            if any("pact_ingress/state/" in f for _, f in _task_frames(frames)):
+                state += n
+    return run, {k: v / total for k, v in own.most_common()}, state / total, total
+
+
+def profile_table(kind: str, profiles: dict[str, tuple[ScaleRun, dict[str, float], float,
+                                                         int]]) -> str:
+    one, two = profiles["one"], profiles["two"]
+    lines = [f"| instance A under {kind}, py-spy {PROFILE_RATE} Hz (self share) | one | two |",
+             "| --- | ---: | ---: |"]
+    for comp in sorted(set(one[1]) | set(two[1]), key=lambda c: -one[1].get(c, 0.0)):
+        lines.append(f"| {comp} | {one[1].get(comp, 0.0):.1%} | {two[1].get(comp, 0.0):.1%} |")
+    lines.append(f"| inclusive: any frame in pact-ingress state/ | {one[2]:.1%} | {two[2]:.1%} |")
+    lines.append(f"| samples | {one[3]:,} | {two[3]:,} |")
+    lines.append(f"| ingress CPU per unit in the profiled run (µs) | "
+                 f"{one[0].cpu_per_unit_us:,.0f} | {two[0].cpu_per_unit_us:,.0f} |")
+    return "\n".join(lines)
+
+
+def part_scale(tmp: Path, kinds: list[str], rounds: int, seconds: float, warmup: float,
+               profile: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with services() as started:
         redis = RedisServer(tmp / "redis-scale")
@@ -461,6 +536,10 @@ def part_scale(tmp: Path, kinds: list[str], rounds: int, seconds: float, warmup:
                 print(f"\n### {kind}: one instance against two ({rounds} rounds of "
                       f"{seconds:g} s, median (min–max))\n", flush=True)
                 print(scale_table(kind, runs), flush=True)
+                if profile:
+                    profiles = {c: profile_instance(rig, kind, c, seconds)
+                                for c in ("one", "two")}
+                    print("\n" + profile_table(kind, profiles), flush=True)
         finally:
             redis.stop()
     return out
@@ -584,6 +663,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="capacity/flood rounds (default 5)")
     parser.add_argument("--seconds", type=float, help="capacity/flood run length (default 5)")
     parser.add_argument("--trials", type=int, help="failover trials (default 12)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after capacity/flood: one run of each configuration with "
+                             "py-spy on instance A, shares by component")
     args = parser.parse_args()
     parts = args.only.split(",") if args.only else list(PARTS)
     unknown = set(parts) - set(PARTS)
@@ -602,7 +684,8 @@ def main() -> None:
                  if part in parts]
         if kinds:
             (tmp / "scale").mkdir()
-            part_scale(tmp / "scale", kinds, rounds, seconds, 1.0 if args.quick else 2.0)
+            part_scale(tmp / "scale", kinds, rounds, seconds, 1.0 if args.quick else 2.0,
+                       args.profile)
         if "failover" in parts or "latency" in parts:
             (tmp / "cluster").mkdir()
             part_cluster(tmp / "cluster", parts, trials, samples)
