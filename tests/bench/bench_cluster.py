@@ -82,8 +82,17 @@ from tests.redis_server import RedisServer
 from tests.terminate_env import free_port
 
 PARTS = ("capacity", "flood", "failover", "latency", "limiter")
-#: The instances of the capacity and flood parts: address and the core each is pinned to.
-SCALE_INSTANCES = (("127.0.0.2", 0), ("127.0.0.3", 1))
+#: The instances of the capacity and flood parts: address, the core each is pinned to, and
+#: whether it keeps its state in Redis. The third, with local state, is the reference for
+#: what one instance does without a cluster (terminate only).
+SCALE_INSTANCES = (("127.0.0.2", 0, True), ("127.0.0.3", 1, True), ("127.0.0.4", 0, False))
+#: Configuration → the instances that carry load (indices into SCALE_INSTANCES).
+CONFIGS = {"local": (2,), "one": (0,), "two": (0, 1)}
+CONFIG_NAMES = {"local": "one instance, local state (core 0)",
+                "one": "one instance (core 0)", "two": "two instances (cores 0, 1)"}
+#: Configurations per kind, and the ratio columns of its table.
+KIND_CONFIGS = {"terminate": ("local", "one", "two"), "flood": ("one", "two")}
+KIND_RATIOS = {"terminate": (("two", "one"), ("two", "local")), "flood": (("two", "one"),)}
 BOTH_CORES = "0,1"
 LOAD_CORE = 1
 #: SNI and Host of the terminate requests: wrk takes both from the URL, and `localhost` is
@@ -188,7 +197,7 @@ class ScaleRig:
     hello: Path
 
     def addresses(self) -> list[str]:
-        return [a for a, _ in SCALE_INSTANCES]
+        return [a for a, _, _ in SCALE_INSTANCES]
 
 
 def build_scale_rig(tmp: Path, started: list[Service], redis: RedisServer) -> ScaleRig:
@@ -205,10 +214,10 @@ def build_scale_rig(tmp: Path, started: list[Service], redis: RedisServer) -> Sc
     keygen(tmp / "front.key", common_name=TM_NAME)
     body = tmp / "body.txt"
     body.write_bytes(b"o" * (BODY_BYTES - 1) + b"\n")
-    port = free_port_on(*(a for a, _ in SCALE_INSTANCES))
+    port = free_port_on(*(a for a, _, _ in SCALE_INSTANCES))
     node_port, sink_port = free_port(), free_port()
     dirs, idents = [], []
-    for address, _ in SCALE_INSTANCES:
+    for address, _, _ in SCALE_INSTANCES:
         d = tmp / address
         d.mkdir()
         dirs.append(d)
@@ -223,10 +232,11 @@ def build_scale_rig(tmp: Path, started: list[Service], redis: RedisServer) -> Sc
     hello = tmp / "hello.bin"
     hello.write_bytes(hello_for(FLOOD_SNI))
     instances, admins = [], []
-    for d, (address, core) in zip(dirs, SCALE_INSTANCES, strict=True):
+    for d, (address, core, shared) in zip(dirs, SCALE_INSTANCES, strict=True):
         admin = free_port()
         (d / "ingress.yaml").write_text(scale_yaml(d, address, port, admin, node_port,
-                                                   node_id.fingerprint, sink_port, state))
+                                                   node_id.fingerprint, sink_port,
+                                                   state if shared else ""))
         svc = Service(f"serve {address}", python_module(
             "pact_ingress", "serve", "-c", str(d / "ingress.yaml")), core, d / "serve.log")
         started.append(svc)
@@ -234,8 +244,9 @@ def build_scale_rig(tmp: Path, started: list[Service], redis: RedisServer) -> Sc
         instances.append(svc)
         admins.append(Address("127.0.0.1", admin))
     rig = ScaleRig(tmp, port, instances, admins, node, redis, hello)
-    for admin in admins:
-        wait_for(lambda a=admin: _state_mode(a) == "shared", "the instances on Redis")
+    for admin, (_, _, shared) in zip(admins, SCALE_INSTANCES, strict=True):
+        want = "shared" if shared else "local"
+        wait_for(lambda a=admin, w=want: _state_mode(a) == w, f"an instance's state: {want}")
     return rig
 
 
@@ -265,14 +276,14 @@ def repin(pid: int, cores: str) -> None:
 
 @dataclass
 class ScaleRun:
-    config: str  # "one" | "two"
+    config: str  # a key of CONFIGS
     units: int
     errors: int
     non2xx: int
     rate: float  # units/s: the sum of the generators' own rates
     wall: float  # the measured window (start of the first to end of the last generator)
     ingress_cpu: list[float]  # per loaded instance
-    idle_cpu: float  # the instance without load ("one"), else 0
+    idle_cpu: float  # the instances without load
     node_cpu: float
     redis_cpu: float
     client_cpu: float
@@ -335,13 +346,15 @@ def _run_generators(argvs: list[list[str]], bound: float) -> tuple[list[str], fl
 
 
 def scale_run(rig: ScaleRig, kind: str, config: str, seconds: float) -> ScaleRun:
-    """One run of `kind` (terminate | flood) in `config` (one | two)."""
-    loaded = rig.instances[:1] if config == "one" else rig.instances
-    load_cores = str(LOAD_CORE) if config == "one" else BOTH_CORES
+    """One run of `kind` (terminate | flood) in `config` (a key of CONFIGS). With one
+    instance loaded, everything else of the bench is pinned to the other core; with two,
+    it may run on either."""
+    loaded = CONFIGS[config]
+    load_cores = str(LOAD_CORE) if len(loaded) == 1 else BOTH_CORES
     for pid in (rig.node.pid, rig.redis.proc.pid):  # type: ignore[union-attr]
         repin(pid, load_cores)
     argvs = []
-    for address, _ in SCALE_INSTANCES[:len(loaded)]:
+    for address in (SCALE_INSTANCES[i][0] for i in loaded):
         if kind == "terminate":
             lua = rig.tmp / f"wrk-{address}.lua"
             lua.write_text(_WRK_ADDR_LUA.format(host=address, port=rig.port))
@@ -355,7 +368,8 @@ def scale_run(rig: ScaleRig, kind: str, config: str, seconds: float) -> ScaleRun
     pids = {"node": rig.node.pid, "redis": rig.redis.proc.pid}  # type: ignore[union-attr]
     pids.update({f"i{n}": svc.pid for n, svc in enumerate(rig.instances)})
     before = {k: cpu_seconds(v) for k, v in pids.items()}
-    dec0 = [_decisions(a) for a in rig.admins[:len(loaded)]] if kind == "terminate" else []
+    admins = [rig.admins[i] for i in loaded] if kind == "terminate" else []
+    dec0 = [_decisions(a) for a in admins]
     client0, ticks0 = _children_cpu(), core_ticks()
     outs, wall = _run_generators(argvs, seconds)
     busy = core_busy(ticks0, core_ticks())
@@ -377,11 +391,11 @@ def scale_run(rig: ScaleRig, kind: str, config: str, seconds: float) -> ScaleRun
             units, errors = units + r["units"], errors + r["errors"]
             rate += r["units"] / r["elapsed"] if r["elapsed"] else 0.0
     run = ScaleRun(config, units, errors, non2xx, rate, wall,
-                   [used[f"i{n}"] for n in range(len(loaded))],
-                   used["i1"] if config == "one" else 0.0,
+                   [used[f"i{n}"] for n in loaded],
+                   sum(used[f"i{n}"] for n in range(len(rig.instances)) if n not in loaded),
                    used["node"], used["redis"], client, busy, raw=outs)
     if kind == "terminate":
-        for a, d0 in zip(rig.admins, dec0, strict=False):
+        for a, d0 in zip(admins, dec0, strict=True):
             d1 = _decisions(a)
             run.shared += d1.get("shared", 0) - d0.get("shared", 0)
             run.fallback += d1.get("fallback", 0) - d0.get("fallback", 0)
@@ -390,12 +404,13 @@ def scale_run(rig: ScaleRig, kind: str, config: str, seconds: float) -> ScaleRun
 
 def measure_scale(rig: ScaleRig, kind: str, rounds: int, seconds: float, warmup: float
                   ) -> dict[str, list[ScaleRun]]:
-    for config in ("one", "two"):
+    configs = KIND_CONFIGS[kind]
+    for config in configs:
         scale_run(rig, kind, config, warmup)
-    runs: dict[str, list[ScaleRun]] = {"one": [], "two": []}
+    runs: dict[str, list[ScaleRun]] = {c: [] for c in configs}
     for rnd in range(rounds):
-        # alternate the order: a machine that gets busier during the run hurts both alike
-        for config in (("one", "two") if rnd % 2 == 0 else ("two", "one")):
+        # alternate the order: a machine that gets busier during the run hurts all alike
+        for config in (configs if rnd % 2 == 0 else configs[::-1]):
             run = scale_run(rig, kind, config, seconds)
             runs[config].append(run)
             log(f"{kind} round {rnd + 1}/{rounds} {config}: {run.rate:,.0f}/s, "
@@ -415,7 +430,7 @@ def _spread(values: list[float], fmt: str) -> str:
 
 def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
     unit = "req" if kind == "terminate" else "conn"
-    one, two = runs["one"], runs["two"]
+    configs, ratios = KIND_CONFIGS[kind], KIND_RATIOS[kind]
     rows: list[tuple[str, Callable[[ScaleRun], float], str]] = [
         (f"{unit}/s, raw (all on this 2-core machine)", lambda r: r.rate, ",.0f"),
         (f"ingress CPU per {unit} (µs)", lambda r: r.cpu_per_unit_us, ",.0f"),
@@ -429,17 +444,24 @@ def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
         ("load generator CPU per unit (µs)", lambda r: r.client_cpu / r.units * 1e6, ".1f"),
         ("other work on the machine meanwhile (cores, of 2)", lambda r: r.foreign, ".2f"),
     ]
-    lines = [f"| {kind} | one instance (core 0) | two instances (cores 0, 1) | two ÷ one |",
-             "| --- | ---: | ---: | ---: |"]
+    head = [kind, *(CONFIG_NAMES[c] for c in configs), *(f"{a} ÷ {b}" for a, b in ratios)]
+    lines = ["| " + " | ".join(head) + " |",
+             "| --- |" + " ---: |" * (len(head) - 1)]
     for name, get, fmt in rows:
-        a, b = [get(r) for r in one], [get(r) for r in two]
-        ratio = (f"{statistics.median(b) / statistics.median(a):.2f}×"
-                 if statistics.median(a) else "–")
-        lines.append(f"| {name} | {_spread(a, fmt)} | {_spread(b, fmt)} | {ratio} |")
-    # the ratio's own spread: each round's two ÷ the same round's one
+        values = {c: [get(r) for r in runs[c]] for c in configs}
+        cells = [_spread(values[c], fmt) for c in configs]
+        for a, b in ratios:
+            den = statistics.median(values[b])
+            cells.append(f"{statistics.median(values[a]) / den:.2f}×" if den else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    # the ratio's own spread: each round's quotient of the same round's runs
     for name, get in ((f"{unit}/s, raw", lambda r: r.rate), ("capacity", lambda r: r.capacity)):
-        per_round = [get(b) / get(a) for a, b in zip(one, two, strict=True)]
-        lines.append(f"| {name}, two ÷ one per round | | | {_spread(per_round, '.2f')}× |")
+        cells = []
+        for a, b in ratios:
+            per_round = [get(x) / get(y) for x, y in zip(runs[a], runs[b], strict=True)]
+            cells.append(f"{_spread(per_round, '.2f')}×")
+        lines.append(f"| {name}, quotient per round |" + " |" * len(configs) + " "
+                     + " | ".join(cells) + " |")
     notes = []
     for cfg, rs in runs.items():
         errs = sum(r.errors + r.non2xx for r in rs)
@@ -452,10 +474,9 @@ def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
                          f"{share:.2f}" + (f", {fb:.0f} in the local fallback" if fb else ""))
         cores = {c: statistics.median(r.busy[c] for r in rs) for c in rs[0].busy}
         notes.append(f"{cfg}: cores busy (median) " +
-                     ", ".join(f"core {c} {b:.0%}" for c, b in cores.items()))
-        if cfg == "one":
-            idle = statistics.median(r.idle_cpu / r.wall for r in rs)
-            notes.append(f"one: the idle instance B used {idle:.1%} of a core")
+                     ", ".join(f"core {c} {b:.0%}" for c, b in cores.items()) +
+                     f"; the instances without load used "
+                     f"{statistics.median(r.idle_cpu / r.wall for r in rs):.1%} of a core")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
@@ -642,18 +663,19 @@ def part_cluster(tmp: Path, parts: list[str], trials: int, samples: int) -> None
         node.stop()
 
 
-def part_limiter(tmp: Path, requests: int) -> None:
+def part_limiter(tmp: Path, requests: int, rounds: int) -> None:
     from tests.bench.bench_redis_limiter import part_requests, table
 
     redis = RedisServer(tmp / "redis-limiter")
     try:
         repin(redis.proc.pid, str(LOAD_CORE))  # type: ignore[union-attr]
-        rows = part_requests(redis, tmp / "limiter", requests)
+        rows = part_requests(redis, tmp / "limiter", requests, rounds)
     finally:
         redis.stop()
     print()
-    print(table(f"Terminate request, keep-alive, node offline ({requests:,} requests; "
-                "local against Redis state)", rows), flush=True)
+    print(table(f"Terminate request, keep-alive, node offline ({rounds} × {requests:,} "
+                "requests per state, alternating; median, CPU spread in brackets)", rows),
+          flush=True)
 
 
 def main() -> None:
@@ -691,7 +713,7 @@ def main() -> None:
             part_cluster(tmp / "cluster", parts, trials, samples)
         if "limiter" in parts:
             (tmp / "limiter").mkdir()
-            part_limiter(tmp, 1_000 if args.quick else 10_000)
+            part_limiter(tmp, 1_000 if args.quick else 5_000, 1 if args.quick else 4)
     load1, _, _ = os.getloadavg()
     print(f"\n- load average at the end {load1:.2f} (1 min)")
 
