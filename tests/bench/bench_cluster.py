@@ -104,6 +104,8 @@ HUGE = 1_000_000_000
 MAX_CONNS = 4000
 WRK_CONNS = 8
 FLOOD_INFLIGHT = 64
+#: A run is "quiet" when other work on the machine took less than this many cores.
+QUIET = 0.25
 #: Seconds a run may overrun its own bound before it is treated as hung.
 SLACK = 30.0
 _WRK_ADDR_LUA = """\
@@ -462,6 +464,18 @@ def scale_table(kind: str, runs: dict[str, list[ScaleRun]]) -> str:
             cells.append(f"{_spread(per_round, '.2f')}×")
         lines.append(f"| {name}, quotient per round |" + " |" * len(configs) + " "
                      + " | ".join(cells) + " |")
+    # rounds in which other work took little of the machine in both runs compared: a
+    # single pinned instance shares its core with whatever else runs there, and its CPU
+    # per unit rises with it (caches, preemption), which flatters the ratio
+    for name, get in ((f"{unit}/s, raw", lambda r: r.rate), ("capacity", lambda r: r.capacity)):
+        cells = []
+        for a, b in ratios:
+            quiet = [get(x) / get(y) for x, y in zip(runs[a], runs[b], strict=True)
+                     if x.foreign < QUIET and y.foreign < QUIET]
+            cells.append(f"{_spread(quiet, '.2f')}× ({len(quiet)} of {len(runs[a])})"
+                         if quiet else f"– (0 of {len(runs[a])})")
+        lines.append(f"| {name}, quotient in quiet rounds (other work < {QUIET:g} cores) |"
+                     + " |" * len(configs) + " " + " | ".join(cells) + " |")
     notes = []
     for cfg, rs in runs.items():
         errs = sum(r.errors + r.non2xx for r in rs)
