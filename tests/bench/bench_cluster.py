@@ -2,20 +2,26 @@
 
     python -m tests.bench.bench_cluster                    # every part, about ten minutes
     python -m tests.bench.bench_cluster --quick            # smoke run
-    python -m tests.bench.bench_cluster --only capacity,flood --rounds 5
+    python -m tests.bench.bench_cluster --only capacity,flood --profile
+    python -m tests.bench.bench_cluster --only failover,latency,limiter
 
-Needs `redis-server`, `haproxy` and `wrk`. Five parts (`--only` picks some):
+Needs `redis-server`, `haproxy` and `wrk` (and `py-spy` for `--profile`). Five parts
+(`--only` picks some):
 
 1. **capacity** (terminate, HTTP/1.1 keep-alive): `serve` A on 127.0.0.2 pinned to core 0
    and `serve` B on 127.0.0.3 pinned to core 1, one TLS port, both with `state: backend:
    redis` (every request charges the caller's IP in Redis) and one terminate route to the
    same node. The node is HAProxy answering `200` + 1 KiB itself over pinned mutual TLS
-   (C, one thread), the load `wrk -t1 -c8` per loaded instance (C; a Lua `setup` points
-   it at the instance's address while SNI and Host stay `localhost`). Two configurations
-   back to back, each round: **one** (only A carries load; wrk, the node and redis-server
-   pinned to core 1, B idle) and **two** (A and B each under their own wrk; wrk, node
-   and redis-server free to run on either core, so they compete with the instances).
-   Per run: requests/s, each process's CPU from /proc, each core's busy share. The
+   (C, one thread), the load `wrk -t1 -c8` per loaded instance (C; a Lua script points
+   it at the instance's address while SNI and Host stay `localhost`). Configurations
+   back to back, each round, in alternating order: **one** (only A carries load; wrk,
+   the node and redis-server pinned to core 1, B idle), **two** (A and B each under their
+   own wrk; wrk, node and redis-server free to run on either core, so they compete with
+   the instances) and, for reference, **local** (a third instance L on 127.0.0.4, core
+   0, with local state, loaded as A is in "one": what one instance does without Redis).
+   Per run: requests/s, each process's CPU from /proc, each core's busy share, the other
+   work on the machine (busy time no bench process accounts for), and the rate-limit
+   decisions each instance made in Redis (from its admin `/metrics`). The
    capacity of a configuration is its instances' cores × requests per ingress
    CPU-second: what the instances would answer with a whole core each, whatever else
    shares the machine; the raw rate is what this 2-core box delivers with everything
@@ -23,22 +29,26 @@ Needs `redis-server`, `haproxy` and `wrk`. Five parts (`--only` picks some):
 2. **flood** (passthrough, no crypto): the canned-ClientHello flood of the passthrough
    bench (`loadgen flood`, 64 connections in flight per instance, Python epoll) to a
    passthrough route whose backend is HAProxy's sink (closes after the hello); same
-   instances, same pinning, same two configurations.
+   instances, same pinning, configurations one and two.
 3. **failover**: three `serve` processes (127.0.0.2/.3/.4), one `connect` holding tunnels
    on A and B only (C has none: its callers are always forwarded). Per trial, `kill -9`
    of A, then two probes start at once, one through B (its own tunnel) and one through
    C (forwarded: the registry still names A for up to its TTL, so C may pick the dead A
    first); each makes requests back to back until one succeeds. The time from the kill
-   to that first success; then A is restarted and the connector's slot back on it is
-   awaited. p50/p99 over the trials.
+   to that first success; then A is restarted, the connector's slot back on it awaited,
+   and the registry given 2 s to name A again. p50/p99 over the trials.
 4. **latency**: sequential requests (one new TLS connection each) through A (direct: its
    own tunnel) and through C (forwarded), passthrough and terminate.
 5. **limiter**: `bench_redis_limiter`'s per-request part: the same terminate request on
-   a `serve` with local state and one with Redis state, back to back; latency and CPU
-   per request.
+   a `serve` with local state and one with Redis state, 4 rounds alternating; latency
+   and CPU per request.
 
-Not a test: nothing is asserted; the tables go to stdout. Run on a machine shared with
-other work, compare the two configurations of one run, never absolute figures across runs.
+`--profile` adds, after capacity and flood, one run of "one" and "two" with py-spy on A
+(100 Hz): the shares of its samples by component.
+
+Not a test: nothing is asserted; the tables go to stdout. On a machine shared with other
+work, compare the configurations of one run (the "quiet rounds" rows keep only rounds in
+which other work took under 0.25 cores), never absolute figures across runs.
 """
 
 from __future__ import annotations
