@@ -59,6 +59,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ from tests.bench.harness import (
     python_module,
     services,
 )
-from tests.bench.peers import HAPROXY_MAXCONN, HAPROXY_TIMEOUTS, haproxy_argv
+from tests.bench.peers import HAPROXY, HAPROXY_MAXCONN, HAPROXY_TIMEOUTS, haproxy_argv
 from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
 from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
@@ -717,6 +718,13 @@ def main() -> None:
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    needed = ["redis-server"]
+    if {"capacity", "flood"} & set(parts):
+        needed += [HAPROXY, "wrk", "taskset"] + (["py-spy"] if args.profile else [])
+    missing = [tool for tool in needed if shutil.which(tool) is None]
+    if missing:
+        parser.error(f"not found: {', '.join(missing)} (apt-get install redis-server haproxy "
+                     "wrk util-linux; pip install py-spy)")
     rounds = args.rounds or (1 if args.quick else 5)
     seconds = args.seconds or (2.0 if args.quick else 5.0)
     trials = args.trials or (3 if args.quick else 12)
