@@ -18,8 +18,10 @@ and the Redis limiter back to back:
 
 Both use a 1 s `state.deadline`, so every decision is really made in Redis (a busy
 machine would otherwise push some into the local fallback and flatter the figures); the
-"shared" column says what share of decisions Redis made. With taskset and two cores, the ingress (part 2) runs on core 0, redis-server and the
-client on core 1. Not a test: nothing is asserted; the table goes to stdout.
+"shared" column says what share of decisions Redis made. With taskset and two cores, the
+ingress (part 2) runs on core 0, redis-server and the client on core 1. `--rounds N`
+repeats part 2, alternating which state goes first. Not a test: nothing is asserted; the
+table goes to stdout.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import shutil
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,7 +181,10 @@ def _keepalive(port: int, n: int) -> list[float]:
     return latencies
 
 
-def part_requests(redis: RedisServer, tmp: Path, n: int) -> list[tuple[str, ...]]:
+def part_requests(redis: RedisServer, tmp: Path, n: int, rounds: int = 1
+                  ) -> list[tuple[str, ...]]:
+    """`rounds` runs of `n` requests per state, alternating which goes first; rates and
+    CPU are the median over rounds, latencies pooled."""
     key = tmp / "state.key"
     key.write_bytes(base64.b64encode(os.urandom(32)))
     os.chmod(key, 0o600)
@@ -187,20 +193,35 @@ def part_requests(redis: RedisServer, tmp: Path, n: int) -> list[tuple[str, ...]
                    f"encryption_key_file: '{key}'}}")
     procs = {"local": (_serve(tmp, "local", p := free_port(), closed, ""), p),
              "redis": (_serve(tmp, "redis", q := free_port(), closed, redis_state), q)}
+    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in procs}
+    latencies: dict[str, list[float]] = {name: [] for name in procs}
     rows = []
+    rpid = redis.proc.pid  # type: ignore[union-attr]
     try:
-        for name, (proc, port) in procs.items():
+        for name, (_, port) in procs.items():
             _keepalive(port, 300)  # warm up
-            cpu0, rcpu0 = cpu_seconds(proc.pid), cpu_seconds(redis.proc.pid)  # type: ignore[union-attr]
-            started = time.perf_counter()
-            lat = _keepalive(port, n)
-            wall = time.perf_counter() - started
-            cpu = cpu_seconds(proc.pid) - cpu0
-            rcpu = cpu_seconds(redis.proc.pid) - rcpu0  # type: ignore[union-attr]
-            lat.sort()
-            rows.append((f"{name} state", f"{n / wall:,.0f}", f"{lat[n // 2] * 1e6:.0f}",
-                         f"{lat[int(n * 0.99)] * 1e6:.0f}", f"{cpu / n * 1e6:.0f}",
-                         f"{rcpu / n * 1e6:.1f}", "-"))
+        for rnd in range(rounds):
+            for name in (list(procs) if rnd % 2 == 0 else list(procs)[::-1]):
+                proc, port = procs[name]
+                cpu0, rcpu0 = cpu_seconds(proc.pid), cpu_seconds(rpid)
+                started = time.perf_counter()
+                latencies[name] += _keepalive(port, n)
+                wall = time.perf_counter() - started
+                runs[name].append((wall, cpu_seconds(proc.pid) - cpu0,
+                                   cpu_seconds(rpid) - rcpu0))
+        for name, measured in runs.items():
+            lat = sorted(latencies[name])
+            count = len(lat)
+            rate = statistics.median(n / wall for wall, _, _ in measured)
+            cpu = statistics.median(c for _, c, _ in measured) / n
+            rcpu = statistics.median(r for _, _, r in measured) / n
+            spread = ""
+            if len(measured) > 1:
+                each = sorted(c / n * 1e6 for _, c, _ in measured)
+                spread = f" ({each[0]:.0f}–{each[-1]:.0f})"
+            rows.append((f"{name} state", f"{rate:,.0f}", f"{lat[count // 2] * 1e6:.0f}",
+                         f"{lat[int(count * 0.99)] * 1e6:.0f}", f"{cpu * 1e6:.0f}{spread}",
+                         f"{rcpu * 1e6:.1f}", "-"))
     finally:
         for proc, _ in procs.values():
             proc.kill()
@@ -220,6 +241,8 @@ def table(title: str, rows: list[tuple[str, ...]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run, fewer requests")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="part 2: runs per state, alternating (median; default 1)")
     args = parser.parse_args()
     decisions, requests = (2_000, 1_000) if args.quick else (40_000, 10_000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,7 +254,7 @@ def main() -> None:
             print("part 1: per decision...", file=sys.stderr)
             one = trio.run(part_decisions, redis, decisions)
             print("part 2: per terminate request...", file=sys.stderr)
-            two = part_requests(redis, Path(tmp), requests)
+            two = part_requests(redis, Path(tmp), requests, args.rounds)
         finally:
             redis.stop()
     print(table(f"Rate-limit decision, in process ({decisions:,} IP-unit charges)", one))

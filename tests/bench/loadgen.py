@@ -1,6 +1,6 @@
 """Load generators for the benches: each bounded by a count AND by seconds, prints JSON.
 
-    python -m tests.bench.loadgen flood     --port P --hello F [--inflight 64]
+    python -m tests.bench.loadgen flood     --port P --hello F [--inflight 64] [--host A]
     python -m tests.bench.loadgen tls       --port P --sni HOST [--procs 8]
     python -m tests.bench.loadgen bulk      --port P --hello F --bytes N [--conns 8]
     python -m tests.bench.loadgen keepalive --port P --hello F [--conns 8] [--size 1024]
@@ -76,8 +76,8 @@ def _result(kind: str, units: int, errors: int, elapsed: float, **extra: Any) ->
 # --- flood -------------------------------------------------------------------------------
 
 
-def flood(port: int, hello: bytes, inflight: int, seconds: float, max_units: int
-          ) -> dict[str, Any]:
+def flood(port: int, hello: bytes, inflight: int, seconds: float, max_units: int,
+          host: str = LOOPBACK) -> dict[str, Any]:
     """Keep `inflight` connections going; each: connect, hello, wait for EOF, close.
 
     Written for the lowest client CPU per connection (the load core caps the direct
@@ -88,7 +88,7 @@ def flood(port: int, hello: bytes, inflight: int, seconds: float, max_units: int
     of Python and ~70 µs of kernel per connection here; the kernel dominates.
     """
     ep = select.epoll()
-    addr = (LOOPBACK, port)
+    addr = (host, port)
     nonblocking = socket.SOCK_STREAM | socket.SOCK_NONBLOCK
     socks: dict[int, socket.socket] = {}
     connecting: set[int] = set()
@@ -377,6 +377,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kind", choices=("flood", "tls", "bulk", "keepalive"))
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default=LOOPBACK,
+                   help="flood only: a loopback address (several instances, one each)")
     p.add_argument("--hello", type=Path, help="file with the canned ClientHello")
     p.add_argument("--sni", default="tls.example.test")
     p.add_argument("--seconds", type=float, default=5.0)
@@ -388,8 +390,10 @@ def main() -> None:
     p.add_argument("--size", type=int, default=1024)
     a = p.parse_args()
     hello = a.hello.read_bytes() if a.hello else b""
+    if not a.host.startswith("127."):
+        p.error("--host must be a loopback address (127.0.0.0/8)")
     if a.kind == "flood":
-        res = flood(a.port, hello, a.inflight, a.seconds, a.max)
+        res = flood(a.port, hello, a.inflight, a.seconds, a.max, a.host)
     elif a.kind == "tls":
         res = tls(a.port, a.sni, a.procs, a.seconds, a.max)
     elif a.kind == "bulk":
