@@ -4,31 +4,68 @@
 these two functions instead of trio's socket wrappers, which cost more per call than the
 syscall itself on this path. The socket must be non-blocking (trio
 sockets' underlying sockets are). Errors are the caller's to name.
+
+Deadlines are absolute (`trio.current_time()`) and only cost anything when the kernel
+makes us wait: a cancel scope is entered around the wait itself, never around a syscall
+that completes at once, which is what almost every send and many reads do. A deadline
+that passes raises `trio.TooSlowError`.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 
 import trio
 
+_wait_readable = trio.lowlevel.wait_readable
+_wait_writable = trio.lowlevel.wait_writable
 
-async def send_all(sock: socket.socket, data: bytes) -> None:
-    """All of `data`, or `OSError`."""
-    view = memoryview(data)
+
+async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None:
+    """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed."""
+    if deadline == math.inf:
+        await _wait_readable(sock)
+        return
+    with trio.move_on_at(deadline):
+        await _wait_readable(sock)
+        return
+    raise trio.TooSlowError()
+
+
+async def wait_writable(sock: socket.socket, deadline: float = math.inf) -> None:
+    """Until `sock` is writable; `trio.TooSlowError` once `deadline` passed."""
+    if deadline == math.inf:
+        await _wait_writable(sock)
+        return
+    with trio.move_on_at(deadline):
+        await _wait_writable(sock)
+        return
+    raise trio.TooSlowError()
+
+
+async def send_all(sock: socket.socket, data: bytes, deadline: float = math.inf) -> None:
+    """All of `data`, `OSError`, or `trio.TooSlowError` at `deadline`."""
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    if sent == len(data):
+        return
+    view = memoryview(data)[sent:]
     while view:
         try:
             sent = sock.send(view)
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            await wait_writable(sock, deadline)
             continue
         view = view[sent:]
 
 
-async def recv(sock: socket.socket, size: int) -> bytes:
-    """Up to `size` bytes, b"" at the peer's close, or `OSError`."""
+async def recv(sock: socket.socket, size: int, deadline: float = math.inf) -> bytes:
+    """Up to `size` bytes, b"" at the peer's close, `OSError`, or `trio.TooSlowError`."""
     while True:
         try:
             return sock.recv(size)
         except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
+            await wait_readable(sock, deadline)

@@ -62,6 +62,7 @@ can stay open for as long as bytes keep flowing.
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -170,12 +171,15 @@ class _Conn(MemoryTLS):
     def _broken(self, why: str) -> Exception:
         return _Broken(f"the link to the node failed: {why}")
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        await self.write(data)
+    async def send(self, data: bytes | bytearray | memoryview,
+                   deadline: float = math.inf) -> None:
+        """All of `data` to the node; `trio.TooSlowError` at `deadline`."""
+        await self.write(data, deadline)
 
-    async def recv(self) -> bytes:
-        """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link."""
-        return await self.read(READ_SIZE)
+    async def recv(self, deadline: float = math.inf) -> bytes:
+        """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link;
+        `trio.TooSlowError` when nothing came by `deadline`."""
+        return await self.read(READ_SIZE, deadline)
 
     def alive(self) -> bool:
         """Cheap check before reuse: has the node closed (or written to) an idle connection?
@@ -240,11 +244,13 @@ class _Pool:
         """A connection for `sni` and whether it was reused; waits for a slot until
         `deadline` (→ UpstreamTimeout)."""
         while True:
-            await self._expire()
+            idle = self.idle
+            if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
+                await self._expire()
             if not fresh and (conn := self._idle_for(sni)) is not None:
                 if conn.alive():
                     return conn, True
-                await self._discard(conn)
+                await self.discard(conn)
                 continue  # closed by the node while idle: try the next one
             if self.open < MAX_CONNECTIONS_PER_ROUTE:
                 self.open += 1
@@ -255,7 +261,7 @@ class _Pool:
                     self._freed.unpark()
                     raise
             if self.idle:  # full, but an idle connection (to another name) can make room
-                await self._discard(self.idle.pop(0))
+                await self.discard(self.idle.pop(0))
                 continue
             with trio.move_on_at(deadline):
                 await self._freed.park()
@@ -299,6 +305,12 @@ class _Pool:
 
     async def release(self, conn: _Conn, reusable: bool) -> None:
         """A request is done with `conn`: back to the idle list, or closed."""
+        if not self.keep(conn, reusable):
+            await self.discard(conn)
+
+    def keep(self, conn: _Conn, reusable: bool) -> bool:
+        """Put `conn` back on the idle list if it may be reused (True); else the caller
+        must `discard` it."""
         if reusable and not self.retired:
             if not conn.session_saved:
                 # By the end of a response the node's TLS 1.3 tickets have arrived, so
@@ -311,25 +323,25 @@ class _Pool:
                     self.sessions[conn.sni] = session
             conn.idle_since = trio.current_time()
             self.idle.append(conn)
-            self._freed.unpark()
-            return
-        await self._discard(conn)
+            if self._freed:
+                self._freed.unpark()
+            return True
+        return False
 
-    async def _discard(self, conn: _Conn) -> None:
+    async def discard(self, conn: _Conn) -> None:
         self.open -= 1
         self._freed.unpark()
         await conn.aclose()
 
     async def _expire(self) -> None:
         idle = self.idle
-        if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
-            cutoff = trio.current_time() - KEEPALIVE_EXPIRY
-            while idle and idle[0].idle_since < cutoff:
-                await self._discard(idle.pop(0))
+        cutoff = trio.current_time() - KEEPALIVE_EXPIRY
+        while idle and idle[0].idle_since < cutoff:
+            await self.discard(idle.pop(0))
 
     async def close_idle(self) -> None:
         while self.idle:
-            await self._discard(self.idle.pop())
+            await self.discard(self.idle.pop())
 
 
 @dataclass
@@ -417,8 +429,9 @@ class Upstream:
                 yield UpstreamResponse(parser.status, parser.headers, parser.version,
                                        response_body)
             finally:
-                with trio.CancelScope(shield=True):
-                    await entry.release(conn, response_body.complete and parser.keep_alive)
+                if not entry.keep(conn, response_body.complete and parser.keep_alive):
+                    with trio.CancelScope(shield=True):
+                        await entry.discard(conn)
         finally:
             entry.active -= 1
             if self._retired:
@@ -468,26 +481,29 @@ class Upstream:
         parser = ResponseParser(method)
         try:
             buffered = isinstance(body, bytes | bytearray)
-            with trio.move_on_after(idle_timeout) as writing:
+            try:
+                deadline = trio.current_time() + idle_timeout
                 if buffered and body and len(head) + len(body) <= WRITE_SLICE:
-                    await conn.send(head + body)  # one TLS record for the whole request
+                    await conn.send(head + body, deadline)  # one TLS record for it all
                 else:
-                    await conn.send(head)
+                    await conn.send(head, deadline)
                     if buffered and body:
-                        await conn.send(body)
-            if writing.cancelled_caught:
-                raise UpstreamTimeout("the node did not take the request in time")
+                        await conn.send(body, deadline)
+            except trio.TooSlowError:
+                raise UpstreamTimeout("the node did not take the request in time") from None
             if not buffered:
                 await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
-            with trio.move_on_after(self.header_timeout) as waiting:
+            deadline = trio.current_time() + self.header_timeout
+            try:
                 while not parser.head_done:
-                    data = await conn.recv()
+                    data = await conn.recv(deadline)
                     if data:
                         parser.feed(data)
                     else:
                         parser.feed_eof()
-            if waiting.cancelled_caught:
-                raise UpstreamTimeout(f"no response headers within {self.header_timeout:g} s")
+            except trio.TooSlowError:
+                raise UpstreamTimeout(
+                    f"no response headers within {self.header_timeout:g} s") from None
         except ResponseError as exc:
             if parser.received == 0:  # closed before answering at all: maybe stale
                 raise _StaleConnection(f"node connection closed: {exc}") from exc
@@ -539,21 +555,19 @@ def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
 async def _send_stream(conn: _Conn, body: AsyncIterable[bytes], chunked: bool,
                        idle_timeout: float) -> None:
     """A streamed request body, each write bounded by the idle timeout."""
-    async for chunk in body:
-        if not chunk:
-            continue
-        with trio.move_on_after(idle_timeout) as writing:
+    try:
+        async for chunk in body:
+            if not chunk:
+                continue
+            deadline = trio.current_time() + idle_timeout
             if chunked:
-                await conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                await conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk), deadline)
             else:
-                await conn.send(chunk)
-        if writing.cancelled_caught:
-            raise UpstreamTimeout("the node did not take the request body in time")
-    if chunked:
-        with trio.move_on_after(idle_timeout) as writing:
-            await conn.send(b"0\r\n\r\n")
-        if writing.cancelled_caught:
-            raise UpstreamTimeout("the node did not take the request body in time")
+                await conn.send(chunk, deadline)
+        if chunked:
+            await conn.send(b"0\r\n\r\n", trio.current_time() + idle_timeout)
+    except trio.TooSlowError:
+        raise UpstreamTimeout("the node did not take the request body in time") from None
 
 
 class _Body:
@@ -580,13 +594,12 @@ class _Body:
                 return piece
             if parser.done:
                 raise StopAsyncIteration
-            with trio.move_on_after(self._idle) as reading:
-                try:
-                    data = await self._conn.recv()
-                except _Broken as exc:
-                    raise UpstreamProtocolError(f"node body broke: {exc}") from exc
-            if reading.cancelled_caught:
-                raise UpstreamTimeout("node body idle too long")
+            try:
+                data = await self._conn.recv(trio.current_time() + self._idle)
+            except _Broken as exc:
+                raise UpstreamProtocolError(f"node body broke: {exc}") from exc
+            except trio.TooSlowError:
+                raise UpstreamTimeout("node body idle too long") from None
             try:
                 if data:
                     parser.feed(data)
