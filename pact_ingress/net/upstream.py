@@ -66,7 +66,7 @@ import math
 import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import trio
@@ -88,6 +88,8 @@ CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
+#: Pool keys remembered per route object (a route's key is the same on every request).
+MAX_KNOWN_ROUTES = 4096
 #: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
 #: many names; beyond this the oldest is forgotten).
 MAX_SESSIONS_PER_POOL = 64
@@ -372,6 +374,7 @@ class Upstream:
         self.context = pinned_client_context(identity, alpn=ALPN)
         self._pools: dict[PoolKey, _Pool] = {}
         self._retired: list[_Pool] = []
+        self._keys: dict[int, tuple[Route, tuple[str, ...], PoolKey]] = {}
 
     @staticmethod
     def _key(route: Route, pins: tuple[str, ...]) -> PoolKey:
@@ -379,6 +382,7 @@ class Upstream:
 
     def retain(self, live: Iterable[tuple[Route, tuple[str, ...]]]) -> None:
         """Keep pools for these (route, pins); retire the rest (closed when idle)."""
+        self._keys.clear()
         keep = {self._key(r, p) for r, p in live}
         for key in [k for k in self._pools if k not in keep]:
             entry = self._pools.pop(key)
@@ -386,7 +390,14 @@ class Upstream:
             self._retired.append(entry)
 
     def _pool_for(self, route: Route, pins: tuple[str, ...]) -> _Pool:
-        key = self._key(route, pins)
+        known = self._keys.get(id(route))
+        if known is not None and known[0] is route and known[1] is pins:
+            key = known[2]  # the same config objects as last time: their key
+        else:
+            key = self._key(route, pins)
+            if len(self._keys) >= MAX_KNOWN_ROUTES:
+                self._keys.clear()
+            self._keys[id(route)] = (route, pins, key)  # holding route keeps its id unique
         entry = self._pools.get(key)
         if entry is None:
             entry = self._pools[key] = _Pool(self, route, tuple(pins))
@@ -399,8 +410,7 @@ class Upstream:
                 await entry.close_idle()
         self._retired = [e for e in self._retired if e.active > 0]
 
-    @asynccontextmanager
-    async def request(
+    def request(
         self,
         route: Route,
         pins: tuple[str, ...],
@@ -411,31 +421,17 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncIterable[bytes],
         idle_timeout: float,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """Send one request to `route`'s node; yields once response headers arrived.
+    ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """Send one request to `route`'s node; `async with` it: entered once response
+        headers arrived.
 
         `host` is the authority the caller asked for (also our SNI toward the node).
-        Raises an `UpstreamError` subclass before yielding; after yielding, a broken
-        body ends the body iterator with `UpstreamProtocolError`, an idle one with
-        `UpstreamTimeout`.
+        Raises an `UpstreamError` subclass on entering; after that, a broken body ends
+        the body iterator with `UpstreamProtocolError`, an idle one with
+        `UpstreamTimeout`. Leaving gives the connection back to the pool (or closes it).
         """
-        entry = self._pool_for(route, pins)
-        entry.active += 1
-        try:
-            conn, parser = await self._exchange(entry, method, host, target, headers, body,
-                                                idle_timeout)
-            response_body = _Body(conn, parser, idle_timeout)
-            try:
-                yield UpstreamResponse(parser.status, parser.headers, parser.version,
-                                       response_body)
-            finally:
-                if not entry.keep(conn, response_body.complete and parser.keep_alive):
-                    with trio.CancelScope(shield=True):
-                        await entry.discard(conn)
-        finally:
-            entry.active -= 1
-            if self._retired:
-                await self._reap()
+        return _Request(self, self._pool_for(route, pins), method, host, target, headers,
+                        body, idle_timeout)
 
     async def _exchange(
         self,
@@ -523,6 +519,43 @@ class Upstream:
             for entry in pools:
                 entry.retired = True
                 await entry.close_idle()
+
+
+class _Request:
+    """`Upstream.request`'s context: a pool slot and connection held from entering (the
+    response head is in) to leaving (the connection pooled again or closed)."""
+
+    __slots__ = ("_up", "_entry", "_args", "_conn", "_parser", "_body")
+
+    def __init__(self, up: Upstream, entry: _Pool, *args: object) -> None:
+        self._up = up
+        self._entry = entry
+        self._args = args
+
+    async def __aenter__(self) -> UpstreamResponse:
+        up, entry = self._up, self._entry
+        entry.active += 1
+        try:
+            conn, parser = await up._exchange(entry, *self._args)  # type: ignore[arg-type]
+        except BaseException:
+            entry.active -= 1
+            if up._retired:
+                await up._reap()
+            raise
+        self._conn, self._parser = conn, parser
+        self._body = _Body(conn, parser, self._args[-1])  # type: ignore[arg-type]
+        return UpstreamResponse(parser.status, parser.headers, parser.version, self._body)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        up, entry = self._up, self._entry
+        try:
+            if not entry.keep(self._conn, self._body.complete and self._parser.keep_alive):
+                with trio.CancelScope(shield=True):
+                    await entry.discard(self._conn)
+        finally:
+            entry.active -= 1
+            if up._retired:
+                await up._reap()
 
 
 def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],

@@ -223,11 +223,11 @@ class Framing(enum.Enum):
     CLOSE = "close"  # HTTP/1.0 client, no length: the body ends with the connection
 
 
+_REASONS = {int(s): s.phrase.encode("ascii") for s in http.HTTPStatus}
+
+
 def reason(status: int) -> bytes:
-    try:
-        return http.HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        return b"Unknown"
+    return _REASONS.get(status, b"Unknown")
 
 
 def response_framing(request_method: str, http_version: str, status: int,
