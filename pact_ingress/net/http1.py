@@ -76,8 +76,16 @@ class H1Connection:
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
         # our own TLS takes deadlines per call; any other stream gets a scope per read
         self._tls = stream if isinstance(stream, ServerTLS) else None
+        self._idle = trio.CancelScope()  # replaced by `serve`'s
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
+        # One scope for the connection's life, armed (idle deadline, drain) only while
+        # it waits between requests: cheaper than a new scope per wait. When it fires,
+        # the connection ends, which is what an idle timeout or a drain means.
+        with trio.CancelScope() as self._idle:
+            await self._serve(handle)
+
+    async def _serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         served = 0
         while True:
             exchange = await self._next_exchange()
@@ -157,6 +165,18 @@ class H1Connection:
                 return b""
             if data is not None:
                 return data
+            idle = self._idle
+            idle.deadline = deadline
+            self._idle_scopes.add(idle)
+            try:
+                data = await tls.receive_by(READ_SIZE, math.inf, wait_first=True)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            finally:
+                self._idle_scopes.discard(idle)
+                idle.deadline = math.inf
+            # the deadline or a drain may have fired as the bytes arrived: it stands
+            return None if idle.cancel_called else data
         with trio.CancelScope(deadline=deadline) as scope:
             self._idle_scopes.add(scope)
             try:

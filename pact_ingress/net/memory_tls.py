@@ -90,10 +90,10 @@ class MemoryTLS:
             if self._sent:
                 self._sent.unpark_all()
 
-    async def _fill(self, deadline: float = math.inf) -> None:
+    async def _fill(self, deadline: float = math.inf, wait_first: bool = False) -> None:
         try:
             if self._raw is not None:
-                data = await rawsock.recv(self._raw, READ_SIZE, deadline)
+                data = await rawsock.recv(self._raw, READ_SIZE, deadline, wait_first)
             elif deadline == math.inf:
                 data = await self._stream.receive_some(READ_SIZE)  # type: ignore[union-attr]
             else:
@@ -125,10 +125,12 @@ class MemoryTLS:
                 raise self._broken(f"TLS handshake failed: {exc}") from exc
         await self._flush()
 
-    async def read(self, size: int = READ_SIZE, deadline: float = math.inf) -> bytes:
+    async def read(self, size: int = READ_SIZE, deadline: float = math.inf,
+                   wait_first: bool = False) -> bytes:
         """Plaintext (at most `size`), b"" when the peer closed (with or without
         close_notify: a body cut short is caught by the HTTP framing all the same);
-        `trio.TooSlowError` when nothing came by `deadline`."""
+        `trio.TooSlowError` when nothing came by `deadline`. `wait_first`: the caller
+        knows the transport has nothing yet (it just looked, or it just sent a request)."""
         ssl_object, incoming = self._ssl, self._in
         while True:
             if not incoming.pending and not incoming.eof and not ssl_object.pending():
@@ -136,7 +138,8 @@ class MemoryTLS:
                 # SSL_read tell us so by an exception
                 if self._out.pending:  # post-handshake messages (tickets, key update)
                     await self._flush(deadline)
-                await self._fill(deadline)
+                await self._fill(deadline, wait_first)
+                wait_first = False
             try:
                 data = ssl_object.read(size)
             except ssl.SSLWantReadError:

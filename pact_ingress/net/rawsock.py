@@ -62,8 +62,12 @@ async def send_all(sock: socket.socket, data: bytes, deadline: float = math.inf)
         view = view[sent:]
 
 
-async def recv(sock: socket.socket, size: int, deadline: float = math.inf) -> bytes:
-    """Up to `size` bytes, b"" at the peer's close, `OSError`, or `trio.TooSlowError`."""
+async def recv(sock: socket.socket, size: int, deadline: float = math.inf,
+               wait_first: bool = False) -> bytes:
+    """Up to `size` bytes, b"" at the peer's close, `OSError`, or `trio.TooSlowError`.
+    `wait_first`: the caller just found the socket empty; skip the recv bound to fail."""
+    if wait_first:
+        await wait_readable(sock, deadline)
     while True:
         try:
             return sock.recv(size)

@@ -45,10 +45,11 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
     # (`trio.TooSlowError` when it passes), so an operation that completes at once costs
     # no scope at all.
 
-    async def receive_by(self, max_bytes: int, deadline: float) -> bytes:
+    async def receive_by(self, max_bytes: int, deadline: float,
+                         wait_first: bool = False) -> bytes:
         if self._closed:
             raise trio.ClosedResourceError()
-        return await self.read(max_bytes, deadline)
+        return await self.read(max_bytes, deadline, wait_first)
 
     async def send_by(self, data: bytes, deadline: float) -> None:
         if self._closed:

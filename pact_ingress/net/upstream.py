@@ -178,10 +178,10 @@ class _Conn(MemoryTLS):
         """All of `data` to the node; `trio.TooSlowError` at `deadline`."""
         await self.write(data, deadline)
 
-    async def recv(self, deadline: float = math.inf) -> bytes:
+    async def recv(self, deadline: float = math.inf, wait_first: bool = False) -> bytes:
         """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link;
         `trio.TooSlowError` when nothing came by `deadline`."""
-        return await self.read(READ_SIZE, deadline)
+        return await self.read(READ_SIZE, deadline, wait_first)
 
     def alive(self) -> bool:
         """Cheap check before reuse: has the node closed (or written to) an idle connection?
@@ -490,9 +490,11 @@ class Upstream:
             if not buffered:
                 await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
             deadline = trio.current_time() + self.header_timeout
+            wait_first = True  # the node cannot have answered a request just sent
             try:
                 while not parser.head_done:
-                    data = await conn.recv(deadline)
+                    data = await conn.recv(deadline, wait_first)
+                    wait_first = False
                     if data:
                         parser.feed(data)
                     else:

@@ -161,8 +161,14 @@ def _decode_unreserved(segment: bytes) -> str:
 def in_mcp_scope(path: str, mcp_path: str) -> bool:
     """Is the normalised `path` the route's MCP endpoint or below it?"""
     folded = _fold(path)
-    scope = _fold(normalise_path(mcp_path.encode("ascii")))
+    scope = _mcp_scope(mcp_path)
     return scope == "" or folded == scope or folded.startswith(scope + "/")
+
+
+@functools.lru_cache(maxsize=256)
+def _mcp_scope(mcp_path: str) -> str:
+    """The folded MCP path of a route (configured: a handful of values)."""
+    return _fold(normalise_path(mcp_path.encode("ascii")))
 
 
 def _fold(path: str) -> str:

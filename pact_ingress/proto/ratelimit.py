@@ -190,6 +190,9 @@ class RateLimiter:
         all or nothing. `prepaid` calls were already charged to the IP ceiling (the edge
         charges every request one IP unit before it reads the body)."""
         budget = budget or self.default_budget
+        if type(keys) is tuple and keys == (None,) and ip is not None and not prepaid:
+            # one keyless call from a known IP (the edge's per-request unit): one bucket
+            return self._check_ip_unit(client_bucket(ip), now, budget, scope)
         demands = self._demands(client_bucket(ip), Counter(keys), budget, scope, prepaid)
         self._sweep(now)
         if not demands:
@@ -203,6 +206,21 @@ class RateLimiter:
         return ALLOWED
 
     # -- internals ------------------------------------------------------------------------
+
+    def _check_ip_unit(self, ip: str | None, now: float, budget: Budget, scope: str
+                       ) -> Decision:
+        """`check_calls(ip, (None,), now)`: what `_demands` would make of it is the IP
+        ceiling's bucket alone, at cost 1."""
+        ceiling = budget.per_ip_per_hour
+        interval, burst = SECONDS_PER_HOUR / ceiling, burst_for(ceiling)
+        bucket: BucketId = ("ip", scope, ip, None)
+        self._sweep(now)
+        wait = self._wait(bucket, 1, interval, burst, now)
+        if wait > _EPSILON:
+            self._touch((bucket,))
+            return Limited(max(1, math.ceil(wait - _EPSILON)))
+        self._charge(bucket, max(self._tat.get(bucket, now), now) + interval)
+        return ALLOWED
 
     @staticmethod
     def _demands(
