@@ -109,21 +109,24 @@ class MemoryTLS:
 
     # -- TLS ------------------------------------------------------------------------------
 
-    async def handshake(self) -> None:
+    async def handshake(self, deadline: float = math.inf) -> None:
+        """The TLS handshake; `trio.TooSlowError` when it is not done by `deadline`."""
         while True:
             try:
                 self._ssl.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
+                # a flight just sent cannot have been answered yet: wait before reading
+                answered_nothing = self._out.pending > 0
+                await self._flush(deadline)
+                await self._fill(deadline, wait_first=answered_nothing)
             except ssl.SSLError as exc:
                 try:
-                    await self._flush()  # the alert, if any
+                    await self._flush(deadline)  # the alert, if any
                 except Exception:  # noqa: BLE001 - the handshake's own failure is the news
                     pass
                 raise self._broken(f"TLS handshake failed: {exc}") from exc
-        await self._flush()
+        await self._flush(deadline)
 
     async def read(self, size: int = READ_SIZE, deadline: float = math.inf,
                    wait_first: bool = False) -> bytes:

@@ -208,10 +208,16 @@ class Terminator:
         conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0])
         handle = partial(self._exchange, conn)
         try:
-            with trio.move_on_after(limits.clienthello_timeout) as handshake:
-                await tls.do_handshake()
-            if handshake.cancelled_caught:
-                return
+            if isinstance(tls, ServerTLS):
+                try:
+                    await tls.do_handshake(trio.current_time() + limits.clienthello_timeout)
+                except trio.TooSlowError:
+                    return
+            else:
+                with trio.move_on_after(limits.clienthello_timeout) as handshake:
+                    await tls.do_handshake()
+                if handshake.cancelled_caught:
+                    return
             if tls.selected_alpn_protocol() == "h2":
                 await H2Connection(tls, idle_timeout=limits.idle_timeout,
                                    write_timeout=CLIENT_WRITE_TIMEOUT,
@@ -228,7 +234,10 @@ class Terminator:
         except Exception as exc:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
-            await trio.aclose_forcefully(tls)
+            if isinstance(tls, ServerTLS):
+                tls.close()  # nothing to wait for: no cancel scope, no checkpoint
+            else:
+                await trio.aclose_forcefully(tls)
 
     def _flooded(self, conn: _Connection, kind: Flood) -> None:
         self.stats.h2_floods.labels(route=conn.route_host, kind=kind.value).inc()

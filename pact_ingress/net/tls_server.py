@@ -7,6 +7,7 @@ is needed. Failures are `trio.BrokenResourceError`, as `trio.SSLStream`'s would 
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 
@@ -25,8 +26,8 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
         self._sock = sock
         self._closed = False
 
-    async def do_handshake(self) -> None:
-        await self.handshake()
+    async def do_handshake(self, deadline: float = math.inf) -> None:
+        await self.handshake(deadline)
 
     def selected_alpn_protocol(self) -> str | None:
         return self._ssl.selected_alpn_protocol()
@@ -62,8 +63,13 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
     async def aclose(self) -> None:
         """Close the socket; no close_notify (clients treat a close as the end, and a
         close that could block on a slow peer has no place in cleanup)."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
+        """`aclose` without the checkpoint: for the owner's cleanup, which has nothing
+        to wait for."""
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self._sock)  # wake any task waiting on it
             self._sock.close()
-        await trio.lowlevel.checkpoint()
