@@ -155,12 +155,13 @@ class H1Connection:
 
     async def _idle_read(self, deadline: float) -> bytes | None:
         """A read between requests: a drain closes the connection here (None). What is
-        already there is taken without a cancel scope; a wait gets one scope for both
-        the idle deadline and the drain."""
+        already decrypted or buffered is taken at once; otherwise the connection waits
+        (a client that waits for each response cannot have sent more yet) under its
+        idle scope, armed for the idle deadline and the drain."""
         tls = self._tls
         if tls is not None:
             try:
-                data = tls.read_nowait(READ_SIZE)
+                data = tls.read_buffered(READ_SIZE)
             except trio.BrokenResourceError:
                 return b""
             if data is not None:

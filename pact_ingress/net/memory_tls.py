@@ -65,16 +65,37 @@ class MemoryTLS:
     async def _flush(self, deadline: float = math.inf) -> None:
         """Everything the outgoing BIO holds to the transport; `trio.TooSlowError` at
         `deadline` (the connection is then unusable: a record may be half sent)."""
+        out = self._out
+        rest = b""
+        raw = self._raw
+        if raw is not None and not self._sending:
+            # the usual case: one send takes it all, nothing awaited
+            data = out.read()
+            if not data:
+                return
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise self._broken(f"send failed: {exc!r}") from exc
+            if sent == len(data) and not out.pending:
+                return
+            rest = data[sent:]  # sent before anything else: no await until we own sending
         while self._sending:  # another task is sending; it sends our records too
             with trio.move_on_at(deadline):
                 await self._sent.park()
                 continue
             raise trio.TooSlowError()
-        out = self._out
-        if not out.pending:
+        if not rest and not out.pending:
             return
         self._sending = True
         try:
+            if rest:
+                try:
+                    await rawsock.send_all(raw, rest, deadline)  # type: ignore[arg-type]
+                except _TRANSPORT_ERRORS as exc:
+                    raise self._broken(f"send failed: {exc!r}") from exc
             while data := out.read():
                 try:
                     if self._raw is not None:
@@ -91,9 +112,15 @@ class MemoryTLS:
                 self._sent.unpark_all()
 
     async def _fill(self, deadline: float = math.inf, wait_first: bool = False) -> None:
+        raw = self._raw
         try:
-            if self._raw is not None:
-                data = await rawsock.recv(self._raw, READ_SIZE, deadline, wait_first)
+            if raw is not None:
+                try:
+                    data = b"" if wait_first else raw.recv(READ_SIZE)
+                except BlockingIOError:
+                    wait_first = True
+                if wait_first:
+                    data = await rawsock.recv(raw, READ_SIZE, deadline, wait_first=True)
             elif deadline == math.inf:
                 data = await self._stream.receive_some(READ_SIZE)  # type: ignore[union-attr]
             else:
@@ -155,21 +182,13 @@ class MemoryTLS:
                 await self._flush(deadline)
             return data
 
-    def read_nowait(self, size: int = READ_SIZE) -> bytes | None:
-        """Plaintext if some can be had without waiting (b"" at the peer's close), else
-        None: the caller then waits in `read`. One non-blocking recv at most."""
-        raw, incoming, ssl_object = self._raw, self._in, self._ssl
-        if raw is None or self._sending or self._out.pending:
-            return None  # the general path handles streams and pending output
-        if not incoming.pending and not incoming.eof and not ssl_object.pending():
-            try:
-                data = raw.recv(READ_SIZE)
-            except OSError:  # would block, or broken: `read` says which
-                return None
-            if data:
-                incoming.write(data)
-            else:
-                incoming.write_eof()
+    def read_buffered(self, size: int = READ_SIZE) -> bytes | None:
+        """Plaintext from what was already received (b"" at the peer's close), or None
+        when that is nothing: the caller then waits in `read(wait_first=True)`. No
+        syscall: a client that waits for each response has sent nothing more yet."""
+        incoming, ssl_object = self._in, self._ssl
+        if self._out.pending or not (incoming.pending or incoming.eof or ssl_object.pending()):
+            return None
         try:
             return ssl_object.read(size)
         except ssl.SSLWantReadError:
