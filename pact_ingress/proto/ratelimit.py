@@ -114,6 +114,7 @@ Decision = Allowed | Limited
 ALLOWED = Allowed()
 
 
+@functools.lru_cache(maxsize=64)
 def burst_for(rate: int) -> int:
     """The burst (calls admitted back to back from a full bucket) for an hourly rate."""
     return min(rate, max(MIN_BURST, math.ceil(rate / BURST_DIVISOR)))
