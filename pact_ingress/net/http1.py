@@ -77,6 +77,7 @@ class H1Connection:
         # our own TLS takes deadlines per call; any other stream gets a scope per read
         self._tls = stream if isinstance(stream, ServerTLS) else None
         self._idle = trio.CancelScope()  # replaced by `serve`'s
+        self._answered = False  # a request was answered on this connection
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         # One scope for the connection's life, armed (idle deadline, drain) only while
@@ -97,6 +98,7 @@ class H1Connection:
                 return
             if not exchange.reusable():
                 return
+            self._answered = True
             served += 1
             if served % FAIR_SHARE == 0:
                 # reads and writes that need no wait do not yield: a client whose
@@ -170,7 +172,9 @@ class H1Connection:
             idle.deadline = deadline
             self._idle_scopes.add(idle)
             try:
-                data = await tls.receive_by(READ_SIZE, math.inf, wait_first=True)
+                # the first request often follows the handshake at once; later ones are
+                # sent only after the client read our last answer
+                data = await tls.receive_by(READ_SIZE, math.inf, wait_first=self._answered)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 data = b""
             finally:
