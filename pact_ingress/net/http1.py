@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from pact_ingress.net import deadlines
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto.http1_server import (
@@ -80,9 +81,9 @@ class H1Connection:
         self._answered = False  # a request was answered on this connection
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
-        # One scope for the connection's life, armed (idle deadline, drain) only while
-        # it waits between requests: cheaper than a new scope per wait. When it fires,
-        # the connection ends, which is what an idle timeout or a drain means.
+        # One scope for the connection's life, armed (idle deadline with the sweeper,
+        # drain) only while it waits between requests: cheaper than a new scope per
+        # wait. When it fires, the connection ends: what an idle timeout or a drain means.
         with trio.CancelScope() as self._idle:
             await self._serve(handle)
 
@@ -169,7 +170,8 @@ class H1Connection:
             if data is not None:
                 return data
             idle = self._idle
-            idle.deadline = deadline
+            sweeper = deadlines.sweeper()
+            arm = sweeper.arm(deadline, scope=idle)
             self._idle_scopes.add(idle)
             try:
                 # the first request often follows the handshake at once; later ones are
@@ -179,7 +181,7 @@ class H1Connection:
                 data = b""
             finally:
                 self._idle_scopes.discard(idle)
-                idle.deadline = math.inf
+                sweeper.disarm(arm)
             # the deadline or a drain may have fired as the bytes arrived: it stands
             return None if idle.cancel_called else data
         with trio.CancelScope(deadline=deadline) as scope:

@@ -6,9 +6,9 @@ syscall itself on this path. The socket must be non-blocking (trio
 sockets' underlying sockets are). Errors are the caller's to name.
 
 Deadlines are absolute (`trio.current_time()`) and only cost anything when the kernel
-makes us wait: a cancel scope is entered around the wait itself, never around a syscall
-that completes at once, which is what almost every send and many reads do. A deadline
-that passes raises `trio.TooSlowError`.
+makes us wait: the wait arms its deadline with the sweeper (`net/deadlines.py`), never
+around a syscall that completes at once, which is what almost every send and many reads
+do. A deadline that passes raises `trio.TooSlowError`.
 """
 
 from __future__ import annotations
@@ -16,32 +16,12 @@ from __future__ import annotations
 import math
 import socket
 
-import trio
+from pact_ingress.net import deadlines
 
-_wait_readable = trio.lowlevel.wait_readable
-_wait_writable = trio.lowlevel.wait_writable
-
-
-async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None:
-    """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed."""
-    if deadline == math.inf:
-        await _wait_readable(sock)
-        return
-    with trio.move_on_at(deadline):
-        await _wait_readable(sock)
-        return
-    raise trio.TooSlowError()
-
-
-async def wait_writable(sock: socket.socket, deadline: float = math.inf) -> None:
-    """Until `sock` is writable; `trio.TooSlowError` once `deadline` passed."""
-    if deadline == math.inf:
-        await _wait_writable(sock)
-        return
-    with trio.move_on_at(deadline):
-        await _wait_writable(sock)
-        return
-    raise trio.TooSlowError()
+# Deadlines on the waits are armed with the sweeper (`net/deadlines.py`): no cancel
+# scope per wait.
+wait_readable = deadlines.wait_readable
+wait_writable = deadlines.wait_writable
 
 
 async def send_all(sock: socket.socket, data: bytes, deadline: float = math.inf) -> None:

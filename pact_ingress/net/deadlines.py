@@ -1,0 +1,149 @@
+"""Deadlines on waits, kept by one sweeping task instead of a cancel scope per wait.
+
+Theory of operation
+-------------------
+A keep-alive request through the terminate engine waits twice (for the client's next
+request, for the node's answer), and each wait has a deadline. A trio cancel scope per
+wait cost about a tenth of the request's CPU here, although a deadline almost never
+fires. Instead, a wait *arms* its deadline in a table (a dict insert) and disarms it
+when it returns (a dict delete); one system task per trio run sweeps the table every
+`SWEEP_SECONDS` and fires what is due. A deadline therefore fires up to `SWEEP_SECONDS`
+late, which is nothing next to the seconds-long limits it enforces.
+
+Firing means, for an armed:
+
+* socket wait (`wait_readable` / `wait_writable`): `trio.lowlevel.notify_closing` on the
+  socket, which wakes its waiters with `ClosedResourceError`; the waiter sees its arm
+  fired and raises `trio.TooSlowError` instead. The socket itself stays usable (the next
+  wait registers it again), so a late 408 can still be written on it.
+* cancel scope: `cancel()` on it (the HTTP/1.1 connection's idle scope, which a drain
+  also cancels).
+
+The sweeper parks when the table is empty, so an idle process does not wake for it.
+Outside a trio run with the sweeper unavailable (never in practice) the waits fall back
+to a cancel scope, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import trio
+
+from pact_ingress.logs import log
+
+#: How often due deadlines are fired: the most a deadline fires late.
+SWEEP_SECONDS = 0.05
+
+_wait_readable = trio.lowlevel.wait_readable
+_wait_writable = trio.lowlevel.wait_writable
+
+
+class _Arm:
+    __slots__ = ("deadline", "sock", "scope", "fired")
+
+    def __init__(self, deadline: float, sock: socket.socket | None,
+                 scope: trio.CancelScope | None) -> None:
+        self.deadline = deadline
+        self.sock = sock
+        self.scope = scope
+        self.fired = False
+
+
+class Sweeper:
+    """The table of armed deadlines of one trio run and the task that fires them."""
+
+    def __init__(self) -> None:
+        self._armed: dict[_Arm, None] = {}
+        self._parked = True
+        self._wake = trio.Event()
+        trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.deadlines")
+
+    def arm(self, deadline: float, *, sock: socket.socket | None = None,
+            scope: trio.CancelScope | None = None) -> _Arm:
+        arm = _Arm(deadline, sock, scope)
+        self._armed[arm] = None
+        if self._parked:
+            self._parked = False
+            self._wake.set()
+        return arm
+
+    def disarm(self, arm: _Arm) -> None:
+        self._armed.pop(arm, None)
+
+    def sweep(self, now: float) -> None:
+        """Fire every armed deadline that is due."""
+        due = [arm for arm in self._armed if arm.deadline <= now]
+        for arm in due:
+            del self._armed[arm]
+            arm.fired = True
+            try:
+                if arm.sock is not None:
+                    trio.lowlevel.notify_closing(arm.sock)
+                if arm.scope is not None:
+                    arm.scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - a closed socket: nobody waits on it
+                log.debug("deadline_fire_failed", error=repr(exc))
+
+    async def _run(self) -> None:
+        while True:
+            if not self._armed:
+                self._parked = True
+                self._wake = trio.Event()
+                await self._wake.wait()
+            await trio.sleep(SWEEP_SECONDS)
+            self.sweep(trio.current_time())
+
+
+_SWEEPER: trio.lowlevel.RunVar[Sweeper] = trio.lowlevel.RunVar("pact_ingress_sweeper")
+
+
+def sweeper() -> Sweeper:
+    """This trio run's sweeper (started on first use)."""
+    try:
+        return _SWEEPER.get()
+    except LookupError:
+        s = Sweeper()
+        _SWEEPER.set(s)
+        return s
+
+
+async def _wait(wait: object, sock: socket.socket, deadline: float) -> None:
+    s = sweeper()
+    arm = s.arm(deadline, sock=sock)
+    try:
+        await wait(sock)  # type: ignore[operator]
+    except trio.ClosedResourceError:
+        if arm.fired:
+            raise trio.TooSlowError() from None
+        raise
+    finally:
+        s.disarm(arm)
+    # returned normally: the socket became ready, even if the sweep fired just then
+
+
+async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None:
+    """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed."""
+    if deadline == math.inf:
+        await _wait_readable(sock)
+    elif deadline <= trio.current_time():
+        with trio.move_on_at(deadline):  # already due: a checkpoint, then the news
+            await _wait_readable(sock)
+            return
+        raise trio.TooSlowError()
+    else:
+        await _wait(_wait_readable, sock, deadline)
+
+
+async def wait_writable(sock: socket.socket, deadline: float = math.inf) -> None:
+    """Until `sock` is writable; `trio.TooSlowError` once `deadline` passed."""
+    if deadline == math.inf:
+        await _wait_writable(sock)
+    elif deadline <= trio.current_time():
+        with trio.move_on_at(deadline):
+            await _wait_writable(sock)
+            return
+        raise trio.TooSlowError()
+    else:
+        await _wait(_wait_writable, sock, deadline)
