@@ -12,7 +12,8 @@ core), and alternates short runs of every phase through HAProxy and every tree, 
 after round, so each one sees the same load. Reported: the median µs of proxy CPU per
 request (per new connection for `new*` phases) and the ratio to HAProxy's, measured in
 the same rounds. `--profile NAME` then records that tree under py-spy during a
-keep-alive run (`--profile-phase`) and prints the same summary `bench_terminate` does.
+keep-alive run (`--profile-phase`) and prints the same summary `bench_terminate` does
+(several names, comma-separated: one after the other).
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -45,15 +46,36 @@ from tests.bench.harness import (
 PROFILE_RATE = 400
 
 
+def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
+    """`name` under py-spy for one keep-alive run; the summary `bench_terminate` prints."""
+    out = tmp / f"py-spy-{name}.txt"
+    argv = pinned(["py-spy", "record", "--pid", str(rig.proxies[name].pid), "--duration", "7",
+                   "--rate", str(PROFILE_RATE), "--full-filenames", "--format", "raw",
+                   "--output", str(out)], CORE_LOAD)
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.7)  # attached before the load starts
+    run = bt.run_phase(rig, phase, name, 6)
+    spy.wait(30)
+    if not out.exists():
+        print(f"\npy-spy recorded nothing for {name}")
+        return
+    if keep is not None:
+        shutil.copy(out, keep.with_name(f"{keep.stem}-{name}{keep.suffix}"))
+    summary = bt.summarise_profile(out.read_text(), 7, PROFILE_RATE)
+    print()
+    print(bt.profile_markdown(summary, f"py-spy: {name}, {phase.key}, {run.rate:,.0f} req/s"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
     p.add_argument("--phases", default="ka8,ka32,ka1,new8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--profile", help="NAME of a tree to profile afterwards")
+    p.add_argument("--profile", help="NAME[,NAME…] of trees to profile afterwards")
     p.add_argument("--profile-phase", default="ka8")
-    p.add_argument("--profile-out", type=Path, help="also keep py-spy's raw stacks here")
+    p.add_argument("--profile-out", type=Path,
+                   help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.trees)
     phases = {ph.key: ph for ph in bt.PHASES}
@@ -85,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:  # pools filled, every path proven
             for ph in plan:
                 run = bt.run_phase(rig, ph, path, 1.0)
+                if not run.units and not run.errors and not run.non2xx:
+                    run = bt.run_phase(rig, ph, path, 3.0)  # a slow start on a busy machine
                 if run.errors or run.non2xx or not run.units:
                     raise SystemExit(f"warm-up {ph.key} via {path} failed:\n{run.raw}")
         cpu: dict[tuple[str, str], list[float]] = {}
@@ -110,24 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                   + " | ".join(f"{med[n] / med[bt.PEER]:.2f}×" for n in names) + " |")
         print(f"\nmedian of {args.rounds} rounds of {args.seconds:g} s; load average at "
               f"end {os.getloadavg()[0]:.2f}")
-        if args.profile:
-            out = tmp / "py-spy.txt"
-            argv_spy = pinned(["py-spy", "record", "--pid", str(rig.proxies[args.profile].pid),
-                               "--duration", "7", "--rate", str(PROFILE_RATE),
-                               "--full-filenames", "--format", "raw", "--output", str(out)],
-                              CORE_LOAD)
-            spy = subprocess.Popen(argv_spy, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-            time.sleep(0.7)
-            run = bt.run_phase(rig, phases[args.profile_phase], args.profile, 6)
-            spy.wait(30)
-            if out.exists():
-                if args.profile_out:
-                    shutil.copy(out, args.profile_out)
-                summary = bt.summarise_profile(out.read_text(), 7, PROFILE_RATE)
-                print()
-                print(bt.profile_markdown(summary, f"py-spy: {args.profile}, "
-                                                   f"{args.profile_phase}, {run.rate:,.0f} req/s"))
+        for name in (args.profile or "").split(","):
+            if name:
+                profile(rig, name, phases[args.profile_phase], tmp, args.profile_out)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
