@@ -75,10 +75,22 @@ async def test_an_armed_scope_is_cancelled_at_its_deadline_and_only_then(
     assert not sweeper._armed
 
 
-async def test_the_sweeper_parks_when_nothing_is_armed(
+async def test_the_sweeper_sleeps_until_the_earliest_deadline_or_an_earlier_arm(
         pair, autojump_clock: trio.testing.MockClock) -> None:
     a, _ = pair
     with pytest.raises(trio.TooSlowError):
         await rawsock.recv(a, 100, trio.current_time() + 1)
     await trio.sleep(1)
-    assert deadlines.sweeper()._parked
+    sweeper = deadlines.sweeper()
+    assert sweeper._next == float("inf")  # nothing armed: it waits to be woken
+    with trio.CancelScope() as far:
+        sweeper.arm(trio.current_time() + 100, scope=far)
+        await trio.sleep(0)  # the sweeper takes the new earliest deadline
+        assert sweeper._next == pytest.approx(trio.current_time() + 100)
+        start = trio.current_time()
+        with pytest.raises(trio.TooSlowError):  # an earlier deadline is not left waiting
+            await rawsock.recv(a, 100, start + 2)
+        assert trio.current_time() - start <= 2 + deadlines.SWEEP_SECONDS * 2
+        assert not far.cancel_called
+        await trio.sleep_forever()
+    assert far.cancelled_caught

@@ -19,7 +19,8 @@ Firing means, for an armed:
 * cancel scope: `cancel()` on it (the HTTP/1.1 connection's idle scope, which a drain
   also cancels).
 
-The sweeper parks when the table is empty, so an idle process does not wake for it.
+With nothing armed the sweeper sleeps until something is, so an idle process does not
+wake for it.
 Outside a trio run with the sweeper unavailable (never in practice) the waits fall back
 to a cancel scope, as before.
 """
@@ -56,7 +57,7 @@ class Sweeper:
 
     def __init__(self) -> None:
         self._armed: dict[_Arm, None] = {}
-        self._parked = True
+        self._next = math.inf  # when the sweeper wakes next (inf: parked)
         self._wake = trio.Event()
         trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.deadlines")
 
@@ -64,17 +65,23 @@ class Sweeper:
             scope: trio.CancelScope | None = None) -> _Arm:
         arm = _Arm(deadline, sock, scope)
         self._armed[arm] = None
-        if self._parked:
-            self._parked = False
+        if deadline < self._next:  # due before the sweeper would look: wake it
+            self._next = -math.inf
             self._wake.set()
         return arm
 
     def disarm(self, arm: _Arm) -> None:
         self._armed.pop(arm, None)
 
-    def sweep(self, now: float) -> None:
-        """Fire every armed deadline that is due."""
-        due = [arm for arm in self._armed if arm.deadline <= now]
+    def sweep(self, now: float) -> float:
+        """Fire every armed deadline that is due; the earliest one left (inf: none)."""
+        due = []
+        earliest = math.inf
+        for arm in self._armed:
+            if arm.deadline <= now:
+                due.append(arm)
+            elif arm.deadline < earliest:
+                earliest = arm.deadline
         for arm in due:
             del self._armed[arm]
             arm.fired = True
@@ -85,15 +92,18 @@ class Sweeper:
                     arm.scope.cancel()
             except Exception as exc:  # noqa: BLE001 - a closed socket: nobody waits on it
                 log.debug("deadline_fire_failed", error=repr(exc))
+        return earliest
 
     async def _run(self) -> None:
         while True:
-            if not self._armed:
-                self._parked = True
-                self._wake = trio.Event()
+            now = trio.current_time()
+            # sleep until the earliest deadline, but sweep at most every SWEEP_SECONDS:
+            # a deadline fires at most that late, and a busy table costs one pass per
+            # earliest deadline, not one per wait
+            self._next = max(self.sweep(now), now + SWEEP_SECONDS)
+            self._wake = trio.Event()
+            with trio.move_on_at(self._next):
                 await self._wake.wait()
-            await trio.sleep(SWEEP_SECONDS)
-            self.sweep(trio.current_time())
 
 
 _SWEEPER: trio.lowlevel.RunVar[Sweeper] = trio.lowlevel.RunVar("pact_ingress_sweeper")
