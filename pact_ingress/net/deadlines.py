@@ -4,11 +4,14 @@ Theory of operation
 -------------------
 A keep-alive request through the terminate engine waits twice (for the client's next
 request, for the node's answer), and each wait has a deadline. A trio cancel scope per
-wait cost about a tenth of the request's CPU here, although a deadline almost never
+wait is one of the dearest things a request does, although a deadline almost never
 fires. Instead, a wait *arms* its deadline in a table (a dict insert) and disarms it
-when it returns (a dict delete); one system task per trio run sweeps the table every
-`SWEEP_SECONDS` and fires what is due. A deadline therefore fires up to `SWEEP_SECONDS`
-late, which is nothing next to the seconds-long limits it enforces.
+when it returns (a dict delete). One system task per trio run sleeps until the earliest
+armed deadline (woken early only when a wait arms an earlier one), fires what is due and
+sleeps again, sweeping at most every `SWEEP_SECONDS`: a deadline may fire that much
+late, which is nothing next to the seconds-long limits it enforces. Under a steady load
+the earliest deadline keeps moving out, so the table is swept about once per timeout,
+not once per wait.
 
 Firing means, for an armed:
 
@@ -19,10 +22,13 @@ Firing means, for an armed:
 * cancel scope: `cancel()` on it (the HTTP/1.1 connection's idle scope, which a drain
   also cancels).
 
+`notify_closing` wakes every task waiting on that socket, not only the one whose
+deadline passed: on the engine's sockets a passed deadline ends the connection (client
+gone, node timed out), so the others would learn of it next anyway. A deadline already
+due when the wait begins takes the plain path (a cancel scope that fires at once).
+
 With nothing armed the sweeper sleeps until something is, so an idle process does not
 wake for it.
-Outside a trio run with the sweeper unavailable (never in practice) the waits fall back
-to a cancel scope, as before.
 """
 
 from __future__ import annotations

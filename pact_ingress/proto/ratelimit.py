@@ -141,8 +141,8 @@ def _client_bucket(ip: str) -> str:
     return str(address)
 
 
-#: Every request asks for its client's bucket; parsing the address each time cost more
-#: than the rest of a rate-limit decision.
+#: Every request asks for its client's bucket, and parsing the address is the dearest
+#: part of a rate-limit decision; the same few addresses recur.
 _client_bucket_memo = functools.lru_cache(maxsize=4096)(_client_bucket)
 
 
