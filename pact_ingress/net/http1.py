@@ -25,11 +25,14 @@ the answer before the client has read it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 import trio
 
+from pact_ingress.net import deadlines
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
+from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto.http1_server import (
     CONTINUE,
     END_OF_MESSAGE,
@@ -57,6 +60,9 @@ MAX_PIPELINED_BYTES = 64 * 1024
 #: does not cost us reading (and decrypting) them anyway.
 DRAIN_SECONDS = 1.0
 DRAIN_MAX_BYTES = 256 * 1024
+#: Requests served back to back without the connection ever waiting (a client that
+#: pipelines, answered at the edge) before it yields to the other connections once.
+FAIR_SHARE = 16
 
 
 class H1Connection:
@@ -69,8 +75,20 @@ class H1Connection:
         self.write_timeout = write_timeout
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
+        # our own TLS takes deadlines per call; any other stream gets a scope per read
+        self._tls = stream if isinstance(stream, ServerTLS) else None
+        self._idle = trio.CancelScope()  # replaced by `serve`'s
+        self._answered = False  # a request was answered on this connection
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
+        # One scope for the connection's life, armed (idle deadline with the sweeper,
+        # drain) only while it waits between requests: cheaper than a new scope per
+        # wait. When it fires, the connection ends: what an idle timeout or a drain means.
+        with trio.CancelScope() as self._idle:
+            await self._serve(handle)
+
+    async def _serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
+        served = 0
         while True:
             exchange = await self._next_exchange()
             if exchange is None:
@@ -81,11 +99,26 @@ class H1Connection:
                 return
             if not exchange.reusable():
                 return
+            self._answered = True
+            served += 1
+            if served % FAIR_SHARE == 0:
+                # reads and writes that need no wait do not yield: a client whose
+                # pipelined requests are all answered at the edge must still let the
+                # other connections run
+                await trio.lowlevel.checkpoint()
 
     # -- reading ----------------------------------------------------------------------
 
     async def read(self, deadline: float) -> bytes | None:
         """Bytes from the client, b"" at its close, None when `deadline` passed."""
+        tls = self._tls
+        if tls is not None:
+            try:
+                return await tls.receive_by(READ_SIZE, deadline)
+            except trio.TooSlowError:
+                return None
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""
         with trio.move_on_at(deadline):
             try:
                 return await self.stream.receive_some(READ_SIZE)
@@ -124,11 +157,37 @@ class H1Connection:
                 self.deferred = exc  # events parsed before the error are served first
 
     async def _idle_read(self, deadline: float) -> bytes | None:
-        """A read between requests: a drain closes the connection here (None)."""
-        with trio.CancelScope() as scope:
+        """A read between requests: a drain closes the connection here (None). What is
+        already decrypted or buffered is taken at once; otherwise the connection waits
+        (a client that waits for each response cannot have sent more yet) under its
+        idle scope, armed for the idle deadline and the drain."""
+        tls = self._tls
+        if tls is not None:
+            try:
+                data = tls.read_buffered(READ_SIZE)
+            except trio.BrokenResourceError:
+                return b""
+            if data is not None:
+                return data
+            idle = self._idle
+            sweeper = deadlines.sweeper()
+            arm = sweeper.arm(deadline, scope=idle)
+            self._idle_scopes.add(idle)
+            try:
+                # the first request often follows the handshake at once; later ones are
+                # sent only after the client read our last answer
+                data = await tls.receive_by(READ_SIZE, math.inf, wait_first=self._answered)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            finally:
+                self._idle_scopes.discard(idle)
+                sweeper.disarm(arm)
+            # the deadline or a drain may have fired as the bytes arrived: it stands
+            return None if idle.cancel_called else data
+        with trio.CancelScope(deadline=deadline) as scope:
             self._idle_scopes.add(scope)
             try:
-                return await self.read(deadline)
+                return await self.read(math.inf)
             finally:
                 self._idle_scopes.discard(scope)
         return None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import trio
 
+from pact_ingress.net.tls_server import ServerTLS
+
 Headers = list[tuple[bytes, bytes]]
 
 
@@ -25,6 +27,14 @@ async def send_to_client(stream: trio.abc.SendStream, data: bytes, timeout: floa
     """Write to the client connection, both HTTP versions alike: a client that breaks the
     connection or stops reading for `timeout` seconds is gone (`ClientGone`), so a slow
     reader cannot hold a response, and its upstream request, open."""
+    if isinstance(stream, ServerTLS):  # no cancel scope unless the write has to wait
+        try:
+            await stream.send_by(data, trio.current_time() + timeout)
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ClientGone("client connection broke") from exc
+        except trio.TooSlowError:
+            raise ClientGone("client did not read in time") from None
     with trio.move_on_after(timeout):
         try:
             await stream.send_all(data)

@@ -9,8 +9,13 @@ Here ciphertext goes straight between a non-blocking stdlib socket and the BIOs
 other stream (a tunnel) it goes through `receive_some`/`send_all`.
 
 Concurrency: one task reads and any task may write. `SSLObject` calls never await, so
-they cannot interleave; moving ciphertext out can, so it happens under one lock and in
-BIO order, and records leave in the order they were made.
+they cannot interleave; moving ciphertext out can, so one task at a time sends what the
+outgoing BIO holds, in BIO order, and records leave in the order they were made. A task
+that finds another mid-send waits for it (its records are sent by that task, in order).
+
+Cost: nothing here awaits unless the kernel makes it (every operation tries the syscall
+first), and a deadline costs a cancel scope only around an actual wait, never around an
+operation that completes at once: on a keep-alive request that is most of them.
 
 Failures (transport or TLS) raise what `_broken` makes: `trio.BrokenResourceError`
 here; a subclass names its own.
@@ -18,6 +23,7 @@ here; a subclass names its own.
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 
@@ -44,7 +50,8 @@ class MemoryTLS:
         self._out = outgoing
         self._raw = raw
         self._stream = stream
-        self._flush_lock = trio.Lock()
+        self._sending = False  # a task is moving the outgoing BIO to the transport
+        self._sent = trio.lowlevel.ParkingLot()  # tasks waiting for it to finish
 
     def _broken(self, why: str) -> Exception:
         return trio.BrokenResourceError(why)
@@ -55,23 +62,71 @@ class MemoryTLS:
 
     # -- ciphertext -----------------------------------------------------------------------
 
-    async def _flush(self) -> None:
-        async with self._flush_lock:
-            while data := self._out.read():
+    async def _flush(self, deadline: float = math.inf) -> None:
+        """Everything the outgoing BIO holds to the transport; `trio.TooSlowError` at
+        `deadline` (the connection is then unusable: a record may be half sent)."""
+        out = self._out
+        rest = b""
+        raw = self._raw
+        if raw is not None and not self._sending:
+            # the usual case: one send takes it all, nothing awaited
+            data = out.read()
+            if not data:
+                return
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise self._broken(f"send failed: {exc!r}") from exc
+            if sent == len(data) and not out.pending:
+                return
+            rest = data[sent:]  # sent before anything else: no await until we own sending
+        while self._sending:  # another task is sending; it sends our records too
+            with trio.move_on_at(deadline):
+                await self._sent.park()
+                continue
+            raise trio.TooSlowError()
+        if not rest and not out.pending:
+            return
+        self._sending = True
+        try:
+            if rest:
                 try:
-                    if self._raw is not None:
-                        await rawsock.send_all(self._raw, data)
-                    else:
-                        await self._stream.send_all(data)  # type: ignore[union-attr]
+                    await rawsock.send_all(raw, rest, deadline)  # type: ignore[arg-type]
                 except _TRANSPORT_ERRORS as exc:
                     raise self._broken(f"send failed: {exc!r}") from exc
+            while data := out.read():
+                try:
+                    if self._raw is not None:
+                        await rawsock.send_all(self._raw, data, deadline)
+                    else:
+                        with trio.fail_after(max(0.0, deadline - trio.current_time())
+                                             if deadline != math.inf else math.inf):
+                            await self._stream.send_all(data)  # type: ignore[union-attr]
+                except _TRANSPORT_ERRORS as exc:
+                    raise self._broken(f"send failed: {exc!r}") from exc
+        finally:
+            self._sending = False
+            if self._sent:
+                self._sent.unpark_all()
 
-    async def _fill(self) -> None:
+    async def _fill(self, deadline: float = math.inf, wait_first: bool = False) -> None:
+        raw = self._raw
         try:
-            if self._raw is not None:
-                data = await rawsock.recv(self._raw, READ_SIZE)
-            else:
+            if raw is not None:
+                try:
+                    data = b"" if wait_first else raw.recv(READ_SIZE)
+                except BlockingIOError:
+                    wait_first = True
+                if wait_first:
+                    data = await rawsock.recv(raw, READ_SIZE, deadline, wait_first=True)
+            elif deadline == math.inf:
                 data = await self._stream.receive_some(READ_SIZE)  # type: ignore[union-attr]
+            else:
+                with trio.fail_after(max(0.0, deadline - trio.current_time())):
+                    data = await self._stream.receive_some(  # type: ignore[union-attr]
+                        READ_SIZE)
         except _TRANSPORT_ERRORS as exc:
             raise self._broken(f"receive failed: {exc!r}") from exc
         if data:
@@ -81,50 +136,79 @@ class MemoryTLS:
 
     # -- TLS ------------------------------------------------------------------------------
 
-    async def handshake(self) -> None:
+    async def handshake(self, deadline: float = math.inf) -> None:
+        """The TLS handshake; `trio.TooSlowError` when it is not done by `deadline`."""
         while True:
             try:
                 self._ssl.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
+                # a flight just sent cannot have been answered yet: wait before reading
+                answered_nothing = self._out.pending > 0
+                await self._flush(deadline)
+                await self._fill(deadline, wait_first=answered_nothing)
             except ssl.SSLError as exc:
                 try:
-                    await self._flush()  # the alert, if any
+                    await self._flush(deadline)  # the alert, if any
                 except Exception:  # noqa: BLE001 - the handshake's own failure is the news
                     pass
                 raise self._broken(f"TLS handshake failed: {exc}") from exc
-        await self._flush()
+        await self._flush(deadline)
 
-    async def read(self, size: int = READ_SIZE) -> bytes:
+    async def read(self, size: int = READ_SIZE, deadline: float = math.inf,
+                   wait_first: bool = False) -> bytes:
         """Plaintext (at most `size`), b"" when the peer closed (with or without
-        close_notify: a body cut short is caught by the HTTP framing all the same)."""
+        close_notify: a body cut short is caught by the HTTP framing all the same);
+        `trio.TooSlowError` when nothing came by `deadline`. `wait_first`: the caller
+        knows the transport has nothing yet (it just looked, or it just sent a request)."""
+        ssl_object, incoming = self._ssl, self._in
         while True:
-            try:
-                data = self._ssl.read(size)
-            except ssl.SSLWantReadError:
+            if not incoming.pending and not incoming.eof and not ssl_object.pending():
+                # nothing to decrypt: read the transport first rather than have
+                # SSL_read tell us so by an exception
                 if self._out.pending:  # post-handshake messages (tickets, key update)
-                    await self._flush()
-                await self._fill()
+                    await self._flush(deadline)
+                await self._fill(deadline, wait_first)
+                wait_first = False
+            try:
+                data = ssl_object.read(size)
+            except ssl.SSLWantReadError:
                 continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return b""
             except ssl.SSLError as exc:
                 raise self._broken(f"TLS failed: {exc}") from exc
             if self._out.pending:
-                await self._flush()
+                await self._flush(deadline)
             return data
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
+    def read_buffered(self, size: int = READ_SIZE) -> bytes | None:
+        """Plaintext from what was already received (b"" at the peer's close), or None
+        when that is nothing: the caller then waits in `read(wait_first=True)`. No
+        syscall: a client that waits for each response has sent nothing more yet."""
+        incoming, ssl_object = self._in, self._ssl
+        if self._out.pending or not (incoming.pending or incoming.eof or ssl_object.pending()):
+            return None
+        try:
+            return ssl_object.read(size)
+        except ssl.SSLWantReadError:
+            return None
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            return b""
+        except ssl.SSLError as exc:
+            raise self._broken(f"TLS failed: {exc}") from exc
+
+    async def write(self, data: bytes | bytearray | memoryview,
+                    deadline: float = math.inf) -> None:
+        """All of `data` handed to the transport; `trio.TooSlowError` at `deadline`."""
         try:
             if len(data) <= WRITE_SLICE:
                 self._ssl.write(data)
-                await self._flush()
+                await self._flush(deadline)
                 return
             view = memoryview(data)
             for start in range(0, len(view), WRITE_SLICE):
                 self._ssl.write(view[start:start + WRITE_SLICE])
-                await self._flush()
+                await self._flush(deadline)
         except ssl.SSLError as exc:
             raise self._broken(f"TLS failed: {exc}") from exc

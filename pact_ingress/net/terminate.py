@@ -143,6 +143,7 @@ class _Connection:
     route_host: str  # the route the router chose; the Route itself is looked up per request
     sni: str | None
     client_ip: str
+    client: str  # the rate limiter's bucket for client_ip (an IPv6 /64 is one client)
 
 
 class Terminator:
@@ -167,6 +168,7 @@ class Terminator:
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)
         self._inflight: dict[str, Shares] = {}
         self._routes: dict[str, Route] = {}
+        self._budgets: dict[str, Budget] = {}  # per route host, made with the routes
         self._tenants: dict[str, Tenant] = {}
         self._parse_slot = trio.CapacityLimiter(1)
         self._idle_scopes: set[trio.CancelScope] = set()
@@ -178,6 +180,7 @@ class Terminator:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
         self._tenants = {t.name: t for t in config.tenants}
         self._routes = {r.host: r for r in config.routes() if r.mode == "terminate"}
+        self._budgets = {r.host: Budget.from_limits(r.limits) for r in self._routes.values()}
         self.upstream.retain((r, self._tenants[r.tenant].pins) for r in self._routes.values())
 
     def tenant(self, name: str) -> Tenant | None:
@@ -213,14 +216,20 @@ class Terminator:
             sni = route.host
         limits = route.limits
         tls = _server_tls(stream, server_ctx)
-        conn = _Connection(route.host, sni, client[0])
+        conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0])
         handle = partial(self._exchange, conn)
         self._open += 1
         try:
-            with trio.move_on_after(limits.clienthello_timeout) as handshake:
-                await tls.do_handshake()
-            if handshake.cancelled_caught:
-                return
+            if isinstance(tls, ServerTLS):
+                try:
+                    await tls.do_handshake(trio.current_time() + limits.clienthello_timeout)
+                except trio.TooSlowError:
+                    return
+            else:
+                with trio.move_on_after(limits.clienthello_timeout) as handshake:
+                    await tls.do_handshake()
+                if handshake.cancelled_caught:
+                    return
             if tls.selected_alpn_protocol() == "h2":
                 await H2Connection(tls, idle_timeout=limits.idle_timeout,
                                    write_timeout=CLIENT_WRITE_TIMEOUT,
@@ -238,7 +247,10 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             self._open -= 1
-            await trio.aclose_forcefully(tls)
+            if isinstance(tls, ServerTLS):
+                tls.close()  # nothing to wait for: no cancel scope, no checkpoint
+            else:
+                await trio.aclose_forcefully(tls)
 
     def _flooded(self, conn: _Connection, kind: Flood) -> None:
         self.stats.h2_floods.labels(route=conn.route_host, kind=kind.value).inc()
@@ -272,7 +284,7 @@ class Terminator:
 
     async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
         held = [0]  # body bytes this exchange holds in `buffers`
-        client = client_bucket(conn.client_ip) or conn.client_ip
+        client = conn.client
         try:
             status = await self._story(conn, ex, client, held)
         except ClientGone:
@@ -287,7 +299,7 @@ class Terminator:
             return await self._answer(ex, conn, _Answer.text(
                 421, "misdirected request: this host is no longer terminated here"))
         limits = route.limits
-        budget = Budget.from_limits(limits)
+        budget = self._budgets.get(route.host) or Budget.from_limits(limits)
         now = trio.current_time()
         ip_unit = await self.limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
                                                  scope=route.host)

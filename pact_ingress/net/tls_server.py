@@ -7,6 +7,7 @@ is needed. Failures are `trio.BrokenResourceError`, as `trio.SSLStream`'s would 
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 
@@ -25,8 +26,8 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
         self._sock = sock
         self._closed = False
 
-    async def do_handshake(self) -> None:
-        await self.handshake()
+    async def do_handshake(self, deadline: float = math.inf) -> None:
+        await self.handshake(deadline)
 
     def selected_alpn_protocol(self) -> str | None:
         return self._ssl.selected_alpn_protocol()
@@ -41,14 +42,34 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
             raise trio.ClosedResourceError()
         await self.write(data)
 
+    # The HTTP legs' own calls: an absolute deadline instead of a cancel scope per call
+    # (`trio.TooSlowError` when it passes), so an operation that completes at once costs
+    # no scope at all.
+
+    async def receive_by(self, max_bytes: int, deadline: float,
+                         wait_first: bool = False) -> bytes:
+        if self._closed:
+            raise trio.ClosedResourceError()
+        return await self.read(max_bytes, deadline, wait_first)
+
+    async def send_by(self, data: bytes, deadline: float) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError()
+        await self.write(data, deadline)
+
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.wait_writable(self._sock)
 
     async def aclose(self) -> None:
         """Close the socket; no close_notify (clients treat a close as the end, and a
         close that could block on a slow peer has no place in cleanup)."""
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def close(self) -> None:
+        """`aclose` without the checkpoint: for the owner's cleanup, which has nothing
+        to wait for."""
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self._sock)  # wake any task waiting on it
             self._sock.close()
-        await trio.lowlevel.checkpoint()

@@ -62,10 +62,11 @@ can stay open for as long as bytes keep flowing.
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import trio
@@ -87,6 +88,8 @@ CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
+#: Pool keys remembered per route object (a route's key is the same on every request).
+MAX_KNOWN_ROUTES = 4096
 #: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
 #: many names; beyond this the oldest is forgotten).
 MAX_SESSIONS_PER_POOL = 64
@@ -170,12 +173,15 @@ class _Conn(MemoryTLS):
     def _broken(self, why: str) -> Exception:
         return _Broken(f"the link to the node failed: {why}")
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        await self.write(data)
+    async def send(self, data: bytes | bytearray | memoryview,
+                   deadline: float = math.inf) -> None:
+        """All of `data` to the node; `trio.TooSlowError` at `deadline`."""
+        await self.write(data, deadline)
 
-    async def recv(self) -> bytes:
-        """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link."""
-        return await self.read(READ_SIZE)
+    async def recv(self, deadline: float = math.inf, wait_first: bool = False) -> bytes:
+        """Plaintext from the node (at most `READ_SIZE`), b"" when it closed the link;
+        `trio.TooSlowError` when nothing came by `deadline`."""
+        return await self.read(READ_SIZE, deadline, wait_first)
 
     def alive(self) -> bool:
         """Cheap check before reuse: has the node closed (or written to) an idle connection?
@@ -240,11 +246,13 @@ class _Pool:
         """A connection for `sni` and whether it was reused; waits for a slot until
         `deadline` (→ UpstreamTimeout)."""
         while True:
-            await self._expire()
+            idle = self.idle
+            if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
+                await self._expire()
             if not fresh and (conn := self._idle_for(sni)) is not None:
                 if conn.alive():
                     return conn, True
-                await self._discard(conn)
+                await self.discard(conn)
                 continue  # closed by the node while idle: try the next one
             if self.open < MAX_CONNECTIONS_PER_ROUTE:
                 self.open += 1
@@ -255,7 +263,7 @@ class _Pool:
                     self._freed.unpark()
                     raise
             if self.idle:  # full, but an idle connection (to another name) can make room
-                await self._discard(self.idle.pop(0))
+                await self.discard(self.idle.pop(0))
                 continue
             with trio.move_on_at(deadline):
                 await self._freed.park()
@@ -299,6 +307,12 @@ class _Pool:
 
     async def release(self, conn: _Conn, reusable: bool) -> None:
         """A request is done with `conn`: back to the idle list, or closed."""
+        if not self.keep(conn, reusable):
+            await self.discard(conn)
+
+    def keep(self, conn: _Conn, reusable: bool) -> bool:
+        """Put `conn` back on the idle list if it may be reused (True); else the caller
+        must `discard` it."""
         if reusable and not self.retired:
             if not conn.session_saved:
                 # By the end of a response the node's TLS 1.3 tickets have arrived, so
@@ -311,25 +325,25 @@ class _Pool:
                     self.sessions[conn.sni] = session
             conn.idle_since = trio.current_time()
             self.idle.append(conn)
-            self._freed.unpark()
-            return
-        await self._discard(conn)
+            if self._freed:
+                self._freed.unpark()
+            return True
+        return False
 
-    async def _discard(self, conn: _Conn) -> None:
+    async def discard(self, conn: _Conn) -> None:
         self.open -= 1
         self._freed.unpark()
         await conn.aclose()
 
     async def _expire(self) -> None:
         idle = self.idle
-        if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
-            cutoff = trio.current_time() - KEEPALIVE_EXPIRY
-            while idle and idle[0].idle_since < cutoff:
-                await self._discard(idle.pop(0))
+        cutoff = trio.current_time() - KEEPALIVE_EXPIRY
+        while idle and idle[0].idle_since < cutoff:
+            await self.discard(idle.pop(0))
 
     async def close_idle(self) -> None:
         while self.idle:
-            await self._discard(self.idle.pop())
+            await self.discard(self.idle.pop())
 
 
 @dataclass
@@ -360,6 +374,7 @@ class Upstream:
         self.context = pinned_client_context(identity, alpn=ALPN)
         self._pools: dict[PoolKey, _Pool] = {}
         self._retired: list[_Pool] = []
+        self._keys: dict[int, tuple[Route, tuple[str, ...], PoolKey]] = {}
 
     @staticmethod
     def _key(route: Route, pins: tuple[str, ...]) -> PoolKey:
@@ -367,6 +382,7 @@ class Upstream:
 
     def retain(self, live: Iterable[tuple[Route, tuple[str, ...]]]) -> None:
         """Keep pools for these (route, pins); retire the rest (closed when idle)."""
+        self._keys.clear()
         keep = {self._key(r, p) for r, p in live}
         for key in [k for k in self._pools if k not in keep]:
             entry = self._pools.pop(key)
@@ -374,7 +390,14 @@ class Upstream:
             self._retired.append(entry)
 
     def _pool_for(self, route: Route, pins: tuple[str, ...]) -> _Pool:
-        key = self._key(route, pins)
+        known = self._keys.get(id(route))
+        if known is not None and known[0] is route and known[1] is pins:
+            key = known[2]  # the same config objects as last time: their key
+        else:
+            key = self._key(route, pins)
+            if len(self._keys) >= MAX_KNOWN_ROUTES:
+                self._keys.clear()
+            self._keys[id(route)] = (route, pins, key)  # holding route keeps its id unique
         entry = self._pools.get(key)
         if entry is None:
             entry = self._pools[key] = _Pool(self, route, tuple(pins))
@@ -387,8 +410,7 @@ class Upstream:
                 await entry.close_idle()
         self._retired = [e for e in self._retired if e.active > 0]
 
-    @asynccontextmanager
-    async def request(
+    def request(
         self,
         route: Route,
         pins: tuple[str, ...],
@@ -399,30 +421,17 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncIterable[bytes],
         idle_timeout: float,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """Send one request to `route`'s node; yields once response headers arrived.
+    ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """Send one request to `route`'s node; `async with` it: entered once response
+        headers arrived.
 
         `host` is the authority the caller asked for (also our SNI toward the node).
-        Raises an `UpstreamError` subclass before yielding; after yielding, a broken
-        body ends the body iterator with `UpstreamProtocolError`, an idle one with
-        `UpstreamTimeout`.
+        Raises an `UpstreamError` subclass on entering; after that, a broken body ends
+        the body iterator with `UpstreamProtocolError`, an idle one with
+        `UpstreamTimeout`. Leaving gives the connection back to the pool (or closes it).
         """
-        entry = self._pool_for(route, pins)
-        entry.active += 1
-        try:
-            conn, parser = await self._exchange(entry, method, host, target, headers, body,
-                                                idle_timeout)
-            response_body = _Body(conn, parser, idle_timeout)
-            try:
-                yield UpstreamResponse(parser.status, parser.headers, parser.version,
-                                       response_body)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await entry.release(conn, response_body.complete and parser.keep_alive)
-        finally:
-            entry.active -= 1
-            if self._retired:
-                await self._reap()
+        return _Request(self, self._pool_for(route, pins), method, host, target, headers,
+                        body, idle_timeout)
 
     async def _exchange(
         self,
@@ -468,26 +477,31 @@ class Upstream:
         parser = ResponseParser(method)
         try:
             buffered = isinstance(body, bytes | bytearray)
-            with trio.move_on_after(idle_timeout) as writing:
+            try:
+                deadline = trio.current_time() + idle_timeout
                 if buffered and body and len(head) + len(body) <= WRITE_SLICE:
-                    await conn.send(head + body)  # one TLS record for the whole request
+                    await conn.send(head + body, deadline)  # one TLS record for it all
                 else:
-                    await conn.send(head)
+                    await conn.send(head, deadline)
                     if buffered and body:
-                        await conn.send(body)
-            if writing.cancelled_caught:
-                raise UpstreamTimeout("the node did not take the request in time")
+                        await conn.send(body, deadline)
+            except trio.TooSlowError:
+                raise UpstreamTimeout("the node did not take the request in time") from None
             if not buffered:
                 await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
-            with trio.move_on_after(self.header_timeout) as waiting:
+            deadline = trio.current_time() + self.header_timeout
+            wait_first = True  # the node cannot have answered a request just sent
+            try:
                 while not parser.head_done:
-                    data = await conn.recv()
+                    data = await conn.recv(deadline, wait_first)
+                    wait_first = False
                     if data:
                         parser.feed(data)
                     else:
                         parser.feed_eof()
-            if waiting.cancelled_caught:
-                raise UpstreamTimeout(f"no response headers within {self.header_timeout:g} s")
+            except trio.TooSlowError:
+                raise UpstreamTimeout(
+                    f"no response headers within {self.header_timeout:g} s") from None
         except ResponseError as exc:
             if parser.received == 0:  # closed before answering at all: maybe stale
                 raise _StaleConnection(f"node connection closed: {exc}") from exc
@@ -507,6 +521,43 @@ class Upstream:
             for entry in pools:
                 entry.retired = True
                 await entry.close_idle()
+
+
+class _Request:
+    """`Upstream.request`'s context: a pool slot and connection held from entering (the
+    response head is in) to leaving (the connection pooled again or closed)."""
+
+    __slots__ = ("_up", "_entry", "_args", "_conn", "_parser", "_body")
+
+    def __init__(self, up: Upstream, entry: _Pool, *args: object) -> None:
+        self._up = up
+        self._entry = entry
+        self._args = args
+
+    async def __aenter__(self) -> UpstreamResponse:
+        up, entry = self._up, self._entry
+        entry.active += 1
+        try:
+            conn, parser = await up._exchange(entry, *self._args)  # type: ignore[arg-type]
+        except BaseException:
+            entry.active -= 1
+            if up._retired:
+                await up._reap()
+            raise
+        self._conn, self._parser = conn, parser
+        self._body = _Body(conn, parser, self._args[-1])  # type: ignore[arg-type]
+        return UpstreamResponse(parser.status, parser.headers, parser.version, self._body)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        up, entry = self._up, self._entry
+        try:
+            if not entry.keep(self._conn, self._body.complete and self._parser.keep_alive):
+                with trio.CancelScope(shield=True):
+                    await entry.discard(self._conn)
+        finally:
+            entry.active -= 1
+            if up._retired:
+                await up._reap()
 
 
 def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
@@ -539,21 +590,19 @@ def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
 async def _send_stream(conn: _Conn, body: AsyncIterable[bytes], chunked: bool,
                        idle_timeout: float) -> None:
     """A streamed request body, each write bounded by the idle timeout."""
-    async for chunk in body:
-        if not chunk:
-            continue
-        with trio.move_on_after(idle_timeout) as writing:
+    try:
+        async for chunk in body:
+            if not chunk:
+                continue
+            deadline = trio.current_time() + idle_timeout
             if chunked:
-                await conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                await conn.send(b"%x\r\n%b\r\n" % (len(chunk), chunk), deadline)
             else:
-                await conn.send(chunk)
-        if writing.cancelled_caught:
-            raise UpstreamTimeout("the node did not take the request body in time")
-    if chunked:
-        with trio.move_on_after(idle_timeout) as writing:
-            await conn.send(b"0\r\n\r\n")
-        if writing.cancelled_caught:
-            raise UpstreamTimeout("the node did not take the request body in time")
+                await conn.send(chunk, deadline)
+        if chunked:
+            await conn.send(b"0\r\n\r\n", trio.current_time() + idle_timeout)
+    except trio.TooSlowError:
+        raise UpstreamTimeout("the node did not take the request body in time") from None
 
 
 class _Body:
@@ -580,13 +629,12 @@ class _Body:
                 return piece
             if parser.done:
                 raise StopAsyncIteration
-            with trio.move_on_after(self._idle) as reading:
-                try:
-                    data = await self._conn.recv()
-                except _Broken as exc:
-                    raise UpstreamProtocolError(f"node body broke: {exc}") from exc
-            if reading.cancelled_caught:
-                raise UpstreamTimeout("node body idle too long")
+            try:
+                data = await self._conn.recv(trio.current_time() + self._idle)
+            except _Broken as exc:
+                raise UpstreamProtocolError(f"node body broke: {exc}") from exc
+            except trio.TooSlowError:
+                raise UpstreamTimeout("node body idle too long") from None
             try:
                 if data:
                     parser.feed(data)

@@ -175,17 +175,19 @@ class H1ServerParser:
         self._phase = _Phase.BODY
         self._head_bytes = 0
         fields = self._fields
-        hosts = [v for k, v in fields if k == b"host"]
+        hosts = 0
         length = transfer = expect = None
         for name, value in fields:
-            if name == b"content-length":
+            if name == b"host":
+                hosts += 1
+            elif name == b"content-length":
                 length = int(value)  # llhttp accepted it: digits, one field
             elif name == b"transfer-encoding":  # every field counts: gzip + chunked is two
                 transfer = value if transfer is None else transfer + b"," + value
             elif name == b"expect":
                 expect = value
         version = self._parser.get_http_version()
-        if len(hosts) > 1:
+        if hosts > 1:
             self._fail(400, "more than one Host field")
         elif transfer is not None and [t.strip() for t in transfer.lower().split(b",")] != [
                 b"chunked"]:
@@ -223,11 +225,11 @@ class Framing(enum.Enum):
     CLOSE = "close"  # HTTP/1.0 client, no length: the body ends with the connection
 
 
+_REASONS = {int(s): s.phrase.encode("ascii") for s in http.HTTPStatus}
+
+
 def reason(status: int) -> bytes:
-    try:
-        return http.HTTPStatus(status).phrase.encode("ascii")
-    except ValueError:
-        return b"Unknown"
+    return _REASONS.get(status, b"Unknown")
 
 
 def response_framing(request_method: str, http_version: str, status: int,

@@ -19,6 +19,7 @@ removed in both directions; the engine frames each leg itself.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 Headers = list[tuple[bytes, bytes]]
@@ -59,8 +60,15 @@ def clean_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _host_value(host: str) -> bytes:
+    return host.encode("idna")
+
+
+@functools.lru_cache(maxsize=4096)
 def forwarded_value(client_ip: str, host: str) -> bytes:
-    """RFC 7239 `Forwarded` element for this hop (IPv6 quoted and bracketed)."""
+    """RFC 7239 `Forwarded` element for this hop (IPv6 quoted and bracketed). The same
+    few (client, host) pairs recur on every request, so their values are remembered."""
     node = f'"[{client_ip}]"' if ":" in client_ip else client_ip
     return f"for={node};proto=https;host={host}".encode("ascii")
 
@@ -81,7 +89,7 @@ def clean_request_headers(
     """
     headers = list(headers)
     named = _connection_tokens(headers)
-    out: Headers = [(b"host", host.encode("idna"))]
+    out: Headers = [(b"host", _host_value(host))]
     wants_trailers = False
     for name, value in headers:
         lname = name.lower()

@@ -43,6 +43,7 @@ this runs.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -85,8 +86,20 @@ class Target:
         return f"{self.path}?{self.query}".encode("ascii")
 
 
+#: Targets and Host values up to this long are remembered (the same few recur on every
+#: request of a client); longer ones are parsed each time, so the caches stay small.
+MEMO_BYTES = 256
+MEMO_ENTRIES = 1024
+
+
 def parse_target(raw: bytes) -> Target:
     """The request target as the node will see it; raises `BadRequest`."""
+    if len(raw) <= MEMO_BYTES:
+        return _parse_target_memo(raw)  # a refusal is not remembered: it raises again
+    return _parse_target(raw)
+
+
+def _parse_target(raw: bytes) -> Target:
     if len(raw) > MAX_TARGET_BYTES:
         raise BadRequest("request target too long", 414)
     authority = None
@@ -148,8 +161,14 @@ def _decode_unreserved(segment: bytes) -> str:
 def in_mcp_scope(path: str, mcp_path: str) -> bool:
     """Is the normalised `path` the route's MCP endpoint or below it?"""
     folded = _fold(path)
-    scope = _fold(normalise_path(mcp_path.encode("ascii")))
+    scope = _mcp_scope(mcp_path)
     return scope == "" or folded == scope or folded.startswith(scope + "/")
+
+
+@functools.lru_cache(maxsize=256)
+def _mcp_scope(mcp_path: str) -> str:
+    """The folded MCP path of a route (configured: a handful of values)."""
+    return _fold(normalise_path(mcp_path.encode("ascii")))
 
 
 def _fold(path: str) -> str:
@@ -160,6 +179,12 @@ def authority_host(value: bytes | None) -> str | None:
     """The host of a Host / :authority value, lower-case, without port; None if bad."""
     if not value:
         return None
+    if len(value) <= MEMO_BYTES:
+        return _authority_host_memo(value)
+    return _authority_host(value)
+
+
+def _authority_host(value: bytes) -> str | None:
     try:
         text = value.decode("ascii").strip().lower()
     except UnicodeDecodeError:
@@ -177,6 +202,10 @@ def authority_host(value: bytes | None) -> str | None:
     if not host or not re.fullmatch(r"[a-z0-9_.-]+", host):
         return None
     return host
+
+
+_parse_target_memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(_parse_target)
+_authority_host_memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(_authority_host)
 
 
 def host_matches(host: str, sni: str | None, route_host: str) -> bool:

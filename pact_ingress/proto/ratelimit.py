@@ -50,6 +50,7 @@ ceiling, however many fresh keys it mints).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import math
@@ -113,6 +114,7 @@ Decision = Allowed | Limited
 ALLOWED = Allowed()
 
 
+@functools.lru_cache(maxsize=64)
 def burst_for(rate: int) -> int:
     """The burst (calls admitted back to back from a full bucket) for an hourly rate."""
     return min(rate, max(MIN_BURST, math.ceil(rate / BURST_DIVISOR)))
@@ -122,6 +124,12 @@ def client_bucket(ip: str | None) -> str | None:
     """The string an IP is budgeted under: IPv4 as is, IPv6 by its /64."""
     if ip is None:
         return None
+    if len(ip) <= 64:  # any address (and its zone); a peer name of any length is not kept
+        return _client_bucket_memo(ip)
+    return _client_bucket(ip)
+
+
+def _client_bucket(ip: str) -> str:
     try:
         address = ipaddress.ip_address(ip.split("%", 1)[0])
     except ValueError:
@@ -131,6 +139,11 @@ def client_bucket(ip: str | None) -> str | None:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, IPV6_PREFIX), strict=False))
     return str(address)
+
+
+#: Every request asks for its client's bucket, and parsing the address is the dearest
+#: part of a rate-limit decision; the same few addresses recur.
+_client_bucket_memo = functools.lru_cache(maxsize=4096)(_client_bucket)
 
 
 class RateLimiter:
@@ -178,6 +191,9 @@ class RateLimiter:
         all or nothing. `prepaid` calls were already charged to the IP ceiling (the edge
         charges every request one IP unit before it reads the body)."""
         budget = budget or self.default_budget
+        if type(keys) is tuple and keys == (None,) and ip is not None and not prepaid:
+            # one keyless call from a known IP (the edge's per-request unit): one bucket
+            return self._check_ip_unit(client_bucket(ip), now, budget, scope)
         demands = self._demands(client_bucket(ip), Counter(keys), budget, scope, prepaid)
         self._sweep(now)
         if not demands:
@@ -191,6 +207,21 @@ class RateLimiter:
         return ALLOWED
 
     # -- internals ------------------------------------------------------------------------
+
+    def _check_ip_unit(self, ip: str | None, now: float, budget: Budget, scope: str
+                       ) -> Decision:
+        """`check_calls(ip, (None,), now)`: what `_demands` would make of it is the IP
+        ceiling's bucket alone, at cost 1."""
+        ceiling = budget.per_ip_per_hour
+        interval, burst = SECONDS_PER_HOUR / ceiling, burst_for(ceiling)
+        bucket: BucketId = ("ip", scope, ip, None)
+        self._sweep(now)
+        wait = self._wait(bucket, 1, interval, burst, now)
+        if wait > _EPSILON:
+            self._touch((bucket,))
+            return Limited(max(1, math.ceil(wait - _EPSILON)))
+        self._charge(bucket, max(self._tat.get(bucket, now), now) + interval)
+        return ALLOWED
 
     @staticmethod
     def _demands(

@@ -1,0 +1,145 @@
+"""Before/after for the terminate engine: several pact-ingress trees, HAProxy, one rig.
+
+    git archive <commit> pact_ingress | tar -x -C /tmp/before
+    python -m tests.bench.ab_terminate before=/tmp/before after=. \\
+        [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after]
+
+On a shared machine two separate bench runs cannot be compared: what other work takes
+from the proxy core moves every figure by tens of percent. This runs the rig of
+`bench_terminate` (the same node, HAProxy peer and ingress config) once, starts one
+`pact-ingress serve` per source tree given (each on its own port, all on the proxy
+core), and alternates short runs of every phase through HAProxy and every tree, round
+after round, so each one sees the same load. Reported: the median µs of proxy CPU per
+request (per new connection for `new*` phases) and the ratio to HAProxy's, measured in
+the same rounds. `--profile NAME` then records that tree under py-spy during a
+keep-alive run (`--profile-phase`) and prints the same summary `bench_terminate` does
+(several names, comma-separated: one after the other).
+
+A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
+with it as the working directory, which puts it first on `sys.path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.bench import bench_terminate as bt
+from tests.bench.harness import (
+    CORE_LOAD,
+    CORE_PROXY,
+    Service,
+    free_port,
+    pin_self,
+    pinned,
+    python_module,
+    services,
+)
+
+PROFILE_RATE = 400
+
+
+def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
+    """`name` under py-spy for one keep-alive run; the summary `bench_terminate` prints."""
+    out = tmp / f"py-spy-{name}.txt"
+    argv = pinned(["py-spy", "record", "--pid", str(rig.proxies[name].pid), "--duration", "7",
+                   "--rate", str(PROFILE_RATE), "--full-filenames", "--format", "raw",
+                   "--output", str(out)], CORE_LOAD)
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.7)  # attached before the load starts
+    run = bt.run_phase(rig, phase, name, 6)
+    spy.wait(30)
+    if not out.exists():
+        print(f"\npy-spy recorded nothing for {name}")
+        return
+    if keep is not None:
+        shutil.copy(out, keep.with_name(f"{keep.stem}-{name}{keep.suffix}"))
+    summary = bt.summarise_profile(out.read_text(), 7, PROFILE_RATE)
+    print()
+    print(bt.profile_markdown(summary, f"py-spy: {name}, {phase.key}, {run.rate:,.0f} req/s"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
+    p.add_argument("--phases", default="ka8,ka32,ka1,new8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--profile", help="NAME[,NAME…] of trees to profile afterwards")
+    p.add_argument("--profile-phase", default="ka8")
+    p.add_argument("--profile-out", type=Path,
+                   help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
+    args = p.parse_args(argv)
+    trees = dict(t.split("=", 1) for t in args.trees)
+    phases = {ph.key: ph for ph in bt.PHASES}
+    plan = [phases[k] for k in args.phases.split(",")]
+    if cpus := os.cpu_count():
+        if cpus >= 2:
+            pin_self(CORE_LOAD)
+    tmp = Path(tempfile.mkdtemp(prefix="pact-bench-ab-"))
+    print(f"load average at start: {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    with services() as started:
+        rig = bt.build_rig(tmp, started, "h2,http/1.1")
+        yaml = (tmp / "ingress.yaml").read_text()
+        paths = [bt.PEER]
+        for name, tree in trees.items():
+            port = free_port()
+            cfg = tmp / f"{name}.yaml"
+            cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"',
+                                        f'127.0.0.1:{port}"')
+                           .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
+            svc = Service(name, python_module("pact_ingress", "serve", "-c", str(cfg)),
+                          CORE_PROXY, tmp / f"{name}.log",
+                          env={"PYTHONPATH": str(Path(tree).resolve())},
+                          cwd=Path(tree).resolve())
+            started.append(svc)
+            svc.start([port])
+            rig.proxies[name] = svc
+            rig.ports[name] = port
+            paths.append(name)
+        for path in paths:  # pools filled, every path proven
+            for ph in plan:
+                run = bt.run_phase(rig, ph, path, 1.0)
+                if not run.units and not run.errors and not run.non2xx:
+                    run = bt.run_phase(rig, ph, path, 3.0)  # a slow start on a busy machine
+                if run.errors or run.non2xx or not run.units:
+                    raise SystemExit(f"warm-up {ph.key} via {path} failed:\n{run.raw}")
+        cpu: dict[tuple[str, str], list[float]] = {}
+        for rnd in range(args.rounds):
+            for ph in plan:
+                for path in paths:
+                    run = bt.run_phase(rig, ph, path, args.seconds)
+                    if run.errors or run.non2xx or not run.units:
+                        raise SystemExit(f"{ph.key} via {path} failed:\n{run.raw}")
+                    us = bt.per_request_us(run)
+                    assert us is not None
+                    cpu.setdefault((ph.key, path), []).append(us)
+                    print(f"round {rnd + 1} {ph.key:5} {path:14} {run.rate:9,.0f}/s "
+                          f"{us:8.1f} µs  proxy core {run.core_busy[str(CORE_PROXY)]:.0%}",
+                          file=sys.stderr, flush=True)
+        names = list(trees)
+        print("| phase | " + " | ".join(f"{p} (µs)" for p in paths) + " | "
+              + " | ".join(f"{n} ÷ haproxy" for n in names) + " |")
+        print("|---" * (len(paths) + len(names) + 1) + "|")
+        for ph in plan:
+            med = {p: statistics.median(cpu[(ph.key, p)]) for p in paths}
+            print(f"| {ph.label} | " + " | ".join(f"{med[p]:,.1f}" for p in paths) + " | "
+                  + " | ".join(f"{med[n] / med[bt.PEER]:.2f}×" for n in names) + " |")
+        print(f"\nmedian of {args.rounds} rounds of {args.seconds:g} s; load average at "
+              f"end {os.getloadavg()[0]:.2f}")
+        for name in (args.profile or "").split(","):
+            if name:
+                profile(rig, name, phases[args.profile_phase], tmp, args.profile_out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
