@@ -56,8 +56,13 @@ def _translate(exc: SSL.Error) -> ssl.SSLError:
 class _Object:
     """A pyOpenSSL server `Connection` with the `ssl.SSLObject` methods `MemoryTLS` calls."""
 
-    def __init__(self, conn: SSL.Connection) -> None:
+    def __init__(self, conn: SSL.Connection, incoming: _Incoming) -> None:
         self.conn = conn
+        self.incoming = incoming
+
+    def pending(self) -> int:
+        """Decrypted bytes OpenSSL holds (`SSL_pending`)."""
+        return self.conn.pending()
 
     def do_handshake(self) -> None:
         try:
@@ -70,6 +75,9 @@ class _Object:
             # one record's plaintext at most comes back per call anyway; asking for
             # more only makes pyOpenSSL allocate a larger buffer every time
             return self.conn.recv(min(size, _RECORD))
+        except SSL.WantReadError:
+            self.incoming.drained()  # OpenSSL took every byte the BIO held
+            raise ssl.SSLWantReadError() from None
         except SSL.Error as exc:
             raise _translate(exc) from None
 
@@ -90,15 +98,32 @@ class _Object:
 
 
 class _Incoming:
-    """OpenSSL's read BIO as an `ssl.MemoryBIO` to write ciphertext into."""
+    """OpenSSL's read BIO as an `ssl.MemoryBIO` to write ciphertext into.
+
+    pyOpenSSL cannot say how many bytes the BIO holds, so `pending` is conservative: 1
+    from a write until a read has asked OpenSSL for more than it holds (the engine then
+    reads the transport before decrypting), never 0 while bytes may still be there — a
+    record left in the BIO must be decrypted, not waited for."""
 
     def __init__(self, conn: SSL.Connection) -> None:
         self.conn = conn
+        self.eof = False
+        self._maybe = False
+
+    @property
+    def pending(self) -> int:
+        return 1 if self._maybe else 0
+
+    def drained(self) -> None:
+        self._maybe = False
 
     def write(self, data: bytes) -> int:
+        if data:
+            self._maybe = True
         return self.conn.bio_write(data)
 
     def write_eof(self) -> None:
+        self.eof = True
         self.conn.bio_shutdown()
 
 
@@ -146,7 +171,7 @@ class RelayTLS(MemoryTLS, trio.abc.Stream):
         conn = SSL.Connection(context, None)  # no socket: memory BIOs
         conn.set_accept_state()
         incoming = _Incoming(conn)
-        super().__init__(_Object(conn), incoming, _Outgoing(conn),  # type: ignore[arg-type]
+        super().__init__(_Object(conn, incoming), incoming, _Outgoing(conn),  # type: ignore[arg-type]
                          raw=sock, stream=stream)
         if initial:
             incoming.write(initial)
