@@ -14,10 +14,19 @@ stream buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at 
 connection window, whatever the client sends. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
-Writes: one lock orders every `data_to_send()` onto the socket; each write must be taken
-by the client within `write_timeout`, else the connection is dropped (a client that
-stops reading must not hold a node's response, or our buffers, for ever). Response DATA
-waits for the client's flow-control window with the same deadline.
+Writes are batched: h2 queues frames in its outbound buffer, and they leave in as few
+socket writes as the connection allows. The reader flushes once per batch of events it
+dispatched (one write answers every PING, SETTINGS and WINDOW_UPDATE of a read). A
+stream's response head, its small DATA, its END_STREAM and its RST only *queue* frames and
+wake the connection's writer task, which sends whatever has accumulated when it runs: a
+1 KiB answer leaves as one TLS record in one `send`, and the answers of several streams
+that finish together share one. Large DATA (over `FLUSH_BYTES` queued) is flushed by the
+stream itself, so a stream that produces faster than the client takes waits (back-pressure
+through the socket, on top of h2's flow control). One lock orders every write; each write
+must be taken by the client within `write_timeout`, else the connection is dropped (a
+client that stops reading must not hold a node's response, or our buffers, for ever;
+and a TLS record cut off mid-write leaves nothing to resume). Response DATA waits for the
+client's flow-control window with the same deadline.
 
 A stream reset by the client cancels its task at once (and with it the upstream request).
 Frames that cost a client nothing and us something (RST_STREAM, PING, SETTINGS,
@@ -54,6 +63,10 @@ MAX_CONCURRENT_STREAMS = 100
 MAX_HEADER_LIST_SIZE = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
+#: Response DATA queued in h2 beyond which the sending stream writes it out itself and
+#: waits for the socket: below it, the writer task batches (one TLS record can carry
+#: 16 KiB; four of them is one large `send`).
+FLUSH_BYTES = 64 * 1024
 
 _Handle = Callable[[Exchange], Awaitable[None]]
 
@@ -76,6 +89,11 @@ class H2Connection:
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
         self.on_flood: Callable[[Flood], None] = on_flood
+        self._queued = 0  # DATA bytes handed to h2 since the last write took its buffer
+        self._broken = False  # a write failed or timed out: nothing more can be sent
+        self._dirty = False  # frames are queued that the writer has not been woken for
+        self._writer: trio.lowlevel.Task | None = None  # the writer task, while parked
+        self._scope = trio.CancelScope()  # the connection's: a failed write cancels it
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
@@ -84,15 +102,17 @@ class H2Connection:
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
         self.conn.initiate_connection()
-        async with trio.open_nursery() as nursery:
-            try:
-                await self.flush()
-                nursery.start_soon(self._on_drain)
-                await self._read_loop(handle, nursery)
-            except ClientGone:
-                pass
-            finally:
-                nursery.cancel_scope.cancel()
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                try:
+                    await self.flush()
+                    nursery.start_soon(self._on_drain)
+                    nursery.start_soon(self._write_loop)
+                    await self._read_loop(handle, nursery)
+                except ClientGone:
+                    pass
+                finally:
+                    nursery.cancel_scope.cancel()
 
     async def _on_drain(self) -> None:
         await self._draining.wait()
@@ -215,18 +235,65 @@ class H2Connection:
         finally:
             del self.streams[exchange.stream_id]
             exchange.release()
-            with trio.CancelScope(shield=True):
-                try:
-                    await self.flush()
-                except ClientGone:
-                    pass
+            self.kick()
+
+    # -- writing ------------------------------------------------------------------------
 
     async def flush(self) -> None:
-        async with self._send_lock:
-            data = self.conn.data_to_send()
-            if not data:
-                return
+        """Send everything h2 has queued; return once it is written (`ClientGone` if it
+        cannot be). Frames queued while a write is under way go out in the next one."""
+        if self._broken:
+            raise ClientGone("client connection broke")
+        lock = self._send_lock
+        if lock.locked():  # another task is writing; then take what it left
+            async with lock:
+                await self._write_queued()
+            return
+        data = self.conn.data_to_send()
+        if not data:
+            return
+        lock.acquire_nowait()  # free and nothing awaited since: no checkpoint needed
+        try:
+            await self._write(data)
+            await self._write_queued()
+        finally:
+            lock.release()
+
+    async def _write_queued(self) -> None:
+        while data := self.conn.data_to_send():
+            await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        self._queued = 0
+        try:
             await send_to_client(self.stream, data, self.write_timeout)
+        except ClientGone:
+            self._broken = True
+            self._scope.cancel()
+            raise
+
+    def kick(self) -> None:
+        """Frames were queued: have the writer send them soon, without waiting here."""
+        self._dirty = True
+        task = self._writer
+        if task is not None:
+            self._writer = None
+            trio.lowlevel.reschedule(task)
+
+    async def _write_loop(self) -> None:
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._writer = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        try:
+            while True:
+                if not self._dirty:
+                    self._writer = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                self._dirty = False
+                await self.flush()
+        except ClientGone:
+            pass
 
     async def wait_window(self, deadline: float) -> None:
         with trio.move_on_at(deadline):
@@ -282,7 +349,7 @@ class H2Exchange(Exchange):
                 data, flow_length = self._chunks.popleft()
                 self._unacked -= flow_length
                 self.c.conn.acknowledge_received_data(flow_length, self.stream_id)
-                await self.c.flush()
+                self.c.kick()  # a WINDOW_UPDATE, when h2 decided one is due
                 if data:
                     return data
                 continue
@@ -308,7 +375,7 @@ class H2Exchange(Exchange):
                     stream is None or stream.closed):
                 raise ClientGone("stream or connection closed") from exc
             raise BadResponse(str(exc)) from exc
-        await self.c.flush()
+        self.c.kick()
 
     async def send(self, chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -328,7 +395,10 @@ class H2Exchange(Exchange):
             except h2.exceptions.ProtocolError as exc:
                 raise ClientGone("stream closed") from exc
             view = view[window:]
-            await self.c.flush()
+            self.c._queued += window
+            if self.c._queued >= FLUSH_BYTES:
+                await self.c.flush()
+        self.c.kick()
 
     async def end(self) -> None:
         self._live()
@@ -338,11 +408,11 @@ class H2Exchange(Exchange):
             raise ClientGone("stream closed") from exc
         if self.stopped and not self._ended:
             self._reset(h2.errors.ErrorCodes.NO_ERROR)
-        await self.c.flush()
+        self.c.kick()
 
     async def abort(self) -> None:
         self._reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
-        await self.c.flush()
+        self.c.kick()
 
     async def wait_gone(self) -> None:
         await self._gone.wait()
@@ -361,6 +431,8 @@ class H2Exchange(Exchange):
     def _live(self) -> None:
         if self._gone.is_set():
             raise ClientGone("client reset the stream")
+        if self.c._broken:
+            raise ClientGone("client connection broke")
 
     def _reset(self, code: int) -> None:
         try:
