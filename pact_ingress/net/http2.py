@@ -42,12 +42,15 @@ deadline. An answer given before the body was read ends the stream with
 `RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain sends
 GOAWAY; open streams finish.
 
-h2 is configured once per connection: inbound headers are validated and normalised by
-h2 (names, characters, pseudo-headers, connection-specific fields: nothing malformed
-reaches the engine); outbound, h2's validation and normalisation are off because the
-response block is built here from headers the engine has already cleaned
-(`proto.http_headers`: lower-case names, no pseudo-headers, no hop-by-hop fields), with
-the one normalisation that is left, surrounding whitespace, done in the same pass.
+h2 is configured once per connection with its header validation off in both directions,
+because both are done here in one pass each: a request header block is checked by
+`proto.h2_request.split_request` (names, characters, pseudo-headers, connection-specific
+fields, Host against `:authority`: nothing malformed reaches the engine; a malformed
+request is reset with PROTOCOL_ERROR), and the response block is built by
+`response_block` from headers the engine has already cleaned (`proto.http_headers`:
+lower-case names, no pseudo-headers, no hop-by-hop fields), with the one normalisation
+left, surrounding whitespace, done in the same pass. h2 still joins split `Cookie`
+fields, enforces the header list size and checks `Content-Length` against the DATA.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from pact_ingress.net.http_exchange import (
     BadResponse, ClientGone, Exchange, Headers, send_to_client,
 )
 from pact_ingress.proto.h2_guard import Flood, FloodGuard
+from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.http_request import header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -116,6 +120,7 @@ class H2Connection:
         self.stream = stream
         config = h2.config.H2Configuration(
             client_side=False, header_encoding=None,
+            validate_inbound_headers=False,  # `split_request` checks, in one pass
             validate_outbound_headers=False, normalize_outbound_headers=False)
         self.conn = h2.connection.H2Connection(config)
         self.idle_timeout = idle_timeout
@@ -262,13 +267,11 @@ class H2Connection:
             self._goaway = True
 
     def _exchange(self, event: h2.events.RequestReceived) -> H2Exchange | None:
-        pseudo: dict[bytes, bytes] = {}
-        headers: Headers = []
-        for name, value in event.headers or ():
-            if name.startswith(b":"):
-                pseudo[bytes(name)] = bytes(value)
-            else:
-                headers.append((bytes(name), bytes(value)))
+        try:
+            pseudo, headers = split_request(event.headers or ())
+        except MalformedRequest:
+            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            return None
         declared = header(headers, b"content-length")
         try:
             length = int(declared) if declared is not None else None
