@@ -85,6 +85,10 @@ READ_SIZE = 64 * 1024
 #: take them: enough for four full TLS records in one `send`, and a bound on what a client
 #: that does not read can make us hold per connection.
 FLUSH_BYTES = 64 * 1024
+#: A read returns without yielding to other connections when TLS already holds bytes;
+#: the reader yields at least every this many reads, so a client that keeps its socket
+#: full (of frames h2 handles without us, such as WINDOW_UPDATE) cannot hold the loop.
+YIELD_EVERY = 8
 #: Stream workers kept parked per connection for the next request; more than this many
 #: concurrent streams spawn workers that end with their exchange.
 MAX_IDLE_WORKERS = 8
@@ -197,7 +201,11 @@ class H2Connection:
             await trio.sleep_until(due)
 
     async def _read_loop(self) -> None:
+        reads = 0
         while not (self._goaway and not self.streams):
+            reads += 1
+            if reads % YIELD_EVERY == 0:
+                await trio.lowlevel.checkpoint()
             try:
                 data = await self.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -493,8 +501,9 @@ class H2Exchange(Exchange):
             if window <= 0:
                 await self.c.wait_window(deadline)
                 continue
+            piece = chunk if window >= len(view) == len(chunk) else bytes(view[:window])
             try:
-                self.c.conn.send_data(self.stream_id, bytes(view[:window]))
+                self.c.conn.send_data(self.stream_id, piece)
             except h2.exceptions.ProtocolError as exc:
                 raise ClientGone("stream closed") from exc
             view = view[window:]
