@@ -39,8 +39,9 @@ request). Frames that cost a client nothing and us something (RST_STREAM, PING,
 SETTINGS, PRIORITY, empty DATA) are metered per connection (`proto.h2_guard`): a flood
 ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
 deadline. An answer given before the body was read ends the stream with
-`RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain sends
-GOAWAY; open streams finish.
+`RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain takes no
+new stream (REFUSED_STREAM: safe to retry elsewhere), lets the open ones finish, uploads
+included, then sends GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
 
 h2 is configured once per connection with its header validation off in both directions,
 because both are done here in one pass each: a request header block is checked by
@@ -134,6 +135,7 @@ class H2Connection:
         self._draining = draining
         self._window: trio.Event | None = None  # set when send windows may have grown
         self._goaway = False
+        self._last_stream: int | None = None  # the last stream taken before a drain
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
         self.on_flood: Callable[[Flood], None] = on_flood
@@ -148,6 +150,7 @@ class H2Connection:
         # reading
         self._read_scope = trio.CancelScope()  # cancelled: idle too long, or drained idle
         self._last_read = 0.0
+        self._closing = False  # the read loop is over; the nursery is being torn down
         # stream workers
         self._handle: _Handle | None = None
         self._nursery: trio.Nursery | None = None
@@ -173,18 +176,28 @@ class H2Connection:
                     self._idle_scopes.add(self._read_scope)
                     with self._read_scope:
                         await self._read_loop()
+                    if self._draining.is_set() and (self.conn.state_machine.state
+                                                    is not h2.connection.ConnectionState.CLOSED):
+                        # GOAWAY(NO_ERROR) naming the last stream taken before the drain
+                        self.conn.close_connection(last_stream_id=self._last_stream)
                     await self.flush()  # a GOAWAY, the last answers
                 except ClientGone:
                     pass
                 finally:
+                    self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
 
     async def _on_drain(self) -> None:
+        """Take no new stream; say GOAWAY once the open ones have been answered. Not at
+        once: h2 (and so httpx) treats any GOAWAY as the end of the connection and would
+        fail the answers still to come, and h2's own side would refuse the rest of an
+        open upload."""
         await self._draining.wait()
         self._goaway = True
-        self.conn.close_connection()
-        self.kick()
+        self._last_stream = self.conn.highest_inbound_stream_id
+        if not self.streams:
+            self._read_scope.cancel()
 
     async def _idle_watch(self) -> None:
         """End the read loop once no stream has been open and nothing was read for
@@ -229,6 +242,10 @@ class H2Connection:
 
     def _dispatch(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.RequestReceived):
+            if self._last_stream is not None and event.stream_id > self._last_stream:
+                # opened after the drain began: the client may retry it elsewhere
+                self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                return
             exchange = self._exchange(event)
             if exchange is not None:
                 if not self.streams:
@@ -332,7 +349,7 @@ class H2Connection:
             del self.streams[exchange.stream_id]
             exchange.release()
             self.kick()
-            if not self.streams:
+            if not self.streams and not self._closing:
                 self._last_read = trio.current_time()  # idle from now
                 if self._draining.is_set():
                     self._read_scope.cancel()  # drained: the last answer is queued
@@ -346,6 +363,7 @@ class H2Connection:
         data = self.conn.data_to_send()
         if data:
             self._outbox += data
+        if self._outbox:
             task = self._writer
             if task is not None:
                 self._writer = None
