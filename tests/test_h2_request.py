@@ -23,8 +23,10 @@ _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def h2_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
+    """h2's inbound pipeline as it was configured before: cookies joined, then checked."""
     try:
-        list(h2.utilities.validate_headers(headers, REQUEST))
+        list(h2.utilities.validate_headers(
+            h2.utilities.normalize_inbound_headers(headers, REQUEST), REQUEST))
     except h2.exceptions.ProtocolError:
         return False
     return True
@@ -39,9 +41,15 @@ def ours_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def only_stricter_by_design(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Where we may refuse what h2 takes: non-token names, control characters."""
-    return any((not n.startswith(b":") and not _TOKEN.fullmatch(n)) or _CTL.search(v)
-               for n, v in headers)
+    """Where we may refuse what h2 takes: non-token names, control characters, and a
+    `Cookie` before a pseudo-header (h2 moves cookies to the end before it checks the
+    order; RFC 9113 §8.3 wants every pseudo-header first)."""
+    names = [n for n, _ in headers]
+    cookie_first = b"cookie" in names and any(
+        n.startswith(b":") for n in names[names.index(b"cookie"):])
+    return cookie_first or any(
+        (not n.startswith(b":") and not _TOKEN.fullmatch(n)) or _CTL.search(v)
+        for n, v in headers)
 
 
 NAMES = st.sampled_from([
@@ -58,11 +66,18 @@ VALUES = st.sampled_from([
 BLOCKS = st.lists(st.tuples(NAMES, VALUES), max_size=8)
 
 
+def h2_artifact(headers: list[tuple[bytes, bytes]]) -> bool:
+    """h2 joins split cookies before checking, so an empty last crumb makes "…; " and a
+    refusal for trailing whitespace; the edge drops empty crumbs instead."""
+    cookies = [v for n, v in headers if n == b"cookie"]
+    return len(cookies) > 1 and cookies[-1] == b""
+
+
 @settings(max_examples=1500, deadline=None)
 @given(BLOCKS)
 def test_never_more_lenient_than_h2(headers: list[tuple[bytes, bytes]]) -> None:
     if ours_accepts(headers):
-        assert h2_accepts(headers), headers
+        assert h2_accepts(headers) or h2_artifact(headers), headers
     elif h2_accepts(headers):
         assert only_stricter_by_design(headers), headers
 
@@ -75,15 +90,21 @@ def test_agrees_on_mutated_real_blocks(rest: list[tuple[bytes, bytes]],
     headers = GOOD[:4] + list(rest)
     headers[at:at] = extra
     ours, theirs = ours_accepts(headers), h2_accepts(headers)
-    assert ours == theirs or (theirs and only_stricter_by_design(headers)), (headers, ours)
+    assert ours == theirs or (theirs and only_stricter_by_design(headers)) or (
+        ours and h2_artifact(headers)), (headers, ours)
 
 
 def test_split_returns_pseudo_and_fields_in_order() -> None:
-    pseudo, fields = split_request(GOOD + [(b"x-b", b"2"), (b"x-a", b"1")])
+    pseudo, fields = split_request(GOOD + [(b"cookie", b"a=1"), (b"x-b", b"2"),
+                                           (b"cookie", b"b=2"), (b"x-a", b"1")])
     assert pseudo == {b":method": b"POST", b":scheme": b"https",
                       b":authority": b"a.example", b":path": b"/mcp"}
     assert fields == [(b"content-type", b"application/json"), (b"accept", b"*/*"),
-                      (b"x-b", b"2"), (b"x-a", b"1")]
+                      (b"x-b", b"2"), (b"x-a", b"1"), (b"cookie", b"a=1; b=2")]
+    assert fields == [tuple(h) for h in h2.utilities.normalize_inbound_headers(
+        GOOD[4:] + [(b"cookie", b"a=1"), (b"x-b", b"2"), (b"cookie", b"b=2"),
+                    (b"x-a", b"1")], REQUEST)]
+    assert split_request(GOOD + [(b"cookie", b""), (b"cookie", b"")])[1] == GOOD[4:]
 
 
 @pytest.mark.parametrize("block", [

@@ -50,8 +50,8 @@ fields, Host against `:authority`: nothing malformed reaches the engine; a malfo
 request is reset with PROTOCOL_ERROR), and the response block is built by
 `response_block` from headers the engine has already cleaned (`proto.http_headers`:
 lower-case names, no pseudo-headers, no hop-by-hop fields), with the one normalisation
-left, surrounding whitespace, done in the same pass. h2 still joins split `Cookie`
-fields, enforces the header list size and checks `Content-Length` against the DATA.
+left, surrounding whitespace, done in the same pass. h2 still enforces the header list
+size and checks `Content-Length` against the DATA.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ class H2Connection:
         self.stream = stream
         config = h2.config.H2Configuration(
             client_side=False, header_encoding=None,
-            validate_inbound_headers=False,  # `split_request` checks, in one pass
+            # `split_request` checks a request header block (and joins cookies) in one pass
+            validate_inbound_headers=False, normalize_inbound_headers=False,
             validate_outbound_headers=False, normalize_outbound_headers=False)
         self.conn = h2.connection.H2Connection(config)
         self.idle_timeout = idle_timeout
