@@ -1,36 +1,62 @@
-"""The HTTP/2 client leg of the terminate engine: h2 driven by one reader task.
+"""The HTTP/2 client leg of the terminate engine: h2 driven by one reader and one writer.
 
 Theory of operation
 -------------------
 h2 is the state machine; this module moves bytes. One task reads the connection and
 feeds h2; every event is dispatched *in order* before the next read, so a DATA frame
 that arrived in the same read as its HEADERS finds its stream already created (the
-stream exists from `RequestReceived` on). Each request runs as its own task (the engine's
-`handle`) inside the connection's nursery; when the connection ends, they all end.
+stream exists from `RequestReceived` on). Each request runs the engine's `handle` in a
+stream worker: a task of the connection's nursery that, when its exchange is done,
+parks and takes the connection's next request instead of ending, so a keep-alive
+connection does not spawn (and tear down) a task per request. When the connection ends,
+they all end.
 
 Request bodies are flow controlled end to end: DATA is queued on its stream and
-acknowledged to h2 (so WINDOW_UPDATE goes out) only when the engine *takes* it, so a
-stream buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most the
+acknowledged to h2 (so WINDOW_UPDATE goes out, when h2's window manager decides one is
+due: once half a window has been taken) only when the engine *takes* it, so a stream
+buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most the
 connection window, whatever the client sends. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
-Writes: one lock orders every `data_to_send()` onto the socket; each write must be taken
-by the client within `write_timeout`, else the connection is dropped (a client that
-stops reading must not hold a node's response, or our buffers, for ever). Response DATA
-waits for the client's flow-control window with the same deadline.
+Writes: only the writer task writes to the socket. Everyone else (the reader answering
+PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets h2 queue
+frames and calls `kick`, which moves them to the connection's outbox and wakes the
+writer; the writer sends the whole outbox in one write when it runs. So a 1 KiB answer
+leaves as one TLS record in one `send`, the answers of streams that finish together
+share one, and nothing cancels a write half-way (a TLS record cut off mid-write would
+leave nothing to resume). Back-pressure: a stream or the reader that finds more than
+`FLUSH_BYTES` in the outbox waits for the writer to take it. Each write must be taken by
+the client within `write_timeout`, else the connection is dropped (a client that stops
+reading must not hold a node's response, or our buffers, for ever). Response DATA waits
+for the client's flow-control window with the same deadline.
 
-A stream reset by the client cancels its task at once (and with it the upstream request).
-Frames that cost a client nothing and us something (RST_STREAM, PING, SETTINGS,
-PRIORITY, empty DATA) are metered per connection (`proto.h2_guard`): a flood ends the
-connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write deadline.
-An answer given before the body was read ends the stream with `RST_STREAM(NO_ERROR)`
-after the complete response (RFC 9113 §8.1). A drain sends GOAWAY; open streams finish.
+Idle connections: a connection with no stream open is closed after `idle_timeout` with
+nothing received (one watchdog task per connection, re-armed by the time of the last
+read, instead of a deadline on every read), and at once when the edge drains.
+
+A stream reset by the client cancels its exchange at once (and with it the upstream
+request). Frames that cost a client nothing and us something (RST_STREAM, PING,
+SETTINGS, PRIORITY, empty DATA) are metered per connection (`proto.h2_guard`): a flood
+ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
+deadline. An answer given before the body was read ends the stream with
+`RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain takes no
+new stream (REFUSED_STREAM: safe to retry elsewhere), lets the open ones finish, uploads
+included, then sends GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
+
+h2 is configured once per connection with its header validation off in both directions,
+because both are done here in one pass each: a request header block is checked by
+`proto.h2_request.split_request` (names, characters, pseudo-headers, connection-specific
+fields, Host against `:authority`: nothing malformed reaches the engine; a malformed
+request is reset with PROTOCOL_ERROR), and the response block is built by
+`response_block` from headers the engine has already cleaned (`proto.http_headers`:
+lower-case names, no pseudo-headers, no hop-by-hop fields), with the one normalisation
+left, surrounding whitespace, done in the same pass. h2 still enforces the header list
+size and checks `Content-Length` against the DATA.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Awaitable, Callable
 
 import h2.config
@@ -39,6 +65,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import outcome
 import trio
 
 from pact_ingress.logs import log
@@ -46,6 +73,7 @@ from pact_ingress.net.http_exchange import (
     BadResponse, ClientGone, Exchange, Headers, send_to_client,
 )
 from pact_ingress.proto.h2_guard import Flood, FloodGuard
+from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.http_request import header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -54,8 +82,40 @@ MAX_CONCURRENT_STREAMS = 100
 MAX_HEADER_LIST_SIZE = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
+#: Bytes queued for the writer beyond which whoever queues more waits for the writer to
+#: take them: enough for four full TLS records in one `send`, and a bound on what a client
+#: that does not read can make us hold per connection.
+FLUSH_BYTES = 64 * 1024
+#: A read returns without yielding to other connections when TLS already holds bytes;
+#: the reader yields at least every this many reads, so a client that keeps its socket
+#: full (of frames h2 handles without us, such as WINDOW_UPDATE) cannot hold the loop.
+YIELD_EVERY = 8
+#: Stream workers kept parked per connection for the next request; more than this many
+#: concurrent streams spawn workers that end with their exchange.
+MAX_IDLE_WORKERS = 8
 
 _Handle = Callable[[Exchange], Awaitable[None]]
+
+#: Response header fields that must not appear in HTTP/2 (RFC 9113 §8.2.2); the engine
+#: strips them already, this is the last line.
+_CONNECTION_SPECIFIC = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade",
+    b"te",
+})
+_STATUS = {code: str(code).encode() for code in range(100, 600)}
+_OWS = b" \t"
+
+
+def response_block(status: int, headers: Headers) -> Headers:
+    """The HEADERS block of a response: `:status` first, then the fields as HTTP/2 wants
+    them (lower-case names, no surrounding whitespace, no connection-specific field)."""
+    block = [(b":status", _STATUS.get(status) or str(status).encode())]
+    for name, value in headers:
+        name = name.lower()
+        if name in _CONNECTION_SPECIFIC or name[:1] == b":":
+            continue
+        block.append((name, value.strip(_OWS)))
+    return block
 
 
 class H2Connection:
@@ -63,19 +123,39 @@ class H2Connection:
                  idle_scopes: set[trio.CancelScope], draining: trio.Event,
                  on_flood: Callable[[Flood], None] = lambda kind: None) -> None:
         self.stream = stream
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        config = h2.config.H2Configuration(
+            client_side=False, header_encoding=None,
+            # `split_request` checks a request header block (and joins cookies) in one pass
+            validate_inbound_headers=False, normalize_inbound_headers=False,
+            validate_outbound_headers=False, normalize_outbound_headers=False)
         self.conn = h2.connection.H2Connection(config)
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.streams: dict[int, H2Exchange] = {}
         self._idle_scopes = idle_scopes
         self._draining = draining
-        self._send_lock = trio.Lock()
-        self._window = trio.Event()  # set (and replaced) whenever send windows may grow
+        self._window: trio.Event | None = None  # set when send windows may have grown
         self._goaway = False
+        self._last_stream: int | None = None  # the last stream taken before a drain
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
         self.on_flood: Callable[[Flood], None] = on_flood
+        # writing
+        self._outbox = bytearray()  # frames taken from h2, not yet handed to the socket
+        self._writing = False  # the writer holds a batch it is sending
+        self._writer: trio.lowlevel.Task | None = None  # the writer, while parked
+        self._room: trio.Event | None = None  # set when the writer takes the outbox
+        self._written: trio.Event | None = None  # set when the writer runs out of work
+        self._broken = False  # a write failed or timed out: nothing more can be sent
+        self._scope = trio.CancelScope()  # the whole connection: a failed write ends it
+        # reading
+        self._read_scope = trio.CancelScope()  # cancelled: idle too long, or drained idle
+        self._last_read = 0.0
+        self._closing = False  # the read loop is over; the nursery is being torn down
+        # stream workers
+        self._handle: _Handle | None = None
+        self._nursery: trio.Nursery | None = None
+        self._idle_workers: list[trio.lowlevel.Task] = []
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
@@ -84,64 +164,95 @@ class H2Connection:
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
         })
         self.conn.initiate_connection()
-        async with trio.open_nursery() as nursery:
-            try:
-                await self.flush()
-                nursery.start_soon(self._on_drain)
-                await self._read_loop(handle, nursery)
-            except ClientGone:
-                pass
-            finally:
-                nursery.cancel_scope.cancel()
+        self._handle = handle
+        self._last_read = trio.current_time()
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                try:
+                    self.kick()
+                    nursery.start_soon(self._write_loop)
+                    nursery.start_soon(self._on_drain)
+                    nursery.start_soon(self._idle_watch)
+                    self._idle_scopes.add(self._read_scope)
+                    with self._read_scope:
+                        await self._read_loop()
+                    if self._draining.is_set() and (self.conn.state_machine.state
+                                                    is not h2.connection.ConnectionState.CLOSED):
+                        # GOAWAY(NO_ERROR) naming the last stream taken before the drain
+                        self.conn.close_connection(last_stream_id=self._last_stream)
+                    await self.flush()  # a GOAWAY, the last answers
+                except ClientGone:
+                    pass
+                finally:
+                    self._closing = True  # streams ending from here on leave no trace
+                    self._idle_scopes.discard(self._read_scope)
+                    nursery.cancel_scope.cancel()
 
     async def _on_drain(self) -> None:
+        """Take no new stream; say GOAWAY once the open ones have been answered. Not at
+        once: h2 (and so httpx) treats any GOAWAY as the end of the connection and would
+        fail the answers still to come, and h2's own side would refuse the rest of an
+        open upload."""
         await self._draining.wait()
         self._goaway = True
-        self.conn.close_connection()
-        await self.flush()
+        self._last_stream = self.conn.highest_inbound_stream_id
+        if not self.streams:
+            self._read_scope.cancel()
 
-    async def _read_loop(self, handle: _Handle, nursery: trio.Nursery) -> None:
+    async def _idle_watch(self) -> None:
+        """End the read loop once no stream has been open and nothing was read for
+        `idle_timeout` (`_last_read` also moves when the last stream ends)."""
+        while True:
+            now = trio.current_time()
+            if self.streams:
+                await trio.sleep_until(now + self.idle_timeout)
+                continue
+            due = self._last_read + self.idle_timeout
+            if now >= due:
+                self._read_scope.cancel()
+                return
+            await trio.sleep_until(due)
+
+    async def _read_loop(self) -> None:
+        reads = 0
         while not (self._goaway and not self.streams):
-            data = await self._read()
+            reads += 1
+            if reads % YIELD_EVERY == 0:
+                await trio.lowlevel.checkpoint()
+            try:
+                data = await self.stream.receive_some(READ_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
             if not data:
                 return
+            self._last_read = trio.current_time()
             try:
                 events = self.conn.receive_data(data)
             except h2.exceptions.ProtocolError as exc:
                 code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
                 self.conn.close_connection(error_code=code)
-                await self.flush()
                 return
             for event in events:
-                self._dispatch(event, handle, nursery)
-            await self.flush()
+                self._dispatch(event)
+            self.kick()
             if self._flooded is not None:
                 return
+            if len(self._outbox) >= FLUSH_BYTES:
+                await self._wait_room()
 
-    async def _read(self) -> bytes:
-        """The next bytes; b"" at the client's close or after `idle_timeout` with no stream
-        open (a drain ends such an idle wait too)."""
-        if self.streams:
-            deadline = math.inf
-        else:
-            deadline = trio.current_time() + self.idle_timeout
-        with trio.CancelScope(deadline=deadline) as scope:
-            if not self.streams:
-                self._idle_scopes.add(scope)
-            try:
-                return await self.stream.receive_some(READ_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return b""
-            finally:
-                self._idle_scopes.discard(scope)
-        return b""
-
-    def _dispatch(self, event: h2.events.Event, handle: _Handle, nursery: trio.Nursery) -> None:
+    def _dispatch(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.RequestReceived):
+            if self._last_stream is not None and event.stream_id > self._last_stream:
+                # opened after the drain began: the client may retry it elsewhere
+                self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                return
             exchange = self._exchange(event)
             if exchange is not None:
+                if not self.streams:
+                    self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
-                nursery.start_soon(self._run, handle, exchange)
+                self._start(exchange)
         elif isinstance(event, h2.events.DataReceived):
             if not event.data and event.stream_ended is None:
                 self._charge(Flood.EMPTY_DATA)
@@ -164,8 +275,9 @@ class H2Connection:
         elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
             if isinstance(event, h2.events.RemoteSettingsChanged):
                 self._charge(Flood.SETTINGS)
-            self._window.set()
-            self._window = trio.Event()
+            if self._window is not None:
+                self._window.set()
+                self._window = None
         elif isinstance(event, h2.events.PingReceived):
             self._charge(Flood.PING)
         elif isinstance(event, h2.events.PriorityUpdated):
@@ -181,13 +293,11 @@ class H2Connection:
             self._goaway = True
 
     def _exchange(self, event: h2.events.RequestReceived) -> H2Exchange | None:
-        pseudo: dict[bytes, bytes] = {}
-        headers: Headers = []
-        for name, value in event.headers or ():
-            if name.startswith(b":"):
-                pseudo[bytes(name)] = bytes(value)
-            else:
-                headers.append((bytes(name), bytes(value)))
+        try:
+            pseudo, headers = split_request(event.headers or ())
+        except MalformedRequest:
+            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            return None
         declared = header(headers, b"content-length")
         try:
             length = int(declared) if declared is not None else None
@@ -204,10 +314,34 @@ class H2Connection:
             connection=self, stream_id=event.stream_id,
         )
 
-    async def _run(self, handle: _Handle, exchange: H2Exchange) -> None:
+    # -- stream workers -----------------------------------------------------------------
+
+    def _start(self, exchange: H2Exchange) -> None:
+        if self._idle_workers:
+            trio.lowlevel.reschedule(self._idle_workers.pop(), outcome.Value(exchange))
+        else:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._worker, exchange)
+
+    async def _worker(self, exchange: H2Exchange) -> None:
+        while True:
+            await self._run(exchange)
+            if len(self._idle_workers) >= MAX_IDLE_WORKERS:
+                return
+            task = trio.lowlevel.current_task()
+            self._idle_workers.append(task)
+
+            def abort(_: object, task: trio.lowlevel.Task = task) -> trio.lowlevel.Abort:
+                self._idle_workers.remove(task)
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            exchange = await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def _run(self, exchange: H2Exchange) -> None:
+        assert self._handle is not None
         try:
             with exchange.scope:
-                await handle(exchange)
+                await self._handle(exchange)
         except ClientGone:
             pass
         except Exception as exc:
@@ -215,20 +349,76 @@ class H2Connection:
         finally:
             del self.streams[exchange.stream_id]
             exchange.release()
-            with trio.CancelScope(shield=True):
-                try:
-                    await self.flush()
-                except ClientGone:
-                    pass
+            self.kick()
+            if not self.streams and not self._closing:
+                self._last_read = trio.current_time()  # idle from now
+                if self._draining.is_set():
+                    self._read_scope.cancel()  # drained: the last answer is queued
+                else:
+                    self._idle_scopes.add(self._read_scope)
+
+    # -- writing ------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Take what h2 queued into the outbox and wake the writer; never waits."""
+        data = self.conn.data_to_send()
+        if data:
+            self._outbox += data
+        if self._outbox:
+            task = self._writer
+            if task is not None:
+                self._writer = None
+                trio.lowlevel.reschedule(task)
+
+    async def _write_loop(self) -> None:
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._writer = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        while True:
+            if not self._outbox:
+                if self._written is not None:
+                    self._written.set()
+                    self._written = None
+                self._writer = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(abort)
+                continue
+            data, self._outbox = self._outbox, bytearray()
+            if self._room is not None:
+                self._room.set()
+                self._room = None
+            self._writing = True
+            try:
+                await send_to_client(self.stream, data, self.write_timeout)
+            except ClientGone:
+                self._broken = True
+                self._scope.cancel()  # every waiter on the writer ends with it
+                return
+            finally:
+                self._writing = False
+
+    async def _wait_room(self) -> None:
+        """Wait until the writer has taken the outbox (it writes it within its deadline,
+        or the connection ends)."""
+        if self._broken:
+            raise ClientGone("client connection broke")
+        if self._room is None:
+            self._room = trio.Event()
+        await self._room.wait()
 
     async def flush(self) -> None:
-        async with self._send_lock:
-            data = self.conn.data_to_send()
-            if not data:
-                return
-            await send_to_client(self.stream, data, self.write_timeout)
+        """Wait until everything queued so far has been written."""
+        self.kick()
+        if self._broken:
+            raise ClientGone("client connection broke")
+        if self._outbox or self._writing:
+            if self._written is None:
+                self._written = trio.Event()
+            await self._written.wait()
 
     async def wait_window(self, deadline: float) -> None:
+        if self._window is None:
+            self._window = trio.Event()
         with trio.move_on_at(deadline):
             await self._window.wait()
             return
@@ -243,25 +433,33 @@ class H2Exchange(Exchange):
         self.scope = trio.CancelScope()
         self.stopped = False  # answered before the body was read: DATA is dropped
         self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
-        self._arrived = trio.Event()
+        self._arrived: trio.Event | None = None  # while the engine waits for body bytes
         self._ended = self.body_done
-        self._gone = trio.Event()
+        self._reset = False  # the client reset the stream
+        self._gone: trio.Event | None = None  # for `wait_gone`, made when first asked
         self._unacked = 0
 
     # -- fed by the connection's reader -----------------------------------------------
 
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
+            self._arrived = None
+
     def feed(self, data: bytes, flow_length: int) -> None:
         self._chunks.append((data, flow_length))
         self._unacked += flow_length
-        self._arrived.set()
+        self._wake()
 
     def end_of_body(self) -> None:
         self._ended = True
-        self._arrived.set()
+        self._wake()
 
     def reset_by_client(self) -> None:
-        self._gone.set()
-        self._arrived.set()
+        self._reset = True
+        if self._gone is not None:
+            self._gone.set()
+        self._wake()
         self.scope.cancel()
 
     def release(self) -> None:
@@ -272,7 +470,7 @@ class H2Exchange(Exchange):
         self._chunks.clear()
         stream = self.c.conn.streams.get(self.stream_id)
         if stream is not None and not stream.closed:  # ended without a complete response
-            self._reset(h2.errors.ErrorCodes.CANCEL)
+            self._rst(h2.errors.ErrorCodes.CANCEL)
 
     # -- the engine's side --------------------------------------------------------------
 
@@ -282,33 +480,32 @@ class H2Exchange(Exchange):
                 data, flow_length = self._chunks.popleft()
                 self._unacked -= flow_length
                 self.c.conn.acknowledge_received_data(flow_length, self.stream_id)
-                await self.c.flush()
+                self.c.kick()  # a WINDOW_UPDATE, when h2 decided one is due
                 if data:
                     return data
                 continue
-            if self._gone.is_set():
+            if self._reset:
                 raise ClientGone("client reset the stream")
             if self._ended:
                 self.body_done = True
                 return b""
-            self._arrived = trio.Event()
+            arrived = self._arrived = trio.Event()
             with trio.move_on_at(deadline):
-                await self._arrived.wait()
+                await arrived.wait()
                 continue
             raise ClientGone("request body not complete in time")
 
     async def respond(self, status: int, headers: Headers) -> None:
         self._live()
         try:
-            self.c.conn.send_headers(self.stream_id,
-                                     [(b":status", str(status).encode()), *headers])
+            self.c.conn.send_headers(self.stream_id, response_block(status, headers))
         except h2.exceptions.ProtocolError as exc:
             stream = self.c.conn.streams.get(self.stream_id)
             if self.c.conn.state_machine.state is h2.connection.ConnectionState.CLOSED or (
                     stream is None or stream.closed):
                 raise ClientGone("stream or connection closed") from exc
             raise BadResponse(str(exc)) from exc
-        await self.c.flush()
+        self.c.kick()
 
     async def send(self, chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -323,12 +520,18 @@ class H2Exchange(Exchange):
             if window <= 0:
                 await self.c.wait_window(deadline)
                 continue
+            piece = chunk if window >= len(view) == len(chunk) else bytes(view[:window])
             try:
-                self.c.conn.send_data(self.stream_id, bytes(view[:window]))
+                self.c.conn.send_data(self.stream_id, piece)
             except h2.exceptions.ProtocolError as exc:
                 raise ClientGone("stream closed") from exc
             view = view[window:]
-            await self.c.flush()
+            self.c.kick()
+            if len(self.c._outbox) >= FLUSH_BYTES:
+                with trio.move_on_at(deadline):
+                    await self.c._wait_room()
+                    continue
+                raise ClientGone("client did not read in time")
 
     async def end(self) -> None:
         self._live()
@@ -337,14 +540,18 @@ class H2Exchange(Exchange):
         except h2.exceptions.ProtocolError as exc:
             raise ClientGone("stream closed") from exc
         if self.stopped and not self._ended:
-            self._reset(h2.errors.ErrorCodes.NO_ERROR)
-        await self.c.flush()
+            self._rst(h2.errors.ErrorCodes.NO_ERROR)
+        self.c.kick()
 
     async def abort(self) -> None:
-        self._reset(h2.errors.ErrorCodes.INTERNAL_ERROR)
-        await self.c.flush()
+        self._rst(h2.errors.ErrorCodes.INTERNAL_ERROR)
+        self.c.kick()
 
     async def wait_gone(self) -> None:
+        if self._reset:
+            return
+        if self._gone is None:
+            self._gone = trio.Event()
         await self._gone.wait()
 
     def needs_watch(self, response_headers: Headers) -> bool:
@@ -359,10 +566,12 @@ class H2Exchange(Exchange):
             self._chunks.clear()
 
     def _live(self) -> None:
-        if self._gone.is_set():
+        if self._reset:
             raise ClientGone("client reset the stream")
+        if self.c._broken:
+            raise ClientGone("client connection broke")
 
-    def _reset(self, code: int) -> None:
+    def _rst(self, code: int) -> None:
         try:
             self.c.conn.reset_stream(self.stream_id, error_code=code)
         except h2.exceptions.ProtocolError:

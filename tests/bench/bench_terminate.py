@@ -522,6 +522,7 @@ def build_report(results: dict[str, dict[str, list[ClientRun]]], title: str,
 COMPONENTS: tuple[tuple[str, str], ...] = (
     ("pact_ingress/net/terminate.py", "pact-ingress terminate.py"),
     ("pact_ingress/net/upstream.py", "pact-ingress upstream.py"),
+    ("pact_ingress/net/http2.py", "pact-ingress http2.py"),
     ("pact_ingress/", "pact-ingress (other)"),
     ("/hypercorn/", "hypercorn"),
     ("/h11/", "h11"),
@@ -900,6 +901,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated phases: " + ",".join(
         ph.key for ph in PHASES))
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument("--profile-phase", default="ka8", choices=[ph.key for ph in PHASES
+                                                              if not ph.new_conns],
+                   help="the keep-alive phase run under py-spy (default ka8)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     p.add_argument("--sources", metavar="IP,IP",
                    help="with --workers: the clients' source addresses (default "
@@ -951,10 +955,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"rig up in {tmp}; warming up")
         warm_up(rig, s, plan)
         results = measure(rig, s, plan, log)
-        ka8 = next((ph for ph in PHASES if ph.key == "ka8"), None)
-        if not args.no_profile and s.profile_seconds > 0 and ka8 is not None:
-            log(f"profiling pact-ingress under {ka8.key} for {s.profile_seconds:g} s")
-            profile = profile_ingress(rig, ka8, s.profile_seconds, tmp / "py-spy.txt", log)
+        profiled = next((ph for ph in PHASES if ph.key == args.profile_phase), None)
+        if not args.no_profile and s.profile_seconds > 0 and profiled is not None:
+            log(f"profiling pact-ingress under {profiled.key} for {s.profile_seconds:g} s")
+            profile = profile_ingress(rig, profiled, s.profile_seconds, tmp / "py-spy.txt",
+                                      log)
         ingress_log_bytes = (tmp / "ingress.log").stat().st_size
     notes.append(f"pact-ingress wrote {ingress_log_bytes:,} bytes of log in the run")
     title = f"Terminate on loopback ({'quick smoke run' if args.quick else 'full run'})"
