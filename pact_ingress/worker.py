@@ -187,7 +187,9 @@ class Worker:
                 log.error("worker_channel_broken", error=str(exc))
                 code = 1
             if not self._draining:
-                log.info("worker_main_gone", detail="the channel to main closed; exiting")
+                # main died or never started serving: main's own fault (a port in use,
+                # a kill) is the line an operator needs, so this one stays at debug
+                log.debug("worker_main_gone", detail="the channel to main closed; exiting")
             root.cancel_scope.cancel()
         return code
 

@@ -790,6 +790,9 @@ class H2Conn:
             hdrs.append(("content-type", content_type))
         hdrs += list(headers)
         enc = [(k.encode(), v.encode()) for k, v in hdrs]
+        # recorded before any byte leaves: an early answer (a refusal while the body is
+        # still going up) arrives during the upload below and must not be lost
+        self._results[sid] = H2Result(None, [], b"")
         self.conn.send_headers(sid, enc, end_stream=not body)
         if body and not coalesce:
             self.sock.sendall(self.conn.data_to_send())
@@ -809,7 +812,6 @@ class H2Conn:
                 piece, view = view[:window], view[window:]
                 self.conn.send_data(sid, bytes(piece), end_stream=not view)
         self.sock.sendall(self.conn.data_to_send())
-        self._results[sid] = H2Result(None, [], b"")
         self._pump(until=lambda: sid in self._done, timeout=timeout)
         return self._results.pop(sid)
 

@@ -515,7 +515,8 @@ tenants:
             conn._results[first] = H2Result(None, [], b"")
             second = conn.request("POST", "/relay/mcp", body=b"y" * size)
             view = memoryview(b"x" * (size - 10))
-            while view:  # the rest of the first body, within the flow-control window
+            while view and first not in conn._done:  # the rest of the first body,
+                # within the flow-control window, unless the first was the one refused
                 window = min(conn.conn.local_flow_control_window(first),
                              conn.conn.max_outbound_frame_size)
                 if window <= 0:
@@ -523,6 +524,8 @@ tenants:
                     conn._pump(until=lambda: conn.conn.local_flow_control_window(first) > 0
                                or first in conn._done, timeout=WAIT)
                     continue
+                if first in conn._done:
+                    break
                 piece, view = view[:window], view[window:]
                 conn.conn.send_data(first, bytes(piece), end_stream=not view)
             conn.sock.sendall(conn.conn.data_to_send())
@@ -537,13 +540,16 @@ tenants:
         await nursery.start(lambda task_status: ingress.run(handle_signals=False,
                                                            task_status=task_status))
         first, second, third = await trio.to_thread.run_sync(exercise)
-        assert second.status == 429
-        assert dict(second.headers).get("retry-after") == "1"
-        result = json.loads(second.body)["result"]
+        # the two bodies overlap: whichever stream's handler reserves its bytes second
+        # (the engine promises no order between streams) is the one past the share
+        assert sorted((first.status, second.status)) == [400, 429], (first, second)
+        refused, read = (first, second) if first.status == 429 else (second, first)
+        assert dict(refused.headers).get("retry-after") == "1"
+        result = json.loads(refused.body)["result"]
         assert code_of(result) == "rate_limited" and result["structuredContent"][
             "retry_after"] == 1
-        # the first was read whole (garbage: a parse error), and the share came back
-        assert first.status == 400 and json.loads(first.body)["error"]["code"] == -32700
+        # the other was read whole (garbage: a parse error), and the share came back
+        assert json.loads(read.body)["error"]["code"] == -32700
         assert third.status == 400 and json.loads(third.body)["error"]["code"] == -32700
         assert len(ingress.relay.buffers) == 0  # nothing held once every request ended
         await ingress.stop(deadline=1)
