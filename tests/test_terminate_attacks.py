@@ -823,3 +823,44 @@ def test_h2_floods_end_the_connection(env: Env, kind: str,
     assert len([r for r in env.node.requests() if r.path == "/rapid"]) <= 200
     status, _ = _bystander_get(env.serve)
     assert status == 200
+
+
+def _request_lines(serve: Serve, marker: str, want: int) -> list[dict[str, object]]:
+    """The `request` log lines whose path carries `marker`, once `want` of them arrived
+    (workers write their own lines; a bounded wait, not a timing assert)."""
+    deadline = time.monotonic() + BYSTANDER_WAIT
+    while True:
+        lines = [json.loads(line) for line in serve.logs().splitlines()
+                 if line.startswith("{") and '"event":"request"' in line]
+        found = [line for line in lines if marker in str(line.get("path", ""))]
+        if len(found) >= want or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_access_log_line_per_request(env: Env) -> None:
+    """Every request, forwarded or refused at the edge, on either HTTP version, leaves one
+    `request` line with its status — and nothing of the query or the body."""
+    secret_query, secret_body = "token=QSECRET7", "BSECRET7"
+    ok = exchange(env.serve.port, request_bytes("GET", f"/logged-ok?{secret_query}", HOST))
+    refused = exchange(env.serve.port, request_bytes(
+        "POST", "/mcp?logged-refused", HOST, body=unsealed_call_body(secret_body)))
+    conn = H2Conn(env.serve.port, HOST)
+    try:
+        h2_ok = conn.request("GET", "/logged-h2")
+    finally:
+        conn.close()
+    assert (ok.status, h2_ok.status) == (200, 200)
+    assert refusal_code(refused.body) == "seal_required", refused.body[:200]
+    got = {}
+    for marker, status in (("/logged-ok", ok.status), ("/mcp", refused.status),
+                           ("/logged-h2", h2_ok.status)):
+        lines = _request_lines(env.serve, marker, 1)
+        assert lines, f"no request line for {marker}"
+        got[marker] = lines[-1]
+        assert lines[-1]["status"] == status and lines[-1]["route"] == HOST, lines[-1]
+        assert lines[-1]["client_ip"] == LOOPBACK, lines[-1]
+    assert got["/logged-ok"]["path"] == "/logged-ok" and got["/logged-ok"]["method"] == "GET"
+    assert got["/mcp"]["method"] == "POST"
+    logs = env.serve.logs()
+    assert "QSECRET7" not in logs and secret_body not in logs

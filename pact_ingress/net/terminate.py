@@ -285,6 +285,7 @@ class Terminator:
     async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
         held = [0]  # body bytes this exchange holds in `buffers`
         client = conn.client
+        started = trio.current_time()
         try:
             status = await self._story(conn, ex, client, held)
         except ClientGone:
@@ -292,6 +293,9 @@ class Terminator:
         finally:
             self.buffers.give(client, held[0])
         self._count(conn.route_host, status)
+        log.info("request", route=conn.route_host, client_ip=conn.client_ip,
+                 method=ex.method, path=_log_path(ex.target), status=status,
+                 ms=round((trio.current_time() - started) * 1000, 1))
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int]) -> int:
         route = self._routes.get(conn.route_host)
@@ -538,3 +542,16 @@ def _upstream_answer(route: Route, exc: UpstreamError) -> _Answer:
     log.warning("upstream_failed", route=route.host, error=str(exc))
     return _Answer.text(502, "the home node connection failed")
 
+
+#: Longest request path an access log line carries; the rest is cut (a log line is for
+#: an operator, and a client must not be able to make lines of any size).
+LOG_PATH_MAX = 200
+
+
+def _log_path(target: bytes) -> str:
+    """The target as the access log shows it: no query (queries carry tokens), at most
+    `LOG_PATH_MAX` characters; bytes that are not ASCII are escaped by the JSON line."""
+    path = target.split(b"?", 1)[0]
+    if len(path) > LOG_PATH_MAX:
+        path = path[:LOG_PATH_MAX]
+    return path.decode("latin-1")
