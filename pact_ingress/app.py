@@ -292,6 +292,7 @@ class Ingress:
             if handle_signals:
                 nursery.start_soon(self._signals)
             nursery.start_soon(sdnotify.watchdog_loop)
+            nursery.start_soon(log.flush_forever)
             await nursery.start(self._serve_router, listeners)
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))

@@ -179,6 +179,7 @@ class Worker:
                 await root.start(self.state.run)
             root.start_soon(self._signals)
             root.start_soon(self._flush_closed)
+            root.start_soon(log.flush_forever)
             await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
             log.info("worker_ready", pid=os.getpid())
             try:

@@ -844,7 +844,7 @@ def test_access_log_line_per_request(env: Env) -> None:
     secret_query, secret_body = "token=QSECRET7", "BSECRET7"
     ok = exchange(env.serve.port, request_bytes("GET", f"/logged-ok?{secret_query}", HOST))
     refused = exchange(env.serve.port, request_bytes(
-        "POST", "/mcp?logged-refused", HOST, body=unsealed_call_body(secret_body)))
+        "POST", "/mcp/logged-refused?x=1", HOST, body=unsealed_call_body(secret_body)))
     conn = H2Conn(env.serve.port, HOST)
     try:
         h2_ok = conn.request("GET", "/logged-h2")
@@ -853,7 +853,7 @@ def test_access_log_line_per_request(env: Env) -> None:
     assert (ok.status, h2_ok.status) == (200, 200)
     assert refusal_code(refused.body) == "seal_required", refused.body[:200]
     got = {}
-    for marker, status in (("/logged-ok", ok.status), ("/mcp", refused.status),
+    for marker, status in (("/logged-ok", ok.status), ("/mcp/logged-refused", refused.status),
                            ("/logged-h2", h2_ok.status)):
         lines = _request_lines(env.serve, marker, 1)
         assert lines, f"no request line for {marker}"
@@ -861,6 +861,6 @@ def test_access_log_line_per_request(env: Env) -> None:
         assert lines[-1]["status"] == status and lines[-1]["route"] == HOST, lines[-1]
         assert lines[-1]["client_ip"] == LOOPBACK, lines[-1]
     assert got["/logged-ok"]["path"] == "/logged-ok" and got["/logged-ok"]["method"] == "GET"
-    assert got["/mcp"]["method"] == "POST"
+    assert got["/mcp/logged-refused"]["method"] == "POST"
     logs = env.serve.logs()
     assert "QSECRET7" not in logs and secret_body not in logs

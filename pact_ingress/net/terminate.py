@@ -293,7 +293,7 @@ class Terminator:
         finally:
             self.buffers.give(client, held[0])
         self._count(conn.route_host, status)
-        log.info("request", route=conn.route_host, client_ip=conn.client_ip,
+        log.access("request", route=conn.route_host, client_ip=conn.client_ip,
                  method=ex.method, path=_log_path(ex.target), status=status,
                  ms=round((trio.current_time() - started) * 1000, 1))
 

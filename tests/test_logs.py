@@ -1,0 +1,100 @@
+"""The access log's buffer: lines are kept in memory and written together, never lost,
+never reordered against the process's other lines."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+import trio.testing
+
+from pact_ingress import logs
+from pact_ingress.logs import log
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger() -> object:
+    """`setup` reconfigures the package logger; other tests rely on how it was."""
+    logger = logs._LOGGER
+    saved = (logger.handlers[:], logger.propagate, logger.level, logs._direct)
+    yield
+    log.flush()
+    logger.handlers[:], logger.propagate, logger.level, logs._direct = saved
+
+
+def _events(stream: io.StringIO) -> list[str]:
+    return [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
+
+
+def test_access_lines_wait_then_come_before_the_next_line() -> None:
+    stream = io.StringIO()
+    logs.setup("json", stream=stream)
+    try:
+        log.access("request", path="/a", status=200)
+        log.access("request", path="/b", status=200)
+        assert stream.getvalue() == ""  # buffered: no write per request
+        log.info("reloaded")  # any other line flushes what came before it first
+        assert _events(stream) == ["request", "request", "reloaded"]
+        assert [json.loads(x).get("path") for x in stream.getvalue().splitlines()][:2] == [
+            "/a", "/b"]
+    finally:
+        log.flush()
+
+
+def test_a_full_buffer_is_written_at_once_and_masked_fields_stay_masked() -> None:
+    stream = io.StringIO()
+    logs.setup("json", stream=stream)
+    try:
+        count = logs.ACCESS_BUFFER_BYTES // 60 + 2
+        for i in range(count):
+            log.access("request", path=f"/{i:040d}", body="never")
+        written = stream.getvalue().splitlines()
+        assert written, "a full buffer must be written without waiting for the timer"
+        assert all(json.loads(line)["body"] == "MASKED" for line in written)
+        log.flush()
+        assert len(stream.getvalue().splitlines()) == count
+    finally:
+        log.flush()
+
+
+def test_flush_forever_bounds_the_wait() -> None:
+    stream = io.StringIO()
+    logs.setup("json", stream=stream)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.flush_forever)
+            log.access("request", path="/late")
+            await trio.sleep(logs.ACCESS_FLUSH_INTERVAL * 1.5)
+            assert _events(stream) == ["request"]
+            log.access("request", path="/at-exit")
+            nursery.cancel_scope.cancel()  # the task's exit writes what is left
+        assert _events(stream) == ["request", "request"]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_text_format_writes_each_line_at_once() -> None:
+    stream = io.StringIO()
+    logs.setup("text", stream=stream)
+    try:
+        log.access("request", path="/t", status=200)
+        assert "request" in stream.getvalue()
+    finally:
+        log.flush()
+
+
+@given(st.dictionaries(
+    st.one_of(st.sampled_from(["ts", "level", "event", "path"]), st.text(min_size=1,
+                                                                         max_size=12)),
+    st.one_of(st.text(max_size=40), st.integers(), st.floats(allow_nan=False), st.none(),
+              st.booleans()), max_size=8),
+       st.text(min_size=1, max_size=12), st.floats(min_value=0, max_value=4e9))
+def test_access_line_is_the_same_json_as_every_other_line(fields: dict[str, object],
+                                                          event: str, ts: float) -> None:
+    assert logs._access_line(ts, event, fields) == logs._json_line(ts, "info", event,
+                                                                   fields) + "\n"
