@@ -110,6 +110,12 @@ _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
 #: The peer shut its sending side: its EOF waits to be read, and no later edge reports it.
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP
+#: A head this long may leave in more than one segment (the smallest MSS a path may
+#: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
+#: hold the head's tail. A shorter head leaves in one segment whatever the options are,
+#: and the options are set when the client's first bytes after it are relayed
+#: (`_tune`): a connection that relays nothing more costs no setsockopt(2).
+TUNE_AT_CONNECT = 536
 
 
 class _Conn(Passthrough):
@@ -118,7 +124,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup")
+                 "up_left", "down_left", "hup", "tuned")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -147,6 +153,7 @@ class _Conn(Passthrough):
         self.up_left = b""  # copied bytes the backend has not taken yet
         self.down_left = b""  # and the client
         self.hup = 0  # sides whose peer shut down its sending side (bit per side)
+        self.tuned = False  # the backend socket has STREAM_OPTIONS
         self.last_error: str = ""
 
     def add_up(self, n: int) -> None:
@@ -453,8 +460,10 @@ class Edge:
                 conn.last_error = str(exc)
                 conn.addr_i += 1
                 continue
-            for option, value in STREAM_OPTIONS:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            conn.tuned = len(conn.head) > TUNE_AT_CONNECT  # type: ignore[arg-type]
+            if conn.tuned:
+                for option, value in STREAM_OPTIONS:
+                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
             if err in (0, errno.EINPROGRESS):
                 conn.bsock = sock
@@ -519,6 +528,8 @@ class Edge:
         try:
             wait = self._copy(conn, d, direction, moved) if pipe is None else Wait.BUSY
             if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+                if not conn.tuned and direction == UP:
+                    _tune(conn)
                 if pipe is None:
                     pipe = take_pipe()
                 wait = pump(d, pipe, moved, YIELD_EVERY)
@@ -582,6 +593,8 @@ class Edge:
                 return Wait.READ
             if not data:
                 return Wait.EOF
+            if not conn.tuned and direction == UP:
+                _tune(conn)
             try:
                 n = os.write(d.dst, data)
             except BlockingIOError:
@@ -704,6 +717,15 @@ class Edge:
             raw.detach()
         self.listeners.clear()
         self.ep.close()
+
+
+def _tune(conn: _Conn) -> None:
+    """The backend socket's options, before the first client bytes after the head."""
+    conn.tuned = True
+    sock = conn.bsock
+    if sock is not None:
+        for option, value in STREAM_OPTIONS:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _send_alert(fd: int, description: int) -> None:
