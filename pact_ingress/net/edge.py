@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import _socket
 import errno
+import logging
 import math
 import os
 import select
@@ -60,7 +61,9 @@ from typing import Any
 
 import trio
 
-from pact_ingress.logs import log
+from json.encoder import encode_basestring_ascii as _json_str
+
+from pact_ingress.logs import log, members
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
@@ -116,6 +119,11 @@ _HUP = select.EPOLLRDHUP | select.EPOLLHUP
 #: and the options are set when the client's first bytes after it are relayed
 #: (`_tune`): a connection that relays nothing more costs no setsockopt(2).
 TUNE_AT_CONNECT = 536
+
+
+#: The fields of the `conn_close` line (`Edge._finish`).
+_CLOSE_FIELDS = frozenset(("route", "tenant", "mode", "client_ip", "bytes_up", "bytes_down",
+                           "duration_s", "outcome"))
 
 
 class _Conn(Passthrough):
@@ -180,6 +188,11 @@ class Edge:
         self.next_sweep = -math.inf
         self.now = 0.0
         self._waiting: trio.CancelScope | None = None
+        #: Counter increments owed, added up over a batch of events and applied after it
+        #: (`_flush`): one `inc` per counter per batch, not one per connection and step.
+        self.tally: dict[Any, int] = {}
+        #: The constant head of each route's `conn_close` line, encoded once.
+        self.close_heads: dict[tuple[str, Any], str] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
@@ -228,6 +241,8 @@ class Edge:
                             if conn.state is State.SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
+                    if self.tally:
+                        self._flush()
                     log.release()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
@@ -272,6 +287,15 @@ class Edge:
                 self._step(conn, step)
         except Exception as exc:  # one connection's bug must not stop the engine
             self._crashed(conn, exc)
+
+    def _count(self, counter: Any, n: int = 1) -> None:
+        tally = self.tally
+        tally[counter] = tally.get(counter, 0) + n
+
+    def _flush(self) -> None:
+        tally, self.tally = self.tally, {}
+        for counter, n in tally.items():
+            counter.inc(n)
 
     def _guarded(self, conn: _Conn, action: Any, arg: Any) -> None:
         try:
@@ -504,7 +528,7 @@ class Edge:
         conn.head = None
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
-        self.router._byte_counters(conn.route.host)[0].inc(conn.hello_len)
+        self._count(self.router._byte_counters(conn.route.host)[0], conn.hello_len)
         conn.upd = Direction("", conn.cfd, conn.bfd)
         conn.downd = Direction("", conn.bfd, conn.cfd)
         if not conn.creg:  # registering reports what is ready now: no edge is lost
@@ -554,7 +578,7 @@ class Edge:
         assert conn.route is not None
         after = conn.up_bytes if direction == UP else conn.down_bytes
         if after != before:
-            self.router._byte_counters(conn.route.host)[direction].inc(after - before)
+            self._count(self.router._byte_counters(conn.route.host)[direction], after - before)
         flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
@@ -647,11 +671,23 @@ class Edge:
         """A routed connection is over: its log line and counter, then close."""
         route = conn.route
         assert route is not None
-        log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
-                 client_ip=conn.client[0], bytes_up=conn.up_bytes + conn.hello_len,
-                 bytes_down=conn.down_bytes, duration_s=round(self.now - conn.start, 3),
-                 outcome=outcome)
-        self.router._connections(route.host, outcome).inc()
+        key = (route.host, route.tenant)
+        head = self.close_heads.get(key)
+        if head is None:
+            if len(self.close_heads) > 4096:  # routes come and go with reloads
+                self.close_heads.clear()
+            head = self.close_heads[key] = members(
+                route=route.host, tenant=route.tenant, mode="passthrough") + ',"client_ip":'
+        bytes_up = conn.up_bytes + conn.hello_len
+        duration = round(self.now - conn.start, 3)
+        if not log.emit_members(logging.INFO, "conn_close", (
+                f'{head}{_json_str(conn.client[0])},"bytes_up":{bytes_up},'
+                f'"bytes_down":{conn.down_bytes},"duration_s":{duration!r},'
+                f'"outcome":{_json_str(outcome)}'), _CLOSE_FIELDS):
+            log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
+                     client_ip=conn.client[0], bytes_up=bytes_up, bytes_down=conn.down_bytes,
+                     duration_s=duration, outcome=outcome)
+        self._count(self.router._connections(route.host, outcome))
         self._end(conn, outcome)
 
     def _crashed(self, conn: _Conn, exc: Exception) -> None:
@@ -713,6 +749,7 @@ class Edge:
             if conn.route is not None and conn.state is not State.HELLO:
                 self.router._connections(conn.route.host, "error").inc()
             self._end(conn, "error")
+        self._flush()
         for raw in self.listeners.values():
             raw.detach()
         self.listeners.clear()
