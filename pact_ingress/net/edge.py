@@ -9,8 +9,11 @@ adds its own waiting machinery to each of those steps, and for a short connectio
 that machinery costs more than the steps. So :443 connections are served by one
 long-lived trio task that owns an epoll set (`Edge.run`):
 
-* every fd is registered once, edge-triggered, for both directions, and never modified
-  (an `epoll_ctl` per wait is what a task per connection pays);
+* every fd is registered once, edge-triggered, for reading, and asks for writability
+  (one `epoll_ctl` MOD, kept from then on) only the first time a write to it would block
+  (a connect in progress, a full buffer): a fd registered writable reports an edge at
+  once, and most connections never fill a buffer (an `epoll_ctl` per wait is what a
+  task per connection pays);
 * every step is tried before anything waits: a new connection's ClientHello is read
   right after accept(2), the backend's connect is probed by writing the head to it, and
   a read or write that would block is the only thing that leaves a connection waiting;
@@ -106,8 +109,11 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
-#: Every fd's registration: both directions, peer half-close, edge-triggered.
-REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
+#: Every fd's registration: readable, peer half-close, edge-triggered (errors and hang-ups
+#: are reported whatever is asked for).
+REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
+#: The registration once a write to the fd has blocked: writable too.
+REGISTER_OUT = REGISTER | select.EPOLLOUT
 _READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
@@ -132,7 +138,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned")
+                 "up_left", "down_left", "hup", "tuned", "outs")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -162,6 +168,7 @@ class _Conn(Passthrough):
         self.down_left = b""  # and the client
         self.hup = 0  # sides whose peer shut down its sending side (bit per side)
         self.tuned = False  # the backend socket has STREAM_OPTIONS
+        self.outs = 0  # sides whose fd is registered for writability (bit per side)
         self.last_error: str = ""
 
     def add_up(self, n: int) -> None:
@@ -505,8 +512,9 @@ class Edge:
         assert head is not None
         try:
             n = os.write(conn.bfd, head)
-        except BlockingIOError:
-            return  # connecting, or (connected) a full buffer: the backend's edge says
+        except BlockingIOError:  # connecting, or (connected) a full buffer:
+            self._want_out(conn, BACKEND)  # the backend's writable edge says
+            return
         except OSError as exc:
             conn.addr_i += 1
             outcome = conn.backend_failed(self.now, conn.addr_i < len(conn.addrs),
@@ -574,6 +582,8 @@ class Edge:
                     pass  # the peer is gone: the other direction will see that
         elif wait is Wait.BUSY:
             self.again.append((conn, direction))
+        elif wait is Wait.WRITE:
+            self._want_out(conn, BACKEND if direction == UP else CLIENT)
         self._keep_pipe(conn, direction, pipe)
         assert conn.route is not None
         after = conn.up_bytes if direction == UP else conn.down_bytes
@@ -738,10 +748,24 @@ class Edge:
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
+            conn.outs &= ~(1 << BACKEND)
 
     def _register(self, fd: int, conn: _Conn, side: int) -> None:
         self.fds[fd] = (conn, side)
         self.ep.register(fd, REGISTER)
+
+    def _want_out(self, conn: _Conn, side: int) -> None:
+        """A write to `side` would block: its fd reports writability from now on (a
+        MOD reports what is ready already, so an edge between the write and it is not
+        lost)."""
+        bit = 1 << side
+        if conn.outs & bit:
+            return
+        fd = conn.cfd if side == CLIENT else conn.bfd
+        if fd < 0 or fd not in self.fds:
+            return
+        conn.outs |= bit
+        self.ep.modify(fd, REGISTER_OUT)
 
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""
