@@ -375,7 +375,8 @@ class Edge:
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             sock.setblocking(False)
             counts.total += 1
-            counts.pending[who] += 1
+            pending = counts.pending
+            pending[who] = pending.get(who, 0) + 1  # (a Counter's miss costs a call)
             conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
             self.conns.add(conn)
             try:
@@ -719,10 +720,11 @@ class Edge:
         if conn.state is not State.CLOSED:
             conn.close(outcome)
         self._forget(conn)
-        for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
-            if pipe is not None:
-                give_pipe(pipe, drained=d is not None and d.pending == 0)
-        conn.up_pipe = conn.down_pipe = None
+        if conn.up_pipe is not None or conn.down_pipe is not None:
+            for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
+                if pipe is not None:
+                    give_pipe(pipe, drained=d is not None and d.pending == 0)
+            conn.up_pipe = conn.down_pipe = None
         self._close_backend(conn)
         conn.csock.close()
         counts = self.router._counts

@@ -248,8 +248,13 @@ def _parse_body(message: bytes, *, record_version: int, raw_len: int) -> ClientH
     legacy_version = (message[4] << 8) | message[5]
     if legacy_version >> 8 != 3:
         raise _malformed(f"legacy_version {legacy_version:#06x}", tls_alert.PROTOCOL_VERSION)
-    start, pos = _vec(message, 38, end, 1, "session_id")
-    if pos - start > 32:
+    # session_id: `_vec` inlined
+    if end < 39:
+        raise _malformed("session_id length overruns its container")
+    pos = 39 + message[38]
+    if pos > end:
+        raise _malformed("session_id overruns its container")
+    if pos - 39 > 32:
         raise _malformed("session_id longer than 32 bytes", tls_alert.ILLEGAL_PARAMETER)
     start, pos = _vec(message, pos, end, 2, "cipher_suites")
     if pos == start or (pos - start) % 2:
