@@ -538,8 +538,6 @@ class Edge:
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
         self._count(self.router._byte_counters(conn.route.host)[0], conn.hello_len)
-        conn.upd = Direction("", conn.cfd, conn.bfd)
-        conn.downd = Direction("", conn.bfd, conn.cfd)
         if not conn.creg:  # registering reports what is ready now: no edge is lost
             self._register(conn.cfd, conn, CLIENT)
             conn.creg = True
@@ -555,14 +553,21 @@ class Edge:
     def _pump(self, conn: _Conn, direction: int) -> None:
         if direction == UP:
             d, pipe, moved, before = conn.upd, conn.up_pipe, conn.add_up, conn.up_bytes
+            src, dst = conn.cfd, conn.bfd
         else:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
-        assert d is not None
+            src, dst = conn.bfd, conn.cfd
         try:
-            wait = self._copy(conn, d, direction, moved) if pipe is None else Wait.BUSY
+            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else Wait.BUSY
             if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
                 if not conn.tuned and direction == UP:
                     _tune(conn)
+                if d is None:  # splice's state, made the first time a direction needs it
+                    d = Direction("", src, dst)
+                    if direction == UP:
+                        conn.upd = d
+                    else:
+                        conn.downd = d
                 if pipe is None:
                     pipe = take_pipe()
                 wait = pump(d, pipe, moved, YIELD_EVERY)
@@ -595,7 +600,7 @@ class Edge:
             self._finish(conn, "ok")
 
     @staticmethod
-    def _copy(conn: _Conn, d: Direction, direction: int, moved: Any) -> Wait:
+    def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:
         """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
 
         Most wake-ups of a connection carry a request, a response or an EOF, far less
@@ -609,7 +614,7 @@ class Edge:
         left = conn.up_left if direction == UP else conn.down_left
         if left:
             try:
-                n = os.write(d.dst, left)
+                n = os.write(dst, left)
             except BlockingIOError:
                 n = 0
             moved(n)
@@ -623,7 +628,7 @@ class Edge:
         src_side = CLIENT if direction == UP else BACKEND
         while True:
             try:
-                data = os.read(d.src, COPY_PROBE)
+                data = os.read(src, COPY_PROBE)
             except BlockingIOError:
                 return Wait.READ
             if not data:
@@ -631,7 +636,7 @@ class Edge:
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
-                n = os.write(d.dst, data)
+                n = os.write(dst, data)
             except BlockingIOError:
                 n = 0
             if n:
