@@ -70,7 +70,7 @@ def bind(**fields: Any) -> None:
     """Add `fields` to every line this process logs from now on."""
     global _bound_members
     _bound.update(fields)
-    _bound_members = members(**_bound) + ","
+    _bound_members = members(**_bound) + "," if _bound else ""
 
 
 #: `_bound` encoded as JSON object members followed by a comma ("" when nothing is bound).
