@@ -103,7 +103,19 @@ _bound: dict[str, Any] = {}
 
 def bind(**fields: Any) -> None:
     """Add `fields` to every line this process logs from now on."""
+    global _bound_members
     _bound.update(fields)
+    _bound_members = members(**_bound) + "," if _bound else ""
+
+
+#: `_bound` encoded as JSON object members followed by a comma ("" when nothing is bound).
+_bound_members = ""
+
+
+def members(**fields: Any) -> str:
+    """`fields` encoded as JSON object members (`"k":v,...`, no braces): the constant part
+    of a line that `EventLogger.emit_members` writes many times."""
+    return _ENCODER.encode(fields)[1:-1]
 
 
 class EventLogger:
@@ -194,6 +206,33 @@ class EventLogger:
             pass
         finally:
             handler.release()
+
+    def emit_members(self, level: int, event: str, encoded: str, names: frozenset[str]
+                     ) -> bool:
+        """Write the line of `event` whose fields are encoded already (`encoded`, as
+        `members` builds it; `names`: its field names, none of them masked): the same
+        line as `log.info(event, **fields)`, without encoding the constant fields again.
+        False, and nothing written, unless lines go straight to the JSON handler and no
+        bound field shares a name with them: then the caller logs the usual way."""
+        handler = _direct
+        if (handler is None or _LOGGER.handlers != [handler]
+                or not _LOGGER.isEnabledFor(level) or not names.isdisjoint(_bound)):
+            return False
+        line = (f'{{"ts":{round(time.time(), 3)!r},"level":"{_LEVEL_NAMES.get(level, "info")}",'
+                f'"event":{_ENCODER.encode(event)},{_bound_members}{encoded}}}\n')
+        held = self._held
+        if held is not None and self._holder == threading.get_ident():
+            held.append(line)
+            return True
+        handler.acquire()
+        try:
+            handler.stream.write(line)
+            handler.stream.flush()
+        except Exception:
+            pass
+        finally:
+            handler.release()
+        return True
 
     def _emit(self, level: int, event: str, fields: dict[str, Any]) -> None:
         if not _LOGGER.isEnabledFor(level):

@@ -9,8 +9,11 @@ adds its own waiting machinery to each of those steps, and for a short connectio
 that machinery costs more than the steps. So :443 connections are served by one
 long-lived trio task that owns an epoll set (`Edge.run`):
 
-* every fd is registered once, edge-triggered, for both directions, and never modified
-  (an `epoll_ctl` per wait is what a task per connection pays);
+* every fd is registered once, edge-triggered, for reading, and asks for writability
+  (one `epoll_ctl` MOD, kept from then on) only the first time a write to it would block
+  (a connect in progress, a full buffer): a fd registered writable reports an edge at
+  once, and most connections never fill a buffer (an `epoll_ctl` per wait is what a
+  task per connection pays);
 * every step is tried before anything waits: a new connection's ClientHello is read
   right after accept(2), the backend's connect is probed by writing the head to it, and
   a read or write that would block is the only thing that leaves a connection waiting;
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import _socket
 import errno
+import logging
 import math
 import os
 import select
@@ -60,7 +64,9 @@ from typing import Any
 
 import trio
 
-from pact_ingress.logs import log
+from json.encoder import encode_basestring_ascii as _json_str
+
+from pact_ingress.logs import log, members
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
@@ -103,13 +109,27 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
-#: Every fd's registration: both directions, peer half-close, edge-triggered.
-REGISTER = select.EPOLLIN | select.EPOLLOUT | select.EPOLLRDHUP | select.EPOLLET
+#: Every fd's registration: readable, peer half-close, edge-triggered (errors and hang-ups
+#: are reported whatever is asked for).
+REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
+#: The registration once a write to the fd has blocked: writable too.
+REGISTER_OUT = REGISTER | select.EPOLLOUT
 _READABLE = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
 #: The peer shut its sending side: its EOF waits to be read, and no later edge reports it.
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP
+#: A head this long may leave in more than one segment (the smallest MSS a path may
+#: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
+#: hold the head's tail. A shorter head leaves in one segment whatever the options are,
+#: and the options are set when the client's first bytes after it are relayed
+#: (`_tune`): a connection that relays nothing more costs no setsockopt(2).
+TUNE_AT_CONNECT = 536
+
+
+#: The fields of the `conn_close` line (`Edge._finish`).
+_CLOSE_FIELDS = frozenset(("route", "tenant", "mode", "client_ip", "bytes_up", "bytes_down",
+                           "duration_s", "outcome"))
 
 
 class _Conn(Passthrough):
@@ -118,7 +138,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup")
+                 "up_left", "down_left", "hup", "tuned", "outs")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -147,6 +167,8 @@ class _Conn(Passthrough):
         self.up_left = b""  # copied bytes the backend has not taken yet
         self.down_left = b""  # and the client
         self.hup = 0  # sides whose peer shut down its sending side (bit per side)
+        self.tuned = False  # the backend socket has STREAM_OPTIONS
+        self.outs = 0  # sides whose fd is registered for writability (bit per side)
         self.last_error: str = ""
 
     def add_up(self, n: int) -> None:
@@ -173,6 +195,11 @@ class Edge:
         self.next_sweep = -math.inf
         self.now = 0.0
         self._waiting: trio.CancelScope | None = None
+        #: Counter increments owed, added up over a batch of events and applied after it
+        #: (`_flush`): one `inc` per counter per batch, not one per connection and step.
+        self.tally: dict[Any, int] = {}
+        #: The constant head of each route's `conn_close` line, encoded once.
+        self.close_heads: dict[tuple[str, Any], str] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
@@ -221,6 +248,8 @@ class Edge:
                             if conn.state is State.SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
+                    if self.tally:
+                        self._flush()
                     log.release()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
@@ -265,6 +294,15 @@ class Edge:
                 self._step(conn, step)
         except Exception as exc:  # one connection's bug must not stop the engine
             self._crashed(conn, exc)
+
+    def _count(self, counter: Any, n: int = 1) -> None:
+        tally = self.tally
+        tally[counter] = tally.get(counter, 0) + n
+
+    def _flush(self) -> None:
+        tally, self.tally = self.tally, {}
+        for counter, n in tally.items():
+            counter.inc(n)
 
     def _guarded(self, conn: _Conn, action: Any, arg: Any) -> None:
         try:
@@ -337,7 +375,8 @@ class Edge:
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
             sock.setblocking(False)
             counts.total += 1
-            counts.pending[who] += 1
+            pending = counts.pending
+            pending[who] = pending.get(who, 0) + 1  # (a Counter's miss costs a call)
             conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
             self.conns.add(conn)
             try:
@@ -453,8 +492,10 @@ class Edge:
                 conn.last_error = str(exc)
                 conn.addr_i += 1
                 continue
-            for option, value in STREAM_OPTIONS:
-                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            conn.tuned = len(conn.head) > TUNE_AT_CONNECT  # type: ignore[arg-type]
+            if conn.tuned:
+                for option, value in STREAM_OPTIONS:
+                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
             if err in (0, errno.EINPROGRESS):
                 conn.bsock = sock
@@ -472,8 +513,9 @@ class Edge:
         assert head is not None
         try:
             n = os.write(conn.bfd, head)
-        except BlockingIOError:
-            return  # connecting, or (connected) a full buffer: the backend's edge says
+        except BlockingIOError:  # connecting, or (connected) a full buffer:
+            self._want_out(conn, BACKEND)  # the backend's writable edge says
+            return
         except OSError as exc:
             conn.addr_i += 1
             outcome = conn.backend_failed(self.now, conn.addr_i < len(conn.addrs),
@@ -495,9 +537,7 @@ class Edge:
         conn.head = None
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
-        self.router._byte_counters(conn.route.host)[0].inc(conn.hello_len)
-        conn.upd = Direction("", conn.cfd, conn.bfd)
-        conn.downd = Direction("", conn.bfd, conn.cfd)
+        self._count(self.router._byte_counters(conn.route.host)[0], conn.hello_len)
         if not conn.creg:  # registering reports what is ready now: no edge is lost
             self._register(conn.cfd, conn, CLIENT)
             conn.creg = True
@@ -513,12 +553,21 @@ class Edge:
     def _pump(self, conn: _Conn, direction: int) -> None:
         if direction == UP:
             d, pipe, moved, before = conn.upd, conn.up_pipe, conn.add_up, conn.up_bytes
+            src, dst = conn.cfd, conn.bfd
         else:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
-        assert d is not None
+            src, dst = conn.bfd, conn.cfd
         try:
-            wait = self._copy(conn, d, direction, moved) if pipe is None else Wait.BUSY
+            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else Wait.BUSY
             if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+                if not conn.tuned and direction == UP:
+                    _tune(conn)
+                if d is None:  # splice's state, made the first time a direction needs it
+                    d = Direction("", src, dst)
+                    if direction == UP:
+                        conn.upd = d
+                    else:
+                        conn.downd = d
                 if pipe is None:
                     pipe = take_pipe()
                 wait = pump(d, pipe, moved, YIELD_EVERY)
@@ -539,17 +588,19 @@ class Edge:
                     pass  # the peer is gone: the other direction will see that
         elif wait is Wait.BUSY:
             self.again.append((conn, direction))
+        elif wait is Wait.WRITE:
+            self._want_out(conn, BACKEND if direction == UP else CLIENT)
         self._keep_pipe(conn, direction, pipe)
         assert conn.route is not None
         after = conn.up_bytes if direction == UP else conn.down_bytes
         if after != before:
-            self.router._byte_counters(conn.route.host)[direction].inc(after - before)
+            self._count(self.router._byte_counters(conn.route.host)[direction], after - before)
         flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
     @staticmethod
-    def _copy(conn: _Conn, d: Direction, direction: int, moved: Any) -> Wait:
+    def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:
         """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
 
         Most wake-ups of a connection carry a request, a response or an EOF, far less
@@ -563,7 +614,7 @@ class Edge:
         left = conn.up_left if direction == UP else conn.down_left
         if left:
             try:
-                n = os.write(d.dst, left)
+                n = os.write(dst, left)
             except BlockingIOError:
                 n = 0
             moved(n)
@@ -577,13 +628,15 @@ class Edge:
         src_side = CLIENT if direction == UP else BACKEND
         while True:
             try:
-                data = os.read(d.src, COPY_PROBE)
+                data = os.read(src, COPY_PROBE)
             except BlockingIOError:
                 return Wait.READ
             if not data:
                 return Wait.EOF
+            if not conn.tuned and direction == UP:
+                _tune(conn)
             try:
-                n = os.write(d.dst, data)
+                n = os.write(dst, data)
             except BlockingIOError:
                 n = 0
             if n:
@@ -634,11 +687,23 @@ class Edge:
         """A routed connection is over: its log line and counter, then close."""
         route = conn.route
         assert route is not None
-        log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
-                 client_ip=conn.client[0], bytes_up=conn.up_bytes + conn.hello_len,
-                 bytes_down=conn.down_bytes, duration_s=round(self.now - conn.start, 3),
-                 outcome=outcome)
-        self.router._connections(route.host, outcome).inc()
+        key = (route.host, route.tenant)
+        head = self.close_heads.get(key)
+        if head is None:
+            if len(self.close_heads) > 4096:  # routes come and go with reloads
+                self.close_heads.clear()
+            head = self.close_heads[key] = members(
+                route=route.host, tenant=route.tenant, mode="passthrough") + ',"client_ip":'
+        bytes_up = conn.up_bytes + conn.hello_len
+        duration = round(self.now - conn.start, 3)
+        if not log.emit_members(logging.INFO, "conn_close", (
+                f'{head}{_json_str(conn.client[0])},"bytes_up":{bytes_up},'
+                f'"bytes_down":{conn.down_bytes},"duration_s":{duration!r},'
+                f'"outcome":{_json_str(outcome)}'), _CLOSE_FIELDS):
+            log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
+                     client_ip=conn.client[0], bytes_up=bytes_up, bytes_down=conn.down_bytes,
+                     duration_s=duration, outcome=outcome)
+        self._count(self.router._connections(route.host, outcome))
         self._end(conn, outcome)
 
     def _crashed(self, conn: _Conn, exc: Exception) -> None:
@@ -660,10 +725,11 @@ class Edge:
         if conn.state is not State.CLOSED:
             conn.close(outcome)
         self._forget(conn)
-        for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
-            if pipe is not None:
-                give_pipe(pipe, drained=d is not None and d.pending == 0)
-        conn.up_pipe = conn.down_pipe = None
+        if conn.up_pipe is not None or conn.down_pipe is not None:
+            for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
+                if pipe is not None:
+                    give_pipe(pipe, drained=d is not None and d.pending == 0)
+            conn.up_pipe = conn.down_pipe = None
         self._close_backend(conn)
         conn.csock.close()
         counts = self.router._counts
@@ -689,10 +755,24 @@ class Edge:
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
+            conn.outs &= ~(1 << BACKEND)
 
     def _register(self, fd: int, conn: _Conn, side: int) -> None:
         self.fds[fd] = (conn, side)
         self.ep.register(fd, REGISTER)
+
+    def _want_out(self, conn: _Conn, side: int) -> None:
+        """A write to `side` would block: its fd reports writability from now on (a
+        MOD reports what is ready already, so an edge between the write and it is not
+        lost)."""
+        bit = 1 << side
+        if conn.outs & bit:
+            return
+        fd = conn.cfd if side == CLIENT else conn.bfd
+        if fd < 0 or fd not in self.fds:
+            return
+        conn.outs |= bit
+        self.ep.modify(fd, REGISTER_OUT)
 
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""
@@ -700,10 +780,20 @@ class Edge:
             if conn.route is not None and conn.state is not State.HELLO:
                 self.router._connections(conn.route.host, "error").inc()
             self._end(conn, "error")
+        self._flush()
         for raw in self.listeners.values():
             raw.detach()
         self.listeners.clear()
         self.ep.close()
+
+
+def _tune(conn: _Conn) -> None:
+    """The backend socket's options, before the first client bytes after the head."""
+    conn.tuned = True
+    sock = conn.bsock
+    if sock is not None:
+        for option, value in STREAM_OPTIONS:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _send_alert(fd: int, description: int) -> None:

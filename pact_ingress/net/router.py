@@ -309,7 +309,7 @@ class Router:
         counts = self._counts
         if counts.total >= self.limits.max_connections:
             return "max_connections"
-        if counts.pending[who] + counts.clients[who] >= (
+        if counts.pending.get(who, 0) + counts.clients.get(who, 0) >= (
                 self.limits.max_connections_per_ip + PEEK_HEADROOM):
             return "max_connections_per_ip"
         return None
@@ -320,11 +320,12 @@ class Router:
         counts = self._counts
         kind = counts.tunnels if tunnel else counts.clients
         counts.drop(counts.pending, who)
-        if kind[who] >= self.limits.max_connections_per_ip:
+        had = kind.get(who, 0)
+        if had >= self.limits.max_connections_per_ip:
             self._reject(ip, "max_tunnel_connections_per_ip" if tunnel
                          else "max_connections_per_ip")
             return None
-        kind[who] += 1
+        kind[who] = had + 1
         return kind
 
     async def _handle_counted(self, sock: trio.socket.SocketType, client: tuple[str, int],

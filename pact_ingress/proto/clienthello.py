@@ -51,6 +51,7 @@ as ours does.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -247,8 +248,13 @@ def _parse_body(message: bytes, *, record_version: int, raw_len: int) -> ClientH
     legacy_version = (message[4] << 8) | message[5]
     if legacy_version >> 8 != 3:
         raise _malformed(f"legacy_version {legacy_version:#06x}", tls_alert.PROTOCOL_VERSION)
-    start, pos = _vec(message, 38, end, 1, "session_id")
-    if pos - start > 32:
+    # session_id: `_vec` inlined
+    if end < 39:
+        raise _malformed("session_id length overruns its container")
+    pos = 39 + message[38]
+    if pos > end:
+        raise _malformed("session_id overruns its container")
+    if pos - 39 > 32:
         raise _malformed("session_id longer than 32 bytes", tls_alert.ILLEGAL_PARAMETER)
     start, pos = _vec(message, pos, end, 2, "cipher_suites")
     if pos == start or (pos - start) % 2:
@@ -276,20 +282,25 @@ def _parse_body(message: bytes, *, record_version: int, raw_len: int) -> ClientH
     )
 
 
+#: An extension header, type and length, in one C call (a hello has ~10-20 of them).
+_EXT_HEADER = struct.Struct(">HH").unpack_from
+
+
 def _split_extensions(buf: bytes, pos: int, end: int) -> dict[int, tuple[int, int]]:
     """Map extension type → (start, stop) of its data, in the order sent."""
     found: dict[int, tuple[int, int]] = {}
+    header = _EXT_HEADER
     while pos < end:  # each pass consumes ≥ 4 bytes of a bounded block
         if end - pos < 4:
             raise _malformed("truncated extension header")
-        ext_type = (buf[pos] << 8) | buf[pos + 1]
-        stop = pos + 4 + ((buf[pos + 2] << 8) | buf[pos + 3])
-        if stop > end:
+        ext_type, length = header(buf, pos)
+        start = pos + 4
+        pos = start + length
+        if pos > end:
             raise _malformed(f"extension {ext_type} overruns the extensions block")
         if ext_type in found:
             raise _malformed(f"extension {ext_type} sent twice", tls_alert.ILLEGAL_PARAMETER)
-        found[ext_type] = (pos + 4, stop)
-        pos = stop
+        found[ext_type] = (start, pos)
     return found
 
 
@@ -316,8 +327,11 @@ def _alpn(buf: bytes, pos: int, end: int) -> tuple[str, ...]:
         raise _malformed("ALPN extension framing")
     protocols: list[str] = []
     pos = start
-    while pos < stop:  # each pass consumes ≥ 2 bytes
-        name_start, pos = _vec(buf, pos, stop, 1, "protocol name")
+    while pos < stop:  # each pass consumes ≥ 2 bytes (`_vec`'s checks, inlined)
+        name_start = pos + 1
+        pos = name_start + buf[pos]
+        if pos > stop:
+            raise _malformed("protocol name overruns its container")
         if name_start == pos:
             raise _malformed("empty ALPN protocol name")
         protocols.append(buf[name_start:pos].decode("latin-1"))
@@ -328,7 +342,7 @@ def _supported_versions(buf: bytes, pos: int, end: int) -> tuple[int, ...]:
     start, stop = _vec(buf, pos, end, 1, "supported_versions")
     if stop != end or stop - start < 2 or (stop - start) % 2:
         raise _malformed("supported_versions extension framing")
-    return tuple((buf[i] << 8) | buf[i + 1] for i in range(start, stop, 2))
+    return struct.unpack_from(f">{(stop - start) // 2}H", buf, start)
 
 
 def _sni_hostname(raw: bytes) -> str:
