@@ -761,12 +761,16 @@ class H2Conn:
     """HTTP/2 over TLS with `h2`, outbound validation off: any `:path`, any header."""
 
     def __init__(self, port: int, host: str = HOST, *, source: str = LOOPBACK) -> None:
-        self.sock = tls_socket(port, host, source=source, alpn=("h2",))
+        self._start(tls_socket(port, host, source=source, alpn=("h2",)), host)
+
+    def _start(self, sock: ssl.SSLSocket, host: str, *, validate: bool = False) -> None:
+        """HTTP/2 on `sock` (ALPN h2 already chosen); `validate`: h2's own header checks."""
+        self.sock = sock
         assert self.sock.selected_alpn_protocol() == "h2", self.sock.selected_alpn_protocol()
         cfg = h2.config.H2Configuration(client_side=True, header_encoding=None,
-                                        validate_outbound_headers=False,
-                                        normalize_outbound_headers=False,
-                                        validate_inbound_headers=False)
+                                        validate_outbound_headers=validate,
+                                        normalize_outbound_headers=validate,
+                                        validate_inbound_headers=validate)
         self.conn = h2.connection.H2Connection(config=cfg)
         self.conn.initiate_connection()
         self.sock.sendall(self.conn.data_to_send())
@@ -812,6 +816,26 @@ class H2Conn:
                 piece, view = view[:window], view[window:]
                 self.conn.send_data(sid, bytes(piece), end_stream=not view)
         self.sock.sendall(self.conn.data_to_send())
+        self._pump(until=lambda: sid in self._done, timeout=timeout)
+        return self._results.pop(sid)
+
+    def open_stream(self, method: str, path: str, *, length: int, first: bytes = b"") -> int:
+        """HEADERS announcing a `length`-byte body, then only `first` of it: the stream
+        stays open for the caller to feed (`conn.send_data`) or leave hanging; `wait`
+        reads its answer."""
+        sid = self.conn.get_next_available_stream_id()
+        self._results[sid] = H2Result(None, [], b"")
+        self.conn.send_headers(sid, [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", self.host.encode()), (b":path", path.encode()),
+            (b"content-length", str(length).encode())])
+        if first:
+            self.conn.send_data(sid, first)
+        self.sock.sendall(self.conn.data_to_send())
+        return sid
+
+    def wait(self, sid: int, timeout: float = WAIT) -> H2Result:
+        """The answer of stream `sid` (opened by `open_stream`), once it ended."""
         self._pump(until=lambda: sid in self._done, timeout=timeout)
         return self._results.pop(sid)
 
