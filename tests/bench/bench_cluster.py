@@ -86,7 +86,12 @@ from tests.bench.harness import (
     python_module,
     services,
 )
-from tests.bench.peers import HAPROXY, HAPROXY_MAXCONN, HAPROXY_TIMEOUTS, haproxy_argv
+from tests.bench.peers import (
+    HAPROXY,
+    haproxy_argv,
+    haproxy_http_backend_cfg,
+    haproxy_sink_frontend,
+)
 from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
 from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
@@ -147,23 +152,9 @@ def node_cfg(port: int, sink_port: int, pem: Path, client_ca: Path, body: Path) 
     """The cheap upstream, in C: TLS with the node key, every request answered by HAProxy
     itself (the ingress's client certificate requested and checked); and the flood's sink,
     which closes once a complete ClientHello has arrived."""
-    return f"""\
-global
-    nbthread 1
-    maxconn {HAPROXY_MAXCONN}
-defaults
-    maxconn {HAPROXY_MAXCONN}
-{HAPROXY_TIMEOUTS}\
-frontend node
-    mode http
-    bind 127.0.0.1:{port} ssl crt {pem} alpn http/1.1 verify optional ca-file {client_ca}
-    http-request return status 200 content-type text/plain file {body}
-frontend sink
-    mode tcp
-    bind 127.0.0.1:{sink_port}
-    tcp-request inspect-delay 5s
-    tcp-request content reject if {{ req_ssl_hello_type 1 }}
-"""
+    return (haproxy_http_backend_cfg(port=port, pem=pem, body=body, alpn="http/1.1",
+                                     client_ca=client_ca)
+            + haproxy_sink_frontend(sink_port))
 
 
 def scale_yaml(d: Path, address: str, port: int, admin: int, node_port: int, node_pin: str,
