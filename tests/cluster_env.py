@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,14 @@ connections: {connections}
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
         self._log.close()
+
+
+def close_all(connect: Connect | None, instances: Iterable[Instance]) -> None:
+    """Teardown: the home node's `connect` (if it was started), then every instance."""
+    if connect is not None:
+        connect.close()
+    for instance in instances:
+        instance.close()
 
 
 def request(instance: Instance, host: str, timeout: float = 10.0) -> int | None:

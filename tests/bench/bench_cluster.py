@@ -92,7 +92,16 @@ from tests.bench.peers import (
     haproxy_http_backend_cfg,
     haproxy_sink_frontend,
 )
-from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
+from tests.cluster_env import (
+    PT_HOST,
+    TM_HOST,
+    Connect,
+    Instance,
+    close_all,
+    home_node,
+    request,
+    wait_for,
+)
 from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
 from tests.terminate_env import free_port
@@ -671,10 +680,7 @@ def part_cluster(tmp: Path, parts: list[str], trials: int, samples: int) -> None
                     print(f"| {mode} | {via} | {statistics.median(times):.2f} "
                           f"| {_pct(times, .99):.2f} | {dict(failed) or 0} |", flush=True)
     finally:
-        if connect is not None:
-            connect.close()
-        for instance in instances:
-            instance.close()
+        close_all(connect, instances)
         redis.stop()
         node.stop()
 
