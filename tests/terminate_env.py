@@ -691,16 +691,7 @@ def read_response(sock: socket.socket, *, head_only: bool = False) -> RawRespons
     if status in (204, 304):
         return resp
     if te and "chunked" in te.lower():
-        body = b""
-        while True:
-            size = int(reader.line().split(b";")[0], 16)
-            if size == 0:
-                while reader.line():
-                    pass
-                break
-            body += reader.exact(size)
-            reader.line()
-        resp.body = body
+        resp.body = _chunked_body(reader)
     elif cl is not None:
         resp.body = reader.exact(int(cl))
     else:
@@ -708,6 +699,23 @@ def read_response(sock: socket.socket, *, head_only: bool = False) -> RawRespons
             pass
         resp.body, reader.buf = reader.buf, b""
     return resp
+
+
+def _chunked_body(reader: _Reader) -> bytes:
+    body = b""
+    while True:
+        size = int(reader.line().split(b";")[0], 16)
+        if size == 0:
+            while reader.line():  # trailers
+                pass
+            return body
+        body += reader.exact(size)
+        reader.line()
+
+
+def read_chunked_body(sock: socket.socket) -> bytes:
+    """The body of a chunked response whose head `read_response(head_only=True)` read."""
+    return _chunked_body(_READERS[id(sock)])
 
 
 def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
