@@ -810,22 +810,26 @@ class H2Conn:
             self.sock.sendall(self.conn.data_to_send())
             time.sleep(0.05)
         if body:
-            view = memoryview(body)
-            while view:  # respect flow control for larger bodies
-                window = min(self.conn.local_flow_control_window(sid),
-                             self.conn.max_outbound_frame_size)
-                if window <= 0:
-                    self.sock.sendall(self.conn.data_to_send())
-                    self._pump(until=lambda: self.conn.local_flow_control_window(sid) > 0
-                               or sid in self._done, timeout=timeout)
-                    if sid in self._done:
-                        break
-                    continue
-                piece, view = view[:window], view[window:]
-                self.conn.send_data(sid, bytes(piece), end_stream=not view)
+            self.send_body(sid, body, timeout=timeout)
         self.sock.sendall(self.conn.data_to_send())
         self._pump(until=lambda: sid in self._done, timeout=timeout)
         return self._results.pop(sid)
+
+    def send_body(self, sid: int, body: bytes, *, timeout: float = WAIT) -> None:
+        """`body` on stream `sid` within flow control, its last piece ending the stream;
+        nothing more once the stream has ended (an early answer). What is left unsent in
+        `conn` goes out with the caller's next `sendall`."""
+        view = memoryview(body)
+        while view and sid not in self._done:
+            window = min(self.conn.local_flow_control_window(sid),
+                         self.conn.max_outbound_frame_size)
+            if window <= 0:
+                self.sock.sendall(self.conn.data_to_send())
+                self._pump(until=lambda: self.conn.local_flow_control_window(sid) > 0
+                           or sid in self._done, timeout=timeout)
+                continue
+            piece, view = view[:window], view[window:]
+            self.conn.send_data(sid, bytes(piece), end_stream=not view)
 
     def open_stream(self, method: str, path: str, *, length: int, first: bytes = b"") -> int:
         """HEADERS announcing a `length`-byte body, then only `first` of it: the stream
