@@ -575,6 +575,38 @@ listen:
         return total
 
 
+@dataclass
+class ServeEnv:
+    """A recording node and a `serve` whose routes lead to it, with their identities."""
+
+    serve: Serve
+    node: RecordingNode
+    ids: Identities
+    tmp: Path
+
+    @classmethod
+    def start(cls, tmp: Path, **kw: Any) -> ServeEnv:
+        """Fresh identities in `tmp`, the node, then `Serve(..., **kw)`."""
+        ids = make_identities(tmp)
+        node = RecordingNode(ids.node, client_ca=ids.ingress)
+        try:
+            serve = Serve(tmp, node, ids.node.fingerprint, **kw)
+        except BaseException:
+            node.stop()
+            raise
+        return cls(serve, node, ids, tmp)
+
+    def fresh(self) -> ServeEnv:
+        """This one again for the next test (shared by a module): still up, node cleared."""
+        assert self.serve.alive(), self.serve.logs()[-3000:]
+        self.node.clear()
+        return self
+
+    def stop(self) -> None:
+        self.serve.stop()
+        self.node.stop()
+
+
 # --- clients -----------------------------------------------------------------------------
 
 
