@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -152,15 +153,32 @@ connections: {connections}
         self._log.close()
 
 
+def close_all(connect: Connect | None, instances: Iterable[Instance]) -> None:
+    """Teardown: the home node's `connect` (if it was started), then every instance."""
+    if connect is not None:
+        connect.close()
+    for instance in instances:
+        instance.close()
+
+
 def request(instance: Instance, host: str, timeout: float = 10.0) -> int | None:
     """One GET through `instance` for `host`: the status code, or None if the connection
     failed before a response (no tunnel: TLS alert or reset)."""
+    return get_status(instance.address, instance.port, host, timeout=timeout)
+
+
+def get_status(address: str, port: int, host: str, *, source: str | None = None,
+               timeout: float = 10.0) -> int | None:
+    """One `GET /ping` with SNI and Host `host` (from `source` if given): the status code,
+    or None if the connection failed before a response (TLS alert or reset)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(["http/1.1"])
+    bind = None if source is None else (source, 0)
     try:
-        with socket.create_connection((instance.address, instance.port), timeout=timeout) as raw, \
+        with socket.create_connection((address, port), timeout=timeout,
+                                      source_address=bind) as raw, \
                 ctx.wrap_socket(raw, server_hostname=host) as tls:
             tls.sendall(f"GET /ping HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
                         .encode())

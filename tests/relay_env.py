@@ -27,9 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import h2.config
-import h2.connection
-
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, keygen, spki_der
 from tests.terminate_env import (
@@ -150,19 +147,11 @@ class RelayCaller:
 
 
 class RelayH2(H2Conn):
-    """HTTP/2 to the relay host with a client certificate (H2Conn's machinery)."""
+    """HTTP/2 to the relay host with a client certificate (H2Conn's machinery);
+    `validate=False`: any `:path` or header goes out, as in H2Conn."""
 
-    def __init__(self, port: int, ident: Identity | None) -> None:
-        self.sock = relay_socket(port, ident, alpn=("h2",))
-        assert self.sock.selected_alpn_protocol() == "h2"
-        cfg = h2.config.H2Configuration(client_side=True, header_encoding=None)
-        self.conn = h2.connection.H2Connection(config=cfg)
-        self.conn.initiate_connection()
-        self.sock.sendall(self.conn.data_to_send())
-        self.host = RELAY_HOST
-        self.goaway = False
-        self._results = {}
-        self._done = set()
+    def __init__(self, port: int, ident: Identity | None, *, validate: bool = True) -> None:
+        self._start(relay_socket(port, ident, alpn=("h2",)), RELAY_HOST, validate=validate)
 
 
 def code_of(result: dict[str, Any]) -> str | None:

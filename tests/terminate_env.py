@@ -575,6 +575,38 @@ listen:
         return total
 
 
+@dataclass
+class ServeEnv:
+    """A recording node and a `serve` whose routes lead to it, with their identities."""
+
+    serve: Serve
+    node: RecordingNode
+    ids: Identities
+    tmp: Path
+
+    @classmethod
+    def start(cls, tmp: Path, **kw: Any) -> ServeEnv:
+        """Fresh identities in `tmp`, the node, then `Serve(..., **kw)`."""
+        ids = make_identities(tmp)
+        node = RecordingNode(ids.node, client_ca=ids.ingress)
+        try:
+            serve = Serve(tmp, node, ids.node.fingerprint, **kw)
+        except BaseException:
+            node.stop()
+            raise
+        return cls(serve, node, ids, tmp)
+
+    def fresh(self) -> ServeEnv:
+        """This one again for the next test (shared by a module): still up, node cleared."""
+        assert self.serve.alive(), self.serve.logs()[-3000:]
+        self.node.clear()
+        return self
+
+    def stop(self) -> None:
+        self.serve.stop()
+        self.node.stop()
+
+
 # --- clients -----------------------------------------------------------------------------
 
 
@@ -691,16 +723,7 @@ def read_response(sock: socket.socket, *, head_only: bool = False) -> RawRespons
     if status in (204, 304):
         return resp
     if te and "chunked" in te.lower():
-        body = b""
-        while True:
-            size = int(reader.line().split(b";")[0], 16)
-            if size == 0:
-                while reader.line():
-                    pass
-                break
-            body += reader.exact(size)
-            reader.line()
-        resp.body = body
+        resp.body = _chunked_body(reader)
     elif cl is not None:
         resp.body = reader.exact(int(cl))
     else:
@@ -708,6 +731,23 @@ def read_response(sock: socket.socket, *, head_only: bool = False) -> RawRespons
             pass
         resp.body, reader.buf = reader.buf, b""
     return resp
+
+
+def _chunked_body(reader: _Reader) -> bytes:
+    body = b""
+    while True:
+        size = int(reader.line().split(b";")[0], 16)
+        if size == 0:
+            while reader.line():  # trailers
+                pass
+            return body
+        body += reader.exact(size)
+        reader.line()
+
+
+def read_chunked_body(sock: socket.socket) -> bytes:
+    """The body of a chunked response whose head `read_response(head_only=True)` read."""
+    return _chunked_body(_READERS[id(sock)])
 
 
 def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
@@ -761,12 +801,16 @@ class H2Conn:
     """HTTP/2 over TLS with `h2`, outbound validation off: any `:path`, any header."""
 
     def __init__(self, port: int, host: str = HOST, *, source: str = LOOPBACK) -> None:
-        self.sock = tls_socket(port, host, source=source, alpn=("h2",))
+        self._start(tls_socket(port, host, source=source, alpn=("h2",)), host)
+
+    def _start(self, sock: ssl.SSLSocket, host: str, *, validate: bool = False) -> None:
+        """HTTP/2 on `sock` (ALPN h2 already chosen); `validate`: h2's own header checks."""
+        self.sock = sock
         assert self.sock.selected_alpn_protocol() == "h2", self.sock.selected_alpn_protocol()
         cfg = h2.config.H2Configuration(client_side=True, header_encoding=None,
-                                        validate_outbound_headers=False,
-                                        normalize_outbound_headers=False,
-                                        validate_inbound_headers=False)
+                                        validate_outbound_headers=validate,
+                                        normalize_outbound_headers=validate,
+                                        validate_inbound_headers=validate)
         self.conn = h2.connection.H2Connection(config=cfg)
         self.conn.initiate_connection()
         self.sock.sendall(self.conn.data_to_send())
@@ -798,20 +842,44 @@ class H2Conn:
             self.sock.sendall(self.conn.data_to_send())
             time.sleep(0.05)
         if body:
-            view = memoryview(body)
-            while view:  # respect flow control for larger bodies
-                window = min(self.conn.local_flow_control_window(sid),
-                             self.conn.max_outbound_frame_size)
-                if window <= 0:
-                    self.sock.sendall(self.conn.data_to_send())
-                    self._pump(until=lambda: self.conn.local_flow_control_window(sid) > 0
-                               or sid in self._done, timeout=timeout)
-                    if sid in self._done:
-                        break
-                    continue
-                piece, view = view[:window], view[window:]
-                self.conn.send_data(sid, bytes(piece), end_stream=not view)
+            self.send_body(sid, body, timeout=timeout)
         self.sock.sendall(self.conn.data_to_send())
+        self._pump(until=lambda: sid in self._done, timeout=timeout)
+        return self._results.pop(sid)
+
+    def send_body(self, sid: int, body: bytes, *, timeout: float = WAIT) -> None:
+        """`body` on stream `sid` within flow control, its last piece ending the stream;
+        nothing more once the stream has ended (an early answer). What is left unsent in
+        `conn` goes out with the caller's next `sendall`."""
+        view = memoryview(body)
+        while view and sid not in self._done:
+            window = min(self.conn.local_flow_control_window(sid),
+                         self.conn.max_outbound_frame_size)
+            if window <= 0:
+                self.sock.sendall(self.conn.data_to_send())
+                self._pump(until=lambda: self.conn.local_flow_control_window(sid) > 0
+                           or sid in self._done, timeout=timeout)
+                continue
+            piece, view = view[:window], view[window:]
+            self.conn.send_data(sid, bytes(piece), end_stream=not view)
+
+    def open_stream(self, method: str, path: str, *, length: int, first: bytes = b"") -> int:
+        """HEADERS announcing a `length`-byte body, then only `first` of it: the stream
+        stays open for the caller to feed (`conn.send_data`) or leave hanging; `wait`
+        reads its answer."""
+        sid = self.conn.get_next_available_stream_id()
+        self._results[sid] = H2Result(None, [], b"")
+        self.conn.send_headers(sid, [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", self.host.encode()), (b":path", path.encode()),
+            (b"content-length", str(length).encode())])
+        if first:
+            self.conn.send_data(sid, first)
+        self.sock.sendall(self.conn.data_to_send())
+        return sid
+
+    def wait(self, sid: int, timeout: float = WAIT) -> H2Result:
+        """The answer of stream `sid` (opened by `open_stream`), once it ended."""
         self._pump(until=lambda: sid in self._done, timeout=timeout)
         return self._results.pop(sid)
 

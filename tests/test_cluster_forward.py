@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
+from tests.cluster_env import (
+    PT_HOST,
+    TM_HOST,
+    Connect,
+    Instance,
+    close_all,
+    home_node,
+    request,
+    wait_for,
+)
 from tests.netutil import free_port_on
 from tests.terminate_env import RecordingNode
 from tests.tools import require
@@ -99,8 +108,5 @@ def test_a_caller_through_b_reaches_the_tunnel_on_a(tmp_path: Path,
         for instance in (a, b, c):
             assert "Traceback" not in instance.logs(), instance.address
     finally:
-        if connect is not None:
-            connect.close()
-        for instance in (a, b, c):
-            instance.close()
+        close_all(connect, (a, b, c))
         redis.stop()

@@ -15,6 +15,7 @@ from tests.cluster_env import (
     TM_HOST,
     Connect,
     Instance,
+    close_all,
     home_node,
     request,
     wait_for,
@@ -63,10 +64,7 @@ def test_connector_holds_tunnels_on_every_instance(tmp_path: Path,
             for host in (PT_HOST, TM_HOST):
                 assert request(instance, host) == 200, (instance.address, host)
     finally:
-        if connect is not None:
-            connect.close()
-        for instance in instances:
-            instance.close()
+        close_all(connect, instances)
 
 
 async def test_a_name_stands_for_every_record() -> None:
@@ -138,8 +136,5 @@ def test_registry_in_redis_lists_members_and_holders(tmp_path: Path,
         wait_for(lambda: view(b, fps, fps), "the registry back", timeout=20)
         assert "Traceback" not in b.logs()
     finally:
-        if connect is not None:
-            connect.close()
-        for instance in instances:
-            instance.close()
+        close_all(connect, instances)
         redis.stop()

@@ -15,14 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import h2.config
-import h2.connection
 import pytest
 
 from pact_ingress.identity import Identity, b64url_decode
 from tests.relay_env import (
     RELAY_HOST,
     RelayCaller,
+    RelayH2,
     RelayIdentities,
     RelayServe,
     client_context,
@@ -35,8 +34,6 @@ from tests.relay_env import (
 )
 from tests.terminate_env import (
     WAIT,
-    H2Conn,
-    H2Result,
     forget,
     free_port,
     read_response,
@@ -59,26 +56,9 @@ def serve(tmp_path: Path, ids: RelayIdentities) -> Iterator[RelayServe]:
     s.stop()
 
 
-class H2(H2Conn):
+def raw_h2(port: int, ident: Identity | None) -> RelayH2:
     """HTTP/2 to the relay host, any `:path` or header (client-side validation off)."""
-
-    def __init__(self, port: int, ident: Identity | None) -> None:
-        self.sock = relay_socket(port, ident, alpn=("h2",))
-        assert self.sock.selected_alpn_protocol() == "h2"
-        cfg = h2.config.H2Configuration(client_side=True, header_encoding=None,
-                                        validate_outbound_headers=False,
-                                        normalize_outbound_headers=False,
-                                        validate_inbound_headers=False)
-        self.conn = h2.connection.H2Connection(config=cfg)
-        self.conn.initiate_connection()
-        self.sock.sendall(self.conn.data_to_send())
-        self.host = RELAY_HOST
-        self.goaway = False
-        self._results: dict[int, H2Result] = {}
-        self._done: set[int] = set()
-
-    def close(self) -> None:
-        forget(self.sock)
+    return RelayH2(port, ident, validate=False)
 
 
 def queued(serve: RelayServe, ids: RelayIdentities) -> list[str]:
@@ -137,7 +117,7 @@ def test_no_certificate_is_refused_on_both_versions(serve: RelayServe,
                             json.dumps({"senders": []}).encode() if method == "POST" else b"")
         assert resp.status == 401 and json.loads(resp.body)["code"] == "identity_required"
     anon.close()
-    conn = H2(serve.port, None)
+    conn = raw_h2(serve.port, None)
     try:
         res = conn.request("POST", "/relay/mcp", body=call_body(ids, "a2"))
         assert res.status == 401
@@ -164,16 +144,9 @@ def test_oversized_bodies_are_too_large_on_both_versions(serve: RelayServe,
         "POST", "/relay/allowlist", RELAY_HOST, length=False,
         headers=[("Content-Length", str(2 * 1024 * 1024))]))
     assert resp.status == 413 and json.loads(resp.body)["code"] == "too_large"
-    conn = H2(serve.port, ids.sender)
+    conn = raw_h2(serve.port, ids.sender)
     try:
-        sid = conn.conn.get_next_available_stream_id()
-        conn.conn.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"),
-                                     (b":authority", RELAY_HOST.encode()),
-                                     (b":path", b"/relay/mcp"), (b"content-length", big.encode())])
-        conn.sock.sendall(conn.conn.data_to_send())
-        conn._results[sid] = H2Result(None, [], b"")
-        conn._pump(until=lambda: sid in conn._done, timeout=WAIT)
-        res = conn._results.pop(sid)
+        res = conn.wait(conn.open_stream("POST", "/relay/mcp", length=int(big)))
         assert res.status == 413 and code_of(json.loads(res.body)["result"]) == "too_large"
         # the same connection still serves
         assert conn.request("POST", "/relay/mcp", body=rpc("ping")).status == 200
@@ -188,7 +161,7 @@ def test_garbage_json_on_both_versions(serve: RelayServe, ids: RelayIdentities) 
                                                         -32600),
              (b"[" * 100_000, -32700)]
     caller = RelayCaller(serve.port, ids.sender)
-    conn = H2(serve.port, ids.sender)
+    conn = raw_h2(serve.port, ids.sender)
     try:
         for body, code in cases:
             resp = caller.request("POST", "/relay/mcp", body)
@@ -259,8 +232,8 @@ def test_target_spellings_have_one_defined_answer(serve: RelayServe, ids: RelayI
                                                   http2: bool) -> None:
     tag = "h2" if http2 else "h1"
     expected: list[str] = []
-    conn = H2(serve.port, ids.sender) if http2 else None
-    anon = H2(serve.port, None) if http2 else None
+    conn = raw_h2(serve.port, ids.sender) if http2 else None
+    anon = raw_h2(serve.port, None) if http2 else None
     try:
         for n, (target, endpoint) in enumerate(SPELLINGS):
             for ident, who in ((ids.sender, "s"), (None, "a")):
@@ -342,15 +315,12 @@ def test_unknown_paths_and_methods(serve: RelayServe, ids: RelayIdentities) -> N
 # --- the body deadline (in process: the deadline is shortened) ----------------------------
 
 
-async def test_slow_body_is_dropped_unanswered(tmp_path: Path, ids: RelayIdentities,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import trio
-
+def in_process(tmp_path: Path, ids: RelayIdentities) -> tuple[Any, int]:
+    """An `Ingress` in this process (not started) serving the relay host, and its port:
+    for the cases that shorten a deadline or shrink a budget first."""
     from pact_ingress.app import Ingress
     from pact_ingress.config import load_config
-    from pact_ingress.relay import http as relay_http
 
-    monkeypatch.setattr(relay_http, "BODY_TIMEOUT", 0.5)
     port = free_port()
     config_path = tmp_path / "ingress.yaml"
     config_path.write_text(f"""\
@@ -361,24 +331,26 @@ relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
 tenants:
   - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
 """)
-    ingress = Ingress(load_config(config_path))
+    return Ingress(load_config(config_path)), port
+
+
+async def test_slow_body_is_dropped_unanswered(tmp_path: Path, ids: RelayIdentities,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio
+
+    from pact_ingress.relay import http as relay_http
+
+    monkeypatch.setattr(relay_http, "BODY_TIMEOUT", 0.5)
+    ingress, port = in_process(tmp_path, ids)
 
     def slow(http2: bool) -> Any:
         """Half a relay_call body, then nothing: what does the client see?"""
         body = call_body(ids, "slow-h2" if http2 else "slow-h1")
         if http2:
-            conn = H2(port, ids.sender)
+            conn = raw_h2(port, ids.sender)
             try:
-                sid = conn.conn.get_next_available_stream_id()
-                conn.conn.send_headers(sid, [
-                    (b":method", b"POST"), (b":scheme", b"https"),
-                    (b":authority", RELAY_HOST.encode()), (b":path", b"/relay/mcp"),
-                    (b"content-length", str(len(body)).encode())])
-                conn.conn.send_data(sid, body[:10])
-                conn.sock.sendall(conn.conn.data_to_send())
-                conn._results[sid] = H2Result(None, [], b"")
-                conn._pump(until=lambda: sid in conn._done, timeout=WAIT)
-                return conn._results.pop(sid)
+                return conn.wait(conn.open_stream("POST", "/relay/mcp", length=len(body),
+                                                  first=body[:10]))
             finally:
                 conn.close()
         raw = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
@@ -449,7 +421,7 @@ def test_drain_closes_idle_connections_and_finishes_busy_ones(serve: RelayServe,
     idle = relay_socket(serve.port, ids.sender)
     idle.sendall(request_bytes("POST", "/relay/mcp", RELAY_HOST, body=rpc("ping")))
     assert read_response(idle).status == 200
-    h2conn = H2(serve.port, ids.sender)
+    h2conn = raw_h2(serve.port, ids.sender)
     assert h2conn.request("POST", "/relay/mcp", body=rpc("ping")).status == 200
     busy = relay_socket(serve.port, ids.sender)
     body = call_body(ids, "in-flight")
@@ -484,53 +456,21 @@ async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
     share → rate_limited (429, Retry-After); the share comes back when a request ends."""
     import trio
 
-    from pact_ingress.app import Ingress
-    from pact_ingress.config import load_config
     from pact_ingress.proto.shares import Shares
 
-    port = free_port()
-    config_path = tmp_path / "ingress.yaml"
-    config_path.write_text(f"""\
-identity: {{key: ingress.key}}
-state_dir: state
-listen: {{tls: ["127.0.0.1:{port}"]}}
-relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
-tenants:
-  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
-""")
-    ingress = Ingress(load_config(config_path))
+    ingress, port = in_process(tmp_path, ids)
     ingress.relay.buffers = Shares(100_000, 10_000_000)  # small, so a test can cross it
     size = 80_000
 
     def exercise() -> list[Any]:
-        conn = H2(port, ids.sender)
+        conn = raw_h2(port, ids.sender)
         try:
-            first = conn.conn.get_next_available_stream_id()
-            conn.conn.send_headers(first, [
-                (b":method", b"POST"), (b":scheme", b"https"),
-                (b":authority", RELAY_HOST.encode()), (b":path", b"/relay/mcp"),
-                (b"content-length", str(size).encode())])
-            conn.conn.send_data(first, b"x" * 10)
-            conn.sock.sendall(conn.conn.data_to_send())
-            conn._results[first] = H2Result(None, [], b"")
+            first = conn.open_stream("POST", "/relay/mcp", length=size, first=b"x" * 10)
             second = conn.request("POST", "/relay/mcp", body=b"y" * size)
-            view = memoryview(b"x" * (size - 10))
-            while view and first not in conn._done:  # the rest of the first body,
-                # within the flow-control window, unless the first was the one refused
-                window = min(conn.conn.local_flow_control_window(first),
-                             conn.conn.max_outbound_frame_size)
-                if window <= 0:
-                    conn.sock.sendall(conn.conn.data_to_send())
-                    conn._pump(until=lambda: conn.conn.local_flow_control_window(first) > 0
-                               or first in conn._done, timeout=WAIT)
-                    continue
-                if first in conn._done:
-                    break
-                piece, view = view[:window], view[window:]
-                conn.conn.send_data(first, bytes(piece), end_stream=not view)
+            # the rest of the first body, unless the first was the one refused
+            conn.send_body(first, b"x" * (size - 10))
             conn.sock.sendall(conn.conn.data_to_send())
-            conn._pump(until=lambda: first in conn._done, timeout=WAIT)
-            first_res = conn._results.pop(first)
+            first_res = conn.wait(first)
             third = conn.request("POST", "/relay/mcp", body=b"z" * size)
             return [first_res, second, third]
         finally:

@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import h2.config
@@ -51,15 +50,13 @@ from tests.terminate_env import (
     OPT_HOST,
     WAIT,
     H2Conn,
-    Identities,
     RawResponse,
-    RecordingNode,
     Serve,
+    ServeEnv as Env,
     closed_by_peer,
     exchange,
     forget,
     gzip_bytes,
-    make_identities,
     read_response,
     refusal_code,
     request_bytes,
@@ -75,52 +72,26 @@ from tests.tools import require
 BYSTANDER_WAIT = 12.0
 
 
-@dataclass
-class Env:
-    serve: Serve
-    node: RecordingNode
-    ids: Identities
-    tmp: Path
-
-
-def _start(tmp: Path, **kw: object) -> Env:
-    ids = make_identities(tmp)
-    node = RecordingNode(ids.node, client_ca=ids.ingress)
-    try:
-        serve = Serve(tmp, node, ids.node.fingerprint, **kw)  # type: ignore[arg-type]
-    except BaseException:
-        node.stop()
-        raise
-    return Env(serve, node, ids, tmp)
-
-
-def _stop(env: Env) -> None:
-    env.serve.stop()
-    env.node.stop()
-
-
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One serve + node for the cheap request-level tests (default limits)."""
-    env = _start(tmp_path_factory.mktemp("attacks"))
+    env = Env.start(tmp_path_factory.mktemp("attacks"))
     yield env
-    _stop(env)
+    env.stop()
 
 
 @pytest.fixture
 def env(shared: Env) -> Env:
-    assert shared.serve.alive(), shared.serve.logs()[-3000:]
-    shared.node.clear()
-    return shared
+    return shared.fresh()
 
 
 @pytest.fixture
 def fresh(tmp_path: Path) -> Iterator[list[Env]]:
-    """For tests that need their own limits or kill/reload the process: `_start` into it."""
+    """For tests that need their own limits or kill/reload the process: `Env.start` into it."""
     envs: list[Env] = []
     yield envs
     for e in envs:
-        _stop(e)
+        e.stop()
 
 
 def _bystander_get(serve: Serve, path: str = "/ok") -> tuple[int, float]:
@@ -391,7 +362,7 @@ def test_node_http2_client_body_arrives_whole(env: Env, tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["fin", "rst"])
 def test_pipelined_abort_frees_slots(fresh: list[Env], tmp_path: Path, how: str) -> None:
     clients = 20
-    env = _start(tmp_path, limits={"max_connections_per_ip": clients, "idle_timeout": "30s"})
+    env = Env.start(tmp_path, limits={"max_connections_per_ip": clients, "idle_timeout": "30s"})
     fresh.append(env)
     socks = []
     # Two attacker addresses: one address may only hold a tenth of the route's upstream
@@ -454,7 +425,7 @@ def test_one_ip_cannot_take_the_route_down(fresh: list[Env], tmp_path: Path,
     body: 160, four in five to a non-MCP path, the rest trickling a body to mcp_path;
     slow read: 120 big downloads never read); while they hang, a client from 127.0.0.3
     is served; after they close, the counters return to zero."""
-    env = _start(tmp_path)
+    env = Env.start(tmp_path)
     fresh.append(env)
     count = 160 if attack == "slow-body" else 120
     socks = _hold_open(env.serve, count, attack)
@@ -512,7 +483,7 @@ def test_big_bodies_in_parallel(fresh: list[Env], tmp_path: Path) -> None:
     """60 connections from one IP each POST ~5 MiB to mcp_path (under max_body_bytes):
     a client from another IP is served throughout, nothing reaches the node, and the
     process's memory stays bounded (peak and after)."""
-    env = _start(tmp_path)
+    env = Env.start(tmp_path)
     fresh.append(env)
     assert _bystander_get(env.serve)[0] == 200  # warm up
     body = _big_mcp_body(5 * 1024 * 1024)
@@ -569,7 +540,7 @@ def test_refusal_flood_is_charged_to_the_limiter(fresh: list[Env], tmp_path: Pat
     """400 refused requests from one IP (unsealed calls, bad envelopes, non-JSON): with
     calls_per_hour_per_ip 30 the flood must hit rate_limited / 429 — refusals are charged."""
     budget = 30
-    env = _start(tmp_path, limits={"calls_per_hour_per_ip": budget})
+    env = Env.start(tmp_path, limits={"calls_per_hour_per_ip": budget})
     fresh.append(env)
     bad_envelope = rpc("tools/call", {"name": "sealed_call", "arguments": {
         "protected": "x", "enc": "x", "ct": "x", "sig": "x"}})
@@ -710,7 +681,7 @@ def test_reload_applies_to_open_connection(fresh: list[Env], tmp_path: Path,
     """An open connection on a `seal: optional` route; the route becomes `required` and
     SIGHUP; the next unsealed call on the SAME connection is refused (seal_required) — or
     the stream/connection is refused outright — and the node sees nothing."""
-    env = _start(tmp_path)
+    env = Env.start(tmp_path)
     fresh.append(env)
     h2c = H2Conn(env.serve.port, OPT_HOST) if http2 else None
     sock = None if http2 else tls_socket(env.serve.port, OPT_HOST)
@@ -748,7 +719,7 @@ def test_reload_applies_to_open_connection(fresh: list[Env], tmp_path: Path,
 def test_reload_with_unusable_cert_path_keeps_serving(fresh: list[Env], tmp_path: Path) -> None:
     """A config check-config accepts but whose cert directory is a file: the reload is
     refused or applied, and the process keeps serving."""
-    env = _start(tmp_path)
+    env = Env.start(tmp_path)
     fresh.append(env)
     (tmp_path / "blocker").write_text("not a directory\n")
     text = env.serve.render() + """\

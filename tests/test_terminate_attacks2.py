@@ -21,6 +21,7 @@ from tests.terminate_env import (
     HOST,
     H2Conn,
     RawResponse,
+    ServeEnv as Env,
     exchange,
     forget,
     read_response,
@@ -28,21 +29,18 @@ from tests.terminate_env import (
     tls_socket,
     unsealed_call_body,
 )
-from tests.test_terminate_attacks import Env, _start, _stop
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    env = _start(tmp_path_factory.mktemp("attacks2"))
+    env = Env.start(tmp_path_factory.mktemp("attacks2"))
     yield env
-    _stop(env)
+    env.stop()
 
 
 @pytest.fixture
 def env(shared: Env) -> Env:
-    assert shared.serve.alive(), shared.serve.logs()[-3000:]
-    shared.node.clear()
-    return shared
+    return shared.fresh()
 
 
 # === chunked trailers are not bounded ========================================

@@ -19,7 +19,6 @@ import hashlib
 import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,6 +36,7 @@ from tests.terminate_env import (
     Identities,
     RecordingNode,
     Serve,
+    ServeEnv as Env,
     make_identities,
     refusal_code,
     rpc,
@@ -55,34 +55,16 @@ CONCURRENT = 8
 CONCURRENT_SIZE = 7 * 1024
 
 
-@dataclass
-class Env:
-    serve: Serve
-    node: RecordingNode
-    ids: Identities
-    tmp: Path
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("clients")
-    ids = make_identities(tmp)
-    node = RecordingNode(ids.node, client_ca=ids.ingress)
-    try:
-        serve = Serve(tmp, node, ids.node.fingerprint)
-    except BaseException:
-        node.stop()
-        raise
-    yield Env(serve, node, ids, tmp)
-    serve.stop()
-    node.stop()
+    env = Env.start(tmp_path_factory.mktemp("clients"))
+    yield env
+    env.stop()
 
 
 @pytest.fixture
 def fresh(env: Env) -> Env:
-    assert env.serve.alive(), env.serve.logs()[-3000:]
-    env.node.clear()
-    return env
+    return env.fresh()
 
 
 def _context() -> ssl.SSLContext:

@@ -13,7 +13,6 @@ import os
 import pickle
 import signal
 import socket
-import ssl
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from pact_ingress.admin.schema import STATUS_SCHEMA
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.ratelimit import burst_for
 from pact_ingress.proto.workers import Kind, WorkerState
-from tests.cluster_env import TM_HOST, Connect, Instance, home_node
+from tests.cluster_env import TM_HOST, Connect, Instance, get_status, home_node
 from tests.terminate_env import (
     OPT_HOST,
     WAIT,
@@ -39,6 +38,7 @@ from tests.terminate_env import (
     exchange,
     forget,
     make_identities,
+    read_chunked_body,
     read_response,
     request_bytes,
     sealed_call_body,
@@ -241,29 +241,7 @@ def test_a_budget_is_not_multiplied_by_the_workers(
 
 
 def tunnel_get(port: int, source: str, host: str = TM_HOST) -> int | None:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["http/1.1"])
-    raw = socket.socket()
-    raw.settimeout(10)
-    try:
-        raw.bind((source, 0))
-        raw.connect(("127.0.0.1", port))
-        with ctx.wrap_socket(raw, server_hostname=host) as tls:
-            tls.sendall(f"GET /ping HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-                        .encode())
-            head = b""
-            while b"\r\n" not in head:
-                chunk = tls.recv(4096)
-                if not chunk:
-                    return None
-                head += chunk
-            return int(head.split(b" ", 2)[1])
-    except (OSError, ssl.SSLError, ValueError, IndexError):
-        return None
-    finally:
-        raw.close()
+    return get_status("127.0.0.1", port, host, source=source)
 
 
 def test_a_tunnel_serves_connections_at_every_worker(tmp_path: Path) -> None:
@@ -401,7 +379,7 @@ def test_sigterm_drains_every_worker_then_all_exit_zero(
             assert read_response(sock, head_only=True).status == 200
         serve.proc.send_signal(signal.SIGTERM)
         for sock in slow.values():
-            body = read_rest_chunked(sock)
+            body = read_chunked_body(sock)
             assert body.count(b"data: tick") == 6
             forget(sock)
         assert serve.proc.wait(timeout=WAIT) == 0
@@ -413,22 +391,6 @@ def test_sigterm_drains_every_worker_then_all_exit_zero(
         assert not [e for e in serve.log_events() if e.get("event") == "worker_exited"]
     finally:
         serve.stop()
-
-
-def read_rest_chunked(sock: ssl.SSLSocket) -> bytes:
-    """The body of a chunked response whose head `read_response(head_only=True)` read."""
-    from tests.terminate_env import _READERS
-
-    reader = _READERS[id(sock)]
-    body = b""
-    while True:
-        size = int(reader.line().split(b";")[0], 16)
-        if size == 0:
-            while reader.line():
-                pass
-            return body
-        body += reader.exact(size)
-        reader.line()
 
 
 def test_workers_do_not_outlive_a_killed_main(tmp_path: Path, ids: Identities,

@@ -212,3 +212,24 @@ class MemoryTLS:
                 await self._flush(deadline)
         except ssl.SSLError as exc:
             raise self._broken(f"TLS failed: {exc}") from exc
+
+
+class ServerStream(MemoryTLS, trio.abc.Stream):
+    """The server end of a connection as a trio `Stream`: what the public end
+    (`net/tls_server.py`) and the relay's (`relay/tls.py`) have alike. A subclass sets
+    `_closed` and closes its own transport."""
+
+    _closed: bool
+
+    def selected_alpn_protocol(self) -> str | None:
+        return self._ssl.selected_alpn_protocol()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._closed:
+            raise trio.ClosedResourceError()
+        return await self.read(READ_SIZE if max_bytes is None else max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError()
+        await self.write(data)

@@ -13,10 +13,10 @@ import ssl
 
 import trio
 
-from pact_ingress.net.memory_tls import READ_SIZE, MemoryTLS
+from pact_ingress.net.memory_tls import ServerStream
 
 
-class ServerTLS(MemoryTLS, trio.abc.Stream):
+class ServerTLS(ServerStream):
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, initial: bytes) -> None:
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         super().__init__(context.wrap_bio(incoming, outgoing, server_side=True), incoming,
@@ -28,19 +28,6 @@ class ServerTLS(MemoryTLS, trio.abc.Stream):
 
     async def do_handshake(self, deadline: float = math.inf) -> None:
         await self.handshake(deadline)
-
-    def selected_alpn_protocol(self) -> str | None:
-        return self._ssl.selected_alpn_protocol()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        return await self.read(READ_SIZE if max_bytes is None else max_bytes)
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        await self.write(data)
 
     # The HTTP legs' own calls: an absolute deadline instead of a cancel scope per call
     # (`trio.TooSlowError` when it passes), so an operation that completes at once costs

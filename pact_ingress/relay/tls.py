@@ -32,7 +32,7 @@ import trio
 from cryptography.hazmat.primitives.serialization import Encoding
 from OpenSSL import SSL
 
-from pact_ingress.net.memory_tls import READ_SIZE, MemoryTLS
+from pact_ingress.net.memory_tls import ServerStream
 
 #: Ciphertext taken out of OpenSSL's outgoing BIO per call.
 _BIO_CHUNK = 64 * 1024
@@ -159,7 +159,7 @@ class _Outgoing:
         return len(self._held)
 
 
-class RelayTLS(MemoryTLS, trio.abc.Stream):
+class RelayTLS(ServerStream):
     """The server end of one relay connection, as a trio `Stream`.
 
     Over the socket the router accepted when it has one (the peeked ClientHello is
@@ -182,21 +182,8 @@ class RelayTLS(MemoryTLS, trio.abc.Stream):
     async def do_handshake(self) -> None:
         await self.handshake()
 
-    def selected_alpn_protocol(self) -> str | None:
-        return self._ssl.selected_alpn_protocol()
-
     def getpeercert(self, binary_form: bool = True) -> bytes | None:
         return self._ssl.getpeercert(binary_form)  # type: ignore[call-arg]
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        return await self.read(READ_SIZE if max_bytes is None else max_bytes)
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        await self.write(data)
 
     async def wait_send_all_might_not_block(self) -> None:
         if self._sock is not None:

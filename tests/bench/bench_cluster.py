@@ -86,8 +86,22 @@ from tests.bench.harness import (
     python_module,
     services,
 )
-from tests.bench.peers import HAPROXY, HAPROXY_MAXCONN, HAPROXY_TIMEOUTS, haproxy_argv
-from tests.cluster_env import PT_HOST, TM_HOST, Connect, Instance, home_node, request, wait_for
+from tests.bench.peers import (
+    HAPROXY,
+    haproxy_argv,
+    haproxy_http_backend_cfg,
+    haproxy_sink_frontend,
+)
+from tests.cluster_env import (
+    PT_HOST,
+    TM_HOST,
+    Connect,
+    Instance,
+    close_all,
+    home_node,
+    request,
+    wait_for,
+)
 from tests.netutil import free_port_on
 from tests.redis_server import RedisServer
 from tests.terminate_env import free_port
@@ -147,23 +161,9 @@ def node_cfg(port: int, sink_port: int, pem: Path, client_ca: Path, body: Path) 
     """The cheap upstream, in C: TLS with the node key, every request answered by HAProxy
     itself (the ingress's client certificate requested and checked); and the flood's sink,
     which closes once a complete ClientHello has arrived."""
-    return f"""\
-global
-    nbthread 1
-    maxconn {HAPROXY_MAXCONN}
-defaults
-    maxconn {HAPROXY_MAXCONN}
-{HAPROXY_TIMEOUTS}\
-frontend node
-    mode http
-    bind 127.0.0.1:{port} ssl crt {pem} alpn http/1.1 verify optional ca-file {client_ca}
-    http-request return status 200 content-type text/plain file {body}
-frontend sink
-    mode tcp
-    bind 127.0.0.1:{sink_port}
-    tcp-request inspect-delay 5s
-    tcp-request content reject if {{ req_ssl_hello_type 1 }}
-"""
+    return (haproxy_http_backend_cfg(port=port, pem=pem, body=body, alpn="http/1.1",
+                                     client_ca=client_ca)
+            + haproxy_sink_frontend(sink_port))
 
 
 def scale_yaml(d: Path, address: str, port: int, admin: int, node_port: int, node_pin: str,
@@ -680,10 +680,7 @@ def part_cluster(tmp: Path, parts: list[str], trials: int, samples: int) -> None
                     print(f"| {mode} | {via} | {statistics.median(times):.2f} "
                           f"| {_pct(times, .99):.2f} | {dict(failed) or 0} |", flush=True)
     finally:
-        if connect is not None:
-            connect.close()
-        for instance in instances:
-            instance.close()
+        close_all(connect, instances)
         redis.stop()
         node.stop()
 

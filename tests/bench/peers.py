@@ -36,6 +36,25 @@ HAPROXY_TIMEOUTS = """\
 """
 
 
+def haproxy_head(*defaults: str) -> str:
+    """The `global` and `defaults` sections every peer config starts with; `defaults`:
+    more lines for that section (e.g. "mode http")."""
+    return "\n".join(["global", "    nbthread 1", f"    maxconn {HAPROXY_MAXCONN}",
+                      "defaults", *(f"    {line}" for line in defaults),
+                      f"    maxconn {HAPROXY_MAXCONN}", HAPROXY_TIMEOUTS])
+
+
+def haproxy_sink_frontend(port: int) -> str:
+    """A frontend that waits for a complete ClientHello, then closes (a flood's backend)."""
+    return f"""\
+frontend sink
+    mode tcp
+    bind 127.0.0.1:{port}
+    tcp-request inspect-delay 5s
+    tcp-request content reject if {{ req_ssl_hello_type 1 }}
+"""
+
+
 def haproxy_argv(cfg: Path) -> list[str]:
     """Foreground, no daemon, no master process: the PID is the one that works."""
     return [HAPROXY, "-f", str(cfg), "-db"]
@@ -44,15 +63,7 @@ def haproxy_argv(cfg: Path) -> list[str]:
 def haproxy_passthrough_cfg(port: int, routes: Mapping[str, int], *, splice: bool = True
                             ) -> str:
     """An SNI passthrough frontend on 127.0.0.1:`port`; `routes` maps SNI → backend port."""
-    lines = [
-        "global",
-        "    nbthread 1",
-        f"    maxconn {HAPROXY_MAXCONN}",
-        "defaults",
-        "    mode tcp",
-        f"    maxconn {HAPROXY_MAXCONN}",
-        HAPROXY_TIMEOUTS.rstrip("\n"),
-    ]
+    lines = [haproxy_head("mode tcp").rstrip("\n")]
     if splice:
         lines += ["    option splice-request", "    option splice-response"]
     lines += [
@@ -76,23 +87,12 @@ def haproxy_backends_cfg(*, tls_port: int, pem: Path, sink_port: int) -> str:
       Measured here: ~40 µs of CPU per connection against ~60 µs for the cheapest
       Python epoll sink, and every µs on the load core caps the direct path.
     """
-    return f"""\
-global
-    nbthread 1
-    maxconn {HAPROXY_MAXCONN}
-defaults
-    maxconn {HAPROXY_MAXCONN}
-{HAPROXY_TIMEOUTS}\
+    return haproxy_head() + f"""\
 frontend tls
     mode http
     bind 127.0.0.1:{tls_port} ssl crt {pem}
     http-request return status 200 content-type text/plain string ok
-frontend sink
-    mode tcp
-    bind 127.0.0.1:{sink_port}
-    tcp-request inspect-delay 5s
-    tcp-request content reject if {{ req_ssl_hello_type 1 }}
-"""
+""" + haproxy_sink_frontend(sink_port)
 
 
 def make_tls_pem(tmp: Path, name: str) -> Path:
@@ -202,14 +202,7 @@ def haproxy_http_backend_cfg(*, port: int, pem: Path, body: Path, alpn: str,
     client without a certificate still gets in.
     """
     verify = f" verify optional ca-file {client_ca}" if client_ca else ""
-    return f"""\
-global
-    nbthread 1
-    maxconn {HAPROXY_MAXCONN}
-defaults
-    mode http
-    maxconn {HAPROXY_MAXCONN}
-{HAPROXY_TIMEOUTS}\
+    return haproxy_head("mode http") + f"""\
 frontend node
     bind 127.0.0.1:{port} ssl crt {pem} alpn {alpn}{verify}
     http-request return status 200 content-type text/plain file {body}
@@ -223,15 +216,7 @@ def haproxy_terminate_cfg(*, port: int, pem: Path, backend_port: int, client_pem
     as client certificate and ALPN `alpn` upstream, idle server connections shared between
     callers (`http-reuse always`). HAProxy cannot pin a fingerprint: `verify none` is the
     closest it has (pact-ingress checks the pin on every new upstream connection)."""
-    return f"""\
-global
-    nbthread 1
-    maxconn {HAPROXY_MAXCONN}
-defaults
-    mode http
-    maxconn {HAPROXY_MAXCONN}
-    option http-keep-alive
-{HAPROXY_TIMEOUTS}\
+    return haproxy_head("mode http", "option http-keep-alive") + f"""\
 frontend terminate
     bind 127.0.0.1:{port} ssl crt {pem} alpn h2,http/1.1
     default_backend node
