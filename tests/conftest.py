@@ -28,3 +28,18 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
         reason = str(report.longrepr)
         if "tool not installed" in reason:
             report.outcome = "failed"
+
+
+@pytest.fixture(autouse=True)
+def _package_logger_restored() -> object:
+    """Tests of the log module call `logs.setup`, which takes the package logger off
+    propagation; tests that read logs through `caplog` rely on how it was before."""
+    from pact_ingress import logs
+
+    logger = logs._LOGGER
+    saved = (logger.handlers[:], logger.propagate, logger.level, logs._direct)
+    yield
+    logs.log.flush()
+    handlers, logger.propagate, level, logs._direct = saved
+    logger.handlers[:] = handlers
+    logger.setLevel(level)  # not `.level =`: setLevel also clears logging's level cache

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,16 +13,6 @@ import trio.testing
 
 from pact_ingress import logs
 from pact_ingress.logs import log
-
-
-@pytest.fixture(autouse=True)
-def _restore_logger() -> object:
-    """`setup` reconfigures the package logger; other tests rely on how it was."""
-    logger = logs._LOGGER
-    saved = (logger.handlers[:], logger.propagate, logger.level, logs._direct)
-    yield
-    log.flush()
-    logger.handlers[:], logger.propagate, logger.level, logs._direct = saved
 
 
 def _events(stream: io.StringIO) -> list[str]:
