@@ -1021,34 +1021,41 @@ def scaling_markdown(results: dict[str, list[ScalingRun]], n: int, notes: list[s
     # exposed to the machine's other load than the ratio of medians.
     lines += ["", f"Per round ({n} workers ÷ 1 worker, back to back):", "",
               "| round | rest of machine (cores, 1w / Nw) | 1 worker req/s | "
-              f"{n} workers req/s | × | 1 worker µs/req | {n} workers µs/req | × | "
-              f"requests per worker ({n} workers) | haproxy req/s |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    paired: list[tuple[float, float, float]] = []  # (rate ratio, cpu ratio, other cores)
+              f"{n} workers req/s | × | × 1 worker on a whole core | 1 worker µs/req | "
+              f"{n} workers µs/req | × | requests per worker ({n} workers) | haproxy req/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # (rate ratio, rate ÷ one worker's saturated rate, cpu ratio, other cores)
+    paired: list[tuple[float, float, float, float]] = []
     peer_by_round = {r.round: r for r in results.get(PEER, [])}
     for one, many in zip(results.get(SCALING_1W, []), results.get(SCALING_NW, [])):
         if not (one.rate and one.us_per_request and many.us_per_request):
             continue
         rr, cr = many.rate / one.rate, many.us_per_request / one.us_per_request
+        # One worker cannot use more than one core: crediting it with a whole one keeps
+        # the ratio honest when other tenants took part of its core during its run.
+        rs = many.rate * one.us_per_request / 1e6
         other = max(one.other_cores, many.other_cores)
-        paired.append((rr, cr, other))
+        paired.append((rr, rs, cr, other))
         peer = peer_by_round.get(one.round)
         lines.append(
             f"| {one.round} | {one.other_cores:.2f} / {many.other_cores:.2f} | "
-            f"{one.rate:,.0f} | {many.rate:,.0f} | {rr:.2f}× | {one.us_per_request:,.0f} | "
+            f"{one.rate:,.0f} | {many.rate:,.0f} | {rr:.2f}× | {rs:.2f}× | "
+            f"{one.us_per_request:,.0f} | "
             f"{many.us_per_request:,.0f} | {cr:.2f}× | "
             f"{', '.join(f'w{k}: {v:,}' for k, v in sorted(many.worker_requests.items()))} | "
             f"{peer.rate if peer else 0:,.0f} |")
     out_notes = list(notes)
     if paired:
-        quiet = [p for p in paired if p[2] <= QUIET_OTHER_CORES]
+        quiet = [p for p in paired if p[3] <= QUIET_OTHER_CORES]
+
+        def ratios(ps: list[tuple[float, float, float, float]]) -> str:
+            return (f"throughput {_spread([p[0] for p in ps], f2)}× (÷ one worker on a "
+                    f"whole core: {_spread([p[1] for p in ps], f2)}×), CPU per request "
+                    f"{_spread([p[2] for p in ps], f2)}×")
         out_notes.append(
-            f"paired ratios, all {len(paired)} rounds: throughput "
-            f"{_spread([p[0] for p in paired], f2)}×, CPU per request "
-            f"{_spread([p[1] for p in paired], f2)}×; rounds where the rest of the machine "
-            f"used ≤ {QUIET_OTHER_CORES} cores ({len(quiet)}): "
-            + (f"throughput {_spread([p[0] for p in quiet], f2)}×, CPU per request "
-               f"{_spread([p[1] for p in quiet], f2)}×" if quiet else "none"))
+            f"paired ratios, all {len(paired)} rounds: {ratios(paired)}; rounds where the "
+            f"rest of the machine used ≤ {QUIET_OTHER_CORES} cores in both runs "
+            f"({len(quiet)}): {ratios(quiet) if quiet else 'none'}")
     totals = []
     for path in (SCALING_1W, SCALING_NW):
         tot = med(path, lambda r: (r.proxy_cpu + r.client_cpu + r.node_cpu) / r.requests * 1e6
