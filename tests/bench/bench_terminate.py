@@ -65,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,7 +82,6 @@ from tests.bench.harness import (
     Target,
     core_busy,
     cpu_seconds,
-    fmt_value,
     core_ticks,
     cores_available,
     free_port,
@@ -268,14 +267,16 @@ class Rig:
         return f"https://{HOST}:{port}/"
 
 
-def ingress_yaml(tmp: Path, port: int, node_port: int, node_pin: str) -> str:
+def ingress_yaml(tmp: Path, port: int, node_port: int, node_pin: str,
+                 admin_port: int | None = None) -> str:
     """One tenant, one terminate route for `localhost` to the node, pinned to its key."""
+    admin = f'\n  admin: "127.0.0.1:{admin_port}"' if admin_port else ""
     return f"""\
 identity:
   key: {tmp}/ingress.key
 state_dir: {tmp}/state
 listen:
-  tls: ["127.0.0.1:{port}"]
+  tls: ["127.0.0.1:{port}"]{admin}
 limits:
   clienthello_timeout: 10s
   idle_timeout: 120s
@@ -672,19 +673,50 @@ def profile_ingress(rig: Rig, phase: Phase, seconds: float, out: Path,
 SCALING_SOURCES = ("127.0.0.2", "127.0.0.4")
 #: curl processes per source address (each one keep-alive connection, requests in turn).
 SCALING_CONNS_PER_SOURCE = 4
+#: wrk / h2load: keep-alive connections per source address (one client process each).
+LOADGEN_CONNS_PER_SOURCE = 16
+LOADGENS = ("wrk", "h2load", "curl")
 SCALING_1W, SCALING_NW = "pact-ingress, 1 worker", "pact-ingress, N workers"
+#: The preload shim that gives wrk and h2load a source address (they cannot bind one).
+BINDSRC_C = Path(__file__).with_name("bindsrc.c")
+#: A run where the rest of the machine (not this bench) used more cores than this is
+#: "loaded"; the report gives the medians of the quiet runs separately.
+QUIET_OTHER_CORES = 0.15
+
+
+def build_bindsrc(tmp: Path) -> Path:
+    """Compile `bindsrc.c` into `tmp`; without a C compiler there is no honest multi-source
+    wrk/h2load run, so stop with the reason."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("--loadgen wrk/h2load needs a C compiler to build "
+                         f"{BINDSRC_C.name} (apt-get install gcc), or use --loadgen curl")
+    out = tmp / "bindsrc.so"
+    res = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(BINDSRC_C),
+                          "-ldl"], capture_output=True, timeout=120, check=False)
+    if res.returncode != 0 or not out.exists():
+        raise SystemExit(f"building {BINDSRC_C.name} failed ({res.returncode}):\n"
+                         f"{res.stderr.decode(errors='replace')[-2000:]}")
+    return out
 
 
 @dataclass
 class ScalingRun:
     path: str
-    requests: int  # 200 answers
-    failed: int  # anything else curl reported
+    requests: int  # 2xx answers
+    failed: int  # socket errors, non-2xx, failed requests
     elapsed: float
     proxy_cpu: float  # the proxy process and its descendants (main + workers)
     main_cpu: float | None  # main process alone (pact-ingress)
-    client_cpu: float
+    client_cpu: float  # the load generator processes
     core_busy: dict[str, float]
+    node_cpu: float = 0.0
+    #: CPU seconds the rest of the machine used meanwhile: /proc/stat's busy time of all
+    #: cores minus every process of this bench (services, clients, the orchestrator).
+    other_cpu: float = 0.0
+    #: requests each worker answered during the run (admin /status), by worker index
+    worker_requests: dict[str, int] = field(default_factory=dict)
+    round: int = 0
 
     @property
     def rate(self) -> float:
@@ -694,6 +726,13 @@ class ScalingRun:
     def us_per_request(self) -> float | None:
         return self.proxy_cpu / self.requests * 1e6 if self.requests else None
 
+    def us(self, cpu: float) -> float | None:
+        return cpu / self.requests * 1e6 if self.requests else None
+
+    @property
+    def other_cores(self) -> float:
+        return self.other_cpu / self.elapsed if self.elapsed else 0.0
+
 
 def curl_keepalive(port: int, source: str, requests: int) -> list[str]:
     """One keep-alive HTTP/1.1 connection from `source` making `requests` GETs in turn
@@ -702,35 +741,122 @@ def curl_keepalive(port: int, source: str, requests: int) -> list[str]:
             "-w", "%{stderr}%{http_code}\n", f"https://{HOST}:{port}/r[1-{requests}]"]
 
 
-def run_scaling(port: int, path: str, proxy: Service, requests: int) -> ScalingRun:
-    """Every source's curls at once; wall time until the last one finished."""
-    argvs = [curl_keepalive(port, src, requests) for src in SCALING_SOURCES
-             for _ in range(SCALING_CONNS_PER_SOURCE)]
-    meter = CpuMeter({"proxy": proxy.pid})
+def worker_requests(admin_port: int | None) -> dict[str, int]:
+    """Requests answered so far per worker index, from the instance's admin `/status`."""
+    if admin_port is None:
+        return {}
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/status", timeout=10) as r:
+        status = json.load(r)
+    return {str(w["index"]): int(w.get("requests") or 0) for w in status.get("workers", [])}
+
+
+def _self_cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def _busy_seconds(before: Mapping[int, tuple[int, int]],
+                  after: Mapping[int, tuple[int, int]]) -> float:
+    ticks = sum(after[c][0] - before.get(c, after[c])[0] for c in after)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+Drive = Callable[[], tuple[int, int, float]]  # → (2xx answers, failures, seconds)
+
+
+def measure_scaling(path: str, proxy: Service, node: Service, everyone: Sequence[Service],
+                    admin_port: int | None, drive: Drive) -> ScalingRun:
+    """Run `drive` (the clients, to completion) and account for every CPU second of the
+    machine meanwhile: the proxy's tree, its main process, the node, the clients, and
+    what the rest of the machine (other tenants) used."""
+    w0 = worker_requests(admin_port)
+    ours0 = sum(cpu_seconds(s.pid) for s in everyone)
+    proxy0 = cpu_seconds(proxy.pid)
     main0 = cpu_seconds(proxy.pid, descendants=False)
-    cpu0, ticks0 = _children_cpu(), core_ticks()
-    meter.start()
-    started = time.monotonic()
-    procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for a in argvs]
-    codes: Counter[str] = Counter()
-    for proc in procs:
-        _, err = proc.communicate(timeout=requests + LOAD_SLACK)  # bounded: ≥ 1 req/s
-        codes.update(err.decode().split())
-    elapsed = time.monotonic() - started
-    used = meter.stop()
-    busy = core_busy(ticks0, core_ticks())
-    main_cpu = cpu_seconds(proxy.pid, descendants=False) - main0
-    ok = codes.pop("200", 0)
-    return ScalingRun(path, ok, sum(codes.values()), elapsed, used["proxy"],
-                      main_cpu if path != PEER else None, _children_cpu() - cpu0,
-                      {str(k): v for k, v in busy.items()})
+    node0 = cpu_seconds(node.pid)
+    kids0, self0, ticks0 = _children_cpu(), _self_cpu(), core_ticks()
+    ok, failed, elapsed = drive()
+    ticks1 = core_ticks()
+    kids = _children_cpu() - kids0
+    ours = sum(cpu_seconds(s.pid) for s in everyone) - ours0 + kids + _self_cpu() - self0
+    w1 = worker_requests(admin_port)
+    for svc in everyone:
+        if not svc.alive():
+            raise RuntimeError(f"{svc.name} died during a run via {path}:\n{svc.log_tail()}")
+    return ScalingRun(
+        path, ok, failed, elapsed, cpu_seconds(proxy.pid) - proxy0,
+        cpu_seconds(proxy.pid, descendants=False) - main0 if path != PEER else None, kids,
+        core_busy(ticks0, ticks1), node_cpu=cpu_seconds(node.pid) - node0,
+        other_cpu=max(0.0, _busy_seconds(ticks0, ticks1) - ours),
+        worker_requests={k: v - w0.get(k, 0) for k, v in w1.items()})
+
+
+def drive_curl(port: int, requests: int) -> Drive:
+    def run() -> tuple[int, int, float]:
+        argvs = [curl_keepalive(port, src, requests) for src in SCALING_SOURCES
+                 for _ in range(SCALING_CONNS_PER_SOURCE)]
+        started = time.monotonic()
+        procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for a in argvs]
+        codes: Counter[str] = Counter()
+        for proc in procs:
+            _, err = proc.communicate(timeout=requests + LOAD_SLACK)  # bounded: ≥ 1 req/s
+            codes.update(err.decode().split())
+        elapsed = time.monotonic() - started
+        ok = codes.pop("200", 0)
+        return ok, sum(codes.values()), elapsed
+    return run
+
+
+def drive_loadgen(loadgen: str, port: int, shim: Path, conns: int, seconds: float) -> Drive:
+    """One wrk (or h2load) process per source address, all at once, each with `conns`
+    keep-alive connections bound to its address by the preload shim."""
+    url = f"https://{HOST}:{port}/"
+    if loadgen == "wrk":
+        argv, parse = wrk_argv(url, conns, seconds, close=False), parse_wrk
+    else:
+        argv, parse = h2load_argv(url, conns, seconds), parse_h2load
+
+    def run() -> tuple[int, int, float]:
+        procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**os.environ, "LD_PRELOAD": str(shim),
+                                       "BINDSRC_ADDR": src})
+                 for src in SCALING_SOURCES]
+        ok = failed = 0
+        elapsed = 0.0
+        for src, proc in zip(SCALING_SOURCES, procs):
+            out, err = proc.communicate(timeout=seconds + LOAD_SLACK)
+            text = out.decode(errors="replace")
+            if proc.returncode != 0:
+                raise RuntimeError(f"{loadgen} from {src} failed ({proc.returncode}):\n"
+                                   f"{text}\n{err.decode(errors='replace')[-2000:]}")
+            p = parse(text)
+            ok += p["requests"]
+            failed += p["errors"] + p["non2xx"]
+            elapsed = max(elapsed, p["elapsed"])
+        return ok, failed, elapsed
+    return run
+
+
+def check_workers_served(run: ScalingRun, expected: set[int]) -> None:
+    """Both source addresses must have reached their own worker: a worker that answered
+    nothing means the shim did not bind (all clients came from one address) or the
+    handoff failed, and the run would compare one worker with one worker."""
+    idle = sorted(i for i in expected if run.worker_requests.get(str(i), 0) <= 0)
+    if not run.worker_requests or idle:
+        seen = run.worker_requests or "no workers in /status"
+        raise SystemExit(f"{run.path}: worker(s) {idle or sorted(expected)} served no "
+                         f"request (per worker: {seen}); the clients did not reach every "
+                         f"worker")
 
 
 def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     """`--workers N`: keep-alive throughput and CPU per request of `serve --workers 1`
     and `--workers N` (and HAProxy, one thread) under the same clients, nothing pinned:
-    the instance may use every core, as in production."""
+    the instance may use every core, as in production. Configurations alternate within
+    each round, so a change in the machine's other load hits them alike."""
     from pact_ingress.identity import keygen
     from pact_ingress.proto.workers import worker_for
 
@@ -742,21 +868,37 @@ def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         SCALING_SOURCES = tuple(args.sources.split(","))
     elif len({worker_for(src, n) for src in SCALING_SOURCES}) != min(n, 2):
         raise SystemExit(f"{SCALING_SOURCES} do not reach two workers of {n}")
-    requests = 300 if args.quick else 1500
-    rounds = args.rounds or (1 if args.quick else 3)
+    expected = {worker_for(src, n) for src in SCALING_SOURCES}
+    loadgen = args.loadgen
+    if shutil.which(loadgen) is None:
+        raise SystemExit(f"{loadgen} not found")
+    conns = args.conns or LOADGEN_CONNS_PER_SOURCE
+    seconds = args.seconds or (3.0 if args.quick else 10.0)
+    requests = 300 if args.quick else 1500  # curl: per connection
+    rounds = args.rounds or (1 if args.quick else 5)
     tmp = Path(tempfile.mkdtemp(prefix="pact-bench-workers-"))
+    shim = build_bindsrc(tmp) if loadgen != "curl" else None
     notes = machine_notes()
     notes.append(machine_state())
     reach = ", ".join(f"{src} → worker {worker_for(src, n)}" for src in SCALING_SOURCES)
-    notes.append(f"clients: {len(SCALING_SOURCES) * SCALING_CONNS_PER_SOURCE} curl "
-                 f"processes ({SCALING_CONNS_PER_SOURCE} per source address: {reach}), each "
-                 f"one keep-alive HTTP/1.1 connection making {requests} GETs in turn; "
-                 f"{rounds} round(s), median; nothing pinned (proxies, node and clients "
-                 f"share all {os.cpu_count()} CPUs)")
+    if loadgen == "curl":
+        notes.append(f"clients: {len(SCALING_SOURCES) * SCALING_CONNS_PER_SOURCE} curl "
+                     f"processes ({SCALING_CONNS_PER_SOURCE} per source address: {reach}), "
+                     f"each one keep-alive HTTP/1.1 connection making {requests} GETs")
+    else:
+        proto = "HTTP/1.1" if loadgen == "wrk" else "HTTP/2, one stream per connection"
+        notes.append(f"clients: one `{loadgen} -t1 -c{conns}` per source address ({reach}; "
+                     f"source bound by the LD_PRELOAD shim {BINDSRC_C.name}), {seconds:g} s, "
+                     f"keep-alive {proto}; {tool_version([loadgen, '--version'])}")
+    notes.append(f"{rounds} round(s), configurations alternated within each, median and "
+                 f"range; nothing pinned (proxies, node and clients share all "
+                 f"{os.cpu_count()} CPUs); node: HAProxy `http-request return`, "
+                 f"{BODY_BYTES} B body")
     results: dict[str, list[ScalingRun]] = {}
     with services() as started:
         ports = {"node": free_port(), PEER: free_port(), SCALING_1W: free_port(),
                  SCALING_NW: free_port()}
+        admin = {SCALING_1W: free_port(), SCALING_NW: free_port()}
         ingress_id = keygen(tmp / "ingress.key", common_name="pact-ingress-bench")
         ingress_pem = tmp / "ingress.pem"
         ingress_pem.write_bytes(ingress_id.cert_path.read_bytes() +
@@ -786,80 +928,157 @@ def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                 if (tmp / name).exists():
                     shutil.copy(tmp / name, d / name)
             (d / "ingress.yaml").write_text(ingress_yaml(d, ports[path], ports["node"],
-                                                         node_id.fingerprint))
+                                                         node_id.fingerprint, admin[path]))
             proxies[path] = Service(path, python_module(
                 "pact_ingress", "serve", "-c", str(d / "ingress.yaml"), "--workers",
                 str(count)), None, d / "ingress.log")
         for path, svc in proxies.items():
             started.append(svc)
             svc.start([ports[path]])
+
+        def drive(path: str, warm: bool) -> Drive:
+            if shim is None:
+                return drive_curl(ports[path], 50 if warm else requests)
+            return drive_loadgen(loadgen, ports[path], shim, conns,
+                                 1.0 if warm else seconds)
+
+        def one(path: str, warm: bool = False) -> ScalingRun:
+            run = measure_scaling(path, proxies[path], node, started, admin.get(path),
+                                  drive(path, warm))
+            if run.failed or not run.requests:
+                raise SystemExit(f"{'warm-up' if warm else 'run'} via {path} failed: {run}\n"
+                                 f"{proxies[path].log_tail()}")
+            if path == SCALING_NW:
+                check_workers_served(run, expected)
+            return run
+
         log(f"rig up in {tmp}; warming up")
         for path in proxies:
-            run = run_scaling(ports[path], path, proxies[path], 50)
-            if run.failed or run.requests != 50 * len(SCALING_SOURCES) * \
-                    SCALING_CONNS_PER_SOURCE:
-                raise SystemExit(f"warm-up via {path} failed: {run}\n"
-                                 f"{proxies[path].log_tail()}")
+            one(path, warm=True)
         for rnd in range(rounds):
-            for path in proxies:
-                run = run_scaling(ports[path], path, proxies[path], requests)
+            order = [SCALING_1W, SCALING_NW] if rnd % 2 == 0 else [SCALING_NW, SCALING_1W]
+            for path in (*order, PEER):
+                run = one(path)
+                run.round = rnd + 1
                 results.setdefault(path, []).append(run)
                 log(f"round {rnd + 1}/{rounds} {path:24} rate={run.rate:8,.0f} "
                     f"failed={run.failed} proxy_cpu={run.proxy_cpu:.2f}s "
-                    f"µs/req={run.us_per_request or 0:.0f} busy={run.core_busy}")
-        workers_seen = _worker_requests(proxies[SCALING_NW])
-    print(scaling_markdown(results, n, notes, workers_seen))
+                    f"µs/req={run.us_per_request or 0:.0f} client={run.client_cpu:.2f}s "
+                    f"node={run.node_cpu:.2f}s other={run.other_cores:.2f} cores "
+                    f"workers={run.worker_requests}")
+    print(scaling_markdown(results, n, notes, loadgen))
     if args.json:
         args.json.write_text(json.dumps({p_: [asdict(r) for r in runs]
                                          for p_, runs in results.items()}, indent=1))
-    if not args.keep:
+    if args.keep:
+        log(f"kept {tmp}")
+    else:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def _worker_requests(svc: Service) -> str:
-    """Which worker served how much, from the worker processes' log lines: not
-    available without an admin endpoint, so read the process tree's CPU instead."""
-    from tests.bench.harness import process_tree
-
-    parts = []
-    for pid in process_tree(svc.pid)[1:]:
-        parts.append(f"pid {pid}: {cpu_seconds(pid, descendants=False):.1f} s CPU")
-    return "; ".join(parts)
+def _spread(vals: Sequence[float], fmt: Callable[[float], str]) -> str:
+    if not vals:
+        return "—"
+    mid = fmt(statistics.median(vals))
+    return mid if len(vals) == 1 else f"{mid} ({fmt(min(vals))}–{fmt(max(vals))})"
 
 
 def scaling_markdown(results: dict[str, list[ScalingRun]], n: int, notes: list[str],
-                     workers_seen: str) -> str:
-    def med(path: str, fn: Callable[[ScalingRun], float | None]) -> float | None:
-        vals = [v for v in (fn(r) for r in results.get(path, [])) if v is not None]
-        return statistics.median(vals) if vals else None
+                     loadgen: str) -> str:
+    def vals(path: str, fn: Callable[[ScalingRun], float | None]) -> list[float]:
+        return [v for v in (fn(r) for r in results.get(path, [])) if v is not None]
 
-    rows = []
-    for path in (PEER, SCALING_1W, SCALING_NW):
-        rate = med(path, lambda r: r.rate)
-        us = med(path, lambda r: r.us_per_request)
-        cores = med(path, lambda r: r.proxy_cpu / r.elapsed if r.elapsed else None)
+    def med(path: str, fn: Callable[[ScalingRun], float | None]) -> float | None:
+        v = vals(path, fn)
+        return statistics.median(v) if v else None
+
+    ncpu = os.cpu_count() or 1
+    f0 = lambda v: f"{v:,.0f}"  # noqa: E731
+    f2 = lambda v: f"{v:.2f}"  # noqa: E731
+    label = {PEER: "haproxy (1 thread)", SCALING_1W: "pact-ingress, 1 worker",
+             SCALING_NW: f"pact-ingress, {n} workers"}
+    base_rate = med(SCALING_1W, lambda r: r.rate)
+    base_us = med(SCALING_1W, lambda r: r.us_per_request)
+    lines = [f"### Terminate keep-alive ({loadgen}), `serve --workers 1` vs `--workers {n}`",
+             "", "Medians over the rounds, (min–max) in brackets. CPU per request is µs of "
+             "CPU per 2xx answer; \"instance\" is main + workers.", "",
+             "| path | req/s | × 1 worker | instance CPU per request (µs) | × 1 worker | "
+             "instance cores busy | main's share | client CPU/req (µs) | node CPU/req (µs) "
+             "| rest of machine (cores) | ingress-saturated req/s (cores it can use ÷ "
+             "CPU/req) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in (SCALING_1W, SCALING_NW, PEER):
+        if path not in results:
+            continue
+        rate, us = med(path, lambda r: r.rate), med(path, lambda r: r.us_per_request)
+        usable = 1 if path in (PEER, SCALING_1W) else min(n, ncpu)
         main_share = med(path, lambda r: r.main_cpu / r.proxy_cpu
                          if r.main_cpu is not None and r.proxy_cpu else None)
-        name = path.replace("N workers", f"{n} workers")
-        rows.append((name, rate, us, cores, main_share))
-    base = rows[1]
-    lines = [f"### Terminate keep-alive, `serve --workers 1` vs `--workers {n}`", "",
-             "| path | req/s | × 1 worker | proxy CPU per request (µs) | × 1 worker | "
-             "proxy cores busy | req/s per busy core | main's share of the CPU |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, rate, us, cores, main_share in rows:
-        def ratio(a: float | None, b: float | None) -> str:
-            return f"{a / b:.2f}×" if a is not None and b else "—"
+        lines.append(" | ".join([
+            f"| {label[path]}", _spread(vals(path, lambda r: r.rate), f0),
+            f"{rate / base_rate:.2f}×" if rate and base_rate else "—",
+            _spread(vals(path, lambda r: r.us_per_request), f0),
+            f"{us / base_us:.2f}×" if us and base_us else "—",
+            _spread(vals(path, lambda r: r.proxy_cpu / r.elapsed if r.elapsed else None), f2),
+            "—" if main_share is None else f"{main_share:.0%}",
+            _spread(vals(path, lambda r: r.us(r.client_cpu)), f0),
+            _spread(vals(path, lambda r: r.us(r.node_cpu)), f0),
+            _spread(vals(path, lambda r: r.other_cores), f2),
+            f"{usable * 1e6 / us:,.0f}" if us else "—"]) + " |")
+    # Paired per round: the two configurations ran back to back, so their ratio is less
+    # exposed to the machine's other load than the ratio of medians.
+    lines += ["", f"Per round ({n} workers ÷ 1 worker, back to back):", "",
+              "| round | rest of machine (cores, 1w / Nw) | 1 worker req/s | "
+              f"{n} workers req/s | × | × 1 worker on a whole core | 1 worker µs/req | "
+              f"{n} workers µs/req | × | requests per worker ({n} workers) | haproxy req/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # (rate ratio, rate ÷ one worker's saturated rate, cpu ratio, other cores)
+    paired: list[tuple[float, float, float, float]] = []
+    peer_by_round = {r.round: r for r in results.get(PEER, [])}
+    for one, many in zip(results.get(SCALING_1W, []), results.get(SCALING_NW, [])):
+        if not (one.rate and one.us_per_request and many.us_per_request):
+            continue
+        rr, cr = many.rate / one.rate, many.us_per_request / one.us_per_request
+        # One worker cannot use more than one core: crediting it with a whole one keeps
+        # the ratio honest when other tenants took part of its core during its run.
+        rs = many.rate * one.us_per_request / 1e6
+        other = max(one.other_cores, many.other_cores)
+        paired.append((rr, rs, cr, other))
+        peer = peer_by_round.get(one.round)
         lines.append(
-            f"| {name} | {fmt_value(rate)} | {ratio(rate, base[1])} | {fmt_value(us)} | "
-            f"{ratio(us, base[2])} | {cores:.2f} | "
-            f"{fmt_value(rate / cores if rate and cores else None)} | "
-            f"{'—' if main_share is None else f'{main_share:.0%}'} |")
+            f"| {one.round} | {one.other_cores:.2f} / {many.other_cores:.2f} | "
+            f"{one.rate:,.0f} | {many.rate:,.0f} | {rr:.2f}× | {rs:.2f}× | "
+            f"{one.us_per_request:,.0f} | "
+            f"{many.us_per_request:,.0f} | {cr:.2f}× | "
+            f"{', '.join(f'w{k}: {v:,}' for k, v in sorted(many.worker_requests.items()))} | "
+            f"{peer.rate if peer else 0:,.0f} |")
+    out_notes = list(notes)
+    if paired:
+        quiet = [p for p in paired if p[3] <= QUIET_OTHER_CORES]
+
+        def ratios(ps: list[tuple[float, float, float, float]]) -> str:
+            return (f"throughput {_spread([p[0] for p in ps], f2)}× (÷ one worker on a "
+                    f"whole core: {_spread([p[1] for p in ps], f2)}×), CPU per request "
+                    f"{_spread([p[2] for p in ps], f2)}×")
+        out_notes.append(
+            f"paired ratios, all {len(paired)} rounds: {ratios(paired)}; rounds where the "
+            f"rest of the machine used ≤ {QUIET_OTHER_CORES} cores in both runs "
+            f"({len(quiet)}): {ratios(quiet) if quiet else 'none'}")
+    totals = []
+    for path in (SCALING_1W, SCALING_NW):
+        tot = med(path, lambda r: (r.proxy_cpu + r.client_cpu + r.node_cpu) / r.requests * 1e6
+                  if r.requests else None)
+        if tot:
+            totals.append(f"{label[path]}: {tot:,.0f} µs (ceiling {ncpu * 1e6 / tot:,.0f} "
+                          f"req/s)")
+    if totals:
+        out_notes.append(f"CPU per request of everything on the path (instance + clients + "
+                         f"node), and the rate {ncpu} CPUs could carry at that cost: "
+                         + "; ".join(totals))
     failed = sum(r.failed for runs in results.values() for r in runs)
-    notes = [*notes, f"failed requests in all measured runs: {failed}",
-             f"after the run, {n}-worker instance's workers: {workers_seen}"]
-    return "\n".join([*lines, "", *(f"- {x}" for x in notes)])
+    out_notes.append(f"failed requests in all measured runs: {failed}")
+    return "\n".join([*lines, "", *(f"- {x}" for x in out_notes)])
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -912,6 +1131,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead of the comparison above: keep-alive throughput and CPU "
                         "per request of `serve --workers 1` vs `--workers N` (+ HAProxy), "
                         "clients from two source addresses that reach different workers")
+    p.add_argument("--loadgen", choices=LOADGENS, default="wrk",
+                   help="with --workers: the clients. wrk (default: HTTP/1.1 keep-alive) or "
+                        "h2load (HTTP/2), one process per source address, the address bound "
+                        "by the LD_PRELOAD shim tests/bench/bindsrc.c (compiled with cc); "
+                        "curl: --interface, several processes, ~140 µs of CPU per request")
+    p.add_argument("--conns", type=int, metavar="C",
+                   help=f"with --workers and wrk/h2load: connections per source address "
+                        f"(default {LOADGEN_CONNS_PER_SOURCE})")
     args = p.parse_args(argv)
     for tool in (HAPROXY, WRK):
         if shutil.which(tool) is None:
