@@ -49,7 +49,7 @@ def _access_line(created: float, event: str, fields: dict[str, Any]) -> str:
         kind = type(value)
         if kind is str:
             parts.append(f',{_quote(name)}:{_quote(value)}')
-        elif kind is int or (kind is float and value == value and abs(value) != math.inf):
+        elif kind is int or (kind is float and math.isfinite(value)):
             parts.append(f',{_quote(name)}:{value!r}')
         else:
             parts.append(f',{_quote(name)}:{_ENCODER.encode(value)}')
