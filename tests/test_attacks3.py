@@ -20,12 +20,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import h2.config
+import h2.connection
+import h2.events
 import hpack
 import pytest
 
 from tests.terminate_env import (
     HOST,
     LOOPBACK,
+    OPT_HOST,
     WAIT,
     Identities,
     RecordingNode,
@@ -35,6 +39,7 @@ from tests.terminate_env import (
     read_response,
     request_bytes,
     tls_socket,
+    unsealed_call_body,
 )
 from tests.test_workers import by_worker, counter_total, poll, worker_pids
 
@@ -316,3 +321,61 @@ def test_hostile_paths_keep_the_log_one_json_object_per_line(
     assert requests >= 2  # at least the %-encoded one was logged by each worker
     for request in node.requests():
         assert not any(c in request.path for c in '"\\\x01\x7f \n\r'), request.path
+
+
+def test_sigterm_during_h2_uploads_in_both_workers_finishes_them(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """A drain that begins while h2 uploads are half sent (one per worker): each upload
+    still completes and is answered, the node got each body whole, and all exit 0."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2)
+    body = unsealed_call_body("d" * 20000)
+    conns: list[tuple[socket.socket, h2.connection.H2Connection]] = []
+    try:
+        groups = by_worker()
+        for w in (0, 1):
+            sock = tls_socket(serve.port, host=OPT_HOST, source=groups[w][0], alpn=("h2",))
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            conn.initiate_connection()
+            conn.send_headers(1, [(":method", "POST"), (":scheme", "https"),
+                                  (":authority", OPT_HOST), (":path", "/mcp"),
+                                  ("content-type", "application/json"),
+                                  ("accept", "application/json, text/event-stream"),
+                                  ("content-length", str(len(body)))])
+            conn.send_data(1, body[:1000])
+            sock.sendall(conn.data_to_send())
+            conns.append((sock, conn))
+        poll(lambda: sum(w["open_connections"] for w in serve.status()["workers"]) == 2,
+             "both uploads held by the workers")
+        serve.proc.send_signal(signal.SIGTERM)
+        poll(lambda: any(e.get("event") == "worker_draining" for e in serve.log_events()),
+             "the drain reached a worker")
+        statuses = []
+        for sock, conn in conns:
+            rest = body[1000:]
+            while rest:
+                conn.send_data(1, rest[:16000], end_stream=len(rest) <= 16000)
+                rest = rest[16000:]
+            sock.sendall(conn.data_to_send())
+            sock.settimeout(WAIT)
+            status, ended = None, False
+            for _ in range(1000):  # bounded: frames, not time
+                data = sock.recv(65536)
+                if not data:
+                    break
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = dict(event.headers).get(b":status")
+                    ended = ended or isinstance(event, (h2.events.StreamEnded,
+                                                        h2.events.StreamReset))
+                sock.sendall(conn.data_to_send())
+                if ended:
+                    break
+            statuses.append(status)
+        assert statuses == [b"200", b"200"]
+        assert serve.proc.wait(WAIT) == 0
+        bodies = [r.body for r in node.requests() if r.path == "/mcp"]
+        assert bodies == [body, body]
+    finally:
+        for sock, _ in conns:
+            sock.close()
+        serve.stop()
