@@ -379,3 +379,47 @@ def test_sigterm_during_h2_uploads_in_both_workers_finishes_them(
         for sock, _ in conns:
             sock.close()
         serve.stop()
+
+
+def test_a_worker_that_stops_reading_through_a_reload_costs_its_bucket_nothing(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """A worker that stops reading its channel (SIGSTOP) while handoffs fill it, then a
+    reload: several tasks wait on the full channel at once (handoffs, the config's rest,
+    the stats question). /status still answers, a fresh client of that worker's bucket is
+    served (by main), and after SIGCONT everything returns to zero."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2)
+    groups = by_worker()
+    stuffers, bystander = groups[0][:-1], groups[0][-1]
+    held: list[socket.socket] = []
+    pid0 = worker_pids(serve)[0]
+    os.kill(pid0, signal.SIGSTOP)
+    try:
+        hello = client_hello()
+        for i in range(240):
+            sock = raw_from(serve.port, stuffers[i % len(stuffers)])
+            sock.sendall(hello)
+            held.append(sock)
+        serve.extra_routes = "".join(f"""\
+      - host: r{i}.attack.test
+        mode: terminate
+        backend: "{LOOPBACK}:{node.port}"
+        seal: optional
+        mcp_path: /mcp
+        cert: {{cert: certs/r{i}.crt, key: certs/r{i}.key}}
+""" for i in range(60))  # a config too big for the channel's free space
+        assert serve.reload() == "reloaded"
+        assert serve.status()["workers"]
+        assert get_status(serve, bystander) == 200
+        assert serve.alive()
+    finally:
+        os.kill(pid0, signal.SIGCONT)
+        for sock in held:
+            reset(sock)
+        held.clear()
+    try:
+        assert serve.wait_open_connections(0) == 0
+        for ip in SOURCES:
+            assert get_status(serve, ip) == 200
+        assert not any(e.get("event") == "admin_status_failed" for e in serve.log_events())
+    finally:
+        serve.stop()
