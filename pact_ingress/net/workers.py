@@ -83,6 +83,8 @@ from pact_ingress.stats import Stats
 #: How long a handoff may wait for room in a worker's channel (its queue holds only a
 #: few messages) before main serves the connection itself.
 HANDOFF_WAIT = 0.05
+#: How long a handoff waits for a reload's config to reach its worker first.
+CONFIG_WAIT = 1.0
 #: How long main waits for a worker's first READY at start before declaring READY
 #: itself (main serves every connection a worker cannot take, so this is no outage).
 START_TIMEOUT = 30.0
@@ -111,6 +113,13 @@ class Channel:
         self.sock = trio.socket.from_stdlib_socket(sock)
         self._reasm = wp.Reassembler()
         self._ids = itertools.count(1)
+        # trio lets one task at a time wait for an fd to be writable; handoffs, a reload's
+        # config and stats questions all wait on a full channel together, so they queue
+        self._writers = trio.Lock()
+
+    async def wait_writable(self) -> None:
+        async with self._writers:
+            await trio.lowlevel.wait_writable(self.sock)
 
     def next_id(self) -> int:
         return next(self._ids) & 0xFFFFFFFF
@@ -129,7 +138,7 @@ class Channel:
         """A whole message; raises OSError when the peer is gone."""
         for i, frame in enumerate(wp.encode(kind, payload, msg_id)):
             while not self.try_send_frame(frame, fds if i == 0 else ()):
-                await trio.lowlevel.wait_writable(self.sock)
+                await self.wait_writable()
 
     async def send_bounded(self, kind: Kind, payload: bytes, timeout: float,
                            fds: tuple[int, ...] = ()) -> bool:
@@ -142,7 +151,7 @@ class Channel:
             return True
         with trio.move_on_after(timeout):
             while True:
-                await trio.lowlevel.wait_writable(self.sock)
+                await self.wait_writable()
                 if self.try_send_frame(frame, fds):
                     return True
         return False
@@ -443,9 +452,17 @@ class WorkerPool:
                 or self._draining):
             self._served_here(slot, slot.state.value)
             return False
-        if slot.config_pending is not None:  # a reload's config is still on its way
-            await slot.config_pending.wait()
-            slot.config_pending = None
+        pending = slot.config_pending
+        if pending is not None:  # a reload's config is still on its way
+            # bounded: a worker that stopped reading never takes it, and its clients
+            # are then main's to serve, as with a full channel
+            with trio.move_on_after(CONFIG_WAIT):
+                await pending.wait()
+            if not pending.is_set():
+                self._served_here(slot, "config of a reload not taken")
+                return False
+            if slot.config_pending is pending:
+                slot.config_pending = None
             if slot.channel is not channel or slot.state is not WorkerState.READY:
                 self._served_here(slot, "restarted during a reload")
                 return False
@@ -546,7 +563,7 @@ class WorkerPool:
         try:
             for frame in frames:
                 while not channel.try_send_frame(frame):
-                    await trio.lowlevel.wait_writable(channel.sock)
+                    await channel.wait_writable()
         except (OSError, trio.ClosedResourceError):
             pass
         finally:
