@@ -8,7 +8,12 @@ use.
 
 from pact_ingress.admin.client import AdminError, fetch_status, format_status, post
 from pact_ingress.admin.schema import (
-    STATUS_SCHEMA, counters_from, iso, refusals_from, routes_from, tenants_from,
+    STATUS_SCHEMA,
+    counters_from,
+    iso,
+    refusals_from,
+    routes_from,
+    tenants_from,
 )
 from pact_ingress.admin.server import serve_admin
 

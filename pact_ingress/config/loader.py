@@ -65,6 +65,8 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import difflib
 import fnmatch
@@ -73,8 +75,6 @@ import ipaddress
 import math
 import os
 import re
-import base64
-import binascii
 import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -93,6 +93,8 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from pact_ingress.errors import ConfigError
 from pact_ingress.identity import pin_problem
 from pact_ingress.model import (
+    RELAY_MAX_BYTES,
+    RELAY_MAX_ITEMS,
     Acme,
     Address,
     Backend,
@@ -103,11 +105,9 @@ from pact_ingress.model import (
     Dns01,
     Limits,
     Listen,
+    OnMail,
     RedisSettings,
     RedisTLS,
-    RELAY_MAX_BYTES,
-    RELAY_MAX_ITEMS,
-    OnMail,
     Relay,
     Route,
     Secret,

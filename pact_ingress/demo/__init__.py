@@ -42,9 +42,9 @@ import trio
 
 from pact_ingress.app import Ingress
 from pact_ingress.config import load_config, load_connector_config
-from pact_ingress.demo.wire import post
 from pact_ingress.demo.control import DemoControl
 from pact_ingress.demo.node import serve_demo_node
+from pact_ingress.demo.wire import post
 from pact_ingress.errors import PactIngressError
 from pact_ingress.identity import fingerprint_file, keygen, load_identity
 from pact_ingress.logs import log

@@ -40,8 +40,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from pact_ingress.demo.wire import fetch_open_ack
 from pact_ingress.demo.node import DemoNode, demo_hypercorn_config
+from pact_ingress.demo.wire import fetch_open_ack
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig

@@ -60,11 +60,10 @@ import select
 import socket
 from collections import Counter
 from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 import trio
-
-from json.encoder import encode_basestring_ascii as _json_str
 
 from pact_ingress.logs import log, members
 from pact_ingress.model import Route, normalize_hostname

@@ -53,6 +53,7 @@ from __future__ import annotations
 import ipaddress
 import random
 import ssl
+
 import trio
 from OpenSSL import SSL
 

@@ -70,7 +70,11 @@ import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import (
-    BadResponse, ClientGone, Exchange, Headers, send_to_client,
+    BadResponse,
+    ClientGone,
+    Exchange,
+    Headers,
+    send_to_client,
 )
 from pact_ingress.proto.h2_guard import Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request

@@ -74,8 +74,8 @@ import trio
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
 from pact_ingress.model import Route
-from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
 from pact_ingress.net.backends import Backends
+from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
 #: Time to response headers once the request body has been sent (→ 504 to the caller).

@@ -33,8 +33,8 @@ Redis client library is imported only when the redis backend is configured.
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -45,9 +45,9 @@ from pact_ingress.state.registry import LocalRegistry, Registry
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
-    from pact_ingress.state.acme import AcmeStore
     from pact_ingress.model import Relay
     from pact_ingress.relay.store import RelayStore
+    from pact_ingress.state.acme import AcmeStore
 
 __all__ = ["Limiter", "LocalLimiter", "LocalState", "StateBackend", "open_state"]
 

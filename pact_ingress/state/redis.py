@@ -65,12 +65,12 @@ import trio
 from coredis.retry import NoRetryPolicy
 
 from pact_ingress.logs import log
-from pact_ingress.model import Relay, RedisSettings
+from pact_ingress.model import RedisSettings, Relay
 from pact_ingress.proto.ratelimit import (
     _EPSILON,
     ALLOWED,
-    Budget,
     BucketId,
+    Budget,
     Decision,
     Limited,
     RateLimiter,

@@ -92,14 +92,14 @@ from pact_ingress.identity import (
 from pact_ingress.logs import log
 from pact_ingress.model import ConnectorConfig, is_ip_address
 from pact_ingress.net.mail_hook import MailHook
-from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
-from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
 from pact_ingress.net.tunnel.common import (
     first_error,
     heartbeat,
     read_message,
     send_quietly,
 )
+from pact_ingress.net.tunnel.stream_job import Hooks, State, StreamJob
+from pact_ingress.net.tunnel.transport import RawTransport, TlsTransport, Transport
 from pact_ingress.proto.tunnel import frames as tf
 from pact_ingress.proto.tunnel.constants import (
     ALPN_CONTROL,
