@@ -57,6 +57,21 @@ def _access_line(created: float, event: str, fields: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _write_lines(lines: list[str]) -> None:
+    """Lines (each ending in a newline) to the JSON handler's stream in one write."""
+    handler = _direct
+    if handler is None:
+        return
+    handler.acquire()
+    try:
+        handler.stream.write("".join(lines))
+        handler.stream.flush()
+    except Exception:  # noqa: BLE001 - a log that cannot be written must not stop serving
+        pass
+    finally:
+        handler.release()
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return _json_line(record.created, record.levelname.lower(), record.getMessage(),
@@ -163,17 +178,7 @@ class EventLogger:
         if not lines:
             return
         self._access, self._access_bytes = [], 0
-        handler = _direct
-        if handler is None:
-            return
-        handler.acquire()
-        try:
-            handler.stream.write("".join(lines))
-            handler.stream.flush()
-        except Exception:
-            pass
-        finally:
-            handler.release()
+        _write_lines(lines)
 
     async def flush_forever(self) -> None:
         """Bound how long an access line waits in the buffer (a task of the process)."""
@@ -195,17 +200,8 @@ class EventLogger:
     def release(self) -> None:
         """Write the held lines, one write, and stop holding."""
         held, self._held = self._held, None
-        handler = _direct
-        if not held or handler is None:
-            return
-        handler.acquire()
-        try:
-            handler.stream.write("".join(held))
-            handler.stream.flush()
-        except Exception:
-            pass
-        finally:
-            handler.release()
+        if held:
+            _write_lines(held)
 
     def emit_members(self, level: int, event: str, encoded: str, names: frozenset[str]
                      ) -> bool:
