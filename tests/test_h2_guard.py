@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pact_ingress.proto.h2_guard import Allowance, Flood, FloodGuard
+from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Allowance, Flood, FloodGuard
 
 
 def test_burst_then_trip_then_refill() -> None:
@@ -24,3 +24,15 @@ def test_kinds_are_metered_apart() -> None:
     guard = FloodGuard({Flood.PING: Allowance(1, 0), Flood.RESET: Allowance(1, 0)})
     assert guard.charge(Flood.PING, 0) and guard.charge(Flood.RESET, 0)
     assert not guard.charge(Flood.PING, 0) and not guard.charge(Flood.RESET, 0)
+
+
+def test_window_updates_explained_by_data_sent_never_trip() -> None:
+    guard = FloodGuard({Flood.WINDOW_UPDATE: Allowance(burst=10, per_second=0)})
+    # a download: per 16 KiB DATA frame sent, the client opens stream and connection
+    for _ in range(10_000):
+        guard.credit(Flood.WINDOW_UPDATE, 16384 / WINDOW_CREDIT_BYTES)
+        assert guard.charge(Flood.WINDOW_UPDATE, 0.0)
+        assert guard.charge(Flood.WINDOW_UPDATE, 0.0)
+    # updates no data explains draw the bucket down, and credit never lifts it past burst
+    guard.credit(Flood.WINDOW_UPDATE, 1_000_000)
+    assert sum(guard.charge(Flood.WINDOW_UPDATE, 0.0) for _ in range(50)) == 10

@@ -785,7 +785,20 @@ def _ping_flood(conn: h2.connection.H2Connection) -> None:
         conn.ping(i.to_bytes(8, "big"))
 
 
-@pytest.mark.parametrize(("kind", "frames"), [("reset", _rapid_reset), ("ping", _ping_flood)])
+def _window_update_flood(conn: h2.connection.H2Connection) -> None:
+    for _ in range(3000):  # no data was sent to explain any of them
+        conn.increment_flow_control_window(1)
+
+
+def _unknown_frame_flood(conn: h2.connection.H2Connection) -> None:
+    # type 0x21 is unassigned: a receiver must ignore it (RFC 9113 §4.1), not for free
+    frame = (0).to_bytes(3, "big") + bytes([0x21, 0]) + (0).to_bytes(4, "big")
+    conn._data_to_send += frame * 3000  # h2 has no API to send an unknown frame type
+
+
+@pytest.mark.parametrize(("kind", "frames"), [
+    ("reset", _rapid_reset), ("ping", _ping_flood), ("window_update", _window_update_flood),
+    ("unknown", _unknown_frame_flood)])
 def test_h2_floods_end_the_connection(env: Env, kind: str,
                                       frames: Callable[[h2.connection.H2Connection], None]) -> None:
     assert _h2_flood(env.serve.port, frames) == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM

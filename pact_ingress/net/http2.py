@@ -36,7 +36,8 @@ read, instead of a deadline on every read), and at once when the edge drains.
 
 A stream reset by the client cancels its exchange at once (and with it the upstream
 request). Frames that cost a client nothing and us something (RST_STREAM, PING,
-SETTINGS, PRIORITY, empty DATA) are metered per connection (`proto.h2_guard`): a flood
+SETTINGS, PRIORITY, empty DATA, unknown types, and WINDOW_UPDATEs beyond what the data
+we send explains) are metered per connection (`proto.h2_guard`): a flood
 ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
 deadline. An answer given before the body was read ends the stream with
 `RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain takes no
@@ -76,7 +77,7 @@ from pact_ingress.net.http_exchange import (
     Headers,
     send_to_client,
 )
-from pact_ingress.proto.h2_guard import Flood, FloodGuard
+from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.http_request import header
 
@@ -277,8 +278,8 @@ class H2Connection:
             if exchange is not None:
                 exchange.reset_by_client()
         elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
-            if isinstance(event, h2.events.RemoteSettingsChanged):
-                self._charge(Flood.SETTINGS)
+            self._charge(Flood.SETTINGS if isinstance(event, h2.events.RemoteSettingsChanged)
+                         else Flood.WINDOW_UPDATE)
             if self._window is not None:
                 self._window.set()
                 self._window = None
@@ -286,6 +287,8 @@ class H2Connection:
             self._charge(Flood.PING)
         elif isinstance(event, h2.events.PriorityUpdated):
             self._charge(Flood.PRIORITY)
+        elif isinstance(event, h2.events.UnknownFrameReceived):
+            self._charge(Flood.UNKNOWN)
         elif isinstance(event, h2.events.ConnectionTerminated):
             self._goaway = True
 
@@ -529,6 +532,7 @@ class H2Exchange(Exchange):
                 self.c.conn.send_data(self.stream_id, piece)
             except h2.exceptions.ProtocolError as exc:
                 raise ClientGone("stream closed") from exc
+            self.c._guard.credit(Flood.WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
             self.c.kick()
             if len(self.c._outbox) >= FLUSH_BYTES:

@@ -23,6 +23,8 @@ class Flood(enum.Enum):
     SETTINGS = "settings"
     PRIORITY = "priority"  # PRIORITY frames: free to send, answered with bookkeeping
     EMPTY_DATA = "empty_data"  # DATA frames with no payload that do not end the stream
+    WINDOW_UPDATE = "window_update"  # beyond what the data we send explains
+    UNKNOWN = "unknown"  # frame types h2 does not know (ignored by the RFC, not free)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,17 @@ ALLOWANCES = {
     Flood.SETTINGS: Allowance(burst=50, per_second=10),
     Flood.PRIORITY: Allowance(burst=500, per_second=100),
     Flood.EMPTY_DATA: Allowance(burst=100, per_second=20),
+    # A receiver opens its window as our DATA arrives: `credit` gives one frame back per
+    # WINDOW_CREDIT_BYTES we send, so a fast download never trips; only updates that no
+    # data explains draw on the bucket.
+    Flood.WINDOW_UPDATE: Allowance(burst=500, per_second=100),
+    # GREASE frames (a browser sends one or two per connection) are the legitimate case.
+    Flood.UNKNOWN: Allowance(burst=100, per_second=20),
 }
+
+#: Response bytes sent per WINDOW_UPDATE frame the client may send back for free (a
+#: client updates both the stream and the connection window, typically per half window).
+WINDOW_CREDIT_BYTES = 4096
 
 
 @dataclass
@@ -60,3 +72,10 @@ class FloodGuard:
             return False
         self._tokens[kind] = tokens - 1
         return True
+
+    def credit(self, kind: Flood, frames: float) -> None:
+        """Give `frames` back to `kind`'s bucket (never above its burst): work the
+        connection did that explains frames of that kind."""
+        allowance = self.allowances[kind]
+        tokens = self._tokens.get(kind, allowance.burst)
+        self._tokens[kind] = min(allowance.burst, tokens + frames)
