@@ -31,27 +31,11 @@ from pathlib import Path
 
 import trustme
 
+from tests.netutil import free_port, free_port_on
 from tests.tools import require
 
 #: Longest we wait for a server to come up, seconds (pebble generates keys: ~1 s).
 STARTUP_TIMEOUT = 20.0
-
-
-def free_port(udp_too: bool = False) -> int:
-    """A loopback port free for TCP (and UDP, for DNS servers) right now."""
-    for _ in range(50):  # bounded: collisions on loopback are rare
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if not udp_too:
-                return port
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                    u.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port")
 
 
 def _wait(check, what: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -84,7 +68,7 @@ class ChallTestSrv:
     """pebble-challtestsrv as a DNS server answering 127.0.0.1 for every A query."""
 
     tmp: Path
-    dns_port: int = field(default_factory=lambda: free_port(udp_too=True))
+    dns_port: int = field(default_factory=lambda: free_port_on("127.0.0.1", udp=True))
     mgmt_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -195,7 +179,7 @@ class Named:
     tmp: Path
     zone: str  # with trailing dot
     hosts: tuple[str, ...]  # names (relative or absolute) that get A 127.0.0.1
-    port: int = field(default_factory=lambda: free_port(udp_too=True))
+    port: int = field(default_factory=lambda: free_port_on("127.0.0.1", udp=True))
     key_name: str = "pact-acme"
     proc: subprocess.Popen[bytes] | None = None
 

@@ -6,6 +6,7 @@ Everything here runs real sockets on 127.0.0.1 and real TLS; nothing is mocked.
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 import ssl
 from collections.abc import Iterable
@@ -155,18 +156,39 @@ def sha256_stream(seed: bytes, size: int, chunk: int = 1 << 20) -> Iterable[byte
         i += 1
 
 
-def free_port_on(*addresses: str) -> int:
-    """A TCP port free on every one of `addresses` right now (a port free on 127.0.0.1 may
-    still be held on 127.0.0.2 by a connection's local end)."""
-    for _ in range(50):  # bounded
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+def _listen_ports() -> range:
+    """Where tests pick ports to listen on: below the kernel's ephemeral range, from which
+    every outgoing connection's local end is taken — a port picked there could be taken
+    by some test's client connection between the pick and the server's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 16384), low) if low > 2048 else range(49152, 65536)
+
+
+LISTEN_PORTS = _listen_ports()
+
+
+def free_port_on(*addresses: str, udp: bool = False) -> int:
+    """A TCP (and with `udp` also UDP) port free on every one of `addresses` right now,
+    picked at random outside the ephemeral range (a port free on 127.0.0.1 may still be
+    held on 127.0.0.2, so every address is tried)."""
+    addresses = addresses or ("127.0.0.1",)
+    kinds = (socket.SOCK_STREAM, socket.SOCK_DGRAM) if udp else (socket.SOCK_STREAM,)
+    for _ in range(200):  # bounded
+        port = random.choice(LISTEN_PORTS)
         try:
             for address in addresses:
-                with socket.socket() as s:
-                    s.bind((address, port))
+                for kind in kinds:
+                    with socket.socket(socket.AF_INET, kind) as s:
+                        s.bind((address, port))
         except OSError:
             continue
         return port
     raise RuntimeError(f"no port free on all of {addresses}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (see `free_port_on`)."""
+    return free_port_on(host)

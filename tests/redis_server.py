@@ -11,16 +11,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.netutil import free_port
 from tests.tools import require
 
 #: A started redis-server must answer PING within this.
 START_WAIT = 10.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ping(host: str, port: int, password: str | None = None, timeout: float = 1.0) -> bool:

@@ -62,6 +62,7 @@ import h11
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
+from tests.netutil import free_port
 
 LOOPBACK = "127.0.0.1"
 #: The attacker's and the bystander's source addresses (Linux routes all 127/8 to lo).
@@ -70,12 +71,6 @@ BYSTANDER_IP = "127.0.0.3"
 HOST = "mcp.attack.test"  # seal: required
 OPT_HOST = "opt.attack.test"  # seal: optional, same tenant, same node
 WAIT = 20.0
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Identities:

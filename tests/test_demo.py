@@ -15,6 +15,7 @@ shows the call attributed to the caller's key, via the relay.
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import socket
@@ -26,6 +27,7 @@ from typing import Any
 
 from pact_ingress.demo import PORTS, READY_LINE
 from pact_ingress.identity import fingerprint_file
+from tests.netutil import LISTEN_PORTS
 from tests.tools import require
 
 START_TIMEOUT = 30.0
@@ -34,11 +36,7 @@ START_TIMEOUT = 30.0
 def free_base_port() -> int:
     """PORTS consecutive free loopback ports (TLS, admin, node, control)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base > 65000:
-            continue
+        base = random.choice(LISTEN_PORTS[:-PORTS])  # outside the ephemeral range
         try:
             socks = []
             for p in range(base, base + PORTS):

@@ -26,7 +26,7 @@ import pytest
 import trio
 
 import pact_ingress.net.splice as sp
-from tests.netutil import make_config, route, sha256_stream
+from tests.netutil import free_port, make_config, route, sha256_stream
 from tests.test_passthrough import HELLO, HELLO_SNI, start_router
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,12 +217,6 @@ def test_pipe_budget_fits_the_soft_limit():
 
 
 # --- a real `serve`: idle connections and an unprivileged user ---------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def config_text(tls: int, backend: int) -> str:

@@ -23,6 +23,7 @@ from pact_ingress.proto.proxy_protocol import (
     encode_v2,
     encode_v2_local,
 )
+from tests.netutil import free_port
 from tests.tools import require
 
 # Worked by hand from the spec (proxy-protocol.txt §2.2).
@@ -174,16 +175,10 @@ frontend fe
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def haproxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     haproxy = require("haproxy")
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
     cfg.write_text(HAPROXY_CFG.format(port=port))
     proc = subprocess.Popen([haproxy, "-f", str(cfg), "-db"], stdin=subprocess.DEVNULL,

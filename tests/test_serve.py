@@ -24,16 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pact_ingress.admin.client import fetch_status, request
 from pact_ingress.config import Address
 from pact_ingress.identity import keygen
+from tests.netutil import free_port
 
 HELLO_DIR = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (HELLO_DIR / "curl.bin").read_bytes()  # SNI www.example.test
 WAIT = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EchoBackend:

@@ -12,7 +12,6 @@ import itertools
 import os
 import pickle
 import signal
-import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ from pact_ingress.proto import workers as wp
 from pact_ingress.proto.ratelimit import burst_for
 from pact_ingress.proto.workers import Kind, WorkerState
 from tests.cluster_env import TM_HOST, Connect, Instance, get_status, home_node
+from tests.netutil import free_port
 from tests.terminate_env import (
     OPT_HOST,
     WAIT,
@@ -246,7 +246,7 @@ def tunnel_get(port: int, source: str, host: str = TM_HOST) -> int | None:
 
 def test_a_tunnel_serves_connections_at_every_worker(tmp_path: Path) -> None:
     node = home_node(tmp_path)
-    instance = Instance(tmp_path, "127.0.0.1", _free_port(), node.identity.fingerprint,
+    instance = Instance(tmp_path, "127.0.0.1", free_port(), node.identity.fingerprint,
                         args=("--workers", "2"))
     connector = None
     try:
@@ -265,12 +265,6 @@ def test_a_tunnel_serves_connections_at_every_worker(tmp_path: Path) -> None:
             connector.close()
         instance.close()
         node.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- reload -----------------------------------------------------------------------------
