@@ -21,11 +21,11 @@ import pytest
 import trio
 from cryptography import x509
 
+from pact_ingress import logs
 from pact_ingress.acme.manager import CertManager
 from pact_ingress.acme.schedule import Policy
 from pact_ingress.acme.store import list_store
 from pact_ingress.config import Acme, Address, Config, Dns01, Listen, Route, Tenant
-from pact_ingress import logs
 from pact_ingress.logs import setup as log_setup
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http_listener import serve_http

@@ -7,9 +7,9 @@ import io
 import json
 
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
-import trio.testing
 
 from pact_ingress import logs
 from pact_ingress.logs import log

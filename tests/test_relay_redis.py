@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from pact_ingress.model import Relay, RedisSettings
+from pact_ingress.model import RedisSettings, Relay
 from pact_ingress.relay.store import StoreUnavailable
 from pact_ingress.state.redis import RedisState
 from pact_ingress.state.relay_store import RELAY_DEADLINE, RedisRelayStore

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from pact_ingress.identity import keygen
-from pact_ingress.model import Relay, RedisSettings
+from pact_ingress.model import RedisSettings, Relay
 from pact_ingress.proto import relay as rules
 from pact_ingress.relay.store import (
     QueueFull,

@@ -36,8 +36,8 @@ from pact_ingress.proto.http_headers import (
 from pact_ingress.proto.http_request import host_matches
 from pact_ingress.proto.routing import RouteTable
 from pact_ingress.stats import Stats
-from tests.tools import require
 from tests.tls_helpers import LOOPBACK, WebPKI, http_client, make_identity, serve_loopback
+from tests.tools import require
 
 HOST = "mcp.alina.test"
 OTHER = "other.alina.test"

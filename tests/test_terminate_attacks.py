@@ -52,7 +52,6 @@ from tests.terminate_env import (
     H2Conn,
     RawResponse,
     Serve,
-    ServeEnv as Env,
     closed_by_peer,
     exchange,
     forget,
@@ -64,6 +63,9 @@ from tests.terminate_env import (
     sealed_call_body,
     tls_socket,
     unsealed_call_body,
+)
+from tests.terminate_env import (
+    ServeEnv as Env,
 )
 from tests.tools import require
 

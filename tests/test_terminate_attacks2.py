@@ -21,13 +21,15 @@ from tests.terminate_env import (
     HOST,
     H2Conn,
     RawResponse,
-    ServeEnv as Env,
     exchange,
     forget,
     read_response,
     rpc,
     tls_socket,
     unsealed_call_body,
+)
+from tests.terminate_env import (
+    ServeEnv as Env,
 )
 
 

@@ -36,11 +36,13 @@ from tests.terminate_env import (
     Identities,
     RecordingNode,
     Serve,
-    ServeEnv as Env,
     make_identities,
     refusal_code,
     rpc,
     unsealed_call_body,
+)
+from tests.terminate_env import (
+    ServeEnv as Env,
 )
 
 #: Sizes of the sealed calls sent (bytes of the whole JSON-RPC body, about).
