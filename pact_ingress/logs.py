@@ -118,13 +118,24 @@ _bound: dict[str, Any] = {}
 
 def bind(**fields: Any) -> None:
     """Add `fields` to every line this process logs from now on."""
-    global _bound_members
+    global _bound_members, _bound_overlaps_request
     _bound.update(fields)
     _bound_members = members(**_bound) + "," if _bound else ""
+    _bound_overlaps_request = not REQUEST_FIELDS.isdisjoint(_bound)
 
 
 #: `_bound` encoded as JSON object members followed by a comma ("" when nothing is bound).
 _bound_members = ""
+#: The fields of a request line (`EventLogger.request`), in the order they are written.
+REQUEST_FIELDS = frozenset({"route", "client_ip", "method", "path", "status", "ms"})
+#: A bound field shares a name with a request line's field: such lines take the general
+#: path, which decides which value and which place wins.
+_bound_overlaps_request = False
+
+
+def request_prefix(route: str, client_ip: str) -> str:
+    """The constant members of a connection's request lines, for `EventLogger.request`."""
+    return f'"route":{_quote(route)},"client_ip":{_quote(client_ip)}'
 
 
 def members(**fields: Any) -> str:
@@ -167,6 +178,27 @@ class EventLogger:
         if _bound:
             fields = {**_bound, **fields}
         line = _access_line(time.time(), event, fields)
+        self._access.append(line)
+        self._access_bytes += len(line)
+        if self._access_bytes >= ACCESS_BUFFER_BYTES:
+            self.flush()
+
+    def request(self, prefix: str, method: str, path: str, status: int, ms: float) -> None:
+        """The terminate engine's access line of one request: the same line as
+        `access("request", **fields)` with `fields` = `request_fields(route, client_ip)`
+        then method, path, status and ms, built as one string. `prefix` is what
+        `request_prefix` made of the connection's constant fields (once per connection,
+        not per request)."""
+        handler = _direct
+        handlers = _LOGGER.handlers
+        if (handler is None or len(handlers) != 1 or handlers[0] is not handler
+                or _bound_overlaps_request or not _LOGGER.isEnabledFor(logging.INFO)):
+            self.access("request", **json.loads("{" + prefix + "}"), method=method,
+                        path=path, status=status, ms=ms)
+            return
+        line = (f'{{"ts":{round(time.time(), 3)!r},"level":"info","event":"request",'
+                f'{_bound_members}{prefix},"method":{_quote(method)},"path":{_quote(path)},'
+                f'"status":{status!r},"ms":{ms!r}}}\n')
         self._access.append(line)
         self._access_bytes += len(line)
         if self._access_bytes >= ACCESS_BUFFER_BYTES:

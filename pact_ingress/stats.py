@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 #: How many recent refusals the status page shows; a bounded deque, oldest dropped.
 RECENT_REFUSALS = 50
@@ -30,11 +32,29 @@ class Refusal:
     reason: str
 
 
+class _BeforeCollect:
+    """Registered first: runs the syncs whenever the registry is collected, so counts a
+    hot path keeps as plain numbers are in the families before anything reads them."""
+
+    def __init__(self, syncs: list[Callable[[], None]]) -> None:
+        self.syncs = syncs
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        for sync in list(self.syncs):
+            sync()
+        return []
+
+
 class Stats:
     """All metric families of one ingress (or connector) instance."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._syncs: list[Callable[[], None]] = []
+        r.register(_BeforeCollect(self._syncs))  # type: ignore[arg-type]
         p = "pact_ingress_"
         self.connections = Counter(
             p + "connections", "Closed client connections by route, mode and outcome",
@@ -127,6 +147,12 @@ class Stats:
             registry=r)
         self.recent_refusals: collections.deque[Refusal] = collections.deque(
             maxlen=RECENT_REFUSALS)
+
+    def before_collect(self, sync: Callable[[], None]) -> None:
+        """Call `sync` before every collection of the registry (`/metrics`, status,
+        `value`): a hot path that counts in plain numbers moves them into the families
+        there (and itself whenever it holds many)."""
+        self._syncs.append(sync)
 
     def refused(self, route: str, client_ip: str, reason: str) -> None:
         """Record a refusal for the status page (counters are incremented by the caller)."""

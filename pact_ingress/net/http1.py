@@ -196,12 +196,7 @@ class H1Connection:
         body_done = not request.chunked and not request.content_length
         if body_done and self.parser.next_event() is not END_OF_MESSAGE:
             raise AssertionError("llhttp completes a body-less message with its head")
-        return H1Exchange(
-            method=request.method, target=request.target, headers=request.headers,
-            authority=header(request.headers, b"host"),
-            content_length=request.content_length, body_done=body_done,
-            connection=self, request=request,
-        )
+        return H1Exchange(self, request, body_done)
 
     async def _refuse_head(self, error: ParseError) -> None:
         """Answer a head we will not serve, then close."""
@@ -230,9 +225,14 @@ class H1Connection:
 
 
 class H1Exchange(Exchange):
-    def __init__(self, *, connection: H1Connection, request: Request,
-                 **fields: object) -> None:
-        super().__init__(**fields)  # type: ignore[arg-type]
+    def __init__(self, connection: H1Connection, request: Request, body_done: bool) -> None:
+        # the fields of `Exchange`, set here directly: one exchange per request
+        self.method = request.method
+        self.target = request.target
+        self.headers = request.headers
+        self.authority = request.host
+        self.content_length = request.content_length
+        self.body_done = body_done
         self.c = connection
         self.request = request
         self.stopped_early = False
@@ -283,6 +283,22 @@ class H1Exchange(Exchange):
         self._pending = response_head(status, headers, self._framing, close=close)
         if self._framing in (Framing.CHUNKED, Framing.CLOSE):
             await self._write_pending(b"")
+
+    async def respond_whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """The whole response in one write."""
+        request = self.request
+        framing = self._framing = response_framing(self.method, request.http_version,
+                                                   status, headers)
+        head = response_head(status, headers, framing,
+                             close=self.stopped_early or not request.keep_alive)
+        if framing is Framing.LENGTH or framing is Framing.CLOSE:
+            data = head + body if body else head
+        elif framing is Framing.CHUNKED:
+            data = head + chunk(body) + LAST_CHUNK if body else head + LAST_CHUNK
+        else:
+            data = head
+        await self._write(data)
+        self._complete = True
 
     async def send(self, data: bytes) -> None:
         if self._framing is Framing.CHUNKED:

@@ -76,6 +76,13 @@ class Exchange(abc.ABC):
     async def end(self) -> None:
         """The response is complete."""
 
+    async def respond_whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """`respond`, `send(body)` and `end` at once: the whole response is at hand."""
+        await self.respond(status, headers)
+        if body:
+            await self.send(body)
+        await self.end()
+
     @abc.abstractmethod
     async def abort(self) -> None:
         """The response cannot be completed: make the client see a failure, not a short body."""

@@ -54,7 +54,7 @@ from typing import Any
 import trio
 
 from pact_ingress.identity import Identity
-from pact_ingress.logs import log
+from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
@@ -110,6 +110,9 @@ INLINE_PARSE_BYTES = 64 * 1024
 #: Labelled metric children kept at hand (routes × statuses seen); past this the cache
 #: starts again, so a config with many routes costs lookups, never memory.
 MAX_CACHED_COUNTERS = 1024
+#: Upstream header times kept before they are moved into the histogram unasked (the
+#: metrics may never be collected; memory stays bounded).
+MAX_PENDING_TIMES = 1024
 #: The in-flight total per route is bounded by the upstream pool itself; only the
 #: per-client share is enforced here.
 UNBOUNDED = 1 << 30
@@ -144,6 +147,7 @@ class _Connection:
     sni: str | None
     client_ip: str
     client: str  # the rate limiter's bucket for client_ip (an IPv6 /64 is one client)
+    log_prefix: str  # route and client_ip as its access lines write them
 
 
 class Terminator:
@@ -174,6 +178,11 @@ class Terminator:
         self._idle_scopes: set[trio.CancelScope] = set()
         self._draining = trio.Event()
         self._children: dict[tuple[Any, ...], Any] = {}
+        # answered requests and upstream header times, kept as plain numbers per request
+        # and moved into their metric families before each collection (`_sync_metrics`)
+        self._answered: dict[tuple[str, int], int] = {}
+        self._header_times: list[tuple[str, float]] = []
+        stats.before_collect(self._sync_metrics)
         self._open = 0
 
     def update(self, config: Config) -> None:
@@ -216,7 +225,8 @@ class Terminator:
             sni = route.host
         limits = route.limits
         tls = _server_tls(stream, server_ctx)
-        conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0])
+        conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0],
+                           request_prefix(route.host, client[0]))
         handle = partial(self._exchange, conn)
         self._open += 1
         try:
@@ -267,9 +277,15 @@ class Terminator:
 
     # -- one exchange -----------------------------------------------------------------
 
-    def _count(self, route_host: str, status: int) -> None:
-        """Count one answered request."""
-        self._labelled(self.stats.requests, route_host, str(status)).inc()
+    def _sync_metrics(self) -> None:
+        """The requests counted and the header times noted since the last sync, into
+        `stats.requests` and `stats.upstream_seconds`."""
+        answered, self._answered = self._answered, {}
+        for (route_host, status), count in answered.items():
+            self._labelled(self.stats.requests, route_host, str(status)).inc(count)
+        times, self._header_times = self._header_times, []
+        for route_host, seconds in times:
+            self._labelled(self.stats.upstream_seconds, route_host).observe(seconds)
 
     def _labelled(self, family: Any, *labels: str) -> Any:
         """`family.labels(*labels)`, looked up once per label set: prometheus_client's
@@ -292,10 +308,11 @@ class Terminator:
             status = CLIENT_CLOSED
         finally:
             self.buffers.give(client, held[0])
-        self._count(conn.route_host, status)
-        log.access("request", route=conn.route_host, client_ip=conn.client_ip,
-                 method=ex.method, path=_log_path(ex.target), status=status,
-                 ms=round((trio.current_time() - started) * 1000, 1))
+        answered = self._answered  # counted here, in the metric at the next collection
+        key = (conn.route_host, status)
+        answered[key] = answered.get(key, 0) + 1
+        log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
+                    round((trio.current_time() - started) * 1000, 1))
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int]) -> int:
         route = self._routes.get(conn.route_host)
@@ -404,10 +421,8 @@ class Terminator:
             log.info("refused", route=conn.route_host, client=conn.client_ip, code=answer.code)
         ex.stop_body()
         headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
-        await ex.respond(answer.status, headers)
-        if answer.body and ex.method != "HEAD":
-            await ex.send(answer.body)
-        await ex.end()
+        await ex.respond_whole(answer.status, headers,
+                               answer.body if ex.method != "HEAD" else b"")
         return answer.status
 
     # -- forwarding -------------------------------------------------------------------
@@ -451,8 +466,10 @@ class Terminator:
                 route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
                 headers=out, body=body, idle_timeout=route.limits.idle_timeout,
             ) as response:
-                self._labelled(self.stats.upstream_seconds, route.host).observe(
-                    trio.current_time() - started)
+                times = self._header_times
+                times.append((route.host, trio.current_time() - started))
+                if len(times) >= MAX_PENDING_TIMES:
+                    self._sync_metrics()
                 await self._relay(ex, route, response)
                 return response.status
         except UpstreamError as exc:
@@ -464,6 +481,10 @@ class Terminator:
 
     async def _relay(self, ex: Exchange, route: Route, response: UpstreamResponse) -> None:
         headers = clean_response_headers(response.headers)
+        whole = response.take_whole()
+        if whole is not None:  # the whole answer is here: one write, no pump
+            await ex.respond_whole(response.status, headers, whole)
+            return
         await ex.respond(response.status, headers)
         if ex.needs_watch(headers):
             async with trio.open_nursery() as nursery:

@@ -32,7 +32,9 @@ connection per in-flight request is cheap.
   node's certificate).
 * **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
   first out, expire after `KEEPALIVE_EXPIRY`, and are checked for a close by the node
-  (readable with no request outstanding) before reuse. At most
+  (readable with no request outstanding) before reuse — unless the request can be
+  resent (a bytes body) and the connection was used within `LIVENESS_BEAT`: then a
+  close shows up as a stale connection (below) instead. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
   gets a fresh pool; the old one is retired: its idle connections close, and a running
@@ -88,6 +90,12 @@ CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
+#: A pooled connection used this recently is sent a replayable request without first
+#: being checked for a close by the node (a syscall per request): a node that closes an
+#: idle connection does so after seconds, and the rare one that closed it sooner costs
+#: one resend on a fresh connection (the stale retry). A streamed body, which cannot be
+#: resent, always gets the check.
+LIVENESS_BEAT = 1.0
 #: Pool keys remembered per route object (a route's key is the same on every request).
 MAX_KNOWN_ROUTES = 4096
 #: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
@@ -242,15 +250,19 @@ class _Pool:
         """The idle connections (for tests and status)."""
         return list(self.idle)
 
-    async def acquire(self, sni: str, deadline: float, *, fresh: bool) -> tuple[_Conn, bool]:
+    async def acquire(self, sni: str, deadline: float, *, fresh: bool,
+                      replayable: bool = False) -> tuple[_Conn, bool]:
         """A connection for `sni` and whether it was reused; waits for a slot until
-        `deadline` (→ UpstreamTimeout)."""
+        `deadline` (→ UpstreamTimeout). `replayable`: the request can be sent again on
+        a fresh connection should this one turn out stale."""
         while True:
             idle = self.idle
-            if idle and idle[0].idle_since + KEEPALIVE_EXPIRY < trio.current_time():
-                await self._expire()
+            if idle:
+                now = trio.current_time()
+                if idle[0].idle_since + KEEPALIVE_EXPIRY < now:
+                    await self._expire()
             if not fresh and (conn := self._idle_for(sni)) is not None:
-                if conn.alive():
+                if (replayable and conn.idle_since + LIVENESS_BEAT > now) or conn.alive():
                     return conn, True
                 await self.discard(conn)
                 continue  # closed by the node while idle: try the next one
@@ -355,6 +367,12 @@ class UpstreamResponse:
     http_version: str
     body: AsyncIterator[bytes] = field(repr=False)  # a _Body
 
+    def take_whole(self) -> bytes | None:
+        """The whole body when all of it has arrived already (a small answer comes in
+        one read with its head), and `body` then yields nothing; else None."""
+        body = self.body
+        return body.take_whole() if isinstance(body, _Body) else None
+
 
 class Upstream:
     """Pinned, pooled HTTP/1.1 client toward home nodes (see module docstring)."""
@@ -450,7 +468,8 @@ class Upstream:
         pool_deadline = trio.current_time() + self.header_timeout
         fresh = False
         while True:
-            conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh)
+            conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh,
+                                               replayable=replayable)
             try:
                 parser = await self._send(conn, method, head, body, chunked, idle_timeout)
                 return conn, parser
@@ -615,6 +634,13 @@ class _Body:
         self._parser = parser
         self._idle = idle_timeout
         self.complete = parser.done and not parser._pieces
+
+    def take_whole(self) -> bytes | None:
+        parser = self._parser
+        if not parser.done:
+            return None
+        self.complete = True
+        return parser.take_body()
 
     def __aiter__(self) -> _Body:
         return self

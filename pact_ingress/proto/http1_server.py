@@ -50,7 +50,7 @@ class ParseError(Exception):
         self.why = why
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     method: str
     target: bytes
@@ -60,6 +60,7 @@ class Request:
     chunked: bool
     expects_continue: bool
     keep_alive: bool  # the client allows another request on this connection
+    host: bytes | None = None  # the Host field's value (there is at most one)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class _Need:
 NEED_DATA = _Need()
 END_OF_MESSAGE = EndOfMessage()
 Event = Request | Data | EndOfMessage | _Need
+
+
+#: Method names as str, without decoding the common ones per request.
+_METHODS = {m: m.decode("ascii") for m in (
+    b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH")}
 
 
 class _Phase(enum.Enum):
@@ -176,17 +182,19 @@ class H1ServerParser:
         self._head_bytes = 0
         fields = self._fields
         hosts = 0
-        length = transfer = expect = None
+        length = transfer = expect = host = None
         for name, value in fields:
             if name == b"host":
                 hosts += 1
+                host = value
             elif name == b"content-length":
                 length = int(value)  # llhttp accepted it: digits, one field
             elif name == b"transfer-encoding":  # every field counts: gzip + chunked is two
                 transfer = value if transfer is None else transfer + b"," + value
             elif name == b"expect":
                 expect = value
-        version = self._parser.get_http_version()
+        parser = self._parser
+        version = parser.get_http_version()
         if hosts > 1:
             self._fail(400, "more than one Host field")
         elif transfer is not None and [t.strip() for t in transfer.lower().split(b",")] != [
@@ -196,12 +204,13 @@ class H1ServerParser:
             self._fail(417, "only 100-continue is understood")
         elif not hosts and version != "1.0":
             self._fail(400, "no Host field")
+        method = parser.get_method()
+        name = _METHODS.get(method)
+        if name is None:
+            name = method.decode("ascii")
         self._events.append(Request(
-            method=self._parser.get_method().decode("ascii"), target=bytes(self._target),
-            headers=fields, http_version=version, content_length=length,
-            chunked=transfer is not None,
-            expects_continue=expect is not None and version == "1.1",
-            keep_alive=self._parser.should_keep_alive()))
+            name, bytes(self._target), fields, version, length, transfer is not None,
+            expect is not None and version == "1.1", parser.should_keep_alive(), host))
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -236,22 +245,37 @@ def response_framing(request_method: str, http_version: str, status: int,
                      headers: Headers) -> Framing:
     if request_method == "HEAD" or status < 200 or status in (204, 304):
         return Framing.NONE
-    if any(k == b"content-length" for k, _ in headers):
-        return Framing.LENGTH
+    for name, _ in headers:
+        if name == b"content-length":
+            return Framing.LENGTH
     return Framing.CHUNKED if http_version == "1.1" else Framing.CLOSE
+
+
+#: Status lines by status, made on first use.
+_STATUS_LINES: dict[int, bytes] = {}
 
 
 def response_head(status: int, headers: Headers, framing: Framing, *, close: bool) -> bytes:
     """The status line and fields; `headers` must carry no framing but Content-Length."""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason(status))]
-    lines.extend(b"%s: %s\r\n" % (name, value) for name, value in headers
-                 if framing is Framing.LENGTH or name != b"content-length")
-    if framing is Framing.CHUNKED:
-        lines.append(b"transfer-encoding: chunked\r\n")
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d %s\r\n" % (status, reason(status))
+        if 100 <= status <= 999:
+            _STATUS_LINES[status] = line
+    parts = [line]
+    if framing is Framing.LENGTH:
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+    else:
+        for name, value in headers:
+            if name != b"content-length":
+                parts += (name, b": ", value, b"\r\n")
+        if framing is Framing.CHUNKED:
+            parts.append(b"transfer-encoding: chunked\r\n")
     if close or framing is Framing.CLOSE:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
 
 
 def chunk(data: bytes) -> bytes:
