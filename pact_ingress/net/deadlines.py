@@ -148,8 +148,20 @@ async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None
             await _wait_readable(sock)
             return
         raise trio.TooSlowError()
-    else:
-        await _wait(_wait_readable, sock, deadline)
+    else:  # `_wait` inline: every request waits here for the node's answer
+        try:
+            s = _SWEEPER.get()
+        except LookupError:
+            s = sweeper()
+        arm = s.arm(deadline, sock=sock)
+        try:
+            await _wait_readable(sock)
+        except trio.ClosedResourceError:
+            if arm.fired:
+                raise trio.TooSlowError() from None
+            raise
+        finally:
+            s.disarm(arm)
 
 
 async def wait_writable(sock: socket.socket, deadline: float = math.inf) -> None:

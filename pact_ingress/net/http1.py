@@ -176,7 +176,9 @@ class H1Connection:
             try:
                 # the first request often follows the handshake at once; later ones are
                 # sent only after the client read our last answer
-                data = await tls.receive_by(READ_SIZE, math.inf, wait_first=self._answered)
+                if tls._closed:
+                    raise trio.ClosedResourceError()
+                data = await tls.read(READ_SIZE, math.inf, self._answered)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 data = b""
             finally:
@@ -221,7 +223,19 @@ class H1Connection:
     # -- writing ----------------------------------------------------------------------
 
     async def write(self, data: bytes) -> None:
-        await send_to_client(self.stream, data, self.write_timeout)
+        tls = self._tls
+        if tls is None:
+            await send_to_client(self.stream, data, self.write_timeout)
+            return
+        # `send_to_client` on our own TLS, inline: every response is written here
+        try:
+            if tls._closed:
+                raise trio.ClosedResourceError()
+            await tls.write(data, trio.current_time() + self.write_timeout)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ClientGone("client connection broke") from exc
+        except trio.TooSlowError:
+            raise ClientGone("client did not read in time") from None
 
 
 class H1Exchange(Exchange):

@@ -29,7 +29,9 @@ import ssl
 
 import trio
 
-from pact_ingress.net import rawsock
+from pact_ingress.net import deadlines, rawsock
+
+_wait_readable = deadlines.wait_readable
 
 #: Ciphertext read per syscall; a TLS record is at most ~16 KiB.
 READ_SIZE = 64 * 1024
@@ -62,13 +64,14 @@ class MemoryTLS:
 
     # -- ciphertext -----------------------------------------------------------------------
 
-    async def _flush(self, deadline: float = math.inf) -> None:
+    async def _flush(self, deadline: float = math.inf, rest: bytes = b"") -> None:
         """Everything the outgoing BIO holds to the transport; `trio.TooSlowError` at
-        `deadline` (the connection is then unusable: a record may be half sent)."""
+        `deadline` (the connection is then unusable: a record may be half sent).
+        `rest`: bytes read from the BIO already, to go before what it still holds (the
+        caller tried a send itself and could not send them all)."""
         out = self._out
-        rest = b""
         raw = self._raw
-        if raw is not None and not self._sending:
+        if raw is not None and not self._sending and not rest:
             # the usual case: one send takes it all, nothing awaited
             data = out.read()
             if not data:
@@ -161,14 +164,31 @@ class MemoryTLS:
         close_notify: a body cut short is caught by the HTTP framing all the same);
         `trio.TooSlowError` when nothing came by `deadline`. `wait_first`: the caller
         knows the transport has nothing yet (it just looked, or it just sent a request)."""
-        ssl_object, incoming = self._ssl, self._in
+        ssl_object, incoming, raw = self._ssl, self._in, self._raw
         while True:
             if not incoming.pending and not incoming.eof and not ssl_object.pending():
                 # nothing to decrypt: read the transport first rather than have
                 # SSL_read tell us so by an exception
                 if self._out.pending:  # post-handshake messages (tickets, key update)
                     await self._flush(deadline)
-                await self._fill(deadline, wait_first)
+                if raw is None:
+                    await self._fill(deadline, wait_first)
+                else:  # `_fill` on a socket, inline: this is every read of a request
+                    try:
+                        while True:
+                            if wait_first:
+                                await _wait_readable(raw, deadline)
+                            try:
+                                data = raw.recv(READ_SIZE)
+                                break
+                            except BlockingIOError:
+                                wait_first = True
+                    except _TRANSPORT_ERRORS as exc:
+                        raise self._broken(f"receive failed: {exc!r}") from exc
+                    if data:
+                        incoming.write(data)
+                    else:
+                        incoming.write_eof()
                 wait_first = False
             try:
                 data = ssl_object.read(size)
@@ -204,6 +224,21 @@ class MemoryTLS:
         try:
             if len(data) <= WRITE_SLICE:
                 self._ssl.write(data)
+                raw = self._raw
+                if raw is not None and not self._sending:
+                    # `_flush`'s usual case inline: one send takes the records
+                    out = self._out
+                    records = out.read()
+                    try:
+                        sent = raw.send(records)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError as exc:
+                        raise self._broken(f"send failed: {exc!r}") from exc
+                    if sent == len(records) and not out.pending:
+                        return
+                    await self._flush(deadline, records[sent:])
+                    return
                 await self._flush(deadline)
                 return
             view = memoryview(data)

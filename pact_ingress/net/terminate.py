@@ -322,8 +322,13 @@ class Terminator:
         limits = route.limits
         budget = self._budgets.get(route.host) or Budget.from_limits(limits)
         now = trio.current_time()
-        ip_unit = await self.limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
-                                                 scope=route.host)
+        limiter = self.limiter
+        if type(limiter) is LocalLimiter:  # its own answer at once: no coroutine per request
+            ip_unit = limiter.pure.check_calls(conn.client_ip, (None,), now, budget=budget,
+                                               scope=route.host)
+        else:
+            ip_unit = await limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
+                                                scope=route.host)
         try:
             target = parse_target(ex.target)
             host = check_host(ex.authority, target, conn.sni, route.host)
@@ -451,6 +456,7 @@ class Terminator:
 
     async def _upstream(self, ex: Exchange, conn: _Connection, route: Route, tenant: Tenant,
                         host: str, target: Target, body: bytes | AsyncIterator[bytes]) -> int:
+        """The request to the node and its answer relayed (a node failure answered)."""
         out = clean_request_headers(ex.headers, client_ip=conn.client_ip, host=host)
         if isinstance(body, bytes):
             if body or ex.content_length is not None or ex.method not in (

@@ -283,6 +283,20 @@ class _Pool:
             raise UpstreamTimeout(
                 f"all {MAX_CONNECTIONS_PER_ROUTE} connections to the node are busy")
 
+    def take_recent(self, sni: str) -> _Conn | None:
+        """`acquire`'s usual case for a replayable request, without awaiting: the most
+        recently used idle connection, when it is for `sni` and within the beat; None
+        sends the caller to `acquire`."""
+        idle = self.idle
+        if not idle:
+            return None
+        conn = idle[-1]
+        now = trio.current_time()
+        if (conn.sni != sni or conn.idle_since + LIVENESS_BEAT <= now
+                or idle[0].idle_since + KEEPALIVE_EXPIRY < now):
+            return None
+        return idle.pop()
+
     def _idle_for(self, sni: str) -> _Conn | None:
         """The most recently used idle connection for `sni`, taken off the idle list."""
         idle = self.idle
@@ -468,8 +482,12 @@ class Upstream:
         pool_deadline = trio.current_time() + self.header_timeout
         fresh = False
         while True:
-            conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh,
-                                               replayable=replayable)
+            conn = None if fresh or not replayable else entry.take_recent(host)
+            if conn is not None:
+                reused = True
+            else:
+                conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh,
+                                                   replayable=replayable)
             try:
                 parser = await self._send(conn, method, head, body, chunked, idle_timeout)
                 return conn, parser
@@ -499,11 +517,11 @@ class Upstream:
             try:
                 deadline = trio.current_time() + idle_timeout
                 if buffered and body and len(head) + len(body) <= WRITE_SLICE:
-                    await conn.send(head + body, deadline)  # one TLS record for it all
+                    await conn.write(head + body, deadline)  # one TLS record for it all
                 else:
-                    await conn.send(head, deadline)
+                    await conn.write(head, deadline)
                     if buffered and body:
-                        await conn.send(body, deadline)
+                        await conn.write(body, deadline)
             except trio.TooSlowError:
                 raise UpstreamTimeout("the node did not take the request in time") from None
             if not buffered:
@@ -512,7 +530,7 @@ class Upstream:
             wait_first = True  # the node cannot have answered a request just sent
             try:
                 while not parser.head_done:
-                    data = await conn.recv(deadline, wait_first)
+                    data = await conn.read(READ_SIZE, deadline, wait_first)
                     wait_first = False
                     if data:
                         parser.feed(data)
