@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Callable
 
 import trio
 
@@ -65,6 +66,7 @@ class Sweeper:
         self._armed: dict[_Arm, None] = {}
         self._next = math.inf  # when the sweeper wakes next (inf: parked)
         self._wake = trio.Event()
+        self.now = clock()
         trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.deadlines")
 
     def arm(self, deadline: float, *, sock: socket.socket | None = None,
@@ -112,6 +114,12 @@ class Sweeper:
                 await self._wake.wait()
 
 
+def clock() -> Callable[[], float]:
+    """This run's `trio.current_time`, as its clock's own method: the same time for one
+    call instead of four (taken once per connection or pool, inside the run)."""
+    return trio.lowlevel.current_clock().current_time
+
+
 _SWEEPER: trio.lowlevel.RunVar[Sweeper] = trio.lowlevel.RunVar("pact_ingress_sweeper")
 
 
@@ -143,16 +151,17 @@ async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None
     """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed."""
     if deadline == math.inf:
         await _wait_readable(sock)
-    elif deadline <= trio.current_time():
+        return
+    try:
+        s = _SWEEPER.get()
+    except LookupError:
+        s = sweeper()
+    if deadline <= s.now():
         with trio.move_on_at(deadline):  # already due: a checkpoint, then the news
             await _wait_readable(sock)
             return
         raise trio.TooSlowError()
     else:  # `_wait` inline: every request waits here for the node's answer
-        try:
-            s = _SWEEPER.get()
-        except LookupError:
-            s = sweeper()
         arm = s.arm(deadline, sock=sock)
         try:
             await _wait_readable(sock)

@@ -79,6 +79,7 @@ class H1Connection:
         self._tls = stream if isinstance(stream, ServerTLS) else None
         self._idle = trio.CancelScope()  # replaced by `serve`'s
         self._answered = False  # a request was answered on this connection
+        self._now = deadlines.clock()
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         # One scope for the connection's life, armed (idle deadline with the sweeper,
@@ -127,7 +128,7 @@ class H1Connection:
         return None
 
     async def _next_exchange(self) -> H1Exchange | None:
-        idle_deadline = trio.current_time() + self.idle_timeout
+        idle_deadline = self._now() + self.idle_timeout
         head_deadline: float | None = None
         parser = self.parser
         while True:
@@ -231,7 +232,7 @@ class H1Connection:
         try:
             if tls._closed:
                 raise trio.ClosedResourceError()
-            await tls.write(data, trio.current_time() + self.write_timeout)
+            await tls.write(data, self._now() + self.write_timeout)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise ClientGone("client connection broke") from exc
         except trio.TooSlowError:

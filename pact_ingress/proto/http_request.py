@@ -160,6 +160,12 @@ def _decode_unreserved(segment: bytes) -> str:
 
 def in_mcp_scope(path: str, mcp_path: str) -> bool:
     """Is the normalised `path` the route's MCP endpoint or below it?"""
+    if len(path) <= MEMO_BYTES:
+        return _in_mcp_scope_memo(path, mcp_path)
+    return _in_mcp_scope(path, mcp_path)
+
+
+def _in_mcp_scope(path: str, mcp_path: str) -> bool:
     folded = _fold(path)
     scope = _mcp_scope(mcp_path)
     return scope == "" or folded == scope or folded.startswith(scope + "/")
@@ -206,6 +212,7 @@ def _authority_host(value: bytes) -> str | None:
 
 _parse_target_memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(_parse_target)
 _authority_host_memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(_authority_host)
+_in_mcp_scope_memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(_in_mcp_scope)
 
 
 def host_matches(host: str, sni: str | None, route_host: str) -> bool:
