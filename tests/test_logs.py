@@ -87,3 +87,47 @@ def test_access_line_is_the_same_json_as_every_other_line(fields: dict[str, obje
                                                           event: str, ts: float) -> None:
     assert logs._access_line(ts, event, fields) == logs._json_line(ts, "info", event,
                                                                    fields) + "\n"
+
+
+@given(st.text(max_size=30), st.text(max_size=40), st.text(max_size=12), st.text(max_size=60),
+       st.integers(min_value=100, max_value=999), st.floats(min_value=0, max_value=1e7),
+       st.sampled_from([{}, {"worker": 1}, {"route": "bound", "worker": 2}]))
+def test_request_line_is_the_access_line(route: str, client_ip: str, method: str, path: str,
+                                         status: int, ms: float,
+                                         bound: dict[str, object]) -> None:
+    """`log.request` (the terminate engine's line, from a per-connection prefix) writes
+    what `log.access` writes for the same fields, bound fields included — also when a
+    bound field shares a name with a request field."""
+    saved = dict(logs._bound)
+    fields = {"route": route, "client_ip": client_ip, "method": method, "path": path,
+              "status": status, "ms": ms}
+    try:
+        logs._bound.clear()
+        logs.bind(**bound)
+        lines = []
+        for emit in (lambda: log.request(logs.request_prefix(route, client_ip), method, path,
+                                         status, ms),
+                     lambda: log.access("request", **fields)):
+            stream = io.StringIO()
+            logs.setup("json", stream=stream)
+            emit()
+            log.flush()
+            lines.append(json.loads(stream.getvalue()))
+        lines[0].pop("ts")
+        lines[1].pop("ts")
+        assert lines[0] == lines[1]
+        assert list(lines[0]) == list(lines[1])  # and in the same order
+    finally:
+        logs._bound.clear()
+        logs.bind(**saved)
+
+
+def test_request_line_in_text_format() -> None:
+    stream = io.StringIO()
+    logs.setup("text", stream=stream)
+    try:
+        log.request(logs.request_prefix("a.test", "192.0.2.1"), "GET", "/x", 200, 1.5)
+        assert "request route=a.test client_ip=192.0.2.1 method=GET path=/x status=200" \
+            in stream.getvalue()
+    finally:
+        log.flush()

@@ -19,6 +19,7 @@ from typing import Any
 import httpcore
 import pytest
 import trio
+from prometheus_client import generate_latest
 import trio.testing
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
@@ -206,6 +207,34 @@ async def test_initialize_and_tools_list(env: Env, http2: bool) -> None:
         assert tools == ["echo", "send_message", "sealed_call"]
     # the node saw the ingress's key on the link, on a pooled HTTP/2 upstream
     assert {peer for _, _, peer in env.node.requests} == {env.ingress_id.fingerprint}
+
+
+@pytest.mark.parametrize("http2", [True, False])
+async def test_request_metrics_are_exact_whenever_read(env: Env, http2: bool) -> None:
+    """Answered requests and node header times are counted as plain numbers on the hot
+    path and moved into their metric families when the registry is collected: every
+    read in between sees every request so far, and none twice."""
+    def requests(status: str) -> float:
+        return env.stats.value("pact_ingress_http_requests_total",
+                               {"route": HOST, "status": status})
+
+    def header_times() -> float:
+        return env.stats.value("pact_ingress_upstream_response_seconds_count",
+                               {"route": HOST})
+
+    async with env.client(http2=http2, http1=not http2) as client:
+        for made in range(1, 6):
+            r = await post_mcp(client, rpc("tools/list", {}, made))
+            assert r.status == 200
+            assert requests("200") == made and header_times() == made
+            assert requests("200") == made  # a second read counts nothing again
+        r = await client.request("POST", f"https://{HOST}/", content=b"{}",
+                                 headers=[(b"content-type", b"application/json")])
+        # JSON outside the MCP path: refused at the edge
+        assert r.status == 403
+    assert (requests("200"), requests("403"), header_times()) == (5, 1, 5)
+    text = generate_latest(env.stats.registry).decode()
+    assert f'pact_ingress_http_requests_total{{route="{HOST}",status="200"}} 5.0' in text
 
 
 async def test_sealed_send_message_attributed_to_caller(env: Env) -> None:
