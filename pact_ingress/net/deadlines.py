@@ -147,14 +147,14 @@ async def _wait(wait: object, sock: socket.socket, deadline: float) -> None:
     # returned normally: the socket became ready, even if the sweep fired just then
 
 
-async def wait_readable(sock: socket.socket, deadline: float = math.inf) -> None:
-    """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed."""
+async def wait_readable(sock: socket.socket, deadline: float = math.inf,
+                        s: Sweeper | None = None) -> None:
+    """Until `sock` is readable; `trio.TooSlowError` once `deadline` passed. `s`: this
+    run's sweeper, when the caller keeps it at hand."""
     if deadline == math.inf:
         await _wait_readable(sock)
         return
-    try:
-        s = _SWEEPER.get()
-    except LookupError:
+    if s is None:
         s = sweeper()
     if deadline <= s.now():
         with trio.move_on_at(deadline):  # already due: a checkpoint, then the news

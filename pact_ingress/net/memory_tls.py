@@ -48,10 +48,14 @@ class MemoryTLS:
                  stream: trio.abc.Stream | None) -> None:
         assert raw is not None or stream is not None
         self._ssl = ssl_object
+        # the C object under `SSLObject` (same read/write/pending, same exceptions): the
+        # data path skips the Python wrapper's frame on each call
+        self._sslobj = getattr(ssl_object, "_sslobj", ssl_object)
         self._in = incoming
         self._out = outgoing
         self._raw = raw
         self._stream = stream
+        self._sweeper: deadlines.Sweeper | None = None  # this run's, once a read waited
         self._sending = False  # a task is moving the outgoing BIO to the transport
         self._sent = trio.lowlevel.ParkingLot()  # tasks waiting for it to finish
 
@@ -164,7 +168,7 @@ class MemoryTLS:
         close_notify: a body cut short is caught by the HTTP framing all the same);
         `trio.TooSlowError` when nothing came by `deadline`. `wait_first`: the caller
         knows the transport has nothing yet (it just looked, or it just sent a request)."""
-        ssl_object, incoming, raw = self._ssl, self._in, self._raw
+        ssl_object, incoming, raw = self._sslobj, self._in, self._raw
         while True:
             if not incoming.pending and not incoming.eof and not ssl_object.pending():
                 # nothing to decrypt: read the transport first rather than have
@@ -177,7 +181,9 @@ class MemoryTLS:
                     try:
                         while True:
                             if wait_first:
-                                await _wait_readable(raw, deadline)
+                                if self._sweeper is None and deadline != math.inf:
+                                    self._sweeper = deadlines.sweeper()
+                                await _wait_readable(raw, deadline, self._sweeper)
                             try:
                                 data = raw.recv(READ_SIZE)
                                 break
@@ -206,7 +212,7 @@ class MemoryTLS:
         """Plaintext from what was already received (b"" at the peer's close), or None
         when that is nothing: the caller then waits in `read(wait_first=True)`. No
         syscall: a client that waits for each response has sent nothing more yet."""
-        incoming, ssl_object = self._in, self._ssl
+        incoming, ssl_object = self._in, self._sslobj
         if self._out.pending or not (incoming.pending or incoming.eof or ssl_object.pending()):
             return None
         try:
@@ -223,7 +229,7 @@ class MemoryTLS:
         """All of `data` handed to the transport; `trio.TooSlowError` at `deadline`."""
         try:
             if len(data) <= WRITE_SLICE:
-                self._ssl.write(data)
+                self._sslobj.write(data)
                 raw = self._raw
                 if raw is not None and not self._sending:
                     # `_flush`'s usual case inline: one send takes the records
