@@ -80,6 +80,7 @@ class H1Connection:
         self._idle = trio.CancelScope()  # replaced by `serve`'s
         self._answered = False  # a request was answered on this connection
         self._now = deadlines.clock()
+        self._sweeper: deadlines.Sweeper | None = None  # this run's, at the first wait
 
     async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         # One scope for the connection's life, armed (idle deadline with the sweeper,
@@ -171,7 +172,9 @@ class H1Connection:
             if data is not None:
                 return data
             idle = self._idle
-            sweeper = deadlines.sweeper()
+            sweeper = self._sweeper
+            if sweeper is None:
+                sweeper = self._sweeper = deadlines.sweeper()
             arm = sweeper.arm(deadline, scope=idle)
             self._idle_scopes.add(idle)
             try:
