@@ -602,3 +602,25 @@ async def test_wildcard_route_host_must_equal_sni(nursery: trio.Nursery, tmp_pat
                            extra=[(b"host", b"a.other.test")])
         assert r.status == 421
     await env.terminator.aclose()
+
+
+def test_batched_histogram_observation_equals_one_by_one() -> None:
+    """The header times moved into the histogram in one go per bucket give the same
+    samples as observing them one by one (bucket edges included)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pact_ingress.net.terminate import _observe_all
+
+    values = [0.0, 0.005, 0.0051, 0.1, 0.25, 7.5, 10.0, 10.1, 1e9, 0.3, 0.005]
+    registry = CollectorRegistry()
+    family = Histogram("t", "t", ["route"], registry=registry)
+    for value in values:
+        family.labels("one").observe(value)
+    _observe_all(family.labels("all"), values)
+    samples = {(s.name, s.labels.get("le")): s.value
+               for m in registry.collect() for s in m.samples if s.labels.get("route") == "one"}
+    batched = {(s.name, s.labels.get("le")): s.value
+               for m in registry.collect() for s in m.samples if s.labels.get("route") == "all"}
+    samples.pop(("t_created", None))
+    batched.pop(("t_created", None))
+    assert samples == batched

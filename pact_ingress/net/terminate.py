@@ -43,6 +43,8 @@ the same story on each, whichever the version:
 
 from __future__ import annotations
 
+import bisect
+import collections
 import socket
 import ssl
 import time
@@ -286,8 +288,11 @@ class Terminator:
         for (route_host, status), count in answered.items():
             self._labelled(self.stats.requests, route_host, str(status)).inc(count)
         times, self._header_times = self._header_times, []
+        by_route: dict[str, list[float]] = {}
         for route_host, seconds in times:
-            self._labelled(self.stats.upstream_seconds, route_host).observe(seconds)
+            by_route.setdefault(route_host, []).append(seconds)
+        for route_host, values in by_route.items():
+            _observe_all(self._labelled(self.stats.upstream_seconds, route_host), values)
 
     def _labelled(self, family: Any, *labels: str) -> Any:
         """`family.labels(*labels)`, looked up once per label set: prometheus_client's
@@ -519,6 +524,23 @@ async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> bool:
     except ClientGone:
         return False
     return True
+
+
+def _observe_all(histogram: Any, values: list[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, bucketed here and added with one
+    increment per bucket (prometheus_client takes a lock per increment); observed one by
+    one should the histogram not have the parts this relies on."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = collections.Counter(bisect.bisect_left(bounds, value) for value in values)
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)
 
 
 def _server_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext) -> ServerTLS | trio.SSLStream:
