@@ -165,3 +165,49 @@ def test_small_chunks_of_a_real_body_pass() -> None:
     for i in range(0, len(body), 4096):
         parser.feed(body[i:i + 4096])
     assert _summary(_events(parser)) == [("POST", b"/", True), b"x" * 3000]
+
+
+@pytest.mark.parametrize("request_line", [b"GET / HTTP/1.1", b"HEAD / HTTP/1.1",
+                                          b"GET / HTTP/1.0"])
+@pytest.mark.parametrize("status", [200, 204, 304, 404])
+@pytest.mark.parametrize("length", [True, False])
+@pytest.mark.parametrize("body", [b"", b"hello"])
+def test_whole_response_writes_what_the_streamed_one_writes(
+        request_line: bytes, status: int, length: bool, body: bytes) -> None:
+    """`respond_whole` (one write: the usual small answer) puts on the wire exactly the
+    bytes `respond` + `send` + `end` do, for every framing, and leaves the connection
+    as reusable (or not) as they do."""
+    import trio
+    import trio.testing
+
+    from pact_ingress.net.http1 import H1Connection
+
+    headers = [(b"content-type", b"text/plain")]
+    if length:
+        headers.append((b"content-length", str(len(body)).encode()))
+    raw = request_line + b"\r\nHost: h.test\r\n\r\n"
+
+    async def serve(whole: bool) -> tuple[bytes, bool]:
+        ours, theirs = trio.testing.memory_stream_pair()
+        conn = H1Connection(ours, idle_timeout=5, head_timeout=5, write_timeout=5,
+                            idle_scopes=set())
+        conn.parser.feed(raw)
+        ex = await conn._next_exchange()
+        assert ex is not None
+        if whole:
+            await ex.respond_whole(status, headers, body)
+        else:
+            await ex.respond(status, headers)
+            if body:
+                await ex.send(body)
+            await ex.end()
+        await ours.aclose()
+        out = b""
+        while data := await theirs.receive_some(65536):
+            out += data
+        return out, ex.reusable()
+
+    async def main() -> None:
+        assert await serve(True) == await serve(False)
+
+    trio.run(main)

@@ -602,8 +602,9 @@ server.listen(0, "127.0.0.1", () => console.log(server.address().port));
 async def test_liveness_check_rule_with_a_node_that_closes_idle_connections(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Node.js server closes an idle keep-alive connection 100 ms after its last
-    answer, without a word. A replayable request within `LIVENESS_BEAT` of the connection's last use goes
-    out on it unchecked (no syscall), finds it stale and is sent again on a fresh one; a
+    answer, without a word. A replayable request within `LIVENESS_BEAT` of the
+    connection's last use goes out on it unchecked (no syscall), finds it stale and is
+    sent again on a fresh one; a
     streamed body, which cannot be resent, is always preceded by the check, which finds
     the close. Either way every request is answered and reaches the node exactly once."""
     node_bin = shutil.which("node")
