@@ -60,23 +60,18 @@ from __future__ import annotations
 import collections
 from collections.abc import Awaitable, Callable
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import outcome
 import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import (
-    BadResponse,
     ClientGone,
     Exchange,
     Headers,
     send_to_client,
 )
+from pact_ingress.proto import h2_server as h2
+from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.http_request import header
@@ -128,12 +123,8 @@ class H2Connection:
                  idle_scopes: set[trio.CancelScope], draining: trio.Event,
                  on_flood: Callable[[Flood], None] = lambda kind: None) -> None:
         self.stream = stream
-        config = h2.config.H2Configuration(
-            client_side=False, header_encoding=None,
-            # `split_request` checks a request header block (and joins cookies) in one pass
-            validate_inbound_headers=False, normalize_inbound_headers=False,
-            validate_outbound_headers=False, normalize_outbound_headers=False)
-        self.conn = h2.connection.H2Connection(config)
+        self.conn = h2.H2Server(max_concurrent_streams=MAX_CONCURRENT_STREAMS,
+                                max_header_list_size=MAX_HEADER_LIST_SIZE)
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.streams: dict[int, H2Exchange] = {}
@@ -163,11 +154,6 @@ class H2Connection:
         self._idle_workers: list[trio.lowlevel.Task] = []
 
     async def serve(self, handle: _Handle) -> None:
-        self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-        })
         self.conn.initiate_connection()
         self._handle = handle
         self._last_read = trio.current_time()
@@ -182,8 +168,7 @@ class H2Connection:
                     self._idle_scopes.add(self._read_scope)
                     with self._read_scope:
                         await self._read_loop()
-                    if self._draining.is_set() and (self.conn.state_machine.state
-                                                    is not h2.connection.ConnectionState.CLOSED):
+                    if self._draining.is_set() and not self.conn.closed:
                         # GOAWAY(NO_ERROR) naming the last stream taken before the drain
                         self.conn.close_connection(last_stream_id=self._last_stream)
                     await self.flush()  # a GOAWAY, the last answers
@@ -234,10 +219,8 @@ class H2Connection:
             self._last_read = trio.current_time()
             try:
                 events = self.conn.receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
-                code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
-                self.conn.close_connection(error_code=code)
-                return
+            except h2.ConnectionError_:
+                return  # GOAWAY is queued
             for event in events:
                 self._dispatch(event)
             self.kick()
@@ -246,11 +229,12 @@ class H2Connection:
             if len(self._outbox) >= FLUSH_BYTES:
                 await self._wait_room()
 
-    def _dispatch(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.RequestReceived):
+    def _dispatch(self, event: h2.Event) -> None:
+        kind = type(event)
+        if kind is h2.RequestReceived:
             if self._last_stream is not None and event.stream_id > self._last_stream:
                 # opened after the drain began: the client may retry it elsewhere
-                self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                self.conn.reset_stream(event.stream_id, ErrorCode.REFUSED_STREAM)
                 return
             exchange = self._exchange(event)
             if exchange is not None:
@@ -258,58 +242,58 @@ class H2Connection:
                     self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
                 self._start(exchange)
-        elif isinstance(event, h2.events.DataReceived):
-            if not event.data and event.stream_ended is None:
+        elif kind is h2.DataReceived:
+            if not event.data and not event.ended:
                 self._charge(Flood.EMPTY_DATA)
             exchange = self.streams.get(event.stream_id)
             if exchange is None or exchange.stopped:
-                self.conn.acknowledge_received_data(event.flow_controlled_length,
-                                                    event.stream_id)
+                self.conn.acknowledge(event.flow_length, event.stream_id)
             else:
-                exchange.feed(event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.StreamEnded | h2.events.TrailersReceived):
+                exchange.feed(event.data, event.flow_length)
+            if event.ended and exchange is not None:
+                exchange.end_of_body()
+        elif kind is h2.StreamEnded:
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.end_of_body()
-        elif isinstance(event, h2.events.StreamReset):
-            if event.remote_reset:
+        elif kind is h2.StreamReset:
+            if event.remote:
                 self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
-            self._charge(Flood.SETTINGS if isinstance(event, h2.events.RemoteSettingsChanged)
-                         else Flood.WINDOW_UPDATE)
+        elif kind is h2.WindowUpdated or kind is h2.SettingsChanged:
+            self._charge(Flood.SETTINGS if kind is h2.SettingsChanged else Flood.WINDOW_UPDATE)
             if self._window is not None:
                 self._window.set()
                 self._window = None
-        elif isinstance(event, h2.events.PingReceived):
+        elif kind is h2.PingReceived:
             self._charge(Flood.PING)
-        elif isinstance(event, h2.events.PriorityUpdated):
+        elif kind is h2.PriorityReceived:
             self._charge(Flood.PRIORITY)
-        elif isinstance(event, h2.events.UnknownFrameReceived):
+        elif kind is h2.UnknownFrame:
             self._charge(Flood.UNKNOWN)
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif kind is h2.GoAwayReceived:
             self._goaway = True
 
     def _charge(self, kind: Flood) -> None:
         if self._flooded is None and not self._guard.charge(kind, trio.current_time()):
             self._flooded = kind
             self.on_flood(kind)
-            self.conn.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            self.conn.close_connection(ErrorCode.ENHANCE_YOUR_CALM)
             self._goaway = True
 
-    def _exchange(self, event: h2.events.RequestReceived) -> H2Exchange | None:
+    def _exchange(self, event: h2.RequestReceived) -> H2Exchange | None:
         try:
-            pseudo, headers = split_request(event.headers or ())
+            pseudo, headers = split_request(event.headers)
         except MalformedRequest:
-            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
             return None
         declared = header(headers, b"content-length")
         try:
             length = int(declared) if declared is not None else None
         except ValueError:
-            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
             return None
         authority = pseudo.get(b":authority")
         if authority is None:
@@ -317,7 +301,7 @@ class H2Connection:
         return H2Exchange(
             method=pseudo.get(b":method", b"").decode("ascii", "replace"),
             target=pseudo.get(b":path", b""), headers=headers, authority=authority,
-            content_length=length, body_done=event.stream_ended is not None,
+            content_length=length, body_done=event.ended,
             connection=self, stream_id=event.stream_id,
         )
 
@@ -472,12 +456,11 @@ class H2Exchange(Exchange):
     def release(self) -> None:
         """The exchange ended: hand back the window of DATA nobody took."""
         if self._unacked:
-            self.c.conn.acknowledge_received_data(self._unacked, self.stream_id)
+            self.c.conn.acknowledge(self._unacked, self.stream_id)
             self._unacked = 0
         self._chunks.clear()
-        stream = self.c.conn.streams.get(self.stream_id)
-        if stream is not None and not stream.closed:  # ended without a complete response
-            self._rst(h2.errors.ErrorCodes.CANCEL)
+        if self.c.conn.is_open(self.stream_id):  # ended without a complete response
+            self._rst(ErrorCode.CANCEL)
 
     # -- the engine's side --------------------------------------------------------------
 
@@ -486,7 +469,7 @@ class H2Exchange(Exchange):
             if self._chunks:
                 data, flow_length = self._chunks.popleft()
                 self._unacked -= flow_length
-                self.c.conn.acknowledge_received_data(flow_length, self.stream_id)
+                self.c.conn.acknowledge(flow_length, self.stream_id)
                 self.c.kick()  # a WINDOW_UPDATE, when h2 decided one is due
                 if data:
                     return data
@@ -506,12 +489,8 @@ class H2Exchange(Exchange):
         self._live()
         try:
             self.c.conn.send_headers(self.stream_id, response_block(status, headers))
-        except h2.exceptions.ProtocolError as exc:
-            stream = self.c.conn.streams.get(self.stream_id)
-            if self.c.conn.state_machine.state is h2.connection.ConnectionState.CLOSED or (
-                    stream is None or stream.closed):
-                raise ClientGone("stream or connection closed") from exc
-            raise BadResponse(str(exc)) from exc
+        except h2.StreamClosed as exc:
+            raise ClientGone("stream or connection closed") from exc
         self.c.kick()
 
     async def send(self, chunk: bytes) -> None:
@@ -522,7 +501,7 @@ class H2Exchange(Exchange):
             try:
                 window = min(self.c.conn.local_flow_control_window(self.stream_id),
                              self.c.conn.max_outbound_frame_size)
-            except h2.exceptions.ProtocolError as exc:
+            except h2.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             if window <= 0:
                 await self.c.wait_window(deadline)
@@ -530,7 +509,7 @@ class H2Exchange(Exchange):
             piece = chunk if window >= len(view) == len(chunk) else bytes(view[:window])
             try:
                 self.c.conn.send_data(self.stream_id, piece)
-            except h2.exceptions.ProtocolError as exc:
+            except h2.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             self.c._guard.credit(Flood.WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
@@ -545,14 +524,14 @@ class H2Exchange(Exchange):
         self._live()
         try:
             self.c.conn.end_stream(self.stream_id)
-        except h2.exceptions.ProtocolError as exc:
+        except h2.StreamClosed as exc:
             raise ClientGone("stream closed") from exc
         if self.stopped and not self._ended:
-            self._rst(h2.errors.ErrorCodes.NO_ERROR)
+            self._rst(ErrorCode.NO_ERROR)
         self.c.kick()
 
     async def abort(self) -> None:
-        self._rst(h2.errors.ErrorCodes.INTERNAL_ERROR)
+        self._rst(ErrorCode.INTERNAL_ERROR)
         self.c.kick()
 
     async def wait_gone(self) -> None:
@@ -569,7 +548,7 @@ class H2Exchange(Exchange):
         if not self._ended:
             self.stopped = True
             if self._unacked:
-                self.c.conn.acknowledge_received_data(self._unacked, self.stream_id)
+                self.c.conn.acknowledge(self._unacked, self.stream_id)
                 self._unacked = 0
             self._chunks.clear()
 
@@ -580,7 +559,4 @@ class H2Exchange(Exchange):
             raise ClientGone("client connection broke")
 
     def _rst(self, code: int) -> None:
-        try:
-            self.c.conn.reset_stream(self.stream_id, error_code=code)
-        except h2.exceptions.ProtocolError:
-            pass  # already closed
+        self.c.conn.reset_stream(self.stream_id, code)  # nothing when already closed
