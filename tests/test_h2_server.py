@@ -357,3 +357,25 @@ def test_hpack_encoder_round_trips_every_kind_of_field() -> None:
     assert hpack.Decoder().decode(block, raw=True) == fields
     decoded = hpack.Decoder().decode(h2_hpack.encode(fields), raw=True)
     assert isinstance(decoded[4], hpack.NeverIndexedHeaderTuple)
+
+
+def test_remembered_header_blocks_decode_as_the_table_says() -> None:
+    """Repeated blocks are decoded once; whatever the client's encoder does to its dynamic
+    table in between (insertions, evictions), every request reads as it was sent."""
+    rng = random.Random(11)
+    client, server = _pair()
+    paths = [b"/mcp", b"/a", b"/b" * 300, b"/c" * 700]
+    extras = [[], [(b"x-big", b"v" * 1500)], [(b"x-big", b"w" * 1500), (b"x-n", b"1")]]
+    sid, repeats = 1, 0
+    for _ in range(300):
+        sent = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a.example"),
+                (b":path", rng.choice(paths))] + rng.choice(extras)
+        client.send_headers(sid, sent, end_stream=True)
+        wire = client.data_to_send()
+        repeats += wire[9:] in server._decoded  # one HEADERS frame: its block follows
+        (event,) = server.receive_data(wire)
+        assert isinstance(event, hs.RequestReceived) and list(event.headers) == sent
+        _respond(server, sid, b"")
+        client.receive_data(server.data_to_send())
+        sid += 2
+    assert repeats > 20  # remembered blocks were used, not just stored

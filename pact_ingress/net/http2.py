@@ -152,6 +152,8 @@ class H2Connection:
         self._handle: _Handle | None = None
         self._nursery: trio.Nursery | None = None
         self._idle_workers: list[trio.lowlevel.Task] = []
+        # the last request header block checked, and what `split_request` made of it
+        self._split: tuple[object, dict[bytes, bytes], list[tuple[bytes, bytes]]] | None = None
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.initiate_connection()
@@ -284,11 +286,17 @@ class H2Connection:
             self._goaway = True
 
     def _exchange(self, event: h2.RequestReceived) -> H2Exchange | None:
-        try:
-            pseudo, headers = split_request(event.headers)
-        except MalformedRequest:
-            self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
-            return None
+        split = self._split
+        if split is not None and split[0] is event.headers:
+            # the same decoded block as the last request (see `H2Server._decode`)
+            pseudo, headers = split[1], list(split[2])
+        else:
+            try:
+                pseudo, headers = split_request(event.headers)
+            except MalformedRequest:
+                self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                return None
+            self._split = (event.headers, pseudo, list(headers))
         declared = header(headers, b"content-length")
         try:
             length = int(declared) if declared is not None else None
@@ -315,24 +323,36 @@ class H2Connection:
             self._nursery.start_soon(self._worker, exchange)
 
     async def _worker(self, exchange: H2Exchange) -> None:
-        while True:
-            await self._run(exchange)
-            if len(self._idle_workers) >= MAX_IDLE_WORKERS:
-                return
-            task = trio.lowlevel.current_task()
-            self._idle_workers.append(task)
+        # One cancel scope for every exchange the worker serves (entering and leaving a
+        # scope per request costs more than the rest of the hand-off): a reset cancels
+        # it, and the worker ends with that exchange.
+        with trio.CancelScope() as scope:
+            while True:
+                exchange.scope = scope
+                if exchange._reset:  # reset before the worker took it
+                    scope.cancel()
+                await self._run(exchange)
+                exchange.scope = None
+                if scope.cancel_called or len(self._idle_workers) >= MAX_IDLE_WORKERS:
+                    return
+                exchange = await self._park()
 
-            def abort(_: object, task: trio.lowlevel.Task = task) -> trio.lowlevel.Abort:
-                self._idle_workers.remove(task)
-                return trio.lowlevel.Abort.SUCCEEDED
+    async def _park(self) -> H2Exchange:
+        """Wait for the connection's next request (`_start`)."""
+        task = trio.lowlevel.current_task()
+        self._idle_workers.append(task)
 
-            exchange = await trio.lowlevel.wait_task_rescheduled(abort)
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._idle_workers.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        exchange: H2Exchange = await trio.lowlevel.wait_task_rescheduled(abort)
+        return exchange
 
     async def _run(self, exchange: H2Exchange) -> None:
         assert self._handle is not None
         try:
-            with exchange.scope:
-                await self._handle(exchange)
+            await self._handle(exchange)
         except ClientGone:
             pass
         except Exception as exc:
@@ -421,7 +441,7 @@ class H2Exchange(Exchange):
         super().__init__(**fields)  # type: ignore[arg-type]
         self.c = connection
         self.stream_id = stream_id
-        self.scope = trio.CancelScope()
+        self.scope: trio.CancelScope | None = None  # the worker's, while it runs this
         self.stopped = False  # answered before the body was read: DATA is dropped
         self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
         self._arrived: trio.Event | None = None  # while the engine waits for body bytes
@@ -451,7 +471,8 @@ class H2Exchange(Exchange):
         if self._gone is not None:
             self._gone.set()
         self._wake()
-        self.scope.cancel()
+        if self.scope is not None:
+            self.scope.cancel()
 
     def release(self) -> None:
         """The exchange ended: hand back the window of DATA nobody took."""

@@ -66,6 +66,8 @@ MAX_WINDOW = 2**31 - 1
 #: before the connection is ended; both far beyond a block whose header list fits the cap.
 MAX_BLOCK_BYTES = 64 * 1024
 MAX_CONTINUATIONS = 64
+#: Decoded header blocks remembered per connection (see `_decode`).
+DECODED_CACHE = 32
 
 _HEAD = struct.Struct(">I B I")  # length << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
@@ -212,6 +214,21 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
+def _all_indexed(block: bytes) -> bool:
+    """Is every representation in `block` an indexed field (RFC 7541 §6.1)?"""
+    i, n = 0, len(block)
+    while i < n:
+        b = block[i]
+        if not b & 0x80:
+            return False
+        i += 1
+        if b & 0x7F == 0x7F:  # the index goes on in continuation bytes
+            while i < n and block[i] & 0x80:
+                i += 1
+            i += 1
+    return True
+
+
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name == b"content-length":
@@ -237,6 +254,7 @@ class H2Server:
         self._settings_seen = False
         # receiving
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
+        self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self._recv_initial = initial_window
         self._conn_recv_window = DEFAULT_WINDOW  # the connection window is 65535 until updated
         self._conn_recv_processed = 0
@@ -400,13 +418,31 @@ class H2Server:
             block, self._block = b"".join(self._block), None
             self._header_block(self._block_stream, self._block_flags, block, events)
 
-    def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
+    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The header list of `block`. A block made only of indexed fields leaves the
+        dynamic table as it was, so while the table does not change the same bytes mean
+        the same list: a client repeating a request sends the same few bytes each time,
+        and they are decoded once. Any other block may change the table and forgets
+        what was remembered."""
+        headers = self._decoded.get(block)
+        if headers is not None:
+            return headers
         try:
             headers = self._decoder.decode(block, raw=True)
         except hpack.OversizedHeaderListError:
             self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header list too large")
         except (hpack.HPACKError, IndexError, ValueError, TypeError):
             self._fail(ErrorCode.COMPRESSION_ERROR, "header block cannot be decoded")
+        if _all_indexed(block):
+            if len(self._decoded) >= DECODED_CACHE:
+                self._decoded.clear()
+            self._decoded[block] = headers
+        elif self._decoded:
+            self._decoded.clear()
+        return headers
+
+    def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
+        headers = self._decode(block)
         ended = bool(flags & END_STREAM)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
