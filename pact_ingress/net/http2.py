@@ -1,27 +1,30 @@
-"""The HTTP/2 client leg of the terminate engine: h2 driven by one reader and one writer.
+"""The HTTP/2 client leg of the terminate engine: `proto.h2_server` driven by one reader
+and one writer.
 
 Theory of operation
 -------------------
-h2 is the state machine; this module moves bytes. One task reads the connection and
-feeds h2; every event is dispatched *in order* before the next read, so a DATA frame
+`proto.h2_server.H2Server` is the state machine (frames, HPACK, stream states, flow
+control, the protocol's limits); this module moves bytes. One task reads the connection
+and feeds it; every event is dispatched *in order* before the next read, so a DATA frame
 that arrived in the same read as its HEADERS finds its stream already created (the
 stream exists from `RequestReceived` on). Each request runs the engine's `handle` in a
 stream worker: a task of the connection's nursery that, when its exchange is done,
 parks and takes the connection's next request instead of ending, so a keep-alive
 connection does not spawn (and tear down) a task per request. When the connection ends,
-they all end.
+they all end. A worker keeps one cancel scope for all the exchanges it serves: a reset
+cancels it, and the worker ends with that exchange.
 
 Request bodies are flow controlled end to end: DATA is queued on its stream and
-acknowledged to h2 (so WINDOW_UPDATE goes out, when h2's window manager decides one is
-due: once half a window has been taken) only when the engine *takes* it, so a stream
+acknowledged to the state machine (so WINDOW_UPDATE goes out when one is due: once half
+a window has been taken) only when the engine *takes* it, so a stream
 buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most the
 connection window, whatever the client sends. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
 Writes: only the writer task writes to the socket. Everyone else (the reader answering
-PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets h2 queue
-frames and calls `kick`, which moves them to the connection's outbox and wakes the
-writer; the writer sends the whole outbox in one write when it runs. So a 1 KiB answer
+PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets the state
+machine queue frames in its outbox (`H2Server.out`) and calls `kick`, which wakes the
+writer; the writer takes the whole outbox and sends it in one write when it runs. So a 1 KiB answer
 leaves as one TLS record in one `send`, the answers of streams that finish together
 share one, and nothing cancels a write half-way (a TLS record cut off mid-write would
 leave nothing to resume). Back-pressure: a stream or the reader that finds more than
@@ -44,15 +47,15 @@ deadline. An answer given before the body was read ends the stream with
 new stream (REFUSED_STREAM: safe to retry elsewhere), lets the open ones finish, uploads
 included, then sends GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
 
-h2 is configured once per connection with its header validation off in both directions,
-because both are done here in one pass each: a request header block is checked by
+Header blocks are checked here, in one pass each way: a request header block by
 `proto.h2_request.split_request` (names, characters, pseudo-headers, connection-specific
 fields, Host against `:authority`: nothing malformed reaches the engine; a malformed
-request is reset with PROTOCOL_ERROR), and the response block is built by
-`response_block` from headers the engine has already cleaned (`proto.http_headers`:
-lower-case names, no pseudo-headers, no hop-by-hop fields), with the one normalisation
-left, surrounding whitespace, done in the same pass. h2 still enforces the header list
-size and checks `Content-Length` against the DATA.
+request is reset with PROTOCOL_ERROR; the same decoded block as the previous request is
+not split again), and the response block is built by `response_block` from headers the
+engine has already cleaned (`proto.http_headers`: lower-case names, no pseudo-headers,
+no hop-by-hop fields), with the one normalisation left, surrounding whitespace, done in
+the same pass. The state machine enforces the header list size and checks
+`Content-Length` against the DATA.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ READ_SIZE = 64 * 1024
 FLUSH_BYTES = 64 * 1024
 #: A read returns without yielding to other connections when TLS already holds bytes;
 #: the reader yields at least every this many reads, so a client that keeps its socket
-#: full (of frames h2 handles without us, such as WINDOW_UPDATE) cannot hold the loop.
+#: full (of frames the state machine handles without us, such as WINDOW_UPDATE) cannot
+#: hold the loop.
 YIELD_EVERY = 8
 #: Stream workers kept parked per connection for the next request; more than this many
 #: concurrent streams spawn workers that end with their exchange.
@@ -137,7 +141,6 @@ class H2Connection:
         self._flooded: Flood | None = None
         self.on_flood: Callable[[Flood], None] = on_flood
         # writing
-        self._outbox = bytearray()  # frames taken from h2, not yet handed to the socket
         self._writing = False  # the writer holds a batch it is sending
         self._writer: trio.lowlevel.Task | None = None  # the writer, while parked
         self._room: trio.Event | None = None  # set when the writer takes the outbox
@@ -183,9 +186,8 @@ class H2Connection:
 
     async def _on_drain(self) -> None:
         """Take no new stream; say GOAWAY once the open ones have been answered. Not at
-        once: h2 (and so httpx) treats any GOAWAY as the end of the connection and would
-        fail the answers still to come, and h2's own side would refuse the rest of an
-        open upload."""
+        once: the h2 library (and so httpx) treats any GOAWAY as the end of the connection
+        and would fail the answers still to come, and its uploads still open with them."""
         await self._draining.wait()
         self._goaway = True
         self._last_stream = self.conn.highest_inbound_stream_id
@@ -228,7 +230,7 @@ class H2Connection:
             self.kick()
             if self._flooded is not None:
                 return
-            if len(self._outbox) >= FLUSH_BYTES:
+            if len(self.conn.out) >= FLUSH_BYTES:
                 await self._wait_room()
 
     def _dispatch(self, event: h2.Event) -> None:
@@ -269,6 +271,8 @@ class H2Connection:
             if self._window is not None:
                 self._window.set()
                 self._window = None
+        elif kind is h2.SettingsAcked:
+            self._charge(Flood.SETTINGS)
         elif kind is h2.PingReceived:
             self._charge(Flood.PING)
         elif kind is h2.PriorityReceived:
@@ -298,11 +302,12 @@ class H2Connection:
                 return None
             self._split = (event.headers, pseudo, list(headers))
         declared = header(headers, b"content-length")
-        try:
-            length = int(declared) if declared is not None else None
-        except ValueError:
-            self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
-            return None
+        length = None
+        if declared is not None:
+            if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
+                self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                return None
+            length = int(declared)
         authority = pseudo.get(b":authority")
         if authority is None:
             authority = header(headers, b"host")
@@ -371,11 +376,8 @@ class H2Connection:
     # -- writing ------------------------------------------------------------------------
 
     def kick(self) -> None:
-        """Take what h2 queued into the outbox and wake the writer; never waits."""
-        data = self.conn.data_to_send()
-        if data:
-            self._outbox += data
-        if self._outbox:
+        """Wake the writer if frames are queued (`self.conn.out`); never waits."""
+        if self.conn.out:
             task = self._writer
             if task is not None:
                 self._writer = None
@@ -387,14 +389,14 @@ class H2Connection:
             return trio.lowlevel.Abort.SUCCEEDED
 
         while True:
-            if not self._outbox:
+            if not self.conn.out:
                 if self._written is not None:
                     self._written.set()
                     self._written = None
                 self._writer = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(abort)
                 continue
-            data, self._outbox = self._outbox, bytearray()
+            data = self.conn.take_output()
             if self._room is not None:
                 self._room.set()
                 self._room = None
@@ -422,7 +424,7 @@ class H2Connection:
         self.kick()
         if self._broken:
             raise ClientGone("client connection broke")
-        if self._outbox or self._writing:
+        if self.conn.out or self._writing:
             if self._written is None:
                 self._written = trio.Event()
             await self._written.wait()
@@ -491,7 +493,7 @@ class H2Exchange(Exchange):
                 data, flow_length = self._chunks.popleft()
                 self._unacked -= flow_length
                 self.c.conn.acknowledge(flow_length, self.stream_id)
-                self.c.kick()  # a WINDOW_UPDATE, when h2 decided one is due
+                self.c.kick()  # a WINDOW_UPDATE, when one is due
                 if data:
                     return data
                 continue
@@ -535,7 +537,7 @@ class H2Exchange(Exchange):
             self.c._guard.credit(Flood.WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
             self.c.kick()
-            if len(self.c._outbox) >= FLUSH_BYTES:
+            if len(self.c.conn.out) >= FLUSH_BYTES:
                 with trio.move_on_at(deadline):
                     await self.c._wait_room()
                     continue

@@ -15,9 +15,9 @@ What is enforced, and how it fails:
 - the connection preface, then SETTINGS as the first frame; frame sizes against
   SETTINGS_MAX_FRAME_SIZE and the fixed sizes of PRIORITY, RST_STREAM, PING,
   WINDOW_UPDATE and SETTINGS (FRAME_SIZE_ERROR); padding longer than its frame;
-- stream ids: client-initiated (odd) and increasing; a frame on an idle stream, HEADERS
-  reopening a closed stream, PUSH_PROMISE, CONTINUATION out of place or interleaved with
-  another frame are connection errors (PROTOCOL_ERROR);
+- stream ids: client-initiated (odd) and increasing; a frame on an idle stream,
+  PUSH_PROMISE, CONTINUATION out of place or interleaved with another frame are
+  connection errors (PROTOCOL_ERROR);
 - header blocks: the decoder's header list size cap (SETTINGS_MAX_HEADER_LIST_SIZE) and
   a cap on the compressed block and on its CONTINUATION frames (a block that keeps
   growing, or an endless chain of empty CONTINUATIONs, ends the connection with
@@ -30,8 +30,10 @@ What is enforced, and how it fails:
   `send_data` may send;
 - streams: at most `max_concurrent_streams` open, more are refused (REFUSED_STREAM);
   `Content-Length` against the DATA received (PROTOCOL_ERROR on the stream); trailers
-  must end the stream; frames after a stream was reset are ignored (the client may have
-  sent them before it saw the reset), their flow-controlled bytes given back at once.
+  must end the stream; frames on a closed stream are ignored (the client may have sent
+  them before it saw our reset), their flow-controlled bytes given back at once, and
+  each still reported (DATA with nothing owed, HEADERS as an unknown frame) so the
+  caller's flood meters see them.
 
 A connection error queues GOAWAY and raises `ConnectionError_` (no frame is read after
 it). A stream error queues RST_STREAM and reports `StreamReset(remote=False)`.
@@ -188,7 +190,12 @@ class GoAwayReceived(Event):
         self.code = code
 
 
+class SettingsAcked(Event):
+    __slots__ = ()
+
+
 _SETTINGS_CHANGED = SettingsChanged()
+_SETTINGS_ACKED = SettingsAcked()
 _PRIORITY = PriorityReceived()
 
 
@@ -232,10 +239,8 @@ def _all_indexed(block: bytes) -> bool:
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     for name, value in headers:
         if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # `split_request`'s caller refuses the request
+            # anything but digits: `split_request`'s caller refuses the request
+            return int(value) if value.isdigit() else None
     return None
 
 
@@ -248,7 +253,8 @@ class H2Server:
         self.streams: dict[int, Stream] = {}  # open in at least one direction
         self.highest_inbound_stream_id = 0
         self.closed = False  # GOAWAY sent: nothing more is sent or taken
-        self._out: list[bytes] = []
+        #: frames queued for the client; the I/O side takes it whole (`take_output`)
+        self.out = bytearray()
         self._buf = b""
         self._preface = True  # the client preface is still expected
         self._settings_seen = False
@@ -279,14 +285,21 @@ class H2Server:
             (Setting.INITIAL_WINDOW_SIZE, self._recv_initial),
             (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
         ))
-        self._out.append(_frame(SETTINGS, 0, 0, payload))
+        self._write(_frame(SETTINGS, 0, 0, payload))
 
     def data_to_send(self) -> bytes:
-        if not self._out:
-            return b""
-        data = b"".join(self._out)
-        self._out.clear()
+        data = bytes(self.out)
+        self.out.clear()
         return data
+
+    def take_output(self) -> bytearray:
+        """The queued frames, handed over without a copy (`out` starts empty again)."""
+        data = self.out
+        self.out = bytearray()
+        return data
+
+    def _write(self, frame: bytes) -> None:
+        self.out += frame
 
     # -- receiving --------------------------------------------------------------------
 
@@ -357,7 +370,7 @@ class H2Server:
             if len(payload) != 8:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "PING not 8 bytes")
             if not flags & ACK:
-                self._out.append(_frame(PING, ACK, 0, payload))
+                self._write(_frame(PING, ACK, 0, payload))
             events.append(PingReceived(bool(flags & ACK)))
         elif kind == PRIORITY:
             if not sid:
@@ -459,10 +472,13 @@ class H2Server:
             events.append(StreamEnded(sid))
             return
         if sid <= self.highest_inbound_stream_id:
-            return  # a closed stream: trailers sent before the client saw our reset
+            # a closed stream: trailers sent before the client saw our reset; ignored
+            # (the block was decoded, so the table is right), but not free
+            events.append(UnknownFrame(HEADERS))
+            return
         self.highest_inbound_stream_id = sid
         if len(self.streams) >= self.max_concurrent_streams:
-            self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(ErrorCode.REFUSED_STREAM)))
+            self._write(_frame(RST_STREAM, 0, sid, _U32.pack(ErrorCode.REFUSED_STREAM)))
             return
         stream = Stream(sid, self._send_initial, self._recv_initial)
         stream.content_length = _content_length(headers)
@@ -492,6 +508,8 @@ class H2Server:
             self.acknowledge(length, sid)
             if stream is not None:  # half closed (remote): the client broke the rules
                 self._stream_error(sid, ErrorCode.STREAM_CLOSED, events)
+            else:  # reported with nothing owed, so an empty one is still counted
+                events.append(DataReceived(sid, data, 0, bool(flags & END_STREAM)))
             return
         if length > stream.recv_window:
             self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the stream window")
@@ -541,6 +559,7 @@ class H2Server:
         if flags & ACK:
             if payload:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            events.append(_SETTINGS_ACKED)
             return
         if len(payload) % 6:
             self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
@@ -564,7 +583,7 @@ class H2Server:
                 if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     self._fail(ErrorCode.PROTOCOL_ERROR, "max frame size out of range")
                 self.max_outbound_frame_size = value
-        self._out.append(_frame(SETTINGS, ACK, 0))
+        self._write(_frame(SETTINGS, ACK, 0))
         events.append(_SETTINGS_CHANGED)
 
     def _rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
@@ -596,7 +615,7 @@ class H2Server:
                 self._conn_recv_window == 0 and processed > 1024):
             self._conn_recv_processed = 0
             self._conn_recv_window += processed
-            self._out.append(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(processed)))
+            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(processed)))
         stream = self.streams.get(stream_id)
         if stream is None or not stream.remote_open:
             return
@@ -606,7 +625,7 @@ class H2Server:
                 stream.recv_window == 0 and processed > min(1024, self._recv_initial // 4)):
             stream.recv_processed = 0
             stream.recv_window += processed
-            self._out.append(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(processed)))
+            self._write(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(processed)))
 
     # -- sending ----------------------------------------------------------------------
 
@@ -629,14 +648,14 @@ class H2Server:
         flags = END_STREAM if end_stream else 0
         limit = self.max_outbound_frame_size
         if len(block) <= limit:
-            self._out.append(_HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS,
+            self._write(_HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS,
                                         stream_id) + block)
         else:
             pieces = [block[i:i + limit] for i in range(0, len(block), limit)]
-            self._out.append(_frame(HEADERS, flags, stream_id, pieces[0]))
+            self._write(_frame(HEADERS, flags, stream_id, pieces[0]))
             for piece in pieces[1:-1]:
-                self._out.append(_frame(CONTINUATION, 0, stream_id, piece))
-            self._out.append(_frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
+                self._write(_frame(CONTINUATION, 0, stream_id, piece))
+            self._write(_frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
         stream.headers_sent = True
         if end_stream:
             self._local_end(stream)
@@ -657,10 +676,10 @@ class H2Server:
             raise StreamClosed("DATA before the response head")
         stream.send_window -= n
         self.conn_send_window -= n
-        self._out.append(_HEAD.pack(n << 8 | DATA, END_STREAM if end_stream else 0,
+        self._write(_HEAD.pack(n << 8 | DATA, END_STREAM if end_stream else 0,
                                     stream_id))
         if n:
-            self._out.append(data)
+            self._write(data)
         if end_stream:
             self._local_end(stream)
 
@@ -676,7 +695,7 @@ class H2Server:
         """RST_STREAM, when the stream is open and the connection too; else nothing."""
         if self.closed or self.streams.pop(stream_id, None) is None:
             return
-        self._out.append(_frame(RST_STREAM, 0, stream_id, _U32.pack(code)))
+        self._write(_frame(RST_STREAM, 0, stream_id, _U32.pack(code)))
 
     def close_connection(self, code: int = ErrorCode.NO_ERROR,
                          last_stream_id: int | None = None) -> None:
@@ -684,5 +703,5 @@ class H2Server:
         if self.closed:
             return
         last = self.highest_inbound_stream_id if last_stream_id is None else last_stream_id
-        self._out.append(_frame(GOAWAY, 0, 0, _GOAWAY.pack(last, code)))
+        self._write(_frame(GOAWAY, 0, 0, _GOAWAY.pack(last, code)))
         self.closed = True
