@@ -382,3 +382,17 @@ def test_remembered_header_blocks_decode_as_the_table_says() -> None:
         client.receive_data(server.data_to_send())
         sid += 2
     assert repeats > 20  # remembered blocks were used, not just stored
+
+
+def test_hpack_encoder_remembers_fields_without_changing_them() -> None:
+    from pact_ingress.proto import h2_hpack
+    rng = random.Random(3)
+    names = [b"content-type", b"content-length", b"x-a", b"set-cookie", b"date"]
+    for _ in range(500):
+        fields = [(rng.choice(names), b"%d" % rng.randrange(40) * rng.choice((1, 100)))
+                  for _ in range(rng.randint(1, 6))]
+        fields.append((b"x-ba", bytearray(b"mutable")))
+        decoded = hpack.Decoder().decode(h2_hpack.encode(fields), raw=True)
+        assert decoded == [(n, bytes(v)) for n, v in fields]
+    assert len(h2_hpack._FIELDS) <= h2_hpack._FIELDS_MAX
+    assert not any(n == b"set-cookie" for n, _ in h2_hpack._FIELDS)

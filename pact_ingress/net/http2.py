@@ -61,6 +61,7 @@ the same pass. The state machine enforces the header list size and checks
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Awaitable, Callable
 
 import outcome
@@ -73,10 +74,11 @@ from pact_ingress.net.http_exchange import (
     Headers,
     send_to_client,
 )
+from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto import h2_server as h2
-from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
+from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.http_request import header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -85,6 +87,8 @@ MAX_CONCURRENT_STREAMS = 100
 MAX_HEADER_LIST_SIZE = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
+#: Plaintext of a full TLS record: a read returns at most this much.
+TLS_RECORD = 16 * 1024
 #: Bytes queued for the writer beyond which whoever queues more waits for the writer to
 #: take them: enough for four full TLS records in one `send`, and a bound on what a client
 #: that does not read can make us hold per connection.
@@ -210,12 +214,21 @@ class H2Connection:
 
     async def _read_loop(self) -> None:
         reads = 0
+        tls = self.stream if isinstance(self.stream, ServerTLS) else None
+        data = b""
         while not (self._goaway and not self.streams):
             reads += 1
             if reads % YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()
             try:
-                data = await self.stream.receive_some(READ_SIZE)
+                if tls is not None:
+                    # less than a full TLS record last time: the socket was most likely
+                    # drained (a client waiting for its answer), so wait for it to be
+                    # readable instead of asking it first (what TLS holds is read first)
+                    data = await tls.receive_by(READ_SIZE, math.inf,
+                                                wait_first=len(data) < TLS_RECORD)
+                else:
+                    data = await self.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:

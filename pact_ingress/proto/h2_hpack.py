@@ -78,17 +78,37 @@ def _name_prefix(name: bytes) -> bytes:
     return prefix
 
 
+#: Encoded fields seen lately (most response fields repeat: server, content-type, a
+#: content-length, the date within a second); bounded, forgotten all at once when full.
+#: Fields that must never be indexed are not kept.
+_FIELDS: dict[Header, bytes] = {}
+_FIELDS_MAX = 1024
+_FIELD_VALUE_MAX = 256  # longer values are encoded each time
+
+
+def _field(field: Header) -> bytes:
+    index = _FIELD_INDEX.get(field)
+    if index is not None:
+        return _integer(index, 7, 0x80)
+    name, value = field
+    n = len(value)
+    return _name_prefix(name) + (bytes((n,)) if n < 127 else _integer(n, 7, 0)) + value
+
+
 def encode(headers: Iterable[Header]) -> bytes:
     """The header block fragment for `headers` (names already lower case)."""
     out = []
     for field in headers:
-        index = _FIELD_INDEX.get(field)
-        if index is not None:
-            out.append(_integer(index, 7, 0x80))
+        try:
+            encoded = _FIELDS.get(field)
+        except TypeError:  # not bytes (a bytearray): encoded, not kept
+            out.append(_field((bytes(field[0]), bytes(field[1]))))
             continue
-        name, value = field
-        out.append(_name_prefix(name))
-        n = len(value)
-        out.append((bytes((n,)) if n < 127 else _integer(n, 7, 0)))
-        out.append(value)
+        if encoded is None:
+            encoded = _field(field)
+            if len(field[1]) <= _FIELD_VALUE_MAX and field[0] not in _SENSITIVE:
+                if len(_FIELDS) >= _FIELDS_MAX:
+                    _FIELDS.clear()
+                _FIELDS[field] = encoded
+        out.append(encoded)
     return b"".join(out)
