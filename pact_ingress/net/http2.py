@@ -159,8 +159,8 @@ class H2Connection:
         self._handle: _Handle | None = None
         self._nursery: trio.Nursery | None = None
         self._idle_workers: list[trio.lowlevel.Task] = []
-        # the last request header block checked, and what `split_request` made of it
-        self._split: tuple[object, dict[bytes, bytes], list[tuple[bytes, bytes]]] | None = None
+        # the last request header block checked, and the request it makes
+        self._split: tuple[object, _Request] | None = None
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.initiate_connection()
@@ -303,33 +303,19 @@ class H2Connection:
             self._goaway = True
 
     def _exchange(self, event: h2.RequestReceived) -> H2Exchange | None:
-        split = self._split
-        if split is not None and split[0] is event.headers:
+        memo = self._split
+        if memo is not None and memo[0] is event.headers:
             # the same decoded block as the last request (see `H2Server._decode`)
-            pseudo, headers = split[1], list(split[2])
+            request = memo[1]
         else:
-            try:
-                pseudo, headers = split_request(event.headers)
-            except MalformedRequest:
+            request = _request(event.headers)
+            if request is None:
                 self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
                 return None
-            self._split = (event.headers, pseudo, list(headers))
-        declared = header(headers, b"content-length")
-        length = None
-        if declared is not None:
-            if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
-                self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
-                return None
-            length = int(declared)
-        authority = pseudo.get(b":authority")
-        if authority is None:
-            authority = header(headers, b"host")
-        return H2Exchange(
-            method=pseudo.get(b":method", b"").decode("ascii", "replace"),
-            target=pseudo.get(b":path", b""), headers=headers, authority=authority,
-            content_length=length, body_done=event.ended,
-            connection=self, stream_id=event.stream_id,
-        )
+            self._split = (event.headers, request)
+        method, target, authority, length, fields = request
+        return H2Exchange(self, event.stream_id, method, target, list(fields), authority,
+                          length, event.ended)
 
     # -- stream workers -----------------------------------------------------------------
 
@@ -451,9 +437,40 @@ class H2Connection:
         raise ClientGone("client's flow-control window stayed closed")
 
 
+_Request = tuple[str, bytes, bytes | None, int | None, tuple[tuple[bytes, bytes], ...]]
+
+
+def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
+    """Method, target, authority, declared length and fields of a request header block;
+    None when it is malformed."""
+    try:
+        pseudo, headers = split_request(block)
+    except MalformedRequest:
+        return None
+    declared = header(headers, b"content-length")
+    length = None
+    if declared is not None:
+        if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
+            return None
+        length = int(declared)
+    authority = pseudo.get(b":authority")
+    if authority is None:
+        authority = header(headers, b"host")
+    return (pseudo.get(b":method", b"").decode("ascii", "replace"), pseudo.get(b":path", b""),
+            authority, length, tuple(headers))
+
+
 class H2Exchange(Exchange):
-    def __init__(self, *, connection: H2Connection, stream_id: int, **fields: object) -> None:
-        super().__init__(**fields)  # type: ignore[arg-type]
+    def __init__(self, connection: H2Connection, stream_id: int, method: str, target: bytes,
+                 headers: Headers, authority: bytes | None, content_length: int | None,
+                 body_done: bool) -> None:
+        # the dataclass fields, set directly (its generated __init__ takes keywords)
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.authority = authority
+        self.content_length = content_length
+        self.body_done = body_done
         self.c = connection
         self.stream_id = stream_id
         self.scope: trio.CancelScope | None = None  # the worker's, while it runs this
@@ -530,6 +547,20 @@ class H2Exchange(Exchange):
         self.c.kick()
 
     async def send(self, chunk: bytes) -> None:
+        conn = self.c.conn
+        n = len(chunk)
+        if not self._reset and not self.c._broken:
+            try:
+                window = conn.local_flow_control_window(self.stream_id)
+            except h2.StreamClosed as exc:
+                raise ClientGone("stream closed") from exc
+            if 0 < n <= window and n <= conn.max_outbound_frame_size and (
+                    len(conn.out) + n < FLUSH_BYTES):
+                # the usual case: the whole chunk in one DATA frame, nothing to wait for
+                conn.send_data(self.stream_id, chunk)
+                self.c._guard.credit(Flood.WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
+                self.c.kick()
+                return
         view = memoryview(chunk)
         deadline = trio.current_time() + self.c.write_timeout
         while view:

@@ -260,7 +260,8 @@ class H2Server:
         self._settings_seen = False
         # receiving
         self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
-        self._decoded: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        # blocks decoded lately: the header list and its Content-Length
+        self._decoded: dict[bytes, tuple[list[tuple[bytes, bytes]], int | None]] = {}
         self._recv_initial = initial_window
         self._conn_recv_window = DEFAULT_WINDOW  # the connection window is 65535 until updated
         self._conn_recv_processed = 0
@@ -431,31 +432,32 @@ class H2Server:
             block, self._block = b"".join(self._block), None
             self._header_block(self._block_stream, self._block_flags, block, events)
 
-    def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+    def _decode(self, block: bytes) -> tuple[list[tuple[bytes, bytes]], int | None]:
         """The header list of `block`. A block made only of indexed fields leaves the
         dynamic table as it was, so while the table does not change the same bytes mean
         the same list: a client repeating a request sends the same few bytes each time,
         and they are decoded once. Any other block may change the table and forgets
-        what was remembered."""
-        headers = self._decoded.get(block)
-        if headers is not None:
-            return headers
+        what was remembered. Also the block's Content-Length, if any."""
+        known = self._decoded.get(block)
+        if known is not None:
+            return known
         try:
             headers = self._decoder.decode(block, raw=True)
         except hpack.OversizedHeaderListError:
             self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header list too large")
         except (hpack.HPACKError, IndexError, ValueError, TypeError):
             self._fail(ErrorCode.COMPRESSION_ERROR, "header block cannot be decoded")
+        known = headers, _content_length(headers)
         if _all_indexed(block):
             if len(self._decoded) >= DECODED_CACHE:
                 self._decoded.clear()
-            self._decoded[block] = headers
+            self._decoded[block] = known
         elif self._decoded:
             self._decoded.clear()
-        return headers
+        return known
 
     def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
-        headers = self._decode(block)
+        headers, content_length = self._decode(block)
         ended = bool(flags & END_STREAM)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
@@ -481,7 +483,7 @@ class H2Server:
             self._write(_frame(RST_STREAM, 0, sid, _U32.pack(ErrorCode.REFUSED_STREAM)))
             return
         stream = Stream(sid, self._send_initial, self._recv_initial)
-        stream.content_length = _content_length(headers)
+        stream.content_length = content_length
         self.streams[sid] = stream
         if ended:
             stream.remote_open = False
