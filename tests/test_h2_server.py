@@ -396,3 +396,49 @@ def test_hpack_encoder_remembers_fields_without_changing_them() -> None:
         assert decoded == [(n, bytes(v)) for n, v in fields]
     assert len(h2_hpack._FIELDS) <= h2_hpack._FIELDS_MAX
     assert not any(n == b"set-cookie" for n, _ in h2_hpack._FIELDS)
+
+
+def test_mangled_input_fails_only_as_a_protocol_error() -> None:
+    """Valid client traffic with random bytes flipped, cut or repeated: whatever comes
+    in, `receive_data` returns events or raises `ConnectionError_` (GOAWAY queued), and
+    the state stays within its bounds. Bounded: a fixed number of seeded cases."""
+    client = _client({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 100})
+    for sid in (1, 3, 5, 7):
+        client.send_headers(sid, REQUEST + [(b"content-length", b"20"), (b"x-%d" % sid, b"v")])
+        client.send_data(sid, b"a" * 10)
+        client.send_data(sid, b"b" * 10, end_stream=sid != 5, pad_length=3 if sid == 3 else None)
+    client.increment_flow_control_window(1000)
+    client.ping(b"pingpong")
+    client.reset_stream(5)
+    client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 100})
+    wire = client.data_to_send()
+    rng = random.Random(5)
+    outcomes = {"events": 0, "error": 0}
+    for _ in range(1500):
+        data = bytearray(wire)
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(0 if rng.random() < 0.05 else len(hs.PREFACE), len(data))
+            action = rng.random()
+            if action < 0.6:
+                data[pos] = rng.randrange(256)
+            elif action < 0.8:
+                del data[pos:pos + rng.randint(1, 20)]
+            else:
+                data[pos:pos] = data[pos:pos + rng.randint(1, 30)]
+        server = H2Server(max_concurrent_streams=3)
+        server.initiate_connection()
+        try:
+            for start in range(0, len(data), 97):
+                server.receive_data(bytes(data[start:start + 97]))
+            outcomes["events"] += 1
+        except hs.ConnectionError_ as exc:
+            assert _goaway(server.data_to_send()) == exc.code
+            outcomes["error"] += 1
+        assert len(server.streams) <= 3
+        assert server.conn_send_window <= hs.MAX_WINDOW
+        for stream in server.streams.values():
+            assert stream.recv_window >= 0 and stream.send_window <= hs.MAX_WINDOW
+        for sid, stream in list(server.streams.items()):  # answering never breaks
+            if stream.local_open and not server.closed:
+                _respond(server, sid, b"")
+    assert outcomes["events"] > 100 and outcomes["error"] > 100, outcomes  # both exercised
