@@ -1,27 +1,30 @@
-"""The HTTP/2 client leg of the terminate engine: h2 driven by one reader and one writer.
+"""The HTTP/2 client leg of the terminate engine: `proto.h2_server` driven by one reader
+and one writer.
 
 Theory of operation
 -------------------
-h2 is the state machine; this module moves bytes. One task reads the connection and
-feeds h2; every event is dispatched *in order* before the next read, so a DATA frame
+`proto.h2_server.H2Server` is the state machine (frames, HPACK, stream states, flow
+control, the protocol's limits); this module moves bytes. One task reads the connection
+and feeds it; every event is dispatched *in order* before the next read, so a DATA frame
 that arrived in the same read as its HEADERS finds its stream already created (the
 stream exists from `RequestReceived` on). Each request runs the engine's `handle` in a
 stream worker: a task of the connection's nursery that, when its exchange is done,
 parks and takes the connection's next request instead of ending, so a keep-alive
 connection does not spawn (and tear down) a task per request. When the connection ends,
-they all end.
+they all end. A worker keeps one cancel scope for all the exchanges it serves: a reset
+cancels it, and the worker ends with that exchange.
 
 Request bodies are flow controlled end to end: DATA is queued on its stream and
-acknowledged to h2 (so WINDOW_UPDATE goes out, when h2's window manager decides one is
-due: once half a window has been taken) only when the engine *takes* it, so a stream
+acknowledged to the state machine (so WINDOW_UPDATE goes out when one is due: once half
+a window has been taken) only when the engine *takes* it, so a stream
 buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most the
 connection window, whatever the client sends. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
 Writes: only the writer task writes to the socket. Everyone else (the reader answering
-PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets h2 queue
-frames and calls `kick`, which moves them to the connection's outbox and wakes the
-writer; the writer sends the whole outbox in one write when it runs. So a 1 KiB answer
+PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets the state
+machine queue frames in its outbox (`H2Server.out`) and calls `kick`, which wakes the
+writer; the writer takes the whole outbox and sends it in one write when it runs. So a 1 KiB answer
 leaves as one TLS record in one `send`, the answers of streams that finish together
 share one, and nothing cancels a write half-way (a TLS record cut off mid-write would
 leave nothing to resume). Back-pressure: a stream or the reader that finds more than
@@ -44,41 +47,38 @@ deadline. An answer given before the body was read ends the stream with
 new stream (REFUSED_STREAM: safe to retry elsewhere), lets the open ones finish, uploads
 included, then sends GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
 
-h2 is configured once per connection with its header validation off in both directions,
-because both are done here in one pass each: a request header block is checked by
+Header blocks are checked here, in one pass each way: a request header block by
 `proto.h2_request.split_request` (names, characters, pseudo-headers, connection-specific
 fields, Host against `:authority`: nothing malformed reaches the engine; a malformed
-request is reset with PROTOCOL_ERROR), and the response block is built by
-`response_block` from headers the engine has already cleaned (`proto.http_headers`:
-lower-case names, no pseudo-headers, no hop-by-hop fields), with the one normalisation
-left, surrounding whitespace, done in the same pass. h2 still enforces the header list
-size and checks `Content-Length` against the DATA.
+request is reset with PROTOCOL_ERROR; the same decoded block as the previous request is
+not split again), and the response block is built by `response_block` from headers the
+engine has already cleaned (`proto.http_headers`: lower-case names, no pseudo-headers,
+no hop-by-hop fields), with the one normalisation left, surrounding whitespace, done in
+the same pass. The state machine enforces the header list size and checks
+`Content-Length` against the DATA.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Awaitable, Callable
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import outcome
 import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import (
-    BadResponse,
     ClientGone,
     Exchange,
     Headers,
     send_to_client,
 )
+from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.proto import h2_server as h2
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
+from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.http_request import header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -87,13 +87,16 @@ MAX_CONCURRENT_STREAMS = 100
 MAX_HEADER_LIST_SIZE = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
+#: Plaintext of a full TLS record: a read returns at most this much.
+TLS_RECORD = 16 * 1024
 #: Bytes queued for the writer beyond which whoever queues more waits for the writer to
 #: take them: enough for four full TLS records in one `send`, and a bound on what a client
 #: that does not read can make us hold per connection.
 FLUSH_BYTES = 64 * 1024
 #: A read returns without yielding to other connections when TLS already holds bytes;
 #: the reader yields at least every this many reads, so a client that keeps its socket
-#: full (of frames h2 handles without us, such as WINDOW_UPDATE) cannot hold the loop.
+#: full (of frames the state machine handles without us, such as WINDOW_UPDATE) cannot
+#: hold the loop.
 YIELD_EVERY = 8
 #: Stream workers kept parked per connection for the next request; more than this many
 #: concurrent streams spawn workers that end with their exchange.
@@ -128,12 +131,8 @@ class H2Connection:
                  idle_scopes: set[trio.CancelScope], draining: trio.Event,
                  on_flood: Callable[[Flood], None] = lambda kind: None) -> None:
         self.stream = stream
-        config = h2.config.H2Configuration(
-            client_side=False, header_encoding=None,
-            # `split_request` checks a request header block (and joins cookies) in one pass
-            validate_inbound_headers=False, normalize_inbound_headers=False,
-            validate_outbound_headers=False, normalize_outbound_headers=False)
-        self.conn = h2.connection.H2Connection(config)
+        self.conn = h2.H2Server(max_concurrent_streams=MAX_CONCURRENT_STREAMS,
+                                max_header_list_size=MAX_HEADER_LIST_SIZE)
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.streams: dict[int, H2Exchange] = {}
@@ -146,7 +145,6 @@ class H2Connection:
         self._flooded: Flood | None = None
         self.on_flood: Callable[[Flood], None] = on_flood
         # writing
-        self._outbox = bytearray()  # frames taken from h2, not yet handed to the socket
         self._writing = False  # the writer holds a batch it is sending
         self._writer: trio.lowlevel.Task | None = None  # the writer, while parked
         self._room: trio.Event | None = None  # set when the writer takes the outbox
@@ -161,13 +159,10 @@ class H2Connection:
         self._handle: _Handle | None = None
         self._nursery: trio.Nursery | None = None
         self._idle_workers: list[trio.lowlevel.Task] = []
+        # the last request header block checked, and the request it makes
+        self._split: tuple[object, _Request] | None = None
 
     async def serve(self, handle: _Handle) -> None:
-        self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-        })
         self.conn.initiate_connection()
         self._handle = handle
         self._last_read = trio.current_time()
@@ -182,8 +177,7 @@ class H2Connection:
                     self._idle_scopes.add(self._read_scope)
                     with self._read_scope:
                         await self._read_loop()
-                    if self._draining.is_set() and (self.conn.state_machine.state
-                                                    is not h2.connection.ConnectionState.CLOSED):
+                    if self._draining.is_set() and not self.conn.closed:
                         # GOAWAY(NO_ERROR) naming the last stream taken before the drain
                         self.conn.close_connection(last_stream_id=self._last_stream)
                     await self.flush()  # a GOAWAY, the last answers
@@ -196,9 +190,8 @@ class H2Connection:
 
     async def _on_drain(self) -> None:
         """Take no new stream; say GOAWAY once the open ones have been answered. Not at
-        once: h2 (and so httpx) treats any GOAWAY as the end of the connection and would
-        fail the answers still to come, and h2's own side would refuse the rest of an
-        open upload."""
+        once: the h2 library (and so httpx) treats any GOAWAY as the end of the connection
+        and would fail the answers still to come, and its uploads still open with them."""
         await self._draining.wait()
         self._goaway = True
         self._last_stream = self.conn.highest_inbound_stream_id
@@ -221,12 +214,21 @@ class H2Connection:
 
     async def _read_loop(self) -> None:
         reads = 0
+        tls = self.stream if isinstance(self.stream, ServerTLS) else None
+        data = b""
         while not (self._goaway and not self.streams):
             reads += 1
             if reads % YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()
             try:
-                data = await self.stream.receive_some(READ_SIZE)
+                if tls is not None:
+                    # less than a full TLS record last time: the socket was most likely
+                    # drained (a client waiting for its answer), so wait for it to be
+                    # readable instead of asking it first (what TLS holds is read first)
+                    data = await tls.receive_by(READ_SIZE, math.inf,
+                                                wait_first=len(data) < TLS_RECORD)
+                else:
+                    data = await self.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
@@ -234,23 +236,22 @@ class H2Connection:
             self._last_read = trio.current_time()
             try:
                 events = self.conn.receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
-                code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
-                self.conn.close_connection(error_code=code)
-                return
+            except h2.ConnectionError_:
+                return  # GOAWAY is queued
             for event in events:
                 self._dispatch(event)
             self.kick()
             if self._flooded is not None:
                 return
-            if len(self._outbox) >= FLUSH_BYTES:
+            if len(self.conn.out) >= FLUSH_BYTES:
                 await self._wait_room()
 
-    def _dispatch(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.RequestReceived):
+    def _dispatch(self, event: h2.Event) -> None:
+        kind = type(event)
+        if kind is h2.RequestReceived:
             if self._last_stream is not None and event.stream_id > self._last_stream:
                 # opened after the drain began: the client may retry it elsewhere
-                self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                self.conn.reset_stream(event.stream_id, ErrorCode.REFUSED_STREAM)
                 return
             exchange = self._exchange(event)
             if exchange is not None:
@@ -258,68 +259,63 @@ class H2Connection:
                     self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
                 self._start(exchange)
-        elif isinstance(event, h2.events.DataReceived):
-            if not event.data and event.stream_ended is None:
+        elif kind is h2.DataReceived:
+            if not event.data and not event.ended:
                 self._charge(Flood.EMPTY_DATA)
             exchange = self.streams.get(event.stream_id)
             if exchange is None or exchange.stopped:
-                self.conn.acknowledge_received_data(event.flow_controlled_length,
-                                                    event.stream_id)
+                self.conn.acknowledge(event.flow_length, event.stream_id)
             else:
-                exchange.feed(event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.StreamEnded | h2.events.TrailersReceived):
+                exchange.feed(event.data, event.flow_length)
+            if event.ended and exchange is not None:
+                exchange.end_of_body()
+        elif kind is h2.StreamEnded:
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.end_of_body()
-        elif isinstance(event, h2.events.StreamReset):
-            if event.remote_reset:
+        elif kind is h2.StreamReset:
+            if event.remote:
                 self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
-            self._charge(Flood.SETTINGS if isinstance(event, h2.events.RemoteSettingsChanged)
-                         else Flood.WINDOW_UPDATE)
+        elif kind is h2.WindowUpdated or kind is h2.SettingsChanged:
+            self._charge(Flood.SETTINGS if kind is h2.SettingsChanged else Flood.WINDOW_UPDATE)
             if self._window is not None:
                 self._window.set()
                 self._window = None
-        elif isinstance(event, h2.events.PingReceived):
+        elif kind is h2.SettingsAcked:
+            self._charge(Flood.SETTINGS)
+        elif kind is h2.PingReceived:
             self._charge(Flood.PING)
-        elif isinstance(event, h2.events.PriorityUpdated):
+        elif kind is h2.PriorityReceived:
             self._charge(Flood.PRIORITY)
-        elif isinstance(event, h2.events.UnknownFrameReceived):
+        elif kind is h2.UnknownFrame:
             self._charge(Flood.UNKNOWN)
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif kind is h2.GoAwayReceived:
             self._goaway = True
 
     def _charge(self, kind: Flood) -> None:
         if self._flooded is None and not self._guard.charge(kind, trio.current_time()):
             self._flooded = kind
             self.on_flood(kind)
-            self.conn.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            self.conn.close_connection(ErrorCode.ENHANCE_YOUR_CALM)
             self._goaway = True
 
-    def _exchange(self, event: h2.events.RequestReceived) -> H2Exchange | None:
-        try:
-            pseudo, headers = split_request(event.headers or ())
-        except MalformedRequest:
-            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            return None
-        declared = header(headers, b"content-length")
-        try:
-            length = int(declared) if declared is not None else None
-        except ValueError:
-            self.conn.reset_stream(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            return None
-        authority = pseudo.get(b":authority")
-        if authority is None:
-            authority = header(headers, b"host")
-        return H2Exchange(
-            method=pseudo.get(b":method", b"").decode("ascii", "replace"),
-            target=pseudo.get(b":path", b""), headers=headers, authority=authority,
-            content_length=length, body_done=event.stream_ended is not None,
-            connection=self, stream_id=event.stream_id,
-        )
+    def _exchange(self, event: h2.RequestReceived) -> H2Exchange | None:
+        memo = self._split
+        if memo is not None and memo[0] is event.headers:
+            # the same decoded block as the last request (see `H2Server._decode`)
+            request = memo[1]
+        else:
+            request = _request(event.headers)
+            if request is None:
+                self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                return None
+            self._split = (event.headers, request)
+        method, target, authority, length, fields = request
+        return H2Exchange(self, event.stream_id, method, target, list(fields), authority,
+                          length, event.ended)
 
     # -- stream workers -----------------------------------------------------------------
 
@@ -331,24 +327,36 @@ class H2Connection:
             self._nursery.start_soon(self._worker, exchange)
 
     async def _worker(self, exchange: H2Exchange) -> None:
-        while True:
-            await self._run(exchange)
-            if len(self._idle_workers) >= MAX_IDLE_WORKERS:
-                return
-            task = trio.lowlevel.current_task()
-            self._idle_workers.append(task)
+        # One cancel scope for every exchange the worker serves (entering and leaving a
+        # scope per request costs more than the rest of the hand-off): a reset cancels
+        # it, and the worker ends with that exchange.
+        with trio.CancelScope() as scope:
+            while True:
+                exchange.scope = scope
+                if exchange._reset:  # reset before the worker took it
+                    scope.cancel()
+                await self._run(exchange)
+                exchange.scope = None
+                if scope.cancel_called or len(self._idle_workers) >= MAX_IDLE_WORKERS:
+                    return
+                exchange = await self._park()
 
-            def abort(_: object, task: trio.lowlevel.Task = task) -> trio.lowlevel.Abort:
-                self._idle_workers.remove(task)
-                return trio.lowlevel.Abort.SUCCEEDED
+    async def _park(self) -> H2Exchange:
+        """Wait for the connection's next request (`_start`)."""
+        task = trio.lowlevel.current_task()
+        self._idle_workers.append(task)
 
-            exchange = await trio.lowlevel.wait_task_rescheduled(abort)
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._idle_workers.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        exchange: H2Exchange = await trio.lowlevel.wait_task_rescheduled(abort)
+        return exchange
 
     async def _run(self, exchange: H2Exchange) -> None:
         assert self._handle is not None
         try:
-            with exchange.scope:
-                await self._handle(exchange)
+            await self._handle(exchange)
         except ClientGone:
             pass
         except Exception as exc:
@@ -367,11 +375,8 @@ class H2Connection:
     # -- writing ------------------------------------------------------------------------
 
     def kick(self) -> None:
-        """Take what h2 queued into the outbox and wake the writer; never waits."""
-        data = self.conn.data_to_send()
-        if data:
-            self._outbox += data
-        if self._outbox:
+        """Wake the writer if frames are queued (`self.conn.out`); never waits."""
+        if self.conn.out:
             task = self._writer
             if task is not None:
                 self._writer = None
@@ -383,14 +388,14 @@ class H2Connection:
             return trio.lowlevel.Abort.SUCCEEDED
 
         while True:
-            if not self._outbox:
+            if not self.conn.out:
                 if self._written is not None:
                     self._written.set()
                     self._written = None
                 self._writer = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(abort)
                 continue
-            data, self._outbox = self._outbox, bytearray()
+            data = self.conn.take_output()
             if self._room is not None:
                 self._room.set()
                 self._room = None
@@ -418,7 +423,7 @@ class H2Connection:
         self.kick()
         if self._broken:
             raise ClientGone("client connection broke")
-        if self._outbox or self._writing:
+        if self.conn.out or self._writing:
             if self._written is None:
                 self._written = trio.Event()
             await self._written.wait()
@@ -432,12 +437,43 @@ class H2Connection:
         raise ClientGone("client's flow-control window stayed closed")
 
 
+_Request = tuple[str, bytes, bytes | None, int | None, tuple[tuple[bytes, bytes], ...]]
+
+
+def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
+    """Method, target, authority, declared length and fields of a request header block;
+    None when it is malformed."""
+    try:
+        pseudo, headers = split_request(block)
+    except MalformedRequest:
+        return None
+    declared = header(headers, b"content-length")
+    length = None
+    if declared is not None:
+        if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
+            return None
+        length = int(declared)
+    authority = pseudo.get(b":authority")
+    if authority is None:
+        authority = header(headers, b"host")
+    return (pseudo.get(b":method", b"").decode("ascii", "replace"), pseudo.get(b":path", b""),
+            authority, length, tuple(headers))
+
+
 class H2Exchange(Exchange):
-    def __init__(self, *, connection: H2Connection, stream_id: int, **fields: object) -> None:
-        super().__init__(**fields)  # type: ignore[arg-type]
+    def __init__(self, connection: H2Connection, stream_id: int, method: str, target: bytes,
+                 headers: Headers, authority: bytes | None, content_length: int | None,
+                 body_done: bool) -> None:
+        # the dataclass fields, set directly (its generated __init__ takes keywords)
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.authority = authority
+        self.content_length = content_length
+        self.body_done = body_done
         self.c = connection
         self.stream_id = stream_id
-        self.scope = trio.CancelScope()
+        self.scope: trio.CancelScope | None = None  # the worker's, while it runs this
         self.stopped = False  # answered before the body was read: DATA is dropped
         self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
         self._arrived: trio.Event | None = None  # while the engine waits for body bytes
@@ -467,17 +503,17 @@ class H2Exchange(Exchange):
         if self._gone is not None:
             self._gone.set()
         self._wake()
-        self.scope.cancel()
+        if self.scope is not None:
+            self.scope.cancel()
 
     def release(self) -> None:
         """The exchange ended: hand back the window of DATA nobody took."""
         if self._unacked:
-            self.c.conn.acknowledge_received_data(self._unacked, self.stream_id)
+            self.c.conn.acknowledge(self._unacked, self.stream_id)
             self._unacked = 0
         self._chunks.clear()
-        stream = self.c.conn.streams.get(self.stream_id)
-        if stream is not None and not stream.closed:  # ended without a complete response
-            self._rst(h2.errors.ErrorCodes.CANCEL)
+        if self.c.conn.is_open(self.stream_id):  # ended without a complete response
+            self._rst(ErrorCode.CANCEL)
 
     # -- the engine's side --------------------------------------------------------------
 
@@ -486,8 +522,8 @@ class H2Exchange(Exchange):
             if self._chunks:
                 data, flow_length = self._chunks.popleft()
                 self._unacked -= flow_length
-                self.c.conn.acknowledge_received_data(flow_length, self.stream_id)
-                self.c.kick()  # a WINDOW_UPDATE, when h2 decided one is due
+                self.c.conn.acknowledge(flow_length, self.stream_id)
+                self.c.kick()  # a WINDOW_UPDATE, when one is due
                 if data:
                     return data
                 continue
@@ -506,15 +542,25 @@ class H2Exchange(Exchange):
         self._live()
         try:
             self.c.conn.send_headers(self.stream_id, response_block(status, headers))
-        except h2.exceptions.ProtocolError as exc:
-            stream = self.c.conn.streams.get(self.stream_id)
-            if self.c.conn.state_machine.state is h2.connection.ConnectionState.CLOSED or (
-                    stream is None or stream.closed):
-                raise ClientGone("stream or connection closed") from exc
-            raise BadResponse(str(exc)) from exc
+        except h2.StreamClosed as exc:
+            raise ClientGone("stream or connection closed") from exc
         self.c.kick()
 
     async def send(self, chunk: bytes) -> None:
+        conn = self.c.conn
+        n = len(chunk)
+        if not self._reset and not self.c._broken:
+            try:
+                window = conn.local_flow_control_window(self.stream_id)
+            except h2.StreamClosed as exc:
+                raise ClientGone("stream closed") from exc
+            if 0 < n <= window and n <= conn.max_outbound_frame_size and (
+                    len(conn.out) + n < FLUSH_BYTES):
+                # the usual case: the whole chunk in one DATA frame, nothing to wait for
+                conn.send_data(self.stream_id, chunk)
+                self.c._guard.credit(Flood.WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
+                self.c.kick()
+                return
         view = memoryview(chunk)
         deadline = trio.current_time() + self.c.write_timeout
         while view:
@@ -522,7 +568,7 @@ class H2Exchange(Exchange):
             try:
                 window = min(self.c.conn.local_flow_control_window(self.stream_id),
                              self.c.conn.max_outbound_frame_size)
-            except h2.exceptions.ProtocolError as exc:
+            except h2.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             if window <= 0:
                 await self.c.wait_window(deadline)
@@ -530,12 +576,12 @@ class H2Exchange(Exchange):
             piece = chunk if window >= len(view) == len(chunk) else bytes(view[:window])
             try:
                 self.c.conn.send_data(self.stream_id, piece)
-            except h2.exceptions.ProtocolError as exc:
+            except h2.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             self.c._guard.credit(Flood.WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
             self.c.kick()
-            if len(self.c._outbox) >= FLUSH_BYTES:
+            if len(self.c.conn.out) >= FLUSH_BYTES:
                 with trio.move_on_at(deadline):
                     await self.c._wait_room()
                     continue
@@ -545,14 +591,14 @@ class H2Exchange(Exchange):
         self._live()
         try:
             self.c.conn.end_stream(self.stream_id)
-        except h2.exceptions.ProtocolError as exc:
+        except h2.StreamClosed as exc:
             raise ClientGone("stream closed") from exc
         if self.stopped and not self._ended:
-            self._rst(h2.errors.ErrorCodes.NO_ERROR)
+            self._rst(ErrorCode.NO_ERROR)
         self.c.kick()
 
     async def abort(self) -> None:
-        self._rst(h2.errors.ErrorCodes.INTERNAL_ERROR)
+        self._rst(ErrorCode.INTERNAL_ERROR)
         self.c.kick()
 
     async def wait_gone(self) -> None:
@@ -569,7 +615,7 @@ class H2Exchange(Exchange):
         if not self._ended:
             self.stopped = True
             if self._unacked:
-                self.c.conn.acknowledge_received_data(self._unacked, self.stream_id)
+                self.c.conn.acknowledge(self._unacked, self.stream_id)
                 self._unacked = 0
             self._chunks.clear()
 
@@ -580,7 +626,4 @@ class H2Exchange(Exchange):
             raise ClientGone("client connection broke")
 
     def _rst(self, code: int) -> None:
-        try:
-            self.c.conn.reset_stream(self.stream_id, error_code=code)
-        except h2.exceptions.ProtocolError:
-            pass  # already closed
+        self.c.conn.reset_stream(self.stream_id, code)  # nothing when already closed

@@ -24,7 +24,11 @@ class Flood(enum.Enum):
     PRIORITY = "priority"  # PRIORITY frames: free to send, answered with bookkeeping
     EMPTY_DATA = "empty_data"  # DATA frames with no payload that do not end the stream
     WINDOW_UPDATE = "window_update"  # beyond what the data we send explains
-    UNKNOWN = "unknown"  # frame types h2 does not know (ignored by the RFC, not free)
+    UNKNOWN = "unknown"  # frame types HTTP/2 does not define (ignored by the RFC, not free)
+
+    # members are singletons: hashing by identity is exact, and much cheaper than Enum's
+    # own hash (a Python call) on the per-response `credit`
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,10 @@
 """Is an HTTP/2 request header block well formed (RFC 9113 §8.2, §8.3)? Pure.
 
-h2 can check this itself, but does so as a chain of seven generators, each resumed for
-every field: on a keep-alive connection that was about a quarter of h2's own cost per
-request. `split_request` applies the same rules in one pass, and is stricter in two
-places because the next hop is HTTP/1.1: field names must be RFC 9110 tokens in lower
-case (h2 accepts any visible ASCII but upper case and ':'), and values may carry no
-control character but HTAB (h2 refuses only NUL, CR and LF). Anything it refuses is a
+The HTTP/2 state machine (`proto.h2_server`) leaves header blocks unchecked; this
+checks a request block in one pass, as strictly as the h2 library would and stricter in
+two places because the next hop is HTTP/1.1: field names must be RFC 9110 tokens in
+lower case (h2 accepts any visible ASCII but upper case and ':'), and values may carry
+no control character but HTAB (h2 refuses only NUL, CR and LF). Anything it refuses is a
 malformed request, which RFC 9113 §8.1.1 makes a stream error (PROTOCOL_ERROR).
 
 The rules: pseudo-header fields first, each at most once, only the request ones
