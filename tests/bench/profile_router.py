@@ -42,6 +42,7 @@ from typing import Any
 from tests.bench.bench_passthrough import SNI, hello_for, ingress_yaml, start_ingress
 from tests.bench.harness import (
     CORE_LOAD,
+    CORE_PROXY,
     CpuMeter,
     Service,
     free_port,
@@ -50,7 +51,12 @@ from tests.bench.harness import (
     run_load,
     services,
 )
-from tests.bench.peers import haproxy_argv, haproxy_backends_cfg, make_tls_pem
+from tests.bench.peers import (
+    haproxy_argv,
+    haproxy_backends_cfg,
+    haproxy_passthrough_cfg,
+    make_tls_pem,
+)
 
 #: In-flight connections, as the bench's flood phase.
 INFLIGHT = 64
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
+    p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
+                   help="the process flooded and measured: pact-ingress or HAProxy in TCP "
+                        "mode (the same SNI route), to compare syscalls and kernel time")
     args = p.parse_args(argv)
     pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-prof-"))
@@ -156,9 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         started.append(backend)
         backend.start([sink])
         cprof = args.out.with_suffix(".pstats") if args.tool == "cprofile" else None
-        proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [],
-                                      cprof)
-        started.append(proxy)
+        if args.proxy == "haproxy":
+            (tmp / "haproxy.cfg").write_text(haproxy_passthrough_cfg(port, {SNI["flood"]: sink}))
+            proxy = Service("haproxy", haproxy_argv(tmp / "haproxy.cfg"), CORE_PROXY,
+                            tmp / "haproxy.log")
+            started.append(proxy)
+            proxy.start([port])
+            runner = "haproxy"
+        else:
+            proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [],
+                                          cprof)
+            started.append(proxy)
         flood(port, hello, WARMUP)
         pid = str(proxy.pid)
         if args.tool == "cprofile":  # deterministic call counts; µs inflated several times
