@@ -124,6 +124,7 @@ _OUT_OR_ERROR = select.EPOLLOUT | select.EPOLLERR
 _SPLICING = State.SPLICING
 _FLOW_READ = Flow.READ
 _FLOW_WRITE = Flow.WRITE
+_FLOW_DONE = Flow.DONE
 #: A head this long may leave in more than one segment (the smallest MSS a path may
 #: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
 #: hold the head's tail. A shorter head leaves in one segment whatever the options are,
@@ -302,12 +303,9 @@ class Edge:
                     mine, other = conn.up, conn.down
                 else:
                     mine, other = conn.down, conn.up
-                if other is not _FLOW_WRITE or not mask & select.EPOLLHUP:
-                    if mine is _FLOW_READ:
-                        if mask == select.EPOLLIN:
-                            self._relay_short(conn, side)
-                        else:
-                            self._pump(conn, side)
+                if (mine is _FLOW_READ
+                        and (other is not _FLOW_WRITE or not mask & select.EPOLLHUP)):
+                    self._relay_short(conn, side)
                     return
             steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
             for step in steps:
@@ -655,11 +653,12 @@ class Edge:
             self._finish(conn, "ok")
 
     def _relay_short(self, conn: _Conn, direction: int) -> None:
-        """A plain readable edge on the source of `direction` (client side = UP): a short
-        message is read and written here, and that is the edge's whole work; anything
-        else (EOF, a full probe, a destination that does not take it all, an idle
-        direction's pipe in use) goes on to `_pump` with nothing lost. The same steps as
-        `_pump` → `_copy` in the usual case, without their generality."""
+        """A readable edge on the source of `direction` (client side = UP): short
+        messages are read and written here, and an EOF is passed on, and that is the
+        edge's whole work; anything else (a full probe, a destination that does not take
+        it all, a direction with a pipe in use or bytes left over) goes on to `_pump` with
+        nothing lost. The same steps as `_pump` → `_copy` in the usual cases, without
+        their generality."""
         if direction == UP:
             if conn.up_pipe is not None or conn.up_left:
                 self._pump(conn, UP)
@@ -670,15 +669,25 @@ class Edge:
                 self._pump(conn, DOWN)
                 return
             src, dst = conn.bfd, conn.cfd
-        try:
-            data = os.read(src, COPY_PROBE)
-        except BlockingIOError:
-            return  # a spurious edge: the direction keeps waiting to read
-        except OSError:
-            self._finish(conn, "reset")
-            return
-        size = len(data)
-        if size:
+        while True:
+            try:
+                data = os.read(src, COPY_PROBE)
+            except BlockingIOError:
+                return  # drained (or a spurious edge): the direction waits to read
+            except OSError:
+                self._finish(conn, "reset")
+                return
+            size = len(data)
+            if not size:  # EOF: passed on as a half-close, unless it is the last one
+                if (conn.down if direction == UP else conn.up) is not _FLOW_DONE:
+                    try:
+                        (conn.bsock if direction == UP else conn.csock).shutdown(  # type: ignore[union-attr]
+                            socket.SHUT_WR)
+                    except OSError:
+                        pass  # the peer is gone: the other direction will see that
+                if conn.pumped(direction, _FLOW_DONE, False, self.now):
+                    self._finish(conn, "ok")
+                return
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
@@ -697,18 +706,18 @@ class Edge:
                 tally = self.tally
                 tally[counter] = tally.get(counter, 0) + n
                 conn.deadline = self.now + conn.idle_timeout
-                if n == size:
-                    if size < COPY_PROBE and not conn.hup & (1 << direction):
-                        return  # drained (a short read) and passed on whole
-                elif direction == UP:
+            if n < size:
+                if direction == UP:
                     conn.up_left = data[n:]
                 else:
                     conn.down_left = data[n:]
-            elif direction == UP:
-                conn.up_left = data
-            else:
-                conn.down_left = data
-        self._pump(conn, direction)  # EOF, more to read, or bytes left to write
+                break
+            if size == COPY_PROBE:
+                break  # a bulk transfer: the rest by splice
+            if not conn.hup & (1 << direction):
+                return  # a short read: drained, and passed on whole
+            # its peer has shut down: the EOF behind the data raises no new edge
+        self._pump(conn, direction)  # bytes left to write, or more to read by splice
 
     @staticmethod
     def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:

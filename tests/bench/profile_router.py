@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
+    p.add_argument("--callgraph", action="store_true",
+                   help="perfrec: record call chains too (perf report -g on the data)")
     p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
                    help="the process flooded and measured: pact-ingress or HAProxy in TCP "
                         "mode (the same SNI route), to compare syscalls and kernel time")
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.tool == "perfrec":
             data = args.out.with_suffix(".perf")
             res, _ = attached(["perf", "record", "-e", "cpu-clock", "-F", "2000", "-p", pid,
-                               "-o", str(data)], proxy, port, hello, args.seconds)
+                               "-o", str(data)] + (["-g"] if args.callgraph else []),
+                              proxy, port, hello, args.seconds)
             for sort in ("dso", "sym"):
                 report = subprocess.run(
                     ["perf", "report", "-i", str(data), "--sort", sort, "--stdio",
