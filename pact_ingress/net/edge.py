@@ -202,8 +202,9 @@ class Edge:
         self.next_sweep = -math.inf
         self.now = 0.0
         self._waiting: trio.CancelScope | None = None
-        #: Counter increments owed, added up over a batch of events and applied after it
-        #: (`_flush`): one `inc` per counter per batch, not one per connection and step.
+        #: Counter increments owed, added up over the batches of events handled back to
+        #: back and applied before the engine yields or waits (`_flush`): one `inc` per
+        #: counter per busy spell, not one per connection and step.
         self.tally: dict[Any, int] = {}
         #: The constant head of each route's `conn_close` line, encoded once.
         self.close_heads: dict[tuple[str, Any], str] = {}
@@ -255,15 +256,17 @@ class Edge:
                             if conn.state is State.SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
-                    if self.tally:
-                        self._flush()
                     log.release()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
                     if batches >= BATCHES_PER_YIELD:
                         batches = 0
+                        if self.tally:
+                            self._flush()
                         await trio.lowlevel.checkpoint()
                     continue
+                if self.tally:  # before anything else may read them: once per busy spell
+                    self._flush()
                 if self.draining and not self.conns:
                     return
                 batches = 0
