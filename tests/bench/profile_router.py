@@ -1,11 +1,14 @@
 """Where the passthrough router's CPU per new connection goes: flood it, measure, profile.
 
     python -m tests.bench.profile_router [--ingress serve|router] [--seconds S] [--runs N]
-                                         [--tool none|pyspy|strace|perf] [--out FILE]
+                                         [--tool none|pyspy|strace|perf|perfrec|cprofile]
+                                         [--callgraph] [--proxy ingress|haproxy] [--out FILE]
 
 The flood phase of `bench_passthrough` (new TCP connection, canned ClientHello, the
-backend closes once the hello has arrived, 64 in flight), against pact-ingress only, so
-one change can be measured in seconds and a profiler attached to the real process:
+backend closes once the hello has arrived, 64 in flight), against pact-ingress only (or,
+with `--proxy haproxy`, against HAProxy in TCP mode with the same SNI route, to compare
+syscalls and kernel time with the same tools), so one change can be measured in seconds
+and a profiler attached to the real process:
 
 - `none` (default): `--runs` floods, each printing CPU µs per connection (utime + stime
   of the proxy from /proc, as the bench) and conn/s; then the median;
@@ -16,6 +19,7 @@ one change can be measured in seconds and a profiler attached to the real proces
 - `perfrec`: `perf record -e cpu-clock` on the proxy during one flood: the share of
   samples by DSO (kernel vs interpreter vs extension modules) and the top symbols —
   the split py-spy cannot see (it counts a syscall's time on the Python line);
+  `--callgraph` records call chains (`perf report -g` on the data file);
 - `cprofile`: the router runner under cProfile (call counts per connection; its times
   are inflated several times), pstats to `--out` with suffix `.pstats`.
 
