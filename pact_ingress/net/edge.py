@@ -19,7 +19,12 @@ long-lived trio task that owns an epoll set (`Edge.run`):
   a read or write that would block is the only thing that leaves a connection waiting;
 * each wake-up of a direction starts with one copied read of at most `COPY_PROBE`
   bytes (a request, a response or an EOF costs read + write and no pipe); a read that
-  fills it hands the direction to splice through a pooled pipe for the rest;
+  fills it hands the direction to splice through a pooled pipe for the rest. The usual
+  edge (readable, on a splicing connection) is served by `_relay_short` straight from
+  `_event`, without the state machine's step dispatch: most edges are that one;
+* the usual ClientHello (whole in one record, naming a host) is checked by
+  `proto/hello_fast.quick_sni`, which returns only the SNI routing needs; everything
+  it declines goes to the full parser, whose verdict and alert are the answer;
 * accepts are batched until EAGAIN (bounded per round, the rest are owed and taken on
   the next round without waiting);
 * timers are not per connection: each connection has one deadline (its state machine,
