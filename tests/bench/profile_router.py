@@ -60,6 +60,7 @@ from tests.bench.peers import (
     haproxy_backends_cfg,
     haproxy_passthrough_cfg,
     make_tls_pem,
+    raw_backends_argv,
 )
 
 #: In-flight connections, as the bench's flood phase.
@@ -71,7 +72,17 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOP = 25
 
 
+#: The load (`--load`): "flood" (new connections; a unit is a connection) or "ka32"
+#: (1 KiB ping-pong on 32 keep-alive connections through an echo backend; a unit is a
+#: request), as the bench's phases of those names.
+LOAD = {"kind": "flood"}
+
+
 def flood(port: int, hello: Path, seconds: float) -> dict[str, Any]:
+    if LOAD["kind"] == "ka32":
+        argv = python_module("tests.bench.loadgen", "keepalive", "--hello", str(hello),
+                             "--conns", "32", "--seconds", str(seconds), "--port", str(port))
+        return run_load(argv, core=CORE_LOAD, time_bound=seconds)
     argv = python_module("tests.bench.loadgen", "flood", "--hello", str(hello),
                          "--inflight", str(INFLIGHT), "--seconds", str(seconds),
                          "--port", str(port))
@@ -151,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
+    p.add_argument("--load", choices=("flood", "ka32"), default="flood",
+                   help="new connections (flood) or 1 KiB requests on 32 connections")
     p.add_argument("--callgraph", action="store_true",
                    help="perfrec: record call chains too (perf report -g on the data)")
     p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
@@ -159,20 +172,29 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-prof-"))
+    LOAD["kind"] = args.load
+    name = SNI["keepalive" if args.load == "ka32" else "flood"]
     hello = tmp / "hello.bin"
-    hello.write_bytes(hello_for(SNI["flood"]))
+    hello.write_bytes(hello_for(name))
     sink, tls, port = free_port(), free_port(), free_port()
     (tmp / "backends.cfg").write_text(haproxy_backends_cfg(
         tls_port=tls, pem=make_tls_pem(tmp, SNI["tls"]), sink_port=sink))
-    (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {SNI["flood"]: sink}))
+    if args.load == "ka32":  # the echo server takes sink's place
+        sink, bulk = free_port(), free_port()
+    (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {name: sink}))
     with services() as started:
-        backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
-                          tmp / "backends.log")
+        if args.load == "ka32":
+            backend = Service("echo", raw_backends_argv(len(hello.read_bytes()), bulk=bulk,
+                                                        echo=sink), CORE_LOAD,
+                              tmp / "echo.log")
+        else:
+            backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
+                              tmp / "backends.log")
         started.append(backend)
         backend.start([sink])
         cprof = args.out.with_suffix(".pstats") if args.tool == "cprofile" else None
         if args.proxy == "haproxy":
-            (tmp / "haproxy.cfg").write_text(haproxy_passthrough_cfg(port, {SNI["flood"]: sink}))
+            (tmp / "haproxy.cfg").write_text(haproxy_passthrough_cfg(port, {name: sink}))
             proxy = Service("haproxy", haproxy_argv(tmp / "haproxy.cfg"), CORE_PROXY,
                             tmp / "haproxy.log")
             started.append(proxy)
