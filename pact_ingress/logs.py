@@ -24,6 +24,17 @@ _LOGGER = logging.getLogger("pact_ingress")
 
 #: Built once: `json.dumps` with options constructs a new encoder on every call.
 _ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
+#: Event names as JSON strings: a handful of names, encoded once each.
+_EVENT_JSON: dict[str, str] = {}
+
+
+def _event_json(event: str) -> str:
+    encoded = _EVENT_JSON.get(event)
+    if encoded is None:
+        if len(_EVENT_JSON) > 1024:  # names are constants in code; bound it anyway
+            _EVENT_JSON.clear()
+        encoded = _EVENT_JSON[event] = _ENCODER.encode(event)
+    return encoded
 _LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning",
                 logging.ERROR: "error"}
 
@@ -247,7 +258,7 @@ class EventLogger:
                 or not _LOGGER.isEnabledFor(level) or not names.isdisjoint(_bound)):
             return False
         line = (f'{{"ts":{round(time.time(), 3)!r},"level":"{_LEVEL_NAMES.get(level, "info")}",'
-                f'"event":{_ENCODER.encode(event)},{_bound_members}{encoded}}}\n')
+                f'"event":{_event_json(event)},{_bound_members}{encoded}}}\n')
         held = self._held
         if held is not None and self._holder == threading.get_ident():
             held.append(line)

@@ -39,6 +39,8 @@ def hello_for(sni: str) -> bytes:
 
 
 ECHO_SNI, HALF_SNI, DOWN_SNI = "www.example.test", "hlf.example.test", "dwn.example.test"
+#: A backend whose accept queue is full: its SYNs are dropped, connects stay pending.
+STUCK_SNI = "stk.example.test"
 
 
 class Backend:
@@ -96,6 +98,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, i
     tls, admin = free_port(), free_port()
     backends = [Backend(echo), Backend(half_closer)]
     refused = free_port()  # nothing listens there
+    # listening, never accepting, its queue filled by the test's own connects: a connect
+    # to it stays in progress (the kernel drops SYNs to a full queue)
+    stuck = socket.create_server(("127.0.0.1", 0), backlog=0)
+    fillers = []
+    for _ in range(4):
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(stuck.getsockname())
+        fillers.append(f)
     text = f"""\
 state_dir: state
 listen:
@@ -111,6 +122,7 @@ tenants:
       - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[0].port}"}}
       - {{host: {HALF_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[1].port}"}}
       - {{host: {DOWN_SNI}, mode: passthrough, backend: "127.0.0.1:{refused}"}}
+      - {{host: {STUCK_SNI}, mode: passthrough, backend: "127.0.0.1:{stuck.getsockname()[1]}"}}
 """
     s = Served(tmp, text)
     try:
@@ -120,6 +132,9 @@ tenants:
         s.stop()
         for b in backends:
             b.close()
+        for f in fillers:
+            f.close()
+        stuck.close()
 
 
 def metrics(admin: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -372,3 +387,93 @@ def test_eof_right_behind_the_data_is_not_lost(served: tuple[Served, int, int]):
             while chunk := c.recv(1 << 16):
                 got += chunk
             assert bytes(got) == HELLO + payload, i
+
+
+def test_messages_of_every_size_around_the_copy_probe(served: tuple[Served, int, int]):
+    """Each readable edge copies a short message in one read and one write; a read that
+    fills the probe (16 KiB) hands the direction to splice, which gives the pipe back
+    once drained. Messages on both sides of that line, one at a time and pipelined, come
+    back intact and in order on one connection."""
+    _, tls, _ = served
+    rng = random.Random(11)
+    sizes = [1, 2, 100, 1400, 16383, 16384, 16385, 32768, 40000, 1, 7, 200_000, 3]
+    with dial(tls) as c:
+        c.sendall(HELLO)
+        assert recv_exact(c, len(HELLO)) == HELLO
+        for size in sizes:  # ping-pong
+            payload = rng.randbytes(size)
+            c.sendall(payload)
+            assert recv_exact(c, size) == payload, size
+        burst = b"".join(rng.randbytes(rng.choice(sizes)) for _ in range(40))
+        done = threading.Event()
+
+        def send() -> None:  # pipelined: the echo lags, both directions are busy
+            c.sendall(burst)
+            done.set()
+
+        t = threading.Thread(target=send)
+        t.start()
+        assert recv_exact(c, len(burst)) == burst
+        t.join(WAIT)
+        assert done.is_set()
+
+
+def test_hello_in_several_records_reaches_the_backend_as_sent(
+        served: tuple[Served, int, int]):
+    """A hello the quick check declines (several records, or split across segments)
+    is parsed in full and routed the same; the backend gets the client's bytes as sent."""
+    _, tls, _ = served
+    message = b""
+    pos = 0
+    while pos < len(HELLO):  # the records' payloads: the handshake message
+        length = int.from_bytes(HELLO[pos + 3:pos + 5], "big")
+        message += HELLO[pos + 5:pos + 5 + length]
+        pos += 5 + length
+    for size in (len(message) // 2 + 1, 100, 7):
+        chunks = [message[i:i + size] for i in range(0, len(message), size)]
+        wire = b"".join(b"\x16\x03\x01" + len(ch).to_bytes(2, "big") + ch for ch in chunks)
+        for split in (False, True):
+            with dial(tls) as c:
+                if split:  # the records arrive in two segments
+                    c.sendall(wire[:len(wire) // 3])
+                    time.sleep(0.002)
+                    c.sendall(wire[len(wire) // 3:] + b"tail")
+                else:
+                    c.sendall(wire + b"tail")
+                assert recv_exact(c, len(wire) + 4) == wire + b"tail"
+
+
+def test_clients_aborting_while_the_backend_connect_is_pending(
+        served: tuple[Served, int, int]):
+    """A connect that never completes holds a backend socket in the engine; a client
+    that resets (or half-closes) meanwhile ends the connection and releases both fds,
+    while other addresses keep being served."""
+    s, tls, admin = served
+    pid = s.proc.pid
+    assert echoed(tls)
+    eventually(lambda: metric(admin, "pact_ingress_open_connections") == 0, "idle")
+    before = open_fds(pid)
+    pending = []
+    for i in range(20):
+        c = dial(tls, f"127.0.0.{10 + i % 5}")
+        c.sendall(hello_for(STUCK_SNI))
+        pending.append(c)
+    eventually(lambda: metric(admin, "pact_ingress_open_connections") == 20,
+               "the 20 connections held while their connects are pending")
+    assert echoed(tls, b"served meanwhile", "127.0.0.3")
+    for i, c in enumerate(pending):
+        if i % 2:
+            reset(c)
+        else:
+            c.shutdown(socket.SHUT_WR)  # its EOF waits behind the pending connect
+    for c in pending[::2]:  # a half-closed client is ended by the connect timeout
+        c.settimeout(WAIT)
+        try:
+            data = c.recv(100)
+        except OSError:
+            data = b""
+        assert data in (b"", ALERT_80), data
+        c.close()
+    eventually(lambda: metric(admin, "pact_ingress_open_connections") == 0, "all ended")
+    eventually(lambda: open_fds(pid) <= before + 8, f"fds back near {before}")
+    assert echoed(tls)

@@ -19,7 +19,12 @@ long-lived trio task that owns an epoll set (`Edge.run`):
   a read or write that would block is the only thing that leaves a connection waiting;
 * each wake-up of a direction starts with one copied read of at most `COPY_PROBE`
   bytes (a request, a response or an EOF costs read + write and no pipe); a read that
-  fills it hands the direction to splice through a pooled pipe for the rest;
+  fills it hands the direction to splice through a pooled pipe for the rest. The usual
+  edge (readable, on a splicing connection) is served by `_relay_short` straight from
+  `_event`, without the state machine's step dispatch: most edges are that one;
+* the usual ClientHello (whole in one record, naming a host) is checked by
+  `proto/hello_fast.quick_sni`, which returns only the SNI routing needs; everything
+  it declines goes to the full parser, whose verdict and alert are the answer;
 * accepts are batched until EAGAIN (bounded per round, the rest are owed and taken on
   the next round without waiting);
 * timers are not per connection: each connection has one deadline (its state machine,
@@ -79,6 +84,7 @@ from pact_ingress.net.router import (
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
+from pact_ingress.proto.hello_fast import quick_sni
 from pact_ingress.proto.passthrough import (
     BACKEND,
     CLIENT,
@@ -118,6 +124,12 @@ _WRITABLE = select.EPOLLOUT | select.EPOLLHUP
 _ERROR = select.EPOLLERR
 #: The peer shut its sending side: its EOF waits to be read, and no later edge reports it.
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP
+#: What an edge in SPLICING may carry that only `Passthrough.ready` judges.
+_OUT_OR_ERROR = select.EPOLLOUT | select.EPOLLERR
+_SPLICING = State.SPLICING
+_FLOW_READ = Flow.READ
+_FLOW_WRITE = Flow.WRITE
+_FLOW_DONE = Flow.DONE
 #: A head this long may leave in more than one segment (the smallest MSS a path may
 #: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
 #: hold the head's tail. A shorter head leaves in one segment whatever the options are,
@@ -137,7 +149,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned", "outs")
+                 "up_left", "down_left", "hup", "tuned", "outs", "counters")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -169,6 +181,7 @@ class _Conn(Passthrough):
         self.tuned = False  # the backend socket has STREAM_OPTIONS
         self.outs = 0  # sides whose fd is registered for writability (bit per side)
         self.last_error: str = ""
+        self.counters: tuple[Any, Any] = (None, None)  # the route's (up, down) byte counters
 
     def add_up(self, n: int) -> None:
         self.up_bytes += n
@@ -194,8 +207,9 @@ class Edge:
         self.next_sweep = -math.inf
         self.now = 0.0
         self._waiting: trio.CancelScope | None = None
-        #: Counter increments owed, added up over a batch of events and applied after it
-        #: (`_flush`): one `inc` per counter per batch, not one per connection and step.
+        #: Counter increments owed, added up over the batches of events handled back to
+        #: back and applied before the engine yields or waits (`_flush`): one `inc` per
+        #: counter per busy spell, not one per connection and step.
         self.tally: dict[Any, int] = {}
         #: The constant head of each route's `conn_close` line, encoded once.
         self.close_heads: dict[tuple[str, Any], str] = {}
@@ -227,9 +241,10 @@ class Edge:
     async def run(self) -> None:
         ep = self.ep
         batches = 0
+        clock = trio.lowlevel.current_clock()  # what trio.current_time() asks, in one call
         try:
             while True:
-                self.now = now = trio.current_time()
+                self.now = now = clock.current_time()
                 if now >= self.next_sweep:
                     self._sweep(now)
                 if self.owed and now >= self.accept_paused_until:
@@ -247,15 +262,17 @@ class Edge:
                             if conn.state is State.SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
-                    if self.tally:
-                        self._flush()
                     log.release()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
                     if batches >= BATCHES_PER_YIELD:
                         batches = 0
+                        if self.tally:
+                            self._flush()
                         await trio.lowlevel.checkpoint()
                     continue
+                if self.tally:  # before anything else may read them: once per busy spell
+                    self._flush()
                 if self.draining and not self.conns:
                     return
                 batches = 0
@@ -286,6 +303,19 @@ class Edge:
         if mask & _HUP:
             conn.hup |= 1 << side
         try:
+            if conn.state is _SPLICING and not mask & _OUT_OR_ERROR:
+                # The common edge: data (or the peer's EOF) to read on one side, which is
+                # the source of one direction (UP == CLIENT): `ready` would name that pump
+                # alone. A hang-up is a writable edge too: when the other direction waits
+                # to write to this side, `ready` judges it.
+                if side == CLIENT:
+                    mine, other = conn.up, conn.down
+                else:
+                    mine, other = conn.down, conn.up
+                if (mine is _FLOW_READ
+                        and (other is not _FLOW_WRITE or not mask & select.EPOLLHUP)):
+                    self._relay_short(conn, side)
+                    return
             steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
             for step in steps:
                 if conn.state is State.CLOSED:
@@ -364,7 +394,7 @@ class Edge:
                 self.owed.append(raw)
                 return
             ip = addr[0]
-            who = client_of(ip)
+            who = client_of(ip) if ":" in ip else ip
             reason = router._over_limit(who)
             if reason is not None:
                 self.stats.rejections.labels(reason).inc()
@@ -408,6 +438,10 @@ class Edge:
                     self._classified(conn, None)
                     return
                 continue  # part of the magic so far
+            sni = quick_sni(buf)
+            if sni is not None:  # whole, valid, and naming a host: the usual hello
+                self._classified(conn, sni, more=len(chunk) == PEEK_READ)
+                return
             try:
                 hello = parse_client_hello(buf)
             except ClientHelloError as exc:
@@ -418,11 +452,21 @@ class Edge:
                 self._classified(conn, hello, more=len(chunk) == PEEK_READ)
                 return
 
-    def _classified(self, conn: _Conn, hello: ClientHello | None, more: bool = False) -> None:
-        """The first bytes say what the connection is: serve it here or hand it off."""
+    def _classified(self, conn: _Conn, hello: ClientHello | str | None,
+                    more: bool = False) -> None:
+        """The first bytes say what the connection is: serve it here or hand it off.
+        `hello`: the parsed ClientHello, or only its SNI (`quick_sni` vouched for the
+        rest: `_hello` parses it when a ClientHello is needed), or None for a tunnel's
+        raw data connection."""
         router = self.router
         ip = conn.client[0]
-        tunnel = hello is None or router._is_tunnel(hello)
+        if hello is None:
+            sni = None
+            tunnel = True
+        else:
+            sni = hello if type(hello) is str else hello.sni  # type: ignore[union-attr]
+            tunnel = (sni is not None and sni == router.tunnel_hostname
+                      and router._is_tunnel(self._hello(conn, hello)))
         kind = router._classify(conn.who, ip, tunnel)
         if kind is None:  # over its kind's cap: refused (and uncounted) by _classify
             self._drop(conn, counted=False)
@@ -431,14 +475,15 @@ class Edge:
         if tunnel:
             self._hand_off(conn, hello)
             return
-        assert hello is not None
-        sni = hello.sni
         relay = router.relay
         if relay is not None and sni is not None and normalize_hostname(
                 sni, validate=False) == relay.host:
             self._hand_off(conn, hello)
             return
-        route = router.table.lookup(sni)
+        table = router.table
+        route = table.exact.get(sni)  # type: ignore[arg-type]
+        if route is None:  # the parser's SNI is spelled canonically: no normalising
+            route = table.lookup(sni)
         if route is None:
             router._reject(ip, "unknown_sni" if sni else "no_sni")
             _send_alert(conn.cfd, tls_alert.UNRECOGNIZED_NAME)
@@ -453,18 +498,29 @@ class Edge:
             return
         self._connect(conn, route, addrs, more)
 
-    def _hand_off(self, conn: _Conn, hello: ClientHello | None) -> None:
+    def _hand_off(self, conn: _Conn, hello: ClientHello | str | None) -> None:
         """To the router's task path, with the bytes read so far."""
+        parsed = None if hello is None else self._hello(conn, hello)
         self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
         sock = socket.socket(fileno=conn.csock.detach())  # what trio wraps
-        self.router.adopt(sock, hello, conn.buf, conn.client, conn.who, conn.kind)
+        self.router.adopt(sock, parsed, conn.buf, conn.client, conn.who, conn.kind)
+
+    @staticmethod
+    def _hello(conn: _Conn, hello: ClientHello | str) -> ClientHello:
+        """The ClientHello itself where only its SNI was taken (`quick_sni`)."""
+        if type(hello) is not str:
+            return hello  # type: ignore[return-value]
+        parsed = parse_client_hello(conn.buf)
+        assert parsed is not None and parsed.sni == hello  # quick_sni's promise
+        return parsed
 
     # --- backend ---------------------------------------------------------------------------
 
     def _connect(self, conn: _Conn, route: Route, addrs: tuple[str, ...], more: bool) -> None:
         conn.route = route
+        conn.counters = self.router._byte_counters(route.host)
         conn.addrs = addrs
         conn.hello_len = len(conn.buf)
         head = conn.buf
@@ -498,8 +554,9 @@ class Edge:
             err = sock.connect_ex((ip, port))
             if err in (0, errno.EINPROGRESS):
                 conn.bsock = sock
-                conn.bfd = sock.fileno()
-                self._register(conn.bfd, conn, BACKEND)
+                conn.bfd = fd = sock.fileno()
+                self.fds[fd] = (conn, BACKEND)
+                self.ep.register(fd, REGISTER)
                 self._send_head(conn)
                 return
             sock.close()
@@ -536,9 +593,12 @@ class Edge:
         conn.head = None
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
-        self._count(self.router._byte_counters(conn.route.host)[0], conn.hello_len)
+        tally = self.tally
+        counter = conn.counters[0]
+        tally[counter] = tally.get(counter, 0) + conn.hello_len
         if not conn.creg:  # registering reports what is ready now: no edge is lost
-            self._register(conn.cfd, conn, CLIENT)
+            self.fds[conn.cfd] = (conn, CLIENT)
+            self.ep.register(conn.cfd, REGISTER)
             conn.creg = True
         if conn.hup & (1 << CLIENT) and Step.PUMP_UP not in steps:
             steps += (Step.PUMP_UP,)  # its EOF arrived with the hello: no edge will come
@@ -589,14 +649,84 @@ class Edge:
             self.again.append((conn, direction))
         elif wait is Wait.WRITE:
             self._want_out(conn, BACKEND if direction == UP else CLIENT)
-        self._keep_pipe(conn, direction, pipe)
-        assert conn.route is not None
-        after = conn.up_bytes if direction == UP else conn.down_bytes
+        if direction == UP:
+            conn.up_pipe = pipe
+            after = conn.up_bytes
+        else:
+            conn.down_pipe = pipe
+            after = conn.down_bytes
         if after != before:
-            self._count(self.router._byte_counters(conn.route.host)[direction], after - before)
+            self._count(conn.counters[direction], after - before)
         flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
+
+    def _relay_short(self, conn: _Conn, direction: int) -> None:
+        """A readable edge on the source of `direction` (client side = UP): short
+        messages are read and written here, and an EOF is passed on, and that is the
+        edge's whole work; anything else (a full probe, a destination that does not take
+        it all, a direction with a pipe in use or bytes left over) goes on to `_pump` with
+        nothing lost. The same steps as `_pump` → `_copy` in the usual cases, without
+        their generality."""
+        if direction == UP:
+            if conn.up_pipe is not None or conn.up_left:
+                self._pump(conn, UP)
+                return
+            src, dst = conn.cfd, conn.bfd
+        else:
+            if conn.down_pipe is not None or conn.down_left:
+                self._pump(conn, DOWN)
+                return
+            src, dst = conn.bfd, conn.cfd
+        while True:
+            try:
+                data = os.read(src, COPY_PROBE)
+            except BlockingIOError:
+                return  # drained (or a spurious edge): the direction waits to read
+            except OSError:
+                self._finish(conn, "reset")
+                return
+            size = len(data)
+            if not size:  # EOF: passed on as a half-close, unless it is the last one
+                if (conn.down if direction == UP else conn.up) is not _FLOW_DONE:
+                    try:
+                        (conn.bsock if direction == UP else conn.csock).shutdown(  # type: ignore[union-attr]
+                            socket.SHUT_WR)
+                    except OSError:
+                        pass  # the peer is gone: the other direction will see that
+                if conn.pumped(direction, _FLOW_DONE, False, self.now):
+                    self._finish(conn, "ok")
+                return
+            if not conn.tuned and direction == UP:
+                _tune(conn)
+            try:
+                n = os.write(dst, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:
+                self._finish(conn, "reset")
+                return
+            if n:
+                if direction == UP:
+                    conn.up_bytes += n
+                else:
+                    conn.down_bytes += n
+                counter = conn.counters[direction]
+                tally = self.tally
+                tally[counter] = tally.get(counter, 0) + n
+                conn.deadline = self.now + conn.idle_timeout
+            if n < size:
+                if direction == UP:
+                    conn.up_left = data[n:]
+                else:
+                    conn.down_left = data[n:]
+                break
+            if size == COPY_PROBE:
+                break  # a bulk transfer: the rest by splice
+            if not conn.hup & (1 << direction):
+                return  # a short read: drained, and passed on whole
+            # its peer has shut down: the EOF behind the data raises no new edge
+        self._pump(conn, direction)  # bytes left to write, or more to read by splice
 
     @staticmethod
     def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:
@@ -723,20 +853,35 @@ class Edge:
             return  # ended already
         if conn.state is not State.CLOSED:
             conn.close(outcome)
-        self._forget(conn)
+        self.conns.discard(conn)  # `_forget` and `_close_backend`, inline: every end
+        fds = self.fds
+        fds.pop(conn.cfd, None)
+        conn.creg = False
         if conn.up_pipe is not None or conn.down_pipe is not None:
             for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
                 if pipe is not None:
                     give_pipe(pipe, drained=d is not None and d.pending == 0)
             conn.up_pipe = conn.down_pipe = None
-        self._close_backend(conn)
+        if conn.bsock is not None:
+            fds.pop(conn.bfd, None)
+            conn.bsock.close()  # also out of the epoll set: this was its only fd
+            conn.bsock = None
+            conn.bfd = -1
+            conn.outs &= ~(1 << BACKEND)
         conn.csock.close()
         counts = self.router._counts
         counts.total -= 1
-        if conn.kind is not None:
-            counts.drop(conn.kind, conn.who)
-        elif pending:
-            counts.drop(counts.pending, conn.who)
+        kind = conn.kind
+        if kind is None:
+            if not pending:
+                return
+            kind = counts.pending
+        who = conn.who
+        left = kind[who] - 1
+        if left:
+            kind[who] = left
+        else:  # (a Counter's `del` is a Python-level call; pop is dict's)
+            kind.pop(who, None)
 
     def _forget(self, conn: _Conn, handing_off: bool = False) -> None:
         """Out of the engine's tables; a client socket that lives on (handed off) out of

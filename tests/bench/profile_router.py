@@ -1,11 +1,14 @@
 """Where the passthrough router's CPU per new connection goes: flood it, measure, profile.
 
     python -m tests.bench.profile_router [--ingress serve|router] [--seconds S] [--runs N]
-                                         [--tool none|pyspy|strace|perf] [--out FILE]
+                                         [--tool none|pyspy|strace|perf|perfrec|cprofile]
+                                         [--callgraph] [--proxy ingress|haproxy] [--out FILE]
 
 The flood phase of `bench_passthrough` (new TCP connection, canned ClientHello, the
-backend closes once the hello has arrived, 64 in flight), against pact-ingress only, so
-one change can be measured in seconds and a profiler attached to the real process:
+backend closes once the hello has arrived, 64 in flight), against pact-ingress only (or,
+with `--proxy haproxy`, against HAProxy in TCP mode with the same SNI route, to compare
+syscalls and kernel time with the same tools), so one change can be measured in seconds
+and a profiler attached to the real process:
 
 - `none` (default): `--runs` floods, each printing CPU µs per connection (utime + stime
   of the proxy from /proc, as the bench) and conn/s; then the median;
@@ -16,6 +19,7 @@ one change can be measured in seconds and a profiler attached to the real proces
 - `perfrec`: `perf record -e cpu-clock` on the proxy during one flood: the share of
   samples by DSO (kernel vs interpreter vs extension modules) and the top symbols —
   the split py-spy cannot see (it counts a syscall's time on the Python line);
+  `--callgraph` records call chains (`perf report -g` on the data file);
 - `cprofile`: the router runner under cProfile (call counts per connection; its times
   are inflated several times), pstats to `--out` with suffix `.pstats`.
 
@@ -42,6 +46,7 @@ from typing import Any
 from tests.bench.bench_passthrough import SNI, hello_for, ingress_yaml, start_ingress
 from tests.bench.harness import (
     CORE_LOAD,
+    CORE_PROXY,
     CpuMeter,
     Service,
     free_port,
@@ -50,7 +55,13 @@ from tests.bench.harness import (
     run_load,
     services,
 )
-from tests.bench.peers import haproxy_argv, haproxy_backends_cfg, make_tls_pem
+from tests.bench.peers import (
+    haproxy_argv,
+    haproxy_backends_cfg,
+    haproxy_passthrough_cfg,
+    make_tls_pem,
+    raw_backends_argv,
+)
 
 #: In-flight connections, as the bench's flood phase.
 INFLIGHT = 64
@@ -61,7 +72,17 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOP = 25
 
 
+#: The load (`--load`): "flood" (new connections; a unit is a connection) or "ka32"
+#: (1 KiB ping-pong on 32 keep-alive connections through an echo backend; a unit is a
+#: request), as the bench's phases of those names.
+LOAD = {"kind": "flood"}
+
+
 def flood(port: int, hello: Path, seconds: float) -> dict[str, Any]:
+    if LOAD["kind"] == "ka32":
+        argv = python_module("tests.bench.loadgen", "keepalive", "--hello", str(hello),
+                             "--conns", "32", "--seconds", str(seconds), "--port", str(port))
+        return run_load(argv, core=CORE_LOAD, time_bound=seconds)
     argv = python_module("tests.bench.loadgen", "flood", "--hello", str(hello),
                          "--inflight", str(INFLIGHT), "--seconds", str(seconds),
                          "--port", str(port))
@@ -141,24 +162,48 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
+    p.add_argument("--load", choices=("flood", "ka32"), default="flood",
+                   help="new connections (flood) or 1 KiB requests on 32 connections")
+    p.add_argument("--callgraph", action="store_true",
+                   help="perfrec: record call chains too (perf report -g on the data)")
+    p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
+                   help="the process flooded and measured: pact-ingress or HAProxy in TCP "
+                        "mode (the same SNI route), to compare syscalls and kernel time")
     args = p.parse_args(argv)
     pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-prof-"))
+    LOAD["kind"] = args.load
+    name = SNI["keepalive" if args.load == "ka32" else "flood"]
     hello = tmp / "hello.bin"
-    hello.write_bytes(hello_for(SNI["flood"]))
+    hello.write_bytes(hello_for(name))
     sink, tls, port = free_port(), free_port(), free_port()
     (tmp / "backends.cfg").write_text(haproxy_backends_cfg(
         tls_port=tls, pem=make_tls_pem(tmp, SNI["tls"]), sink_port=sink))
-    (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {SNI["flood"]: sink}))
+    if args.load == "ka32":  # the echo server takes sink's place
+        sink, bulk = free_port(), free_port()
+    (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {name: sink}))
     with services() as started:
-        backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
-                          tmp / "backends.log")
+        if args.load == "ka32":
+            backend = Service("echo", raw_backends_argv(len(hello.read_bytes()), bulk=bulk,
+                                                        echo=sink), CORE_LOAD,
+                              tmp / "echo.log")
+        else:
+            backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
+                              tmp / "backends.log")
         started.append(backend)
         backend.start([sink])
         cprof = args.out.with_suffix(".pstats") if args.tool == "cprofile" else None
-        proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [],
-                                      cprof)
-        started.append(proxy)
+        if args.proxy == "haproxy":
+            (tmp / "haproxy.cfg").write_text(haproxy_passthrough_cfg(port, {name: sink}))
+            proxy = Service("haproxy", haproxy_argv(tmp / "haproxy.cfg"), CORE_PROXY,
+                            tmp / "haproxy.log")
+            started.append(proxy)
+            proxy.start([port])
+            runner = "haproxy"
+        else:
+            proxy, runner = start_ingress(tmp, tmp / "ingress.yaml", port, args.ingress, [],
+                                          cprof)
+            started.append(proxy)
         flood(port, hello, WARMUP)
         pid = str(proxy.pid)
         if args.tool == "cprofile":  # deterministic call counts; µs inflated several times
@@ -194,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.tool == "perfrec":
             data = args.out.with_suffix(".perf")
             res, _ = attached(["perf", "record", "-e", "cpu-clock", "-F", "2000", "-p", pid,
-                               "-o", str(data)], proxy, port, hello, args.seconds)
+                               "-o", str(data)] + (["-g"] if args.callgraph else []),
+                              proxy, port, hello, args.seconds)
             for sort in ("dso", "sym"):
                 report = subprocess.run(
                     ["perf", "report", "-i", str(data), "--sort", sort, "--stdio",

@@ -1,0 +1,128 @@
+"""`proto/hello_fast.quick_sni` against the parser it stands in for.
+
+The property: on any input, `quick_sni` either declines (None) or returns exactly the
+SNI the full parser returns, and then the parser accepts the input (no error, whole
+hello). So the engine's verdict — route, alert, reason — is the parser's on every input.
+Inputs: the captured hellos of real clients, every prefix of them, random single-byte
+and length-field mutations, hellos re-framed into several records, and synthetic hellos
+built to hit each check (duplicates, framing of server_name / ALPN / supported_versions,
+bad host names, bytes after the extensions)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
+from pact_ingress.proto.hello_fast import quick_sni
+from tests.test_clienthello import (
+    INDEX,
+    NAMES,
+    alpn_ext,
+    ext,
+    frame,
+    handshake_message,
+    hello_message,
+    sni_ext,
+    vec,
+    vector,
+)
+
+
+def agrees(data: bytes) -> str | None:
+    """Check the property on `data`; the quick answer."""
+    quick = quick_sni(data)
+    try:
+        full = parse_client_hello(data)
+    except ClientHelloError:
+        assert quick is None, data.hex()
+        return None
+    if quick is not None:
+        assert full is not None and full.sni == quick, data.hex()
+    return quick
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_real_hellos_take_the_quick_path(name: str) -> None:
+    wire = vector(name)
+    sni = INDEX[name]["sni"]
+    # every captured client with an SNI is answered without the parser; without, declined
+    assert agrees(wire) == sni
+    assert agrees(wire + b"\x17\x03\x03\x00\x05hello") == sni  # bytes behind it ignored
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_prefix_declines(name: str) -> None:
+    wire = vector(name)
+    for cut in range(len(wire)):
+        assert agrees(wire[:cut]) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_several_records_decline(name: str) -> None:
+    message = handshake_message(vector(name))
+    assert agrees(frame(message, size=len(message) // 2 + 1)) is None
+
+
+@given(st.data())
+@settings(max_examples=600, deadline=None)
+def test_mutated_hellos_agree(data: st.DataObject) -> None:
+    wire = bytearray(vector(data.draw(st.sampled_from(NAMES))))
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(wire) - 1))
+        wire[at] = data.draw(st.sampled_from([0, 1, 2, 3, 0x10, 0x2b, 0x7f, 0xff,
+                                              wire[at] ^ 1, wire[at] + 1 & 0xFF]))
+    agrees(bytes(wire))
+
+
+@given(st.binary(max_size=600))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_agree(data: bytes) -> None:
+    agrees(b"\x16\x03\x01" + data)
+    agrees(data)
+
+
+GOOD_SNI = sni_ext(b"Www.Example.TEST.")
+
+
+@pytest.mark.parametrize("message, expected", [
+    (hello_message(GOOD_SNI), "www.example.test"),
+    (hello_message(GOOD_SNI, alpn_ext(b"h2", b"http/1.1"),
+                   ext(43, vec(1, b"\x03\x04\x03\x03"))), "www.example.test"),
+    (hello_message(GOOD_SNI, session_id=bytes(32)), "www.example.test"),
+    (hello_message(GOOD_SNI, ext(0xFFFF, b"")), "www.example.test"),
+    (hello_message(sni_ext(b"a_b-c.d")), "a_b-c.d"),
+    # declined: the parser decides (and either refuses, or finds no SNI)
+    (hello_message(), None),
+    (hello_message(with_extensions_block=False), None),
+    (hello_message(GOOD_SNI, GOOD_SNI), None),
+    (hello_message(GOOD_SNI, ext(16, b"")), None),
+    (hello_message(GOOD_SNI, ext(16, vec(2, b""))), None),
+    (hello_message(GOOD_SNI, alpn_ext(b"")), None),
+    (hello_message(GOOD_SNI, ext(16, vec(2, b"\x05h2"))), None),
+    (hello_message(GOOD_SNI, ext(43, b"")), None),
+    (hello_message(GOOD_SNI, ext(43, vec(1, b"\x03"))), None),
+    (hello_message(GOOD_SNI, ext(43, vec(1, b"\x03\x04") + b"\x00")), None),
+    (hello_message(GOOD_SNI, ext(43, vec(1, b""))), None),
+    (hello_message(sni_ext(b"a", b"b")), None),
+    (hello_message(sni_ext(b"x.test", name_type=1)), None),
+    (hello_message(ext(0, b"")), None),
+    (hello_message(ext(0, vec(2, b""))), None),
+    (hello_message(ext(0, vec(2, b"\x00\x00\x05ab"))), None),
+    (hello_message(sni_ext(b"bad name")), None),
+    (hello_message(sni_ext(b"a..b")), None),
+    (hello_message(sni_ext(b"\xc3\xa9.test")), None),
+    (hello_message(sni_ext(b"a" * 64 + b".test")), None),
+    (hello_message(sni_ext(b".".join([b"a" * 63] * 4) + b".b")), None),
+    (hello_message(GOOD_SNI, trailer=b"\x00"), None),
+    (hello_message(GOOD_SNI, session_id=bytes(33)), None),
+    (hello_message(GOOD_SNI, suites=b""), None),
+    (hello_message(GOOD_SNI, suites=b"\x13"), None),
+    (hello_message(GOOD_SNI, compression=b""), None),
+    (hello_message(GOOD_SNI, legacy_version=0x0203), None),
+])  # fmt: skip
+def test_synthetic_hellos(message: bytes, expected: str | None) -> None:
+    assert agrees(frame(message)) == expected
+    assert agrees(frame(message, version=0x0303)) == expected
+    assert agrees(frame(message, version=0x0304)) is None  # record version 3.4
