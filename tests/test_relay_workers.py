@@ -247,3 +247,96 @@ def test_relay_budget_per_ip_and_key_is_exact_with_two_workers(tmp_path: Path) -
         assert len(drain_queue(recipient)) == 2 * expected
     finally:
         serve.stop()
+
+
+# --- the store across the channel, in process ------------------------------------------
+
+class _Relay:
+    """What `StoreService` needs of main's RelayServer: the store, recipients, wakes."""
+
+    def __init__(self, store: Any, recipients: dict[str, str]) -> None:
+        self.store, self.recipients = store, recipients
+        self.woke: list[str] = []
+
+    def woken(self, recipient: str) -> None:
+        self.woke.append(recipient)
+
+
+async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unavailable(
+        tmp_path: Path) -> None:
+    import pytest
+    import trio
+
+    from pact_ingress.proto.workers import Kind
+    from pact_ingress.relay.remote import RemoteStore, StoreService
+    from pact_ingress.relay.store import QueueFull, SqliteStore, StoreUnavailable
+
+    a, b = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+    store = SqliteStore(tmp_path / "q.sqlite", max_items=3, max_bytes=10**6)
+    await store.open()
+    relay = _Relay(store, {a: "home"})
+    service = StoreService(relay)
+    pushed: list[bytes] = []
+
+    async def broadcast(payload: bytes) -> None:
+        pushed.append(payload)
+        remote.apply_state(json.loads(payload))
+
+    service.broadcast = broadcast
+    ids = itertools.count(1)
+    cut = trio.Event()
+
+    async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
+        assert kind is Kind.RELAY_ASK
+        if cut.is_set():
+            raise OSError("channel closed")
+
+        async def answer() -> None:
+            remote.answered(msg_id, await service.answer(payload))
+
+        nursery.start_soon(answer)
+
+    remote = RemoteStore(send, lambda: next(ids))
+    try:
+        async with trio.open_nursery() as nursery:
+            first = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
+            again = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
+            assert not first.duplicate and again.duplicate and again.id == first.id
+            assert relay.woke == [a]  # a wake for the new item only, in main
+            await remote.enqueue(a, b, "m2", b"[2]", 2_000_000_000)
+            await remote.enqueue(a, b, "m3", b"[3]", 2_000_000_000)
+            with pytest.raises(QueueFull):
+                await remote.enqueue(a, b, "m4", b"[4]", 2_000_000_000)
+            items, more = await remote.fetch(a, 2)
+            assert [i.envelope for i in items] == [b'{"x":1}', b"[2]"] and more
+            assert await remote.ack(a, [i.id for i in items]) == 2
+            assert store.depths()[a] == (1, 3)
+            await remote.set_allowlist(a, (b,))
+            assert remote.allowlists() == {a: frozenset({b})} and pushed
+            with pytest.raises(StoreUnavailable):  # main serves no such recipient
+                await remote.enqueue(b, a, "m5", b"[5]", 2_000_000_000)
+            cut.set()
+            with pytest.raises(StoreUnavailable):
+                await remote.enqueue(a, b, "m6", b"[6]", 2_000_000_000)
+
+            async def blocked_send(kind: Kind, payload: bytes, msg_id: int) -> None:
+                pass  # main never answers: the channel then closes
+
+            remote._send = blocked_send
+            outcome: list[BaseException] = []
+
+            async def waiting() -> None:
+                try:
+                    await remote.enqueue(a, b, "m7", b"[7]", 2_000_000_000)
+                except StoreUnavailable as exc:
+                    outcome.append(exc)
+
+            nursery.start_soon(waiting)
+            await trio.sleep(0.05)
+            remote.fail_all()  # what the worker does when its channel reads EOF
+            await trio.sleep(0.05)
+            assert len(outcome) == 1 and not remote.healthy
+        items, _ = await store.fetch(a, 10)
+        assert [i.envelope for i in items] == [b"[3]"]  # m6, m7 never reached main
+    finally:
+        await store.aclose()

@@ -24,8 +24,9 @@ stored something new (main holds the tunnels).
 The two synchronous reads, `allowlists()` and `depths()`, are a worker's copies of
 main's, pushed as RELAY_STATE: when a worker starts, whenever main's allow-lists
 mapping changes (the store replaces it, never mutates it, so an identity check finds
-a change), and at least every `STATE_INTERVAL` (depths are only read by main itself:
-status and has_mail; a worker's copy is informational). An allow-list change is
+a change), and when main's store changes health (checked every `STATE_INTERVAL`);
+depths ride along (only main reads them: status and has_mail; a worker's copy is
+informational). Main accepts operations only for its served recipients. An allow-list change is
 answered to whoever made it only after every running worker confirmed the new lists
 (RELAY_STATE_TAKEN, bounded by `STATE_WAIT`), so a call that follows the answer,
 through whichever worker, is judged against them. A shared store (Redis) has a
@@ -201,6 +202,7 @@ class StoreService:
         #: sends RELAY_STATE to every running worker and waits for their confirmations
         self.broadcast: Callable[[bytes], Awaitable[None]] | None = None
         self._pushing = trio.Lock()
+        self._pushed_health = True
 
     def state(self) -> bytes:
         store = self.relay.store
@@ -220,14 +222,17 @@ class StoreService:
             await self.broadcast(self.state())
 
     async def run(self) -> None:
-        """Pick up changes nobody announced (the store opened, a depth moved)."""
+        """Pick up changes nobody announced: the store (re)opened and read its lists,
+        its health changed. Depths ride along with any push; alone they do not cause
+        one (only main reads them)."""
         while True:
             await trio.sleep(STATE_INTERVAL)
             try:
-                if self.broadcast is not None:
-                    async with self._pushing:
-                        self._pushed = self.relay.store.allowlists()
-                        await self.broadcast(self.state())
+                store = self.relay.store
+                if store.healthy != self._pushed_health:
+                    self._pushed = None  # push even if the lists are the same mapping
+                self._pushed_health = store.healthy
+                await self.push_if_changed()
             except Exception as exc:  # a push must never end main
                 log.error("relay_state_push_failed", error=f"{type(exc).__name__}: {exc}")
 
@@ -257,6 +262,9 @@ class StoreService:
             if not store.healthy:
                 await store.probe()
             return {"healthy": store.healthy, "last_error": store.last_error}, b""
+        if op is not RelayOp.REFRESH and doc.get("recipient") not in relay.recipients:
+            # the worker checked this against its config; main's may be newer (a reload)
+            raise StoreUnavailable("not a served recipient (the configuration changed)")
         if not store.healthy:
             await store.probe()
             if not store.healthy:
