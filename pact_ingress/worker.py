@@ -208,6 +208,7 @@ class Worker:
                 await root.start(self.state.run)
             root.start_soon(self._signals)
             root.start_soon(self._flush_closed)
+            root.start_soon(self.remote.run)
             root.start_soon(log.flush_forever)
             await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
             log.info("worker_ready", pid=os.getpid())
@@ -255,7 +256,7 @@ class Worker:
             elif msg.kind is Kind.STREAM_RESULT:
                 self.link.answered(msg.id, msg.payload.decode("utf-8", "replace"))
             elif msg.kind is Kind.RELAY_ANSWER:
-                self.remote.answered(msg.id, msg.payload)
+                self.remote.answered(msg.payload)
             elif msg.kind is Kind.RELAY_STATE:
                 self.remote.apply_state(wp.decode_json(msg.payload))
                 assert self._root is not None

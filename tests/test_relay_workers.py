@@ -291,14 +291,17 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
         if cut.is_set():
             raise OSError("channel closed")
 
-        async def answer() -> None:
-            remote.answered(msg_id, await service.answer(payload))
+        async def answer(req_id: int, record: bytes) -> None:
+            out = await service.answer(record)
+            remote.answered(wp.encode_records([(req_id, out)]))
 
-        nursery.start_soon(answer)
+        for req_id, record in wp.decode_records(payload):
+            nursery.start_soon(answer, req_id, record)
 
     remote = RemoteStore(send, lambda: next(ids))
     try:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(remote.run)
             first = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
             again = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
             assert not first.duplicate and again.duplicate and again.id == first.id
@@ -315,12 +318,21 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
             assert remote.allowlists() == {a: frozenset({b})} and pushed
             with pytest.raises(StoreUnavailable):  # main serves no such recipient
                 await remote.enqueue(b, a, "m5", b"[5]", 2_000_000_000)
-            cut.set()
-            with pytest.raises(StoreUnavailable):
-                await remote.enqueue(a, b, "m6", b"[6]", 2_000_000_000)
+            # concurrent calls travel together, each answered with its own outcome
+            got: dict[str, Any] = {}
+
+            async def call(msg_id: str) -> None:
+                got[msg_id] = await remote.enqueue(a, b, msg_id, b"[x]", 2_000_000_000)
+
+            await remote.ack(a, [i.id for i in (await remote.fetch(a, 10))[0]])
+            async with trio.open_nursery() as inner:
+                for msg_id in ("c1", "c2", "c1"):
+                    inner.start_soon(call, msg_id)
+            assert sorted(got) == ["c1", "c2"]
+            await remote.ack(a, [i.id for i in (await remote.fetch(a, 10))[0]])
 
             async def blocked_send(kind: Kind, payload: bytes, msg_id: int) -> None:
-                pass  # main never answers: the channel then closes
+                pass  # main never answers: then the channel closes
 
             remote._send = blocked_send
             outcome: list[BaseException] = []
@@ -336,7 +348,18 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
             remote.fail_all()  # what the worker does when its channel reads EOF
             await trio.sleep(0.05)
             assert len(outcome) == 1 and not remote.healthy
+            with pytest.raises(StoreUnavailable):  # and every later call
+                await remote.enqueue(a, b, "m8", b"[8]", 2_000_000_000)
+            nursery.cancel_scope.cancel()
+        # a sender that cannot reach main fails its calls too
+        cut.set()
+        remote = RemoteStore(send, lambda: next(ids))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(remote.run)
+            with pytest.raises(StoreUnavailable):
+                await remote.enqueue(a, b, "m6", b"[6]", 2_000_000_000)
+            nursery.cancel_scope.cancel()
         items, _ = await store.fetch(a, 10)
-        assert [i.envelope for i in items] == [b"[3]"]  # m6, m7 never reached main
+        assert items == []  # m6, m7, m8 never reached main
     finally:
         await store.aclose()

@@ -227,6 +227,14 @@ def default_workers() -> int:
 # --- main's side -----------------------------------------------------------------------
 
 @dataclass(eq=False)
+class _Answers:
+    """Relay answers gathered for one channel (one worker process): sent in batches."""
+
+    outbox: wp.Outbox = field(default_factory=wp.Outbox)
+    ready: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass(eq=False)
 class _Slot:
     """One worker position (index) and the process currently filling it."""
 
@@ -245,6 +253,7 @@ class _Slot:
     fallback_logged: float = float("-inf")  # trio time of the last worker_unavailable
     config_pending: trio.Event | None = None  # set when a reload's CONFIG is all sent
     state_taken: dict[int, trio.Event] = field(default_factory=dict)  # RELAY_STATE ids
+    relay_out: _Answers | None = None  # relay answers for the current process's channel
 
     def move(self, wanted: WorkerState) -> None:
         self.state = wp.next_state(self.state, wanted)
@@ -353,9 +362,11 @@ class WorkerPool:
         slot.process, slot.pid, slot.started = process, process.pid, time.time()
         slot.channel = channel = Channel(mine)
         slot.drain_sent = False
+        slot.relay_out = answers = _Answers()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read, slot, channel)
+                nursery.start_soon(self._send_answers, channel, answers)
                 try:
                     await channel.send(Kind.CONFIG, pickle.dumps(self.config))
                     if self.relay_service is not None:  # before any relay connection
@@ -437,7 +448,10 @@ class WorkerPool:
             self._nursery_soon(self._open_stream, channel, msg.id,
                                msg.payload.decode("utf-8", "replace"), fds.pop())
         elif msg.kind is Kind.RELAY_ASK:
-            self._nursery_soon(self._relay_ask, slot, channel, msg.id, msg.payload)
+            answers = slot.relay_out
+            assert answers is not None
+            for req_id, payload in wp.decode_records(msg.payload):
+                self._nursery_soon(self._relay_ask, slot, answers, req_id, payload)
         elif msg.kind is Kind.RELAY_STATE_TAKEN:
             event = slot.state_taken.pop(msg.id, None)
             if event is not None:
@@ -455,10 +469,11 @@ class WorkerPool:
 
     # -- the relay store for workers ------------------------------------------------
 
-    async def _relay_ask(self, slot: _Slot, channel: Channel, req_id: int,
+    async def _relay_ask(self, slot: _Slot, answers: _Answers, req_id: int,
                          payload: bytes) -> None:
-        """A worker's relay store operation, run on main's store and answered. A bug
-        here costs that call (answered unavailable), never main."""
+        """A worker's relay store operation, run on main's store and answered (in the
+        next batch of its channel: an answer never reaches a replacement process). A
+        bug here costs that call (answered unavailable), never main."""
         from pact_ingress.relay.remote import no_service_answer
 
         service = self.relay_service
@@ -472,7 +487,17 @@ class WorkerPool:
             log.error("relay_ask_error", worker=slot.index,
                       error=f"{type(exc).__name__}: {exc}")
             answer = no_service_answer()
-        await _send_quietly(channel, Kind.RELAY_ANSWER, answer, req_id)
+        if answers.outbox.add(req_id, answer):
+            answers.ready.set()
+
+    @staticmethod
+    async def _send_answers(channel: Channel, answers: _Answers) -> None:
+        while True:
+            await answers.ready.wait()
+            answers.ready = trio.Event()
+            for payload in answers.outbox.take():
+                if not await _send_quietly(channel, Kind.RELAY_ANSWER, payload):
+                    return  # the worker is gone; its supervisor sees it exit
 
     async def broadcast_relay_state(self, payload: bytes) -> None:
         """RELAY_STATE to every running worker; returns once each confirmed it (or

@@ -69,8 +69,8 @@ class Kind(enum.IntEnum):
     CLOSED = 7         # worker → main: handed-over connections that ended (u64 ids)
     STREAM_OPEN = 8    # worker → main: open the tunnel stream of a route onto this fd
     STREAM_RESULT = 9  # main → worker: b"" = spliced, else the reason it failed
-    RELAY_ASK = 10     # worker → main: one relay store operation (`encode_relay`)
-    RELAY_ANSWER = 11  # main → worker: its outcome, same id
+    RELAY_ASK = 10     # worker → main: relay store operations (`encode_records`)
+    RELAY_ANSWER = 11  # main → worker: their outcomes, by the operations' ids
     RELAY_STATE = 12   # main → worker: the store's allow-lists (and depths, health)
     RELAY_STATE_TAKEN = 13  # worker → main: that RELAY_STATE (same id) is applied
 
@@ -256,6 +256,67 @@ def decode_relay(payload: bytes) -> tuple[int, dict[str, object], bytes]:
         raise ProtocolError("relay message head runs past the message")
     doc = decode_json(payload[at:at + n])
     return code, doc, payload[at + n:]
+
+
+_RECORD = struct.Struct("!II")
+#: Records gathered into one message up to about this many bytes (a larger record goes
+#: alone): many operations per message, one wakeup and one syscall each way.
+MAX_RECORDS_BYTES = 1024 * 1024
+
+
+def encode_records(records: list[tuple[int, bytes]]) -> bytes:
+    """Operations (or answers) of one message: `id (u32) | length (u32) | payload` each."""
+    return b"".join(part for rid, payload in records
+                    for part in (_RECORD.pack(rid, len(payload)), payload))
+
+
+def decode_records(payload: bytes) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    at = 0
+    while at < len(payload):
+        try:
+            rid, n = _RECORD.unpack_from(payload, at)
+        except struct.error:
+            raise ProtocolError("short relay record") from None
+        at += _RECORD.size
+        if at + n > len(payload):
+            raise ProtocolError("relay record runs past the message")
+        out.append((rid, payload[at:at + n]))
+        at += n
+    return out
+
+
+class Outbox:
+    """Records waiting for the next message of one direction of one channel. Whoever
+    adds one wakes the sender task; the sender takes everything gathered meanwhile (the
+    tasks that ran in the same scheduler pass), so a burst of operations costs one
+    message, not one each."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[int, bytes]] = []
+        self._size = 0
+
+    def add(self, rid: int, payload: bytes) -> bool:
+        """Queue one; True when the outbox was empty (the sender must be woken)."""
+        self._records.append((rid, payload))
+        self._size += len(payload) + _RECORD.size
+        return len(self._records) == 1
+
+    def take(self) -> list[bytes]:
+        """Every queued record, as message payloads of at most ~MAX_RECORDS_BYTES."""
+        out: list[bytes] = []
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        for rid, payload in self._records:
+            if batch and size + len(payload) > MAX_RECORDS_BYTES:
+                out.append(encode_records(batch))
+                batch, size = [], 0
+            batch.append((rid, payload))
+            size += len(payload) + _RECORD.size
+        if batch:
+            out.append(encode_records(batch))
+        self._records, self._size = [], 0
+        return out
 
 
 # --- which worker ----------------------------------------------------------------------

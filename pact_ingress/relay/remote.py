@@ -6,9 +6,13 @@ With `serve --workers N` a worker serves the relay host's connections (TLS, HTTP
 JSON-RPC, every check of a relay_call including its signature, the caller's budget),
 but the queue keeps exactly one writer: main's store (SQLite's group commit, or Redis).
 `RemoteStore` is the `RelayStore` a worker's `RelayServer` is given: each queue
-operation is a RELAY_ASK (`proto.workers.encode_relay`: op, small JSON fields, the
-envelope bytes as they are) and waits for main's RELAY_ANSWER of the same id.
+operation is a record (`proto.workers.encode_relay`: op, small JSON fields, the
+envelope bytes as they are) with an id, and waits for main's answer of that id.
 `StoreService` is main's side: it runs the operation on main's store and answers.
+Records travel in batches both ways (`proto.workers.Outbox`): every operation the
+worker's tasks started in one scheduler pass goes in one RELAY_ASK, every answer main
+has ready in one RELAY_ANSWER — one wakeup and one syscall per burst instead of per
+call, which is most of what crossing processes costs.
 
 Durability is main's: an enqueue is answered OK only after main's `store.enqueue`
 returned, i.e. after its COMMIT (fsync) or Redis write, so a worker says ``queued``
@@ -63,6 +67,8 @@ class RemoteStore:
         self._send = send
         self._next_id = next_id
         self._waiting: dict[int, tuple[trio.Event, list[bytes]]] = {}
+        self._outbox = wp.Outbox()
+        self._ready = trio.Event()
         self._allowlists: dict[str, frozenset[str]] = {}
         self._depths: dict[str, tuple[int, int]] = {}
         self._shared = False
@@ -102,11 +108,25 @@ class RemoteStore:
 
     # -- the channel ----------------------------------------------------------------
 
-    def answered(self, req_id: int, payload: bytes) -> None:
-        waiting = self._waiting.get(req_id)
-        if waiting is not None:
-            waiting[1].append(payload)
-            waiting[0].set()
+    async def run(self) -> None:
+        """The sender: operations gathered since the last message go in one message."""
+        while not self._gone:
+            await self._ready.wait()
+            self._ready = trio.Event()
+            for payload in self._outbox.take():
+                try:
+                    await self._send(Kind.RELAY_ASK, payload, 0)
+                except (OSError, trio.ClosedResourceError):
+                    self.fail_all()
+                    return
+
+    def answered(self, payload: bytes) -> None:
+        """A RELAY_ANSWER: the outcomes of operations, by id."""
+        for req_id, answer in wp.decode_records(payload):
+            waiting = self._waiting.get(req_id)
+            if waiting is not None:
+                waiting[1].append(answer)
+                waiting[0].set()
 
     def fail_all(self) -> None:
         """The channel to main closed: every waiting call and every later one fails."""
@@ -137,11 +157,10 @@ class RemoteStore:
         answer: list[bytes] = []
         self._waiting[req_id] = (event, answer)
         try:
+            if self._outbox.add(req_id, wp.encode_relay(op, doc, blob)):
+                self._ready.set()
             with trio.move_on_after(ASK_TIMEOUT):
-                await self._send(Kind.RELAY_ASK, wp.encode_relay(op, doc, blob), req_id)
                 await event.wait()
-        except OSError:
-            raise StoreUnavailable("the main process is unreachable") from None
         finally:
             self._waiting.pop(req_id, None)
         if not answer:
