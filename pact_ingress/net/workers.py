@@ -254,6 +254,7 @@ class _Slot:
     config_pending: trio.Event | None = None  # set when a reload's CONFIG is all sent
     state_taken: dict[int, trio.Event] = field(default_factory=dict)  # RELAY_STATE ids
     relay_out: _Answers | None = None  # relay answers for the current process's channel
+    supervised: trio.Event = field(default_factory=trio.Event)  # its supervisor returned
 
     def move(self, wanted: WorkerState) -> None:
         self.state = wp.next_state(self.state, wanted)
@@ -320,6 +321,12 @@ class WorkerPool:
             task_status.started()
 
     async def _supervise(self, slot: _Slot) -> None:
+        try:
+            await self._supervise_until_drained(slot)
+        finally:
+            slot.supervised.set()
+
+    async def _supervise_until_drained(self, slot: _Slot) -> None:
         failures = 0
         while True:
             started = trio.current_time()
@@ -687,6 +694,9 @@ class WorkerPool:
             for slot in self.slots:
                 while slot.process is not None and slot.process.returncode is None:
                     await slot.process.wait()
+            # and its supervisor has closed the channel and said how it ended
+            for slot in self.slots:
+                await slot.supervised.wait()
             return
         for slot in self.slots:
             if slot.process is not None and slot.process.returncode is None:
