@@ -30,10 +30,11 @@ main's, pushed as RELAY_STATE: when a worker starts, whenever main's allow-lists
 mapping changes (the store replaces it, never mutates it, so an identity check finds
 a change), and when main's store changes health (checked every `STATE_INTERVAL`);
 depths ride along (only main reads them: status and has_mail; a worker's copy is
-informational). Main accepts operations only for its served recipients. An allow-list change is
-answered to whoever made it only after every running worker confirmed the new lists
-(RELAY_STATE_TAKEN, bounded by `STATE_WAIT`), so a call that follows the answer,
-through whichever worker, is judged against them. A shared store (Redis) has a
+informational). An allow-list change is answered to whoever made it only after every
+running worker confirmed the new lists (RELAY_STATE_TAKEN, bounded by `STATE_WAIT`: a
+worker that does not read its channel for that long is stuck anyway), so a call that
+follows the answer, through whichever worker, is judged against them. Main accepts
+operations only for the recipients its own config serves. A shared store (Redis) has a
 `refresh` that re-reads what other instances changed: a worker forwards it (one
 round trip per tool call, as the Redis store itself costs), main refreshes and pushes
 any change before answering.

@@ -2,15 +2,17 @@
 
 Theory of operation
 -------------------
-The router hands us every connection whose SNI is `relay.host` (peeked bytes replayed).
-TLS ends here. Every caller presents a self-signed certificate whose key *is* its
-identity (spec §2), read as the SPKI fingerprint after the handshake; the stdlib `ssl`
-cannot accept an unknown self-signed client certificate, so the TLS object is
-pyOpenSSL's, driven by the edge's own memory-BIO engine (`relay.tls`: why, in detail).
-The certificate is requested, not required at the TLS layer, so a caller without one
-gets a readable ``identity_required`` answer instead of a failed handshake. The
-certificate we present is the relay host's (files or ACME, held by `CertManager`,
-reloaded when its files change).
+The router hands us every connection whose SNI is `relay.host` (peeked bytes replayed);
+with worker processes, the client's worker runs this server for it instead, over
+`relay.remote.RemoteStore` (main's store: one writer), and main's server keeps the store,
+the purge and the wakes. TLS ends here. Every caller presents a self-signed certificate
+whose key *is* its identity (spec §2), read as the SPKI fingerprint after the
+handshake; the stdlib `ssl` cannot accept an unknown self-signed client certificate, so
+the TLS object is pyOpenSSL's, driven by the edge's own memory-BIO engine (`relay.tls`:
+why, in detail). The certificate is requested, not required at the TLS layer, so a
+caller without one gets a readable ``identity_required`` answer instead of a failed
+handshake. The certificate we present is the relay host's (files or ACME, held by
+`CertManager`, reloaded when its files change).
 
 The relay's HTTP is the edge's HTTP: the relay host sits on the same hot path as the
 terminate routes (every sender's hand-off to an offline node crosses it), so it runs on
