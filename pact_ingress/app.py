@@ -130,8 +130,14 @@ class Ingress:
                                      wake=self.tunnels.wake, state=self.state)
             # mail queued while a node was offline wakes it as its tunnel comes back
             self.tunnels.has_mail = self.relay.has_mail
+            if self.workers is not None:  # workers serve the host; main keeps the store
+                from pact_ingress.relay.remote import StoreService
+
+                service = self.relay.service = StoreService(self.relay)
+                service.broadcast = self.workers.broadcast_relay_state
+                self.workers.relay_service = service
             if self._nursery is not None:  # added by a reload: start its store now
-                self._nursery.start_soon(self.relay.run)
+                self._nursery.start_soon(self._run_relay)
         else:
             self.relay.update(config)
         self.router.relay = self.relay
@@ -272,7 +278,7 @@ class Ingress:
             nursery.start_soon(self.state.registry.run)
             await nursery.start(self.certs.run)
             if self.relay is not None:
-                await nursery.start(self.relay.run)
+                await nursery.start(self._run_relay)
             if cfg.listen.http:
                 from pact_ingress.net.http_listener import serve_http
 
@@ -298,6 +304,18 @@ class Ingress:
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
             sdnotify.ready()
             task_status.started(self)
+
+    async def _run_relay(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                         ) -> None:
+        """The relay's store; with workers, its allow-lists reach them before the router
+        hands them any relay connection, and changes follow."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.relay.run)
+            service = self.relay.service
+            if service is not None:
+                await service.push_if_changed()
+                nursery.start_soon(service.run)
+            task_status.started()
 
     async def _serve_router(self, listeners: list[trio.SocketListener],
                             task_status: trio.TaskStatus[None]) -> None:

@@ -333,12 +333,17 @@ def decode_header(envelope: object) -> Header:
     `from`, `to` and `kid` must have fingerprint shape: `kid` must resolve to a key and
     `from` must equal a key's hash, so no other shape can ever open or verify.
     """
+    return decode_signed(envelope)[0]
+
+
+def decode_signed(envelope: object) -> tuple[Header, bytes, bytes]:
+    """`decode_header`, also returning what the signature covers and the signature: a
+    relay verifies with them without decoding the members a second time."""
     env = _check_shape(envelope)
     protected = _decode_member(env, "protected")
     header = _header_from(_parse_canonical(protected), protected)
-    for name in ("enc", "ct", "sig"):
-        _decode_member(env, name)
-    return header
+    signed = protected + _decode_member(env, "enc") + _decode_member(env, "ct")
+    return header, signed, _decode_member(env, "sig")
 
 
 def check_time(header: Header, *, now: float, direct: bool = True) -> None:
@@ -491,9 +496,16 @@ def verify_signature(envelope: object, sender_public_key: PublicKey, *,
     """
     header = header if header is not None else decode_header(envelope)
     assert isinstance(envelope, Mapping)
+    signed = header.protected + _decode_member(envelope, "enc") + _decode_member(envelope, "ct")
+    verify_decoded(header, signed, _decode_member(envelope, "sig"), sender_public_key)
+    return header
+
+
+def verify_decoded(header: Header, signed: bytes, sig: bytes,
+                   sender_public_key: PublicKey) -> None:
+    """The signature check on `decode_signed`'s output: `from` is this key's, and the
+    signature verifies under it."""
     if fingerprint(sender_public_key) != header.sender:
         raise EnvelopeInvalid("from is not the given sender key")
-    signed = header.protected + _decode_member(envelope, "enc") + _decode_member(envelope, "ct")
-    if not _verify(sender_public_key, _decode_member(envelope, "sig"), signed):
+    if not _verify(sender_public_key, sig, signed):
         raise EnvelopeInvalid("signature does not verify")
-    return header

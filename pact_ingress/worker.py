@@ -3,21 +3,28 @@
 Started by main (`net/workers.py`) as `python -m pact_ingress.worker --index I --fd FD`,
 where FD is the worker's end of a private SEQPACKET socketpair. Nothing else reaches it:
 no listening socket, no admin endpoint, no systemd notification (its environment has
-none of that), no certificate orders, no tunnels, no relay.
+none of that), no certificate orders, no tunnels, no relay store.
 
 What runs here is a reduced ingress: `Terminator` (TLS, HTTP/1.1 and h2, the request
 story, the seal posture, the limiter, the upstream pools), its own `Stats`, a `Resolver`
 for configured backend addresses, and `WorkerBackends`, which reaches a tunnel-backed
 route's node through main (STREAM_OPEN: main splices its tunnel stream onto a socket we
 send it, and we run the pinned mTLS to the node over our end as over any tunnel stream).
+With a relay in the config it also runs the relay host's engine (`relay.server`: TLS,
+HTTP, JSON-RPC, every check and the caller's budget) over `relay.remote.RemoteStore`:
+queue operations go to main's one store and are answered from there.
 
 Messages from main (`proto.workers.Kind`):
 
 * CONFIG — a pickled `Config` main accepted: applied as main applies it (routes and
   tenants to the terminator, backend names to the resolver). The first message is one.
 * HANDOFF — a client connection (fd) with its `Handoff`: served by the terminator with
-  the certificate main named (loaded once per generation); when it ends, its id goes
-  back in a CLOSED message (ids batched), which releases main's count of it.
+  the certificate main named (loaded once per generation), or by the relay engine when
+  the handoff says relay; when it ends, its id goes back in a CLOSED message (ids
+  batched), which releases main's count of it.
+* RELAY_ANSWER — main's outcome of one of our relay store operations (RELAY_ASK).
+* RELAY_STATE — main's allow-lists (and depths): applied, then confirmed with
+  RELAY_STATE_TAKEN of the same id (an allow-list change is answered only after that).
 * DRAIN — also SIGTERM/SIGINT (idempotent): idle keep-alive connections close, requests
   in flight finish (bounded by `DRAIN_DEADLINE`), then the process exits 0.
 * STATS_ASK — answered with a JSON report: Prometheus text of this process's registry,
@@ -55,6 +62,7 @@ from pact_ingress.net.workers import Channel
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.workers import Kind
+from pact_ingress.relay.remote import RemoteStore
 from pact_ingress.stats import Stats
 
 #: Seconds open connections get after DRAIN/SIGTERM (main's own drain uses the same).
@@ -131,6 +139,11 @@ class Worker:
         self.backends = WorkerBackends(self.resolver, self.link)
         self.terminator: Any = None
         self.state: Any = None
+        self.limiter: Any = None
+        #: the relay host's engine, when the config has a relay; its store is main's
+        self.relay: Any = None
+        self.remote = RemoteStore(self._send_quiet_raise, channel.next_id)
+        self._relay_files: dict[str, tuple[Path, Path]] = {}
         self._contexts: dict[str, tuple[int, ssl.SSLContext]] = {}
         self._handling = 0
         self._idle = trio.Event()
@@ -152,15 +165,31 @@ class Worker:
             limiter = self.state.limiter
         else:  # this worker's own buckets: exact, since a client always comes here
             limiter = LocalLimiter()
+        self.limiter = limiter
         self.terminator = Terminator(identity=identity, backends=self.backends,
                                      stats=self.stats, limiter=limiter)
         self._apply(config)
+
+    async def _send_quiet_raise(self, kind: Kind, payload: bytes, msg_id: int) -> None:
+        await self.channel.send(kind, payload, msg_id)
+
+    def cert_files(self, host: str) -> tuple[Path, Path] | None:
+        """The relay's certificate files, as main named them with the last handoff."""
+        return self._relay_files.get(host)
 
     def _apply(self, config: Config) -> None:
         self.config = config
         self.resolver.watch(r.backend.address.host for r in config.routes()
                             if r.mode == "terminate" and r.backend.address is not None)
         self.terminator.update(config)
+        if config.relay is not None:
+            if self.relay is None:
+                from pact_ingress.relay.server import RelayServer
+
+                self.relay = RelayServer(config, stats=self.stats, certs=self,
+                                         store=self.remote, limiter=self.limiter)
+            else:
+                self.relay.update(config)
         hosts = {r.host for r in config.routes()}
         for host in self._contexts.keys() - hosts:
             del self._contexts[host]
@@ -179,6 +208,7 @@ class Worker:
                 await root.start(self.state.run)
             root.start_soon(self._signals)
             root.start_soon(self._flush_closed)
+            root.start_soon(self.remote.run)
             root.start_soon(log.flush_forever)
             await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
             log.info("worker_ready", pid=os.getpid())
@@ -201,6 +231,7 @@ class Worker:
             got = await self.channel.receive()
             if got is None:
                 self.link.fail_all()
+                self.remote.fail_all()
                 return
             msg, fds = got
             if msg.kind is Kind.HANDOFF:
@@ -224,8 +255,20 @@ class Worker:
                 self._root.start_soon(self._send_report, msg.id)
             elif msg.kind is Kind.STREAM_RESULT:
                 self.link.answered(msg.id, msg.payload.decode("utf-8", "replace"))
+            elif msg.kind is Kind.RELAY_ANSWER:
+                self.remote.answered(msg.payload)
+            elif msg.kind is Kind.RELAY_STATE:
+                self.remote.apply_state(wp.decode_json(msg.payload))
+                assert self._root is not None
+                self._root.start_soon(self._state_taken, msg.id)
             else:
                 raise wp.ProtocolError(f"{msg.kind.name} is not main's message")
+
+    async def _state_taken(self, state_id: int) -> None:
+        try:
+            await self.channel.send(Kind.RELAY_STATE_TAKEN, b"", state_id)
+        except OSError:
+            pass
 
     async def _send_report(self, ask_id: int) -> None:
         try:
@@ -280,6 +323,21 @@ class Worker:
 
     async def _serve_socket(self, h: wp.Handoff, raw: socket.socket) -> None:
         raw.setblocking(False)
+        if h.relay:
+            if self.relay is None or self.relay.host != h.route_host:
+                log.warning("worker_cannot_serve", route=h.route_host, client_ip=h.client_ip,
+                            why="no such relay host in this worker's config")
+                self.stats.rejections.labels("worker_cannot_serve").inc()
+                try:
+                    os.write(raw.fileno(), tls_alert.alert_record(tls_alert.INTERNAL_ERROR))
+                except OSError:
+                    pass
+                return
+            self._relay_files[h.route_host] = (Path(h.chain_path), Path(h.key_path))
+            stream = ReplayStream(h.data,
+                                  trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
+            await self.relay.serve(stream, (h.client_ip, h.client_port))
+            return
         route = self.terminator.route(h.route_host)
         ctx = self._context(h)
         if route is None or ctx is None:
@@ -330,6 +388,8 @@ class Worker:
 
     async def _drain(self) -> None:
         await self.terminator.drain()
+        if self.relay is not None:
+            self.relay.drain()
         with trio.move_on_after(DRAIN_DEADLINE):
             while self._handling:
                 self._idle = trio.Event()

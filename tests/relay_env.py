@@ -97,8 +97,10 @@ def client_context(ident: Identity | None, alpn: Iterable[str] = ("http/1.1",)
 
 
 def relay_socket(port: int, ident: Identity | None, *, alpn: Iterable[str] = ("http/1.1",),
-                 timeout: float = WAIT, host: str = LOOPBACK) -> ssl.SSLSocket:
-    raw = socket.create_connection((host, port), timeout=timeout)
+                 timeout: float = WAIT, host: str = LOOPBACK,
+                 source: str | None = None) -> ssl.SSLSocket:
+    raw = socket.create_connection((host, port), timeout=timeout,
+                                   source_address=(source, 0) if source else None)
     try:
         return client_context(ident, alpn).wrap_socket(raw, server_hostname=RELAY_HOST)
     except BaseException:
@@ -109,14 +111,16 @@ def relay_socket(port: int, ident: Identity | None, *, alpn: Iterable[str] = ("h
 class RelayCaller:
     """One keep-alive HTTP/1.1 connection to the relay host, as `ident` (None: no cert)."""
 
-    def __init__(self, port: int, ident: Identity | None, host: str = LOOPBACK) -> None:
-        self.port, self.ident, self.host = port, ident, host
+    def __init__(self, port: int, ident: Identity | None, host: str = LOOPBACK,
+                 source: str | None = None) -> None:
+        self.port, self.ident, self.host, self.source = port, ident, host, source
         self.sock: ssl.SSLSocket | None = None
 
     def request(self, method: str, path: str, body: bytes = b"", **kw: Any) -> RawResponse:
         for attempt in (0, 1):  # a keep-alive connection the server closed: once more
             if self.sock is None:
-                self.sock = relay_socket(self.port, self.ident, host=self.host)
+                self.sock = relay_socket(self.port, self.ident, host=self.host,
+                                         source=self.source)
             try:
                 self.sock.sendall(request_bytes(method, path, RELAY_HOST, body=body, **kw))
                 return read_response(self.sock)
@@ -173,6 +177,7 @@ class RelayServe:
     extra: str = ""
     env: dict[str, str] = field(default_factory=dict)
     address: str = LOOPBACK  # the TLS listener's (the admin one stays on LOOPBACK)
+    workers: int | None = None  # `--workers`; None: serve's default (one per core)
 
     def __post_init__(self) -> None:
         self.port, self.admin_port = free_port(), free_port()
@@ -218,7 +223,8 @@ listen:
         self.notify.bind(str(notify_path))
         env = dict(os.environ, NOTIFY_SOCKET=str(notify_path), **self.env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
+             *(["--workers", str(self.workers)] if self.workers is not None else [])],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready()

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -110,6 +111,47 @@ async def test_concurrent_enqueues_share_commits(make: Make) -> None:
         items, more = await store.fetch(A, 1000)
         assert [i.envelope for i in items] == [b"x" * 10] * 200 and not more
         assert [i.id for i in items] == sorted(i.id for i in items)  # oldest first
+    finally:
+        await store.aclose()
+
+
+async def test_concurrent_enqueues_with_duplicates_and_a_bound(make: Make) -> None:
+    """Concurrent enqueues (one transaction carries many, in one statement where they
+    fit): each key stored once, every other call of that key told duplicate with its id,
+    and the bound exact — as if the calls had come one by one."""
+    store = await make(max_items=1000, max_bytes=10**6)
+    results: dict[int, list[Any]] = {}
+
+    async def one(key: int) -> None:
+        try:
+            results.setdefault(key, []).append(
+                await store.enqueue(A, B, f"m{key}", b"y" * (key + 1), 2_000_000_000))
+        except QueueFull:
+            results.setdefault(key, []).append("full")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(360):  # every key three times, all within the bounds
+                nursery.start_soon(one, i % 120)
+        items, more = await store.fetch(A, 1000)
+        assert not more and len(items) == 120
+        by_size = {len(i.envelope): i.id for i in items}
+        for key, outcomes in results.items():
+            assert "full" not in outcomes
+            assert len([o for o in outcomes if not o.duplicate]) == 1, (key, outcomes)
+            assert {o.id for o in outcomes} == {by_size[key + 1]}
+        assert await store.purge() == 0  # recounts
+        assert store.depths()[A] == (120, sum(range(1, 121)))
+        results.clear()
+        store.set_bounds(150, 10**6)
+        async with trio.open_nursery() as nursery:  # 40 new keys, 30 places left
+            for key in range(120, 160):
+                nursery.start_soon(one, key)
+        outcomes = [o for v in results.values() for o in v]
+        assert sum(o == "full" for o in outcomes) == 10
+        assert all(not o.duplicate for o in outcomes if o != "full")
+        assert await store.purge() == 0
+        assert store.depths()[A][0] == 150
     finally:
         await store.aclose()
 

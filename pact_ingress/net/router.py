@@ -127,6 +127,8 @@ class HandoffLike(Protocol):
     async def serve(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                     client: tuple[str, int], sni: str | None,
                     ctx: ssl.SSLContext) -> bool: ...
+    async def serve_relay(self, sock: trio.socket.SocketType, data: bytes, host: str,
+                          client: tuple[str, int], sni: str | None) -> bool: ...
 
 
 class RelayLike(Protocol):
@@ -444,10 +446,14 @@ class Router:
         """The relay host: its TLS ends in the relay server (any client key, pinned
         there), except an ACME TLS-ALPN-01 validation of its certificate."""
         assert self.relay is not None
-        stream = ReplayStream(data, trio.SocketStream(sock))
         if ACME_ALPN not in hello.alpn:
-            await self.relay.serve(stream, client)
+            # with workers, the client's worker serves it (main keeps the store)
+            if self.handoff is not None and await self.handoff.serve_relay(
+                    sock, data, self.relay.host, client, hello.sni):
+                return
+            await self.relay.serve(ReplayStream(data, trio.SocketStream(sock)), client)
             return
+        stream = ReplayStream(data, trio.SocketStream(sock))
         ctx = None
         if self.certs is not None:
             ctx = await self.certs.challenge_context(self.relay.host)

@@ -227,6 +227,14 @@ def default_workers() -> int:
 # --- main's side -----------------------------------------------------------------------
 
 @dataclass(eq=False)
+class _Answers:
+    """Relay answers gathered for one channel (one worker process): sent in batches."""
+
+    outbox: wp.Outbox = field(default_factory=wp.Outbox)
+    ready: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass(eq=False)
 class _Slot:
     """One worker position (index) and the process currently filling it."""
 
@@ -244,6 +252,9 @@ class _Slot:
     drain_sent: bool = False
     fallback_logged: float = float("-inf")  # trio time of the last worker_unavailable
     config_pending: trio.Event | None = None  # set when a reload's CONFIG is all sent
+    state_taken: dict[int, trio.Event] = field(default_factory=dict)  # RELAY_STATE ids
+    relay_out: _Answers | None = None  # relay answers for the current process's channel
+    supervised: trio.Event = field(default_factory=trio.Event)  # its supervisor returned
 
     def move(self, wanted: WorkerState) -> None:
         self.state = wp.next_state(self.state, wanted)
@@ -272,6 +283,8 @@ class WorkerPool:
         self._draining = False
         self._retired = ""  # counters of worker processes that are gone (Prometheus text)
         self._nursery: trio.Nursery | None = None
+        #: main's relay store service (`relay.remote.StoreService`), when a relay is served
+        self.relay_service: Any = None
         self._sent = stats.worker_handoffs.labels("worker")
         self._fallback = stats.worker_handoffs.labels("main")
         for slot in self.slots:
@@ -308,6 +321,12 @@ class WorkerPool:
             task_status.started()
 
     async def _supervise(self, slot: _Slot) -> None:
+        try:
+            await self._supervise_until_drained(slot)
+        finally:
+            slot.supervised.set()
+
+    async def _supervise_until_drained(self, slot: _Slot) -> None:
         failures = 0
         while True:
             started = trio.current_time()
@@ -350,11 +369,15 @@ class WorkerPool:
         slot.process, slot.pid, slot.started = process, process.pid, time.time()
         slot.channel = channel = Channel(mine)
         slot.drain_sent = False
+        slot.relay_out = answers = _Answers()
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read, slot, channel)
+                nursery.start_soon(self._send_answers, channel, answers)
                 try:
                     await channel.send(Kind.CONFIG, pickle.dumps(self.config))
+                    if self.relay_service is not None:  # before any relay connection
+                        await channel.send(Kind.RELAY_STATE, self.relay_service.state())
                 except OSError:
                     pass  # it died already; wait() below says how
                 await process.wait()
@@ -382,6 +405,9 @@ class WorkerPool:
         for event, _ in slot.asks.values():
             event.set()
         slot.asks.clear()
+        for event in slot.state_taken.values():
+            event.set()
+        slot.state_taken.clear()
 
     async def _read(self, slot: _Slot, channel: Channel) -> None:
         while True:
@@ -428,6 +454,15 @@ class WorkerPool:
                 raise wp.ProtocolError("STREAM_OPEN without exactly one fd")
             self._nursery_soon(self._open_stream, channel, msg.id,
                                msg.payload.decode("utf-8", "replace"), fds.pop())
+        elif msg.kind is Kind.RELAY_ASK:
+            answers = slot.relay_out
+            assert answers is not None
+            for req_id, payload in wp.decode_records(msg.payload):
+                self._nursery_soon(self._relay_ask, slot, answers, req_id, payload)
+        elif msg.kind is Kind.RELAY_STATE_TAKEN:
+            event = slot.state_taken.pop(msg.id, None)
+            if event is not None:
+                event.set()
         else:
             raise wp.ProtocolError(f"{msg.kind.name} is not a worker's message")
 
@@ -439,15 +474,84 @@ class WorkerPool:
         if slot.process is not None and slot.process.returncode is None:
             slot.process.send_signal(signal.SIGKILL)
 
+    # -- the relay store for workers ------------------------------------------------
+
+    async def _relay_ask(self, slot: _Slot, answers: _Answers, req_id: int,
+                         payload: bytes) -> None:
+        """A worker's relay store operation, run on main's store and answered (in the
+        next batch of its channel: an answer never reaches a replacement process). A
+        bug here costs that call (answered unavailable), never main."""
+        from pact_ingress.relay.remote import no_service_answer
+
+        service = self.relay_service
+        try:
+            answer = no_service_answer() if service is None else await service.answer(payload)
+        except wp.ProtocolError as exc:
+            log.error("worker_channel_broken", worker=slot.index, error=str(exc))
+            self._kill(slot)
+            return
+        except Exception as exc:
+            log.error("relay_ask_error", worker=slot.index,
+                      error=f"{type(exc).__name__}: {exc}")
+            answer = no_service_answer()
+        if answers.outbox.add(req_id, answer):
+            answers.ready.set()
+
+    @staticmethod
+    async def _send_answers(channel: Channel, answers: _Answers) -> None:
+        while True:
+            await answers.ready.wait()
+            answers.ready = trio.Event()
+            for payload in answers.outbox.take():
+                if not await _send_quietly(channel, Kind.RELAY_ANSWER, payload):
+                    return  # the worker is gone; its supervisor sees it exit
+
+    async def broadcast_relay_state(self, payload: bytes) -> None:
+        """RELAY_STATE to every running worker; returns once each confirmed it (or
+        `STATE_WAIT` passed: a worker that does not read its channel serves nothing)."""
+        from pact_ingress.relay.remote import STATE_WAIT
+
+        waits: list[trio.Event] = []
+        for slot in self.slots:
+            channel = slot.channel
+            if channel is None or slot.state not in (WorkerState.STARTING,
+                                                     WorkerState.READY):
+                continue
+            state_id = channel.next_id()
+            event = slot.state_taken[state_id] = trio.Event()
+            try:
+                await channel.send(Kind.RELAY_STATE, payload, state_id)
+            except (OSError, trio.ClosedResourceError):
+                slot.state_taken.pop(state_id, None)
+                continue
+            waits.append(event)
+        with trio.move_on_after(STATE_WAIT):
+            for event in waits:
+                await event.wait()
+
     # -- the router's hook ----------------------------------------------------------
 
     async def serve(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                     client: tuple[str, int], sni: str | None, ctx: ssl.SSLContext) -> bool:
         """Hand a terminate connection to its worker and wait until it ended there;
         False (nothing done) when main must serve it itself."""
+        return await self._hand(sock, data, route.host, client, sni, self._generation(ctx),
+                                relay=False)
+
+    async def serve_relay(self, sock: trio.socket.SocketType, data: bytes, host: str,
+                          client: tuple[str, int], sni: str | None) -> bool:
+        """The same for a relay host connection (the worker reloads the relay's
+        certificate files when they change, as main's relay server does)."""
+        if self.relay_service is None:
+            return False
+        return await self._hand(sock, data, host, client, sni, 0, relay=True)
+
+    async def _hand(self, sock: trio.socket.SocketType, data: bytes, host: str,
+                    client: tuple[str, int], sni: str | None, generation: int, *,
+                    relay: bool) -> bool:
         slot = self.slots[wp.worker_for(client[0], self.count)]
         channel = slot.channel
-        files = self.certs.cert_files(route.host)
+        files = self.certs.cert_files(host)
         if (slot.state is not WorkerState.READY or channel is None or files is None
                 or self._draining):
             self._served_here(slot, slot.state.value)
@@ -468,8 +572,8 @@ class WorkerPool:
                 return False
         conn_id = next(self._conn_ids)
         header = wp.encode_handoff(wp.Handoff(
-            conn_id, client[0], client[1], route.host, sni, self._generation(ctx),
-            str(files[0]), str(files[1]), data))
+            conn_id, client[0], client[1], host, sni, generation,
+            str(files[0]), str(files[1]), data, relay))
         done = slot.open[conn_id] = trio.Event()
         try:
             sent = await channel.send_bounded(Kind.HANDOFF, header, HANDOFF_WAIT,
@@ -590,6 +694,9 @@ class WorkerPool:
             for slot in self.slots:
                 while slot.process is not None and slot.process.returncode is None:
                     await slot.process.wait()
+            # and its supervisor has closed the channel and said how it ended
+            for slot in self.slots:
+                await slot.supervised.wait()
             return
         for slot in self.slots:
             if slot.process is not None and slot.process.returncode is None:

@@ -45,9 +45,9 @@ from pact_ingress.envelope import (
     Header,
     canonical_json,
     check_time,
-    decode_header,
+    decode_signed,
     suite_for,
-    verify_signature,
+    verify_decoded,
 )
 from pact_ingress.identity import PublicKey, is_pin
 
@@ -130,7 +130,7 @@ def check_relay_call(
             "method" in arguments or "params" in arguments):
         raise Refusal(SEAL_REQUIRED, "relayed calls must be sealed (PACT §13.4)")
     try:
-        header = decode_header(arguments)
+        header, signed, sig = decode_signed(arguments)  # every member decoded once
         if seen is not None:
             seen.update(to=header.to, msg_id=header.msg_id[:128])
         if header.cty != CALL_CTY:
@@ -141,7 +141,7 @@ def check_relay_call(
             suite_for(caller_key)
         except TypeError:
             raise EnvelopeInvalid("the caller's key is not P-256 or Ed25519") from None
-        verify_signature(arguments, caller_key, header=header)
+        verify_decoded(header, signed, sig, caller_key)
         check_time(header, now=now, direct=False)
     except EnvelopeInvalid as exc:
         raise Refusal(ENVELOPE_INVALID, exc.reason) from None

@@ -69,6 +69,10 @@ class Kind(enum.IntEnum):
     CLOSED = 7         # worker → main: handed-over connections that ended (u64 ids)
     STREAM_OPEN = 8    # worker → main: open the tunnel stream of a route onto this fd
     STREAM_RESULT = 9  # main → worker: b"" = spliced, else the reason it failed
+    RELAY_ASK = 10     # worker → main: relay store operations (`encode_records`)
+    RELAY_ANSWER = 11  # main → worker: their outcomes, by the operations' ids
+    RELAY_STATE = 12   # main → worker: the store's allow-lists (and depths, health)
+    RELAY_STATE_TAKEN = 13  # worker → main: that RELAY_STATE (same id) is applied
 
 
 class ProtocolError(Exception):
@@ -136,6 +140,7 @@ class Reassembler:
 _HANDOFF = struct.Struct("!QQHB")
 _STR = struct.Struct("!H")
 _HAS_SNI = 0x01
+_RELAY = 0x02
 
 
 @dataclass(frozen=True)
@@ -152,10 +157,11 @@ class Handoff:
     chain_path: str
     key_path: str
     data: bytes  # the ClientHello bytes the router peeked, replayed first
+    relay: bool = False  # the relay host's connection, not a terminate route's
 
 
 def encode_handoff(h: Handoff) -> bytes:
-    flags = _HAS_SNI if h.sni is not None else 0
+    flags = (_HAS_SNI if h.sni is not None else 0) | (_RELAY if h.relay else 0)
     out = [_HANDOFF.pack(h.conn_id, h.cert_generation, h.client_port, flags)]
     for text in (h.client_ip, h.route_host, h.sni or "", h.chain_path, h.key_path):
         raw = text.encode("utf-8", "surrogateescape")
@@ -179,8 +185,10 @@ def decode_handoff(payload: bytes) -> Handoff:
     except struct.error as exc:
         raise ProtocolError(f"short handoff: {exc}") from None
     ip, host, sni, chain, key = texts
+    if flags & ~(_HAS_SNI | _RELAY):
+        raise ProtocolError(f"unknown handoff flags {flags:#x}")
     return Handoff(conn_id, ip, port, host, sni if flags & _HAS_SNI else None, generation,
-                   chain, key, payload[at:])
+                   chain, key, payload[at:], bool(flags & _RELAY))
 
 
 _ID = struct.Struct("!Q")
@@ -208,6 +216,107 @@ def decode_json(payload: bytes) -> dict[str, object]:
     if not isinstance(doc, dict):
         raise ProtocolError("a report is a JSON object")
     return doc
+
+
+# --- relay store operations a worker asks main for ------------------------------------
+
+class RelayOp(enum.IntEnum):
+    ENQUEUE = 1        # {recipient, sender, msg_id, expires_at} + the envelope bytes
+    FETCH = 2          # {recipient, limit} → {items: [[id, queued_at, size]…], more} + bytes
+    ACK = 3            # {recipient, ids} → {acked}
+    SET_ALLOWLIST = 4  # {recipient, senders} → {}
+    REFRESH = 5        # {} → {} (a shared store: re-read what other instances changed)
+    PROBE = 6          # {} → {healthy, last_error} (a broken store: reopen when due)
+
+
+class RelayStatus(enum.IntEnum):
+    OK = 0
+    QUEUE_FULL = 1     # {retry_after}
+    UNAVAILABLE = 2    # {reason}
+
+
+_RELAY_HEAD = struct.Struct("!BI")
+
+
+def encode_relay(code: int, doc: object, blob: bytes = b"") -> bytes:
+    """An ask (`code` a `RelayOp`) or an answer (a `RelayStatus`): a JSON document of the
+    small fields, then raw bytes (envelopes travel as they are, never re-escaped)."""
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    return b"".join((_RELAY_HEAD.pack(code, len(head)), head, blob))
+
+
+def decode_relay(payload: bytes) -> tuple[int, dict[str, object], bytes]:
+    """(code, document, blob); the code is checked by whoever knows which enum it is."""
+    try:
+        code, n = _RELAY_HEAD.unpack_from(payload)
+    except struct.error:
+        raise ProtocolError("short relay message") from None
+    at = _RELAY_HEAD.size
+    if at + n > len(payload):
+        raise ProtocolError("relay message head runs past the message")
+    doc = decode_json(payload[at:at + n])
+    return code, doc, payload[at + n:]
+
+
+_RECORD = struct.Struct("!II")
+#: Records gathered into one message up to about this many bytes (a larger record goes
+#: alone): many operations per message, one wakeup and one syscall each way.
+MAX_RECORDS_BYTES = 1024 * 1024
+
+
+def encode_records(records: list[tuple[int, bytes]]) -> bytes:
+    """Operations (or answers) of one message: `id (u32) | length (u32) | payload` each."""
+    return b"".join(part for rid, payload in records
+                    for part in (_RECORD.pack(rid, len(payload)), payload))
+
+
+def decode_records(payload: bytes) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    at = 0
+    while at < len(payload):
+        try:
+            rid, n = _RECORD.unpack_from(payload, at)
+        except struct.error:
+            raise ProtocolError("short relay record") from None
+        at += _RECORD.size
+        if at + n > len(payload):
+            raise ProtocolError("relay record runs past the message")
+        out.append((rid, payload[at:at + n]))
+        at += n
+    return out
+
+
+class Outbox:
+    """Records waiting for the next message of one direction of one channel. Whoever
+    adds one wakes the sender task; the sender takes everything gathered meanwhile (the
+    tasks that ran in the same scheduler pass), so a burst of operations costs one
+    message, not one each."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[int, bytes]] = []
+        self._size = 0
+
+    def add(self, rid: int, payload: bytes) -> bool:
+        """Queue one; True when the outbox was empty (the sender must be woken)."""
+        self._records.append((rid, payload))
+        self._size += len(payload) + _RECORD.size
+        return len(self._records) == 1
+
+    def take(self) -> list[bytes]:
+        """Every queued record, as message payloads of at most ~MAX_RECORDS_BYTES."""
+        out: list[bytes] = []
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        for rid, payload in self._records:
+            if batch and size + len(payload) > MAX_RECORDS_BYTES:
+                out.append(encode_records(batch))
+                batch, size = [], 0
+            batch.append((rid, payload))
+            size += len(payload) + _RECORD.size
+        if batch:
+            out.append(encode_records(batch))
+        self._records, self._size = [], 0
+        return out
 
 
 # --- which worker ----------------------------------------------------------------------

@@ -221,7 +221,7 @@ class RelayExchange:
                 return
             parsed = rules.parse_allowlist(body)
             await server._ensure_store()
-            await server.store.set_allowlist(fp, parsed)
+            await server.set_allowlist(fp, parsed)
         except Refusal as exc:
             self._refused(exc.code)
             status = {rules.PERMISSION_DENIED: 403, rules.TOO_LARGE: 413}.get(exc.code, 400)

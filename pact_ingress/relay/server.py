@@ -2,15 +2,17 @@
 
 Theory of operation
 -------------------
-The router hands us every connection whose SNI is `relay.host` (peeked bytes replayed).
-TLS ends here. Every caller presents a self-signed certificate whose key *is* its
-identity (spec §2), read as the SPKI fingerprint after the handshake; the stdlib `ssl`
-cannot accept an unknown self-signed client certificate, so the TLS object is
-pyOpenSSL's, driven by the edge's own memory-BIO engine (`relay.tls`: why, in detail).
-The certificate is requested, not required at the TLS layer, so a caller without one
-gets a readable ``identity_required`` answer instead of a failed handshake. The
-certificate we present is the relay host's (files or ACME, held by `CertManager`,
-reloaded when its files change).
+The router hands us every connection whose SNI is `relay.host` (peeked bytes replayed);
+with worker processes, the client's worker runs this server for it instead, over
+`relay.remote.RemoteStore` (main's store: one writer), and main's server keeps the store,
+the purge and the wakes. TLS ends here. Every caller presents a self-signed certificate
+whose key *is* its identity (spec §2), read as the SPKI fingerprint after the
+handshake; the stdlib `ssl` cannot accept an unknown self-signed client certificate, so
+the TLS object is pyOpenSSL's, driven by the edge's own memory-BIO engine (`relay.tls`:
+why, in detail). The certificate is requested, not required at the TLS layer, so a
+caller without one gets a readable ``identity_required`` answer instead of a failed
+handshake. The certificate we present is the relay host's (files or ACME, held by
+`CertManager`, reloaded when its files change).
 
 The relay's HTTP is the edge's HTTP: the relay host sits on the same hot path as the
 terminate routes (every sender's hand-off to an offline node crosses it), so it runs on
@@ -100,19 +102,25 @@ class RelayServer:
     def __init__(self, config: Config, *, stats: Stats, certs: Any,
                  wake: Callable[[str], bool] | None = None,
                  store: RelayStore | None = None, state: StateBackend | None = None,
+                 limiter: Any = None,
                  clock: Callable[[], float] = time.time) -> None:
         assert config.relay is not None
         self.stats = stats
         self.certs = certs
         self.wake = wake
         self.clock = clock
-        # the queue lives where the state backend keeps shared state (SQLite or Redis)
-        backend = state or LocalState()
-        self.store: RelayStore = store or backend.relay_store(
-            config.relay, stats, lambda: self.clock())
-        # relay_call is charged like a terminate call: the caller's (IP, key) budget and
-        # the IP ceiling, cluster-wide when the state backend is shared
-        self.limiter = backend.limiter
+        if store is not None and limiter is not None:  # a worker: main's store, own limiter
+            self.store: RelayStore = store
+            self.limiter = limiter
+        else:
+            # the queue lives where the state backend keeps shared state (SQLite or Redis)
+            backend = state or LocalState()
+            self.store = store or backend.relay_store(config.relay, stats, lambda: self.clock())
+            # relay_call is charged like a terminate call: the caller's (IP, key) budget
+            # and the IP ceiling, cluster-wide when the state backend is shared
+            self.limiter = limiter or backend.limiter
+        #: main with workers: answers their store operations, pushes allow-lists to them
+        self.service: Any = None
         self._ctx: tuple[tuple[Any, ...], SSL.Context] | None = None
         self._conns: set[_Conn] = set()
         self._draining = False
@@ -294,11 +302,23 @@ class RelayServer:
             raise Refusal(rules.RATE_LIMITED, "the recipient's queue is full",
                           exc.retry_after) from None
         self.stats.relay_enqueues.labels("duplicate" if done.duplicate else "queued").inc()
-        if not done.duplicate and self.wake is not None:
-            tenant = self.recipients.get(header.to)
+        if not done.duplicate:
+            self.woken(header.to)
+        return rules.queued(header.msg_id)
+
+    def woken(self, recipient: str) -> None:
+        """Something new was queued for `recipient`: wake its tenant's node (main only:
+        it holds the tunnels; a worker's server has no `wake`)."""
+        if self.wake is not None:
+            tenant = self.recipients.get(recipient)
             if tenant is not None and self.wake(tenant):
                 self.stats.relay_wakes.inc()
-        return rules.queued(header.msg_id)
+
+    async def set_allowlist(self, recipient: str, senders: tuple[str, ...]) -> None:
+        """Replace the list; with workers, answered once every worker holds it."""
+        await self.store.set_allowlist(recipient, senders)
+        if self.service is not None:
+            await self.service.push_if_changed()
 
     def has_mail(self, tenant: str) -> bool:
         """Does any of `tenant`'s served recipients have items waiting? (Asked when one

@@ -15,6 +15,9 @@ takes the first job, then every job that queued up meanwhile (up to `MAX_BATCH`)
 them all in one transaction — each inside its own SAVEPOINT, so one job's failure
 undoes only that job (an enqueue needs none: it writes one statement, after every check
 that can refuse it, and SQLite undoes a failed statement itself) — and COMMITs once.
+Consecutive enqueues of a batch that all fit their recipients' bounds go in as one
+multi-row INSERT (… RETURNING id: a row the key already held is not returned and is
+answered as the duplicate it is); any other case runs them one by one.
 Only after COMMIT returned does any job of the batch get its result; a COMMIT that
 fails fails the whole batch (`StoreUnavailable`), and their callers answer
 ``unavailable``. While one COMMIT is fsyncing, the next batch is queueing: the busier
@@ -145,6 +148,9 @@ class _Job:
     #: failure leaves nothing behind (SQLite undoes a failed statement), so it needs no
     #: savepoint of its own
     single: bool = False
+    #: an enqueue's row (recipient, sender, msg_id, queued_at, expires_at, size,
+    #: envelope): consecutive enqueues of a batch go into one multi-row INSERT
+    row: tuple[Any, ...] | None = None
     done: trio.Event = field(default_factory=trio.Event)
     result: Any = None
     error: BaseException | None = None
@@ -195,12 +201,13 @@ class SqliteStore:
     # --- the trio side -----------------------------------------------------------------
 
     async def _submit(self, fn: Callable[[sqlite3.Connection], Any], *, writes: bool,
-                      allow_broken: bool = False, single: bool = False) -> Any:
+                      allow_broken: bool = False, single: bool = False,
+                      row: tuple[Any, ...] | None = None) -> Any:
         if self._thread is None:
             raise StoreUnavailable("relay store not running")
         if self._jobs.qsize() >= MAX_PENDING:
             raise StoreUnavailable("relay store overloaded")
-        job = _Job(fn, writes, single)
+        job = _Job(fn, writes, single, row)
         self._jobs.put(job)
         with trio.move_on_after(JOB_TIMEOUT):
             await job.done.wait()
@@ -251,7 +258,9 @@ class SqliteStore:
             self._depths = {**self._depths, recipient: (items + 1, size + len(envelope))}
             return Enqueued(int(cur.lastrowid or 0), False)
 
-        return await self._submit(run, writes=True, single=True)  # type: ignore[no-any-return]
+        row = (recipient, sender, msg_id, now, expires_at, len(envelope), envelope)
+        return await self._submit(run, writes=True, single=True,  # type: ignore[no-any-return]
+                                  row=row)
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         """The oldest unacked, unexpired items (at most `limit`, and `MAX_PAGE_BYTES` of
@@ -364,21 +373,18 @@ class SqliteStore:
         saved = (self._depths, self._allowlists)
         try:
             conn.execute("BEGIN IMMEDIATE" if any(j.writes for j in batch) else "BEGIN")
-            for job in batch:
-                if job.single:
-                    try:
-                        job.result = job.fn(conn)
-                    except (QueueFull, sqlite3.IntegrityError,
-                            sqlite3.ProgrammingError) as exc:
-                        job.error = exc
-                    continue
-                conn.execute("SAVEPOINT job")
-                try:
-                    job.result = job.fn(conn)
-                except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
-                    job.error = exc
-                    conn.execute("ROLLBACK TO job")
-                conn.execute("RELEASE job")
+            at = 0
+            while at < len(batch):
+                end = at + 1
+                if batch[at].row is not None:  # a run of enqueues: one statement if it can
+                    while end < len(batch) and batch[end].row is not None:
+                        end += 1
+                    if end - at > 1 and self._insert_many(conn, batch[at:end]):
+                        at = end
+                        continue
+                for job in batch[at:end]:
+                    self._run_one(conn, job)
+                at = end
             started = time.perf_counter()
             conn.execute("COMMIT")
             if any(j.writes for j in batch):
@@ -405,6 +411,63 @@ class SqliteStore:
             return
         self._publish_depths()
         self._deliver(batch)
+
+    @staticmethod
+    def _run_one(conn: sqlite3.Connection, job: _Job) -> None:
+        if job.single:
+            try:
+                job.result = job.fn(conn)
+            except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
+                job.error = exc
+            return
+        conn.execute("SAVEPOINT job")
+        try:
+            job.result = job.fn(conn)
+        except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
+            job.error = exc
+            conn.execute("ROLLBACK TO job")
+        conn.execute("RELEASE job")
+
+    def _insert_many(self, conn: sqlite3.Connection, run: list[_Job]) -> bool:
+        """Consecutive enqueues in one INSERT statement (one call into SQLite instead of
+        one per item). Only when every item fits its recipient's bounds even if all are
+        new; otherwise (or when the statement fails) False: the jobs then run one by one,
+        each with its own checks and errors, exactly as alone."""
+        depths = dict(self._depths)
+        for job in run:
+            assert job.row is not None
+            recipient, size = job.row[0], job.row[5]
+            items, total = depths.get(recipient, (0, 0))
+            if items + 1 > self.max_items or total + size > self.max_bytes:
+                return False
+            depths[recipient] = (items + 1, total + size)
+        marks = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(run))
+        try:
+            rows = conn.execute(
+                "INSERT OR IGNORE INTO items (recipient, sender, msg_id, queued_at, expires_at,"
+                f" size, envelope) VALUES {marks} RETURNING id, recipient, msg_id",
+                [v for job in run for v in job.row]).fetchall()  # type: ignore[union-attr]
+        except (sqlite3.IntegrityError, sqlite3.ProgrammingError):
+            return False  # SQLite undid the statement; one by one tells which job failed
+        inserted = {(r, m): int(i) for i, r, m in rows}
+        depths = dict(self._depths)
+        for job in run:
+            assert job.row is not None
+            recipient, msg_id, size = job.row[0], job.row[2], job.row[5]
+            item_id = inserted.pop((recipient, msg_id), None)
+            if item_id is not None:  # the first of its key in the batch: stored now
+                items, total = depths.get(recipient, (0, 0))
+                depths[recipient] = (items + 1, total + size)
+                job.result = Enqueued(item_id, False)
+                continue
+            dup = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
+                               (recipient, msg_id)).fetchone()
+            if dup is None:
+                job.error = sqlite3.IntegrityError("relay item not stored")
+            else:
+                job.result = Enqueued(int(dup[0]), True)
+        self._depths = depths
+        return True
 
     def _fail(self, batch: list[_Job], exc: BaseException) -> None:
         for job in batch:

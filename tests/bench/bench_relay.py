@@ -4,6 +4,7 @@ items, and wake latency from enqueue to a connector's on_mail hook.
 
     python -m tests.bench.bench_relay            # about a minute
     python -m tests.bench.bench_relay --quick    # smoke run
+    python -m tests.bench.bench_relay --sources 8   # senders from 8 client addresses
 
 One `pact-ingress serve` (real process) carries a relay host and a terminate route to a
 recording home node (`tests.terminate_env.RecordingNode`, HTTP/1.1). Load comes from
@@ -50,7 +51,8 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def _worker(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes], host: str,
-            path: str, threads: int, seconds: float, out: Any) -> None:
+            path: str, threads: int, seconds: float, out: Any, proc: int = 0,
+            sources: int = 1) -> None:
     """One load process: `threads` keep-alive connections sending `bodies` round robin."""
     import socket
 
@@ -64,7 +66,12 @@ def _worker(kind: str, port: int, key: tuple[str, str] | None, bodies: list[byte
         ctx = relay_client_context(None)
         if key is not None:
             ctx.load_cert_chain(*key)
-        raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+        # `sources` > 1: the connections come from 127.0.0.2… so that the client buckets,
+        # and with them the worker processes, differ (one address: one worker)
+        conn_no = proc * threads + n
+        source = None if sources <= 1 else (f"127.0.0.{2 + conn_no % sources}", 0)
+        raw = socket.create_connection(("127.0.0.1", port), timeout=30,
+                                       source_address=source)
         sock = ctx.wrap_socket(raw, server_hostname=host)
         mine: list[float] = []
         i = n
@@ -91,7 +98,8 @@ def _worker(kind: str, port: int, key: tuple[str, str] | None, bodies: list[byte
 
 
 def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes], host: str,
-         path: str, seconds: float, pid: int | None = None) -> dict[str, float]:
+         path: str, seconds: float, pid: int | None = None, sources: int = 1
+         ) -> dict[str, float]:
     """One rate phase; with `pid`, also that process's CPU (all threads) per request."""
     from tests.bench.harness import cpu_seconds
 
@@ -100,7 +108,7 @@ def load(kind: str, port: int, key: tuple[str, str] | None, bodies: list[bytes],
     q = ctx.Queue()
     per = [bodies[p::PROCS] for p in range(PROCS)]
     procs = [ctx.Process(target=_worker, args=(kind, port, key, per[p], host, path,
-                                               SENDERS // PROCS, seconds, q))
+                                               SENDERS // PROCS, seconds, q, p, sources))
              for p in range(PROCS)]
     for p in procs:
         p.start()
@@ -131,6 +139,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sources", type=int, default=1,
+                        help="client addresses 127.0.0.2… the senders are spread over "
+                             "(both phases; default 1: every sender from 127.0.0.1)")
     args = parser.parse_args()
     seconds = 3.0 if args.quick else 10.0
     wakes = 5 if args.quick else 20
@@ -156,7 +167,7 @@ limits:                     # budgets far above the load: the rate is what is me
 """
     serve = RelayServe(tmp, recipients=[ids.recipient], max_items=10_000_000,
                        max_bytes="10GiB", tunnel=True, extra=extra)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"sources": args.sources}
     try:
         recipient = RelayCaller(serve.port, ids.recipient)
         recipient.allowlist_set([ids.sender.fingerprint])
@@ -169,12 +180,13 @@ limits:                     # budgets far above the load: the rate is what is me
         print("terminate rate…", file=sys.stderr)
         pid = serve.proc.pid if serve.proc is not None else None
         result["terminate"] = load("terminate", serve.port, None, term_bodies, TERM_HOST,
-                                   "/mcp", seconds, pid)
+                                   "/mcp", seconds, pid, args.sources)
         print("relay_call rate…", file=sys.stderr)
         sender_files = (str(ids.sender.cert_path), str(ids.sender.key_path))
         commits0 = _commits(serve)
         result["relay_call"] = load("relay_call", serve.port, sender_files,
-                                    bodies, "relay.test", "/relay/mcp", seconds, pid)
+                                    bodies, "relay.test", "/relay/mcp", seconds, pid,
+                                    args.sources)
         commits1 = _commits(serve)
         n_commits = max(1.0, commits1[0] - commits0[0])
         result["relay_call"]["commits"] = n_commits
@@ -252,8 +264,8 @@ def wake_latency(tmp: Path, serve: RelayServe, ids: Any, sender: RelayCaller, n:
 
 def table(r: dict[str, Any], seconds: float) -> None:
     rc, tm = r["relay_call"], r["terminate"]
-    print(f"| measure ({SENDERS} concurrent senders, {seconds:g} s, {os.cpu_count()} cores) "
-          "| value |")
+    print(f"| measure ({SENDERS} concurrent senders from {r.get('sources', 1)} address(es), "
+          f"{seconds:g} s, {os.cpu_count()} cores) | value |")
     print("| --- | --- |")
     print(f"| plain terminate requests/s (tools/list forwarded) | {tm['rate']:.0f} "
           f"(p50 {tm['p50_ms']:.1f} ms, p99 {tm['p99_ms']:.1f} ms) |")

@@ -1,0 +1,365 @@
+"""The relay host on `serve --workers 2`: workers serve its connections, main keeps the
+one store.
+
+Real `serve` processes, real TLS with client certificates on loopback. Callers bind
+127.0.0.2…127.0.0.9 so both workers get clients (`proto.workers.worker_for` says which
+address goes where; /status's open connections per worker confirms it). Every wait is
+bounded; nothing asserts timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pact_ingress.identity import b64url_decode
+from pact_ingress.proto import workers as wp
+from pact_ingress.proto.ratelimit import burst_for
+from tests.relay_env import RelayCaller, RelayServe, code_of, envelope, relay_identities
+from tests.terminate_env import WAIT
+
+SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
+HIGH_LIMITS = "limits: {calls_per_hour_per_ip_key: 1000000, calls_per_hour_per_ip: 1000000}\n"
+
+
+def by_worker(n: int = 2) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {i: [] for i in range(n)}
+    for ip in SOURCES:
+        out[wp.worker_for(ip, n)].append(ip)
+    assert all(out.values()), f"every worker needs a source address: {out}"
+    return out
+
+
+def poll(check: Any, what: str, timeout: float = WAIT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def queued(result: dict[str, Any], msg_id: str) -> bool:
+    return result.get("structuredContent") == {"status": "queued", "msg_id": msg_id}
+
+
+def drain_queue(recipient: RelayCaller) -> dict[str, dict[str, str]]:
+    """Every queued envelope by msg_id (fetched and acked page by page)."""
+    found: dict[str, dict[str, str]] = {}
+    for _ in range(1000):
+        page = recipient.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        for item in page["items"]:
+            header = json.loads(b64url_decode(item["envelope"]["protected"]))
+            assert header["msg_id"] not in found, "an item came back twice"
+            found[header["msg_id"]] = item["envelope"]
+        recipient.tool("ack", {"ids": [item["id"] for item in page["items"]]})
+        if not page["more"]:
+            return found
+    raise AssertionError("the queue did not drain")
+
+
+def metric_total(metrics: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(metrics)
+               if fam.name == name for s in fam.samples if s.name == name + "_total"
+               and "worker" not in s.labels)
+
+
+def test_calls_through_both_workers_land_in_the_one_store(tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        callers = {ip: RelayCaller(serve.port, ids.sender, source=ip)
+                   for ips in groups.values() for ip in ips}
+        sent: dict[str, dict[str, str]] = {}
+        for round_ in range(5):
+            for ip, caller in callers.items():
+                msg_id = f"{ip}-{round_}"
+                env = sent[msg_id] = envelope(ids.sender, ids.recipient, msg_id=msg_id,
+                                              text=f"body {msg_id}")
+                result, _ = caller.tool("relay_call", env)
+                assert queued(result, msg_id), result
+        # a retry through the other worker is the duplicate answer, nothing new queued
+        again = next(iter(callers.values()))
+        first = next(iter(sent))
+        assert queued(again.tool("relay_call", sent[first])[0], first)
+        # every caller's connection is open on the worker its address belongs to
+        workers = {w["index"]: w for w in serve.status()["workers"]}
+        for index, ips in groups.items():
+            assert workers[index]["open_connections"] >= len(ips), workers
+        status = serve.status()["relay"]
+        assert [q["items"] for q in status["queues"]] == [len(sent)]
+        metrics = serve.metrics()
+        assert metric_total(metrics, "pact_ingress_relay_enqueues") == len(sent) + 1
+        found = drain_queue(recipient)
+        assert found == sent
+    finally:
+        serve.stop()
+
+
+def test_worker_killed_mid_relay_call_loses_no_acknowledged_item(tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        victim = 0
+        recipient = RelayCaller(serve.port, ids.recipient, source=groups[1][0])
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        pids = {w["index"]: w["pid"] for w in serve.status()["workers"]}
+        sent: dict[str, dict[str, str]] = {}
+        answered: set[str] = set()
+        outcomes: dict[str, int] = {}
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def sender(n: int, ip: str) -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=ip)
+            for i in range(100_000):
+                if stop.is_set():
+                    return
+                msg_id = f"{ip}-s{n}-{i}"
+                env = envelope(ids.sender, ids.recipient, msg_id=msg_id, text=f"b {msg_id}")
+                with lock:
+                    sent[msg_id] = env
+                try:
+                    result, _ = caller.tool("relay_call", env)
+                except (OSError, ValueError):
+                    caller.close()
+                    with lock:
+                        outcomes["connection_lost"] = outcomes.get("connection_lost", 0) + 1
+                    continue
+                kind = "queued" if queued(result, msg_id) else str(code_of(result))
+                with lock:
+                    outcomes[kind] = outcomes.get(kind, 0) + 1
+                    if kind == "queued":
+                        answered.add(msg_id)
+
+        threads = [threading.Thread(target=sender, args=(n, ip))
+                   for n, ip in enumerate(groups[victim] * 2 + groups[1])]
+        for t in threads:
+            t.start()
+        try:
+            poll(lambda: len(answered) >= 100, "calls answered before the kill")
+            os.kill(pids[victim], signal.SIGKILL)  # mid-stream: its senders keep firing
+            before = len(answered)
+
+            def replaced() -> bool:
+                w = {x["index"]: x for x in serve.status()["workers"]}[victim]
+                return w["pid"] != pids[victim] and w["state"] == "ready"
+
+            poll(replaced, "the killed worker's replacement")
+            poll(lambda: len(answered) >= before + 100, "calls answered after the kill")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=WAIT)
+        with lock:
+            acknowledged = set(answered)
+            seen = dict(outcomes)
+        print(f"outcomes {seen}")
+        # nothing but queued, a lost connection, or an honest unavailable
+        assert set(seen) <= {"queued", "connection_lost", "unavailable"}, seen
+        found = drain_queue(recipient)
+        missing = acknowledged - set(found)
+        assert not missing, f"{len(missing)} acknowledged calls lost: {sorted(missing)[:5]}"
+        for msg_id, env in found.items():
+            assert env == sent[msg_id]
+        # the replacement serves the victim's addresses again
+        caller = RelayCaller(serve.port, ids.sender, source=groups[victim][0])
+        env = envelope(ids.sender, ids.recipient, msg_id="after")
+        assert queued(caller.tool("relay_call", env)[0], "after")
+        restarts = {w["index"]: w["restarts"] for w in serve.status()["workers"]}
+        assert restarts[victim] >= 1 and restarts[1 - victim] == 0, restarts
+    finally:
+        serve.stop()
+
+
+def test_allowlist_change_through_one_worker_is_seen_through_the_other(
+        tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        for setter_worker in (0, 1):
+            other = 1 - setter_worker
+            recipient = RelayCaller(serve.port, ids.recipient, source=groups[setter_worker][0])
+            reader = RelayCaller(serve.port, ids.recipient, source=groups[other][0])
+            # kept open across the changes: no new handoff orders anything for it
+            sender = RelayCaller(serve.port, ids.sender, source=groups[other][0])
+            for round_ in range(6):
+                allow = round_ % 2 == 0
+                senders = [ids.sender.fingerprint] if allow else [ids.other.fingerprint]
+                assert recipient.allowlist_set(senders).status == 200
+                got = json.loads(reader.allowlist_get().body)["senders"]
+                assert got == senders
+                msg_id = f"w{setter_worker}-r{round_}"
+                result, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                               msg_id=msg_id))
+                if allow:
+                    assert queued(result, msg_id), result
+                else:
+                    assert code_of(result) == "permission_denied", result
+            for c in (recipient, reader, sender):
+                c.close()
+    finally:
+        serve.stop()
+
+
+def test_relay_budget_per_ip_and_key_is_exact_with_two_workers(tmp_path: Path) -> None:
+    per_key = 12  # burst 5; the next call refills after 300 s, far beyond this test
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=(
+        f"limits: {{calls_per_hour_per_ip_key: {per_key}, calls_per_hour_per_ip: 1000}}\n"))
+    expected = burst_for(per_key)
+    msg_ids = itertools.count()
+    try:
+        groups = by_worker()
+        recipient = RelayCaller(serve.port, ids.recipient, source="127.0.0.1")
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        for ip in [ips[0] for ips in groups.values()]:
+            callers = [RelayCaller(serve.port, ids.sender, source=ip) for _ in range(4)]
+            admitted = limited = 0
+            for _ in range(4):
+                for caller in callers:
+                    msg_id = f"lim-{next(msg_ids)}"
+                    result, _ = caller.tool("relay_call", envelope(
+                        ids.sender, ids.recipient, msg_id=msg_id))
+                    if queued(result, msg_id):
+                        admitted += 1
+                    else:
+                        assert code_of(result) == "rate_limited", result
+                        limited += 1
+            for c in callers:
+                c.close()
+            assert (admitted, limited) == (expected, 16 - expected), ip
+        # the same key from the recipient's address has its own full budget
+        assert len(drain_queue(recipient)) == 2 * expected
+    finally:
+        serve.stop()
+
+
+# --- the store across the channel, in process ------------------------------------------
+
+class _Relay:
+    """What `StoreService` needs of main's RelayServer: the store, recipients, wakes."""
+
+    def __init__(self, store: Any, recipients: dict[str, str]) -> None:
+        self.store, self.recipients = store, recipients
+        self.woke: list[str] = []
+
+    def woken(self, recipient: str) -> None:
+        self.woke.append(recipient)
+
+
+async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unavailable(
+        tmp_path: Path) -> None:
+    import pytest
+    import trio
+
+    from pact_ingress.proto.workers import Kind
+    from pact_ingress.relay.remote import RemoteStore, StoreService
+    from pact_ingress.relay.store import QueueFull, SqliteStore, StoreUnavailable
+
+    a, b = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+    store = SqliteStore(tmp_path / "q.sqlite", max_items=3, max_bytes=10**6)
+    await store.open()
+    relay = _Relay(store, {a: "home"})
+    service = StoreService(relay)
+    pushed: list[bytes] = []
+
+    async def broadcast(payload: bytes) -> None:
+        pushed.append(payload)
+        remote.apply_state(json.loads(payload))
+
+    service.broadcast = broadcast
+    ids = itertools.count(1)
+    cut = trio.Event()
+
+    async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
+        assert kind is Kind.RELAY_ASK
+        if cut.is_set():
+            raise OSError("channel closed")
+
+        async def answer(req_id: int, record: bytes) -> None:
+            out = await service.answer(record)
+            remote.answered(wp.encode_records([(req_id, out)]))
+
+        for req_id, record in wp.decode_records(payload):
+            nursery.start_soon(answer, req_id, record)
+
+    remote = RemoteStore(send, lambda: next(ids))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(remote.run)
+            first = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
+            again = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
+            assert not first.duplicate and again.duplicate and again.id == first.id
+            assert relay.woke == [a]  # a wake for the new item only, in main
+            await remote.enqueue(a, b, "m2", b"[2]", 2_000_000_000)
+            await remote.enqueue(a, b, "m3", b"[3]", 2_000_000_000)
+            with pytest.raises(QueueFull):
+                await remote.enqueue(a, b, "m4", b"[4]", 2_000_000_000)
+            items, more = await remote.fetch(a, 2)
+            assert [i.envelope for i in items] == [b'{"x":1}', b"[2]"] and more
+            assert await remote.ack(a, [i.id for i in items]) == 2
+            assert store.depths()[a] == (1, 3)
+            await remote.set_allowlist(a, (b,))
+            assert remote.allowlists() == {a: frozenset({b})} and pushed
+            with pytest.raises(StoreUnavailable):  # main serves no such recipient
+                await remote.enqueue(b, a, "m5", b"[5]", 2_000_000_000)
+            # concurrent calls travel together, each answered with its own outcome
+            got: dict[str, Any] = {}
+
+            async def call(msg_id: str) -> None:
+                got[msg_id] = await remote.enqueue(a, b, msg_id, b"[x]", 2_000_000_000)
+
+            await remote.ack(a, [i.id for i in (await remote.fetch(a, 10))[0]])
+            async with trio.open_nursery() as inner:
+                for msg_id in ("c1", "c2", "c1"):
+                    inner.start_soon(call, msg_id)
+            assert sorted(got) == ["c1", "c2"]
+            await remote.ack(a, [i.id for i in (await remote.fetch(a, 10))[0]])
+
+            async def blocked_send(kind: Kind, payload: bytes, msg_id: int) -> None:
+                pass  # main never answers: then the channel closes
+
+            remote._send = blocked_send
+            outcome: list[BaseException] = []
+
+            async def waiting() -> None:
+                try:
+                    await remote.enqueue(a, b, "m7", b"[7]", 2_000_000_000)
+                except StoreUnavailable as exc:
+                    outcome.append(exc)
+
+            nursery.start_soon(waiting)
+            await trio.sleep(0.05)
+            remote.fail_all()  # what the worker does when its channel reads EOF
+            await trio.sleep(0.05)
+            assert len(outcome) == 1 and not remote.healthy
+            with pytest.raises(StoreUnavailable):  # and every later call
+                await remote.enqueue(a, b, "m8", b"[8]", 2_000_000_000)
+            nursery.cancel_scope.cancel()
+        # a sender that cannot reach main fails its calls too
+        cut.set()
+        remote = RemoteStore(send, lambda: next(ids))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(remote.run)
+            with pytest.raises(StoreUnavailable):
+                await remote.enqueue(a, b, "m6", b"[6]", 2_000_000_000)
+            nursery.cancel_scope.cancel()
+        items, _ = await store.fetch(a, 10)
+        assert items == []  # m6, m7, m8 never reached main
+    finally:
+        await store.aclose()
