@@ -214,11 +214,24 @@ class Ingress:
             ],
             "counters": schema.counters_from_families(self._families()),
             "recent_refusals": self._refusals(),
-            "state": self.state.status(),
+            "state": self._state_status(),
             "cluster": self.state.registry.status(),
             **({"relay": self.relay.status()} if self.relay and cfg.relay else {}),
             **({"workers": self.workers.status()} if self.workers is not None else {}),
         }
+
+    def _state_status(self) -> dict[str, Any]:
+        """Main's state backend, unless a running worker (its own Redis connection) has
+        not rejoined yet: the instance shares its budgets only when every process does."""
+        status = self.state.status()
+        if status["mode"] != "shared" or self.workers is None:
+            return status
+        alone = [w["index"] for w in self.workers.status()
+                 if w["state"] == "ready" and w.get("state_mode") == "fallback"]
+        if alone:
+            status = {**status, "mode": "fallback",
+                      "last_error": f"worker {', '.join(map(str, alone))} not rejoined yet"}
+        return status
 
     def _families(self) -> list[Any]:
         """This instance's metric families: main's registry, plus (with workers) the last

@@ -286,6 +286,9 @@ class Worker:
                          for r in self.stats.recent_refusals],
             "open": self._handling,
             "requests": int(requests),
+            # a worker keeps its own Redis connection: main's view alone could say
+            # "shared" while this worker still counts budgets by itself
+            **({"state_mode": self.state.status()["mode"]} if self.state is not None else {}),
         }
 
     async def _flush_closed(self) -> None:

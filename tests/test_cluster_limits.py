@@ -99,7 +99,13 @@ tenants:
     def wait_mode(self, mode: str) -> None:
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
-            if self.state()["mode"] == mode:
+            doc = fetch_status(self.admin)
+            jsonschema.validate(doc, STATUS_SCHEMA)
+            if doc["state"]["mode"] == mode:
+                # "shared" is the instance's word only when every worker says it too
+                if mode == "shared":
+                    assert all(w.get("state_mode") == "shared" for w in doc.get("workers", [])
+                               if w["state"] == "ready"), doc["workers"]
                 return
             time.sleep(0.05)
         raise AssertionError(f"{self.address} never {mode}: {self.state()}\n{self.logs()}")

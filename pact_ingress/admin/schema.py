@@ -96,7 +96,8 @@ WORKER_SCHEMA = _obj(
     {"index": _COUNT, "pid": {"type": ["integer", "null"]},
      "state": {"enum": ["starting", "ready", "draining", "exited", "respawning"]},
      "started": {"type": ["number", "null"]}, "restarts": _COUNT,
-     "open_connections": _COUNT, "requests": _COUNT})
+     "open_connections": _COUNT, "requests": _COUNT},
+    {"state_mode": {"enum": ["shared", "fallback"]}})
 CLUSTER_SCHEMA = _obj(
     {"registry": {"enum": ["local", "redis"]}, "stale": {"type": "boolean"},
      "members": _list(CLUSTER_MEMBER_SCHEMA),

@@ -752,7 +752,9 @@ class WorkerPool:
         return [
             {"index": s.index, "pid": s.pid, "state": s.state.value,
              "started": s.started, "restarts": s.restarts, "open_connections": len(s.open),
-             "requests": int(s.report.get("requests", 0) or 0)}
+             "requests": int(s.report.get("requests", 0) or 0),
+             **({"state_mode": s.report["state_mode"]}
+                if s.report.get("state_mode") in ("shared", "fallback") else {})}
             for s in self.slots
         ]
 
