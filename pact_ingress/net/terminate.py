@@ -246,11 +246,13 @@ class Terminator:
         limits = route.limits
         conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0])
         handle = partial(self._exchange, conn)
+        ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
         self._open += 1
         try:
-            if isinstance(tls, ServerTLS):
+            if ours:
                 try:
-                    await tls.do_handshake(trio.current_time() + limits.clienthello_timeout)
+                    await tls.do_handshake(  # type: ignore[call-arg]
+                        trio.current_time() + limits.clienthello_timeout)
                 except trio.TooSlowError:
                     return
             else:
@@ -275,9 +277,9 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             self._open -= 1
-            if isinstance(tls, ServerTLS):
+            if ours:
                 # the HTTP leg and its tasks are done: nothing waits on the socket now
-                tls.close_unwatched()
+                tls.close_unwatched()  # type: ignore[union-attr]
             else:
                 await trio.aclose_forcefully(tls)
 
