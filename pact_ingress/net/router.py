@@ -48,9 +48,11 @@ module's in both paths. The task path below still serves any other listener (tes
 listeners to inject faults) and every connection the engine hands over; it works on
 bare trio sockets, trying every syscall before waiting: the ClientHello is read before
 any epoll wait, the backend connect is probed instead of waited on, and the relay
-splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
-non-socket backend) wrap the socket in one. `tests/bench/profile_router.py` measures
-and profiles the passthrough path.
+splices fds. Only the modes that need a `Stream` (tunnel, ACME, a non-socket backend)
+wrap the socket in one; a terminate connection the engine hands over goes to the
+terminator as its bare stdlib socket and the peeked bytes (`_terminate_socket`), which
+it feeds straight into its TLS engine. `tests/bench/profile_router.py` measures and
+profiles the passthrough path.
 
 Reload swaps the route table and limits atomically (`update`); connections already
 routed keep the `Route` object they were given. Shutdown (`drain`) closes the
