@@ -1,5 +1,5 @@
 """HTTP/1.1 terminate connections whose first request came with the client's Finished
-(in the same segment, as wrk, curl and browsers send it): the first request is served
+(in the same segment, as wrk and curl send it): the first request is served
 before the connection has any idle scope, and the connection must still be bounded
 afterwards like any other — closed past `idle_timeout`, closed at once by a drain — and
 still serve later requests. A real `pact-ingress serve`, a raw TLS client that decides

@@ -9,8 +9,9 @@ not (repeat runs agree within ~0.2%). For each tree this starts `pact-ingress se
 under `valgrind --tool=callgrind` with collection off, in front of the terminate bench's
 node (`bench_terminate`'s rig: HAProxy answering 200 + 1 KiB over pinned mTLS), warms it
 up (the upstream pool filled), switches collection on for `--conns` new connections
-(8 client threads, each: full TLS 1.3 handshake, one `GET /` with `Connection: close`,
-read to EOF), switches it off and reports instructions per connection by shared object:
+(8 client threads, each: a TLS 1.3 handshake resuming the thread's last session, as wrk
+does, one `GET /` with `Connection: close`, read to EOF), switches it off and reports
+instructions per connection by shared object:
 libcrypto + libssl (the handshake's crypto, the same work HAProxy's OpenSSL does),
 libpython (the interpreter: our Python), libc (malloc and friends for both).
 
@@ -51,9 +52,9 @@ def _connections(port: int, count: int) -> int:
     ctx.set_alpn_protocols(["http/1.1"])
     ok = [0]
 
-    def one() -> None:
+    def one(last: list[ssl.SSLSession | None]) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=120) as raw:
-            with ctx.wrap_socket(raw, server_hostname=bt.HOST) as tls:
+            with ctx.wrap_socket(raw, server_hostname=bt.HOST, session=last[0]) as tls:
                 tls.sendall(REQUEST)
                 data = b""
                 while True:
@@ -64,12 +65,14 @@ def _connections(port: int, count: int) -> int:
                     if not chunk:
                         break
                     data += chunk
+                last[0] = tls.session  # the ticket that came with the answer
         if data.startswith(b"HTTP/1.1 200"):
             ok[0] += 1
 
     def worker(n: int) -> None:
+        last: list[ssl.SSLSession | None] = [None]
         for _ in range(n):
-            one()
+            one(last)
 
     threads = [threading.Thread(target=worker, args=(count // THREADS,))
                for _ in range(THREADS)]
