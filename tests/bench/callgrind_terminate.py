@@ -5,7 +5,7 @@ cannot move.
 
 CPU time per connection (`ab_terminate`) swings by tens of percent while other work
 shares the cores; the number of instructions the process executes per connection does
-not (repeat runs agree within ~0.2%). For each tree this starts `pact-ingress serve`
+not (repeat runs agree within ~1%). For each tree this starts `pact-ingress serve`
 under `valgrind --tool=callgrind` with collection off, in front of the terminate bench's
 node (`bench_terminate`'s rig: HAProxy answering 200 + 1 KiB over pinned mTLS), warms it
 up (the upstream pool filled), switches collection on for `--conns` new connections
