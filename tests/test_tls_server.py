@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import ssl
 
+import pytest
 import trio
 import trio.testing
 
@@ -137,3 +139,127 @@ async def test_close_wakes_a_waiting_reader(nursery: trio.Nursery) -> None:
     finally:
         raw.close()
     assert done == ["woken"]
+
+
+class _Peer:
+    """The client end as a bare `ssl.SSLObject` over its half of a socketpair: the test
+    decides which records leave together and sees what the server sent, record by byte."""
+
+    def __init__(self, pki: WebPKI, sock: socket.socket) -> None:
+        self.sock = sock
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = pki.client_context(alpn=("http/1.1",)).wrap_bio(
+            self.incoming, self.outgoing, server_hostname=HOST)
+
+    def hello(self) -> bytes:
+        try:
+            self.tls.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        return self.outgoing.read()
+
+    async def receive(self) -> bytes:
+        """What the server sent, once it sent something (bounded wait)."""
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(self.sock)
+        return self.sock.recv(1 << 16)
+
+    def waiting(self) -> bool:
+        """Whether the server sent anything not read yet."""
+        try:
+            self.sock.recv(1 << 16, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        return True
+
+
+def _records(data: bytes) -> list[int]:
+    """Content types of the TLS records in `data` (whole records only)."""
+    types = []
+    while len(data) >= 5:
+        types.append(data[0])
+        data = data[5 + int.from_bytes(data[3:5], "big"):]
+    return types
+
+
+async def _handshake_to_finished(pki: WebPKI, *, with_request: bytes
+                                 ) -> tuple[ServerTLS, _Peer, socket.socket]:
+    """Run a handshake over a socketpair up to the client's Finished, sent together with
+    `with_request` (TLS application data) when given; returns after the server's
+    `do_handshake` returned."""
+    server_sock, client_sock = socket.socketpair()
+    server_sock.setblocking(False)
+    client_sock.setblocking(False)
+    peer = _Peer(pki, client_sock)
+    tls = ServerTLS(server_sock, pki.server_context(HOST, alpn=("http/1.1",)), peer.hello())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tls.do_handshake)
+        peer.incoming.write(await peer.receive())  # the server's whole flight
+        peer.tls.do_handshake()
+        if with_request:
+            peer.tls.write(with_request)
+        client_sock.sendall(peer.outgoing.read())  # Finished [+ request], one segment
+    return tls, peer, server_sock
+
+
+async def test_tickets_leave_with_the_answer_when_the_request_came_with_the_finished() -> None:
+    """A client whose request came with its Finished gets the session tickets in the same
+    send as the answer (one send fewer per new connection), and they still precede it."""
+    pki = WebPKI()
+    request = b"GET / HTTP/1.1\r\nhost: tls.test\r\n\r\n"
+    tls, peer, _ = await _handshake_to_finished(pki, with_request=request)
+    try:
+        assert not peer.waiting()  # nothing sent since the flight: the tickets are held
+        assert tls.read_buffered() == request  # the request, without a syscall
+        await tls.send_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+        data = await peer.receive()
+        assert _records(data) == [23, 23, 23]  # two tickets, then the answer: one send
+        peer.incoming.write(data)
+        assert peer.tls.read(1024) == b"HTTP/1.1 204 No Content\r\n\r\n"
+        assert peer.tls.session is not None and peer.tls.session.has_ticket
+    finally:
+        tls.close()
+        peer.sock.close()
+
+
+async def test_tickets_leave_at_once_when_the_finished_came_alone() -> None:
+    """Without a request behind the Finished, the server is about to wait for the client:
+    what the handshake left to send is not held back."""
+    pki = WebPKI()
+    tls, peer, _ = await _handshake_to_finished(pki, with_request=b"")
+    try:
+        data = await peer.receive()
+        assert _records(data) == [23, 23]  # the two tickets, before any request
+        peer.incoming.write(data)
+        with pytest.raises(ssl.SSLWantReadError):
+            peer.tls.read(1024)
+        assert peer.tls.session is not None and peer.tls.session.has_ticket
+        assert tls.read_buffered() is None
+    finally:
+        tls.close()
+        peer.sock.close()
+
+
+async def test_close_unwatched_leaves_trio_able_to_wait_on_the_next_socket() -> None:
+    """After a handshake that waited on its socket (so trio's epoll knew it), closing it
+    without telling trio must not confuse the next socket that gets the same number."""
+    pki = WebPKI()
+    tls, peer, server_sock = await _handshake_to_finished(pki, with_request=b"")
+    fd = server_sock.fileno()
+    tls.close_unwatched()
+    assert server_sock.fileno() == -1
+    peer.sock.close()
+    a, b = socket.socketpair()  # the lowest free numbers: `fd` is one of them
+    try:
+        assert fd in (a.fileno(), b.fileno())
+        mine, other = (a, b) if a.fileno() == fd else (b, a)
+        mine.setblocking(False)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.lowlevel.wait_readable, mine)
+                await trio.testing.wait_all_tasks_blocked()
+                other.send(b"x")  # wakes the wait: the new socket is watched for real
+        assert mine.recv(1) == b"x"
+    finally:
+        a.close()
+        b.close()

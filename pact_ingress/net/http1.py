@@ -65,6 +65,10 @@ DRAIN_MAX_BYTES = 256 * 1024
 FAIR_SHARE = 16
 
 
+class _MustWait(Exception):
+    """The connection has to wait for its next request: `serve` enters its scope."""
+
+
 class H1Connection:
     def __init__(self, stream: trio.abc.Stream, *, idle_timeout: float, head_timeout: float,
                  write_timeout: float, idle_scopes: set[trio.CancelScope]) -> None:
@@ -77,7 +81,7 @@ class H1Connection:
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
         # our own TLS takes deadlines per call; any other stream gets a scope per read
         self._tls = stream if isinstance(stream, ServerTLS) else None
-        self._idle = trio.CancelScope()  # replaced by `serve`'s
+        self._idle: trio.CancelScope | None = None  # entered by `serve` once needed
         self._answered = False  # a request was answered on this connection
         self._now = deadlines.clock()
         self._sweeper: deadlines.Sweeper | None = None  # this run's, at the first wait
@@ -86,6 +90,15 @@ class H1Connection:
         # One scope for the connection's life, armed (idle deadline with the sweeper,
         # drain) only while it waits between requests: cheaper than a new scope per
         # wait. When it fires, the connection ends: what an idle timeout or a drain means.
+        # It is entered only when the connection first has to wait for a request: one
+        # whose requests were all there already (a new connection's single request,
+        # which came with the handshake) never pays for a scope.
+        if self._tls is not None:
+            try:
+                await self._serve(handle)
+                return
+            except _MustWait:
+                pass  # nothing half-read: serving starts again inside the scope
         with trio.CancelScope() as self._idle:
             await self._serve(handle)
 
@@ -172,6 +185,8 @@ class H1Connection:
             if data is not None:
                 return data
             idle = self._idle
+            if idle is None:
+                raise _MustWait()
             sweeper = self._sweeper
             if sweeper is None:
                 sweeper = self._sweeper = deadlines.sweeper()

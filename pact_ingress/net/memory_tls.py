@@ -143,8 +143,12 @@ class MemoryTLS:
 
     # -- TLS ------------------------------------------------------------------------------
 
-    async def handshake(self, deadline: float = math.inf) -> None:
-        """The TLS handshake; `trio.TooSlowError` when it is not done by `deadline`."""
+    async def handshake(self, deadline: float = math.inf, *, hold_tail: bool = False) -> None:
+        """The TLS handshake; `trio.TooSlowError` when it is not done by `deadline`.
+
+        `hold_tail` (a server whose reads go through `read_buffered` first): when the
+        peer's first application data came with its last flight, what the handshake
+        left to send is held for the next write instead of sent now (below)."""
         while True:
             try:
                 self._ssl.do_handshake()
@@ -160,6 +164,11 @@ class MemoryTLS:
                 except Exception:  # noqa: BLE001 - the handshake's own failure is the news
                     pass
                 raise self._broken(f"TLS handshake failed: {exc}") from exc
+        if hold_tail and self._in.pending:
+            # The client's first request came with its Finished: the session tickets
+            # the handshake left to send wait for our answer and leave with it in one
+            # send (every write flushes, and so does every read before it waits).
+            return
         await self._flush(deadline)
 
     async def read(self, size: int = READ_SIZE, deadline: float = math.inf,
@@ -213,7 +222,7 @@ class MemoryTLS:
         when that is nothing: the caller then waits in `read(wait_first=True)`. No
         syscall: a client that waits for each response has sent nothing more yet."""
         incoming, ssl_object = self._in, self._sslobj
-        if self._out.pending or not (incoming.pending or incoming.eof or ssl_object.pending()):
+        if not (incoming.pending or incoming.eof or ssl_object.pending()):
             return None
         try:
             return ssl_object.read(size)

@@ -48,9 +48,11 @@ module's in both paths. The task path below still serves any other listener (tes
 listeners to inject faults) and every connection the engine hands over; it works on
 bare trio sockets, trying every syscall before waiting: the ClientHello is read before
 any epoll wait, the backend connect is probed instead of waited on, and the relay
-splices fds. Only the modes that need a `Stream` (terminate, tunnel, ACME, a
-non-socket backend) wrap the socket in one. `tests/bench/profile_router.py` measures
-and profiles the passthrough path.
+splices fds. Only the modes that need a `Stream` (tunnel, ACME, a non-socket backend)
+wrap the socket in one; a terminate connection the engine hands over goes to the
+terminator as its bare stdlib socket and the peeked bytes (`_terminate_socket`), which
+it feeds straight into its TLS engine. `tests/bench/profile_router.py` measures and
+profiles the passthrough path.
 
 Reload swaps the route table and limits atomically (`update`); connections already
 routed keep the `Route` object they were given. Shutdown (`drain`) closes the
@@ -108,6 +110,12 @@ PEEK_HEADROOM = 16
 class TerminatorLike(Protocol):
     async def serve(self, stream: ReplayStream, server_ctx: ssl.SSLContext, route: Route,
                     client: tuple[str, int], *, sni: str | None = None) -> None: ...
+
+    # Optional: `serve` for a bare socket and the bytes peeked from it (the router
+    # prefers it when the terminator has it; see `Router._terminate_socket`).
+    # async def serve_socket(self, sock: socket.socket, data: bytes,
+    #                        server_ctx: ssl.SSLContext, route: Route,
+    #                        client: tuple[str, int], *, sni: str | None = None) -> None
 
 
 class CertsLike(Protocol):
@@ -254,18 +262,27 @@ class Router:
         """Take over a connection the engine peeked and counted (as `kind`) but does not
         serve: it runs here as if this router had read `data` itself."""
         assert self._handlers is not None
-        self._handlers.start_soon(self._handle_adopted, trio.socket.from_stdlib_socket(sock),
-                                  hello, data, client, who, kind)
+        self._handlers.start_soon(self._handle_adopted, sock, hello, data, client, who, kind)
 
-    async def _handle_adopted(self, sock: trio.socket.SocketType, hello: ClientHello | None,
+    async def _handle_adopted(self, sock: socket.socket, hello: ClientHello | None,
                               data: bytes, client: tuple[str, int], who: str,
                               kind: Counter[str]) -> None:
+        wrapped = None
         try:
-            await self._serve_peeked(sock, hello, data, client)
+            route = self._plain_terminate(hello)
+            if route is not None:  # the usual case: see `_terminate_socket`
+                assert hello is not None
+                await self._terminate_socket(sock, data, route, client, hello.sni)
+            else:
+                wrapped = trio.socket.from_stdlib_socket(sock)
+                await self._serve_peeked(wrapped, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self._handler_error(client[0], exc)
         finally:
-            sock.close()
+            if wrapped is not None:
+                wrapped.close()  # wakes anything still waiting on it
+            elif sock.fileno() != -1:  # the terminator closes what it served
+                sock.close()
             self._counts.total -= 1
             self._counts.drop(kind, who)
 
@@ -441,6 +458,20 @@ class Router:
             return
         await self._passthrough(sock, data, route, client)
 
+    def _plain_terminate(self, hello: ClientHello | None) -> Route | None:
+        """The terminate route `_dispatch` would serve this hello on without the ACME
+        responder; None for anything else (`_dispatch` then decides again)."""
+        if hello is None or self._is_tunnel(hello):
+            return None
+        sni = hello.sni
+        if self.relay is not None and sni is not None and normalize_hostname(
+                sni, validate=False) == self.relay.host:
+            return None
+        route = self.table.lookup(sni)
+        if route is None or route.mode != "terminate" or ACME_ALPN in hello.alpn:
+            return None
+        return route
+
     async def _relay(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
                      client: tuple[str, int]) -> None:
         """The relay host: its TLS ends in the relay server (any client key, pinned
@@ -484,20 +515,51 @@ class Router:
             except (trio.BrokenResourceError, ssl.SSLError, OSError):
                 pass
 
-    async def _terminate(self, sock: trio.socket.SocketType, data: bytes, route: Route,
-                         client: tuple[str, int], sni: str | None) -> None:
+    def _served_context(self, sock: trio.socket.SocketType | socket.socket, route: Route,
+                        client: tuple[str, int]) -> ssl.SSLContext | None:
+        """The route's certificate context; None (alert sent, refusal counted) while
+        there is none or nothing terminates here."""
         ctx = self.certs.server_context(route) if self.certs is not None else None
         if ctx is None or self.terminator is None:
             self._reject(client[0], "no_certificate_yet", route.host)
             log.warning("terminate_no_cert", route=route.host,
                         detail="certificate issuance in progress or no cert source")
             _send_alert(sock, tls_alert.INTERNAL_ERROR)
+            return None
+        return ctx
+
+    async def _terminate(self, sock: trio.socket.SocketType, data: bytes, route: Route,
+                         client: tuple[str, int], sni: str | None) -> None:
+        ctx = self._served_context(sock, route, client)
+        if ctx is None:
             return
         if self.handoff is not None and await self.handoff.serve(sock, data, route, client,
                                                                  sni, ctx):
             return
-        await self.terminator.serve(ReplayStream(data, trio.SocketStream(sock)), ctx, route,
-                                    client, sni=sni)
+        await self.terminator.serve(  # type: ignore[union-attr]
+            ReplayStream(data, trio.SocketStream(sock)), ctx, route, client, sni=sni)
+
+    async def _terminate_socket(self, sock: socket.socket, data: bytes, route: Route,
+                                client: tuple[str, int], sni: str | None) -> None:
+        """`_terminate` for a connection the engine handed over as a bare socket: TLS runs
+        on it directly (`Terminator.serve_socket`), without a trio socket, stream and
+        replay wrapper built around it first. The terminator closes it."""
+        ctx = self._served_context(sock, route, client)
+        if ctx is None:
+            return
+        if self.handoff is not None and await self.handoff.serve(
+                trio.socket.from_stdlib_socket(sock), data, route, client, sni, ctx):
+            return
+        serve_socket = getattr(self.terminator, "serve_socket", None)
+        if serve_socket is not None:
+            await serve_socket(sock, data, ctx, route, client, sni=sni)
+            return
+        wrapped = trio.socket.from_stdlib_socket(sock)  # a terminator with `serve` only
+        try:
+            await self.terminator.serve(  # type: ignore[union-attr]
+                ReplayStream(data, trio.SocketStream(wrapped)), ctx, route, client, sni=sni)
+        finally:
+            wrapped.close()
 
     async def _passthrough(self, sock: trio.socket.SocketType, data: bytes, route: Route,
                            client: tuple[str, int]) -> None:
@@ -611,7 +673,7 @@ async def _send_head(backend: trio.socket.SocketType | trio.abc.Stream, head: by
                 raise trio.BrokenResourceError("backend did not take the ClientHello")
 
 
-def _send_alert(sock: trio.socket.SocketType, description: int) -> None:
+def _send_alert(sock: trio.socket.SocketType | socket.socket, description: int) -> None:
     """Best effort: a fatal alert, then the caller closes. Seven bytes on a connection
     that has sent us nothing fit its empty send buffer; a peer that is gone is no error."""
     try:

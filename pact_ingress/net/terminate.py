@@ -225,18 +225,48 @@ class Terminator:
         `sni` is the server name the client sent (pass it for wildcard routes; for an
         exact route it defaults to the route's host).
         """
+        await self._serve(_server_tls(stream, server_ctx), route, client, sni)
+
+    async def serve_socket(
+        self,
+        sock: socket.socket,
+        data: bytes,
+        server_ctx: ssl.SSLContext,
+        route: Route,
+        client: tuple[str, int],
+        *,
+        sni: str | None = None,
+    ) -> None:
+        """`serve` for a bare non-blocking socket and the bytes already read from it (the
+        router's hand-over): TLS runs on the socket itself, with `data` fed to it first.
+        Always closes the socket."""
+        try:
+            # our writes are whole answers: nothing gains from being held back for an ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass  # a connection already reset fails where it is used, like any other
+        try:
+            tls = ServerTLS(sock, server_ctx, data)
+        except BaseException:
+            sock.close()
+            raise
+        await self._serve(tls, route, client, sni)
+
+    async def _serve(self, tls: ServerTLS | trio.SSLStream, route: Route,
+                     client: tuple[str, int], sni: str | None) -> None:
         if sni is None and not route.host.startswith("*."):
             sni = route.host
         limits = route.limits
-        tls = _server_tls(stream, server_ctx)
         conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0],
                            request_prefix(route.host, client[0]), deadlines.clock())
         handle = partial(self._exchange, conn)
+        ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
         self._open += 1
         try:
-            if isinstance(tls, ServerTLS):
+            if ours:
                 try:
-                    await tls.do_handshake(trio.current_time() + limits.clienthello_timeout)
+                    await tls.do_handshake(  # type: ignore[call-arg]
+                        trio.current_time() + limits.clienthello_timeout)
                 except trio.TooSlowError:
                     return
             else:
@@ -261,8 +291,9 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             self._open -= 1
-            if isinstance(tls, ServerTLS):
-                tls.close()  # nothing to wait for: no cancel scope, no checkpoint
+            if ours:
+                # the HTTP leg and its tasks are done: nothing waits on the socket now
+                tls.close_unwatched()  # type: ignore[union-attr]
             else:
                 await trio.aclose_forcefully(tls)
 

@@ -27,7 +27,7 @@ class ServerTLS(ServerStream):
         self._closed = False
 
     async def do_handshake(self, deadline: float = math.inf) -> None:
-        await self.handshake(deadline)
+        await self.handshake(deadline, hold_tail=True)
 
     # The HTTP legs' own calls: an absolute deadline instead of a cancel scope per call
     # (`trio.TooSlowError` when it passes), so an operation that completes at once costs
@@ -59,4 +59,13 @@ class ServerTLS(ServerStream):
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self._sock)  # wake any task waiting on it
+            self._sock.close()
+
+    def close_unwatched(self) -> None:
+        """`close` for an owner whose every task using this stream has ended, so none
+        can be waiting on the socket: trio keeps no registration for a socket nobody
+        waits on, and the kernel drops the socket from trio's epoll set as it closes,
+        so telling trio first (an epoll_ctl per connection) is skipped."""
+        if not self._closed:
+            self._closed = True
             self._sock.close()

@@ -35,8 +35,9 @@ posture; the per-IP budgets are set far above anything a run can spend, and ever
 checks that no response was anything but 2xx (so no 429 was counted as a request).
 
 Clients: `wrk` (HTTP/1.1, one thread, `-c 1` / `-c 8`) for keep-alive and, with
-`Connection: close`, for new connections (full TLS 1.3 handshake each: wrk never resumes
-sessions); `h2load` (HTTP/2, 8 connections, one stream each) when installed. The SNI and
+`Connection: close`, for new connections (a TLS 1.3 handshake each, resumed: wrk keeps a
+slot's session across reconnects and offers its ticket, which HAProxy and the edge both
+accept); `h2load` (HTTP/2, 8 connections, one stream each) when installed. The SNI and
 Host are `localhost` (wrk and h2load take both from the URL; `localhost` is the one name
 that resolves here without touching /etc/hosts).
 

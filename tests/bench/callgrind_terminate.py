@@ -1,0 +1,172 @@
+"""Instructions per new terminate connection, counted by callgrind: a figure a busy machine
+cannot move.
+
+    python -m tests.bench.callgrind_terminate before=/tmp/before after=. [--conns 400]
+
+CPU time per connection (`ab_terminate`) swings by tens of percent while other work
+shares the cores; the number of instructions the process executes per connection does
+not (repeat runs agree within ~1%). For each tree this starts `pact-ingress serve`
+under `valgrind --tool=callgrind` with collection off, in front of the terminate bench's
+node (`bench_terminate`'s rig: HAProxy answering 200 + 1 KiB over pinned mTLS), warms it
+up (the upstream pool filled), switches collection on for `--conns` new connections
+(8 client threads, each: a TLS 1.3 handshake resuming the thread's last session, as wrk
+does, one `GET /` with `Connection: close`, read to EOF), switches it off and reports
+instructions per connection by shared object:
+libcrypto + libssl (the handshake's crypto, the same work HAProxy's OpenSSL does),
+libpython (the interpreter: our Python), libc (malloc and friends for both).
+
+Instructions are not time: the interpreter's are cheap per instruction in a hot loop and
+dear when caches are cold, crypto's the other way round, and the kernel's work (syscalls,
+loopback TCP) is not counted at all. Use it to compare trees, not to predict µs.
+Needs valgrind (Debian: apt-get install valgrind); one run takes about a minute a tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from tests.bench import bench_terminate as bt
+from tests.bench.harness import CORE_LOAD, CORE_PROXY, free_port, pin_self, services
+
+REQUEST = f"GET / HTTP/1.1\r\nHost: {bt.HOST}\r\nConnection: close\r\n\r\n".encode()
+THREADS = 8
+
+
+def _connections(port: int, count: int) -> int:
+    """`count` new connections from THREADS threads; how many got a 200."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["http/1.1"])
+    ok = [0]
+
+    def one(last: list[ssl.SSLSession | None]) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as raw:
+            with ctx.wrap_socket(raw, server_hostname=bt.HOST, session=last[0]) as tls:
+                tls.sendall(REQUEST)
+                data = b""
+                while True:
+                    try:
+                        chunk = tls.recv(65536)
+                    except (ssl.SSLEOFError, ConnectionResetError):
+                        break
+                    if not chunk:
+                        break
+                    data += chunk
+                last[0] = tls.session  # the ticket that came with the answer
+        if data.startswith(b"HTTP/1.1 200"):
+            ok[0] += 1
+
+    def worker(n: int) -> None:
+        last: list[ssl.SSLSession | None] = [None]
+        for _ in range(n):
+            one(last)
+
+    threads = [threading.Thread(target=worker, args=(count // THREADS,))
+               for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ok[0]
+
+
+def _by_object(dump: Path) -> Counter[str]:
+    out = subprocess.run(["callgrind_annotate", "--threshold=100", str(dump)],
+                         capture_output=True, text=True, check=True).stdout
+    objects: Counter[str] = Counter()
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d,]+) \([\s\d.]+%\)\s+.*\[(.*)\]\s*$", line)
+        if m:
+            objects[Path(m.group(2)).name.split(".so")[0]] += int(m.group(1).replace(",", ""))
+    return objects
+
+
+def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
+            ) -> Counter[str]:
+    port = free_port()
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
+                   .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
+    out = tmp / f"callgrind-{name}.out"
+    python = os.path.realpath(sys.executable)  # valgrind must run the interpreter itself
+    proc = subprocess.Popen(
+        ["taskset", "-c", str(CORE_PROXY), "valgrind", "--tool=callgrind",
+         "--instr-atstart=no", f"--callgrind-out-file={out}", python, "-m", "pact_ingress",
+         "serve", "-c", str(cfg)],
+        cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
+        stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit(f"{name}: serve did not start under valgrind")
+                time.sleep(0.5)
+        _connections(port, 8 * THREADS)  # warm: pools filled, every path run once
+        subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
+                       capture_output=True)
+        ok = _connections(port, conns)
+        subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True,
+                       capture_output=True)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
+                       capture_output=True)
+        if ok != conns // THREADS * THREADS:
+            raise SystemExit(f"{name}: {ok} of {conns} connections answered 200")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    dumps = sorted(tmp.glob(f"callgrind-{name}.out.*"))
+    return _by_object(dumps[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
+    p.add_argument("--conns", type=int, default=400)
+    args = p.parse_args(argv)
+    for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
+    if (os.cpu_count() or 1) >= 2:
+        pin_self(CORE_LOAD)
+    tmp = Path(tempfile.mkdtemp(prefix="pact-bench-cg-"))
+    rows: dict[str, Counter[str]] = {}
+    with services() as started:
+        rig = bt.build_rig(tmp, started, "h2,http/1.1")
+        yaml = (tmp / "ingress.yaml").read_text()
+        for name, tree in (t.split("=", 1) for t in args.trees):
+            rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns)
+    shutil.rmtree(tmp, ignore_errors=True)
+    groups = {"libpython (our Python)": ("libpython3.11", "libpython3"),
+              "libcrypto + libssl (TLS)": ("libcrypto", "libssl"),
+              "libc": ("libc",)}
+    n = args.conns // THREADS * THREADS
+    print("| k instructions per connection | " + " | ".join(rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
+    for label, prefixes in groups.items():
+        cells = [sum(v for k, v in c.items() if k in prefixes) / n / 1e3
+                 for c in rows.values()]
+        print(f"| {label} | " + " | ".join(f"{x:,.0f}" for x in cells) + " |")
+    totals = [sum(c.values()) / n / 1e3 for c in rows.values()]
+    print("| total (user space) | " + " | ".join(f"{x:,.0f}" for x in totals) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

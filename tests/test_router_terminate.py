@@ -1,0 +1,162 @@
+"""How the router hands a terminate connection to the terminator: the engine's bare
+socket and the bytes it peeked go straight to `serve_socket` (TLS runs on the socket
+itself, no stream wrappers built first); a terminator with `serve` only still gets a
+stream; and the shortcut picks exactly the connections `_dispatch` would terminate.
+Real sockets and real TLS over loopback; the terminators are small stand-ins."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from pathlib import Path
+
+import trio
+
+from pact_ingress.model import Route
+from pact_ingress.net.backends import Backends
+from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.router import Router
+from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.proto.clienthello import ClientHello
+from pact_ingress.stats import Stats
+from tests.netutil import TEST_TIMEOUT, make_config, route
+from tests.tls_helpers import LOOPBACK, WebPKI
+
+HOST = "t.example.test"
+PASS_HOST = "p.example.test"
+TUNNEL_HOST = "tunnel.example.test"
+RELAY_HOST = "relay.example.test"
+
+
+class _Certs:
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
+
+    def server_context(self, route: Route) -> ssl.SSLContext | None:
+        return self.ctx
+
+    async def challenge_context(self, host: str) -> ssl.SSLContext | None:
+        return None
+
+
+class _StreamOnly:
+    """A terminator with `serve` only: TLS over the stream it is given, then echo."""
+
+    def __init__(self) -> None:
+        self.seen: list[object] = []
+
+    async def serve(self, stream: ReplayStream, server_ctx: ssl.SSLContext, route: Route,
+                    client: tuple[str, int], *, sni: str | None = None) -> None:
+        self.seen.append(("stream", type(stream), sni))
+        tls = trio.SSLStream(stream, server_ctx, server_side=True)
+        try:
+            with trio.fail_after(TEST_TIMEOUT):
+                while data := await tls.receive_some(4096):
+                    await tls.send_all(data)
+        except (trio.BrokenResourceError, ssl.SSLError, OSError):
+            pass
+
+
+class _Both(_StreamOnly):
+    """A terminator with `serve_socket` too: it records what it was handed."""
+
+    async def serve_socket(self, sock: socket.socket, data: bytes,
+                           server_ctx: ssl.SSLContext, route: Route,
+                           client: tuple[str, int], *, sni: str | None = None) -> None:
+        self.seen.append(("socket", type(sock), data[:1], sni, route.host))
+        tls = ServerTLS(sock, server_ctx, data)
+        try:
+            with trio.fail_after(TEST_TIMEOUT):
+                await tls.do_handshake()
+                while data := await tls.receive_some():
+                    await tls.send_all(data)
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            tls.close()
+
+
+def _echo_once(port: int, ctx: ssl.SSLContext, payload: bytes) -> bytes:
+    with socket.create_connection((LOOPBACK, port), timeout=TEST_TIMEOUT) as raw:
+        with ctx.wrap_socket(raw, server_hostname=HOST) as tls:
+            tls.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                chunk = tls.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+            return got
+
+
+async def _served(nursery: trio.Nursery, tmp: Path, terminator: object,
+                  pki: WebPKI) -> tuple[Router, int]:
+    config = make_config(tmp, [route(HOST, "t", 9, mode="terminate")])
+    router = Router(config, stats=Stats(), backends=Backends(),
+                    terminator=terminator,  # type: ignore[arg-type]
+                    certs=_Certs(pki.server_context(HOST, alpn=("http/1.1",))))
+    listeners = await trio.open_tcp_listeners(0, host=LOOPBACK)
+    port = listeners[0].socket.getsockname()[1]
+    await nursery.start(router.serve, listeners)
+    return router, port
+
+
+async def _settled(router: Router) -> None:
+    with trio.fail_after(TEST_TIMEOUT):
+        while router.open_connections:
+            await trio.sleep(0.01)
+
+
+async def test_terminate_connections_reach_the_terminator_as_bare_sockets(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    pki = WebPKI()
+    terminator = _Both()
+    router, port = await _served(nursery, tmp_path, terminator, pki)
+    client = pki.client_context(alpn=("http/1.1",))
+    for n in range(3):
+        payload = f"ping {n}".encode() * 100
+        assert await trio.to_thread.run_sync(_echo_once, port, client, payload) == payload
+    await _settled(router)
+    # the peeked ClientHello (a handshake record) came first; nothing went to `serve`
+    assert terminator.seen == [("socket", socket.socket, b"\x16", HOST, HOST)] * 3
+
+
+async def test_a_terminator_with_serve_only_still_gets_a_stream(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    pki = WebPKI()
+    terminator = _StreamOnly()
+    router, port = await _served(nursery, tmp_path, terminator, pki)
+    client = pki.client_context(alpn=("http/1.1",))
+    assert await trio.to_thread.run_sync(_echo_once, port, client, b"hello") == b"hello"
+    await _settled(router)
+    assert terminator.seen == [("stream", ReplayStream, HOST)]
+
+
+class _Relay:
+    host = RELAY_HOST
+
+    async def serve(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+        raise AssertionError("not called here")
+
+
+def _hello(sni: str | None, *alpn: str) -> ClientHello:
+    return ClientHello(sni=sni, alpn=alpn, legacy_version=0x0303, record_version=0x0301,
+                       raw_len=0)
+
+
+def test_the_shortcut_takes_exactly_what_dispatch_would_terminate(tmp_path: Path) -> None:
+    """`_plain_terminate` returns a route only for a hello `_dispatch` sends to
+    `_terminate`: not a tunnel or forward link, not the relay host, not an ACME
+    validation, not a passthrough route, not an unknown or missing name."""
+    config = make_config(tmp_path, [route(HOST, "t", 9, mode="terminate"),
+                                    route(PASS_HOST, "t", 9)],
+                         tunnel_hostname=TUNNEL_HOST)
+    router = Router(config, stats=Stats(), backends=Backends(), terminator=_StreamOnly(),
+                    tunnels=object(), relay=_Relay())  # type: ignore[arg-type]
+    terminated = router._plain_terminate(_hello(HOST, "h2", "http/1.1"))
+    assert terminated is not None and terminated.host == HOST
+    assert router._plain_terminate(_hello(HOST.upper() + ".")) is terminated
+    for hello in (None, _hello(None), _hello("unknown.example.test"), _hello(PASS_HOST),
+                  _hello(HOST, "acme-tls/1"), _hello(RELAY_HOST),
+                  _hello(TUNNEL_HOST, "pact-tunnel/1"), _hello(TUNNEL_HOST, "pact-forward/1")):
+        assert router._plain_terminate(hello) is None, hello
