@@ -353,9 +353,9 @@ class Worker:
             except OSError:
                 pass
             return
-        stream = ReplayStream(h.data, trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
-        await self.terminator.serve(stream, ctx, route, (h.client_ip, h.client_port),
-                                    sni=h.sni)
+        # TLS on the bare socket, the peeked bytes fed first: no trio socket or stream
+        await self.terminator.serve_socket(raw, h.data, ctx, route,
+                                           (h.client_ip, h.client_port), sni=h.sni)
 
     def _ended(self, conn_id: int) -> None:
         self._handling -= 1
