@@ -504,7 +504,11 @@ class Edge:
         self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
-        sock = socket.socket(fileno=conn.csock.detach())  # what trio wraps
+        # what trio wraps; naming family, type and protocol spares the two getsockopt(2)
+        # the socket module would otherwise make to learn them
+        csock = conn.csock
+        sock = socket.socket(csock.family, socket.SOCK_STREAM, socket.IPPROTO_TCP,
+                             csock.detach())
         self.router.adopt(sock, parsed, conn.buf, conn.client, conn.who, conn.kind)
 
     @staticmethod
