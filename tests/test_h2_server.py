@@ -274,7 +274,11 @@ def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
     for sid in (1, 3, 5):
         client.send_headers(sid, REQUEST)
     events = server.receive_data(client.data_to_send())
-    assert [e.stream_id for e in events] == [1, 3]
+    assert [e.stream_id for e in events if isinstance(e, hs.RequestReceived)] == [1, 3]
+    # the refusal is reported too, so the caller can meter a client that keeps provoking it
+    refused = [e for e in events if isinstance(e, hs.StreamReset)]
+    assert [(e.stream_id, e.code, e.remote) for e in refused] == [
+        (5, ErrorCode.REFUSED_STREAM, False)]
     got = client.receive_data(server.data_to_send())
     resets = [e for e in got if isinstance(e, h2.events.StreamReset)]
     assert [(e.stream_id, e.error_code) for e in resets] == [(5, ErrorCode.REFUSED_STREAM)]

@@ -38,7 +38,9 @@ nothing received (one watchdog task per connection, re-armed by the time of the 
 read, instead of a deadline on every read), and at once when the edge drains.
 
 A stream reset by the client cancels its exchange at once (and with it the upstream
-request). Frames that cost a client nothing and us something (RST_STREAM, PING,
+request). Frames that cost a client nothing and us something (RST_STREAM, and the
+resets a client provokes from us: malformed requests, stream errors, streams beyond the
+concurrency limit; PING,
 SETTINGS, PRIORITY, empty DATA, unknown types, and WINDOW_UPDATEs beyond what the data
 we send explains) are metered per connection (`proto.h2_guard`): a flood
 ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
@@ -274,8 +276,9 @@ class H2Connection:
             if exchange is not None:
                 exchange.end_of_body()
         elif kind is h2.StreamReset:
-            if event.remote:
-                self._charge(Flood.RESET)
+            # ours too: a reset the client provokes (a malformed frame, a stream beyond
+            # the limit) frees its stream as cheaply as one it sends itself
+            self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
@@ -312,6 +315,7 @@ class H2Connection:
                 pseudo, headers = split_request(event.headers)
             except MalformedRequest:
                 self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                self._charge(Flood.RESET)
                 return None
             self._split = (event.headers, pseudo, list(headers))
         declared = header(headers, b"content-length")
@@ -319,6 +323,7 @@ class H2Connection:
         if declared is not None:
             if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
                 self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                self._charge(Flood.RESET)
                 return None
             length = int(declared)
         authority = pseudo.get(b":authority")

@@ -11,11 +11,11 @@ malformed request, which RFC 9113 §8.1.1 makes a stream error (PROTOCOL_ERROR).
 The rules: pseudo-header fields first, each at most once, only the request ones
 (`:method`, `:scheme`, `:authority`, `:path`, `:protocol`); `:method` always; `:scheme`
 and `:path` (non-empty) except on a plain CONNECT, which must have neither; `:protocol`
-only with CONNECT; no connection-specific field (`Connection`, `Keep-Alive`,
-`Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as `trailers`; at least one
-of `:authority` and `Host`, equal when both, and at most one `Host`; no value starting
-or ending with whitespace. Split `Cookie` fields are joined into one (RFC 9113 §8.2.3),
-which h2 would otherwise do in yet another generator.
+only with CONNECT; `:method` a token; no connection-specific field (`Connection`,
+`Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as
+`trailers`; at least one of `:authority` and `Host`, equal when both, and at most one
+`Host`; no value starting or ending with whitespace. Split `Cookie` fields are joined
+into one (RFC 9113 §8.2.3), which h2 would otherwise do in yet another generator.
 
 The checks that look at every field are made once per block, not once per field: all
 names in one regular-expression match, all values in one search.
@@ -31,6 +31,8 @@ Header = tuple[bytes, bytes]
 #: One or more lower-case tokens separated by commas: every field name of a block at once.
 _TOKENS = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+(?:,[!#$%&'*+.^_`|~0-9a-z-]+)*")
 #: A control character other than HTAB, in any value of a block at once (joined by HTAB).
+#: A method (RFC 9110 §9.1): a token, in any case. It becomes the next hop's request line.
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _WS = (b" ", b"\t")
 _PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
@@ -92,6 +94,8 @@ def _check_pseudo(pseudo: dict[bytes, bytes], host: bytes | None) -> None:
     method = pseudo.get(b":method")
     if method is None:
         raise MalformedRequest("no :method")
+    if not _METHOD.fullmatch(method):
+        raise MalformedRequest(":method is not a token")
     connect = method == b"CONNECT"
     if connect and b":protocol" not in pseudo:
         if b":scheme" in pseudo or b":path" in pseudo:
