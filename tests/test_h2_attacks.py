@@ -1,0 +1,368 @@
+"""The HTTP/2 client leg attacked frame by frame, through a real `serve` over TLS.
+
+A hostile client and a protocol lawyer (RFC 9113, RFC 7541) against the terminate edge:
+frames in the wrong place, windows pushed past their bounds, header blocks that cannot
+be decoded, requests that are malformed in HTTP/2's terms, and resets the edge is made to
+send. Every test asserts invariants: the connection or stream error the RFC names,
+nothing reaching the node that should not (and bodies that should arrive whole), the
+edge's counters back to the truth, and another client still served.
+
+The client here is a bare frame writer (`Raw`): it sends exactly the bytes a test
+builds, with an HPACK encoder for header blocks, and parses the frames the edge sends
+back without judging them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from collections.abc import Callable, Iterator
+
+import hpack
+import pytest
+
+from tests.terminate_env import (
+    ATTACKER_IP,
+    BYSTANDER_IP,
+    HOST,
+    WAIT,
+    tls_socket,
+)
+from tests.terminate_env import (
+    ServeEnv as Env,
+)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
+    CONTINUATION = range(10)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+# error codes (RFC 9113 §7)
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR, \
+    REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0, 1, 3, 5, 6, 7, 8, 9, 11
+
+
+def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I B I", len(payload) << 8 | kind, flags, sid) + payload
+
+
+def u32(n: int) -> bytes:
+    return struct.pack(">I", n)
+
+
+def settings(*pairs: tuple[int, int]) -> bytes:
+    return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in pairs))
+
+
+class Raw:
+    """One TLS connection speaking frames exactly as the test writes them."""
+
+    def __init__(self, env: Env, *, source: str = ATTACKER_IP,
+                 first: bytes | None = None) -> None:
+        self.sock = tls_socket(env.serve.port, HOST, source=source, alpn=("h2",))
+        assert self.sock.selected_alpn_protocol() == "h2"
+        self.enc = hpack.Encoder()
+        self.dec = hpack.Decoder()
+        self.buf = b""
+        self.frames: list[tuple[int, int, int, bytes]] = []
+        self.eof = False
+        self.unacked: dict[int, int] = {}  # DATA bytes not yet given back, per stream and 0
+        self.send(PREFACE + (settings() if first is None else first))
+
+    def send(self, *data: bytes) -> None:
+        try:
+            self.sock.sendall(b"".join(data))
+        except OSError:
+            self.eof = True  # the edge closed first: what it said is still readable
+
+    def block(self, path: str = "/ok", method: str = "GET",
+              extra: list[tuple[bytes, bytes]] | None = None, *,
+              pseudo: list[tuple[bytes, bytes]] | None = None) -> bytes:
+        fields = pseudo if pseudo is not None else [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", HOST.encode()), (b":path", path.encode())]
+        return self.enc.encode(fields + (extra or []))
+
+    def headers(self, sid: int, path: str = "/ok", *, end: bool = True, method: str = "GET",
+                extra: list[tuple[bytes, bytes]] | None = None) -> bytes:
+        flags = END_HEADERS | (END_STREAM if end else 0)
+        return frame(HEADERS, flags, sid, self.block(path, method, extra))
+
+    def post(self, sid: int, body: bytes, path: str = "/mcp",
+             ctype: bytes = b"application/json", length: int | None = None) -> bytes:
+        """HEADERS + DATA of one POST (one DATA frame per 16 KiB), for one write."""
+        extra = [(b"content-type", ctype), (b"accept", b"application/json, text/event-stream"),
+                 (b"content-length", str(len(body) if length is None else length).encode())]
+        out = [frame(HEADERS, END_HEADERS | (0 if body else END_STREAM), sid,
+                     self.block(path, "POST", extra))]
+        for i in range(0, len(body), 16384):
+            piece = body[i:i + 16384]
+            out.append(frame(DATA, END_STREAM if i + 16384 >= len(body) else 0, sid, piece))
+        return b"".join(out)
+
+    def read(self, timeout: float = WAIT) -> bool:
+        """One read; False at the end of the connection."""
+        if self.eof:
+            return False
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except TimeoutError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+            return False
+        self.buf += data
+        while len(self.buf) >= 9:
+            head, flags, sid = struct.unpack_from(">I B I", self.buf)
+            length = head >> 8
+            if len(self.buf) < 9 + length:
+                break
+            payload = self.buf[9:9 + length]
+            self.buf = self.buf[9 + length:]
+            self.frames.append((head & 0xFF, flags, sid & 0x7FFFFFFF, payload))
+            if head & 0xFF == DATA and length:  # keep the answers coming, as h2 does:
+                self._consumed(0, length)  # a WINDOW_UPDATE per half window consumed
+                self._consumed(sid & 0x7FFFFFFF, length)
+        return True
+
+    def _consumed(self, sid: int, length: int) -> None:
+        self.unacked[sid] = self.unacked.get(sid, 0) + length
+        if self.unacked[sid] >= 32768:
+            self.send(frame(WINDOW_UPDATE, 0, sid, u32(self.unacked.pop(sid))))
+
+    def until(self, done: Callable[[], bool], timeout: float = WAIT) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            if not self.read(max(0.05, deadline - time.monotonic())):
+                break
+        return done()
+
+    def goaway(self, timeout: float = WAIT) -> int | None:
+        """The error code of the GOAWAY the edge sent (waiting for it), or None."""
+        self.until(lambda: any(f[0] == GOAWAY for f in self.frames), timeout)
+        codes = [struct.unpack(">II", f[3][:8])[1] for f in self.frames if f[0] == GOAWAY]
+        return codes[0] if codes else None
+
+    def resets(self, sid: int) -> list[int]:
+        return [struct.unpack(">I", f[3])[0] for f in self.frames
+                if f[0] == RST_STREAM and f[2] == sid]
+
+    def reset(self, sid: int, timeout: float = WAIT) -> int | None:
+        self.until(lambda: bool(self.resets(sid)) or self.ended(sid), timeout)
+        codes = self.resets(sid)
+        return codes[0] if codes else None
+
+    def ended(self, sid: int) -> bool:
+        return any(f[2] == sid and f[0] in (DATA, HEADERS) and f[1] & END_STREAM
+                   for f in self.frames)
+
+    def answer(self, sid: int, timeout: float = WAIT) -> tuple[int | None, bytes]:
+        """(:status, body) of stream `sid`, once it ended (None: no answer)."""
+        self.until(lambda: self.ended(sid) or bool(self.resets(sid)), timeout)
+        status = None
+        body = b""
+        for kind, _flags, fsid, payload in self.frames:
+            if fsid != sid:
+                continue
+            if kind == HEADERS and status is None:
+                status = int(dict(self.dec.decode(payload, raw=True))[b":status"])
+            elif kind == DATA:
+                body += payload
+        return status, body
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# === the rig ===========================================================================
+
+#: Budgets far above what these tests send: what is tested is the HTTP/2 leg, not the
+#: rate limiter (which would answer 429 long before most floods here got going).
+LIMITS = {"calls_per_hour_per_ip_key": 10**6, "calls_per_hour_per_ip": 10**6,
+          "max_requests_in_flight_per_ip": 300}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    env = Env.start(tmp_path_factory.mktemp("h2attacks"), limits=LIMITS)
+    yield env
+    env.stop()
+
+
+@pytest.fixture
+def env(shared: Env) -> Iterator[Env]:
+    env = shared.fresh()
+    yield env
+    # after every attack: another client is served, and no connection is left counted
+    assert _bystander(env) == 200
+    assert env.serve.wait_open_connections(0) == 0
+
+
+def _bystander(env: Env) -> int | None:
+    c = Raw(env, source=BYSTANDER_IP)
+    try:
+        c.send(c.headers(1, "/bystander"))
+        return c.answer(1)[0]
+    finally:
+        c.close()
+
+
+def _complete(env: Env, marker: str) -> list[bytes]:
+    """Bodies of the complete requests the node got whose target carries `marker`."""
+    return [r.body for r in env.node.requests() if marker in r.target and r.complete]
+
+
+def _reached(env: Env, marker: str) -> int:
+    return len([r for r in env.node.requests() if marker in r.target])
+
+
+def _digest(body: bytes) -> dict[str, object]:
+    return {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+
+def _served_after(c: Raw, sid: int, path: str = "/after") -> None:
+    """The connection still serves: a GET on stream `sid` is answered 200."""
+    c.send(c.headers(sid, path))
+    assert c.answer(sid)[0] == 200, c.frames[-5:]
+
+
+def _open_upload(c: Raw, sid: int, path: str = "/held", length: int | None = 10) -> bytes:
+    """HEADERS of a POST whose body is still to come: the stream stays open. Without
+    `length`, the body's end is END_STREAM alone."""
+    extra = [(b"content-type", b"application/octet-stream")]
+    if length is not None:
+        extra.append((b"content-length", str(length).encode()))
+    return frame(HEADERS, END_HEADERS, sid, c.block(path, "POST", extra))
+
+
+# === resets the client makes the edge send are metered like its own ===================
+
+
+def _provoke(kind: str) -> Callable[[Raw], None]:
+    def wu0(c: Raw) -> None:  # WINDOW_UPDATE of 0 on an open stream: a stream error
+        c.send(*(_open_upload(c, sid, "/provoked") + frame(WINDOW_UPDATE, 0, sid, u32(0))
+                 for sid in range(1, 1200, 2)))
+
+    def malformed(c: Raw) -> None:  # an upper-case field name: a malformed request
+        c.send(*(c.headers(sid, "/provoked", extra=[(b"X-Upper", b"1")])
+                 for sid in range(1, 1200, 2)))
+
+    def length(c: Raw) -> None:  # more DATA than Content-Length
+        c.send(*(c.post(sid, b"123456", "/provoked", b"application/octet-stream", length=5)
+                 for sid in range(1, 1200, 2)))
+
+    def refused(c: Raw) -> None:  # streams beyond SETTINGS_MAX_CONCURRENT_STREAMS
+        c.send(*(_open_upload(c, sid, "/held") for sid in range(1, 201, 2)))
+        c.send(*(c.headers(sid, "/provoked") for sid in range(201, 2400, 2)))
+
+    return {"wu0": wu0, "malformed": malformed, "length": length, "refused": refused}[kind]
+
+
+@pytest.mark.parametrize("kind", ["wu0", "malformed", "length", "refused"])
+def test_provoked_resets_end_the_connection(env: Env, kind: str) -> None:
+    """'MadeYouReset': a client that makes the edge reset its streams (a frame that is a
+    stream error, a malformed request, a stream beyond the limit) frees each stream as
+    cheaply as a rapid reset; the reset meter must see those too (GOAWAY
+    ENHANCE_YOUR_CALM), not only the RST_STREAMs the client sends itself."""
+    c = Raw(env)
+    try:
+        _provoke(kind)(c)
+        assert c.goaway() == ENHANCE_YOUR_CALM, (kind, len(c.frames))
+        assert c.until(lambda: c.eof), "the edge did not close the connection"
+    finally:
+        c.close()
+    assert 'kind="reset"' in env.serve.metrics()
+    assert _complete(env, "/provoked") == []
+
+
+# === requests HTTP/2 calls malformed: a stream error, nothing reaches the node ========
+
+_BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", HOST.encode()),
+         (b":path", b"/malformed")]
+
+MALFORMED = {
+    "method with spaces": [(b":method", b"GET /x HTTP/1.1 z"), *_BASE[1:]],
+    "method with a slash": [(b":method", b"GET/"), *_BASE[1:]],
+    "empty method": [(b":method", b""), *_BASE[1:]],
+    "pseudo after regular": [*_BASE[:3], (b"accept", b"*/*"), _BASE[3]],
+    "duplicate path": [*_BASE, (b":path", b"/other")],
+    "response pseudo": [*_BASE, (b":status", b"200")],
+    "unknown pseudo": [*_BASE, (b":evil", b"1")],
+    "no authority nor host": [*_BASE[:2], _BASE[3]],
+    "authority and host differ": [*_BASE, (b"host", b"other.test")],
+    "two hosts": [*_BASE[:2], _BASE[3], (b"host", HOST.encode()), (b"host", HOST.encode())],
+    "upper-case name": [*_BASE, (b"Accept", b"*/*")],
+    "connection": [*_BASE, (b"connection", b"close")],
+    "keep-alive": [*_BASE, (b"keep-alive", b"timeout=5")],
+    "transfer-encoding": [*_BASE, (b"transfer-encoding", b"chunked")],
+    "upgrade": [*_BASE, (b"upgrade", b"h2c")],
+    "te gzip": [*_BASE, (b"te", b"gzip")],
+    "empty path": [*_BASE[:3], (b":path", b"")],
+    "no path": _BASE[:3],
+    "no scheme": [_BASE[0], *_BASE[2:]],
+    "connect with path": [(b":method", b"CONNECT"), *_BASE[1:]],
+    "protocol without connect": [*_BASE, (b":protocol", b"websocket")],
+    "newline in a value": [*_BASE, (b"x-a", b"1\r\nx-b: 2")],
+    "nul in a value": [*_BASE, (b"x-a", b"1\x002")],
+    "space around a value": [*_BASE, (b"x-a", b" 1")],
+    "colon in a name": [*_BASE, (b"x:a", b"1")],
+    "content-length not digits": [*_BASE, (b"content-length", b"+0")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_request_is_reset(env: Env, case: str) -> None:
+    c = Raw(env)
+    try:
+        c.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, c.block(pseudo=MALFORMED[case])))
+        assert c.reset(1) == PROTOCOL_ERROR, (case, c.frames)
+        _served_after(c, 3)  # a stream error: the connection goes on
+    finally:
+        c.close()
+    assert _reached(env, "/malformed") == 0, case
+
+
+def test_trailers_with_a_pseudo_header_are_reset(env: Env) -> None:
+    """Trailers may carry no pseudo-header (RFC 9113 §8.1): the stream is reset, and no
+    complete request reaches the node (no Content-Length: only the end of the stream
+    completes the body)."""
+    c = Raw(env)
+    try:
+        c.send(_open_upload(c, 1, "/trailers", None), frame(DATA, 0, 1, b"hello"),
+               frame(HEADERS, END_HEADERS | END_STREAM, 1, c.enc.encode([(b":path", b"/x")])))
+        assert c.reset(1) == PROTOCOL_ERROR
+        # trailers without END_STREAM are malformed too
+        c.send(_open_upload(c, 3, "/trailers", None), frame(DATA, 0, 3, b"hello"),
+               frame(HEADERS, END_HEADERS, 3, c.enc.encode([(b"x-t", b"1")])))
+        assert c.reset(3) == PROTOCOL_ERROR
+        # and well-formed trailers end the request, whose body arrives whole
+        c.send(_open_upload(c, 5, "/trailers-ok", None), frame(DATA, 0, 5, b"hello"),
+               frame(HEADERS, END_HEADERS | END_STREAM, 5, c.enc.encode([(b"x-t", b"1")])))
+        status, body = c.answer(5)
+        assert status == 200 and json.loads(body)["bytes"] == 5, body
+    finally:
+        c.close()
+    assert _complete(env, "/trailers?") == [] and [
+        r.body for r in env.node.requests() if r.target == "/trailers" and r.complete] == []
+    assert _complete(env, "/trailers-ok") == [b"hello"]
+
+
+@pytest.mark.parametrize("sent", [b"1234", b"123456"])
+def test_content_length_against_data(env: Env, sent: bytes) -> None:
+    """DATA short of, or beyond, Content-Length: a stream error (RFC 9113 §8.1.1); the
+    node never gets a complete request with the wrong body."""
+    c = Raw(env)
+    try:
+        c.send(c.post(1, sent, "/length", b"application/octet-stream", length=5))
+        assert c.reset(1) == PROTOCOL_ERROR, c.frames
+        _served_after(c, 3)
+    finally:
+        c.close()
+    assert _complete(env, "/length") == []
