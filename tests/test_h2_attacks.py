@@ -366,3 +366,187 @@ def test_content_length_against_data(env: Env, sent: bytes) -> None:
     finally:
         c.close()
     assert _complete(env, "/length") == []
+
+
+# === connection errors: GOAWAY with the code RFC 9113 names, nothing at the node ======
+
+def _hpack_int(value: int, prefix: int, first: int) -> bytes:
+    """An HPACK integer (RFC 7541 §5.1) with `prefix` bits in the first byte."""
+    top = (1 << prefix) - 1
+    if value < top:
+        return bytes([first | value])
+    out = [first | top]
+    value -= top
+    while value >= 128:
+        out.append(value % 128 | 128)
+        value //= 128
+    return bytes([*out, value])
+
+
+def _req(c: Raw, sid: int = 1, flags: int = END_HEADERS | END_STREAM) -> bytes:
+    return frame(HEADERS, flags, sid, c.block("/conn-err"))
+
+
+#: name -> (the frames after the preface and SETTINGS, the GOAWAY error code)
+CONNECTION_ERRORS: dict[str, tuple[Callable[[Raw], bytes], int]] = {
+    # header blocks cut by another frame (RFC 9113 §6.10)
+    "headers then data": (lambda c: frame(HEADERS, 0, 1, c.block("/conn-err"))
+                          + frame(DATA, END_STREAM, 1, b"x"), PROTOCOL_ERROR),
+    "headers then ping": (lambda c: frame(HEADERS, END_STREAM, 1, c.block("/conn-err"))
+                          + frame(PING, 0, 0, bytes(8)), PROTOCOL_ERROR),
+    "headers then headers": (lambda c: frame(HEADERS, END_STREAM, 1, c.block("/conn-err"))
+                             + _req(c, 3), PROTOCOL_ERROR),
+    "continuation of another stream": (
+        lambda c: frame(HEADERS, END_STREAM, 1, c.block("/conn-err"))
+        + frame(CONTINUATION, END_HEADERS, 3, b""), PROTOCOL_ERROR),
+    "continuation alone": (lambda c: frame(CONTINUATION, END_HEADERS, 1, c.block("/conn-err")),
+                           PROTOCOL_ERROR),
+    "continuation after a complete block": (
+        lambda c: _req(c, 1, END_HEADERS) + frame(CONTINUATION, END_HEADERS, 1, b""),
+        PROTOCOL_ERROR),
+    "empty continuation flood": (
+        lambda c: frame(HEADERS, END_STREAM, 1, c.block("/conn-err"))
+        + frame(CONTINUATION, 0, 1, b"") * 1000, ENHANCE_YOUR_CALM),
+    "continuation block past 64 KiB": (
+        lambda c: frame(HEADERS, END_STREAM, 1, c.block("/conn-err"))
+        + frame(CONTINUATION, 0, 1, b"\x82" * 16384) * 5, ENHANCE_YOUR_CALM),
+    # stream ids (RFC 9113 §5.1, §5.1.1)
+    "headers on stream 0": (lambda c: _req(c, 0), PROTOCOL_ERROR),
+    "headers on an even stream": (lambda c: _req(c, 2), PROTOCOL_ERROR),
+    "data on an idle stream": (lambda c: frame(DATA, END_STREAM, 1, b"x"), PROTOCOL_ERROR),
+    "data on stream 0": (lambda c: frame(DATA, 0, 0, b"x"), PROTOCOL_ERROR),
+    "rst_stream on an idle stream": (lambda c: frame(RST_STREAM, 0, 1, u32(8)),
+                                     PROTOCOL_ERROR),
+    "rst_stream on stream 0": (lambda c: frame(RST_STREAM, 0, 0, u32(8)), PROTOCOL_ERROR),
+    "window_update on an idle stream": (lambda c: frame(WINDOW_UPDATE, 0, 1, u32(1)),
+                                        PROTOCOL_ERROR),
+    "push_promise from a client": (lambda c: frame(PUSH_PROMISE, END_HEADERS, 1,
+                                                   u32(2) + c.block()), PROTOCOL_ERROR),
+    "priority on stream 0": (lambda c: frame(PRIORITY, 0, 0, u32(1) + b"\x10"),
+                             PROTOCOL_ERROR),
+    # fixed frame sizes (RFC 9113 §6)
+    "priority of 4 bytes": (lambda c: frame(PRIORITY, 0, 1, u32(3)), FRAME_SIZE_ERROR),
+    "rst_stream of 5 bytes": (lambda c: _req(c, 1, END_HEADERS)
+                              + frame(RST_STREAM, 0, 1, u32(8) + b"\0"), FRAME_SIZE_ERROR),
+    "ping of 7 bytes": (lambda c: frame(PING, 0, 0, bytes(7)), FRAME_SIZE_ERROR),
+    "ping on a stream": (lambda c: frame(PING, 0, 1, bytes(8)), PROTOCOL_ERROR),
+    "window_update of 3 bytes": (lambda c: frame(WINDOW_UPDATE, 0, 0, b"\0\0\1"),
+                                 FRAME_SIZE_ERROR),
+    "settings of 5 bytes": (lambda c: frame(SETTINGS, 0, 0, bytes(5)), FRAME_SIZE_ERROR),
+    "settings ack with a payload": (lambda c: frame(SETTINGS, ACK, 0, bytes(6)),
+                                    FRAME_SIZE_ERROR),
+    "settings on a stream": (lambda c: frame(SETTINGS, 0, 1), PROTOCOL_ERROR),
+    "goaway on a stream": (lambda c: frame(GOAWAY, 0, 1, bytes(8)), PROTOCOL_ERROR),
+    "frame over max frame size": (lambda c: _req(c, 1, END_HEADERS)
+                                  + frame(DATA, END_STREAM, 1, bytes(16385)),
+                                  FRAME_SIZE_ERROR),
+    # SETTINGS values (RFC 9113 §6.5.2)
+    "enable_push 2": (lambda c: settings((2, 2)), PROTOCOL_ERROR),
+    "max_frame_size below 16384": (lambda c: settings((5, 16383)), PROTOCOL_ERROR),
+    "max_frame_size 2^24": (lambda c: settings((5, 2**24)), PROTOCOL_ERROR),
+    "initial_window_size 2^31": (lambda c: settings((4, 2**31)), FLOW_CONTROL_ERROR),
+    "initial_window_size overflows an open stream": (
+        lambda c: _open_upload(c, 1, "/conn-err") + frame(WINDOW_UPDATE, 0, 1, u32(2**31 - 65536))
+        + settings((4, 65536)), FLOW_CONTROL_ERROR),
+    # flow control (RFC 9113 §6.9)
+    "window_update 0 on the connection": (lambda c: frame(WINDOW_UPDATE, 0, 0, u32(0)),
+                                          PROTOCOL_ERROR),
+    "connection window past 2^31-1": (lambda c: frame(WINDOW_UPDATE, 0, 0, u32(2**31 - 65535)),
+                                      FLOW_CONTROL_ERROR),
+    "data past the stream window": (
+        lambda c: _open_upload(c, 1, "/conn-err", None)
+        + b"".join(frame(DATA, 0, 1, bytes(16384)) for _ in range(4)) + frame(DATA, 0, 1, b"xx"),
+        FLOW_CONTROL_ERROR),
+    # padding (RFC 9113 §6.1, §6.2)
+    "data padding as long as the frame": (
+        lambda c: _open_upload(c, 1, "/conn-err") + frame(DATA, PADDED, 1, b"\x05abcd"),
+        PROTOCOL_ERROR),
+    "data padded with no pad length": (
+        lambda c: _open_upload(c, 1, "/conn-err") + frame(DATA, PADDED, 1, b""),
+        PROTOCOL_ERROR),
+    "headers padding longer than the frame": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM | PADDED, 1,
+                        b"\xff" + c.block("/conn-err")), PROTOCOL_ERROR),
+    "headers priority field cut short": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY_FLAG, 1, b"\0\0"),
+        FRAME_SIZE_ERROR),
+    # HPACK (RFC 7541)
+    "table size update above the setting": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                        _hpack_int(4097, 5, 0x20) + c.block("/conn-err")), COMPRESSION_ERROR),
+    "table size update after a field": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                        c.block("/conn-err") + _hpack_int(0, 5, 0x20)), COMPRESSION_ERROR),
+    "index 0": (lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\x80"),
+                COMPRESSION_ERROR),
+    "index beyond the tables": (lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                                                _hpack_int(5000, 7, 0x80)), COMPRESSION_ERROR),
+    "literal longer than the block": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                        b"\x00" + _hpack_int(2**32, 7, 0) + b"a"), COMPRESSION_ERROR),
+    "integer of 200 continuation bytes": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\xff" + b"\xff" * 200 + b"\x01"),
+        COMPRESSION_ERROR),
+    "huffman padding not ones": (lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                                                 b"\x00\x81\x00\x01a"), COMPRESSION_ERROR),
+    "huffman with EOS": (lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                                         b"\x00\x84\xff\xff\xff\xff\x01a"), COMPRESSION_ERROR),
+    "indexed fields past the header list size": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1, b"\x82" * 16000),
+        ENHANCE_YOUR_CALM),
+    "a dynamic entry repeated past the header list size": (
+        lambda c: frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                        hpack.Encoder().encode([(b"x-big", b"v" * 4000)]) + b"\xbe" * 10),
+        ENHANCE_YOUR_CALM),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONNECTION_ERRORS))
+def test_connection_error(env: Env, case: str) -> None:
+    build, code = CONNECTION_ERRORS[case]
+    c = Raw(env)
+    try:
+        c.send(build(c))
+        assert c.goaway() == code, (case, c.frames[-3:])
+        assert c.until(lambda: c.eof), "the edge did not close the connection"
+    finally:
+        c.close()
+    assert _complete(env, "/conn-err") == [], case
+
+
+def test_not_a_preface(env: Env) -> None:
+    """HTTP/1.1 on a connection that chose h2, or a preface one byte wrong: the edge
+    closes the connection (a GOAWAY first, if anything), and nothing reaches the node."""
+    for first in (b"GET /conn-err HTTP/1.1\r\nHost: x\r\n\r\n",
+                  PREFACE[:-1] + b"\r" + settings()):
+        sock = tls_socket(env.serve.port, HOST, source=ATTACKER_IP, alpn=("h2",))
+        got, closed = b"", False
+        try:
+            sock.sendall(first)
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    closed = True
+                    break
+                got += chunk
+        except OSError:
+            closed = True
+        finally:
+            sock.close()
+        assert closed, first
+        kinds = []
+        while len(got) >= 9:
+            length = int.from_bytes(got[:3], "big")
+            kinds.append(got[3])
+            got = got[9 + length:]
+        assert set(kinds) <= {SETTINGS, GOAWAY}, kinds
+    assert _reached(env, "/conn-err") == 0
+
+
+def test_first_frame_must_be_settings(env: Env) -> None:
+    c = Raw(env, first=frame(PING, 0, 0, bytes(8)))
+    try:
+        assert c.goaway() == PROTOCOL_ERROR
+    finally:
+        c.close()
