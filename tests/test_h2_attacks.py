@@ -550,3 +550,87 @@ def test_first_frame_must_be_settings(env: Env) -> None:
         assert c.goaway() == PROTOCOL_ERROR
     finally:
         c.close()
+
+
+# === stream errors: RST_STREAM on that stream, the connection goes on =================
+
+#: name -> (frames on open stream 1 (a POST still waiting for its body), the reset code)
+STREAM_ERRORS: dict[str, tuple[Callable[[Raw], bytes], int]] = {
+    "window_update 0": (lambda c: frame(WINDOW_UPDATE, 0, 1, u32(0)), PROTOCOL_ERROR),
+    "stream window past 2^31-1": (lambda c: frame(WINDOW_UPDATE, 0, 1, u32(2**31 - 65535)),
+                                  FLOW_CONTROL_ERROR),
+    "priority on itself": (lambda c: frame(PRIORITY, 0, 1, u32(1) + b"\x10"), PROTOCOL_ERROR),
+    "data beyond content-length": (lambda c: frame(DATA, 0, 1, bytes(11)), PROTOCOL_ERROR),
+    "end before content-length": (lambda c: frame(DATA, END_STREAM, 1, bytes(9)),
+                                  PROTOCOL_ERROR),
+    "trailers that do not end the stream": (
+        lambda c: frame(HEADERS, END_HEADERS, 1, c.enc.encode([(b"x-t", b"1")])),
+        PROTOCOL_ERROR),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAM_ERRORS))
+def test_stream_error(env: Env, case: str) -> None:
+    build, code = STREAM_ERRORS[case]
+    c = Raw(env)
+    try:
+        c.send(_open_upload(c, 1, "/stream-err", 10), build(c))
+        assert c.reset(1) == code, (case, c.frames[-3:])
+        _served_after(c, 3)
+        # frames the client sent before it saw the reset are ignored, not an error
+        c.send(frame(DATA, END_STREAM, 1, bytes(10)), frame(WINDOW_UPDATE, 0, 1, u32(1)))
+        _served_after(c, 5)
+    finally:
+        c.close()
+    assert _complete(env, "/stream-err") == [], case
+
+
+def test_data_on_a_half_closed_stream(env: Env) -> None:
+    """DATA after END_STREAM while the answer is still coming: STREAM_CLOSED on that
+    stream (RFC 9113 §5.1), and the answer is not sent on."""
+    c = Raw(env)
+    try:
+        c.send(c.headers(1, "/stream?n=50&interval=0.1"))
+        c.until(lambda: any(f[0] == DATA and f[2] == 1 for f in c.frames))
+        c.send(frame(DATA, 0, 1, b"late"))
+        assert c.reset(1) == STREAM_CLOSED
+        _served_after(c, 3)
+    finally:
+        c.close()
+
+
+def test_priority_on_idle_streams_is_allowed(env: Env) -> None:
+    """PRIORITY may name an idle stream, and a stream may be opened after it was named
+    (RFC 9113 §5.1); neither opens a stream nor moves the stream ids on."""
+    c = Raw(env)
+    try:
+        c.send(frame(PRIORITY, 0, 9, u32(7) + b"\x10"), frame(PRIORITY, 0, 3, u32(0) + b"\x10"),
+               c.headers(3, "/prio"), c.headers(9, "/prio"))
+        assert c.answer(3)[0] == 200 and c.answer(9)[0] == 200
+        assert c.goaway(0.2) is None
+    finally:
+        c.close()
+
+
+def test_unknown_settings_and_frames_are_ignored(env: Env) -> None:
+    c = Raw(env, first=settings((0x99, 7), (0xFFFF, 2**32 - 1), (8, 1), (2, 0), (1, 0)))
+    try:
+        c.send(frame(0x21, 0xFF, 1, b"grease"), frame(0x21, 0, 0, b""))
+        _served_after(c, 1)
+        assert c.goaway(0.2) is None
+    finally:
+        c.close()
+
+
+def test_lower_stream_id_is_not_served(env: Env) -> None:
+    """HEADERS on a stream id below one already used. RFC 9113 §5.1.1 makes it a
+    connection error (PROTOCOL_ERROR); the edge ignores it as a frame on a closed stream.
+    Either way, nothing reaches the node, and the connection's streams are not confused."""
+    c = Raw(env)
+    try:
+        _served_after(c, 5)
+        c.send(c.headers(3, "/lower"), c.headers(1, "/lower"))
+        _served_after(c, 7)
+    finally:
+        c.close()
+    assert _reached(env, "/lower") == 0
