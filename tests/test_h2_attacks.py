@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import ssl
 import struct
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import hpack
+import httpx
 import pytest
 
 from tests.terminate_env import (
     ATTACKER_IP,
     BYSTANDER_IP,
     HOST,
+    LOOPBACK,
     WAIT,
     tls_socket,
 )
@@ -214,9 +220,9 @@ def _bystander(env: Env) -> int | None:
         c.close()
 
 
-def _complete(env: Env, marker: str) -> list[bytes]:
-    """Bodies of the complete requests the node got whose target carries `marker`."""
-    return [r.body for r in env.node.requests() if marker in r.target and r.complete]
+def _complete(env: Env, target: str) -> list[bytes]:
+    """Bodies of the complete requests the node got for `target`."""
+    return [r.body for r in env.node.requests() if r.target == target and r.complete]
 
 
 def _reached(env: Env, marker: str) -> int:
@@ -349,8 +355,7 @@ def test_trailers_with_a_pseudo_header_are_reset(env: Env) -> None:
         assert status == 200 and json.loads(body)["bytes"] == 5, body
     finally:
         c.close()
-    assert _complete(env, "/trailers?") == [] and [
-        r.body for r in env.node.requests() if r.target == "/trailers" and r.complete] == []
+    assert _complete(env, "/trailers") == []
     assert _complete(env, "/trailers-ok") == [b"hello"]
 
 
@@ -634,3 +639,147 @@ def test_lower_stream_id_is_not_served(env: Env) -> None:
     finally:
         c.close()
     assert _reached(env, "/lower") == 0
+
+
+# === flow control: answers wait for the client's window, and arrive whole ============
+
+def _data_bytes(c: Raw, sid: int) -> int:
+    return sum(len(f[3]) for f in c.frames if f[0] == DATA and f[2] == sid)
+
+
+def test_answer_waits_for_a_window_opened_by_settings(env: Env) -> None:
+    """SETTINGS_INITIAL_WINDOW_SIZE 0: the head comes, no DATA; raising the setting
+    mid-stream (RFC 9113 §6.9.2) lets the whole answer through."""
+    c = Raw(env, first=settings((4, 0)))
+    try:
+        c.send(c.headers(1, "/big?bytes=200000"))
+        assert c.until(lambda: any(f[0] == HEADERS and f[2] == 1 for f in c.frames))
+        c.until(lambda: False, 0.3)
+        assert _data_bytes(c, 1) == 0
+        c.send(settings((4, 65535)))
+        assert c.until(lambda: c.ended(1)), _data_bytes(c, 1)
+        assert _data_bytes(c, 1) == 200000
+    finally:
+        c.close()
+
+
+def test_answer_through_a_window_made_negative(env: Env) -> None:
+    """The client shrinks the initial window below what is already in flight: the stream
+    window goes negative, nothing is sent until WINDOW_UPDATEs (here a larger setting)
+    bring it back above zero, and then the answer arrives whole."""
+    c = Raw(env, first=settings((4, 1000)))
+    try:
+        c.send(c.headers(1, "/big?bytes=150000"))
+        assert c.until(lambda: _data_bytes(c, 1) >= 1000)
+        c.send(settings((4, 0)))  # window: 0 - 1000 = -1000
+        c.until(lambda: False, 0.3)
+        assert _data_bytes(c, 1) == 1000
+        c.send(settings((4, 500)))  # -500: still nothing may be sent
+        c.until(lambda: False, 0.3)
+        assert _data_bytes(c, 1) == 1000
+        c.send(settings((4, 65535)))
+        assert c.until(lambda: c.ended(1)), _data_bytes(c, 1)
+        assert _data_bytes(c, 1) == 150000
+    finally:
+        c.close()
+
+
+# === bodies arrive whole ===========================================================
+
+SIZES = [0, 1, 16383, 16384, 65535]
+
+
+def _body(n: int) -> bytes:
+    return bytes(i * 7 % 251 for i in range(n))
+
+
+def test_raw_bodies_in_one_write(env: Env) -> None:
+    """HEADERS and every DATA frame of each request in one write (one read at the edge),
+    all requests on one connection, each up to a full stream window."""
+    c = Raw(env)
+    try:
+        for i, n in enumerate(SIZES):
+            sid = 1 + 2 * i
+            c.send(c.post(sid, _body(n), f"/raw-{n}", b"application/octet-stream"))
+            status, answer = c.answer(sid)
+            assert status == 200 and json.loads(answer) == {
+                **_digest(_body(n)), "target": f"/raw-{n}"}, (n, answer)
+    finally:
+        c.close()
+    for n in SIZES:
+        assert _complete(env, f"/raw-{n}") == [_body(n)], n
+
+
+def test_padded_bodies_arrive_whole(env: Env) -> None:
+    """DATA with padding, including frames that are all padding, and padding counted
+    against the windows (a 64 KiB body padded to twice that still gets through)."""
+    c = Raw(env)
+    body = _body(65000)
+    try:
+        frames = [_open_upload(c, 1, "/padded", len(body))]
+        for i in range(0, len(body), 1000):
+            frames.append(frame(DATA, PADDED, 1, b"\xff" + bytes(255)))  # padding only
+            frames.append(frame(DATA, PADDED, 1, b"\x10" + body[i:i + 1000] + bytes(16)))
+        frames.append(frame(DATA, PADDED | END_STREAM, 1, b"\x00"))
+        # the windows are 64 KiB: send as the edge gives them back
+        wire = b"".join(frames)
+        sent = 0
+        while sent < len(wire):
+            c.send(wire[sent:sent + 30000])
+            sent += 30000
+            c.until(lambda: False, 0.05)
+        status, answer = c.answer(1)
+        assert status == 200 and json.loads(answer)["sha256"] == _digest(body)["sha256"]
+    finally:
+        c.close()
+    assert _complete(env, "/padded") == [body]
+
+
+CLIENT_SIZES = [0, 1, 16383, 16384, 65535, 65536, 1 << 20]
+
+
+def test_curl_bodies_arrive_whole(env: Env, tmp_path: Path) -> None:
+    curl = shutil.which("curl")
+    assert curl, "curl is not installed"
+    for n in CLIENT_SIZES:
+        path = tmp_path / f"{n}.bin"
+        path.write_bytes(_body(n))
+        proc = subprocess.run(
+            [curl, "-sk", "--http2", "--data-binary", f"@{path}",
+             "-H", "content-type: application/octet-stream", "--resolve",
+             f"{HOST}:{env.serve.port}:{LOOPBACK}", f"https://{HOST}:{env.serve.port}/curl-{n}"],
+            capture_output=True, timeout=60, check=False)
+        assert json.loads(proc.stdout) == {**_digest(_body(n)), "target": f"/curl-{n}"}, (
+            n, proc.stdout[:300], proc.stderr[-300:])
+        assert _complete(env, f"/curl-{n}") == [_body(n)], n
+
+
+def test_httpx_bodies_arrive_whole(env: Env) -> None:
+    """httpx over h2, the requests concurrent on one connection."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+
+    async def run() -> list[httpx.Response]:
+        import trio
+        transport = httpx.AsyncHTTPTransport(http2=True, verify=ctx)
+        async with httpx.AsyncClient(transport=transport, timeout=60,
+                                     base_url=f"https://{LOOPBACK}:{env.serve.port}") as client:
+            out: dict[int, httpx.Response] = {}
+
+            async def one(n: int) -> None:
+                out[n] = await client.post(
+                    f"/httpx-{n}", content=_body(n),
+                    headers={"host": HOST, "content-type": "application/octet-stream"},
+                    extensions={"sni_hostname": HOST})
+            async with trio.open_nursery() as nursery:
+                for n in CLIENT_SIZES:
+                    nursery.start_soon(one, n)
+            return [out[n] for n in CLIENT_SIZES]
+
+    import trio
+    answers = trio.run(run)
+    for n, res in zip(CLIENT_SIZES, answers, strict=True):
+        assert res.http_version == "HTTP/2" and res.status_code == 200, (n, res.text[:200])
+        assert res.json() == {**_digest(_body(n)), "target": f"/httpx-{n}"}, n
+        assert _complete(env, f"/httpx-{n}") == [_body(n)], n
