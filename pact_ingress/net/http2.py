@@ -386,8 +386,9 @@ class H2Connection:
             self.kick()
             if not self.streams and not self._closing:
                 self._last_read = trio.current_time()  # idle from now
-                if self._draining.is_set():
-                    self._read_scope.cancel()  # drained: the last answer is queued
+                if self._draining.is_set() or self._goaway:
+                    # drained, or the client said GOAWAY: the last answer is queued
+                    self._read_scope.cancel()
                 else:
                     self._idle_scopes.add(self._read_scope)
 
