@@ -783,3 +783,67 @@ def test_httpx_bodies_arrive_whole(env: Env) -> None:
         assert res.http_version == "HTTP/2" and res.status_code == 200, (n, res.text[:200])
         assert res.json() == {**_digest(_body(n)), "target": f"/httpx-{n}"}, n
         assert _complete(env, f"/httpx-{n}") == [_body(n)], n
+
+
+# === streams, slots and the connection's end =======================================
+
+def test_streams_beyond_the_limit_are_refused_and_the_rest_served(env: Env) -> None:
+    """100 uploads held open (SETTINGS_MAX_CONCURRENT_STREAMS): the next stream is
+    refused (REFUSED_STREAM: the client may retry it), and once one upload ends the
+    connection takes a new stream again; every upload that ends arrives whole."""
+    c = Raw(env)
+    try:
+        c.send(*(_open_upload(c, sid, f"/held-{sid}", None) for sid in range(1, 201, 2)))
+        c.send(c.headers(201, "/refused"))
+        assert c.reset(201) == REFUSED_STREAM
+        c.send(frame(DATA, END_STREAM, 1, b"one"))
+        status, answer = c.answer(1)
+        assert status == 200 and json.loads(answer)["bytes"] == 3
+        _served_after(c, 203)
+        c.send(*(frame(DATA, END_STREAM, sid, b"%d" % sid) for sid in range(3, 201, 2)))
+        for sid in range(3, 201, 2):
+            assert c.answer(sid)[0] == 200, sid
+    finally:
+        c.close()
+    assert _reached(env, "/refused") == 0
+    assert all(_complete(env, f"/held-{sid}") == [b"%d" % sid] for sid in range(3, 201, 2))
+
+
+def test_client_goaway_lets_the_open_stream_finish(env: Env) -> None:
+    c = Raw(env)
+    try:
+        c.send(c.headers(1, "/stream?n=5&interval=0.1"))
+        c.until(lambda: any(f[0] == HEADERS and f[2] == 1 for f in c.frames))
+        c.send(frame(GOAWAY, 0, 0, u32(0) + u32(NO_ERROR)))
+        status, _ = c.answer(1)
+        assert status == 200 and c.ended(1)
+        assert c.until(lambda: c.eof), "the edge kept the connection after the client's GOAWAY"
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("cut", [3, 9, 20])
+def test_abort_mid_frame(env: Env, cut: int) -> None:
+    """The client goes away inside a frame (its header, its payload) while an upload is
+    open: the stream and the connection are released (the fixture checks the count)."""
+    c = Raw(env)
+    wire = _open_upload(c, 1, "/aborted", 100) + frame(DATA, 0, 1, bytes(50))
+    c.send(wire + frame(DATA, END_STREAM, 1, bytes(50))[:cut])
+    c.until(lambda: False, 0.2)
+    c.close()
+    assert _complete(env, "/aborted") == []
+
+
+def test_zero_window_stall_ends(env: Env) -> None:
+    """A client that never opens its window: the answer waits at most the write
+    deadline, then the stream is cancelled (RST_STREAM CANCEL) and the connection goes
+    on serving; the node's answer is not held for ever."""
+    c = Raw(env, first=settings((4, 0)))
+    try:
+        c.send(c.headers(1, "/big?bytes=100000"))
+        assert c.until(lambda: bool(c.resets(1)), 60), "the stalled stream never ended"
+        assert c.resets(1) == [CANCEL] and _data_bytes(c, 1) == 0
+        c.send(settings((4, 65535)))
+        _served_after(c, 3)
+    finally:
+        c.close()
