@@ -124,3 +124,13 @@ def test_malformed_blocks_refused(block: list[tuple[bytes, bytes]]) -> None:
     with pytest.raises(MalformedRequest):
         split_request(block)
     assert not h2_accepts(block)
+
+
+@pytest.mark.parametrize("method", [b"GET /x HTTP/1.1 z", b"GET/", b"", b"P\xc3\x96ST", b"GET\t"])
+def test_method_must_be_a_token(method: bytes) -> None:
+    """The method becomes the next hop's request line: anything but a token (which h2
+    lets through) would be a different request line there."""
+    with pytest.raises(MalformedRequest):
+        split_request([(b":method", method), *GOOD[1:]])
+    for good in (b"GET", b"PROPFIND", b"get", b"M-SEARCH"):
+        assert split_request([(b":method", good), *GOOD[1:]])[0][b":method"] == good
