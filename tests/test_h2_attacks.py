@@ -320,6 +320,7 @@ MALFORMED = {
     "space around a value": [*_BASE, (b"x-a", b" 1")],
     "colon in a name": [*_BASE, (b"x:a", b"1")],
     "content-length not digits": [*_BASE, (b"content-length", b"+0")],
+    "content-lengths differ": [*_BASE, (b"content-length", b"0"), (b"content-length", b"5")],
 }
 
 

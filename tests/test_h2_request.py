@@ -134,3 +134,10 @@ def test_method_must_be_a_token(method: bytes) -> None:
         split_request([(b":method", method), *GOOD[1:]])
     for good in (b"GET", b"PROPFIND", b"get", b"M-SEARCH"):
         assert split_request([(b":method", good), *GOOD[1:]])[0][b":method"] == good
+
+
+def test_content_lengths_must_agree() -> None:
+    with pytest.raises(MalformedRequest):
+        split_request(GOOD + [(b"content-length", b"5"), (b"content-length", b"50")])
+    same = split_request(GOOD + [(b"content-length", b"5"), (b"content-length", b"5")])[1]
+    assert [v for n, v in same if n == b"content-length"] == [b"5", b"5"]

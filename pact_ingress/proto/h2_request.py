@@ -14,8 +14,9 @@ and `:path` (non-empty) except on a plain CONNECT, which must have neither; `:pr
 only with CONNECT; `:method` a token; no connection-specific field (`Connection`,
 `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as
 `trailers`; at least one of `:authority` and `Host`, equal when both, and at most one
-`Host`; no value starting or ending with whitespace. Split `Cookie` fields are joined
-into one (RFC 9113 §8.2.3), which h2 would otherwise do in yet another generator.
+`Host`; `Content-Length` fields that agree; no value starting or ending with
+whitespace. Split `Cookie` fields are joined into one (RFC 9113 §8.2.3), which h2 would
+otherwise do in yet another generator.
 
 The checks that look at every field are made once per block, not once per field: all
 names in one regular-expression match, all values in one search.
@@ -53,6 +54,7 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
     fields: list[Header] = []
     cookies: list[bytes] = []
     host: bytes | None = None
+    length: bytes | None = None
     for name, value in headers:
         if value[:1] in _WS or value[-1:] in _WS:
             raise MalformedRequest(f"whitespace around the value of {name!r}")
@@ -75,6 +77,11 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
                 if host is not None:
                     raise MalformedRequest("more than one Host field")
                 host = value
+            elif name == b"content-length":
+                # differing lengths cannot both frame the body (RFC 9110 §8.6)
+                if length is not None and value != length:
+                    raise MalformedRequest("Content-Length fields differ")
+                length = value
             fields.append((name, value))
     if fields and not _TOKENS.fullmatch(b",".join([n for n, _ in fields])):
         raise MalformedRequest("a field name is not a lower-case token")
