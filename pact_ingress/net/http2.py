@@ -33,9 +33,12 @@ the client within `write_timeout`, else the connection is dropped (a client that
 reading must not hold a node's response, or our buffers, for ever). Response DATA waits
 for the client's flow-control window with the same deadline.
 
-Idle connections: a connection with no stream open is closed after `idle_timeout` with
-nothing received (one watchdog task per connection, re-armed by the time of the last
-read, instead of a deadline on every read), and at once when the edge drains.
+Idle connections: a connection with no stream open is closed after `idle_timeout`
+without a new request (one watchdog task per connection, re-armed by the time of the
+last request or the end of the last stream, instead of a deadline on every read), and at
+once when the edge drains. Frames that open no stream (PING, SETTINGS, WINDOW_UPDATE,
+PRIORITY, unknown types, frames on closed streams) do not keep a connection: a client
+pinging within its allowance would otherwise hold it for ever.
 
 A stream reset by the client cancels its exchange at once (and with it the upstream
 request). Frames that cost a client nothing and us something (RST_STREAM, and the
@@ -201,8 +204,9 @@ class H2Connection:
             self._read_scope.cancel()
 
     async def _idle_watch(self) -> None:
-        """End the read loop once no stream has been open and nothing was read for
-        `idle_timeout` (`_last_read` also moves when the last stream ends)."""
+        """End the read loop once no stream has been open and no request came for
+        `idle_timeout` (`_last_read` moves with each request and when the last stream
+        ends)."""
         while True:
             now = trio.current_time()
             if self.streams:
@@ -235,7 +239,6 @@ class H2Connection:
                 return
             if not data:
                 return
-            self._last_read = trio.current_time()
             try:
                 events = self.conn.receive_data(data)
             except h2.ConnectionError_:
@@ -257,6 +260,7 @@ class H2Connection:
                 return
             exchange = self._exchange(event)
             if exchange is not None:
+                self._last_read = trio.current_time()
                 if not self.streams:
                     self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
