@@ -848,3 +848,33 @@ def test_zero_window_stall_ends(env: Env) -> None:
         _served_after(c, 3)
     finally:
         c.close()
+
+
+def test_pings_do_not_keep_an_idle_connection(tmp_path: Path) -> None:
+    """A connection with no stream open ends after idle_timeout even while the client
+    pings within its allowance (else each connection of the per-IP cap is held for
+    ever at no cost); a connection that keeps making requests is not idle."""
+    env = Env.start(tmp_path, limits={**LIMITS, "idle_timeout": 1})
+    try:
+        c = Raw(env)
+        try:
+            deadline = time.monotonic() + 3 * WAIT
+            while not c.eof and time.monotonic() < deadline:
+                c.send(frame(PING, 0, 0, bytes(8)))  # 4 per second: under the allowance
+                c.until(lambda: c.eof, 0.25)
+            assert c.eof, "a pinging connection with no stream was kept"
+            assert not any(f[0] == GOAWAY and struct.unpack(">II", f[3][:8])[1]
+                           == ENHANCE_YOUR_CALM for f in c.frames)
+        finally:
+            c.close()
+        c = Raw(env)
+        try:
+            for sid in range(1, 12, 2):  # a request every half idle_timeout
+                _served_after(c, sid)
+                c.until(lambda: False, 0.5)
+            assert not c.eof
+        finally:
+            c.close()
+        assert env.serve.wait_open_connections(0) == 0
+    finally:
+        env.stop()
