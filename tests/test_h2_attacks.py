@@ -878,3 +878,43 @@ def test_pings_do_not_keep_an_idle_connection(tmp_path: Path) -> None:
         assert env.serve.wait_open_connections(0) == 0
     finally:
         env.stop()
+
+
+NODE_CLIENT = r"""
+const http2 = require('http2'), tls = require('tls');
+const [port, host, ...sizes] = process.argv.slice(1);
+const client = http2.connect(`https://${host}:${port}`, {
+  createConnection: () => tls.connect({host: '127.0.0.1', port: Number(port), servername: host,
+                                       ALPNProtocols: ['h2'], rejectUnauthorized: false})});
+const out = {};
+let left = sizes.length;
+for (const s of sizes) {
+  const n = Number(s), body = Buffer.alloc(n);
+  for (let i = 0; i < n; i++) body[i] = (i * 7) % 251;
+  const req = client.request({':method': 'POST', ':path': `/node-${n}`,
+                              'content-type': 'application/octet-stream'});
+  let data = '';
+  req.on('data', c => { data += c; });
+  req.on('close', () => {
+    out[n] = data;
+    if (--left === 0) { console.log(JSON.stringify(out)); client.close(); }
+  });
+  req.end(body);
+}
+setTimeout(() => { console.log(JSON.stringify(out)); process.exit(3); }, 50000).unref();
+"""
+
+
+def test_node_bodies_arrive_whole(env: Env) -> None:
+    """Node's http2 client, every size on one connection at once."""
+    node = shutil.which("node")
+    assert node, "node is not installed"
+    proc = subprocess.run([node, "-e", NODE_CLIENT, str(env.serve.port), HOST,
+                           *map(str, CLIENT_SIZES)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    lines = proc.stdout.strip().splitlines()
+    answers = json.loads(lines[-1]) if lines else {}
+    for n in CLIENT_SIZES:
+        assert json.loads(answers.get(str(n)) or "null") == {
+            **_digest(_body(n)), "target": f"/node-{n}"}, (n, proc.stderr[-300:])
+        assert _complete(env, f"/node-{n}") == [_body(n)], n
