@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import ssl
 import struct
 import subprocess
@@ -918,3 +919,22 @@ def test_node_bodies_arrive_whole(env: Env) -> None:
         assert json.loads(answers.get(str(n)) or "null") == {
             **_digest(_body(n)), "target": f"/node-{n}"}, (n, proc.stderr[-300:])
         assert _complete(env, f"/node-{n}") == [_body(n)], n
+
+
+def test_drain_ends_despite_a_zero_window_stall(tmp_path: Path) -> None:
+    """SIGTERM while a client holds an answer behind a closed window: the drain does not
+    wait for it for ever; the process exits cleanly and the client's connection ends."""
+    env = Env.start(tmp_path, limits=LIMITS)
+    try:
+        c = Raw(env, first=settings((4, 0)))
+        try:
+            c.send(c.headers(1, "/big?bytes=1000000"))
+            assert c.until(lambda: any(f[0] == HEADERS and f[2] == 1 for f in c.frames))
+            env.serve.proc.send_signal(signal.SIGTERM)
+            assert env.serve.proc.wait(timeout=120) == 0, env.serve.logs()[-2000:]
+            assert c.until(lambda: c.eof, WAIT)
+            assert _data_bytes(c, 1) == 0
+        finally:
+            c.close()
+    finally:
+        env.stop()
