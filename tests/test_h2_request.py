@@ -20,6 +20,7 @@ GOOD = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.examp
         (b":path", b"/mcp"), (b"content-type", b"application/json"), (b"accept", b"*/*")]
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def h2_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -41,12 +42,21 @@ def ours_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def only_stricter_by_design(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Where we may refuse what h2 takes: non-token names, control characters, and a
+    """Where we may refuse what h2 takes: non-token names, control characters, a
     `Cookie` before a pseudo-header (h2 moves cookies to the end before it checks the
-    order; RFC 9113 §8.3 wants every pseudo-header first)."""
+    order; RFC 9113 §8.3 wants every pseudo-header first), a `:method` that is not a
+    token, `Content-Length` fields that differ, and a `Cookie` crumb with whitespace
+    around it (h2 checks the joined value, where it may sit inside)."""
     names = [n for n, _ in headers]
     cookie_first = b"cookie" in names and any(
         n.startswith(b":") for n in names[names.index(b"cookie"):])
+    methods = [v for n, v in headers if n == b":method"]
+    lengths = {v for n, v in headers if n == b"content-length"}
+    if any(not _METHOD.fullmatch(m) for m in methods) or len(lengths) > 1:
+        return True
+    if any(n == b"cookie" and (v[:1] in (b" ", b"\t") or v[-1:] in (b" ", b"\t"))
+           for n, v in headers):
+        return True
     return cookie_first or any(
         (not n.startswith(b":") and not _TOKEN.fullmatch(n)) or _CTL.search(v)
         for n, v in headers)
