@@ -20,6 +20,7 @@ GOOD = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.examp
         (b":path", b"/mcp"), (b"content-type", b"application/json"), (b"accept", b"*/*")]
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+")
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def h2_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -41,12 +42,21 @@ def ours_accepts(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def only_stricter_by_design(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Where we may refuse what h2 takes: non-token names, control characters, and a
+    """Where we may refuse what h2 takes: non-token names, control characters, a
     `Cookie` before a pseudo-header (h2 moves cookies to the end before it checks the
-    order; RFC 9113 §8.3 wants every pseudo-header first)."""
+    order; RFC 9113 §8.3 wants every pseudo-header first), a `:method` that is not a
+    token, `Content-Length` fields that differ, and a `Cookie` crumb with whitespace
+    around it (h2 checks the joined value, where it may sit inside)."""
     names = [n for n, _ in headers]
     cookie_first = b"cookie" in names and any(
         n.startswith(b":") for n in names[names.index(b"cookie"):])
+    methods = [v for n, v in headers if n == b":method"]
+    lengths = {v for n, v in headers if n == b"content-length"}
+    if any(not _METHOD.fullmatch(m) for m in methods) or len(lengths) > 1:
+        return True
+    if any(n == b"cookie" and (v[:1] in (b" ", b"\t") or v[-1:] in (b" ", b"\t"))
+           for n, v in headers):
+        return True
     return cookie_first or any(
         (not n.startswith(b":") and not _TOKEN.fullmatch(n)) or _CTL.search(v)
         for n, v in headers)
@@ -124,3 +134,20 @@ def test_malformed_blocks_refused(block: list[tuple[bytes, bytes]]) -> None:
     with pytest.raises(MalformedRequest):
         split_request(block)
     assert not h2_accepts(block)
+
+
+@pytest.mark.parametrize("method", [b"GET /x HTTP/1.1 z", b"GET/", b"", b"P\xc3\x96ST", b"GET\t"])
+def test_method_must_be_a_token(method: bytes) -> None:
+    """The method becomes the next hop's request line: anything but a token (which h2
+    lets through) would be a different request line there."""
+    with pytest.raises(MalformedRequest):
+        split_request([(b":method", method), *GOOD[1:]])
+    for good in (b"GET", b"PROPFIND", b"get", b"M-SEARCH"):
+        assert split_request([(b":method", good), *GOOD[1:]])[0][b":method"] == good
+
+
+def test_content_lengths_must_agree() -> None:
+    with pytest.raises(MalformedRequest):
+        split_request(GOOD + [(b"content-length", b"5"), (b"content-length", b"50")])
+    same = split_request(GOOD + [(b"content-length", b"5"), (b"content-length", b"5")])[1]
+    assert [v for n, v in same if n == b"content-length"] == [b"5", b"5"]

@@ -266,6 +266,13 @@ def test_stream_errors_reset_only_their_stream() -> None:
     block = hpack.Encoder().encode([(b"x-trailer", b"1")])
     events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS, 5, block))
     assert [type(e) for e in events] == [hs.StreamReset]
+    # trailers with a pseudo-header (RFC 9113 §8.1)
+    client.send_headers(7, REQUEST)
+    server.receive_data(client.data_to_send())
+    block = client.encoder.encode([(b":path", b"/other")])
+    events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM, 7, block))
+    assert [(type(e), e.stream_id, e.code) for e in events] == [
+        (hs.StreamReset, 7, ErrorCode.PROTOCOL_ERROR)]
 
 
 def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
@@ -274,7 +281,11 @@ def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
     for sid in (1, 3, 5):
         client.send_headers(sid, REQUEST)
     events = server.receive_data(client.data_to_send())
-    assert [e.stream_id for e in events] == [1, 3]
+    assert [e.stream_id for e in events if isinstance(e, hs.RequestReceived)] == [1, 3]
+    # the refusal is reported too, so the caller can meter a client that keeps provoking it
+    refused = [e for e in events if isinstance(e, hs.StreamReset)]
+    assert [(e.stream_id, e.code, e.remote) for e in refused] == [
+        (5, ErrorCode.REFUSED_STREAM, False)]
     got = client.receive_data(server.data_to_send())
     resets = [e for e in got if isinstance(e, h2.events.StreamReset)]
     assert [(e.stream_id, e.error_code) for e in resets] == [(5, ErrorCode.REFUSED_STREAM)]

@@ -33,12 +33,17 @@ the client within `write_timeout`, else the connection is dropped (a client that
 reading must not hold a node's response, or our buffers, for ever). Response DATA waits
 for the client's flow-control window with the same deadline.
 
-Idle connections: a connection with no stream open is closed after `idle_timeout` with
-nothing received (one watchdog task per connection, re-armed by the time of the last
-read, instead of a deadline on every read), and at once when the edge drains.
+Idle connections: a connection with no stream open is closed after `idle_timeout`
+without a new request (one watchdog task per connection, re-armed by the time of the
+last request or the end of the last stream, instead of a deadline on every read), and at
+once when the edge drains. Frames that open no stream (PING, SETTINGS, WINDOW_UPDATE,
+PRIORITY, unknown types, frames on closed streams) do not keep a connection: a client
+pinging within its allowance would otherwise hold it for ever.
 
 A stream reset by the client cancels its exchange at once (and with it the upstream
-request). Frames that cost a client nothing and us something (RST_STREAM, PING,
+request). Frames that cost a client nothing and us something (RST_STREAM, and the
+resets a client provokes from us: malformed requests, stream errors, streams beyond the
+concurrency limit; PING,
 SETTINGS, PRIORITY, empty DATA, unknown types, and WINDOW_UPDATEs beyond what the data
 we send explains) are metered per connection (`proto.h2_guard`): a flood
 ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
@@ -199,8 +204,9 @@ class H2Connection:
             self._read_scope.cancel()
 
     async def _idle_watch(self) -> None:
-        """End the read loop once no stream has been open and nothing was read for
-        `idle_timeout` (`_last_read` also moves when the last stream ends)."""
+        """End the read loop once no stream has been open and no request came for
+        `idle_timeout` (`_last_read` moves with each request and when the last stream
+        ends)."""
         while True:
             now = trio.current_time()
             if self.streams:
@@ -233,7 +239,6 @@ class H2Connection:
                 return
             if not data:
                 return
-            self._last_read = trio.current_time()
             try:
                 events = self.conn.receive_data(data)
             except h2.ConnectionError_:
@@ -255,6 +260,7 @@ class H2Connection:
                 return
             exchange = self._exchange(event)
             if exchange is not None:
+                self._last_read = trio.current_time()
                 if not self.streams:
                     self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
@@ -274,8 +280,9 @@ class H2Connection:
             if exchange is not None:
                 exchange.end_of_body()
         elif kind is h2.StreamReset:
-            if event.remote:
-                self._charge(Flood.RESET)
+            # ours too: a reset the client provokes (a malformed frame, a stream beyond
+            # the limit) frees its stream as cheaply as one it sends itself
+            self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
@@ -311,6 +318,7 @@ class H2Connection:
             request = _request(event.headers)
             if request is None:
                 self.conn.reset_stream(event.stream_id, ErrorCode.PROTOCOL_ERROR)
+                self._charge(Flood.RESET)
                 return None
             self._split = (event.headers, request)
         method, target, authority, length, fields = request
@@ -367,8 +375,9 @@ class H2Connection:
             self.kick()
             if not self.streams and not self._closing:
                 self._last_read = trio.current_time()  # idle from now
-                if self._draining.is_set():
-                    self._read_scope.cancel()  # drained: the last answer is queued
+                if self._draining.is_set() or self._goaway:
+                    # drained, or the client said GOAWAY: the last answer is queued
+                    self._read_scope.cancel()
                 else:
                     self._idle_scopes.add(self._read_scope)
 

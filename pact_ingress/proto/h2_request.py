@@ -10,11 +10,12 @@ malformed request, which RFC 9113 §8.1.1 makes a stream error (PROTOCOL_ERROR).
 The rules: pseudo-header fields first, each at most once, only the request ones
 (`:method`, `:scheme`, `:authority`, `:path`, `:protocol`); `:method` always; `:scheme`
 and `:path` (non-empty) except on a plain CONNECT, which must have neither; `:protocol`
-only with CONNECT; no connection-specific field (`Connection`, `Keep-Alive`,
-`Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as `trailers`; at least one
-of `:authority` and `Host`, equal when both, and at most one `Host`; no value starting
-or ending with whitespace. Split `Cookie` fields are joined into one (RFC 9113 §8.2.3),
-which h2 would otherwise do in yet another generator.
+only with CONNECT; `:method` a token; no connection-specific field (`Connection`,
+`Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as
+`trailers`; at least one of `:authority` and `Host`, equal when both, and at most one
+`Host`; `Content-Length` fields that agree; no value starting or ending with
+whitespace. Split `Cookie` fields are joined into one (RFC 9113 §8.2.3), which h2 would
+otherwise do in yet another generator.
 
 The checks that look at every field are made once per block, not once per field: all
 names in one regular-expression match, all values in one search.
@@ -30,6 +31,8 @@ Header = tuple[bytes, bytes]
 #: One or more lower-case tokens separated by commas: every field name of a block at once.
 _TOKENS = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+(?:,[!#$%&'*+.^_`|~0-9a-z-]+)*")
 #: A control character other than HTAB, in any value of a block at once (joined by HTAB).
+#: A method (RFC 9110 §9.1): a token, in any case. It becomes the next hop's request line.
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _WS = (b" ", b"\t")
 _PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
@@ -50,6 +53,7 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
     fields: list[Header] = []
     cookies: list[bytes] = []
     host: bytes | None = None
+    length: bytes | None = None
     for name, value in headers:
         if value[:1] in _WS or value[-1:] in _WS:
             raise MalformedRequest(f"whitespace around the value of {name!r}")
@@ -72,6 +76,11 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
                 if host is not None:
                     raise MalformedRequest("more than one Host field")
                 host = value
+            elif name == b"content-length":
+                # differing lengths cannot both frame the body (RFC 9110 §8.6)
+                if length is not None and value != length:
+                    raise MalformedRequest("Content-Length fields differ")
+                length = value
             fields.append((name, value))
     if fields and not _TOKENS.fullmatch(b",".join([n for n, _ in fields])):
         raise MalformedRequest("a field name is not a lower-case token")
@@ -91,6 +100,8 @@ def _check_pseudo(pseudo: dict[bytes, bytes], host: bytes | None) -> None:
     method = pseudo.get(b":method")
     if method is None:
         raise MalformedRequest("no :method")
+    if not _METHOD.fullmatch(method):
+        raise MalformedRequest(":method is not a token")
     connect = method == b"CONNECT"
     if connect and b":protocol" not in pseudo:
         if b":scheme" in pseudo or b":path" in pseudo:

@@ -30,10 +30,10 @@ What is enforced, and how it fails:
   `send_data` may send;
 - streams: at most `max_concurrent_streams` open, more are refused (REFUSED_STREAM);
   `Content-Length` against the DATA received (PROTOCOL_ERROR on the stream); trailers
-  must end the stream; frames on a closed stream are ignored (the client may have sent
-  them before it saw our reset), their flow-controlled bytes given back at once, and
-  each still reported (DATA with nothing owed, HEADERS as an unknown frame) so the
-  caller's flood meters see them.
+  must end the stream and carry no pseudo-header; frames on a closed stream are ignored
+  (the client may have sent them before it saw our reset), their flow-controlled bytes
+  given back at once, and each still reported (DATA with nothing owed, HEADERS as an
+  unknown frame) so the caller's flood meters see them; so is a refused stream.
 
 A connection error queues GOAWAY and raises `ConnectionError_` (no frame is read after
 it). A stream error queues RST_STREAM and reports `StreamReset(remote=False)`.
@@ -464,7 +464,8 @@ class H2Server:
             if not stream.remote_open:
                 self._stream_error(sid, ErrorCode.STREAM_CLOSED, events)
                 return
-            if not ended:
+            if not ended or any(name[:1] == b":" for name, _ in headers):
+                # trailers must end the stream and carry no pseudo-header (§8.1)
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
                 return
             if stream.content_length is not None and stream.content_length != stream.received:
@@ -481,6 +482,8 @@ class H2Server:
         self.highest_inbound_stream_id = sid
         if len(self.streams) >= self.max_concurrent_streams:
             self._write(_frame(RST_STREAM, 0, sid, _U32.pack(ErrorCode.REFUSED_STREAM)))
+            # reported, so the caller's flood meters see refusals a client keeps provoking
+            events.append(StreamReset(sid, ErrorCode.REFUSED_STREAM, False))
             return
         stream = Stream(sid, self._send_initial, self._recv_initial)
         stream.content_length = content_length
