@@ -245,6 +245,8 @@ class H2Connection:
                 return  # GOAWAY is queued
             for event in events:
                 self._dispatch(event)
+                if self._flooded is not None:
+                    break  # the verdict is in: the rest of this read starts nothing
             self.kick()
             if self._flooded is not None:
                 return
