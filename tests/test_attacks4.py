@@ -1,0 +1,342 @@
+"""Attacks on three recent changes, through real `pact-ingress serve` processes on loopback:
+
+- the quick ClientHello check (`proto/hello_fast.quick_sni`) must never route a hello
+  differently from the full parser (`proto/clienthello.parse_client_hello`): crafted
+  hellos (duplicate SNI, several names, trailing bytes, record/handshake length
+  mismatches, trailing dot, upper case, punycode, NUL, …) go through a serve with two
+  passthrough routes whose backends say who they are, and the backend reached (or none)
+  must be the parser's verdict; the same inputs, and random mutations of them, are
+  checked in-process too;
+- the relay on `serve --workers 2`: one msg_id raced through both workers at once is
+  stored once and both callers get the same kind of answer; a recipient cannot ack or
+  fetch another recipient's items; fetch limits of every odd kind never break the
+  server nor move the queue.
+
+Every wait is bounded; nothing asserts timing.
+"""
+
+from __future__ import annotations
+
+import random
+import json
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
+from pact_ingress.proto.hello_fast import quick_sni
+from tests.test_edge import Backend
+from tests.test_serve import WAIT, Served, free_port
+
+# --- ClientHello builder -------------------------------------------------------------------
+
+
+def ext(kind: int, data: bytes) -> bytes:
+    return struct.pack(">HH", kind, len(data)) + data
+
+
+def sni_ext(*names: bytes, types: tuple[int, ...] | None = None) -> bytes:
+    types = types or (0,) * len(names)
+    entries = b"".join(bytes([t]) + struct.pack(">H", len(n)) + n for t, n in zip(types, names))
+    return ext(0, struct.pack(">H", len(entries)) + entries)
+
+
+ALPN = ext(16, b"\x00\x0c\x02h2\x08http/1.1")
+VERSIONS = ext(43, b"\x04\x03\x04\x03\x03")
+
+
+def hello(exts: list[bytes], *, body_tail: bytes = b"", hs_delta: int = 0,
+          rec_delta: int = 0, after: bytes = b"", session: bytes = b"\x11" * 32) -> bytes:
+    """One handshake record holding a ClientHello with `exts`; deltas skew the lengths."""
+    block = b"".join(exts)
+    body = (b"\x03\x03" + b"\x22" * 32 + bytes([len(session)]) + session
+            + b"\x00\x04\x13\x01\x13\x02" + b"\x01\x00"
+            + struct.pack(">H", len(block)) + block + body_tail)
+    msg = b"\x01" + (len(body) + hs_delta).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack(">H", len(msg) + rec_delta) + msg + after
+
+
+A_SNI, B_SNI = "a.attack.test", "b.attack.test"
+
+
+def crafted() -> dict[str, bytes]:
+    """Named hellos an attacker might use to make the two checks disagree."""
+    a, b = A_SNI.encode(), B_SNI.encode()
+    out = {
+        "plain_a": hello([sni_ext(a), ALPN, VERSIONS]),
+        "plain_b": hello([sni_ext(b)]),
+        "upper": hello([sni_ext(a.upper())]),
+        "trailing_dot": hello([sni_ext(b + b".")]),
+        "two_dots": hello([sni_ext(a + b"..")]),
+        "two_names_a_b": hello([sni_ext(a, b)]),
+        "other_type_then_b": hello([sni_ext(a, b, types=(1, 0))]),
+        "b_then_other_type": hello([sni_ext(b, a, types=(0, 7))]),
+        "duplicate_sni_ext": hello([sni_ext(a), sni_ext(b)]),
+        "duplicate_alpn": hello([sni_ext(a), ALPN, ALPN]),
+        "nul_in_name": hello([sni_ext(a + b"\x00" + b)]),
+        "nul_suffix": hello([sni_ext(a + b"\x00")]),
+        "idn_punycode": hello([sni_ext(b"xn--bcher-kva.attack.test")]),
+        "idn_raw_utf8": hello([sni_ext("bücher.attack.test".encode())]),
+        "space": hello([sni_ext(b" " + a)]),
+        "tab_suffix": hello([sni_ext(a + b"\t")]),
+        "empty_name": hello([sni_ext(b"")]),
+        "empty_list": hello([ext(0, b"\x00\x00")]),
+        "sni_list_short": hello([ext(0, b"\x00\x05" + b"\x00\x00\x0d" + a)]),
+        "sni_list_long": hello([ext(0, struct.pack(">H", len(a) + 4) + b"\x00\x00\x0d" + a
+                                    + b"\x00")]),
+        "trailing_after_ext_block": hello([sni_ext(a)], body_tail=b"\x00\x00"),
+        "bytes_after_hello_in_record": hello([sni_ext(a)], rec_delta=7, after=b"\x00" * 7),
+        "record_shorter_than_handshake": hello([sni_ext(a)], rec_delta=-3),
+        "handshake_longer": hello([sni_ext(a)], hs_delta=2, rec_delta=2, after=b"\x00\x00"),
+        "handshake_shorter": hello([sni_ext(b)], hs_delta=-2),
+        "second_record_after": hello([sni_ext(a)], after=b"\x17\x03\x03\x00\x01X"),
+        "bad_alpn_empty_name": hello([sni_ext(a), ext(16, b"\x00\x03\x02h2\x00")]),
+        "bad_versions_odd": hello([sni_ext(b), ext(43, b"\x03\x03\x04\x03")]),
+        "long_session_id": hello([sni_ext(a)], session=b"\x00" * 33),
+        "label_64": hello([sni_ext(b"x" * 64 + b".attack.test")]),
+        "name_254": hello([sni_ext((b"x" * 62 + b".") * 4 + b"ab")]),
+        "underscore": hello([sni_ext(b"a_b.attack.test")]),
+        "ip_literal": hello([sni_ext(b"127.0.0.1")]),
+    }
+    # the same hello split across two records: the quick check must defer to the parser
+    whole = out["plain_b"]
+    msg = whole[5:]
+    out["two_records_b"] = (b"\x16\x03\x01" + struct.pack(">H", 10) + msg[:10]
+                            + b"\x16\x03\x01" + struct.pack(">H", len(msg) - 10) + msg[10:])
+    return out
+
+
+def verdict(data: bytes) -> str:
+    """The full parser's routing verdict: the SNI, or why there is none."""
+    try:
+        parsed = parse_client_hello(data)
+    except ClientHelloError as e:
+        return f"error:{e.reason}"
+    if parsed is None:
+        return "incomplete"
+    return f"sni:{parsed.sni}"
+
+
+def test_quick_sni_agrees_with_the_parser_on_crafted_and_mutated_hellos() -> None:
+    cases = crafted()
+    rng = random.Random(4)
+    inputs = list(cases.values())
+    for base in list(inputs):
+        for _ in range(300):
+            buf = bytearray(base)
+            for _ in range(rng.randint(1, 3)):
+                op = rng.randrange(4)
+                i = rng.randrange(len(buf))
+                if op == 0:
+                    buf[i] = rng.randrange(256)
+                elif op == 1:
+                    del buf[i]
+                elif op == 2:
+                    buf.insert(i, rng.randrange(256))
+                else:
+                    buf[i] ^= 0x20  # case flips inside names
+            inputs.append(bytes(buf))
+    for data in inputs:
+        fast = quick_sni(data)
+        if fast is not None:
+            assert verdict(data) == f"sni:{fast}", data.hex()
+        fast = quick_sni(bytearray(data))
+        if fast is not None:
+            assert verdict(data) == f"sni:{fast}", data.hex()
+
+
+# --- the same, through a real serve ----------------------------------------------------------
+
+
+def tagger(tag: bytes):  # type: ignore[no-untyped-def]
+    def handle(conn: socket.socket) -> None:
+        conn.settimeout(WAIT)
+        conn.sendall(tag)  # the edge connects only once it has chosen this route
+        while conn.recv(1 << 16):  # read to EOF: closing with unread bytes would reset
+            pass
+    return handle
+
+
+@pytest.fixture(scope="module")
+def two_routes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    tmp = tmp_path_factory.mktemp("attacks4_pt")
+    tls, admin = free_port(), free_port()
+    backends = [Backend(tagger(b"A")), Backend(tagger(b"B"))]
+    text = f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{tls}"]
+  admin: "127.0.0.1:{admin}"
+limits:
+  clienthello_timeout: 3s
+tenants:
+  - name: edge
+    pins: ["sha256:{'A' * 43}"]
+    routes:
+      - {{host: {A_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[0].port}"}}
+      - {{host: {B_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[1].port}"}}
+      - {{host: "xn--bcher-kva.attack.test", mode: passthrough,
+          backend: "127.0.0.1:{backends[1].port}"}}
+"""
+    s = Served(tmp, text)
+    try:
+        s.wait_notify("READY=1")
+        yield tls
+    finally:
+        s.stop()
+        for b in backends:
+            b.close()
+
+
+def routed_to(port: int, data: bytes) -> str:
+    """Which backend answered this connection ("A", "B"), or "none" (alert / close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # nothing more comes: an incomplete hello ends here
+        got = b""
+        while True:
+            try:
+                chunk = s.recv(64)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            got += chunk
+    if got[:1] in (b"A", b"B"):
+        return got[:1].decode()
+    return "none"
+
+
+def expected_backend(data: bytes) -> str:
+    v = verdict(data)
+    return {f"sni:{A_SNI}": "A", f"sni:{B_SNI}": "B",
+            "sni:xn--bcher-kva.attack.test": "B"}.get(v, "none")
+
+
+def test_serve_routes_every_crafted_hello_as_the_parser_does(two_routes: int) -> None:
+    cases = crafted()
+    seen = {}
+    for name, data in cases.items():
+        seen[name] = (routed_to(two_routes, data), expected_backend(data), verdict(data))
+    wrong = {k: v for k, v in seen.items() if v[0] != v[1]}
+    assert not wrong, wrong
+    # the attack set is not vacuous: both routes and refusals are exercised
+    assert {v[0] for v in seen.values()} == {"A", "B", "none"}
+
+
+# --- the relay on two workers ----------------------------------------------------------------
+
+from pact_ingress.identity import b64url_decode, keygen  # noqa: E402
+from pact_ingress.proto.relay import MAX_ENVELOPE_BYTES  # noqa: E402
+from tests.relay_env import (  # noqa: E402
+    RelayCaller,
+    RelayServe,
+    code_of,
+    envelope,
+    relay_identities,
+)
+from tests.test_relay_workers import HIGH_LIMITS, by_worker, drain_queue, queued  # noqa: E402
+
+
+def answer_kind(result: dict[str, Any], msg_id: str) -> str:
+    return "queued" if queued(result, msg_id) else str(code_of(result))
+
+
+def test_relay_races_and_foreign_queues_on_two_workers(tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    second = keygen(tmp_path / "second.key", common_name="second")  # another relay node
+    stranger = keygen(tmp_path / "stranger.key", common_name="stranger")
+    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=2,
+                       extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        owner_b = RelayCaller(serve.port, second, source=groups[1][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        assert owner_b.allowlist_set([ids.sender.fingerprint]).status == 200
+
+        # 1. one msg_id raced through both workers at once, from several addresses each
+        racers = [RelayCaller(serve.port, ids.sender, source=ip)
+                  for ip in groups[0][:2] + groups[1][:2]]
+        rounds = 25
+        kinds: dict[str, list[str]] = {}
+        sent: dict[str, dict[str, str]] = {}
+        lock = threading.Lock()
+        for r in range(rounds):
+            msg_id = f"race-{r}"
+            env = sent[msg_id] = envelope(ids.sender, ids.recipient, msg_id=msg_id)
+            gate = threading.Barrier(len(racers))
+
+            def go(caller: RelayCaller, msg_id: str = msg_id,
+                   env: dict[str, str] = env, gate: threading.Barrier = gate) -> None:
+                gate.wait(timeout=WAIT)
+                result, _ = caller.tool("relay_call", env)
+                with lock:
+                    kinds.setdefault(msg_id, []).append(answer_kind(result, msg_id))
+
+            threads = [threading.Thread(target=go, args=(c,)) for c in racers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=WAIT)
+        odd = {m: k for m, k in kinds.items() if k != ["queued"] * len(racers)}
+        assert not odd, odd  # every racer got the same answer: queued (the duplicate's)
+        status = serve.status()["relay"]
+        assert sum(q["items"] for q in status["queues"]) == rounds  # stored once each
+
+        # 2. the second node sees none of them, and cannot ack them away
+        page = owner_b.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        assert page["items"] == []
+        mine = owner.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        foreign_ids = [item["id"] for item in mine["items"]]
+        assert len(foreign_ids) == rounds
+        result = owner_b.tool("ack", {"ids": foreign_ids})[0]
+        assert "structuredContent" in result or code_of(result), result
+        assert sum(q["items"] for q in serve.status()["relay"]["queues"]) == rounds
+
+        # 3. odd fetch limits: an error or a bounded page, never a 5xx, the queue unmoved
+        for limit in (-1, 0, -(2 ** 63), 2 ** 64, 10 ** 30, 1.5, "5", None, True, [], {},
+                      float("nan") if False else 1e308):
+            result, resp = owner.tool("fetch_queued", {"limit": limit})
+            assert resp.status < 500, (limit, resp.status)
+            if not code_of(result):
+                items = result["structuredContent"]["items"]
+                assert len(items) <= rounds
+        assert sum(q["items"] for q in serve.status()["relay"]["queues"]) == rounds
+        got = {json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"]: i["envelope"]
+               for i in owner.tool("fetch_queued", {"limit": 1000})[0]
+               ["structuredContent"]["items"]}
+        assert got == sent
+
+        # 4. an unknown recipient and an unlisted sender: the same refusal, on both workers
+        for ip in (groups[0][0], groups[1][0]):
+            caller = RelayCaller(serve.port, ids.sender, source=ip)
+            unknown = caller.tool("relay_call", envelope(ids.sender, stranger,
+                                                          msg_id=f"u-{ip}"))[0]
+            unlisted = RelayCaller(serve.port, ids.other, source=ip).tool(
+                "relay_call", envelope(ids.other, ids.recipient, msg_id=f"n-{ip}"))[0]
+            assert code_of(unknown) == code_of(unlisted) == "permission_denied"
+            assert unknown == unlisted or (
+                json.dumps(unknown).replace(f"u-{ip}", "X")
+                == json.dumps(unlisted).replace(f"n-{ip}", "X")), (unknown, unlisted)
+
+            # 5. an oversized envelope is refused through either worker, never queued
+            big = envelope(ids.sender, ids.recipient, msg_id=f"big-{ip}",
+                           text="x" * (MAX_ENVELOPE_BYTES + 4096))
+            try:
+                result, resp = caller.tool("relay_call", big)
+            except (OSError, ValueError):
+                pass  # the connection refused outright is a refusal too
+            else:
+                assert not queued(result, f"big-{ip}"), (resp.status, result)
+                assert code_of(result) == "too_large" or resp.status == 413, result
+            caller.close()
+        assert set(drain_queue(owner)) == set(sent)
+        assert drain_queue(owner_b) == {}
+    finally:
+        serve.stop()
