@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import random
 import json
+import os
+import signal
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,12 +237,15 @@ def test_serve_routes_every_crafted_hello_as_the_parser_does(two_routes: int) ->
 from pact_ingress.identity import b64url_decode, keygen  # noqa: E402
 from pact_ingress.proto.relay import MAX_ENVELOPE_BYTES  # noqa: E402
 from tests.relay_env import (  # noqa: E402
+    RELAY_HOST,
     RelayCaller,
     RelayServe,
     code_of,
     envelope,
     relay_identities,
+    tool_body,
 )
+from tests.terminate_env import read_response, request_bytes  # noqa: E402
 from tests.test_relay_workers import HIGH_LIMITS, by_worker, drain_queue, queued  # noqa: E402
 
 
@@ -338,5 +344,82 @@ def test_relay_races_and_foreign_queues_on_two_workers(tmp_path: Path) -> None:
             caller.close()
         assert set(drain_queue(owner)) == set(sent)
         assert drain_queue(owner_b) == {}
+    finally:
+        serve.stop()
+
+
+def test_a_stopped_worker_never_queues_for_a_sender_removed_meanwhile(tmp_path: Path) -> None:
+    """SIGSTOP a worker for longer than main waits for it to take an allow-list change:
+    the change is answered anyway (the documented bound), and a call from the removed
+    sender that the stopped worker reads afterwards must not be answered `queued`."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        pids = {w["index"]: w["pid"] for w in serve.status()["workers"]}
+        outcomes = []
+        for trial in range(3):
+            assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+            sender = RelayCaller(serve.port, ids.sender, source=groups[1][0])
+            warm = f"warm-{trial}"
+            assert queued(sender.tool("relay_call", envelope(
+                ids.sender, ids.recipient, msg_id=warm))[0], warm)
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                assert owner.allowlist_set([ids.other.fingerprint]).status == 200
+                msg_id = f"after-{trial}"
+                assert sender.sock is not None
+                sender.sock.sendall(request_bytes("POST", "/relay/mcp", RELAY_HOST, body=(
+                    tool_body("relay_call", envelope(ids.sender, ids.recipient,
+                                                     msg_id=msg_id)))))
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            result = json.loads(read_response(sender.sock).body)["result"]
+            outcomes.append(answer_kind(result, msg_id))
+            sender.close()
+        assert set(outcomes) <= {"permission_denied", "unavailable"}, outcomes
+        found = drain_queue(owner)
+        assert set(found) == {f"warm-{t}" for t in range(3)}, sorted(found)
+    finally:
+        serve.stop()
+
+
+def test_a_worker_never_answers_queued_once_main_is_gone(tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        callers = [RelayCaller(serve.port, ids.sender, source=groups[w][0]) for w in (0, 1)]
+        for w, caller in enumerate(callers):
+            assert queued(caller.tool("relay_call", envelope(
+                ids.sender, ids.recipient, msg_id=f"pre-{w}"))[0], f"pre-{w}")
+        workers = [w["pid"] for w in serve.status()["workers"]]
+        serve.kill9()  # main only: its workers may outlive it for a moment
+        answers = []
+        for w, caller in enumerate(callers):
+            for i in range(3):
+                msg_id = f"post-{w}-{i}"
+                try:
+                    result, _ = caller.tool("relay_call", envelope(
+                        ids.sender, ids.recipient, msg_id=msg_id))
+                except (OSError, ValueError):
+                    answers.append("connection_lost")
+                    continue
+                answers.append(answer_kind(result, msg_id))
+        assert "queued" not in answers, answers
+        for pid in workers:  # the orphans end by themselves
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(") ")[-1].startswith("Z"):
+                        break
+                time.sleep(0.1)
+            else:
+                if os.path.exists(f"/proc/{pid}"):
+                    os.kill(pid, signal.SIGKILL)
+                    raise AssertionError(f"worker {pid} outlived main by {WAIT} s")
     finally:
         serve.stop()
