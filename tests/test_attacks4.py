@@ -245,7 +245,7 @@ from tests.relay_env import (  # noqa: E402
     relay_identities,
     tool_body,
 )
-from tests.terminate_env import read_response, request_bytes  # noqa: E402
+from tests.terminate_env import RawResponse, read_response, request_bytes  # noqa: E402
 from tests.test_relay_workers import HIGH_LIMITS, by_worker, drain_queue, queued  # noqa: E402
 
 
@@ -423,3 +423,177 @@ def test_a_worker_never_answers_queued_once_main_is_gone(tmp_path: Path) -> None
                     raise AssertionError(f"worker {pid} outlived main by {WAIT} s")
     finally:
         serve.stop()
+
+
+# --- terminate: pooled node connections the node closes or talks on ----------------------
+
+import h11  # noqa: E402
+
+from tests.terminate_env import (  # noqa: E402
+    OPT_HOST,
+    NodeRequest,
+    RecordingNode,
+    Serve,
+    make_identities,
+    tls_socket,
+)
+
+UNSOLICITED_408 = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class FlakyNode(RecordingNode):
+    """Answers each request with its own target (so a desync shows), then, by `mode`:
+    "close_after_answer" closes right after every answer (no `Connection: close`);
+    "read_then_close" reads a connection's second request whole and closes unanswered;
+    "unsolicited_408" writes a 408 on the idle connection shortly after each answer;
+    "half_close" answers, then shuts its write side and keeps reading."""
+
+    def __init__(self, identity: Any, *, client_ca: Any, mode: str) -> None:
+        self.mode = mode
+        self._local = threading.local()  # a thread per connection: its request count
+        super().__init__(identity, client_ca=client_ca)
+
+    def _one_exchange(self, tls: Any, conn: h11.Connection, peer: str | None) -> bool:
+        event = self._next_event(tls, conn)
+        if not isinstance(event, h11.Request):
+            return False
+        rec = NodeRequest(event.method.decode(), event.target.decode("latin-1"),
+                          [(k.decode().lower(), v.decode("latin-1"))
+                           for k, v in event.headers], peer)
+        body = bytearray()
+        while True:
+            ev = self._next_event(tls, conn)
+            if isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            else:
+                return False
+        rec.body, rec.complete = bytes(body), True
+        with self._lock:
+            self._requests.append(rec)
+        n = self._local.count = getattr(self._local, "count", 0) + 1
+        if self.mode == "read_then_close" and n > 1:
+            return False  # processed (recorded), never answered
+        payload = json.dumps({"target": rec.target, "body": rec.body.decode()}).encode()
+        self._send(tls, conn, h11.Response(status_code=200, headers=[
+            ("content-type", "application/json"), ("content-length", str(len(payload)))]))
+        self._send(tls, conn, h11.Data(data=payload))
+        self._send(tls, conn, h11.EndOfMessage())
+        if self.mode == "close_after_answer":
+            return False
+        if self.mode == "unsolicited_408":
+            time.sleep(0.05)
+            tls.sendall(UNSOLICITED_408)
+            return False
+        if self.mode == "half_close":
+            tls.shutdown(socket.SHUT_WR)
+            while tls.recv(65536):
+                pass
+            return False
+        return True
+
+
+def client_exchange(port: int, method: str, target: str, body: bytes = b"") -> RawResponse:
+    sock = tls_socket(port, OPT_HOST)
+    try:
+        # a form body, not JSON: outside the MCP endpoint only JSON is refused
+        sock.sendall(request_bytes(method, target, OPT_HOST, body=body,
+                                   content_type="application/x-www-form-urlencoded"))
+        return read_response(sock)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("mode", ["close_after_answer", "read_then_close", "unsolicited_408",
+                                  "half_close"])
+def test_pooled_node_connections_never_duplicate_posts_nor_desync(
+        tmp_path: Path, mode: str) -> None:
+    ids = make_identities(tmp_path)
+    node = FlakyNode(ids.node, client_ca=ids.ingress, mode=mode)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1)
+    try:
+        answers: list[tuple[str, int, bytes]] = []
+        lock = threading.Lock()
+
+        def client(c: int) -> None:
+            for i in range(8):
+                for method in ("GET", "POST"):
+                    tag = f"/x?c={c}&i={i}&m={method}"
+                    body = tag.encode() if method == "POST" else b""
+                    try:
+                        resp = client_exchange(serve.port, method, tag, body)
+                    except (OSError, ValueError):
+                        continue
+                    with lock:
+                        answers.append((tag, resp.status, resp.body))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert answers
+        # no answer is another request's: a 200 carries the caller's own target
+        for tag, status, body in answers:
+            if status == 200:
+                assert json.loads(body)["target"] == tag, (tag, body[:200])
+        # a POST reaches the node at most once
+        seen: dict[str, int] = {}
+        for rec in node.requests():
+            if rec.method == "POST":
+                seen[rec.target] = seen.get(rec.target, 0) + 1
+        twice = {k: v for k, v in seen.items() if v > 1}
+        assert not twice, (mode, twice)
+        # a GET (replayable) always gets its own answer: a node's idle close or idle 408 is
+        # retried once on a fresh connection; a POST may fail (502, or a 408 that raced
+        # its send) but is never sent twice
+        gets = {s for t, s, _ in answers if t.endswith("m=GET")}
+        assert gets == {200}, (mode, gets)
+        posts = {s for t, s, _ in answers if t.endswith("m=POST")}
+        assert posts <= {200, 408, 502}, (mode, posts)
+        assert len(answers) == 4 * 8 * 2  # every client exchange was answered
+    finally:
+        serve.stop()
+        node.stop()
+
+
+class IdleTimeoutNode(FlakyNode):
+    """Answers, then writes an unsolicited 408 on the idle connection and closes it
+    (what servers with a short keep-alive timeout do); `said_408` is set after it."""
+
+    def __init__(self, identity: Any, *, client_ca: Any) -> None:
+        self.said_408 = threading.Event()
+        super().__init__(identity, client_ca=client_ca, mode="plain")
+
+    def _one_exchange(self, tls: Any, conn: h11.Connection, peer: str | None) -> bool:
+        if not super()._one_exchange(tls, conn, peer):
+            return False
+        tls.sendall(UNSOLICITED_408)
+        self.said_408.set()
+        return False
+
+
+def test_a_408_the_node_wrote_on_an_idle_pooled_connection_answers_no_request(
+        tmp_path: Path) -> None:
+    ids = make_identities(tmp_path)
+    node = IdleTimeoutNode(ids.node, client_ca=ids.ingress)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1)
+    try:
+        sock = tls_socket(serve.port, OPT_HOST)
+        for i in range(6):
+            node.said_408.clear()
+            sock.sendall(request_bytes("GET", f"/x?i={i}", OPT_HOST))
+            resp = read_response(sock)
+            # the first GET goes out on a fresh connection; each later one is sent while
+            # the previous connection, still pooled, holds the node's 408
+            assert resp.status == 200, (i, resp.status, resp.body[:100])
+            assert json.loads(resp.body)["target"] == f"/x?i={i}"
+            assert node.said_408.wait(WAIT)
+            time.sleep(0.05)  # the 408 crosses loopback into the edge's socket buffer
+        sock.close()
+        gets = [r.target for r in node.requests() if r.method == "GET"]
+        assert gets == [f"/x?i={i}" for i in range(6)]  # each once, in order
+    finally:
+        serve.stop()
+        node.stop()
