@@ -18,6 +18,7 @@ Every wait is bounded; nothing asserts timing.
 from __future__ import annotations
 
 import random
+import hashlib
 import json
 import os
 import signal
@@ -33,8 +34,8 @@ import pytest
 
 from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.proto.hello_fast import quick_sni
-from tests.test_edge import Backend
-from tests.test_serve import WAIT, Served, free_port
+from tests.test_edge import Backend, echo
+from tests.test_serve import WAIT, Served, free_port, recv_exact
 
 # --- ClientHello builder -------------------------------------------------------------------
 
@@ -64,7 +65,7 @@ def hello(exts: list[bytes], *, body_tail: bytes = b"", hs_delta: int = 0,
     return b"\x16\x03\x01" + struct.pack(">H", len(msg) + rec_delta) + msg + after
 
 
-A_SNI, B_SNI = "a.attack.test", "b.attack.test"
+A_SNI, B_SNI, ECHO_SNI = "a.attack.test", "b.attack.test", "c.attack.test"
 
 
 def crafted() -> dict[str, bytes]:
@@ -169,7 +170,7 @@ def tagger(tag: bytes):  # type: ignore[no-untyped-def]
 def two_routes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     tmp = tmp_path_factory.mktemp("attacks4_pt")
     tls, admin = free_port(), free_port()
-    backends = [Backend(tagger(b"A")), Backend(tagger(b"B"))]
+    backends = [Backend(tagger(b"A")), Backend(tagger(b"B")), Backend(echo)]
     text = f"""\
 state_dir: state
 listen:
@@ -183,6 +184,7 @@ tenants:
     routes:
       - {{host: {A_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[0].port}"}}
       - {{host: {B_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[1].port}"}}
+      - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[2].port}"}}
       - {{host: "xn--bcher-kva.attack.test", mode: passthrough,
           backend: "127.0.0.1:{backends[1].port}"}}
 """
@@ -597,3 +599,66 @@ def test_a_408_the_node_wrote_on_an_idle_pooled_connection_answers_no_request(
     finally:
         serve.stop()
         node.stop()
+
+
+def echo_conn(port: int, *, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(WAIT)
+    s.connect(("127.0.0.1", port))
+    first = hello([sni_ext(ECHO_SNI.encode())])
+    s.sendall(first)
+    assert recv_exact(s, len(first)) == first
+    return s
+
+
+def test_short_relay_keeps_every_byte_in_order_at_the_probe_boundaries(two_routes: int) -> None:
+    rng = random.Random(16)
+    sizes = [1, 16383, 16384, 16385, 32767, 32768, 32769, 65536, 3 * 16384 + 1]
+    with echo_conn(two_routes) as s:  # ping-pong, every size around the copy probe
+        for size in sizes * 2:
+            msg = rng.randbytes(size)
+            s.sendall(msg)
+            assert hashlib.sha256(recv_exact(s, size)).digest() == hashlib.sha256(msg).digest()
+    for size in sizes:  # the message, then at once the half-close: both arrive
+        with echo_conn(two_routes) as s:
+            msg = rng.randbytes(size)
+            s.sendall(msg)
+            s.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            while chunk := s.recv(1 << 16):
+                got += chunk
+            assert bytes(got) == msg, (size, len(got))
+    # a slow reader with a small window while 4 MiB of mixed-size writes go through
+    with echo_conn(two_routes, rcvbuf=4096) as s:
+        parts = [rng.randbytes(rng.choice(sizes)) for _ in range(60)]
+        want = hashlib.sha256(b"".join(parts)).hexdigest()
+        total = sum(map(len, parts))
+
+        def writer() -> None:
+            for part in parts:
+                s.sendall(part)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        got_hash, got = hashlib.sha256(), 0
+        while got < total:
+            chunk = s.recv(min(4096, total - got))
+            assert chunk, f"EOF after {got} of {total} bytes"
+            got_hash.update(chunk)
+            got += len(chunk)
+            if got % 64 == 0:
+                time.sleep(0.001)
+        t.join(timeout=WAIT)
+        assert got_hash.hexdigest() == want
+    # a client reset in the middle of a message leaves the edge serving the next one
+    for _ in range(20):
+        s = echo_conn(two_routes)
+        s.sendall(rng.randbytes(rng.choice(sizes)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    with echo_conn(two_routes) as s:
+        msg = rng.randbytes(16384)
+        s.sendall(msg)
+        assert recv_exact(s, len(msg)) == msg
