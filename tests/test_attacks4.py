@@ -662,3 +662,62 @@ def test_short_relay_keeps_every_byte_in_order_at_the_probe_boundaries(two_route
         msg = rng.randbytes(16384)
         s.sendall(msg)
         assert recv_exact(s, len(msg)) == msg
+
+
+def test_allowlist_toggles_race_relay_calls_through_the_other_worker(tmp_path: Path) -> None:
+    """The owner toggles its list through worker 0 while senders call through worker 1:
+    a call sent and answered wholly inside one settled state (the change answered before
+    the send, the next change begun after the answer) is judged by that state."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.other.fingerprint]).status == 200
+        lock = threading.Lock()
+        state = {"epoch": 0, "allowed": False, "settled": True}
+        stop = threading.Event()
+        verdicts: list[tuple[bool, str]] = []
+
+        def toggler() -> None:
+            for n in range(30):
+                allowed = n % 2 == 0
+                with lock:
+                    state["settled"] = False
+                    state["epoch"] += 1
+                senders = [ids.sender.fingerprint] if allowed else [ids.other.fingerprint]
+                assert owner.allowlist_set(senders).status == 200
+                with lock:
+                    state["allowed"], state["settled"] = allowed, True
+                    state["epoch"] += 1
+                time.sleep(0.02)
+            stop.set()
+
+        def sender(k: int, ip: str) -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=ip)
+            for i in range(10_000):
+                if stop.is_set():
+                    return
+                with lock:
+                    before = dict(state)
+                msg_id = f"t{k}-{i}"
+                result, _ = caller.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                               msg_id=msg_id))
+                with lock:
+                    after = dict(state)
+                if before["settled"] and before == after:
+                    with lock:
+                        verdicts.append((bool(before["allowed"]), answer_kind(result, msg_id)))
+
+        threads = [threading.Thread(target=toggler)] + [
+            threading.Thread(target=sender, args=(k, ip)) for k, ip in enumerate(groups[1][:3])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert verdicts
+        wrong = [v for v in verdicts if v != (True, "queued") and v != (False, "permission_denied")]
+        assert not wrong, wrong[:5]
+        assert {v[0] for v in verdicts} == {True, False}  # both states were exercised
+    finally:
+        serve.stop()
