@@ -721,3 +721,33 @@ def test_allowlist_toggles_race_relay_calls_through_the_other_worker(tmp_path: P
         assert {v[0] for v in verdicts} == {True, False}  # both states were exercised
     finally:
         serve.stop()
+
+
+def test_odd_ack_ids_and_allowlist_bodies_through_a_worker_break_nothing(
+        tmp_path: Path) -> None:
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[1][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender, source=groups[1][1])
+        assert queued(sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                          msg_id="keep"))[0], "keep")
+        workers = [(w["pid"], w["restarts"]) for w in serve.status()["workers"]]
+        for bad in (["abc"], [2 ** 70], [-(2 ** 70)], [1.5], [None], "x", [True], [1e308],
+                    ["1"], list(range(5000)), {"a": 1}, [[1]], [0], [-1]):
+            result, resp = owner.tool("ack", {"ids": bad})
+            assert resp.status == 200, (bad, resp.status)
+            assert code_of(result) or result["structuredContent"]["acked"] == 0, (bad, result)
+        for body in ({"senders": [1]}, {"senders": "x"}, {"senders": None}, [],
+                     {"senders": ["x" * 100_000]}, {"senders": ["\ud800"]},
+                     {"senders": ["sha256:" + "A" * 43] * 20_000}):
+            resp = owner.request("POST", "/relay/allowlist", json.dumps(body).encode())
+            assert resp.status in (400, 413), (str(body)[:60], resp.status)
+        assert json.loads(owner.allowlist_get().body)["senders"] == [ids.sender.fingerprint]
+        # neither worker was restarted, and the item is still there, once
+        assert [(w["pid"], w["restarts"]) for w in serve.status()["workers"]] == workers
+        assert set(drain_queue(owner)) == {"keep"}
+    finally:
+        serve.stop()
