@@ -555,6 +555,17 @@ def test_pooled_node_connections_never_duplicate_posts_nor_desync(
         posts = {s for t, s, _ in answers if t.endswith("m=POST")}
         assert posts <= {200, 408, 502}, (mode, posts)
         assert len(answers) == 4 * 8 * 2  # every client exchange was answered
+        # the access log has one line per client exchange, with the status it got
+        want = sorted(s for _, s, _ in answers)
+
+        def logged() -> list[int]:
+            return sorted(e["status"] for e in serve.log_events()
+                          if e.get("event") == "request" and e.get("route") == OPT_HOST)
+
+        deadline = time.monotonic() + WAIT
+        while logged() != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert logged() == want, mode
     finally:
         serve.stop()
         node.stop()
