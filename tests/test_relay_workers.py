@@ -302,6 +302,10 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(remote.run)
+            # main checks the sender against its own lists (a stale worker's copy aside)
+            with pytest.raises(StoreUnavailable):
+                await remote.enqueue(a, b, "m0", b"[0]", 2_000_000_000)
+            await remote.set_allowlist(a, (b,))
             first = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
             again = await remote.enqueue(a, b, "m1", b'{"x":1}', 2_000_000_000)
             assert not first.duplicate and again.duplicate and again.id == first.id

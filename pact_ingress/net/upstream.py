@@ -41,8 +41,8 @@ connection per in-flight request is cheap.
   request's connection closes when that request ends, so a reload never cuts a running
   SSE stream.
 * **Stale connections**: a pooled connection the node closed while idle fails on first
-  use, before any response byte. A request with a replayable (bytes) body is then sent
-  once more on a fresh connection.
+  use, before any response byte, or answers a `408` it wrote while idle. A request with
+  a replayable (bytes) body is then sent once more on a fresh connection.
 * **Connection reuse**: only after a response read to its end with keep-alive. A
   response abandoned before its end (the client left, a 502 mid-body) closes its
   connection; what the node still sends for it can never be read as the next response.
@@ -493,7 +493,15 @@ class Upstream:
             try:
                 parser = await self._send(conn, method, head, body, chunked, idle_timeout,
                                           entry.now)
-                return conn, parser
+                if parser.status != 408 or not (reused and replayable):
+                    return conn, parser
+                # A 408 on a reused connection is the node timing out the idle connection:
+                # it may write that before closing, and within LIVENESS_BEAT nothing read
+                # it before our request went out, so it is no answer to this request (408
+                # says the node took none). Like a silent close: resend once, fresh.
+                with trio.CancelScope(shield=True):
+                    await entry.release(conn, False)
+                fresh = True
             except _StaleConnection as exc:
                 with trio.CancelScope(shield=True):
                     await entry.release(conn, False)

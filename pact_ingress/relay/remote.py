@@ -33,8 +33,11 @@ depths ride along (only main reads them: status and has_mail; a worker's copy is
 informational). An allow-list change is answered to whoever made it only after every
 running worker confirmed the new lists (RELAY_STATE_TAKEN, bounded by `STATE_WAIT`: a
 worker that does not read its channel for that long is stuck anyway), so a call that
-follows the answer, through whichever worker, is judged against them. Main accepts
-operations only for the recipients its own config serves. A shared store (Redis) has a
+follows the answer, through whichever worker, is judged against them. A worker that
+missed that bound (stopped, starved) may judge a call against older lists, so main
+checks an enqueue's sender against its own lists once more and answers ``unavailable``
+for a sender no longer on them. Main accepts operations only for the recipients its own
+config serves. A shared store (Redis) has a
 `refresh` that re-reads what other instances changed: a worker forwards it (one
 round trip per tool call, as the Redis store itself costs), main refreshes and pushes
 any change before answering.
@@ -291,6 +294,12 @@ class StoreService:
                 raise StoreUnavailable("relay store unavailable")
         if op is RelayOp.ENQUEUE:
             recipient = str(doc["recipient"])
+            if str(doc["sender"]) not in store.allowlists().get(recipient, ()):
+                # The worker judged the call against its copy of the lists. A worker that
+                # did not confirm a change within STATE_WAIT (stopped, starved) still
+                # holds the old one while the change was already answered: main's copy
+                # decides. Unavailable, not a refusal: the sender's retry is judged anew.
+                raise StoreUnavailable("the sender is not on the recipient's allow-list")
             done = await store.enqueue(recipient, str(doc["sender"]), str(doc["msg_id"]),
                                        blob, int(doc["expires_at"]))
             if not done.duplicate:
