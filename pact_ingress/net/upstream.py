@@ -33,7 +33,7 @@ connection per in-flight request is cheap.
 * **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
   first out, expire after `KEEPALIVE_EXPIRY`, and are checked for a close by the node
   (readable with no request outstanding) before reuse — unless the request can be
-  resent (a bytes body) and the connection was used within `LIVENESS_BEAT`: then a
+  resent (see below) and the connection was used within `LIVENESS_BEAT`: then a
   close shows up as a stale connection (below) instead. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
@@ -41,8 +41,10 @@ connection per in-flight request is cheap.
   request's connection closes when that request ends, so a reload never cuts a running
   SSE stream.
 * **Stale connections**: a pooled connection the node closed while idle fails on first
-  use, before any response byte, or answers a `408` it wrote while idle. A request with
-  a replayable (bytes) body is then sent once more on a fresh connection.
+  use, before any response byte, or answers a `408` it wrote while idle. A replayable
+  request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
+  body — is then sent once more on a fresh connection; any other (a POST such as every
+  MCP call, a streamed body) is never sent twice: 502.
 * **Connection reuse**: only after a response read to its end with keep-alive. A
   response abandoned before its end (the client left, a 502 mid-body) closes its
   connection; what the node still sends for it can never be read as the next response.
@@ -94,9 +96,11 @@ KEEPALIVE_EXPIRY = 60.0
 #: A pooled connection used this recently is sent a replayable request without first
 #: being checked for a close by the node (a syscall per request): a node that closes an
 #: idle connection does so after seconds, and the rare one that closed it sooner costs
-#: one resend on a fresh connection (the stale retry). A streamed body, which cannot be
-#: resent, always gets the check.
+#: one resend on a fresh connection (the stale retry). A request that may not be resent
+#: (a streamed body, a method that is not idempotent) always gets the check.
 LIVENESS_BEAT = 1.0
+#: Methods whose request may be sent to the node a second time (RFC 9110 §9.2.2).
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 #: Pool keys remembered per route object (a route's key is the same on every request).
 MAX_KNOWN_ROUTES = 4096
 #: TLS sessions a pool keeps for resumption, one per SNI name (a wildcard route sees
@@ -479,7 +483,9 @@ class Upstream:
         """Send the request and read the response head, retrying once when the pooled
         connection it went out on turns out to have been closed by the node."""
         head, chunked = _frame(method, target, headers, body)
-        replayable = isinstance(body, bytes | bytearray)
+        # sent again after a stale connection only when sending it twice is harmless: a
+        # proxy must not retry what the node may have acted on (a POST: every MCP call)
+        replayable = method in IDEMPOTENT and isinstance(body, bytes | bytearray)
         now = entry.now()
         pool_deadline = now + self.header_timeout
         fresh = False
