@@ -17,12 +17,13 @@ Every wait is bounded; nothing asserts timing.
 
 from __future__ import annotations
 
-import random
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -754,7 +755,15 @@ def test_odd_ack_ids_and_allowlist_bodies_through_a_worker_break_nothing(
         for body in ({"senders": [1]}, {"senders": "x"}, {"senders": None}, [],
                      {"senders": ["x" * 100_000]}, {"senders": ["\ud800"]},
                      {"senders": ["sha256:" + "A" * 43] * 20_000}):
-            resp = owner.request("POST", "/relay/allowlist", json.dumps(body).encode())
+            data = json.dumps(body).encode()
+            try:
+                resp = owner.request("POST", "/relay/allowlist", data)
+            except (ssl.SSLError, OSError):
+                # a body far over the cap: the edge answers 413 early and stops reading
+                # after 256 KiB, so a client still writing may see the close instead
+                assert len(data) > 256 * 1024, str(body)[:60]
+                owner.close()
+                continue
             assert resp.status in (400, 413), (str(body)[:60], resp.status)
         assert json.loads(owner.allowlist_get().body)["senders"] == [ids.sender.fingerprint]
         # neither worker was restarted, and the item is still there, once

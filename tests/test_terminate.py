@@ -19,8 +19,8 @@ from typing import Any
 import httpcore
 import pytest
 import trio
-from prometheus_client import generate_latest
 import trio.testing
+from prometheus_client import generate_latest
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
 from pact_ingress.demo.node import DemoNode, serve_demo_node
