@@ -482,3 +482,28 @@ async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_canno
     finally:
         await remote.aclose()
         await store.aclose()
+
+
+async def test_an_ask_main_never_answers_fails_after_the_timeout(autojump_clock: Any) -> None:
+    import pytest
+    import trio
+
+    from pact_ingress.proto.workers import Kind
+    from pact_ingress.relay.remote import ASK_TIMEOUT, RemoteStore
+    from pact_ingress.relay.store import StoreUnavailable
+
+    sent: list[bytes] = []
+
+    async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
+        sent.append(payload)  # main takes it and never answers
+
+    remote = RemoteStore(send, itertools.count(1).__next__)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(remote.run)
+        started = trio.current_time()
+        with pytest.raises(StoreUnavailable):
+            await remote.enqueue("sha256:" + "A" * 43, "b", "m", b"[1]", 2_000_000_000)
+        waited = trio.current_time() - started
+        assert ASK_TIMEOUT <= waited <= ASK_TIMEOUT + 1.5 and len(sent) == 1
+        assert remote._waiting == {}  # nothing left behind
+        nursery.cancel_scope.cancel()

@@ -72,7 +72,8 @@ class RemoteStore:
                  next_id: Callable[[], int]) -> None:
         self._send = send
         self._next_id = next_id
-        self._waiting: dict[int, tuple[trio.Event, list[bytes]]] = {}
+        #: asks in flight: their wakeup, main's answer once there, when to give up
+        self._waiting: dict[int, tuple[trio.Event, list[bytes], float]] = {}
         self._outbox = wp.Outbox()
         self._ready = trio.Event()
         self._allowlists: dict[str, frozenset[str]] = {}
@@ -121,16 +122,30 @@ class RemoteStore:
     # -- the channel ----------------------------------------------------------------
 
     async def run(self) -> None:
-        """The sender: operations gathered since the last message go in one message."""
-        while not self._gone:
-            await self._ready.wait()
-            self._ready = trio.Event()
-            for payload in self._outbox.take():
-                try:
-                    await self._send(Kind.RELAY_ASK, payload, 0)
-                except (OSError, trio.ClosedResourceError):
-                    self.fail_all()
-                    return
+        """The sender (operations gathered since the last message go in one message) and
+        the clock that gives up on asks main left unanswered."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire)
+            while not self._gone:
+                await self._ready.wait()
+                self._ready = trio.Event()
+                for payload in self._outbox.take():
+                    try:
+                        await self._send(Kind.RELAY_ASK, payload, 0)
+                    except (OSError, trio.ClosedResourceError):
+                        self.fail_all()
+                        break
+            nursery.cancel_scope.cancel()
+
+    async def _expire(self) -> None:
+        """Wake every ask older than `ASK_TIMEOUT` (its caller sees no answer): one sweep a
+        second instead of a cancel scope per ask."""
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for event, answer, deadline in list(self._waiting.values()):
+                if deadline <= now and not answer:
+                    event.set()
 
     def answered(self, payload: bytes) -> None:
         """A RELAY_ANSWER: the outcomes of operations, by id."""
@@ -144,7 +159,7 @@ class RemoteStore:
         """The channel to main closed: every waiting call and every later one fails."""
         self._gone = True
         self.last_error = "the main process is unreachable"
-        for event, _ in self._waiting.values():
+        for event, _, _ in self._waiting.values():
             event.set()
 
     def apply_state(self, doc: dict[str, Any]) -> None:
@@ -176,12 +191,11 @@ class RemoteStore:
         req_id = self._next_id()
         event = trio.Event()
         answer: list[bytes] = []
-        self._waiting[req_id] = (event, answer)
+        self._waiting[req_id] = (event, answer, trio.current_time() + ASK_TIMEOUT)
         try:
             if self._outbox.add(req_id, wp.encode_relay(op, doc, blob)):
                 self._ready.set()
-            with trio.move_on_after(ASK_TIMEOUT):
-                await event.wait()
+            await event.wait()
         finally:
             self._waiting.pop(req_id, None)
         if not answer:
