@@ -22,6 +22,14 @@ worker or main is killed, no answer within `ASK_TIMEOUT` — the waiting call ra
 stored and its sender, told unavailable, retries and gets the duplicate answer, never
 a ``queued`` for an item that is not there.
 
+Reads of the SQLite store skip the channel: main's state names its file, and a worker
+answers `fetch` from its own read-only connection to it (`store.FileReader`: WAL lets
+readers in other processes see every committed transaction, and main answers an enqueue
+or an ack only after its COMMIT, so the page is exactly the one main would read). A
+page of a thousand envelopes then crosses no process boundary. A shared store (Redis)
+has no file, and any failure of the direct read (the file moved, a lock held too long)
+falls back to asking main; so does a worker told main's store is broken (main probes).
+
 Wakes stay in main: the service wakes the recipient's tenant after an enqueue that
 stored something new (main holds the tunnels).
 
