@@ -50,12 +50,11 @@ any change before answering.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -107,7 +106,8 @@ class RemoteStore:
     async def aclose(self) -> None:
         self.fail_all()
         if self._reader is not None:
-            self._reader.close()
+            async with self._reading:  # not under a read in its thread
+                self._reader.close()
 
     def set_bounds(self, max_items: int, max_bytes: int) -> None:
         """Main's store applies the bounds of main's config."""
@@ -181,13 +181,11 @@ class RemoteStore:
                             if isinstance(v, list) and len(v) == 2}
         self._shared = bool(doc.get("shared"))
         path = doc.get("sqlite_path")
+        # a reader replaced here may be mid-read in its thread: dropped, not closed (its
+        # connection closes when the read is over and nothing holds it)
         if not isinstance(path, str):
-            if self._reader is not None:
-                self._reader.close()
             self._reader = None
         elif self._reader is None or str(self._reader.path) != path:
-            if self._reader is not None:
-                self._reader.close()
             self._reader = FileReader(Path(path))
         if "healthy" in doc:
             self._health(bool(doc["healthy"]), doc.get("last_error"))
