@@ -502,10 +502,12 @@ def verify_signature(envelope: object, sender_public_key: PublicKey, *,
 
 
 def verify_decoded(header: Header, signed: bytes, sig: bytes,
-                   sender_public_key: PublicKey) -> None:
+                   sender_public_key: PublicKey, *, key_fingerprint: str | None = None
+                   ) -> None:
     """The signature check on `decode_signed`'s output: `from` is this key's, and the
-    signature verifies under it."""
-    if fingerprint(sender_public_key) != header.sender:
+    signature verifies under it. `key_fingerprint`: the key's fingerprint when the caller
+    computed it already (a relay connection's, once per certificate)."""
+    if (key_fingerprint or fingerprint(sender_public_key)) != header.sender:
         raise EnvelopeInvalid("from is not the given sender key")
     if not _verify(sender_public_key, sig, signed):
         raise EnvelopeInvalid("signature does not verify")

@@ -367,3 +367,147 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
         assert items == []  # m6, m7, m8 never reached main
     finally:
         await store.aclose()
+
+
+def test_a_fetch_through_one_worker_sees_exactly_what_the_other_answered(
+        tmp_path: Path) -> None:
+    """Workers read fetch pages from main's file directly: an item is in every fetch
+    after its ``queued`` answer came through the other worker, and an acked item in none
+    after the ack's answer, whichever worker fetches."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        readers = [RelayCaller(serve.port, ids.recipient, source=groups[w][0]) for w in (0, 1)]
+        senders = [RelayCaller(serve.port, ids.sender, source=groups[w][-1]) for w in (0, 1)]
+        assert readers[0].allowlist_set([ids.sender.fingerprint]).status == 200
+        outstanding: dict[str, int | None] = {}  # msg_id → item id once seen
+        for n in range(40):
+            msg_id = f"m{n}"
+            sender, reader = senders[n % 2], readers[(n + 1) % 2]  # the other worker
+            result, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                           msg_id=msg_id))
+            assert queued(result, msg_id), result
+            outstanding[msg_id] = None
+            page = reader.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+            seen = {json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"]: i["id"]
+                    for i in page["items"]}
+            assert set(seen) == set(outstanding) and not page["more"], (n, seen)
+            outstanding.update(seen)
+            if n % 3 == 2:  # ack the two oldest through the fetching worker's peer
+                done = sorted(outstanding, key=lambda m: outstanding[m] or 0)[:2]
+                acked = readers[n % 2].tool("ack", {"ids": [outstanding[m] for m in done]})
+                assert acked[0]["structuredContent"] == {"acked": 2}
+                for m in done:
+                    del outstanding[m]
+                for r in readers:  # gone from both workers' next fetch
+                    page = r.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+                    assert {i["id"] for i in page["items"]} == set(outstanding.values())
+        # no read fell back to asking main (the in-process test below shows the path)
+        assert "relay_direct_read_failed" not in serve.logs()
+        assert serve.status()["relay"]["queues"][0]["items"] == len(outstanding)
+    finally:
+        serve.stop()
+
+
+async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_cannot(
+        tmp_path: Path) -> None:
+    import trio
+
+    from pact_ingress.proto.workers import Kind, RelayOp
+    from pact_ingress.relay.remote import RemoteStore, StoreService
+    from pact_ingress.relay.store import SqliteStore
+
+    a, b = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+    now = [1_000_000.0]
+    path = tmp_path / "q.sqlite"
+    store = SqliteStore(path, max_items=1000, max_bytes=10**7, clock=lambda: now[0])
+    await store.open()
+    service = StoreService(_Relay(store, {a: "home"}))
+    asked: list[RelayOp] = []
+    ids = itertools.count(1)
+
+    async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
+        for req_id, record in wp.decode_records(payload):
+            asked.append(RelayOp(wp.decode_relay(record)[0]))
+            remote.answered(wp.encode_records([(req_id, await service.answer(record))]))
+
+    remote = RemoteStore(send, lambda: next(ids))
+    remote.clock = lambda: now[0]
+    remote.apply_state(json.loads(service.state()))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(remote.run)
+            expect: dict[int, int] = {}  # item id → expires_at
+            for n in range(30):
+                # items expiring at different times: the direct read filters as main does
+                expires = int(now[0]) + 5 + n % 4
+                done = await remote.enqueue(a, b, f"m{n}", b'{"n":%d}' % n, expires)
+                expect[done.id] = expires
+                if n % 4 == 3:
+                    acked = sorted(expect)[:2]
+                    assert await remote.ack(a, acked) == 2
+                    for i in acked:
+                        del expect[i]
+                if n % 7 == 6:
+                    now[0] += 2  # some items expire on the way
+                asked.clear()
+                for limit in (1, 3, 1000):
+                    got, more = await remote.fetch(a, limit)
+                    main_got, main_more = await store.fetch(a, limit)
+                    assert (got, more) == (main_got, main_more)
+                    live = sorted(i for i, e in expect.items() if e > now[0])
+                    assert [i.id for i in got] == live[:limit]
+                    assert more == (len(live) > limit)
+                assert asked == []  # all three pages came from the file, none from main
+            now[0] += 10  # everything expired: gone from both
+            assert await remote.fetch(a, 1000) == ([], False)
+            # main says its store is broken: the worker asks main (which probes) instead
+            remote.apply_state({"healthy": False, "last_error": "x", "sqlite_path": str(path)})
+            asked.clear()
+            assert await remote.fetch(a, 10) == ([], False) and asked == [RelayOp.FETCH]
+            # the file at the path is replaced: the worker reads the new one, or asks main
+            remote.apply_state({"healthy": True, "sqlite_path": str(path)})
+            await store.aclose()
+            path.rename(tmp_path / "aside.sqlite")
+            store = service.relay.store = SqliteStore(
+                path, max_items=1000, max_bytes=10**7, clock=lambda: now[0])
+            await store.open()
+            fresh = await remote.enqueue(a, b, "new", b"[1]", int(now[0]) + 60)
+            asked.clear()
+            got, _ = await remote.fetch(a, 10)
+            assert [i.id for i in got] == [fresh.id] and asked == []
+            # an unreadable path: main is asked, no error reaches the caller
+            remote.apply_state({"healthy": True, "sqlite_path": str(tmp_path / "none")})
+            asked.clear()
+            got, _ = await remote.fetch(a, 10)
+            assert [i.id for i in got] == [fresh.id] and asked == [RelayOp.FETCH]
+            nursery.cancel_scope.cancel()
+    finally:
+        await remote.aclose()
+        await store.aclose()
+
+
+async def test_an_ask_main_never_answers_fails_after_the_timeout(autojump_clock: Any) -> None:
+    import pytest
+    import trio
+
+    from pact_ingress.proto.workers import Kind
+    from pact_ingress.relay.remote import ASK_TIMEOUT, RemoteStore
+    from pact_ingress.relay.store import StoreUnavailable
+
+    sent: list[bytes] = []
+
+    async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
+        sent.append(payload)  # main takes it and never answers
+
+    remote = RemoteStore(send, itertools.count(1).__next__)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(remote.run)
+        started = trio.current_time()
+        with pytest.raises(StoreUnavailable):
+            await remote.enqueue("sha256:" + "A" * 43, "b", "m", b"[1]", 2_000_000_000)
+        waited = trio.current_time() - started
+        assert ASK_TIMEOUT <= waited <= ASK_TIMEOUT + 1.5 and len(sent) == 1
+        assert remote._waiting == {}  # nothing left behind
+        nursery.cancel_scope.cancel()

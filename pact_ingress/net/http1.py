@@ -32,7 +32,7 @@ import trio
 
 from pact_ingress.net import deadlines
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
-from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.net.memory_tls import ServerStream
 from pact_ingress.proto.http1_server import (
     CONTINUE,
     END_OF_MESSAGE,
@@ -80,7 +80,7 @@ class H1Connection:
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
         # our own TLS takes deadlines per call; any other stream gets a scope per read
-        self._tls = stream if isinstance(stream, ServerTLS) else None
+        self._tls = stream if isinstance(stream, ServerStream) else None
         self._idle: trio.CancelScope | None = None  # entered by `serve` once needed
         self._answered = False  # a request was answered on this connection
         self._now = deadlines.clock()

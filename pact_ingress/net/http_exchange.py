@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
-from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.net.memory_tls import ServerStream
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -27,7 +27,7 @@ async def send_to_client(stream: trio.abc.SendStream, data: bytes, timeout: floa
     """Write to the client connection, both HTTP versions alike: a client that breaks the
     connection or stops reading for `timeout` seconds is gone (`ClientGone`), so a slow
     reader cannot hold a response, and its upstream request, open."""
-    if isinstance(stream, ServerTLS):  # no cancel scope unless the write has to wait
+    if isinstance(stream, ServerStream):  # no cancel scope unless the write has to wait
         try:
             await stream.send_by(data, trio.current_time() + timeout)
             return

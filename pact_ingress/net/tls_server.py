@@ -29,21 +29,6 @@ class ServerTLS(ServerStream):
     async def do_handshake(self, deadline: float = math.inf) -> None:
         await self.handshake(deadline, hold_tail=True)
 
-    # The HTTP legs' own calls: an absolute deadline instead of a cancel scope per call
-    # (`trio.TooSlowError` when it passes), so an operation that completes at once costs
-    # no scope at all.
-
-    async def receive_by(self, max_bytes: int, deadline: float,
-                         wait_first: bool = False) -> bytes:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        return await self.read(max_bytes, deadline, wait_first)
-
-    async def send_by(self, data: bytes, deadline: float) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError()
-        await self.write(data, deadline)
-
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.wait_writable(self._sock)
 

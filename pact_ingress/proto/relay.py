@@ -124,7 +124,8 @@ def check_relay_call(
     `allowlists` maps each served recipient to its allowed senders; a recipient that is
     served but has no list yet maps to an empty set (nobody may queue for it). `seen`,
     when given, receives the header's `to` and `msg_id` as soon as they are decoded (for
-    the caller's log line, refusals included).
+    the caller's log line, refusals included). `caller` must be `caller_key`'s
+    fingerprint (the connection computed it from the certificate): it is not recomputed.
     """
     if isinstance(arguments, Mapping) and not (set(arguments) & ENVELOPE_MEMBERS) and (
             "method" in arguments or "params" in arguments):
@@ -141,7 +142,7 @@ def check_relay_call(
             suite_for(caller_key)
         except TypeError:
             raise EnvelopeInvalid("the caller's key is not P-256 or Ed25519") from None
-        verify_decoded(header, signed, sig, caller_key)
+        verify_decoded(header, signed, sig, caller_key, key_fingerprint=caller)
         check_time(header, now=now, direct=False)
     except EnvelopeInvalid as exc:
         raise Refusal(ENVELOPE_INVALID, exc.reason) from None

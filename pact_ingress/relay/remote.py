@@ -22,6 +22,14 @@ worker or main is killed, no answer within `ASK_TIMEOUT` — the waiting call ra
 stored and its sender, told unavailable, retries and gets the duplicate answer, never
 a ``queued`` for an item that is not there.
 
+Reads of the SQLite store skip the channel: main's state names its file, and a worker
+answers `fetch` from its own read-only connection to it (`store.FileReader`: WAL lets
+readers in other processes see every committed transaction, and main answers an enqueue
+or an ack only after its COMMIT, so the page is exactly the one main would read). A
+page of a thousand envelopes then crosses no process boundary. A shared store (Redis)
+has no file, and any failure of the direct read (the file moved, a lock held too long)
+falls back to asking main; so does a worker told main's store is broken (main probes).
+
 Wakes stay in main: the service wakes the recipient's tenant after an enqueue that
 stored something new (main holds the tunnels).
 
@@ -45,7 +53,10 @@ any change before answering.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -53,7 +64,8 @@ import trio
 from pact_ingress.logs import log
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.workers import Kind, RelayOp, RelayStatus
-from pact_ingress.relay.store import Enqueued, Item, QueueFull, SqliteStore, StoreUnavailable
+from pact_ingress.relay.store import (Enqueued, FileReader, Item, QueueFull, SqliteStore,
+                                      StoreUnavailable)
 
 #: A worker waits this long for main's answer (main's own store gives up after 30 s).
 ASK_TIMEOUT = 35.0
@@ -70,7 +82,8 @@ class RemoteStore:
                  next_id: Callable[[], int]) -> None:
         self._send = send
         self._next_id = next_id
-        self._waiting: dict[int, tuple[trio.Event, list[bytes]]] = {}
+        #: asks in flight: their wakeup, main's answer once there, when to give up
+        self._waiting: dict[int, tuple[trio.Event, list[bytes], float]] = {}
         self._outbox = wp.Outbox()
         self._ready = trio.Event()
         self._allowlists: dict[str, frozenset[str]] = {}
@@ -78,6 +91,10 @@ class RemoteStore:
         self._shared = False
         self._gone = False
         self._main_healthy = True  # main's store, as its last word said
+        #: main's SQLite file, read directly for `fetch` (None: ask main, e.g. Redis)
+        self._reader: FileReader | None = None
+        self._reading = trio.CapacityLimiter(1)  # one thread at a time on its connection
+        self.clock: Callable[[], float] = time.time
         self.last_error: str | None = None
 
     @property
@@ -91,6 +108,9 @@ class RemoteStore:
 
     async def aclose(self) -> None:
         self.fail_all()
+        if self._reader is not None:
+            async with self._reading:  # not under a read in its thread
+                self._reader.close()
 
     def set_bounds(self, max_items: int, max_bytes: int) -> None:
         """Main's store applies the bounds of main's config."""
@@ -113,16 +133,30 @@ class RemoteStore:
     # -- the channel ----------------------------------------------------------------
 
     async def run(self) -> None:
-        """The sender: operations gathered since the last message go in one message."""
-        while not self._gone:
-            await self._ready.wait()
-            self._ready = trio.Event()
-            for payload in self._outbox.take():
-                try:
-                    await self._send(Kind.RELAY_ASK, payload, 0)
-                except (OSError, trio.ClosedResourceError):
-                    self.fail_all()
-                    return
+        """The sender (operations gathered since the last message go in one message) and
+        the clock that gives up on asks main left unanswered."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._expire)
+            while not self._gone:
+                await self._ready.wait()
+                self._ready = trio.Event()
+                for payload in self._outbox.take():
+                    try:
+                        await self._send(Kind.RELAY_ASK, payload, 0)
+                    except (OSError, trio.ClosedResourceError):
+                        self.fail_all()
+                        break
+            nursery.cancel_scope.cancel()
+
+    async def _expire(self) -> None:
+        """Wake every ask older than `ASK_TIMEOUT` (its caller sees no answer): one sweep a
+        second instead of a cancel scope per ask."""
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for event, answer, deadline in list(self._waiting.values()):
+                if deadline <= now and not answer:
+                    event.set()
 
     def answered(self, payload: bytes) -> None:
         """A RELAY_ANSWER: the outcomes of operations, by id."""
@@ -136,7 +170,7 @@ class RemoteStore:
         """The channel to main closed: every waiting call and every later one fails."""
         self._gone = True
         self.last_error = "the main process is unreachable"
-        for event, _ in self._waiting.values():
+        for event, _, _ in self._waiting.values():
             event.set()
 
     def apply_state(self, doc: dict[str, Any]) -> None:
@@ -149,6 +183,13 @@ class RemoteStore:
             self._depths = {str(k): (int(v[0]), int(v[1])) for k, v in depths.items()
                             if isinstance(v, list) and len(v) == 2}
         self._shared = bool(doc.get("shared"))
+        path = doc.get("sqlite_path")
+        # a reader replaced here may be mid-read in its thread: dropped, not closed (its
+        # connection closes when the read is over and nothing holds it)
+        if not isinstance(path, str):
+            self._reader = None
+        elif self._reader is None or str(self._reader.path) != path:
+            self._reader = FileReader(Path(path))
         if "healthy" in doc:
             self._health(bool(doc["healthy"]), doc.get("last_error"))
 
@@ -159,12 +200,11 @@ class RemoteStore:
         req_id = self._next_id()
         event = trio.Event()
         answer: list[bytes] = []
-        self._waiting[req_id] = (event, answer)
+        self._waiting[req_id] = (event, answer, trio.current_time() + ASK_TIMEOUT)
         try:
             if self._outbox.add(req_id, wp.encode_relay(op, doc, blob)):
                 self._ready.set()
-            with trio.move_on_after(ASK_TIMEOUT):
-                await event.wait()
+            await event.wait()
         finally:
             self._waiting.pop(req_id, None)
         if not answer:
@@ -193,6 +233,16 @@ class RemoteStore:
         return Enqueued(int(out["id"]), bool(out["duplicate"]))
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
+        reader = self._reader
+        if reader is not None and self.healthy:
+            # main's SQLite file, read here: no page crosses the channel (see FileReader
+            # for why it sees exactly what main would); on any failure, ask main
+            now = int(self.clock())
+            try:
+                async with self._reading:
+                    return await trio.to_thread.run_sync(reader.fetch, recipient, now, limit)
+            except (sqlite3.Error, OSError) as exc:
+                log.warning("relay_direct_read_failed", error=f"{type(exc).__name__}: {exc}")
         out, blob = await self._ask(RelayOp.FETCH, {"recipient": recipient, "limit": limit})
         items: list[Item] = []
         at = 0
@@ -233,6 +283,7 @@ class StoreService:
             "allowlists": {k: sorted(v) for k, v in store.allowlists().items()},
             "depths": {k: list(v) for k, v in store.depths().items()},
             "shared": not isinstance(store, SqliteStore),
+            "sqlite_path": str(store.path) if isinstance(store, SqliteStore) else None,
             "healthy": store.healthy, "last_error": store.last_error})
 
     async def push_if_changed(self) -> None:

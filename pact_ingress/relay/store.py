@@ -70,6 +70,9 @@ JOB_TIMEOUT = 30.0
 REOPEN_INTERVAL = 10.0
 #: SQLite waits this long for a lock another process (the `relay` CLI) holds.
 BUSY_TIMEOUT_MS = 5000
+#: A worker's read of the file waits at most this long for a lock (WAL readers rarely
+#: meet one); then it asks main instead.
+READ_BUSY_TIMEOUT_MS = 1000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
@@ -268,19 +271,7 @@ class SqliteStore:
         now = int(self.clock())
 
         def run(conn: sqlite3.Connection) -> tuple[list[Item], bool]:
-            rows = conn.execute(
-                "SELECT id, queued_at, envelope FROM items WHERE recipient = ? AND acked = 0"
-                " AND expires_at > ? ORDER BY id LIMIT ?", (recipient, now, limit + 1))
-            items: list[Item] = []
-            total = 0
-            more = False
-            for item_id, queued_at, env in rows:
-                if len(items) == limit or (items and total + len(env) > MAX_PAGE_BYTES):
-                    more = True
-                    break
-                items.append(Item(int(item_id), int(queued_at), bytes(env)))
-                total += len(env)
-            return items, more
+            return select_page(conn, recipient, now, limit)
 
         return await self._submit(run, writes=False)  # type: ignore[no-any-return]
 
@@ -555,6 +546,61 @@ def _open(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def select_page(conn: sqlite3.Connection, recipient: str, now: int, limit: int
+                ) -> tuple[list[Item], bool]:
+    """`fetch`'s query, shared by the writer thread and a worker's `FileReader`."""
+    rows = conn.execute(
+        "SELECT id, queued_at, envelope FROM items WHERE recipient = ? AND acked = 0"
+        " AND expires_at > ? ORDER BY id LIMIT ?", (recipient, now, limit + 1)).fetchall()
+    items: list[Item] = []
+    total = 0
+    more = False
+    for item_id, queued_at, env in rows:
+        if len(items) == limit or (items and total + len(env) > MAX_PAGE_BYTES):
+            more = True
+            break
+        items.append(Item(int(item_id), int(queued_at), bytes(env)))
+        total += len(env)
+    return items, more
+
+
+class FileReader:
+    """A read-only connection to a store file another process writes: a worker reads
+    `fetch` pages here instead of asking main for them.
+
+    Exactly as consistent as asking main: main answers ``queued`` or an ack only after
+    its COMMIT returned, and in WAL mode every read transaction started after a COMMIT
+    returned (in any process) sees it; each page is one autocommit SELECT read to its
+    end, so it is one snapshot and holds no read lock afterwards. The file is opened
+    read-only, so this process can never write it. A path that names another file than
+    the one opened (main reopened a store that was moved aside) is reopened before the
+    query. Any SQLite error closes the connection and raises: the caller asks main."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+        self._inode: tuple[int, int] = (0, 0)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def fetch(self, recipient: str, now: int, limit: int) -> tuple[list[Item], bool]:
+        st = os.stat(self.path)
+        if self._conn is None or (st.st_dev, st.st_ino) != self._inode:
+            self.close()
+            conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True,
+                                   isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {READ_BUSY_TIMEOUT_MS}")
+            self._conn, self._inode = conn, (st.st_dev, st.st_ino)
+        try:
+            return select_page(self._conn, recipient, now, limit)
+        except sqlite3.Error:
+            self.close()
+            raise
 
 
 def _count_depths(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
