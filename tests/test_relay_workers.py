@@ -423,6 +423,7 @@ async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_canno
     path = tmp_path / "q.sqlite"
     store = SqliteStore(path, max_items=1000, max_bytes=10**7, clock=lambda: now[0])
     await store.open()
+    await store.set_allowlist(a, (b,))  # main queues only for a listed sender
     service = StoreService(_Relay(store, {a: "home"}))
     asked: list[RelayOp] = []
     ids = itertools.count(1)
@@ -473,6 +474,7 @@ async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_canno
             store = service.relay.store = SqliteStore(
                 path, max_items=1000, max_bytes=10**7, clock=lambda: now[0])
             await store.open()
+            await store.set_allowlist(a, (b,))
             fresh = await remote.enqueue(a, b, "new", b"[1]", int(now[0]) + 60)
             asked.clear()
             got, _ = await remote.fetch(a, 10)

@@ -64,8 +64,14 @@ import trio
 from pact_ingress.logs import log
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.workers import Kind, RelayOp, RelayStatus
-from pact_ingress.relay.store import (Enqueued, FileReader, Item, QueueFull, SqliteStore,
-                                      StoreUnavailable)
+from pact_ingress.relay.store import (
+    Enqueued,
+    FileReader,
+    Item,
+    QueueFull,
+    SqliteStore,
+    StoreUnavailable,
+)
 
 #: A worker waits this long for main's answer (main's own store gives up after 30 s).
 ASK_TIMEOUT = 35.0
