@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from pact_ingress.proto import workers as wp
 from pact_ingress.proto.ratelimit import burst_for
 from tests.relay_env import RelayCaller, RelayServe, code_of, envelope, relay_identities
 from tests.terminate_env import WAIT
+from tests.test_workers import poll
 
 SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
 HIGH_LIMITS = "limits: {calls_per_hour_per_ip_key: 1000000, calls_per_hour_per_ip: 1000000}\n"
@@ -34,16 +34,6 @@ def by_worker(n: int = 2) -> dict[int, list[str]]:
         out[wp.worker_for(ip, n)].append(ip)
     assert all(out.values()), f"every worker needs a source address: {out}"
     return out
-
-
-def poll(check: Any, what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def queued(result: dict[str, Any], msg_id: str) -> bool:
