@@ -4,11 +4,15 @@ Bytes from the client go in (`receive_data`), events come out; calls that answer
 (`send_headers`, `send_data`, `end_stream`, `reset_stream`, `close_connection`, ...)
 queue frames that `data_to_send` hands over. Nothing here reads a clock or a socket.
 
-Only what a server that never pushes needs is here, so the common exchange (one HEADERS
-in, HEADERS + DATA + END_STREAM out) is a handful of dictionary operations and struct
-packs. Header blocks are decoded by `hpack.Decoder` (its dynamic table must follow the
-client's) and encoded by `proto.h2_hpack` (no dynamic table). Request header blocks are
-not validated here: `proto.h2_request.split_request` does that in one pass.
+Written here rather than driving the `h2` library because, at an edge that handles every
+request of a connection, h2's generality (a frame object per frame, a generic event
+machinery, Huffman-coding every response header, per-frame debug formatting) was most of
+an HTTP/2 exchange's cost. Only what a server that never pushes needs is here, so the
+common exchange (one HEADERS in, HEADERS + DATA + END_STREAM out) is a handful of
+dictionary operations and struct packs. Header blocks are decoded by `hpack.Decoder`
+(its dynamic table must follow the client's) and encoded by `proto.h2_hpack` (no
+dynamic table). Request header blocks are not validated here:
+`proto.h2_request.split_request` does that in one pass.
 
 What is enforced, and how it fails:
 
