@@ -629,18 +629,64 @@ def test_unknown_settings_and_frames_are_ignored(env: Env) -> None:
         c.close()
 
 
-def test_lower_stream_id_is_not_served(env: Env) -> None:
-    """HEADERS on a stream id below one already used. RFC 9113 §5.1.1 makes it a
-    connection error (PROTOCOL_ERROR); the edge ignores it as a frame on a closed stream.
-    Either way, nothing reaches the node, and the connection's streams are not confused."""
+@pytest.mark.parametrize("how", ["a stream that ended", "an id the client skipped"])
+def test_lower_stream_id_ends_the_connection(env: Env, how: str) -> None:
+    """HEADERS opening a stream id below one already used (RFC 9113 §5.1.1): a connection
+    error (PROTOCOL_ERROR), whether the id was served before or skipped; nothing of it
+    reaches the node."""
     c = Raw(env)
     try:
-        _served_after(c, 5)
-        c.send(c.headers(3, "/lower"), c.headers(1, "/lower"))
-        _served_after(c, 7)
+        if how == "a stream that ended":
+            _served_after(c, 1)
+            _served_after(c, 5)
+            c.send(c.headers(1, "/lower"))
+        else:
+            _served_after(c, 7)
+            c.send(c.headers(3, "/lower"))
+        assert c.goaway() == PROTOCOL_ERROR, c.frames[-3:]
+        assert c.until(lambda: c.eof), "the edge did not close the connection"
     finally:
         c.close()
     assert _reached(env, "/lower") == 0
+
+
+def test_trailers_on_a_stream_the_edge_reset_are_ignored(env: Env) -> None:
+    """A client may send trailers on a stream before it sees the edge's reset of it (a
+    refused stream, a stream error): they are ignored (§5.1), the connection serves on."""
+    c = Raw(env)
+    try:
+        c.send(_open_upload(c, 1, "/reset-late", 10), frame(WINDOW_UPDATE, 0, 1, u32(0)))
+        assert c.reset(1) == PROTOCOL_ERROR
+        c.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, c.enc.encode([(b"x-t", b"1")])))
+        _served_after(c, 3)
+        assert c.goaway(0.2) is None
+    finally:
+        c.close()
+    assert _complete(env, "/reset-late") == []  # its head may have gone ahead, no body
+
+
+def test_headers_depending_on_their_own_stream_are_reset(env: Env) -> None:
+    """HEADERS whose priority names the stream itself (RFC 9113 §5.3.1): that stream is
+    reset with PROTOCOL_ERROR, before anything reaches the node, whether the block comes
+    whole or in CONTINUATION frames; the HPACK table stays in step (the next request,
+    which refers to the entries those blocks added, is served)."""
+    c = Raw(env)
+    try:
+        prio = u32(1) + b"\x10"
+        block = c.block("/self-dep", extra=[(b"x-dyn", b"one")])
+        c.send(frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY_FLAG, 1, prio + block))
+        assert c.reset(1) == PROTOCOL_ERROR, c.frames[-3:]
+        prio = u32(3) + b"\x10"
+        block = c.block("/self-dep", extra=[(b"x-dyn", b"two")])
+        c.send(frame(HEADERS, END_STREAM | PRIORITY_FLAG, 3, prio + block[:3]),
+               frame(CONTINUATION, END_HEADERS, 3, block[3:]))
+        assert c.reset(3) == PROTOCOL_ERROR, c.frames[-3:]
+        c.send(c.headers(5, "/self-dep-after", extra=[(b"x-dyn", b"two")]))
+        assert c.answer(5)[0] == 200
+        assert c.goaway(0.2) is None
+    finally:
+        c.close()
+    assert _reached(env, "/self-dep") == 1  # only /self-dep-after
 
 
 # === flow control: answers wait for the client's window, and arrive whole ============

@@ -291,6 +291,46 @@ def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
     assert [(e.stream_id, e.error_code) for e in resets] == [(5, ErrorCode.REFUSED_STREAM)]
 
 
+def test_late_frames_on_reset_streams_are_ignored_within_a_bound() -> None:
+    """Trailers on a stream this end reset are ignored (the client may have sent them
+    before it saw the reset); once that stream is older than the last RESET_MEMORY
+    resets, they end the connection like HEADERS on any passed stream id."""
+    client, server = _pair()
+    server.max_concurrent_streams = 1
+    client.send_headers(1, REQUEST)  # held open: every later stream is refused
+    server.receive_data(client.data_to_send())
+    refused = list(range(3, 3 + 2 * (hs.RESET_MEMORY + 1), 2))
+    events = server.receive_data(b"".join(
+        _frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM, sid, client.encoder.encode(REQUEST))
+        for sid in refused))
+    assert len([e for e in events if isinstance(e, hs.StreamReset)]) == len(refused)
+    trailer = hpack.Encoder().encode([(b"x-t", b"1")])
+    events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM,
+                                        refused[-1], trailer))
+    assert [type(e) for e in events] == [hs.UnknownFrame]  # remembered: ignored, metered
+    with pytest.raises(hs.ConnectionError_) as caught:  # forgotten: a passed stream id
+        server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM,
+                                   refused[0], trailer))
+    assert caught.value.code == ErrorCode.PROTOCOL_ERROR
+
+
+def test_headers_depending_on_their_own_stream_reset_it() -> None:
+    client, server = _pair()
+    block = client.encoder.encode(REQUEST)
+    events = server.receive_data(_frame(
+        hs.HEADERS, hs.END_HEADERS | hs.END_STREAM | hs.PRIORITY_FLAG, 1,
+        struct.pack(">I", 1) + b"\x10" + block))
+    assert [(type(e), e.stream_id, e.code) for e in events] == [
+        (hs.StreamReset, 1, ErrorCode.PROTOCOL_ERROR)]
+    assert _frames(server.data_to_send()) == [(hs.RST_STREAM, 1)]
+    assert server.highest_inbound_stream_id == 1 and not server.is_open(1)
+    # a dependency on another stream is fine
+    events = server.receive_data(_frame(
+        hs.HEADERS, hs.END_HEADERS | hs.END_STREAM | hs.PRIORITY_FLAG, 3,
+        struct.pack(">I", 1) + b"\x10" + client.encoder.encode(REQUEST)))
+    assert [type(e) for e in events] == [hs.RequestReceived]
+
+
 def test_header_list_too_large_ends_the_connection() -> None:
     client, server = _pair()
     block = hpack.Encoder().encode(REQUEST + [(b"x-%d" % i, b"v" * 1000) for i in range(20)])

@@ -64,6 +64,9 @@ ACK = 0x1
 END_HEADERS = 0x4
 PADDED = 0x8
 PRIORITY_FLAG = 0x20
+#: Not a wire flag: set on a header block whose HEADERS frame made the stream depend on
+#: itself (outside the 8 bits a frame's flags take).
+SELF_DEPENDENT = 0x100
 
 DEFAULT_WINDOW = 65535
 DEFAULT_MAX_FRAME = 16384
@@ -74,6 +77,9 @@ MAX_BLOCK_BYTES = 64 * 1024
 MAX_CONTINUATIONS = 64
 #: Decoded header blocks remembered per connection (see `_decode`).
 DECODED_CACHE = 32
+#: Streams we reset whose late frames are still ignored rather than ending the connection
+#: (a client sends at most `max_concurrent_streams` streams' worth before it sees them).
+RESET_MEMORY = 256
 
 _HEAD = struct.Struct(">I B I")  # length << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
@@ -274,6 +280,7 @@ class H2Server:
         self._block_flags = 0
         self._block_bytes = 0
         self._continuations = 0
+        self._reset_by_us: dict[int, None] = {}  # oldest first, at most RESET_MEMORY
         # sending
         self._send_initial = DEFAULT_WINDOW
         self.conn_send_window = DEFAULT_WINDOW
@@ -415,6 +422,10 @@ class H2Server:
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            if _U32.unpack_from(block)[0] & 0x7FFFFFFF == sid:
+                # a stream cannot depend on itself (RFC 9113 §5.3.1): the block is still
+                # decoded below, so that the table stays the client's, then reset
+                flags |= SELF_DEPENDENT
             block = block[5:]
         if flags & END_HEADERS:
             self._header_block(sid, flags, block, events)
@@ -465,6 +476,9 @@ class H2Server:
         ended = bool(flags & END_STREAM)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
+            if flags & SELF_DEPENDENT:
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+                return
             if not stream.remote_open:
                 self._stream_error(sid, ErrorCode.STREAM_CLOSED, events)
                 return
@@ -479,15 +493,22 @@ class H2Server:
             events.append(StreamEnded(sid))
             return
         if sid <= self.highest_inbound_stream_id:
-            # a closed stream: trailers sent before the client saw our reset; ignored
-            # (the block was decoded, so the table is right), but not free
-            events.append(UnknownFrame(HEADERS))
-            return
+            if sid in self._reset_by_us:
+                # trailers sent before the client saw our reset: ignored (RFC 9113 §5.1;
+                # the block was decoded, so the table is right), but not free
+                events.append(UnknownFrame(HEADERS))
+                return
+            # a stream that ended, or an id the client skipped: a new stream's id must
+            # be above every one used before (§5.1.1)
+            self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS on a stream id already passed")
         self.highest_inbound_stream_id = sid
-        if len(self.streams) >= self.max_concurrent_streams:
-            self._write(_frame(RST_STREAM, 0, sid, _U32.pack(ErrorCode.REFUSED_STREAM)))
+        if flags & SELF_DEPENDENT or len(self.streams) >= self.max_concurrent_streams:
+            code = (ErrorCode.PROTOCOL_ERROR if flags & SELF_DEPENDENT
+                    else ErrorCode.REFUSED_STREAM)
+            self._write(_frame(RST_STREAM, 0, sid, _U32.pack(code)))
+            self._note_reset(sid)
             # reported, so the caller's flood meters see refusals a client keeps provoking
-            events.append(StreamReset(sid, ErrorCode.REFUSED_STREAM, False))
+            events.append(StreamReset(sid, code, False))
             return
         stream = Stream(sid, self._send_initial, self._recv_initial)
         stream.content_length = content_length
@@ -705,6 +726,16 @@ class H2Server:
         if self.closed or self.streams.pop(stream_id, None) is None:
             return
         self._write(_frame(RST_STREAM, 0, stream_id, _U32.pack(code)))
+        self._note_reset(stream_id)
+
+    def _note_reset(self, stream_id: int) -> None:
+        """Remember a stream we reset: the client may still send on it what it had sent
+        before it saw the reset, which is ignored rather than an error. The oldest are
+        forgotten past a bound; late frames on those end the connection."""
+        reset = self._reset_by_us
+        reset[stream_id] = None
+        if len(reset) > RESET_MEMORY:
+            del reset[next(iter(reset))]
 
     def close_connection(self, code: int = ErrorCode.NO_ERROR,
                          last_stream_id: int | None = None) -> None:
