@@ -420,7 +420,7 @@ async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_canno
 
     async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
         for req_id, record in wp.decode_records(payload):
-            asked.append(RelayOp(wp.decode_relay(record)[0]))
+            asked.append(RelayOp(wp.decode_ask(record)[0]))
             remote.answered(wp.encode_records([(req_id, await service.answer(record))]))
 
     remote = RemoteStore(send, lambda: next(ids))

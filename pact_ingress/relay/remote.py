@@ -7,7 +7,9 @@ JSON-RPC, every check of a relay_call including its signature, the caller's budg
 but the queue keeps exactly one writer: main's store (SQLite's group commit, or Redis).
 `RemoteStore` is the `RelayStore` a worker's `RelayServer` is given: each queue
 operation is a record (`proto.workers.encode_relay`: op, small JSON fields, the
-envelope bytes as they are) with an id, and waits for main's answer of that id.
+envelope bytes as they are; an enqueue, every relay_call's, packs its fixed fields
+instead: `encode_enqueue`, answered by `encode_enqueued`) with an id, and waits for
+main's answer of that id.
 `StoreService` is main's side: it runs the operation on main's store and answers.
 Records travel in batches both ways (`proto.workers.Outbox`): every operation the
 worker's tasks started in one scheduler pass goes in one RELAY_ASK, every answer main
@@ -72,6 +74,8 @@ from pact_ingress.relay.store import (
     SqliteStore,
     StoreUnavailable,
 )
+
+_ENQUEUED = bytes([RelayStatus.ENQUEUED])
 
 #: A worker waits this long for main's answer (main's own store gives up after 30 s).
 ASK_TIMEOUT = 35.0
@@ -201,6 +205,10 @@ class RemoteStore:
 
     async def _ask(self, op: RelayOp, doc: dict[str, Any], blob: bytes = b""
                    ) -> tuple[dict[str, Any], bytes]:
+        return self._outcome(await self._call(wp.encode_relay(op, doc, blob)))
+
+    async def _call(self, ask: bytes) -> bytes:
+        """Main's answer to one encoded ask (`StoreUnavailable` when none comes)."""
         if self._gone:
             raise StoreUnavailable("the main process is unreachable")
         req_id = self._next_id()
@@ -208,14 +216,18 @@ class RemoteStore:
         answer: list[bytes] = []
         self._waiting[req_id] = (event, answer, trio.current_time() + ASK_TIMEOUT)
         try:
-            if self._outbox.add(req_id, wp.encode_relay(op, doc, blob)):
+            if self._outbox.add(req_id, ask):
                 self._ready.set()
             await event.wait()
         finally:
             self._waiting.pop(req_id, None)
         if not answer:
             raise StoreUnavailable("no answer from the main process")
-        status, out, rest = wp.decode_relay(answer[0])
+        return answer[0]
+
+    def _outcome(self, answer: bytes) -> tuple[dict[str, Any], bytes]:
+        """An `encode_relay` answer: OK's document and bytes, or the failure it names."""
+        status, out, rest = wp.decode_relay(answer)
         if status == RelayStatus.OK:
             return out, rest
         if status == RelayStatus.QUEUE_FULL:
@@ -233,10 +245,12 @@ class RemoteStore:
 
     async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
                       expires_at: int) -> Enqueued:
-        out, _ = await self._ask(RelayOp.ENQUEUE, {
-            "recipient": recipient, "sender": sender, "msg_id": msg_id,
-            "expires_at": int(expires_at)}, envelope)
-        return Enqueued(int(out["id"]), bool(out["duplicate"]))
+        answer = await self._call(wp.encode_enqueue(recipient, sender, msg_id,
+                                                    int(expires_at), envelope))
+        if answer[:1] == _ENQUEUED:
+            return Enqueued(*wp.decode_enqueued(answer))
+        self._outcome(answer)  # raises what main's answer says went wrong
+        raise StoreUnavailable("unexpected answer from the main process")
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         reader = self._reader
@@ -318,7 +332,7 @@ class StoreService:
 
     async def answer(self, payload: bytes) -> bytes:
         """One worker ask → its RELAY_ANSWER payload."""
-        code, doc, blob = wp.decode_relay(payload)
+        code, doc, blob = wp.decode_ask(payload)
         try:
             op = RelayOp(code)
         except ValueError:
@@ -332,6 +346,8 @@ class StoreService:
                 "reason": str(exc), "broken": not self.relay.store.healthy})
         except (KeyError, TypeError, ValueError) as exc:
             raise wp.ProtocolError(f"bad relay {op.name}: {exc!r}") from None
+        if op is RelayOp.ENQUEUE:
+            return wp.encode_enqueued(out["id"], out["duplicate"])
         return wp.encode_relay(RelayStatus.OK, out, rest)
 
     async def _run(self, op: RelayOp, doc: dict[str, Any], blob: bytes
