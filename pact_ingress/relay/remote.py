@@ -330,6 +330,61 @@ class StoreService:
             except Exception as exc:  # a push must never end main
                 log.error("relay_state_push_failed", error=f"{type(exc).__name__}: {exc}")
 
+    def answer_soon(self, payload: bytes, reply: Callable[[bytes], None]) -> bool:
+        """An enqueue answered without a task of its own, when main's store can
+        (SQLite, healthy): the checks now, the store's job queued now, `reply(answer)`
+        on the trio thread after its COMMIT. False: nothing done, use `answer`.
+        A malformed ask raises `ProtocolError` (the channel is dropped), as `answer`."""
+        if not payload or payload[0] != RelayOp.ENQUEUE:
+            return False
+        relay = self.relay
+        store = relay.store
+        enqueue_soon = getattr(store, "enqueue_soon", None)
+        if enqueue_soon is None or not store.healthy:
+            return False
+        _, doc, blob = wp.decode_ask(payload)
+        try:
+            recipient, sender = self._enqueue_allowed(doc)
+
+            def then(done: Enqueued | None, error: BaseException | None) -> None:
+                if done is not None and error is None:
+                    if not done.duplicate:
+                        relay.woken(recipient)
+                    reply(wp.encode_enqueued(done.id, done.duplicate))
+                elif isinstance(error, QueueFull):
+                    reply(wp.encode_relay(RelayStatus.QUEUE_FULL,
+                                          {"retry_after": error.retry_after}))
+                elif isinstance(error, StoreUnavailable):
+                    reply(self._unavailable(error))
+                else:  # as `WorkerPool._relay_ask` answers a failure it did not expect
+                    log.error("relay_ask_error", error=f"{type(error).__name__}: {error}")
+                    reply(no_service_answer())
+
+            enqueue_soon(recipient, sender, str(doc["msg_id"]), blob,
+                         int(doc["expires_at"]), then)  # type: ignore[call-overload]
+        except StoreUnavailable as exc:
+            reply(self._unavailable(exc))
+        return True
+
+    def _unavailable(self, exc: StoreUnavailable) -> bytes:
+        return wp.encode_relay(RelayStatus.UNAVAILABLE, {
+            "reason": str(exc), "broken": not self.relay.store.healthy})
+
+    def _enqueue_allowed(self, doc: dict[str, Any]) -> tuple[str, str]:
+        """(recipient, sender) of an enqueue main takes; StoreUnavailable otherwise."""
+        recipient = str(doc["recipient"])
+        if recipient not in self.relay.recipients:
+            # the worker checked this against its config; main's may be newer (a reload)
+            raise StoreUnavailable("not a served recipient (the configuration changed)")
+        sender = str(doc["sender"])
+        if sender not in self.relay.store.allowlists().get(recipient, ()):
+            # The worker judged the call against its copy of the lists. A worker that
+            # did not confirm a change within STATE_WAIT (stopped, starved) still holds
+            # the old one while the change was already answered: main's copy decides.
+            # Unavailable, not a refusal: the sender's retry is judged anew.
+            raise StoreUnavailable("the sender is not on the recipient's allow-list")
+        return recipient, sender
+
     async def answer(self, payload: bytes) -> bytes:
         """One worker ask → its RELAY_ANSWER payload."""
         code, doc, blob = wp.decode_ask(payload)
@@ -342,8 +397,7 @@ class StoreService:
         except QueueFull as exc:
             return wp.encode_relay(RelayStatus.QUEUE_FULL, {"retry_after": exc.retry_after})
         except StoreUnavailable as exc:
-            return wp.encode_relay(RelayStatus.UNAVAILABLE, {
-                "reason": str(exc), "broken": not self.relay.store.healthy})
+            return self._unavailable(exc)
         except (KeyError, TypeError, ValueError) as exc:
             raise wp.ProtocolError(f"bad relay {op.name}: {exc!r}") from None
         if op is RelayOp.ENQUEUE:
@@ -366,14 +420,8 @@ class StoreService:
             if not store.healthy:
                 raise StoreUnavailable("relay store unavailable")
         if op is RelayOp.ENQUEUE:
-            recipient = str(doc["recipient"])
-            if str(doc["sender"]) not in store.allowlists().get(recipient, ()):
-                # The worker judged the call against its copy of the lists. A worker that
-                # did not confirm a change within STATE_WAIT (stopped, starved) still
-                # holds the old one while the change was already answered: main's copy
-                # decides. Unavailable, not a refusal: the sender's retry is judged anew.
-                raise StoreUnavailable("the sender is not on the recipient's allow-list")
-            done = await store.enqueue(recipient, str(doc["sender"]), str(doc["msg_id"]),
+            recipient, sender = self._enqueue_allowed(doc)
+            done = await store.enqueue(recipient, sender, str(doc["msg_id"]),
                                        blob, int(doc["expires_at"]))
             if not done.duplicate:
                 relay.woken(recipient)
