@@ -41,8 +41,9 @@ commit: one fsync for every call that arrived meanwhile).
 
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
 JSON log line per tool call names caller, recipient, msg_id, size and outcome, never a
-body. When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks
-the tunnel server to push a content-free WAKE (it rate-limits per tenant).
+body (relay_call's, the hot one, is buffered with the access lines: `log.access`).
+When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks the
+tunnel server to push a content-free WAKE (it rate-limits per tenant).
 """
 
 from __future__ import annotations

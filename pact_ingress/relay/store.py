@@ -24,7 +24,9 @@ fails fails the whole batch (`StoreUnavailable`), and their callers answer
 the relay, the more calls each fsync carries.
 
 Results travel back to trio through the trio token (`run_sync_soon`), so nothing but the
-job queue is shared between threads. The in-memory mirrors the trio side reads — queue
+job queue is shared between threads: they wake the tasks waiting on their jobs, or, for
+`enqueue_soon` (main answering workers' enqueues, thousands a second, without a task
+each), call the job's function there. The in-memory mirrors the trio side reads — queue
 depth per recipient, allow-lists — are replaced (never mutated in place) by the writer
 thread after its COMMIT, so a reader sees the old or the new mapping, both consistent.
 
