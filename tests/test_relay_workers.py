@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pact_ingress.identity import b64url_decode
 from pact_ingress.proto import workers as wp
 from pact_ingress.proto.ratelimit import burst_for
@@ -252,9 +254,11 @@ class _Relay:
         self.woke.append(recipient)
 
 
+@pytest.mark.parametrize("soon", [False, True], ids=["task", "soon"])
 async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unavailable(
-        tmp_path: Path) -> None:
-    import pytest
+        tmp_path: Path, soon: bool) -> None:
+    """Both of main's ways to answer: a task per ask (`answer`), and an enqueue taken at
+    once with its answer after the COMMIT (`answer_soon`, as `WorkerPool` does)."""
     import trio
 
     from pact_ingress.proto.workers import Kind
@@ -286,7 +290,11 @@ async def test_remote_store_answers_are_main_stores_and_a_broken_channel_is_unav
             remote.answered(wp.encode_records([(req_id, out)]))
 
         for req_id, record in wp.decode_records(payload):
-            nursery.start_soon(answer, req_id, record)
+            def reply(out: bytes, req_id: int = req_id) -> None:
+                remote.answered(wp.encode_records([(req_id, out)]))
+
+            if not (soon and service.answer_soon(record, reply)):
+                nursery.start_soon(answer, req_id, record)
 
     remote = RemoteStore(send, lambda: next(ids))
     try:
@@ -420,7 +428,7 @@ async def test_remote_fetch_reads_mains_file_exactly_and_asks_main_when_it_canno
 
     async def send(kind: Kind, payload: bytes, msg_id: int) -> None:
         for req_id, record in wp.decode_records(payload):
-            asked.append(RelayOp(wp.decode_relay(record)[0]))
+            asked.append(RelayOp(wp.decode_ask(record)[0]))
             remote.answered(wp.encode_records([(req_id, await service.answer(record))]))
 
     remote = RemoteStore(send, lambda: next(ids))

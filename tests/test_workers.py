@@ -501,6 +501,26 @@ def test_truncated_handoffs_raise_at_every_length() -> None:
             wp.decode_handoff(payload[:n])
 
 
+@pytest.mark.parametrize("msg_id", ["m-1", "ké\u2028\"y", "x" * 5000])
+def test_enqueue_asks_and_answers_round_trip(msg_id: str) -> None:
+    a, b = "sha256:" + "A" * 43, "sha256:" + "B" * 43
+    envelope = b'{"ct":"x"}'
+    payload = wp.encode_enqueue(a, b, msg_id, 2**53 - 1, envelope)
+    assert wp.decode_ask(payload) == (wp.RelayOp.ENQUEUE, {
+        "recipient": a, "sender": b, "msg_id": msg_id, "expires_at": 2**53 - 1}, envelope)
+    # the fields before the envelope (which is last and may be empty) cut anywhere
+    for n in range(len(payload) - len(envelope)):
+        with pytest.raises(wp.ProtocolError):
+            wp.decode_ask(payload[:n] if n else b"\x01")
+    for item_id, duplicate in ((1, False), (2**63, True)):
+        assert wp.decode_enqueued(wp.encode_enqueued(item_id, duplicate)) == (item_id, duplicate)
+    with pytest.raises(wp.ProtocolError):
+        wp.decode_enqueued(wp.encode_enqueued(1, False)[:-1])
+    # every other ask is the JSON document, as before
+    other = wp.encode_relay(wp.RelayOp.FETCH, {"recipient": a, "limit": 3})
+    assert wp.decode_ask(other) == (wp.RelayOp.FETCH, {"recipient": a, "limit": 3}, b"")
+
+
 def test_closed_ids_and_reports() -> None:
     ids = [1, 2, 2**64 - 1]
     assert wp.decode_closed(wp.encode_closed(ids)) == ids

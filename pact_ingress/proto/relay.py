@@ -43,7 +43,7 @@ from pact_ingress.envelope import (
     MAX_LIFETIME,
     EnvelopeInvalid,
     Header,
-    canonical_json,
+    canonical_envelope,
     check_time,
     decode_signed,
     suite_for,
@@ -147,7 +147,7 @@ def check_relay_call(
     except EnvelopeInvalid as exc:
         raise Refusal(ENVELOPE_INVALID, exc.reason) from None
     assert isinstance(arguments, Mapping)
-    encoded = canonical_json({k: arguments[k] for k in sorted(ENVELOPE_MEMBERS)})
+    encoded = canonical_envelope(arguments)
     if len(encoded) > MAX_ENVELOPE_BYTES:
         raise Refusal(TOO_LARGE, f"envelope over {MAX_ENVELOPE_BYTES} bytes")
     allowed = allowlists.get(header.to)

@@ -221,7 +221,7 @@ def decode_json(payload: bytes) -> dict[str, object]:
 # --- relay store operations a worker asks main for ------------------------------------
 
 class RelayOp(enum.IntEnum):
-    ENQUEUE = 1        # {recipient, sender, msg_id, expires_at} + the envelope bytes
+    ENQUEUE = 1        # `encode_enqueue`: fixed binary fields + the envelope bytes
     FETCH = 2          # {recipient, limit} → {items: [[id, queued_at, size]…], more} + bytes
     ACK = 3            # {recipient, ids} → {acked}
     SET_ALLOWLIST = 4  # {recipient, senders} → {}
@@ -233,6 +233,7 @@ class RelayStatus(enum.IntEnum):
     OK = 0
     QUEUE_FULL = 1     # {retry_after}
     UNAVAILABLE = 2    # {reason}
+    ENQUEUED = 3       # an ENQUEUE's success: `encode_enqueued` (binary, no document)
 
 
 _RELAY_HEAD = struct.Struct("!BI")
@@ -256,6 +257,54 @@ def decode_relay(payload: bytes) -> tuple[int, dict[str, object], bytes]:
         raise ProtocolError("relay message head runs past the message")
     doc = decode_json(payload[at:at + n])
     return code, doc, payload[at + n:]
+
+
+# The hot operation, every relay_call's, has fixed fields: packed, not JSON, both ways.
+_ENQUEUE = struct.Struct("!BqHHH")  # op, expires_at, then the lengths of three strings
+_ENQUEUED = struct.Struct("!BQB")  # status, item id, duplicate
+
+
+def encode_enqueue(recipient: str, sender: str, msg_id: str, expires_at: int,
+                   envelope: bytes) -> bytes:
+    """An ENQUEUE ask: `expires_at`, recipient, sender and msg_id (UTF-8), the envelope."""
+    r, s, m = (t.encode("utf-8", "surrogatepass") for t in (recipient, sender, msg_id))
+    return b"".join((_ENQUEUE.pack(RelayOp.ENQUEUE, expires_at, len(r), len(s), len(m)),
+                     r, s, m, envelope))
+
+
+def decode_ask(payload: bytes) -> tuple[int, dict[str, object], bytes]:
+    """An ask as (op, document, blob), whichever its encoding: an ENQUEUE's document has
+    the members `encode_relay` would have sent (recipient, sender, msg_id, expires_at)."""
+    if not payload or payload[0] != RelayOp.ENQUEUE:
+        return decode_relay(payload)
+    try:
+        _, expires_at, nr, ns, nm = _ENQUEUE.unpack_from(payload)
+    except struct.error:
+        raise ProtocolError("short relay ENQUEUE") from None
+    at = _ENQUEUE.size
+    if at + nr + ns + nm > len(payload):
+        raise ProtocolError("relay ENQUEUE fields run past the message")
+    try:
+        texts = [payload[a:b].decode("utf-8", "surrogatepass") for a, b in
+                 ((at, at + nr), (at + nr, at + nr + ns), (at + nr + ns, at + nr + ns + nm))]
+    except UnicodeDecodeError:
+        raise ProtocolError("relay ENQUEUE field is not UTF-8") from None
+    doc: dict[str, object] = {"recipient": texts[0], "sender": texts[1], "msg_id": texts[2],
+                              "expires_at": expires_at}
+    return RelayOp.ENQUEUE, doc, payload[at + nr + ns + nm:]
+
+
+def encode_enqueued(item_id: int, duplicate: bool) -> bytes:
+    return _ENQUEUED.pack(RelayStatus.ENQUEUED, item_id, 1 if duplicate else 0)
+
+
+def decode_enqueued(payload: bytes) -> tuple[int, bool]:
+    """An ENQUEUED answer's (item id, duplicate)."""
+    try:
+        _, item_id, duplicate = _ENQUEUED.unpack(payload)
+    except struct.error:
+        raise ProtocolError("bad relay ENQUEUED answer") from None
+    return item_id, bool(duplicate)
 
 
 _RECORD = struct.Struct("!II")

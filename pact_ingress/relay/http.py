@@ -77,6 +77,7 @@ MAX_BUFFERED_PER_CLIENT = 3 * rules.MAX_REQUEST_BYTES
 MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
 
 _JSON = (b"content-type", b"application/json")
+_dumps = json.JSONEncoder().encode  # `json.dumps` with its defaults, the encoder built once
 _NO_STORE = (b"cache-control", b"no-store")
 
 
@@ -175,10 +176,8 @@ class RelayExchange:
     async def _send(self, status: int, body: bytes, headers: Headers) -> None:
         ex = self.ex
         ex.stop_body()  # a no-op once the body was read whole
-        await ex.respond(status, [*headers, (b"content-length", str(len(body)).encode())])
-        if body and ex.method != "HEAD":
-            await ex.send(body)
-        await ex.end()
+        await ex.respond_whole(status, [*headers, (b"content-length", str(len(body)).encode())],
+                               body if ex.method != "HEAD" else b"")
 
     async def _json(self, status: int, obj: Any,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -279,7 +278,9 @@ class RelayExchange:
                 await self._json(401, _rpc(rpc_id, error=(
                     -32001, str(refusal), {"code": rules.IDENTITY_REQUIRED})))
             return
-        await self._json(200, await self._dispatch(rpc_id, message["method"], params))
+        answer = await self._dispatch(rpc_id, message["method"], params)
+        await self._send(200, answer if isinstance(answer, bytes) else json.dumps(answer).encode(),
+                         [_JSON, _NO_STORE])
 
     async def _parse(self, body: bytes) -> Any:
         """The JSON document; megabytes of it are parsed in a worker thread (one at a
@@ -290,7 +291,7 @@ class RelayExchange:
                                              limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
-                        ) -> dict[str, Any]:
+                        ) -> dict[str, Any] | bytes:
         if method == "initialize":
             version = params.get("protocolVersion")
             return _rpc(rpc_id, result={
@@ -307,9 +308,14 @@ class RelayExchange:
         arguments = params.get("arguments", {})
         if name not in ("relay_call", "fetch_queued", "ack"):
             return _rpc(rpc_id, error=(-32602, f"Unknown tool: {str(name)[:64]}"))
-        return _rpc(rpc_id, result=await self._tool(name, arguments))
+        result = await self._tool(name, arguments)
+        if isinstance(result, str):  # a relay_call queued: its msg_id
+            return _queued_answer(rpc_id, result)
+        return _rpc(rpc_id, result=result)
 
-    async def _tool(self, name: str, arguments: object) -> dict[str, Any]:
+    async def _tool(self, name: str, arguments: object) -> dict[str, Any] | str:
+        """The tool's MCP result; a relay_call that queued answers its msg_id alone (the
+        answer is then built straight as bytes: `_queued_answer`)."""
         assert self.caller is not None
         fp, key = self.caller
         server = self.server
@@ -321,14 +327,16 @@ class RelayExchange:
             await server._ensure_store()
             if name == "relay_call":
                 await self._charge(fp)
-                data = await server.relay_call(fp, key, arguments, fields, self.size)
-            elif name == "fetch_queued":
-                data = await server.fetch_queued(fp, arguments)
-                fields = {"items": len(data["items"]), "more": data["more"]}
+                msg_id = await server.relay_call(fp, key, arguments, fields, self.size)
+                outcome, result = "ok", msg_id
             else:
-                data = await server.ack(fp, arguments)
-                fields = {"acked": data["acked"]}
-            outcome, result = "ok", rules.tool_result(data)
+                if name == "fetch_queued":
+                    data = await server.fetch_queued(fp, arguments)
+                    fields = {"items": len(data["items"]), "more": data["more"]}
+                else:
+                    data = await server.ack(fp, arguments)
+                    fields = {"acked": data["acked"]}
+                outcome, result = "ok", rules.tool_result(data)
         except Refusal as exc:
             outcome, result = exc.code, rules.tool_error(exc)
             if exc.code != rules.PERMISSION_DENIED:
@@ -339,8 +347,15 @@ class RelayExchange:
             fields["reason"] = str(exc)
         if outcome != "ok":
             self._refused(outcome)
-        log.info("relay_" + name, caller=fp, client_ip=self.client[0], outcome=outcome,
-                 duration_ms=round((trio.current_time() - started) * 1000, 2), **fields)
+        duration_ms = round((trio.current_time() - started) * 1000, 2)
+        if name == "relay_call":
+            # the hot tool's line goes with the access lines (buffered, one write for
+            # many; any other line flushes them first, so the order holds)
+            log.access("relay_relay_call", caller=fp, client_ip=self.client[0],
+                       outcome=outcome, duration_ms=duration_ms, **fields)
+        else:
+            log.info("relay_" + name, caller=fp, client_ip=self.client[0], outcome=outcome,
+                     duration_ms=duration_ms, **fields)
         return result
 
     async def _charge(self, fp: str) -> None:
@@ -351,6 +366,15 @@ class RelayExchange:
             scope=server.host)
         if isinstance(decision, Limited):
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
+
+
+def _queued_answer(rpc_id: Any, msg_id: str) -> bytes:
+    """`json.dumps(_rpc(rpc_id, result=rules.tool_result(rules.queued(msg_id))))`, the
+    same bytes, built from its two variable parts (the answer of every queued call)."""
+    data = f'{{"status": "queued", "msg_id": {_dumps(msg_id)}}}'
+    return (f'{{"jsonrpc": "2.0", "id": {_dumps(rpc_id)}, "result": {{"content": '
+            f'[{{"type": "text", "text": {_dumps(data)}}}], "structuredContent": {data}}}}}'
+            ).encode()
 
 
 def _rpc(rpc_id: Any, *, result: Any = None, error: tuple[Any, ...] | None = None

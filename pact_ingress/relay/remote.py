@@ -7,7 +7,9 @@ JSON-RPC, every check of a relay_call including its signature, the caller's budg
 but the queue keeps exactly one writer: main's store (SQLite's group commit, or Redis).
 `RemoteStore` is the `RelayStore` a worker's `RelayServer` is given: each queue
 operation is a record (`proto.workers.encode_relay`: op, small JSON fields, the
-envelope bytes as they are) with an id, and waits for main's answer of that id.
+envelope bytes as they are; an enqueue, every relay_call's, packs its fixed fields
+instead: `encode_enqueue`, answered by `encode_enqueued`) with an id, and waits for
+main's answer of that id.
 `StoreService` is main's side: it runs the operation on main's store and answers.
 Records travel in batches both ways (`proto.workers.Outbox`): every operation the
 worker's tasks started in one scheduler pass goes in one RELAY_ASK, every answer main
@@ -72,6 +74,8 @@ from pact_ingress.relay.store import (
     SqliteStore,
     StoreUnavailable,
 )
+
+_ENQUEUED = bytes([RelayStatus.ENQUEUED])
 
 #: A worker waits this long for main's answer (main's own store gives up after 30 s).
 ASK_TIMEOUT = 35.0
@@ -201,6 +205,10 @@ class RemoteStore:
 
     async def _ask(self, op: RelayOp, doc: dict[str, Any], blob: bytes = b""
                    ) -> tuple[dict[str, Any], bytes]:
+        return self._outcome(await self._call(wp.encode_relay(op, doc, blob)))
+
+    async def _call(self, ask: bytes) -> bytes:
+        """Main's answer to one encoded ask (`StoreUnavailable` when none comes)."""
         if self._gone:
             raise StoreUnavailable("the main process is unreachable")
         req_id = self._next_id()
@@ -208,14 +216,18 @@ class RemoteStore:
         answer: list[bytes] = []
         self._waiting[req_id] = (event, answer, trio.current_time() + ASK_TIMEOUT)
         try:
-            if self._outbox.add(req_id, wp.encode_relay(op, doc, blob)):
+            if self._outbox.add(req_id, ask):
                 self._ready.set()
             await event.wait()
         finally:
             self._waiting.pop(req_id, None)
         if not answer:
             raise StoreUnavailable("no answer from the main process")
-        status, out, rest = wp.decode_relay(answer[0])
+        return answer[0]
+
+    def _outcome(self, answer: bytes) -> tuple[dict[str, Any], bytes]:
+        """An `encode_relay` answer: OK's document and bytes, or the failure it names."""
+        status, out, rest = wp.decode_relay(answer)
         if status == RelayStatus.OK:
             return out, rest
         if status == RelayStatus.QUEUE_FULL:
@@ -233,10 +245,12 @@ class RemoteStore:
 
     async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
                       expires_at: int) -> Enqueued:
-        out, _ = await self._ask(RelayOp.ENQUEUE, {
-            "recipient": recipient, "sender": sender, "msg_id": msg_id,
-            "expires_at": int(expires_at)}, envelope)
-        return Enqueued(int(out["id"]), bool(out["duplicate"]))
+        answer = await self._call(wp.encode_enqueue(recipient, sender, msg_id,
+                                                    int(expires_at), envelope))
+        if answer[:1] == _ENQUEUED:
+            return Enqueued(*wp.decode_enqueued(answer))
+        self._outcome(answer)  # raises what main's answer says went wrong
+        raise StoreUnavailable("unexpected answer from the main process")
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         reader = self._reader
@@ -316,9 +330,64 @@ class StoreService:
             except Exception as exc:  # a push must never end main
                 log.error("relay_state_push_failed", error=f"{type(exc).__name__}: {exc}")
 
+    def answer_soon(self, payload: bytes, reply: Callable[[bytes], None]) -> bool:
+        """An enqueue answered without a task of its own, when main's store can
+        (SQLite, healthy): the checks now, the store's job queued now, `reply(answer)`
+        on the trio thread after its COMMIT. False: nothing done, use `answer`.
+        A malformed ask raises `ProtocolError` (the channel is dropped), as `answer`."""
+        if not payload or payload[0] != RelayOp.ENQUEUE:
+            return False
+        relay = self.relay
+        store = relay.store
+        enqueue_soon = getattr(store, "enqueue_soon", None)
+        if enqueue_soon is None or not store.healthy:
+            return False
+        _, doc, blob = wp.decode_ask(payload)
+        try:
+            recipient, sender = self._enqueue_allowed(doc)
+
+            def then(done: Enqueued | None, error: BaseException | None) -> None:
+                if done is not None and error is None:
+                    if not done.duplicate:
+                        relay.woken(recipient)
+                    reply(wp.encode_enqueued(done.id, done.duplicate))
+                elif isinstance(error, QueueFull):
+                    reply(wp.encode_relay(RelayStatus.QUEUE_FULL,
+                                          {"retry_after": error.retry_after}))
+                elif isinstance(error, StoreUnavailable):
+                    reply(self._unavailable(error))
+                else:  # as `WorkerPool._relay_ask` answers a failure it did not expect
+                    log.error("relay_ask_error", error=f"{type(error).__name__}: {error}")
+                    reply(no_service_answer())
+
+            enqueue_soon(recipient, sender, str(doc["msg_id"]), blob,
+                         int(doc["expires_at"]), then)  # type: ignore[call-overload]
+        except StoreUnavailable as exc:
+            reply(self._unavailable(exc))
+        return True
+
+    def _unavailable(self, exc: StoreUnavailable) -> bytes:
+        return wp.encode_relay(RelayStatus.UNAVAILABLE, {
+            "reason": str(exc), "broken": not self.relay.store.healthy})
+
+    def _enqueue_allowed(self, doc: dict[str, Any]) -> tuple[str, str]:
+        """(recipient, sender) of an enqueue main takes; StoreUnavailable otherwise."""
+        recipient = str(doc["recipient"])
+        if recipient not in self.relay.recipients:
+            # the worker checked this against its config; main's may be newer (a reload)
+            raise StoreUnavailable("not a served recipient (the configuration changed)")
+        sender = str(doc["sender"])
+        if sender not in self.relay.store.allowlists().get(recipient, ()):
+            # The worker judged the call against its copy of the lists. A worker that
+            # did not confirm a change within STATE_WAIT (stopped, starved) still holds
+            # the old one while the change was already answered: main's copy decides.
+            # Unavailable, not a refusal: the sender's retry is judged anew.
+            raise StoreUnavailable("the sender is not on the recipient's allow-list")
+        return recipient, sender
+
     async def answer(self, payload: bytes) -> bytes:
         """One worker ask → its RELAY_ANSWER payload."""
-        code, doc, blob = wp.decode_relay(payload)
+        code, doc, blob = wp.decode_ask(payload)
         try:
             op = RelayOp(code)
         except ValueError:
@@ -328,10 +397,11 @@ class StoreService:
         except QueueFull as exc:
             return wp.encode_relay(RelayStatus.QUEUE_FULL, {"retry_after": exc.retry_after})
         except StoreUnavailable as exc:
-            return wp.encode_relay(RelayStatus.UNAVAILABLE, {
-                "reason": str(exc), "broken": not self.relay.store.healthy})
+            return self._unavailable(exc)
         except (KeyError, TypeError, ValueError) as exc:
             raise wp.ProtocolError(f"bad relay {op.name}: {exc!r}") from None
+        if op is RelayOp.ENQUEUE:
+            return wp.encode_enqueued(out["id"], out["duplicate"])
         return wp.encode_relay(RelayStatus.OK, out, rest)
 
     async def _run(self, op: RelayOp, doc: dict[str, Any], blob: bytes
@@ -350,14 +420,8 @@ class StoreService:
             if not store.healthy:
                 raise StoreUnavailable("relay store unavailable")
         if op is RelayOp.ENQUEUE:
-            recipient = str(doc["recipient"])
-            if str(doc["sender"]) not in store.allowlists().get(recipient, ()):
-                # The worker judged the call against its copy of the lists. A worker that
-                # did not confirm a change within STATE_WAIT (stopped, starved) still
-                # holds the old one while the change was already answered: main's copy
-                # decides. Unavailable, not a refusal: the sender's retry is judged anew.
-                raise StoreUnavailable("the sender is not on the recipient's allow-list")
-            done = await store.enqueue(recipient, str(doc["sender"]), str(doc["msg_id"]),
+            recipient, sender = self._enqueue_allowed(doc)
+            done = await store.enqueue(recipient, sender, str(doc["msg_id"]),
                                        blob, int(doc["expires_at"]))
             if not done.duplicate:
                 relay.woken(recipient)

@@ -41,8 +41,9 @@ commit: one fsync for every call that arrived meanwhile).
 
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
 JSON log line per tool call names caller, recipient, msg_id, size and outcome, never a
-body. When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks
-the tunnel server to push a content-free WAKE (it rate-limits per tenant).
+body (relay_call's, the hot one, is buffered with the access lines: `log.access`).
+When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks the
+tunnel server to push a content-free WAKE (it rate-limits per tenant).
 """
 
 from __future__ import annotations
@@ -128,6 +129,11 @@ class RelayServer:
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
         self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)  # request bodies
+        #: relay_enqueues by outcome, keyed by "was a duplicate" (looked up once)
+        self._enqueued = {False: stats.relay_enqueues.labels("queued"),
+                          True: stats.relay_enqueues.labels("duplicate")}
+        #: `_allowlists`' last answer and the two mappings it was built from
+        self._lists: tuple[object, object, dict[str, frozenset[str]]] | None = None
         self.update(config)
 
     def update(self, config: Config) -> None:
@@ -269,9 +275,16 @@ class RelayServer:
     # --- the tools -----------------------------------------------------------------------
 
     def _allowlists(self) -> dict[str, frozenset[str]]:
-        lists = self.store.allowlists()
+        """The served recipients' lists. Built again only when the store's mapping or the
+        served recipients changed (both are replaced, never mutated, on a change)."""
+        lists, recipients = self.store.allowlists(), self.recipients
+        cached = self._lists
+        if cached is not None and cached[0] is lists and cached[1] is recipients:
+            return cached[2]
         empty: frozenset[str] = frozenset()
-        return {pin: lists.get(pin, empty) for pin in self.recipients}
+        mine = {pin: lists.get(pin, empty) for pin in recipients}
+        self._lists = (lists, recipients, mine)
+        return mine
 
     async def _ensure_store(self) -> None:
         """A broken store says unavailable (before any permission answer, which would
@@ -283,9 +296,9 @@ class RelayServer:
         await self.store.refresh()  # a shared store: what other instances changed
 
     async def relay_call(self, fp: str, key: PublicKey, arguments: object,
-                         seen: dict[str, Any] | None = None, size: int = 0
-                         ) -> dict[str, Any]:
-        """Check and queue one relay_call; `size` is its request body's length."""
+                         seen: dict[str, Any] | None = None, size: int = 0) -> str:
+        """Check and queue one relay_call (`size`: its request body's length); returns
+        the msg_id queued (the answer is `proto.relay.queued` of it)."""
         check = partial(rules.check_relay_call, arguments, caller=fp, caller_key=key,
                         now=self.clock(), allowlists=self._allowlists(), seen=seen)
         if size <= INLINE_CHECK_BYTES:
@@ -301,10 +314,10 @@ class RelayServer:
         except QueueFull as exc:
             raise Refusal(rules.RATE_LIMITED, "the recipient's queue is full",
                           exc.retry_after) from None
-        self.stats.relay_enqueues.labels("duplicate" if done.duplicate else "queued").inc()
+        self._enqueued[done.duplicate].inc()
         if not done.duplicate:
             self.woken(header.to)
-        return rules.queued(header.msg_id)
+        return header.msg_id
 
     def woken(self, recipient: str) -> None:
         """Something new was queued for `recipient`: wake its tenant's node (main only:

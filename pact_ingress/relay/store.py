@@ -24,7 +24,9 @@ fails fails the whole batch (`StoreUnavailable`), and their callers answer
 the relay, the more calls each fsync carries.
 
 Results travel back to trio through the trio token (`run_sync_soon`), so nothing but the
-job queue is shared between threads. The in-memory mirrors the trio side reads — queue
+job queue is shared between threads: they wake the tasks waiting on their jobs, or, for
+`enqueue_soon` (main answering workers' enqueues, thousands a second, without a task
+each), call the job's function there. The in-memory mirrors the trio side reads — queue
 depth per recipient, allow-lists — are replaced (never mutated in place) by the writer
 thread after its COMMIT, so a reader sees the old or the new mapping, both consistent.
 
@@ -49,7 +51,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -154,7 +156,10 @@ class _Job:
     #: an enqueue's row (recipient, sender, msg_id, queued_at, expires_at, size,
     #: envelope): consecutive enqueues of a batch go into one multi-row INSERT
     row: tuple[Any, ...] | None = None
-    done: trio.Event = field(default_factory=trio.Event)
+    #: what wakes its caller: a waiting task's event, or (`enqueue_soon`) a function
+    #: called on the trio thread with the job once it is over
+    done: trio.Event | None = None
+    callback: Callable[[_Job], None] | None = None
     result: Any = None
     error: BaseException | None = None
 
@@ -206,21 +211,26 @@ class SqliteStore:
     async def _submit(self, fn: Callable[[sqlite3.Connection], Any], *, writes: bool,
                       allow_broken: bool = False, single: bool = False,
                       row: tuple[Any, ...] | None = None) -> Any:
-        if self._thread is None:
-            raise StoreUnavailable("relay store not running")
-        if self._jobs.qsize() >= MAX_PENDING:
-            raise StoreUnavailable("relay store overloaded")
-        job = _Job(fn, writes, single, row)
-        self._jobs.put(job)
+        job = _Job(fn, writes, single, row, trio.Event())
+        self._put(job)
+        done = job.done
+        assert done is not None
         with trio.move_on_after(JOB_TIMEOUT):
-            await job.done.wait()
-        if not job.done.is_set():
+            await done.wait()
+        if not done.is_set():
             raise StoreUnavailable(f"relay store did not answer within {JOB_TIMEOUT:g} s")
         if job.error is not None:
             if allow_broken and isinstance(job.error, StoreUnavailable):
                 return None
             raise job.error
         return job.result
+
+    def _put(self, job: _Job) -> None:
+        if self._thread is None:
+            raise StoreUnavailable("relay store not running")
+        if self._jobs.qsize() >= MAX_PENDING:
+            raise StoreUnavailable("relay store overloaded")
+        self._jobs.put(job)
 
     async def probe(self) -> None:
         """A no-op job: reopens a broken store when its retry time has come."""
@@ -233,6 +243,28 @@ class SqliteStore:
                       expires_at: int) -> Enqueued:
         """Queue one item (durably, before returning) or name the existing one; QueueFull
         when the recipient is at a bound, StoreUnavailable when the store is broken."""
+        fn, row = self._enqueue_job(recipient, sender, msg_id, envelope, expires_at)
+        return await self._submit(fn, writes=True, single=True,  # type: ignore[no-any-return]
+                                  row=row)
+
+    def enqueue_soon(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
+                     expires_at: int,
+                     then: Callable[[Enqueued | None, BaseException | None], None]) -> None:
+        """`enqueue` without a task waiting on it (main answering a worker's enqueues:
+        thousands a second): `then(result, None)` or `then(None, error)` is called on
+        the trio thread once the job is over — after its COMMIT, as `enqueue` returns.
+        No `JOB_TIMEOUT` here: the worker that asked gives up on its own clock.
+        StoreUnavailable at once when the store is not running or overloaded."""
+        fn, row = self._enqueue_job(recipient, sender, msg_id, envelope, expires_at)
+
+        def over(job: _Job) -> None:
+            then(job.result, job.error)
+
+        self._put(_Job(fn, True, True, row, callback=over))
+
+    def _enqueue_job(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
+                     expires_at: int
+                     ) -> tuple[Callable[[sqlite3.Connection], Enqueued], tuple[Any, ...]]:
         now = int(self.clock())
 
         def existing(conn: sqlite3.Connection) -> Enqueued | None:
@@ -261,9 +293,7 @@ class SqliteStore:
             self._depths = {**self._depths, recipient: (items + 1, size + len(envelope))}
             return Enqueued(int(cur.lastrowid or 0), False)
 
-        row = (recipient, sender, msg_id, now, expires_at, len(envelope), envelope)
-        return await self._submit(run, writes=True, single=True,  # type: ignore[no-any-return]
-                                  row=row)
+        return run, (recipient, sender, msg_id, now, expires_at, len(envelope), envelope)
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         """The oldest unacked, unexpired items (at most `limit`, and `MAX_PAGE_BYTES` of
@@ -472,7 +502,14 @@ class SqliteStore:
 
         def wake() -> None:
             for job in batch:
-                job.done.set()
+                if job.callback is None:
+                    assert job.done is not None
+                    job.done.set()
+                    continue
+                try:
+                    job.callback(job)
+                except Exception as exc:  # noqa: BLE001 - never into trio's run loop
+                    log.error("relay_store_callback_failed", error=repr(exc))
 
         try:
             self._token.run_sync_soon(wake)
