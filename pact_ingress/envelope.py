@@ -334,7 +334,9 @@ _PINS_SEEN_MAX = 4096
 
 
 def _known_pin(text: object) -> bool:
-    if text in _PINS_SEEN:  # only strings that passed are ever in it
+    # a hostile header may name a list or an object here: unhashable, so the type is
+    # checked before the set is asked (only strings that passed are ever in it)
+    if type(text) is str and text in _PINS_SEEN:
         return True
     if not is_pin(text):
         return False

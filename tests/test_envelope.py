@@ -447,7 +447,8 @@ def test_rejects_recipient_not_among_pins(edge: Any) -> None:
 
 
 @pytest.mark.parametrize("name", ["from_", "to", "kid"])
-@pytest.mark.parametrize("value", ["alice", "sha256:short", 5, None, "sha1:" + "A" * 43])
+@pytest.mark.parametrize("value", ["alice", "sha256:short", 5, None, "sha1:" + "A" * 43,
+                                   ["sha256:" + "A" * 43], {"pin": 1}])
 def test_rejects_fingerprint_members_of_wrong_shape(edge: Any, name: str, value: object) -> None:
     env, pins = edge
     _rejects(_with_header(env, **{name: value}), pins, "fingerprint")
