@@ -70,7 +70,7 @@ from typing import Any
 
 import trio
 
-from pact_ingress.logs import log, members
+from pact_ingress.logs import log, members, ms_repr
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
@@ -89,10 +89,16 @@ from pact_ingress.proto.passthrough import (
     BACKEND,
     CLIENT,
     DOWN,
+    F_DONE,
+    F_READ,
+    F_WRITE,
+    PUMP_DOWN,
+    PUMP_UP,
+    S_CLOSED,
+    S_HELLO,
+    S_SPLICING,
     UP,
-    Flow,
     Passthrough,
-    State,
     Step,
     alert_for,
 )
@@ -126,10 +132,9 @@ _ERROR = select.EPOLLERR
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP
 #: What an edge in SPLICING may carry that only `Passthrough.ready` judges.
 _OUT_OR_ERROR = select.EPOLLOUT | select.EPOLLERR
-_SPLICING = State.SPLICING
-_FLOW_READ = Flow.READ
-_FLOW_WRITE = Flow.WRITE
-_FLOW_DONE = Flow.DONE
+#: `Wait`'s members as globals (an Enum class attribute costs a metaclass hook on 3.11).
+_W_READ, _W_WRITE, _W_EOF, _W_BUSY = Wait.READ, Wait.WRITE, Wait.EOF, Wait.BUSY
+_READ_HELLO, _SEND_HEAD = Step.READ_HELLO, Step.SEND_HEAD
 #: A head this long may leave in more than one segment (the smallest MSS a path may
 #: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
 #: hold the head's tail. A shorter head leaves in one segment whatever the options are,
@@ -259,7 +264,7 @@ class Edge:
                     if self.again:
                         again, self.again = self.again, []
                         for conn, direction in again:
-                            if conn.state is State.SPLICING:
+                            if conn.state is S_SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
                     log.release()
@@ -303,7 +308,7 @@ class Edge:
         if mask & _HUP:
             conn.hup |= 1 << side
         try:
-            if conn.state is _SPLICING and not mask & _OUT_OR_ERROR:
+            if conn.state is S_SPLICING and not mask & _OUT_OR_ERROR:
                 # The common edge: data (or the peer's EOF) to read on one side, which is
                 # the source of one direction (UP == CLIENT): `ready` would name that pump
                 # alone. A hang-up is a writable edge too: when the other direction waits
@@ -312,13 +317,13 @@ class Edge:
                     mine, other = conn.up, conn.down
                 else:
                     mine, other = conn.down, conn.up
-                if (mine is _FLOW_READ
-                        and (other is not _FLOW_WRITE or not mask & select.EPOLLHUP)):
+                if (mine is F_READ
+                        and (other is not F_WRITE or not mask & select.EPOLLHUP)):
                     self._relay_short(conn, side)
                     return
             steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
             for step in steps:
-                if conn.state is State.CLOSED:
+                if conn.state is S_CLOSED:
                     break
                 self._step(conn, step)
         except Exception as exc:  # one connection's bug must not stop the engine
@@ -340,13 +345,13 @@ class Edge:
             self._crashed(conn, exc)
 
     def _step(self, conn: _Conn, step: Step) -> None:
-        if step is Step.PUMP_UP:
+        if step is PUMP_UP:
             self._pump(conn, UP)
-        elif step is Step.PUMP_DOWN:
+        elif step is PUMP_DOWN:
             self._pump(conn, DOWN)
-        elif step is Step.READ_HELLO:
+        elif step is _READ_HELLO:
             self._read_hello(conn)
-        elif step is Step.SEND_HEAD:
+        elif step is _SEND_HEAD:
             self._send_head(conn)
         else:  # Step.FAIL
             self._finish(conn, "reset")
@@ -604,10 +609,10 @@ class Edge:
             self.fds[conn.cfd] = (conn, CLIENT)
             self.ep.register(conn.cfd, REGISTER)
             conn.creg = True
-        if conn.hup & (1 << CLIENT) and Step.PUMP_UP not in steps:
-            steps += (Step.PUMP_UP,)  # its EOF arrived with the hello: no edge will come
+        if conn.hup & (1 << CLIENT) and PUMP_UP not in steps:
+            steps += (PUMP_UP,)  # its EOF arrived with the hello: no edge will come
         for step in steps:
-            if conn.state is State.CLOSED:
+            if conn.state is S_CLOSED:
                 return
             self._step(conn, step)
 
@@ -621,8 +626,8 @@ class Edge:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
             src, dst = conn.bfd, conn.cfd
         try:
-            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else Wait.BUSY
-            if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else _W_BUSY
+            if wait is _W_BUSY:  # a full probe, or mid-splice: the rest by splice
                 if not conn.tuned and direction == UP:
                     _tune(conn)
                 if d is None:  # splice's state, made the first time a direction needs it
@@ -638,20 +643,20 @@ class Edge:
             self._keep_pipe(conn, direction, pipe)
             self._finish(conn, "reset")
             return
-        if pipe is not None and (wait is Wait.READ or wait is Wait.EOF):
+        if pipe is not None and (wait is _W_READ or wait is _W_EOF):
             give_pipe(pipe, drained=True)
             pipe = None
-        if wait is Wait.EOF:
+        if wait is _W_EOF:
             other = conn.down if direction == UP else conn.up
-            if other is not Flow.DONE:  # passed on as a half-close
+            if other is not F_DONE:  # passed on as a half-close
                 dst = conn.bsock if direction == UP else conn.csock
                 try:  # (the last EOF needs none: both sockets close right after)
                     dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                 except OSError:
                     pass  # the peer is gone: the other direction will see that
-        elif wait is Wait.BUSY:
+        elif wait is _W_BUSY:
             self.again.append((conn, direction))
-        elif wait is Wait.WRITE:
+        elif wait is _W_WRITE:
             self._want_out(conn, BACKEND if direction == UP else CLIENT)
         if direction == UP:
             conn.up_pipe = pipe
@@ -661,7 +666,7 @@ class Edge:
             after = conn.down_bytes
         if after != before:
             self._count(conn.counters[direction], after - before)
-        flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
+        flow = F_DONE if wait is _W_EOF else F_WRITE if wait is _W_WRITE else F_READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
@@ -692,13 +697,13 @@ class Edge:
                 return
             size = len(data)
             if not size:  # EOF: passed on as a half-close, unless it is the last one
-                if (conn.down if direction == UP else conn.up) is not _FLOW_DONE:
+                if (conn.down if direction == UP else conn.up) is not F_DONE:
                     try:
                         (conn.bsock if direction == UP else conn.csock).shutdown(  # type: ignore[union-attr]
                             socket.SHUT_WR)
                     except OSError:
                         pass  # the peer is gone: the other direction will see that
-                if conn.pumped(direction, _FLOW_DONE, False, self.now):
+                if conn.pumped(direction, F_DONE, False, self.now):
                     self._finish(conn, "ok")
                 return
             if not conn.tuned and direction == UP:
@@ -757,15 +762,15 @@ class Edge:
             else:
                 conn.down_left = left
             if left:
-                return Wait.WRITE
+                return _W_WRITE
         src_side = CLIENT if direction == UP else BACKEND
         while True:
             try:
                 data = os.read(src, COPY_PROBE)
             except BlockingIOError:
-                return Wait.READ
+                return _W_READ
             if not data:
-                return Wait.EOF
+                return _W_EOF
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
@@ -779,11 +784,11 @@ class Edge:
                     conn.up_left = data[n:]
                 else:
                     conn.down_left = data[n:]
-                return Wait.WRITE
+                return _W_WRITE
             if len(data) == COPY_PROBE:
-                return Wait.BUSY
+                return _W_BUSY
             if not conn.hup & (1 << src_side):
-                return Wait.READ
+                return _W_READ
             # a short read does not prove a drained source when its peer has shut down:
             # the EOF behind the data raises no new edge, so read on until it shows
 
@@ -828,14 +833,13 @@ class Edge:
             head = self.close_heads[key] = members(
                 route=route.host, tenant=route.tenant, mode="passthrough") + ',"client_ip":'
         bytes_up = conn.up_bytes + conn.hello_len
-        duration = round(self.now - conn.start, 3)
         if not log.emit_members(logging.INFO, "conn_close", (
                 f'{head}{_json_str(conn.client[0])},"bytes_up":{bytes_up},'
-                f'"bytes_down":{conn.down_bytes},"duration_s":{duration!r},'
+                f'"bytes_down":{conn.down_bytes},"duration_s":{ms_repr(self.now - conn.start)},'
                 f'"outcome":{_json_str(outcome)}'), _CLOSE_FIELDS):
             log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
                      client_ip=conn.client[0], bytes_up=bytes_up, bytes_down=conn.down_bytes,
-                     duration_s=duration, outcome=outcome)
+                     duration_s=round(self.now - conn.start, 3), outcome=outcome)
         self._count(self.router._connections(route.host, outcome))
         self._end(conn, outcome)
 
@@ -843,7 +847,7 @@ class Edge:
         self.stats.rejections.labels("handler_error").inc()
         log.error("handler_error", client_ip=conn.client[0],
                   error=f"{type(exc).__name__}: {exc}")
-        if conn.route is not None and conn.state is not State.HELLO:
+        if conn.route is not None and conn.state is not S_HELLO:
             self.router._connections(conn.route.host, "error").inc()
         self._end(conn, "error")
 
@@ -855,7 +859,7 @@ class Edge:
     def _end(self, conn: _Conn, outcome: str, pending: bool = True) -> None:
         if conn not in self.conns:
             return  # ended already
-        if conn.state is not State.CLOSED:
+        if conn.state is not S_CLOSED:
             conn.close(outcome)
         self.conns.discard(conn)  # `_forget` and `_close_backend`, inline: every end
         fds = self.fds
@@ -925,7 +929,7 @@ class Edge:
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""
         for conn in list(self.conns):
-            if conn.route is not None and conn.state is not State.HELLO:
+            if conn.route is not None and conn.state is not S_HELLO:
                 self.router._connections(conn.route.host, "error").inc()
             self._end(conn, "error")
         self._flush()

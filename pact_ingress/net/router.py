@@ -158,8 +158,8 @@ class _Counts:
         left = kind[client] - 1
         if left:
             kind[client] = left
-        else:
-            del kind[client]
+        else:  # (a Counter's `del` is a Python-level call; pop is dict's)
+            kind.pop(client, None)
 
 
 def client_of(ip: str) -> str:
