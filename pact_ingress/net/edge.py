@@ -63,7 +63,6 @@ import math
 import os
 import select
 import socket
-from collections import Counter
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
@@ -79,6 +78,7 @@ from pact_ingress.net.router import (
     HEAD_TIMEOUT,
     PEEK_READ,
     Router,
+    Tally,
     client_of,
 )
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
@@ -143,6 +143,9 @@ _READ_HELLO, _SEND_HEAD = Step.READ_HELLO, Step.SEND_HEAD
 TUNE_AT_CONNECT = 536
 
 
+#: A route's (route, (up, down) byte counters, "ok" connections counter, `conn_close`
+#: line head): see `Edge._prepared`.
+_Prepared = tuple[Route, tuple[Any, Any], Any, str]
 #: The fields of the `conn_close` line (`Edge._finish`).
 _CLOSE_FIELDS = frozenset(("route", "tenant", "mode", "client_ip", "bytes_up", "bytes_down",
                            "duration_s", "outcome"))
@@ -158,14 +161,14 @@ class _Conn(Passthrough):
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
-        super().__init__(now, hello_timeout)
+        Passthrough.__init__(self, now, hello_timeout)  # (`super()` builds an object)
         self.csock = csock
         self.cfd = csock.fileno()
         self.bsock: _socket.socket | None = None
         self.bfd = -1
         self.client = client
         self.who = who
-        self.kind: Counter[str] | None = None  # the _Counts bucket it is counted in
+        self.kind: Tally | None = None  # the _Counts bucket it is counted in
         self.buf = b""
         self.route: Route | None = None
         self.head: memoryview | None = None
@@ -216,8 +219,8 @@ class Edge:
         #: back and applied before the engine yields or waits (`_flush`): one `inc` per
         #: counter per busy spell, not one per connection and step.
         self.tally: dict[Any, int] = {}
-        #: The constant head of each route's `conn_close` line, encoded once.
-        self.close_heads: dict[tuple[str, Any], str] = {}
+        #: What every connection of a route needs, made once per route (`_prepared`).
+        self.routes: dict[str, _Prepared] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
@@ -410,7 +413,7 @@ class Edge:
             sock.setblocking(False)
             counts.total += 1
             pending = counts.pending
-            pending[who] = pending.get(who, 0) + 1  # (a Counter's miss costs a call)
+            pending[who] = pending.get(who, 0) + 1
             conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
             self.conns.add(conn)
             try:
@@ -529,7 +532,10 @@ class Edge:
 
     def _connect(self, conn: _Conn, route: Route, addrs: tuple[str, ...], more: bool) -> None:
         conn.route = route
-        conn.counters = self.router._byte_counters(route.host)
+        prepared = self.routes.get(route.host)
+        if prepared is None or prepared[0] is not route:
+            prepared = self._prepared(route)
+        conn.counters = prepared[1]
         conn.addrs = addrs
         conn.hello_len = len(conn.buf)
         head = conn.buf
@@ -825,13 +831,10 @@ class Edge:
         """A routed connection is over: its log line and counter, then close."""
         route = conn.route
         assert route is not None
-        key = (route.host, route.tenant)
-        head = self.close_heads.get(key)
-        if head is None:
-            if len(self.close_heads) > 4096:  # routes come and go with reloads
-                self.close_heads.clear()
-            head = self.close_heads[key] = members(
-                route=route.host, tenant=route.tenant, mode="passthrough") + ',"client_ip":'
+        prepared = self.routes.get(route.host)
+        if prepared is None or prepared[0] is not route:
+            prepared = self._prepared(route)
+        _, _, ok, head = prepared
         bytes_up = conn.up_bytes + conn.hello_len
         if not log.emit_members(logging.INFO, "conn_close", (
                 f'{head}{_json_str(conn.client[0])},"bytes_up":{bytes_up},'
@@ -840,8 +843,23 @@ class Edge:
             log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
                      client_ip=conn.client[0], bytes_up=bytes_up, bytes_down=conn.down_bytes,
                      duration_s=round(self.now - conn.start, 3), outcome=outcome)
-        self._count(self.router._connections(route.host, outcome))
+        counter = ok if outcome == "ok" else self.router._connections(route.host, outcome)
+        tally = self.tally
+        tally[counter] = tally.get(counter, 0) + 1
         self._end(conn, outcome)
+
+    def _prepared(self, route: Route) -> _Prepared:
+        """The per-route constants of a connection: its byte counters, its "ok"
+        connections counter and the constant head of its `conn_close` line. Made again
+        for the new `Route` a reload gives."""
+        if len(self.routes) > 4096:  # routes come and go with reloads
+            self.routes.clear()
+        router = self.router
+        host = route.host
+        prepared = self.routes[host] = (
+            route, router._byte_counters(host), router._connections(host, "ok"),
+            members(route=host, tenant=route.tenant, mode="passthrough") + ',"client_ip":')
+        return prepared
 
     def _crashed(self, conn: _Conn, exc: Exception) -> None:
         self.stats.rejections.labels("handler_error").inc()
@@ -888,8 +906,8 @@ class Edge:
         left = kind[who] - 1
         if left:
             kind[who] = left
-        else:  # (a Counter's `del` is a Python-level call; pop is dict's)
-            kind.pop(who, None)
+        else:
+            del kind[who]
 
     def _forget(self, conn: _Conn, handing_off: bool = False) -> None:
         """Out of the engine's tables; a client socket that lives on (handed off) out of
