@@ -58,11 +58,14 @@ from __future__ import annotations
 
 import _socket
 import errno
+import fcntl
 import logging
 import math
 import os
 import select
 import socket
+import sys
+import termios
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
@@ -120,6 +123,9 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
+#: Per-call non-blocking reads and writes of a client socket whose fd blocks (`_accept`).
+_DONTWAIT = socket.MSG_DONTWAIT
+_ONE = (1).to_bytes(4, sys.byteorder)  # FIONBIO's int argument
 #: Every fd's registration: readable, peer half-close, edge-triggered (errors and hang-ups
 #: are reported whatever is asked for).
 REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
@@ -157,7 +163,7 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned", "outs", "counters")
+                 "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -190,6 +196,7 @@ class _Conn(Passthrough):
         self.outs = 0  # sides whose fd is registered for writability (bit per side)
         self.last_error: str = ""
         self.counters: tuple[Any, Any] = (None, None)  # the route's (up, down) byte counters
+        self.nonblocking = False  # the client fd has O_NONBLOCK (see `_accept`)
 
     def add_up(self, n: int) -> None:
         self.up_bytes += n
@@ -409,8 +416,10 @@ class Edge:
                 self.stats.refused("-", ip, reason)
                 os.close(fd)  # at accept: nothing read, nothing answered
                 continue
+            # The fd stays blocking: every read and write of it here says MSG_DONTWAIT, and
+            # O_NONBLOCK (one more syscall) is set only when it is first spliced
+            # (`_nonblocking`), which most connections never are.
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
-            sock.setblocking(False)
             counts.total += 1
             pending = counts.pending
             pending[who] = pending.get(who, 0) + 1
@@ -426,7 +435,7 @@ class Edge:
         router = self.router
         while True:
             try:
-                chunk = os.read(conn.cfd, PEEK_READ)
+                chunk = conn.csock.recv(PEEK_READ, _DONTWAIT)
             except BlockingIOError:
                 if not conn.creg:
                     self._register(conn.cfd, conn, CLIENT)
@@ -494,7 +503,7 @@ class Edge:
             route = table.lookup(sni)
         if route is None:
             router._reject(ip, "unknown_sni" if sni else "no_sni")
-            _send_alert(conn.cfd, tls_alert.UNRECOGNIZED_NAME)
+            _send_alert(conn.csock, tls_alert.UNRECOGNIZED_NAME)
             self._drop(conn)
             return
         address = route.backend.address
@@ -512,6 +521,7 @@ class Edge:
         self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
+        _nonblocking(conn)  # what the task path expects of an fd
         # what trio wraps; naming family, type and protocol spares the two getsockopt(2)
         # the socket module would otherwise make to learn them
         csock = conn.csock
@@ -632,11 +642,13 @@ class Edge:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
             src, dst = conn.bfd, conn.cfd
         try:
-            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else _W_BUSY
+            wait = self._copy(conn, direction, moved) if pipe is None else _W_BUSY
             if wait is _W_BUSY:  # a full probe, or mid-splice: the rest by splice
                 if not conn.tuned and direction == UP:
                     _tune(conn)
                 if d is None:  # splice's state, made the first time a direction needs it
+                    if not conn.nonblocking:  # splice(2) has no MSG_DONTWAIT
+                        _nonblocking(conn)
                     d = Direction("", src, dst)
                     if direction == UP:
                         conn.upd = d
@@ -687,15 +699,15 @@ class Edge:
             if conn.up_pipe is not None or conn.up_left:
                 self._pump(conn, UP)
                 return
-            src, dst = conn.cfd, conn.bfd
+            src, dst = conn.csock, conn.bsock
         else:
             if conn.down_pipe is not None or conn.down_left:
                 self._pump(conn, DOWN)
                 return
-            src, dst = conn.bfd, conn.cfd
+            src, dst = conn.bsock, conn.csock
         while True:
             try:
-                data = os.read(src, COPY_PROBE)
+                data = src.recv(COPY_PROBE, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 return  # drained (or a spurious edge): the direction waits to read
             except OSError:
@@ -705,8 +717,7 @@ class Edge:
             if not size:  # EOF: passed on as a half-close, unless it is the last one
                 if (conn.down if direction == UP else conn.up) is not F_DONE:
                     try:
-                        (conn.bsock if direction == UP else conn.csock).shutdown(  # type: ignore[union-attr]
-                            socket.SHUT_WR)
+                        dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                     except OSError:
                         pass  # the peer is gone: the other direction will see that
                 if conn.pumped(direction, F_DONE, False, self.now):
@@ -715,7 +726,7 @@ class Edge:
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
-                n = os.write(dst, data)
+                n = dst.send(data, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             except OSError:
@@ -744,7 +755,7 @@ class Edge:
         self._pump(conn, direction)  # bytes left to write, or more to read by splice
 
     @staticmethod
-    def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:
+    def _copy(conn: _Conn, direction: int, moved: Any) -> Wait:
         """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
 
         Most wake-ups of a connection carry a request, a response or an EOF, far less
@@ -755,10 +766,13 @@ class Edge:
         edge). A full probe means a bulk transfer: BUSY, and the rest goes by splice.
         Bytes the destination does not take wait in `conn.up_left/down_left` (at most
         COPY_PROBE per direction)."""
-        left = conn.up_left if direction == UP else conn.down_left
+        if direction == UP:
+            src, dst, left = conn.csock, conn.bsock, conn.up_left
+        else:
+            src, dst, left = conn.bsock, conn.csock, conn.down_left
         if left:
             try:
-                n = os.write(dst, left)
+                n = dst.send(left, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             moved(n)
@@ -772,7 +786,7 @@ class Edge:
         src_side = CLIENT if direction == UP else BACKEND
         while True:
             try:
-                data = os.read(src, COPY_PROBE)
+                data = src.recv(COPY_PROBE, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 return _W_READ
             if not data:
@@ -780,7 +794,7 @@ class Edge:
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
-                n = os.write(dst, data)
+                n = dst.send(data, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             if n:
@@ -817,7 +831,7 @@ class Edge:
         router._connections(route.host, "backend_down").inc()
         alert = alert_for("backend_down")
         if alert is not None:
-            _send_alert(conn.cfd, alert)
+            _send_alert(conn.csock, alert)
         self._end(conn, "backend_down")
 
     def _backend_reset(self, conn: _Conn, error: str) -> None:
@@ -966,10 +980,18 @@ def _tune(conn: _Conn) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _send_alert(fd: int, description: int) -> None:
+def _send_alert(sock: _socket.socket, description: int) -> None:
     """Best effort: a fatal alert before the close (see `router._send_alert`)."""
     try:
-        os.write(fd, tls_alert.alert_record(description))
+        sock.send(tls_alert.alert_record(description), _DONTWAIT)
     except OSError:
         pass
+
+
+def _nonblocking(conn: _Conn) -> None:
+    """O_NONBLOCK on the client fd, for what cannot say MSG_DONTWAIT per call: splice(2),
+    and the task path a handed-off connection goes to. One ioctl, as `setblocking`
+    makes, without changing the socket object's own (blocking) mode."""
+    conn.nonblocking = True
+    fcntl.ioctl(conn.cfd, termios.FIONBIO, _ONE)
 
