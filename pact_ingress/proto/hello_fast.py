@@ -18,6 +18,7 @@ property the tests check on real hellos and on mutations of them).
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 from pact_ingress.proto.clienthello import (
     _HOST_RE,
@@ -111,11 +112,14 @@ def quick_sni(data: bytes) -> str | None:
             stop = at + 4 + size
             if size < 2 or pos + listed != stop or pos == stop:
                 return None
-            while pos < stop:
-                name = pos + 1
-                pos = name + data[pos]
-                if pos > stop or name == pos:
-                    return None
+            names = data[pos:stop]
+            if names not in _ALPN_LISTS:
+                while pos < stop:
+                    name = pos + 1
+                    pos = name + data[pos]
+                    if pos > stop or name == pos:
+                        return None
+                _remember(_ALPN_LISTS, names, True)
         at = found.get(43)
         if at is not None:  # supported_versions: an even, non-empty list, filling it
             size = ((data[at + 2] << 8) | data[at + 3]) - 1
@@ -123,10 +127,30 @@ def quick_sni(data: bytes) -> str | None:
                 return None
     except _SHORT:
         return None
-    lower = raw.removesuffix(b".").lower()
-    if len(lower) > _MAX_HOSTNAME or _HOST_MATCH(lower) is None:
-        return None
-    return lower.decode("ascii")
+    host = _HOSTS.get(raw)
+    if host is None:
+        lower = raw.removesuffix(b".").lower()
+        if len(lower) > _MAX_HOSTNAME or _HOST_MATCH(lower) is None:
+            return None
+        host = _remember(_HOSTS, raw, lower.decode("ascii"))
+    return host
+
+
+#: Answers that depend only on a few bytes, which real clients repeat connection after
+#: connection (the served host names, the ALPN list of each client kind): a host_name as
+#: sent → the name it routes by, when valid; an ALPN list's bytes → well framed. Only
+#: valid inputs are kept, and each map is bounded: a client sending new names every time
+#: only makes it forget, never answer differently.
+_HOSTS: dict[bytes, str] = {}
+_ALPN_LISTS: dict[bytes, bool] = {}
+_REMEMBERED = 1024
+
+
+def _remember(cache: dict[bytes, Any], key: bytes, value: Any) -> Any:
+    if len(cache) >= _REMEMBERED:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _host_name(data: bytes, start: int, stop: int, listed: int) -> bytes | None:

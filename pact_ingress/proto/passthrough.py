@@ -10,7 +10,8 @@ connection, which I/O step each edge calls for and what follows from its result;
 engine does the syscalls and feeds the results back. No sockets, no clock: `now` is a
 parameter, so every transition and every timer is tested without I/O.
 
-States, each moved only through `_go` (anything not in `_NEXT` raises):
+States, each moved only as `_NEXT` allows (anything else raises; the moves every connection
+makes check the table inline rather than through a call to `_go`):
 
     HELLO ──routed──> CONNECTING ──head sent──> SPLICING ──both EOF──> CLOSED
       │                   │                         │
@@ -189,7 +190,9 @@ class Passthrough:
                idle_timeout: float, more_from_client: bool) -> None:
         """The ClientHello named a passthrough route; the backend connect has begun.
         `more_from_client`: the last read may have left bytes in the socket."""
-        self._go(S_CONNECTING)
+        if S_CONNECTING not in _NEXT[self.state]:  # `_go`, inline
+            raise TransitionError(f"{self.state.name} -> CONNECTING")
+        self.state = S_CONNECTING
         self.deadline = now + connect_timeout
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
@@ -229,7 +232,7 @@ class Passthrough:
             self.deadline = now + self.head_timeout
         if not done:
             return _NOTHING
-        self._go(S_SPLICING)
+        self.state = S_SPLICING  # (CONNECTING -> SPLICING: in `_NEXT`)
         self.deadline = now + self.idle_timeout
         seen, self.seen = self.seen, 0
         up = bool(seen & (1 << CLIENT))
@@ -256,7 +259,9 @@ class Passthrough:
 
     def close(self, outcome: str) -> None:
         """The connection ends with `outcome` (closing twice is a caller's bug: raises)."""
-        self._go(S_CLOSED)
+        if S_CLOSED not in _NEXT[self.state]:  # `_go`, inline
+            raise TransitionError(f"{self.state.name} -> CLOSED")
+        self.state = S_CLOSED
         self.outcome = outcome
 
     def expired(self, now: float) -> str | None:
