@@ -41,7 +41,7 @@ _ONE_NAME = struct.Struct(">HHHBH").unpack_from
 _SHORT = struct.error
 
 
-def quick_sni(data: bytes) -> str | None:
+def quick_sni(data: bytes | bytearray) -> str | None:
     """The SNI host_name (as `ClientHello.sni` spells it) of the ClientHello at the start
     of `data`, when that hello is whole in its first record, well-formed, and names a
     host; None when the full parser must decide (see the module doc).
@@ -52,6 +52,8 @@ def quick_sni(data: bytes) -> str | None:
     checks would refuse anyway (see each one), so it declines as they would."""
     if len(data) < 47:
         return None
+    if type(data) is not bytes:  # (a bytearray's slices could not key the maps below)
+        data = bytes(data)
     # record: handshake(22), version 3.x (x ≤ 3); message: client_hello(1)
     kind, major, minor, record, message, high, low, legacy, sid = _HEAD(data)
     total = 4 + ((high << 16) | low)
