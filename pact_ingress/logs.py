@@ -39,10 +39,31 @@ _LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "
                 logging.ERROR: "error"}
 
 
+#: The level and event members of `emit_members` lines, by (level, event), encoded once.
+_LINE_HEADS: dict[tuple[int, str], str] = {}
+
+
 def _json_line(created: float, level: str, event: str, fields: dict[str, Any]) -> str:
     out: dict[str, Any] = {"ts": round(created, 3), "level": level, "event": event}
     out.update(fields)
     return _ENCODER.encode(out)
+
+
+#: Below this magnitude a float rounded to 3 decimals prints as those 3 decimals: doubles
+#: there are closer together than 0.0005, so no shorter decimal names the same double.
+_MS_EXACT = 1e12
+
+
+def ms_repr(x: float) -> str:
+    """`repr(round(x, 3))`, the text of a line's seconds (`ts`, durations), at under half
+    its cost: `round` and `repr` each run the float-to-decimal conversion, repr the
+    arbitrary-precision one, twice per connection line. "%.3f" rounds the same way as
+    `round(x, 3)` (the same correctly rounded conversion), and in range, stripping the
+    zeros repr would not print gives repr's text."""
+    if -_MS_EXACT < x < _MS_EXACT:
+        text = ("%.3f" % x).rstrip("0")
+        return text + "0" if text.endswith(".") else text
+    return repr(round(x, 3))
 
 
 _quote = json.encoder.encode_basestring_ascii  # the C string escaper json itself uses
@@ -55,7 +76,7 @@ def _access_line(created: float, event: str, fields: dict[str, Any]) -> str:
     escaper, numbers through repr; anything else through the encoder)."""
     if not _HEAD_FIELDS.isdisjoint(fields):  # a field that replaces the head: as usual
         return _json_line(created, "info", event, fields) + "\n"
-    parts = [f'{{"ts":{round(created, 3)!r},"level":"info","event":{_quote(event)}']
+    parts = [f'{{"ts":{ms_repr(created)},"level":"info","event":{_quote(event)}']
     for name, value in fields.items():
         kind = type(value)
         if kind is str:
@@ -207,7 +228,7 @@ class EventLogger:
             self.access("request", **json.loads("{" + prefix + "}"), method=method,
                         path=path, status=status, ms=ms)
             return
-        line = (f'{{"ts":{round(time.time(), 3)!r},"level":"info","event":"request",'
+        line = (f'{{"ts":{ms_repr(time.time())},"level":"info","event":"request",'
                 f'{_bound_members}{prefix},"method":{_quote(method)},"path":{_quote(path)},'
                 f'"status":{status!r},"ms":{ms!r}}}\n')
         self._access.append(line)
@@ -254,11 +275,17 @@ class EventLogger:
         False, and nothing written, unless lines go straight to the JSON handler and no
         bound field shares a name with them: then the caller logs the usual way."""
         handler = _direct
-        if (handler is None or _LOGGER.handlers != [handler]
-                or not _LOGGER.isEnabledFor(level) or not names.isdisjoint(_bound)):
+        handlers = _LOGGER.handlers
+        if (handler is None or len(handlers) != 1 or handlers[0] is not handler
+                or not _LOGGER.isEnabledFor(level) or (_bound and not names.isdisjoint(_bound))):
             return False
-        line = (f'{{"ts":{round(time.time(), 3)!r},"level":"{_LEVEL_NAMES.get(level, "info")}",'
-                f'"event":{_event_json(event)},{_bound_members}{encoded}}}\n')
+        head = _LINE_HEADS.get((level, event))
+        if head is None:
+            if len(_LINE_HEADS) > 1024:  # event names are constants in code; bound it anyway
+                _LINE_HEADS.clear()
+            head = _LINE_HEADS[level, event] = (
+                f'"level":"{_LEVEL_NAMES.get(level, "info")}","event":{_event_json(event)},')
+        line = f'{{"ts":{ms_repr(time.time())},{head}{_bound_members}{encoded}}}\n'
         held = self._held
         if held is not None and self._holder == threading.get_ident():
             held.append(line)

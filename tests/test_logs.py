@@ -8,7 +8,7 @@ import json
 
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pact_ingress import logs
@@ -131,3 +131,18 @@ def test_request_line_in_text_format() -> None:
             in stream.getvalue()
     finally:
         log.flush()
+
+
+@given(st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                 st.floats(min_value=0, max_value=1e5),
+                 st.floats(min_value=1.5e9, max_value=2.5e9),
+                 st.integers(-10**15, 10**15).map(lambda n: n / 2000)))  # ties at .0005
+@settings(max_examples=3000)
+def test_ms_repr_is_repr_of_round(x: float) -> None:
+    assert logs.ms_repr(x) == repr(round(x, 3))
+
+
+def test_ms_repr_edges() -> None:
+    for x in (0.0, -0.0, 0.0004, -0.0004, 0.0005, 0.0015, 0.9995, 1e12 - 0.0005, 1e12,
+              -1e12, 1e16, 1.5e300, 5e-324, float("inf"), float("-inf")):
+        assert logs.ms_repr(x) == repr(round(x, 3)), x

@@ -58,19 +58,21 @@ from __future__ import annotations
 
 import _socket
 import errno
+import fcntl
 import logging
 import math
 import os
 import select
 import socket
-from collections import Counter
+import sys
+import termios
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 import trio
 
-from pact_ingress.logs import log, members
+from pact_ingress.logs import log, members, ms_repr
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
@@ -79,6 +81,7 @@ from pact_ingress.net.router import (
     HEAD_TIMEOUT,
     PEEK_READ,
     Router,
+    Tally,
     client_of,
 )
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
@@ -89,10 +92,16 @@ from pact_ingress.proto.passthrough import (
     BACKEND,
     CLIENT,
     DOWN,
+    F_DONE,
+    F_READ,
+    F_WRITE,
+    PUMP_DOWN,
+    PUMP_UP,
+    S_CLOSED,
+    S_HELLO,
+    S_SPLICING,
     UP,
-    Flow,
     Passthrough,
-    State,
     Step,
     alert_for,
 )
@@ -114,6 +123,9 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
+#: Per-call non-blocking reads and writes of a client socket whose fd blocks (`_accept`).
+_DONTWAIT = socket.MSG_DONTWAIT
+_ONE = (1).to_bytes(4, sys.byteorder)  # FIONBIO's int argument
 #: Every fd's registration: readable, peer half-close, edge-triggered (errors and hang-ups
 #: are reported whatever is asked for).
 REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
@@ -126,10 +138,9 @@ _ERROR = select.EPOLLERR
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP
 #: What an edge in SPLICING may carry that only `Passthrough.ready` judges.
 _OUT_OR_ERROR = select.EPOLLOUT | select.EPOLLERR
-_SPLICING = State.SPLICING
-_FLOW_READ = Flow.READ
-_FLOW_WRITE = Flow.WRITE
-_FLOW_DONE = Flow.DONE
+#: `Wait`'s members as globals (an Enum class attribute costs a metaclass hook on 3.11).
+_W_READ, _W_WRITE, _W_EOF, _W_BUSY = Wait.READ, Wait.WRITE, Wait.EOF, Wait.BUSY
+_READ_HELLO, _SEND_HEAD = Step.READ_HELLO, Step.SEND_HEAD
 #: A head this long may leave in more than one segment (the smallest MSS a path may
 #: have): its backend socket gets `STREAM_OPTIONS` before the connect, else Nagle could
 #: hold the head's tail. A shorter head leaves in one segment whatever the options are,
@@ -138,6 +149,9 @@ _FLOW_DONE = Flow.DONE
 TUNE_AT_CONNECT = 536
 
 
+#: A route's (route, (up, down) byte counters, "ok" connections counter, `conn_close`
+#: line head): see `Edge._prepared`.
+_Prepared = tuple[Route, tuple[Any, Any], Any, str]
 #: The fields of the `conn_close` line (`Edge._finish`).
 _CLOSE_FIELDS = frozenset(("route", "tenant", "mode", "client_ip", "bytes_up", "bytes_down",
                            "duration_s", "outcome"))
@@ -149,18 +163,18 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned", "outs", "counters")
+                 "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
-        super().__init__(now, hello_timeout)
+        Passthrough.__init__(self, now, hello_timeout)  # (`super()` builds an object)
         self.csock = csock
         self.cfd = csock.fileno()
         self.bsock: _socket.socket | None = None
         self.bfd = -1
         self.client = client
         self.who = who
-        self.kind: Counter[str] | None = None  # the _Counts bucket it is counted in
+        self.kind: Tally | None = None  # the _Counts bucket it is counted in
         self.buf = b""
         self.route: Route | None = None
         self.head: memoryview | None = None
@@ -182,6 +196,7 @@ class _Conn(Passthrough):
         self.outs = 0  # sides whose fd is registered for writability (bit per side)
         self.last_error: str = ""
         self.counters: tuple[Any, Any] = (None, None)  # the route's (up, down) byte counters
+        self.nonblocking = False  # the client fd has O_NONBLOCK (see `_accept`)
 
     def add_up(self, n: int) -> None:
         self.up_bytes += n
@@ -211,8 +226,8 @@ class Edge:
         #: back and applied before the engine yields or waits (`_flush`): one `inc` per
         #: counter per busy spell, not one per connection and step.
         self.tally: dict[Any, int] = {}
-        #: The constant head of each route's `conn_close` line, encoded once.
-        self.close_heads: dict[tuple[str, Any], str] = {}
+        #: What every connection of a route needs, made once per route (`_prepared`).
+        self.routes: dict[str, _Prepared] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
@@ -259,7 +274,7 @@ class Edge:
                     if self.again:
                         again, self.again = self.again, []
                         for conn, direction in again:
-                            if conn.state is State.SPLICING:
+                            if conn.state is S_SPLICING:
                                 self._guarded(conn, self._pump, direction)
                 finally:
                     log.release()
@@ -303,7 +318,7 @@ class Edge:
         if mask & _HUP:
             conn.hup |= 1 << side
         try:
-            if conn.state is _SPLICING and not mask & _OUT_OR_ERROR:
+            if conn.state is S_SPLICING and not mask & _OUT_OR_ERROR:
                 # The common edge: data (or the peer's EOF) to read on one side, which is
                 # the source of one direction (UP == CLIENT): `ready` would name that pump
                 # alone. A hang-up is a writable edge too: when the other direction waits
@@ -312,13 +327,13 @@ class Edge:
                     mine, other = conn.up, conn.down
                 else:
                     mine, other = conn.down, conn.up
-                if (mine is _FLOW_READ
-                        and (other is not _FLOW_WRITE or not mask & select.EPOLLHUP)):
+                if (mine is F_READ
+                        and (other is not F_WRITE or not mask & select.EPOLLHUP)):
                     self._relay_short(conn, side)
                     return
             steps = conn.ready(side, mask & _READABLE, mask & _WRITABLE, mask & _ERROR)
             for step in steps:
-                if conn.state is State.CLOSED:
+                if conn.state is S_CLOSED:
                     break
                 self._step(conn, step)
         except Exception as exc:  # one connection's bug must not stop the engine
@@ -340,13 +355,13 @@ class Edge:
             self._crashed(conn, exc)
 
     def _step(self, conn: _Conn, step: Step) -> None:
-        if step is Step.PUMP_UP:
+        if step is PUMP_UP:
             self._pump(conn, UP)
-        elif step is Step.PUMP_DOWN:
+        elif step is PUMP_DOWN:
             self._pump(conn, DOWN)
-        elif step is Step.READ_HELLO:
+        elif step is _READ_HELLO:
             self._read_hello(conn)
-        elif step is Step.SEND_HEAD:
+        elif step is _SEND_HEAD:
             self._send_head(conn)
         else:  # Step.FAIL
             self._finish(conn, "reset")
@@ -401,11 +416,13 @@ class Edge:
                 self.stats.refused("-", ip, reason)
                 os.close(fd)  # at accept: nothing read, nothing answered
                 continue
+            # The fd stays blocking: every read and write of it here says MSG_DONTWAIT, and
+            # O_NONBLOCK (one more syscall) is set only when it is first spliced
+            # (`_nonblocking`), which most connections never are.
             sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
-            sock.setblocking(False)
             counts.total += 1
             pending = counts.pending
-            pending[who] = pending.get(who, 0) + 1  # (a Counter's miss costs a call)
+            pending[who] = pending.get(who, 0) + 1
             conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
             self.conns.add(conn)
             try:
@@ -418,7 +435,7 @@ class Edge:
         router = self.router
         while True:
             try:
-                chunk = os.read(conn.cfd, PEEK_READ)
+                chunk = conn.csock.recv(PEEK_READ, _DONTWAIT)
             except BlockingIOError:
                 if not conn.creg:
                     self._register(conn.cfd, conn, CLIENT)
@@ -486,7 +503,7 @@ class Edge:
             route = table.lookup(sni)
         if route is None:
             router._reject(ip, "unknown_sni" if sni else "no_sni")
-            _send_alert(conn.cfd, tls_alert.UNRECOGNIZED_NAME)
+            _send_alert(conn.csock, tls_alert.UNRECOGNIZED_NAME)
             self._drop(conn)
             return
         address = route.backend.address
@@ -504,6 +521,7 @@ class Edge:
         self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
+        _nonblocking(conn)  # what the task path expects of an fd
         # what trio wraps; naming family, type and protocol spares the two getsockopt(2)
         # the socket module would otherwise make to learn them
         csock = conn.csock
@@ -524,7 +542,10 @@ class Edge:
 
     def _connect(self, conn: _Conn, route: Route, addrs: tuple[str, ...], more: bool) -> None:
         conn.route = route
-        conn.counters = self.router._byte_counters(route.host)
+        prepared = self.routes.get(route.host)
+        if prepared is None or prepared[0] is not route:
+            prepared = self._prepared(route)
+        conn.counters = prepared[1]
         conn.addrs = addrs
         conn.hello_len = len(conn.buf)
         head = conn.buf
@@ -604,10 +625,10 @@ class Edge:
             self.fds[conn.cfd] = (conn, CLIENT)
             self.ep.register(conn.cfd, REGISTER)
             conn.creg = True
-        if conn.hup & (1 << CLIENT) and Step.PUMP_UP not in steps:
-            steps += (Step.PUMP_UP,)  # its EOF arrived with the hello: no edge will come
+        if conn.hup & (1 << CLIENT) and PUMP_UP not in steps:
+            steps += (PUMP_UP,)  # its EOF arrived with the hello: no edge will come
         for step in steps:
-            if conn.state is State.CLOSED:
+            if conn.state is S_CLOSED:
                 return
             self._step(conn, step)
 
@@ -621,11 +642,13 @@ class Edge:
             d, pipe, moved, before = conn.downd, conn.down_pipe, conn.add_down, conn.down_bytes
             src, dst = conn.bfd, conn.cfd
         try:
-            wait = self._copy(conn, src, dst, direction, moved) if pipe is None else Wait.BUSY
-            if wait is Wait.BUSY:  # a full probe, or mid-splice: the rest by splice
+            wait = self._copy(conn, direction, moved) if pipe is None else _W_BUSY
+            if wait is _W_BUSY:  # a full probe, or mid-splice: the rest by splice
                 if not conn.tuned and direction == UP:
                     _tune(conn)
                 if d is None:  # splice's state, made the first time a direction needs it
+                    if not conn.nonblocking:  # splice(2) has no MSG_DONTWAIT
+                        _nonblocking(conn)
                     d = Direction("", src, dst)
                     if direction == UP:
                         conn.upd = d
@@ -638,20 +661,20 @@ class Edge:
             self._keep_pipe(conn, direction, pipe)
             self._finish(conn, "reset")
             return
-        if pipe is not None and (wait is Wait.READ or wait is Wait.EOF):
+        if pipe is not None and (wait is _W_READ or wait is _W_EOF):
             give_pipe(pipe, drained=True)
             pipe = None
-        if wait is Wait.EOF:
+        if wait is _W_EOF:
             other = conn.down if direction == UP else conn.up
-            if other is not Flow.DONE:  # passed on as a half-close
+            if other is not F_DONE:  # passed on as a half-close
                 dst = conn.bsock if direction == UP else conn.csock
                 try:  # (the last EOF needs none: both sockets close right after)
                     dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                 except OSError:
                     pass  # the peer is gone: the other direction will see that
-        elif wait is Wait.BUSY:
+        elif wait is _W_BUSY:
             self.again.append((conn, direction))
-        elif wait is Wait.WRITE:
+        elif wait is _W_WRITE:
             self._want_out(conn, BACKEND if direction == UP else CLIENT)
         if direction == UP:
             conn.up_pipe = pipe
@@ -661,7 +684,7 @@ class Edge:
             after = conn.down_bytes
         if after != before:
             self._count(conn.counters[direction], after - before)
-        flow = Flow.DONE if wait is Wait.EOF else Flow.WRITE if wait is Wait.WRITE else Flow.READ
+        flow = F_DONE if wait is _W_EOF else F_WRITE if wait is _W_WRITE else F_READ
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
@@ -676,15 +699,15 @@ class Edge:
             if conn.up_pipe is not None or conn.up_left:
                 self._pump(conn, UP)
                 return
-            src, dst = conn.cfd, conn.bfd
+            src, dst = conn.csock, conn.bsock
         else:
             if conn.down_pipe is not None or conn.down_left:
                 self._pump(conn, DOWN)
                 return
-            src, dst = conn.bfd, conn.cfd
+            src, dst = conn.bsock, conn.csock
         while True:
             try:
-                data = os.read(src, COPY_PROBE)
+                data = src.recv(COPY_PROBE, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 return  # drained (or a spurious edge): the direction waits to read
             except OSError:
@@ -692,19 +715,18 @@ class Edge:
                 return
             size = len(data)
             if not size:  # EOF: passed on as a half-close, unless it is the last one
-                if (conn.down if direction == UP else conn.up) is not _FLOW_DONE:
+                if (conn.down if direction == UP else conn.up) is not F_DONE:
                     try:
-                        (conn.bsock if direction == UP else conn.csock).shutdown(  # type: ignore[union-attr]
-                            socket.SHUT_WR)
+                        dst.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                     except OSError:
                         pass  # the peer is gone: the other direction will see that
-                if conn.pumped(direction, _FLOW_DONE, False, self.now):
+                if conn.pumped(direction, F_DONE, False, self.now):
                     self._finish(conn, "ok")
                 return
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
-                n = os.write(dst, data)
+                n = dst.send(data, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             except OSError:
@@ -733,7 +755,7 @@ class Edge:
         self._pump(conn, direction)  # bytes left to write, or more to read by splice
 
     @staticmethod
-    def _copy(conn: _Conn, src: int, dst: int, direction: int, moved: Any) -> Wait:
+    def _copy(conn: _Conn, direction: int, moved: Any) -> Wait:
         """The first step of a wake-up: one read of at most COPY_PROBE bytes, copied.
 
         Most wake-ups of a connection carry a request, a response or an EOF, far less
@@ -744,10 +766,13 @@ class Edge:
         edge). A full probe means a bulk transfer: BUSY, and the rest goes by splice.
         Bytes the destination does not take wait in `conn.up_left/down_left` (at most
         COPY_PROBE per direction)."""
-        left = conn.up_left if direction == UP else conn.down_left
+        if direction == UP:
+            src, dst, left = conn.csock, conn.bsock, conn.up_left
+        else:
+            src, dst, left = conn.bsock, conn.csock, conn.down_left
         if left:
             try:
-                n = os.write(dst, left)
+                n = dst.send(left, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             moved(n)
@@ -757,19 +782,19 @@ class Edge:
             else:
                 conn.down_left = left
             if left:
-                return Wait.WRITE
+                return _W_WRITE
         src_side = CLIENT if direction == UP else BACKEND
         while True:
             try:
-                data = os.read(src, COPY_PROBE)
+                data = src.recv(COPY_PROBE, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
-                return Wait.READ
+                return _W_READ
             if not data:
-                return Wait.EOF
+                return _W_EOF
             if not conn.tuned and direction == UP:
                 _tune(conn)
             try:
-                n = os.write(dst, data)
+                n = dst.send(data, _DONTWAIT)  # type: ignore[union-attr]
             except BlockingIOError:
                 n = 0
             if n:
@@ -779,11 +804,11 @@ class Edge:
                     conn.up_left = data[n:]
                 else:
                     conn.down_left = data[n:]
-                return Wait.WRITE
+                return _W_WRITE
             if len(data) == COPY_PROBE:
-                return Wait.BUSY
+                return _W_BUSY
             if not conn.hup & (1 << src_side):
-                return Wait.READ
+                return _W_READ
             # a short read does not prove a drained source when its peer has shut down:
             # the EOF behind the data raises no new edge, so read on until it shows
 
@@ -806,7 +831,7 @@ class Edge:
         router._connections(route.host, "backend_down").inc()
         alert = alert_for("backend_down")
         if alert is not None:
-            _send_alert(conn.cfd, alert)
+            _send_alert(conn.csock, alert)
         self._end(conn, "backend_down")
 
     def _backend_reset(self, conn: _Conn, error: str) -> None:
@@ -820,30 +845,41 @@ class Edge:
         """A routed connection is over: its log line and counter, then close."""
         route = conn.route
         assert route is not None
-        key = (route.host, route.tenant)
-        head = self.close_heads.get(key)
-        if head is None:
-            if len(self.close_heads) > 4096:  # routes come and go with reloads
-                self.close_heads.clear()
-            head = self.close_heads[key] = members(
-                route=route.host, tenant=route.tenant, mode="passthrough") + ',"client_ip":'
+        prepared = self.routes.get(route.host)
+        if prepared is None or prepared[0] is not route:
+            prepared = self._prepared(route)
+        _, _, ok, head = prepared
         bytes_up = conn.up_bytes + conn.hello_len
-        duration = round(self.now - conn.start, 3)
         if not log.emit_members(logging.INFO, "conn_close", (
                 f'{head}{_json_str(conn.client[0])},"bytes_up":{bytes_up},'
-                f'"bytes_down":{conn.down_bytes},"duration_s":{duration!r},'
+                f'"bytes_down":{conn.down_bytes},"duration_s":{ms_repr(self.now - conn.start)},'
                 f'"outcome":{_json_str(outcome)}'), _CLOSE_FIELDS):
             log.info("conn_close", route=route.host, tenant=route.tenant, mode="passthrough",
                      client_ip=conn.client[0], bytes_up=bytes_up, bytes_down=conn.down_bytes,
-                     duration_s=duration, outcome=outcome)
-        self._count(self.router._connections(route.host, outcome))
+                     duration_s=round(self.now - conn.start, 3), outcome=outcome)
+        counter = ok if outcome == "ok" else self.router._connections(route.host, outcome)
+        tally = self.tally
+        tally[counter] = tally.get(counter, 0) + 1
         self._end(conn, outcome)
+
+    def _prepared(self, route: Route) -> _Prepared:
+        """The per-route constants of a connection: its byte counters, its "ok"
+        connections counter and the constant head of its `conn_close` line. Made again
+        for the new `Route` a reload gives."""
+        if len(self.routes) > 4096:  # routes come and go with reloads
+            self.routes.clear()
+        router = self.router
+        host = route.host
+        prepared = self.routes[host] = (
+            route, router._byte_counters(host), router._connections(host, "ok"),
+            members(route=host, tenant=route.tenant, mode="passthrough") + ',"client_ip":')
+        return prepared
 
     def _crashed(self, conn: _Conn, exc: Exception) -> None:
         self.stats.rejections.labels("handler_error").inc()
         log.error("handler_error", client_ip=conn.client[0],
                   error=f"{type(exc).__name__}: {exc}")
-        if conn.route is not None and conn.state is not State.HELLO:
+        if conn.route is not None and conn.state is not S_HELLO:
             self.router._connections(conn.route.host, "error").inc()
         self._end(conn, "error")
 
@@ -855,7 +891,7 @@ class Edge:
     def _end(self, conn: _Conn, outcome: str, pending: bool = True) -> None:
         if conn not in self.conns:
             return  # ended already
-        if conn.state is not State.CLOSED:
+        if conn.state is not S_CLOSED:
             conn.close(outcome)
         self.conns.discard(conn)  # `_forget` and `_close_backend`, inline: every end
         fds = self.fds
@@ -884,8 +920,8 @@ class Edge:
         left = kind[who] - 1
         if left:
             kind[who] = left
-        else:  # (a Counter's `del` is a Python-level call; pop is dict's)
-            kind.pop(who, None)
+        else:
+            del kind[who]
 
     def _forget(self, conn: _Conn, handing_off: bool = False) -> None:
         """Out of the engine's tables; a client socket that lives on (handed off) out of
@@ -925,7 +961,7 @@ class Edge:
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""
         for conn in list(self.conns):
-            if conn.route is not None and conn.state is not State.HELLO:
+            if conn.route is not None and conn.state is not S_HELLO:
                 self.router._connections(conn.route.host, "error").inc()
             self._end(conn, "error")
         self._flush()
@@ -944,10 +980,18 @@ def _tune(conn: _Conn) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _send_alert(fd: int, description: int) -> None:
+def _send_alert(sock: _socket.socket, description: int) -> None:
     """Best effort: a fatal alert before the close (see `router._send_alert`)."""
     try:
-        os.write(fd, tls_alert.alert_record(description))
+        sock.send(tls_alert.alert_record(description), _DONTWAIT)
     except OSError:
         pass
+
+
+def _nonblocking(conn: _Conn) -> None:
+    """O_NONBLOCK on the client fd, for what cannot say MSG_DONTWAIT per call: splice(2),
+    and the task path a handed-off connection goes to. One ioctl, as `setblocking`
+    makes, without changing the socket object's own (blocking) mode."""
+    conn.nonblocking = True
+    fcntl.ioctl(conn.cfd, termios.FIONBIO, _ONE)
 

@@ -65,7 +65,6 @@ import errno
 import os
 import socket
 import ssl
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -145,16 +144,25 @@ class RelayLike(Protocol):
     async def serve(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
 
 
+class Tally(dict[str, int]):
+    """Open connections by client: a dict whose missing clients count 0. Not a `Counter`:
+    its `__delitem__` override makes every item assignment a call through Python, and
+    these are written three times per connection."""
+
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
 @dataclass
 class _Counts:
     """Open connections: in total, and per client (IPv4 address or IPv6 /64) by kind."""
 
     total: int = 0
-    pending: Counter[str] = field(default_factory=Counter)  # first bytes not seen yet
-    clients: Counter[str] = field(default_factory=Counter)  # anything but the tunnel
-    tunnels: Counter[str] = field(default_factory=Counter)  # connector control/data
+    pending: Tally = field(default_factory=Tally)  # first bytes not seen yet
+    clients: Tally = field(default_factory=Tally)  # anything but the tunnel
+    tunnels: Tally = field(default_factory=Tally)  # connector control/data
 
-    def drop(self, kind: Counter[str], client: str) -> None:
+    def drop(self, kind: Tally, client: str) -> None:
         left = kind[client] - 1
         if left:
             kind[client] = left
@@ -258,7 +266,7 @@ class Router:
         return self._counts.total
 
     def adopt(self, sock: socket.socket, hello: ClientHello | None, data: bytes,
-              client: tuple[str, int], who: str, kind: Counter[str]) -> None:
+              client: tuple[str, int], who: str, kind: Tally) -> None:
         """Take over a connection the engine peeked and counted (as `kind`) but does not
         serve: it runs here as if this router had read `data` itself."""
         assert self._handlers is not None
@@ -266,7 +274,7 @@ class Router:
 
     async def _handle_adopted(self, sock: socket.socket, hello: ClientHello | None,
                               data: bytes, client: tuple[str, int], who: str,
-                              kind: Counter[str]) -> None:
+                              kind: Tally) -> None:
         wrapped = None
         try:
             route = self._plain_terminate(hello)
@@ -333,12 +341,17 @@ class Router:
             return "max_connections_per_ip"
         return None
 
-    def _classify(self, who: str, ip: str, tunnel: bool) -> Counter[str] | None:
+    def _classify(self, who: str, ip: str, tunnel: bool) -> Tally | None:
         """Move a connection from pending to its kind's count; None (and uncounted) when
         that kind is at its cap for this client."""
         counts = self._counts
         kind = counts.tunnels if tunnel else counts.clients
-        counts.drop(counts.pending, who)
+        pending = counts.pending  # `counts.drop`, inline: once per connection
+        left = pending[who] - 1
+        if left:
+            pending[who] = left
+        else:
+            del pending[who]
         had = kind.get(who, 0)
         if had >= self.limits.max_connections_per_ip:
             self._reject(ip, "max_tunnel_connections_per_ip" if tunnel
@@ -350,7 +363,7 @@ class Router:
     async def _handle_counted(self, sock: trio.socket.SocketType, client: tuple[str, int],
                               who: str) -> None:
         counts = self._counts
-        kind: Counter[str] | None = counts.pending
+        kind: Tally | None = counts.pending
         try:
             peeked = await self._peek(sock, client[0])
             if peeked is not None:

@@ -17,6 +17,9 @@ property the tests check on real hellos and on mutations of them).
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
 from pact_ingress.proto.clienthello import (
     _HOST_RE,
     _MAX_HOSTNAME,
@@ -26,26 +29,42 @@ from pact_ingress.proto.clienthello import (
 
 #: The parser's own host_name rule and length (one definition: the two must not drift).
 _HOST_MATCH = _HOST_RE.fullmatch
+#: The fixed head, up to the session_id length: record type, version major and minor,
+#: record length; message type, length (high byte, low 16 bits); legacy_version's major
+#: byte; (its minor and the random skipped); session_id length.
+_HEAD = struct.Struct(">BBBHBBHB33xB").unpack_from
+#: An extension's header (type, length), then its first two (or five) body bytes: the
+#: lists' lengths (server_name: list length, name_type, name length).
+_EXTENSION = struct.Struct(">HH").unpack_from
+_LIST = struct.Struct(">HHH").unpack_from
+_ONE_NAME = struct.Struct(">HHHBH").unpack_from
+_SHORT = struct.error
 
 
-def quick_sni(data: bytes) -> str | None:
+def quick_sni(data: bytes | bytearray) -> str | None:
     """The SNI host_name (as `ClientHello.sni` spells it) of the ClientHello at the start
     of `data`, when that hello is whole in its first record, well-formed, and names a
-    host; None when the full parser must decide (see the module doc)."""
-    n = len(data)
+    host; None when the full parser must decide (see the module doc).
+
+    Written for the interpreter: every bytecode counts here, so fixed fields come in one
+    `struct` call rather than a subscript each, and an extension's header in one. A read
+    past the end of `data` (`struct.error`) can only come from a length field that the
+    checks would refuse anyway (see each one), so it declines as they would."""
+    if len(data) < 47:
+        return None
+    if type(data) is not bytes:  # (a bytearray's slices could not key the maps below)
+        data = bytes(data)
     # record: handshake(22), version 3.x (x ≤ 3); message: client_hello(1)
-    if n < 47 or data[0] != 22 or data[1] != 3 or data[2] > 3 or data[5] != 1:
-        return None
-    record = (data[3] << 8) | data[4]
-    total = 4 + ((data[6] << 16) | (data[7] << 8) | data[8])
+    kind, major, minor, record, message, high, low, legacy, sid = _HEAD(data)
+    total = 4 + ((high << 16) | low)
     end = 5 + total  # the message's end, as an offset in `data`
-    if record > MAX_RECORD_PAYLOAD or total > record or total > MAX_CLIENT_HELLO or end > n:
+    # body: legacy_version 3.x, a session_id of at most 32 bytes
+    if (kind != 22 or major != 3 or minor > 3 or message != 1 or record > MAX_RECORD_PAYLOAD
+            or total > record or total > MAX_CLIENT_HELLO or end > len(data) or total < 39
+            or legacy != 3 or sid > 32):
         return None
-    # body (offsets in `data`): legacy_version at 9, random 11..43, session_id at 43
-    if total < 39 or data[9] != 3:
-        return None
-    pos = 44 + data[43]
-    if pos + 2 > end or data[43] > 32:
+    pos = 44 + sid
+    if pos + 2 > end:
         return None
     size = (data[pos] << 8) | data[pos + 1]  # cipher_suites
     pos += 2 + size
@@ -58,34 +77,91 @@ def quick_sni(data: bytes) -> str | None:
     if pos + 2 + ((data[pos] << 8) | data[pos + 1]) != end:
         return None
     pos += 2
-    sni = alpn = versions = 0
-    types = set()
-    add = types.add
+    # each extension's header offset by type; an extension that overruns the block, or
+    # a header cut by its end, leaves `pos` past `end` (or the read past `data`)
+    found: dict[int, int] = {}
     count = 0
-    while pos < end:  # each pass consumes ≥ 4 bytes of the block
-        if end - pos < 4:
-            return None
-        kind = (data[pos] << 8) | data[pos + 1]
-        start = pos + 4
-        pos = start + ((data[pos + 2] << 8) | data[pos + 3])
-        if pos > end:
-            return None
-        add(kind)
-        count += 1
-        if kind == 0:
-            sni = start
-        elif kind == 16:
-            alpn = start
-        elif kind == 43:
-            versions = start
-        # (each extension's end is found again below from its own length field)
-    if len(types) != count or not sni:
-        return None  # a duplicate (the parser names it), or no server_name
-    # server_name: a list of (type, name) entries, exactly filling the extension
-    stop = sni + ((data[sni - 2] << 8) | data[sni - 1])
-    if stop - sni < 2 or sni + 2 + ((data[sni] << 8) | data[sni + 1]) != stop:
+    extension = _EXTENSION
+    try:
+        while pos < end:
+            kind, size = extension(data, pos)
+            found[kind] = pos
+            pos += 4 + size
+            count += 1
+    except _SHORT:
         return None
-    pos = sni + 2
+    if pos != end or len(found) != count:
+        return None  # framing, or a duplicate (the parser names it)
+    at = found.get(0)
+    if at is None:
+        return None  # no server_name
+    # Past this point every extension lies within `data`: a struct read past its end
+    # means an extension shorter than the lengths read, which the checks refuse.
+    try:
+        # server_name: a list of (type, name) entries, exactly filling the extension;
+        # the usual one holds one host_name
+        _, size, listed, name_type, length = _ONE_NAME(data, at)
+        if name_type == 0 and size == listed + 2 and listed == length + 3:
+            raw = data[at + 9:at + 9 + length]
+        else:
+            raw = _host_name(data, at + 4, at + 4 + size, listed)
+            if raw is None:
+                return None
+        at = found.get(16)
+        if at is not None:  # ALPN: a non-empty list of non-empty names, filling it
+            _, size, listed = _LIST(data, at)
+            pos = at + 6
+            stop = at + 4 + size
+            if size < 2 or pos + listed != stop or pos == stop:
+                return None
+            names = data[pos:stop]
+            if names not in _ALPN_LISTS:
+                while pos < stop:
+                    name = pos + 1
+                    pos = name + data[pos]
+                    if pos > stop or name == pos:
+                        return None
+                _remember(_ALPN_LISTS, names, True)
+        at = found.get(43)
+        if at is not None:  # supported_versions: an even, non-empty list, filling it
+            size = ((data[at + 2] << 8) | data[at + 3]) - 1
+            if size < 2 or size & 1 or data[at + 4] != size:
+                return None
+    except _SHORT:
+        return None
+    host = _HOSTS.get(raw)
+    if host is None:
+        lower = raw.removesuffix(b".").lower()
+        if len(lower) > _MAX_HOSTNAME or _HOST_MATCH(lower) is None:
+            return None
+        host = _remember(_HOSTS, raw, lower.decode("ascii"))
+    return host
+
+
+#: Answers that depend only on a few bytes, which real clients repeat connection after
+#: connection (the served host names, the ALPN list of each client kind): a host_name as
+#: sent → the name it routes by, when valid; an ALPN list's bytes → well framed. Only
+#: valid inputs are kept, and each map is bounded: a client sending new names every time
+#: only makes it forget, never answer differently.
+_HOSTS: dict[bytes, str] = {}
+_ALPN_LISTS: dict[bytes, bool] = {}
+_REMEMBERED = 1024
+
+
+def _remember(cache: dict[bytes, Any], key: bytes, value: Any) -> Any:
+    if len(cache) >= _REMEMBERED:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _host_name(data: bytes, start: int, stop: int, listed: int) -> bytes | None:
+    """The host_name of a server_name extension whose body is data[start:stop] and whose
+    list length field says `listed`: None unless the list exactly fills the body, is not
+    empty, is well framed and holds one host_name."""
+    if stop - start < 2 or start + 2 + listed != stop:
+        return None
+    pos = start + 2
     if pos == stop:
         return None
     raw = None
@@ -100,25 +176,4 @@ def quick_sni(data: bytes) -> str | None:
             if raw is not None:
                 return None
             raw = data[name:pos]
-    if raw is None:
-        return None
-    if alpn:  # a non-empty list of non-empty names, exactly filling the extension
-        stop = alpn + ((data[alpn - 2] << 8) | data[alpn - 1])
-        if stop - alpn < 2 or alpn + 2 + ((data[alpn] << 8) | data[alpn + 1]) != stop:
-            return None
-        pos = alpn + 2
-        if pos == stop:
-            return None
-        while pos < stop:
-            name = pos + 1
-            pos = name + data[pos]
-            if pos > stop or name == pos:
-                return None
-    if versions:  # an even, non-empty list, exactly filling the extension
-        size = ((data[versions - 2] << 8) | data[versions - 1]) - 1
-        if size < 2 or size & 1 or data[versions] != size:
-            return None
-    lower = raw.removesuffix(b".").lower()
-    if len(lower) > _MAX_HOSTNAME or _HOST_MATCH(lower) is None:
-        return None
-    return lower.decode("ascii")
+    return raw

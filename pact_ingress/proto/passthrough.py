@@ -10,7 +10,8 @@ connection, which I/O step each edge calls for and what follows from its result;
 engine does the syscalls and feeds the results back. No sockets, no clock: `now` is a
 parameter, so every transition and every timer is tested without I/O.
 
-States, each moved only through `_go` (anything not in `_NEXT` raises):
+States, each moved only as `_NEXT` allows (anything else raises; the moves every connection
+makes check the table inline rather than through a call to `_go`):
 
     HELLO ──routed──> CONNECTING ──head sent──> SPLICING ──both EOF──> CLOSED
       │                   │                         │
@@ -83,6 +84,14 @@ class Flow(Enum):
     DONE = "done"  # EOF seen and passed on
 
 
+#: The members as plain globals, for the methods below and the engine. On Python 3.11 an
+#: Enum class attribute (`State.CLOSED`) goes through the metaclass's `__getattr__` hook,
+#: several times the cost of a global, and a connection reads a dozen of them.
+S_HELLO, S_CONNECTING, S_SPLICING, S_CLOSED = (State.HELLO, State.CONNECTING, State.SPLICING,
+                                               State.CLOSED)
+F_READ, F_WRITE, F_DONE = Flow.READ, Flow.WRITE, Flow.DONE
+PUMP_UP, PUMP_DOWN = Step.PUMP_UP, Step.PUMP_DOWN
+
 #: Sides of a connection, as the engine tags its fds.
 CLIENT = 0
 BACKEND = 1
@@ -129,11 +138,11 @@ class Passthrough:
                  "seen", "idle_timeout", "head_timeout")
 
     def __init__(self, now: float, hello_timeout: float) -> None:
-        self.state = State.HELLO
+        self.state = S_HELLO
         self.deadline = now + hello_timeout
         self.outcome: str | None = None
-        self.up = Flow.READ
-        self.down = Flow.READ
+        self.up = F_READ
+        self.down = F_READ
         #: The backend took a byte of the head: the connect succeeded.
         self.connected = False
         #: Sides whose readable edges arrived before SPLICING (bit per side).
@@ -152,21 +161,21 @@ class Passthrough:
               ) -> tuple[Step, ...]:
         """An edge on `side`: the steps it calls for (spurious edges call for none)."""
         state = self.state
-        if state is State.SPLICING:
+        if state is S_SPLICING:
             if error:
                 return _FAIL
             if side == CLIENT:
-                up = readable and self.up is Flow.READ
-                down = writable and self.down is Flow.WRITE
+                up = readable and self.up is F_READ
+                down = writable and self.down is F_WRITE
             else:
-                up = writable and self.up is Flow.WRITE
-                down = readable and self.down is Flow.READ
+                up = writable and self.up is F_WRITE
+                down = readable and self.down is F_READ
             if up:
                 return _BOTH if down else _UP
             return _DOWN if down else _NOTHING
-        if state is State.HELLO:
+        if state is S_HELLO:
             return _READ_HELLO if side == CLIENT and (readable or error) else _NOTHING
-        if state is State.CONNECTING:
+        if state is S_CONNECTING:
             if side == BACKEND:
                 if readable:
                     self.seen |= 1 << BACKEND
@@ -181,7 +190,9 @@ class Passthrough:
                idle_timeout: float, more_from_client: bool) -> None:
         """The ClientHello named a passthrough route; the backend connect has begun.
         `more_from_client`: the last read may have left bytes in the socket."""
-        self._go(State.CONNECTING)
+        if S_CONNECTING not in _NEXT[self.state]:  # `_go`, inline
+            raise TransitionError(f"{self.state.name} -> CONNECTING")
+        self.state = S_CONNECTING
         self.deadline = now + connect_timeout
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
@@ -190,7 +201,7 @@ class Passthrough:
 
     def retry(self, now: float, connect_timeout: float) -> None:
         """The backend address failed before taking a byte; the next one is tried."""
-        if self.state is not State.CONNECTING or self.connected:
+        if self.state is not S_CONNECTING or self.connected:
             raise TransitionError("retry outside a pending connect")
         self.deadline = now + connect_timeout
         self.seen &= ~(1 << BACKEND)
@@ -200,7 +211,7 @@ class Passthrough:
         """Writing the head failed. Before the backend took a byte the connect failed:
         the next address is tried if there is one (None), else "backend_down". After,
         the backend went away: "backend_reset". An outcome closes the connection."""
-        if self.state is not State.CONNECTING:
+        if self.state is not S_CONNECTING:
             raise TransitionError(f"backend failure in {self.state.name}")
         if self.connected:
             self.close("backend_reset")
@@ -214,14 +225,14 @@ class Passthrough:
     def head_progress(self, now: float, done: bool) -> tuple[Step, ...]:
         """The backend took head bytes (`done`: all of them). Returns the pumps owed to
         edges seen while connecting."""
-        if self.state is not State.CONNECTING:
+        if self.state is not S_CONNECTING:
             raise TransitionError(f"head progress in {self.state.name}")
         if not self.connected:
             self.connected = True
             self.deadline = now + self.head_timeout
         if not done:
             return _NOTHING
-        self._go(State.SPLICING)
+        self.state = S_SPLICING  # (CONNECTING -> SPLICING: in `_NEXT`)
         self.deadline = now + self.idle_timeout
         seen, self.seen = self.seen, 0
         up = bool(seen & (1 << CLIENT))
@@ -233,7 +244,7 @@ class Passthrough:
     def pumped(self, direction: int, flow: Flow, moved: bool, now: float) -> bool:
         """A pump of `direction` stopped, waiting for `flow` (DONE: its EOF was passed
         on); `moved`: bytes went through. True when the connection is over."""
-        if self.state is not State.SPLICING:
+        if self.state is not S_SPLICING:
             raise TransitionError(f"pump in {self.state.name}")
         if moved:
             self.deadline = now + self.idle_timeout
@@ -241,22 +252,24 @@ class Passthrough:
             self.up = flow
         else:
             self.down = flow
-        if self.up is Flow.DONE and self.down is Flow.DONE:
+        if self.up is F_DONE and self.down is F_DONE:
             self.close("ok")
             return True
         return False
 
     def close(self, outcome: str) -> None:
         """The connection ends with `outcome` (closing twice is a caller's bug: raises)."""
-        self._go(State.CLOSED)
+        if S_CLOSED not in _NEXT[self.state]:  # `_go`, inline
+            raise TransitionError(f"{self.state.name} -> CLOSED")
+        self.state = S_CLOSED
         self.outcome = outcome
 
     def expired(self, now: float) -> str | None:
         """The timer's outcome if it fired by `now` (the connection is then CLOSED)."""
-        if now < self.deadline or self.state is State.CLOSED:
+        if now < self.deadline or self.state is S_CLOSED:
             return None
         outcome = _EXPIRED[self.state]
-        if self.state is State.CONNECTING and self.connected:
+        if self.state is S_CONNECTING and self.connected:
             outcome = "backend_reset"
         self.close(outcome)
         return outcome
