@@ -383,10 +383,15 @@ class Terminator:
         if tenant is None:
             return await self._answer(ex, conn, _Answer.text(
                 503, "route no longer configured", (b"retry-after", b"60")))
+        # the fields `judge_scope` reads only for a body / a POST: not looked up otherwise
+        has_body = ex.has_body
+        method = ex.method
         try:
-            scope = judge_scope(ex.method, target, route.mcp_path, has_body=ex.has_body,
-                                content_type=header(ex.headers, b"content-type"),
-                                content_encoding=header(ex.headers, b"content-encoding"))
+            scope = judge_scope(
+                method, target, route.mcp_path, has_body=has_body,
+                content_type=header(ex.headers, b"content-type") if has_body else None,
+                content_encoding=(header(ex.headers, b"content-encoding")
+                                  if method == "POST" else None))
         except BadRequest as exc:
             return await self._answer(ex, conn, _Answer.text(exc.status, exc.why))
         if ex.content_length is not None and ex.content_length > limits.max_body_bytes:
