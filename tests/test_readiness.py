@@ -242,3 +242,35 @@ async def test_a_peer_close_wakes_the_reader() -> None:
             await trio.testing.wait_all_tasks_blocked()
             b.close()
         assert got == [b""]
+
+
+async def test_the_end_that_came_with_the_last_bytes_is_not_lost() -> None:
+    """Data and FIN in one go: the recv that takes the data leaves the end unread; a
+    later wait that does not look first still ends at once."""
+    a, b = _pair()
+    with a:
+        watch = readiness.hub().watch(a)
+        async with trio.open_nursery() as nursery:
+            got: list[bytes] = []
+
+            async def reader() -> None:
+                got.append(await _recv(watch, a, wait_first=True))
+                got.append(await _recv(watch, a, wait_first=True))
+
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            b.send(b"last")
+            b.close()
+        assert got == [b"last", b""]
+
+
+async def test_bytes_left_behind_by_a_full_read_are_found() -> None:
+    a, b = _pair()
+    with a, b:
+        watch = readiness.hub().watch(a)
+        b.send(b"x" * 300)
+        await trio.testing.wait_all_tasks_blocked()
+        assert a.recv(100) == b"x" * 100  # a full buffer: the owner marks the watch
+        watch.readable = True
+        with trio.fail_after(5):
+            assert await _recv(watch, a, wait_first=True) == b"x" * 200

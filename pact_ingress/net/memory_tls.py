@@ -112,9 +112,13 @@ class MemoryTLS:
         while True:
             await watch.wait_readable(deadline, tried)
             try:
-                return raw.recv(READ_SIZE)  # type: ignore[union-attr]
+                data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
             except BlockingIOError:
                 tried = True
+                continue
+            if len(data) == READ_SIZE:
+                watch.readable = True  # (see `read`)
+            return data
 
     # -- ciphertext -----------------------------------------------------------------------
 
@@ -174,6 +178,8 @@ class MemoryTLS:
             if raw is not None:
                 try:
                     data = b"" if wait_first else raw.recv(READ_SIZE)
+                    if len(data) == READ_SIZE and self._watch is not None:
+                        self._watch.readable = True  # (see `read`)
                 except BlockingIOError:
                     wait_first = True
                 if wait_first:
@@ -252,9 +258,14 @@ class MemoryTLS:
                                     await _wait_readable(raw, deadline, self._sweeper)
                             try:
                                 data = raw.recv(READ_SIZE)
-                                break
                             except BlockingIOError:
                                 wait_first = tried = True
+                                continue
+                            if len(data) == READ_SIZE and self._watch is not None:
+                                # the kernel may hold more, and an edge-triggered wait
+                                # would not be told: the next wait must look first
+                                self._watch.readable = True
+                            break
                     except _TRANSPORT_ERRORS as exc:
                         raise self._broken(f"receive failed: {exc!r}") from exc
                     if data:

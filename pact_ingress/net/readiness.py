@@ -18,10 +18,15 @@ ready event and wakes the tasks parked on those sockets.
 Edge-triggered means an event arrives when something *new* happens on the socket, so
 the rule is the one every caller here already keeps: try the syscall first and wait only
 when it would block. An event that arrives while nobody waits is remembered on the Watch
-(`ready`), and a caller that waits *without* having tried the syscall (it knows the peer
+(`readable`), and a caller that waits *without* having tried the syscall (it knows the peer
 cannot have answered yet) returns at once when it is set: it then tries the syscall. A
 wait after the syscall said "would block" clears it: whatever set it was read since.
 Wake-ups can be spurious (an event for bytes already read): callers retry the syscall.
+Once the peer's FIN (or an error) was seen, every read wait returns at once: a recv
+that takes the last bytes leaves the end unread, unannounced. A recv that filled its
+whole buffer may have left bytes behind, which no new event
+announces: the caller then sets `readable` itself, so a wait that does not look first
+returns at once.
 
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
@@ -56,6 +61,9 @@ _HUP_ERR = select.EPOLLHUP | select.EPOLLERR
 #: An event with any of these wakes the reader / the writer.
 _WAKES_READER = _EPOLLIN | _EPOLLRDHUP | _HUP_ERR
 _WAKES_WRITER = _EPOLLOUT | _HUP_ERR
+#: The peer's FIN (or a failure) may come with the last bytes: a recv that takes those
+#: leaves the end unread, and no later event would say so.
+_ENDS = _EPOLLRDHUP | _HUP_ERR
 _READING = _EPOLLIN | _EPOLLRDHUP | _EPOLLET
 _BOTH = _READING | _EPOLLOUT
 #: Events taken per `epoll_wait`; more are taken at once in another call.
@@ -69,7 +77,7 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("hub", "fd", "reader", "writer", "readable", "out", "closed",
+    __slots__ = ("hub", "fd", "reader", "writer", "readable", "ended", "out", "closed",
                  "_abort_read", "_abort_write")
 
     def __init__(self, hub: Hub, fd: int) -> None:
@@ -78,6 +86,7 @@ class Watch:
         self.reader: trio.lowlevel.Task | None = None
         self.writer: trio.lowlevel.Task | None = None
         self.readable = False  # an event came that no reader took yet
+        self.ended = False  # the peer closed or the socket failed: reads never block again
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
         self._abort_read = self._make_abort(READ)
@@ -96,6 +105,8 @@ class Watch:
         """Until the socket may be readable. `tried`: the caller's recv just said it
         would block (else it did not try, and an event already seen ends the wait at
         once). `trio.TooSlowError` once `deadline` passed."""
+        if self.ended:  # a recv returns at once now (b"" or the error)
+            return
         if tried:
             self.readable = False
         elif self.readable:
@@ -205,6 +216,8 @@ class Hub:
                         if watch is None:
                             continue
                         if mask & _WAKES_READER:
+                            if mask & _ENDS:
+                                watch.ended = True
                             task = watch.reader
                             if task is None:
                                 watch.readable = True

@@ -216,6 +216,8 @@ class _Conn(MemoryTLS):
             return False
         if not data:
             return False
+        if len(data) == READ_SIZE and self._watch is not None:
+            self._watch.readable = True  # more may be left (`MemoryTLS.read`)
         self._in.write(data)
         try:
             self._ssl.read(1)
