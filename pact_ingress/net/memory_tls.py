@@ -72,10 +72,11 @@ class MemoryTLS:
     def ssl_object(self) -> ssl.SSLObject:
         return self._ssl
 
-    def _watched(self) -> readiness.Watch:
-        """The socket's Watch in this run's hub (it joins at the first wait)."""
+    def _watched(self) -> readiness.Watch | None:
+        """The socket's Watch in this run's hub, joining it now if the process is busy
+        enough for the hub to pay (`readiness.crowded`); None: wait through trio."""
         watch = self._watch
-        if watch is None:
+        if watch is None and self._hubbed and readiness.crowded():
             watch = self._watch = readiness.hub().watch(self._raw)  # type: ignore[arg-type]
         return watch
 
@@ -88,7 +89,8 @@ class MemoryTLS:
     async def _send_all(self, data: bytes | memoryview, deadline: float) -> None:
         """`rawsock.send_all` on our socket, its waits on the hub when `_hubbed`."""
         raw = self._raw
-        if not self._hubbed:
+        watch = self._watched()
+        if watch is None:
             await rawsock.send_all(raw, data, deadline)  # type: ignore[arg-type]
             return
         view = memoryview(data)
@@ -96,7 +98,7 @@ class MemoryTLS:
             try:
                 sent = raw.send(view)  # type: ignore[union-attr]
             except BlockingIOError:
-                await self._watched().wait_writable(deadline)
+                await watch.wait_writable(deadline)
                 continue
             view = view[sent:]
 
@@ -104,10 +106,10 @@ class MemoryTLS:
         """`rawsock.recv(wait_first=True)` on our socket, its waits on the hub when
         `_hubbed`."""
         raw = self._raw
-        if not self._hubbed:
+        watch = self._watched()
+        if watch is None:
             return await rawsock.recv(raw, READ_SIZE, deadline,  # type: ignore[arg-type]
                                       wait_first=True)
-        watch = self._watched()
         tried = False
         while True:
             await watch.wait_readable(deadline, tried)
@@ -247,10 +249,10 @@ class MemoryTLS:
                         tried = False  # a recv said it would block (else: no need to look)
                         while True:
                             if wait_first:
-                                if self._hubbed:
-                                    watch = self._watch
-                                    if watch is None:
-                                        watch = self._watched()
+                                watch = self._watch
+                                if watch is None and self._hubbed:
+                                    watch = self._watched()
+                                if watch is not None:
                                     await watch.wait_readable(deadline, tried)
                                 else:
                                     if self._sweeper is None and deadline != math.inf:

@@ -46,6 +46,7 @@ returns at once.
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 
@@ -71,6 +72,22 @@ MAX_EVENTS = 256
 
 READ = 0
 WRITE = 1
+
+#: Sockets join the hub only while at least this many terminate connections are open in
+#: the process (`open_connections`, kept by `net/terminate.py`). The hub pays when one
+#: of its wake-ups carries several sockets' events: its own wait on its epoll fd costs
+#: what one of trio's waits does, plus a task switch and an `epoll_wait`. A lone busy
+#: connection, whose every wake-up carries one event, waits through trio instead. A
+#: socket decides at each wait until it joins; once in, it stays in for its life.
+#: `PACT_INGRESS_HUB_MIN_CONNECTIONS` overrides it (0: every socket joins; tests).
+HUB_MIN_CONNECTIONS = int(os.environ.get("PACT_INGRESS_HUB_MIN_CONNECTIONS", "4"))
+#: Terminate connections open in this process now.
+open_connections = 0
+
+
+def crowded() -> bool:
+    """Enough connections are open for the hub to pay."""
+    return open_connections >= HUB_MIN_CONNECTIONS
 
 
 class Watch:

@@ -58,7 +58,7 @@ import trio
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
-from pact_ingress.net import deadlines
+from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
@@ -262,6 +262,7 @@ class Terminator:
         handle = partial(self._exchange, conn)
         ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
         self._open += 1
+        readiness.open_connections += 1
         try:
             if ours:
                 try:
@@ -291,6 +292,7 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             self._open -= 1
+            readiness.open_connections -= 1
             if ours:
                 # the HTTP leg and its tasks are done: nothing waits on the socket now
                 tls.close_unwatched()  # type: ignore[union-attr]

@@ -4,9 +4,9 @@ cannot move.
     python -m tests.bench.callgrind_terminate before=/tmp/before after=. [--conns 400]
     python -m tests.bench.callgrind_terminate before=/tmp/before after=. --keepalive 2000
 
-`--keepalive N` counts instructions per keep-alive request instead: 8 client threads,
-each on one connection, `N` requests in all (`GET /`, each answer read before the next
-request is sent, as wrk does).
+`--keepalive N` counts instructions per keep-alive request instead: 8 client threads
+(`--threads`), each on one connection, `N` requests in all (`GET /`, each answer read
+before the next request is sent, as wrk does).
 
 CPU time per connection (`ab_terminate`) swings by tens of percent while other work
 shares the cores; the number of instructions the process executes per connection does
@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
     p.add_argument("--conns", type=int, default=400)
     p.add_argument("--keepalive", type=int, default=0,
-                   help="count per keep-alive request: this many requests on 8 connections")
+                   help="count per keep-alive request: this many requests in all")
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
+    globals()["THREADS"] = args.threads
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
