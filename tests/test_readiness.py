@@ -274,3 +274,42 @@ async def test_bytes_left_behind_by_a_full_read_are_found() -> None:
         watch.readable = True
         with trio.fail_after(5):
             assert await _recv(watch, a, wait_first=True) == b"x" * 200
+
+
+async def test_a_watch_leaves_only_when_nobody_waits_and_then_is_not_woken() -> None:
+    hub = readiness.hub()
+    a, b = _pair()
+    with a, b:
+        watch = hub.watch(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.wait_readable)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not watch.leave()  # a reader is parked: it stays
+            b.send(b"1")
+        assert a.recv(10) == b"1"
+        assert watch.leave()
+        assert a.fileno() not in hub.watches
+        b.send(b"2")  # no longer in the epoll set: nothing marks it
+        await trio.testing.wait_all_tasks_blocked()
+        assert not watch.readable
+        with pytest.raises(trio.ClosedResourceError):
+            await watch.wait_readable()
+        # trio's own waits work on it as before, and it can join again
+        await trio.lowlevel.wait_readable(a)
+        assert a.recv(10) == b"2"
+        again = hub.watch(a)
+        b.send(b"3")
+        with trio.fail_after(5):
+            assert await _recv(again, a, wait_first=True) == b"3"
+
+
+def test_crowded_and_sparse_follow_the_open_connections(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(readiness, "HUB_MIN_CONNECTIONS", 4)
+    seen = []
+    for n in range(6):
+        monkeypatch.setattr(readiness, "open_connections", n)
+        seen.append((readiness.crowded(), readiness.sparse()))
+    # joins from 4, leaves below 2: between, a socket stays where it is
+    assert seen == [(False, True), (False, True), (False, False), (False, False),
+                    (True, False), (True, False)]

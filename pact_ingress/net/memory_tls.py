@@ -74,10 +74,14 @@ class MemoryTLS:
 
     def _watched(self) -> readiness.Watch | None:
         """The socket's Watch in this run's hub, joining it now if the process is busy
-        enough for the hub to pay (`readiness.crowded`); None: wait through trio."""
+        enough for the hub to pay (`readiness.crowded`), leaving it when it is nearly
+        idle (`readiness.sparse`); None: wait through trio."""
         watch = self._watch
-        if watch is None and self._hubbed and readiness.crowded():
-            watch = self._watch = readiness.hub().watch(self._raw)  # type: ignore[arg-type]
+        if watch is None:
+            if self._hubbed and readiness.crowded():
+                watch = self._watch = readiness.hub().watch(self._raw)  # type: ignore[arg-type]
+        elif readiness.sparse() and watch.leave():
+            watch = self._watch = None
         return watch
 
     def _close_watch(self) -> None:
@@ -249,9 +253,7 @@ class MemoryTLS:
                         tried = False  # a recv said it would block (else: no need to look)
                         while True:
                             if wait_first:
-                                watch = self._watch
-                                if watch is None and self._hubbed:
-                                    watch = self._watched()
+                                watch = self._watched() if self._hubbed else None
                                 if watch is not None:
                                     await watch.wait_readable(deadline, tried)
                                 else:

@@ -78,7 +78,9 @@ WRITE = 1
 #: of its wake-ups carries several sockets' events: its own wait on its epoll fd costs
 #: what one of trio's waits does, plus a task switch and an `epoll_wait`. A lone busy
 #: connection, whose every wake-up carries one event, waits through trio instead. A
-#: socket decides at each wait until it joins; once in, it stays in for its life.
+#: socket decides at each wait: it joins when the process is crowded, and leaves (one
+#: `epoll_ctl`) when fewer than half that many connections are open and nobody waits on
+#: it (a pooled node connection outlives the crowd that made it join).
 #: `PACT_INGRESS_HUB_MIN_CONNECTIONS` overrides it (0: every socket joins; tests).
 HUB_MIN_CONNECTIONS = int(os.environ.get("PACT_INGRESS_HUB_MIN_CONNECTIONS", "4"))
 #: Terminate connections open in this process now.
@@ -88,6 +90,11 @@ open_connections = 0
 def crowded() -> bool:
     """Enough connections are open for the hub to pay."""
     return open_connections >= HUB_MIN_CONNECTIONS
+
+
+def sparse() -> bool:
+    """So few connections are open that a socket in the hub should leave it."""
+    return open_connections < HUB_MIN_CONNECTIONS // 2
 
 
 class Watch:
@@ -180,6 +187,21 @@ class Watch:
             task, self.writer = self.writer, None
         if task is not None:
             reschedule(task, outcome.Error(trio.TooSlowError()))
+
+    def leave(self) -> bool:
+        """Out of the hub (its owner waits through trio from now on), if no task waits
+        on it; False (still in) otherwise."""
+        if self.reader is not None or self.writer is not None:
+            return False
+        self.closed = True
+        hub = self.hub
+        if hub.watches.get(self.fd) is self:
+            del hub.watches[self.fd]
+        try:
+            hub.ep.unregister(self.fd)
+        except OSError:  # not in the set (closed and reused, or never there)
+            pass
+        return True
 
     def close(self) -> None:
         """The owner is closing the socket: waiters get `trio.ClosedResourceError`, and
