@@ -129,8 +129,9 @@ class Watch:
         """Until the socket may be readable. `tried`: the caller's recv just said it
         would block (else it did not try, and an event already seen ends the wait at
         once). `trio.TooSlowError` once `deadline` passed."""
-        if self.ended:  # a recv returns at once now (b"" or the error)
+        if self.ended and not tried:  # a recv returns at once now (b"" or the error)
             return
+        # (ended, yet the recv said it would block: wait for an event rather than spin)
         if tried:
             self.readable = False
         elif self.readable:
