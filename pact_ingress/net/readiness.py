@@ -15,6 +15,11 @@ task on the socket's `Watch` (`wait_task_rescheduled`). The hub waits for its ep
 in trio (one `epoll_ctl` per wake, whatever number of sockets became ready), takes every
 ready event and wakes the tasks parked on those sockets.
 
+That pays only when a wake-up carries several sockets' events (the hub's own wait costs
+what one of trio's does, plus a task switch and an `epoll_wait`), so a socket joins only
+while the process is crowded (`HUB_MIN_CONNECTIONS`) and leaves again when it is nearly
+idle; outside the hub its owner waits through trio (`net/deadlines.py`).
+
 Edge-triggered means an event arrives when something *new* happens on the socket, so
 the rule is the one every caller here already keeps: try the syscall first and wait only
 when it would block. An event that arrives while nobody waits is remembered on the Watch
