@@ -21,6 +21,8 @@ Firing means, for an armed:
   wait registers it again), so a late 408 can still be written on it.
 * cancel scope: `cancel()` on it (the HTTP/1.1 connection's idle scope, which a drain
   also cancels).
+* wait on a `readiness.Watch` (the terminate engine's sockets): the task parked on it
+  is woken with `trio.TooSlowError`; nothing else is disturbed.
 
 `notify_closing` wakes every task waiting on that socket, not only the one whose
 deadline passed: on the engine's sockets a passed deadline ends the connection (client
@@ -36,6 +38,7 @@ from __future__ import annotations
 import math
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -49,13 +52,15 @@ _wait_writable = trio.lowlevel.wait_writable
 
 
 class _Arm:
-    __slots__ = ("deadline", "sock", "scope", "fired")
+    __slots__ = ("deadline", "sock", "scope", "watch", "side", "fired")
 
     def __init__(self, deadline: float, sock: socket.socket | None,
-                 scope: trio.CancelScope | None) -> None:
+                 scope: trio.CancelScope | None, watch: Any = None, side: int = 0) -> None:
         self.deadline = deadline
         self.sock = sock
         self.scope = scope
+        self.watch = watch  # a `readiness.Watch`: firing wakes its waiter on `side`
+        self.side = side
         self.fired = False
 
 
@@ -70,8 +75,9 @@ class Sweeper:
         trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.deadlines")
 
     def arm(self, deadline: float, *, sock: socket.socket | None = None,
-            scope: trio.CancelScope | None = None) -> _Arm:
-        arm = _Arm(deadline, sock, scope)
+            scope: trio.CancelScope | None = None, watch: Any = None,
+            side: int = 0) -> _Arm:
+        arm = _Arm(deadline, sock, scope, watch, side)
         self._armed[arm] = None
         if deadline < self._next:  # due before the sweeper would look: wake it
             self._next = -math.inf
@@ -98,6 +104,8 @@ class Sweeper:
                     trio.lowlevel.notify_closing(arm.sock)
                 if arm.scope is not None:
                     arm.scope.cancel()
+                if arm.watch is not None:
+                    arm.watch.fire(arm.side)
             except Exception as exc:  # noqa: BLE001 - a closed socket: nobody waits on it
                 log.debug("deadline_fire_failed", error=repr(exc))
         return earliest

@@ -29,7 +29,7 @@ import ssl
 
 import trio
 
-from pact_ingress.net import deadlines, rawsock
+from pact_ingress.net import deadlines, rawsock, readiness
 
 _wait_readable = deadlines.wait_readable
 
@@ -43,6 +43,11 @@ _TRANSPORT_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError
 
 
 class MemoryTLS:
+    #: Waits on the socket go through this run's readiness hub (`net/readiness.py`)
+    #: instead of trio's: a subclass sets it when every close of its socket while a task
+    #: may wait on it goes through `_close_watch` first.
+    _hubbed = False
+
     def __init__(self, ssl_object: ssl.SSLObject, incoming: ssl.MemoryBIO,
                  outgoing: ssl.MemoryBIO, *, raw: socket.socket | None,
                  stream: trio.abc.Stream | None) -> None:
@@ -56,6 +61,7 @@ class MemoryTLS:
         self._raw = raw
         self._stream = stream
         self._sweeper: deadlines.Sweeper | None = None  # this run's, once a read waited
+        self._watch: readiness.Watch | None = None  # in the hub, once a wait needed it
         self._sending = False  # a task is moving the outgoing BIO to the transport
         self._sent = trio.lowlevel.ParkingLot()  # tasks waiting for it to finish
 
@@ -65,6 +71,60 @@ class MemoryTLS:
     @property
     def ssl_object(self) -> ssl.SSLObject:
         return self._ssl
+
+    def _watched(self) -> readiness.Watch | None:
+        """The socket's Watch in this run's hub, joining it now if the process is busy
+        enough for the hub to pay (`readiness.crowded`), leaving it when it is nearly
+        idle (`readiness.sparse`); None: wait through trio."""
+        watch = self._watch
+        if watch is None:
+            if self._hubbed and readiness.crowded():
+                watch = self._watch = readiness.hub().watch(self._raw)  # type: ignore[arg-type]
+        elif readiness.sparse() and watch.leave():
+            watch = self._watch = None
+        return watch
+
+    def _close_watch(self) -> None:
+        """Before the socket closes under tasks that may wait on it: they are woken with
+        `trio.ClosedResourceError` (trio's own waiters by `notify_closing`)."""
+        if self._watch is not None:
+            self._watch.close()
+
+    async def _send_all(self, data: bytes | memoryview, deadline: float) -> None:
+        """`rawsock.send_all` on our socket, its waits on the hub when `_hubbed`."""
+        raw = self._raw
+        watch = self._watched()
+        if watch is None:
+            await rawsock.send_all(raw, data, deadline)  # type: ignore[arg-type]
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                sent = raw.send(view)  # type: ignore[union-attr]
+            except BlockingIOError:
+                await watch.wait_writable(deadline)
+                continue
+            view = view[sent:]
+
+    async def _recv_after_wait(self, deadline: float) -> bytes:
+        """`rawsock.recv(wait_first=True)` on our socket, its waits on the hub when
+        `_hubbed`."""
+        raw = self._raw
+        watch = self._watched()
+        if watch is None:
+            return await rawsock.recv(raw, READ_SIZE, deadline,  # type: ignore[arg-type]
+                                      wait_first=True)
+        tried = False
+        while True:
+            await watch.wait_readable(deadline, tried)
+            try:
+                data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
+            except BlockingIOError:
+                tried = True
+                continue
+            if len(data) == READ_SIZE:
+                watch.readable = True  # (see `read`)
+            return data
 
     # -- ciphertext -----------------------------------------------------------------------
 
@@ -100,13 +160,13 @@ class MemoryTLS:
         try:
             if rest:
                 try:
-                    await rawsock.send_all(raw, rest, deadline)  # type: ignore[arg-type]
+                    await self._send_all(rest, deadline)
                 except _TRANSPORT_ERRORS as exc:
                     raise self._broken(f"send failed: {exc!r}") from exc
             while data := out.read():
                 try:
                     if self._raw is not None:
-                        await rawsock.send_all(self._raw, data, deadline)
+                        await self._send_all(data, deadline)
                     else:
                         with trio.fail_after(max(0.0, deadline - trio.current_time())
                                              if deadline != math.inf else math.inf):
@@ -124,10 +184,12 @@ class MemoryTLS:
             if raw is not None:
                 try:
                     data = b"" if wait_first else raw.recv(READ_SIZE)
+                    if len(data) == READ_SIZE and self._watch is not None:
+                        self._watch.readable = True  # (see `read`)
                 except BlockingIOError:
                     wait_first = True
                 if wait_first:
-                    data = await rawsock.recv(raw, READ_SIZE, deadline, wait_first=True)
+                    data = await self._recv_after_wait(deadline)
             elif deadline == math.inf:
                 data = await self._stream.receive_some(READ_SIZE)  # type: ignore[union-attr]
             else:
@@ -188,16 +250,26 @@ class MemoryTLS:
                     await self._fill(deadline, wait_first)
                 else:  # `_fill` on a socket, inline: this is every read of a request
                     try:
+                        tried = False  # a recv said it would block (else: no need to look)
                         while True:
                             if wait_first:
-                                if self._sweeper is None and deadline != math.inf:
-                                    self._sweeper = deadlines.sweeper()
-                                await _wait_readable(raw, deadline, self._sweeper)
+                                watch = self._watched() if self._hubbed else None
+                                if watch is not None:
+                                    await watch.wait_readable(deadline, tried)
+                                else:
+                                    if self._sweeper is None and deadline != math.inf:
+                                        self._sweeper = deadlines.sweeper()
+                                    await _wait_readable(raw, deadline, self._sweeper)
                             try:
                                 data = raw.recv(READ_SIZE)
-                                break
                             except BlockingIOError:
-                                wait_first = True
+                                wait_first = tried = True
+                                continue
+                            if len(data) == READ_SIZE and self._watch is not None:
+                                # the kernel may hold more, and an edge-triggered wait
+                                # would not be told: the next wait must look first
+                                self._watch.readable = True
+                            break
                     except _TRANSPORT_ERRORS as exc:
                         raise self._broken(f"receive failed: {exc!r}") from exc
                     if data:

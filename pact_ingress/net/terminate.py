@@ -58,7 +58,7 @@ import trio
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
-from pact_ingress.net import deadlines
+from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
@@ -262,6 +262,7 @@ class Terminator:
         handle = partial(self._exchange, conn)
         ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
         self._open += 1
+        readiness.open_connections += 1
         try:
             if ours:
                 try:
@@ -291,6 +292,7 @@ class Terminator:
             log.warning("terminate_connection_error", route=route.host, error=repr(exc))
         finally:
             self._open -= 1
+            readiness.open_connections -= 1
             if ours:
                 # the HTTP leg and its tasks are done: nothing waits on the socket now
                 tls.close_unwatched()  # type: ignore[union-attr]
@@ -383,10 +385,15 @@ class Terminator:
         if tenant is None:
             return await self._answer(ex, conn, _Answer.text(
                 503, "route no longer configured", (b"retry-after", b"60")))
+        # the fields `judge_scope` reads only for a body / a POST: not looked up otherwise
+        has_body = ex.has_body
+        method = ex.method
         try:
-            scope = judge_scope(ex.method, target, route.mcp_path, has_body=ex.has_body,
-                                content_type=header(ex.headers, b"content-type"),
-                                content_encoding=header(ex.headers, b"content-encoding"))
+            scope = judge_scope(
+                method, target, route.mcp_path, has_body=has_body,
+                content_type=header(ex.headers, b"content-type") if has_body else None,
+                content_encoding=(header(ex.headers, b"content-encoding")
+                                  if method == "POST" else None))
         except BadRequest as exc:
             return await self._answer(ex, conn, _Answer.text(exc.status, exc.why))
         if ex.content_length is not None and ex.content_length > limits.max_body_bytes:

@@ -17,6 +17,7 @@ from pact_ingress.net.memory_tls import ServerStream
 
 
 class ServerTLS(ServerStream):
+    _hubbed = True  # `close` wakes the hub's waiters too
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, initial: bytes) -> None:
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         super().__init__(context.wrap_bio(incoming, outgoing, server_side=True), incoming,
@@ -43,7 +44,8 @@ class ServerTLS(ServerStream):
         to wait for."""
         if not self._closed:
             self._closed = True
-            trio.lowlevel.notify_closing(self._sock)  # wake any task waiting on it
+            self._close_watch()  # wake any task waiting on it
+            trio.lowlevel.notify_closing(self._sock)
             self._sock.close()
 
     def close_unwatched(self) -> None:

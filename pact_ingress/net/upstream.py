@@ -182,6 +182,7 @@ class _Conn(MemoryTLS):
         super().__init__(
             context.wrap_bio(incoming, outgoing, server_hostname=sni or None, session=session),
             incoming, outgoing, raw=raw, stream=None if raw is not None else stream)
+        self._hubbed = raw is not None  # `aclose` closes the Watch before the socket
 
     def _broken(self, why: str) -> Exception:
         return _Broken(f"the link to the node failed: {why}")
@@ -215,6 +216,8 @@ class _Conn(MemoryTLS):
             return False
         if not data:
             return False
+        if len(data) == READ_SIZE and self._watch is not None:
+            self._watch.readable = True  # more may be left (`MemoryTLS.read`)
         self._in.write(data)
         try:
             self._ssl.read(1)
@@ -226,6 +229,7 @@ class _Conn(MemoryTLS):
 
     async def aclose(self) -> None:
         if self._sock is not None:
+            self._close_watch()
             self._sock.close()  # no close_notify: the node treats EOF as the end
         else:
             await trio.aclose_forcefully(self.stream)

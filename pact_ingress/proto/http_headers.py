@@ -87,10 +87,9 @@ def clean_request_headers(
     `Host` is set to `host`; `TE: trailers` survives when the client asked for it. Body
     framing (`Content-Length`/`Transfer-Encoding`) is the caller's to set afterwards.
     """
-    headers = list(headers)
-    named = _connection_tokens(headers)
     out: Headers = [(b"host", _host_value(host))]
     wants_trailers = False
+    named: set[bytes] | None = None  # what Connection names, once it was seen
     for name, value in headers:
         lname = name.lower()
         if lname == b"te":
@@ -98,9 +97,14 @@ def clean_request_headers(
             continue
         if lname in (b"host", b"content-length") or lname.startswith(b":"):
             continue
-        if _is_hop_by_hop(lname, named) or is_spoofable(lname):
+        if lname == b"connection":
+            named = _connection_tokens(((lname, value),)) | (named or set())
+            continue
+        if lname in HOP_BY_HOP or is_spoofable(lname):  # (every proxy- name is spoofable)
             continue
         out.append((lname, value))
+    if named:  # rare: one pass per request otherwise
+        out = [field for field in out if field[0] not in named or field[0] == b"host"]
     if wants_trailers:
         out.append((b"te", b"trailers"))
     out.append((b"forwarded", forwarded_value(client_ip, host)))

@@ -2,6 +2,11 @@
 cannot move.
 
     python -m tests.bench.callgrind_terminate before=/tmp/before after=. [--conns 400]
+    python -m tests.bench.callgrind_terminate before=/tmp/before after=. --keepalive 2000
+
+`--keepalive N` counts instructions per keep-alive request instead: 8 client threads
+(`--threads`), each on one connection, `N` requests in all (`GET /`, each answer read
+before the next request is sent, as wrk does).
 
 CPU time per connection (`ab_terminate`) swings by tens of percent while other work
 shares the cores; the number of instructions the process executes per connection does
@@ -83,6 +88,47 @@ def _connections(port: int, count: int) -> int:
     return ok[0]
 
 
+KA_REQUEST = f"GET / HTTP/1.1\r\nHost: {bt.HOST}\r\n\r\n".encode()
+
+
+def _keepalive(port: int, count: int) -> int:
+    """`count` keep-alive requests over THREADS connections; how many got a 200."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["http/1.1"])
+    ok = [0]
+
+    def worker(n: int) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as raw:
+            with ctx.wrap_socket(raw, server_hostname=bt.HOST) as tls:
+                for _ in range(n):
+                    tls.sendall(KA_REQUEST)
+                    data = b""
+                    while True:
+                        data += tls.recv(65536)
+                        head, sep, rest = data.partition(b"\r\n\r\n")
+                        if not sep:
+                            continue
+                        length = 0
+                        for line in head.split(b"\r\n")[1:]:
+                            name, _, value = line.partition(b":")
+                            if name.strip().lower() == b"content-length":
+                                length = int(value)
+                        if len(rest) >= length:
+                            break
+                    if data.startswith(b"HTTP/1.1 200"):
+                        ok[0] += 1
+
+    threads = [threading.Thread(target=worker, args=(count // THREADS,))
+               for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ok[0]
+
+
 def _by_object(dump: Path) -> Counter[str]:
     out = subprocess.run(["callgrind_annotate", "--threshold=100", str(dump)],
                          capture_output=True, text=True, check=True).stdout
@@ -94,8 +140,8 @@ def _by_object(dump: Path) -> Counter[str]:
     return objects
 
 
-def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
-            ) -> Counter[str]:
+def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int,
+            keepalive: int = 0) -> Counter[str]:
     port = free_port()
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
@@ -119,9 +165,14 @@ def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
                     raise SystemExit(f"{name}: serve did not start under valgrind")
                 time.sleep(0.5)
         _connections(port, 8 * THREADS)  # warm: pools filled, every path run once
+        if keepalive:
+            _keepalive(port, 8 * THREADS)
         subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
                        capture_output=True)
-        ok = _connections(port, conns)
+        if keepalive:
+            ok, conns = _keepalive(port, keepalive), keepalive
+        else:
+            ok = _connections(port, conns)
         subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True,
                        capture_output=True)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
@@ -139,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
     p.add_argument("--conns", type=int, default=400)
+    p.add_argument("--keepalive", type=int, default=0,
+                   help="count per keep-alive request: this many requests in all")
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
+    globals()["THREADS"] = args.threads
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
@@ -151,13 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         rig = bt.build_rig(tmp, started, "h2,http/1.1")
         yaml = (tmp / "ingress.yaml").read_text()
         for name, tree in (t.split("=", 1) for t in args.trees):
-            rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns)
+            rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns,
+                                 args.keepalive)
     shutil.rmtree(tmp, ignore_errors=True)
     groups = {"libpython (our Python)": ("libpython3.11", "libpython3"),
               "libcrypto + libssl (TLS)": ("libcrypto", "libssl"),
               "libc": ("libc",)}
-    n = args.conns // THREADS * THREADS
-    print("| k instructions per connection | " + " | ".join(rows) + " |")
+    n = (args.keepalive or args.conns) // THREADS * THREADS
+    unit = "request" if args.keepalive else "connection"
+    print(f"| k instructions per {unit} | " + " | ".join(rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for label, prefixes in groups.items():
         cells = [sum(v for k, v in c.items() if k in prefixes) / n / 1e3

@@ -1,0 +1,293 @@
+"""Socket readiness for the terminate engine: one epoll set per trio run, each socket in it
+once for its life.
+
+Theory of operation
+-------------------
+`trio.lowlevel.wait_readable` arms the socket in trio's epoll set for one event
+(`EPOLLONESHOT`): an `epoll_ctl` syscall and a little bookkeeping on every wait. A
+keep-alive request through the terminate engine waits twice (the client's next request,
+the node's answer), so that is paid twice per request, per connection.
+
+Here one system task per trio run (`Hub`) owns its own epoll set. A socket joins it once,
+edge-triggered (`EPOLLIN | EPOLLRDHUP | EPOLLET`; `EPOLLOUT` added the first time a write
+would block, and kept), the first time its owner has to wait. A wait then only parks the
+task on the socket's `Watch` (`wait_task_rescheduled`). The hub waits for its epoll fd
+in trio (one `epoll_ctl` per wake, whatever number of sockets became ready), takes every
+ready event and wakes the tasks parked on those sockets.
+
+That pays only when a wake-up carries several sockets' events (the hub's own wait costs
+what one of trio's does, plus a task switch and an `epoll_wait`), so a socket joins only
+while the process is crowded (`HUB_MIN_CONNECTIONS`) and leaves again when it is nearly
+idle; outside the hub its owner waits through trio (`net/deadlines.py`).
+
+Edge-triggered means an event arrives when something *new* happens on the socket, so
+the rule is the one every caller here already keeps: try the syscall first and wait only
+when it would block. An event that arrives while nobody waits is remembered on the Watch
+(`readable`), and a caller that waits *without* having tried the syscall (it knows the peer
+cannot have answered yet) returns at once when it is set: it then tries the syscall. A
+wait after the syscall said "would block" clears it: whatever set it was read since.
+Wake-ups can be spurious (an event for bytes already read): callers retry the syscall.
+Once the peer's FIN (or an error) was seen, every read wait returns at once: a recv
+that takes the last bytes leaves the end unread, unannounced. A recv that filled its
+whole buffer may have left bytes behind, which no new event
+announces: the caller then sets `readable` itself, so a wait that does not look first
+returns at once.
+
+* Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
+  the parked task with `trio.TooSlowError`. The socket stays usable.
+* Cancellation: the abort callback takes the task off the Watch.
+* Close: an owner that closes a socket another task may be waiting on calls
+  `Watch.close` first (waiters get `trio.ClosedResourceError`, like
+  `trio.lowlevel.notify_closing`). Closing the fd removes it from the epoll set (the
+  kernel does that when the last reference goes), so an owner whose tasks have all
+  ended just closes it.
+* Fd reuse: a Watch belongs to its owner (one `MemoryTLS`), not to the fd number. A new
+  socket that gets a closed one's number gets a new Watch, which replaces the old one
+  in the hub's table and joins the epoll set as a new file. Should an old file still be
+  open elsewhere (a descriptor handed to another process after it joined), its events
+  may still come in under the same number: spurious wake-ups, which callers tolerate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import socket
+
+import outcome
+import trio
+from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
+
+from pact_ingress.net import deadlines
+
+_EPOLLIN, _EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
+_EPOLLRDHUP, _EPOLLET = select.EPOLLRDHUP, select.EPOLLET
+_HUP_ERR = select.EPOLLHUP | select.EPOLLERR
+#: An event with any of these wakes the reader / the writer.
+_WAKES_READER = _EPOLLIN | _EPOLLRDHUP | _HUP_ERR
+_WAKES_WRITER = _EPOLLOUT | _HUP_ERR
+#: The peer's FIN (or a failure) may come with the last bytes: a recv that takes those
+#: leaves the end unread, and no later event would say so.
+_ENDS = _EPOLLRDHUP | _HUP_ERR
+_READING = _EPOLLIN | _EPOLLRDHUP | _EPOLLET
+_BOTH = _READING | _EPOLLOUT
+#: Events taken per `epoll_wait`; more are taken at once in another call.
+MAX_EVENTS = 256
+
+READ = 0
+WRITE = 1
+
+#: Sockets join the hub only while at least this many terminate connections are open in
+#: the process (`open_connections`, kept by `net/terminate.py`). The hub pays when one
+#: of its wake-ups carries several sockets' events: its own wait on its epoll fd costs
+#: what one of trio's waits does, plus a task switch and an `epoll_wait`. A lone busy
+#: connection, whose every wake-up carries one event, waits through trio instead. A
+#: socket decides at each wait: it joins when the process is crowded, and leaves (one
+#: `epoll_ctl`) when fewer than half that many connections are open and nobody waits on
+#: it (a pooled node connection outlives the crowd that made it join).
+#: `PACT_INGRESS_HUB_MIN_CONNECTIONS` overrides it (0: every socket joins; tests).
+HUB_MIN_CONNECTIONS = int(os.environ.get("PACT_INGRESS_HUB_MIN_CONNECTIONS", "4"))
+#: Terminate connections open in this process now.
+open_connections = 0
+
+
+def crowded() -> bool:
+    """Enough connections are open for the hub to pay."""
+    return open_connections >= HUB_MIN_CONNECTIONS
+
+
+def sparse() -> bool:
+    """So few connections are open that a socket in the hub should leave it."""
+    return open_connections < HUB_MIN_CONNECTIONS // 2
+
+
+class Watch:
+    """One socket in the hub: the task waiting to read, the one waiting to write, and
+    the events that arrived while nobody waited."""
+
+    __slots__ = ("hub", "fd", "reader", "writer", "readable", "ended", "out", "closed",
+                 "_abort_read", "_abort_write")
+
+    def __init__(self, hub: Hub, fd: int) -> None:
+        self.hub = hub
+        self.fd = fd
+        self.reader: trio.lowlevel.Task | None = None
+        self.writer: trio.lowlevel.Task | None = None
+        self.readable = False  # an event came that no reader took yet
+        self.ended = False  # the peer closed or the socket failed: reads never block again
+        self.out = False  # EPOLLOUT is in the set for this socket
+        self.closed = False
+        self._abort_read = self._make_abort(READ)
+        self._abort_write = self._make_abort(WRITE)
+
+    def _make_abort(self, side: int):  # type: ignore[no-untyped-def]
+        def abort(_: object) -> Abort:
+            if side == READ:
+                self.reader = None
+            else:
+                self.writer = None
+            return Abort.SUCCEEDED
+        return abort
+
+    async def wait_readable(self, deadline: float = math.inf, tried: bool = True) -> None:
+        """Until the socket may be readable. `tried`: the caller's recv just said it
+        would block (else it did not try, and an event already seen ends the wait at
+        once). `trio.TooSlowError` once `deadline` passed."""
+        if self.ended and not tried:  # a recv returns at once now (b"" or the error)
+            return
+        # (ended, yet the recv said it would block: wait for an event rather than spin)
+        if tried:
+            self.readable = False
+        elif self.readable:
+            self.readable = False
+            return
+        if self.reader is not None:
+            raise trio.BusyResourceError("another task is already reading this socket")
+        if self.closed:
+            raise trio.ClosedResourceError()
+        self.reader = current_task()
+        if deadline == math.inf:
+            await wait_task_rescheduled(self._abort_read)
+            return
+        await self._park_by(deadline, READ, self._abort_read)
+
+    async def wait_writable(self, deadline: float = math.inf) -> None:
+        """Until the socket may be writable (the caller's send just said it would
+        block); `trio.TooSlowError` once `deadline` passed."""
+        if self.writer is not None:
+            raise trio.BusyResourceError("another task is already writing this socket")
+        if self.closed:
+            raise trio.ClosedResourceError()
+        if not self.out:
+            # reads only until now: writes wait from here on too. The event this
+            # produces at once if there is room is a spurious wake-up at worst.
+            self.hub.ep.modify(self.fd, _BOTH)
+            self.out = True
+        self.writer = current_task()
+        if deadline == math.inf:
+            await wait_task_rescheduled(self._abort_write)
+            return
+        await self._park_by(deadline, WRITE, self._abort_write)
+
+    async def _park_by(self, deadline: float, side: int, abort: object) -> None:
+        sweeper = self.hub.sweeper
+        if deadline <= sweeper.now():  # already due: a checkpoint, then the news
+            if side == READ:
+                self.reader = None
+            else:
+                self.writer = None
+            await trio.lowlevel.checkpoint()
+            raise trio.TooSlowError()
+        arm = sweeper.arm(deadline, watch=self, side=side)
+        try:
+            await wait_task_rescheduled(abort)  # type: ignore[arg-type]
+        finally:
+            sweeper.disarm(arm)
+
+    def fire(self, side: int) -> None:
+        """A deadline passed: the task waiting on `side`, if any, gets `TooSlowError`."""
+        if side == READ:
+            task, self.reader = self.reader, None
+        else:
+            task, self.writer = self.writer, None
+        if task is not None:
+            reschedule(task, outcome.Error(trio.TooSlowError()))
+
+    def leave(self) -> bool:
+        """Out of the hub (its owner waits through trio from now on), if no task waits
+        on it; False (still in) otherwise."""
+        if self.reader is not None or self.writer is not None:
+            return False
+        self.closed = True
+        hub = self.hub
+        if hub.watches.get(self.fd) is self:
+            del hub.watches[self.fd]
+        try:
+            hub.ep.unregister(self.fd)
+        except OSError:  # not in the set (closed and reused, or never there)
+            pass
+        return True
+
+    def close(self) -> None:
+        """The owner is closing the socket: waiters get `trio.ClosedResourceError`, and
+        any later wait too. Call before closing the fd."""
+        if self.closed:
+            return
+        self.closed = True
+        hub = self.hub
+        if hub.watches.get(self.fd) is self:
+            del hub.watches[self.fd]
+        for task in (self.reader, self.writer):
+            if task is not None:
+                reschedule(task, outcome.Error(trio.ClosedResourceError()))
+        self.reader = self.writer = None
+
+
+class Hub:
+    """The epoll set of one trio run and the system task that wakes its waiters."""
+
+    def __init__(self) -> None:
+        self.ep = select.epoll()
+        self.watches: dict[int, Watch] = {}
+        self.sweeper = deadlines.sweeper()
+        trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.readiness")
+
+    def watch(self, sock: socket.socket) -> Watch:
+        """A new Watch for `sock`, in the epoll set from now on (for reading)."""
+        fd = sock.fileno()
+        old = self.watches.get(fd)
+        if old is not None:
+            old.close()  # its socket was closed (the number is free again): it is stale
+        watch = Watch(self, fd)
+        try:
+            self.ep.register(fd, _READING)
+        except FileExistsError:  # this very file joined before (under another Watch)
+            self.ep.modify(fd, _READING)
+        self.watches[fd] = watch
+        return watch
+
+    async def _run(self) -> None:
+        ep = self.ep
+        poll = ep.poll
+        watches = self.watches
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(ep)
+                while True:
+                    events = poll(0, MAX_EVENTS)
+                    for fd, mask in events:
+                        watch = watches.get(fd)
+                        if watch is None:
+                            continue
+                        if mask & _WAKES_READER:
+                            if mask & _ENDS:
+                                watch.ended = True
+                            task = watch.reader
+                            if task is None:
+                                watch.readable = True
+                            else:
+                                watch.reader = None
+                                reschedule(task)
+                        if mask & _WAKES_WRITER:
+                            task = watch.writer
+                            if task is not None:
+                                watch.writer = None
+                                reschedule(task)
+                    if len(events) < MAX_EVENTS:
+                        break
+        finally:
+            ep.close()
+
+
+_HUB: trio.lowlevel.RunVar[Hub] = trio.lowlevel.RunVar("pact_ingress_readiness")
+
+
+def hub() -> Hub:
+    """This trio run's hub (started on first use)."""
+    try:
+        return _HUB.get()
+    except LookupError:
+        h = Hub()
+        _HUB.set(h)
+        return h
