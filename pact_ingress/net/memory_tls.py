@@ -112,9 +112,13 @@ class MemoryTLS:
         while True:
             await watch.wait_readable(deadline, tried)
             try:
-                return raw.recv(READ_SIZE)  # type: ignore[union-attr]
+                data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
             except BlockingIOError:
                 tried = True
+                continue
+            if len(data) == READ_SIZE:
+                watch.readable = True  # more may wait behind the edge just taken
+            return data
 
     # -- ciphertext -----------------------------------------------------------------------
 
@@ -176,6 +180,9 @@ class MemoryTLS:
                     data = b"" if wait_first else raw.recv(READ_SIZE)
                 except BlockingIOError:
                     wait_first = True
+                else:
+                    if len(data) == READ_SIZE and self._watch is not None:
+                        self._watch.readable = True  # see `read`
                 if wait_first:
                     data = await self._recv_after_wait(deadline)
             elif deadline == math.inf:
@@ -252,9 +259,16 @@ class MemoryTLS:
                                     await _wait_readable(raw, deadline, self._sweeper)
                             try:
                                 data = raw.recv(READ_SIZE)
-                                break
                             except BlockingIOError:
                                 wait_first = tried = True
+                                continue
+                            if len(data) == READ_SIZE and self._watch is not None:
+                                # a full read may have left more in the kernel, and its
+                                # edge is spent: the next wait that did not try a recv
+                                # must not park (a short read drained the socket, so
+                                # anything after it comes with an edge of its own)
+                                self._watch.readable = True
+                            break
                     except _TRANSPORT_ERRORS as exc:
                         raise self._broken(f"receive failed: {exc!r}") from exc
                     if data:

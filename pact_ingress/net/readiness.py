@@ -18,10 +18,13 @@ ready event and wakes the tasks parked on those sockets.
 Edge-triggered means an event arrives when something *new* happens on the socket, so
 the rule is the one every caller here already keeps: try the syscall first and wait only
 when it would block. An event that arrives while nobody waits is remembered on the Watch
-(`ready`), and a caller that waits *without* having tried the syscall (it knows the peer
+(`readable`), and a caller that waits *without* having tried the syscall (it knows the peer
 cannot have answered yet) returns at once when it is set: it then tries the syscall. A
 wait after the syscall said "would block" clears it: whatever set it was read since.
 Wake-ups can be spurious (an event for bytes already read): callers retry the syscall.
+A recv that filled its whole buffer may have left bytes in the kernel whose edge is
+already spent: its caller sets `readable` again, so a later wait without a try still
+returns at once (a short recv drained the socket; what comes after has its own edge).
 
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
