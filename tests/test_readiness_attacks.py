@@ -143,6 +143,45 @@ async def test_server_tls_reads_a_burst_bigger_than_one_recv_whole() -> None:
         peer.sock.close()
 
 
+async def test_server_tls_sees_the_close_that_came_with_the_last_data() -> None:
+    """DEFECT (lost wake-up): the peer's last bytes and its FIN arrive behind one edge.
+    The recv that takes the bytes is short (the FIN stops it) yet the socket is not
+    drained: the next wait (the engine waits first after a short read) must see EOF
+    instead of parking forever."""
+    pki = WebPKI()
+    tls, peer, _ = await _handshake_to_finished(pki, with_request=b"")
+    try:
+        peer.incoming.write(await peer.receive())  # the session tickets
+        for round_ in range(1):
+            got: list[bytes] = []
+
+            async def reader() -> None:
+                while True:
+                    data = tls.read_buffered()
+                    if data is None:
+                        data = await tls.read(READ_SIZE, wait_first=True)
+                    got.append(data)
+                    if not data:
+                        return
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                await trio.testing.wait_all_tasks_blocked()  # parked
+                peer.tls.write(b"last request")
+                peer.sock.setblocking(True)
+                peer.sock.sendall(peer.outgoing.read())
+                peer.sock.shutdown(socket.SHUT_WR)  # FIN right behind it
+                with trio.move_on_after(HANG) as waited:
+                    while not got or got[-1] != b"":
+                        await trio.sleep(0.02)
+                nursery.cancel_scope.cancel()
+            assert not waited.cancelled_caught, f"the close was never seen (got {got})"
+            assert b"".join(got) == b"last request"
+    finally:
+        tls.close()
+        peer.sock.close()
+
+
 async def test_server_tls_reader_and_writer_at_once_on_one_socket() -> None:
     """Full duplex over one ServerTLS: a writer blocked on a full send buffer and a reader
     parked for data, both on the same Watch; each is woken by its own event and the
@@ -552,6 +591,29 @@ def _h2_upload_all(conn: H2Conn, bodies: list[bytes]) -> dict[int, bytes]:
     return streams
 
 
+def test_a_client_that_closes_right_after_its_last_request_is_let_go(
+        served: ServeEnv) -> None:
+    """DEFECT (lost wake-up), end to end: the last request and the client's FIN arrive
+    together. The answer is sent; then the connection must end (EOF seen), not sit
+    counted until the idle timeout (300 s here)."""
+    serve = served.fresh().serve
+    socks = []
+    try:
+        for i in range(20):
+            s = tls_socket(serve.port, OPT_HOST, timeout=HANG)
+            s.sendall(request_bytes("GET", _target(i, "first"), OPT_HOST))
+            _check_answer(read_response(s), _target(i, "first"))
+            s.sendall(request_bytes("GET", _target(i, "last"), OPT_HOST))
+            socket.socket.shutdown(s, socket.SHUT_WR)  # TCP FIN behind it (no TLS close)
+            socks.append(s)
+        for i, s in enumerate(socks):
+            _check_answer(read_response(s), _target(i, "last"))
+        assert serve.wait_open_connections(0) == 0
+    finally:
+        for s in socks:
+            forget(s)
+
+
 def test_h2_uploads_in_parallel_are_answered_byte_exact(served: ServeEnv) -> None:
     """Several HTTP/2 streams upload bodies of different sizes at once on one connection,
     interleaved in bursts (the read loop waits first after short reads): every stream is
@@ -772,3 +834,143 @@ def test_two_workers_survive_kill_9_of_one(tmp_path: Path) -> None:
                 forget(s)
     finally:
         env.stop()
+
+
+# --- the upstream legs: deadlines on parked waits, in process -----------------------------
+
+
+async def test_a_504_on_one_pooled_connection_leaves_the_others_and_the_pool_working(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A node that never answers some requests (their upstream reads are parked on the
+    hub until the header deadline fires: 504) while other requests run on other pooled
+    connections at the same time: each of those gets exactly its answer, and afterwards
+    the pool serves again (no connection left with a deadline armed, nothing hung)."""
+    from tests.test_terminate import post_mcp, start_env
+    from tests.test_terminate import rpc as demo_rpc
+
+    env = await start_env(nursery, tmp_path, header_timeout=1.0, node_alpn=("http/1.1",),
+                          seal="optional")
+    results: dict[str, list[int]] = {"stall": [], "ok": []}
+
+    async def stall(client) -> None:  # type: ignore[no-untyped-def]
+        r = await client.request("GET", "https://mcp.alina.test/_demo/stall")
+        results["stall"].append(r.status)
+
+    async def ok(client, i: int) -> None:  # type: ignore[no-untyped-def]
+        r = await post_mcp(client, demo_rpc("tools/list", {}, i))
+        assert r.status == 200, r.status
+        assert json.loads(r.content)["id"] == i
+        results["ok"].append(i)
+
+    with trio.fail_after(60):
+        for round_ in range(2):
+            async with env.client(http2=False) as client:
+                async with trio.open_nursery() as inner:
+                    for _ in range(3):
+                        inner.start_soon(stall, client)
+                    for i in range(12):
+                        inner.start_soon(ok, client, 100 * round_ + i)
+            async with env.client(http2=False) as client:  # after: the pool serves
+                for i in range(5):
+                    await ok(client, 1000 + 100 * round_ + i)
+    assert results["stall"] == [504] * 6
+    assert sorted(results["ok"]) == sorted(
+        [100 * r + i for r in range(2) for i in range(12)]
+        + [1000 + 100 * r + i for r in range(2) for i in range(5)])
+    assert not deadlines.sweeper()._armed or all(
+        a.deadline > trio.current_time() for a in deadlines.sweeper()._armed)
+    await env.terminator.aclose()
+
+
+# --- reload, drain, writers parked on a slow reader -----------------------------------------
+
+
+def test_parked_connections_survive_a_reload_and_a_drain_closes_them(tmp_path: Path) -> None:
+    """Connections parked on the hub between requests: a reload (SIGHUP) leaves each one
+    serving its next request; a drain (SIGTERM) closes every one of them at once (the
+    idle timeout is far away) and serve exits cleanly."""
+    env = ServeEnv.start(tmp_path, workers=1, limits={**OPEN_LIMITS, "idle_timeout": "300s"})
+    socks = []
+    try:
+        serve = env.serve
+        for i in range(50):
+            s = tls_socket(serve.port, OPT_HOST, timeout=HANG)
+            s.sendall(request_bytes("GET", _target(i, "pre"), OPT_HOST))
+            _check_answer(read_response(s), _target(i, "pre"))
+            socks.append(s)
+        assert serve.reload() == "reloaded"
+        for i, s in enumerate(socks):
+            s.sendall(request_bytes("GET", _target(i, "post"), OPT_HOST))
+            _check_answer(read_response(s), _target(i, "post"))
+        serve.proc.send_signal(signal.SIGTERM)
+        for s in socks:
+            assert closed_by_peer(s, HANG)
+        assert serve.proc.wait(timeout=HANG * 2) == 0
+    finally:
+        for s in socks:
+            forget(s)
+        env.stop()
+
+
+def test_writers_parked_on_slow_readers_get_every_byte_and_gone_readers_free_all(
+        served: ServeEnv) -> None:
+    """Large answers to clients with small receive buffers: the engine's writes wait on
+    the hub for room (EPOLLOUT joins the socket's set) while its reads of the node go on.
+    Readers that keep reading get every byte (length and content); readers that stop
+    and vanish mid-answer free their connection; the count returns to 0."""
+    serve = served.fresh().serve
+    size = 4 << 20
+    errors: list[BaseException] = []
+
+    def reader(slow: bool) -> None:
+        try:
+            s = tls_socket(serve.port, OPT_HOST, rcvbuf=4096, timeout=HANG)
+            try:
+                s.sendall(request_bytes("GET", f"/big?bytes={size}", OPT_HOST))
+                resp = read_response(s, head_only=True)
+                assert resp.status == 200
+                reader_buf = b""
+                got = 0
+                digest = hashlib.sha256()
+                from tests.terminate_env import _READERS
+                reader_buf, _READERS[id(s)].buf = _READERS[id(s)].buf, b""
+                digest.update(reader_buf)
+                got += len(reader_buf)
+                while got < size:
+                    chunk = s.recv(1 << 14)
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    got += len(chunk)
+                    if slow:
+                        time.sleep(0.001)
+                assert got == size
+                assert digest.digest() == hashlib.sha256(b"x" * size).digest()
+            finally:
+                forget(s)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def quitter() -> None:
+        s = tls_socket(serve.port, OPT_HOST, rcvbuf=4096, timeout=HANG)
+        s.sendall(request_bytes("GET", f"/big?bytes={size}", OPT_HOST))
+        read_response(s, head_only=True)
+        s.recv(1000)
+        forget(s)  # gone with the engine's writer parked on a full buffer
+
+    threads = [threading.Thread(target=reader, args=(k % 2 == 0,)) for k in range(4)]
+    threads += [threading.Thread(target=quitter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert not errors, errors
+    assert serve.wait_open_connections(0) == 0
+    # the pool is still good
+    s = tls_socket(serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", _target(0, "after-big"), OPT_HOST))
+        _check_answer(read_response(s), _target(0, "after-big"))
+    finally:
+        forget(s)
