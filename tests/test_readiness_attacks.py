@@ -402,6 +402,8 @@ async def test_a_file_still_open_elsewhere_under_a_reused_number_gives_only_spur
                 await trio.testing.wait_all_tasks_blocked()
                 b.send(b"old again")
                 await trio.testing.wait_all_tasks_blocked()
+                b.shutdown(socket.SHUT_RDWR)  # the old file's end, under the same number
+                await trio.testing.wait_all_tasks_blocked()  # parked again, not spinning
                 d.send(b"finally")
             assert got == [b"finally"]
     finally:

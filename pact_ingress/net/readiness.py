@@ -25,6 +25,9 @@ Wake-ups can be spurious (an event for bytes already read): callers retry the sy
 A recv that filled its whole buffer may have left bytes in the kernel whose edge is
 already spent: its caller sets `readable` again, so a later wait without a try still
 returns at once (a short recv drained the socket; what comes after has its own edge).
+The one exception is the peer's close: its FIN may come behind the last bytes in one
+edge and stops the recv that takes them short. So an event saying the input ended
+(RDHUP, HUP, ERR) is kept for good (`ended`): from then on no read waits.
 
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
@@ -56,6 +59,8 @@ from pact_ingress.net import deadlines
 _EPOLLIN, _EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 _EPOLLRDHUP, _EPOLLET = select.EPOLLRDHUP, select.EPOLLET
 _HUP_ERR = select.EPOLLHUP | select.EPOLLERR
+#: The peer closed (or the connection failed): recv will never block again.
+_ENDED = _EPOLLRDHUP | _HUP_ERR
 #: An event with any of these wakes the reader / the writer.
 _WAKES_READER = _EPOLLIN | _EPOLLRDHUP | _HUP_ERR
 _WAKES_WRITER = _EPOLLOUT | _HUP_ERR
@@ -72,7 +77,7 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("hub", "fd", "reader", "writer", "readable", "out", "closed",
+    __slots__ = ("hub", "fd", "reader", "writer", "readable", "ended", "out", "closed",
                  "_abort_read", "_abort_write")
 
     def __init__(self, hub: Hub, fd: int) -> None:
@@ -81,6 +86,10 @@ class Watch:
         self.reader: trio.lowlevel.Task | None = None
         self.writer: trio.lowlevel.Task | None = None
         self.readable = False  # an event came that no reader took yet
+        # the peer closed or the connection failed: no further edge will come, and a
+        # recv returns at once from now on (the bytes before the close, then EOF or the
+        # error), so a read never waits again
+        self.ended = False
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
         self._abort_read = self._make_abort(READ)
@@ -99,6 +108,12 @@ class Watch:
         """Until the socket may be readable. `tried`: the caller's recv just said it
         would block (else it did not try, and an event already seen ends the wait at
         once). `trio.TooSlowError` once `deadline` passed."""
+        if self.ended:
+            if not tried:
+                return
+            # the recv said "would block": the end seen was not this socket's (an old
+            # file still open elsewhere, reported under the same number)
+            self.ended = False
         if tried:
             self.readable = False
         elif self.readable:
@@ -208,6 +223,8 @@ class Hub:
                         if watch is None:
                             continue
                         if mask & _WAKES_READER:
+                            if mask & _ENDED:
+                                watch.ended = True
                             task = watch.reader
                             if task is None:
                                 watch.readable = True
