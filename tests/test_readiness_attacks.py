@@ -39,6 +39,7 @@ from tests.terminate_env import (
     H2Conn,
     H2Result,
     ServeEnv,
+    _READERS,
     closed_by_peer,
     forget,
     read_response,
@@ -152,31 +153,30 @@ async def test_server_tls_sees_the_close_that_came_with_the_last_data() -> None:
     tls, peer, _ = await _handshake_to_finished(pki, with_request=b"")
     try:
         peer.incoming.write(await peer.receive())  # the session tickets
-        for round_ in range(1):
-            got: list[bytes] = []
+        got: list[bytes] = []
 
-            async def reader() -> None:
-                while True:
-                    data = tls.read_buffered()
-                    if data is None:
-                        data = await tls.read(READ_SIZE, wait_first=True)
-                    got.append(data)
-                    if not data:
-                        return
+        async def reader() -> None:
+            while True:
+                data = tls.read_buffered()
+                if data is None:
+                    data = await tls.read(READ_SIZE, wait_first=True)
+                got.append(data)
+                if not data:
+                    return
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(reader)
-                await trio.testing.wait_all_tasks_blocked()  # parked
-                peer.tls.write(b"last request")
-                peer.sock.setblocking(True)
-                peer.sock.sendall(peer.outgoing.read())
-                peer.sock.shutdown(socket.SHUT_WR)  # FIN right behind it
-                with trio.move_on_after(HANG) as waited:
-                    while not got or got[-1] != b"":
-                        await trio.sleep(0.02)
-                nursery.cancel_scope.cancel()
-            assert not waited.cancelled_caught, f"the close was never seen (got {got})"
-            assert b"".join(got) == b"last request"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()  # parked
+            peer.tls.write(b"last request")
+            peer.sock.setblocking(True)
+            peer.sock.sendall(peer.outgoing.read())
+            peer.sock.shutdown(socket.SHUT_WR)  # FIN right behind it
+            with trio.move_on_after(HANG) as waited:
+                while not got or got[-1] != b"":
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        assert not waited.cancelled_caught, f"the close was never seen (got {got})"
+        assert b"".join(got) == b"last request"
     finally:
         tls.close()
         peer.sock.close()
@@ -931,10 +931,9 @@ def test_writers_parked_on_slow_readers_get_every_byte_and_gone_readers_free_all
                 s.sendall(request_bytes("GET", f"/big?bytes={size}", OPT_HOST))
                 resp = read_response(s, head_only=True)
                 assert resp.status == 200
-                reader_buf = b""
                 got = 0
                 digest = hashlib.sha256()
-                from tests.terminate_env import _READERS
+                # what `read_response` read past the head is the body's start
                 reader_buf, _READERS[id(s)].buf = _READERS[id(s)].buf, b""
                 digest.update(reader_buf)
                 got += len(reader_buf)
