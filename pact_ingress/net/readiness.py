@@ -134,9 +134,12 @@ class Watch:
         """Until the socket may be readable. `tried`: the caller's recv just said it
         would block (else it did not try, and an event already seen ends the wait at
         once). `trio.TooSlowError` once `deadline` passed."""
-        if self.ended and not tried:  # a recv returns at once now (b"" or the error)
-            return
-        # (ended, yet the recv said it would block: wait for an event rather than spin)
+        if self.ended:
+            if not tried:
+                return
+            # the recv said "would block": the end seen was not this socket's (an old
+            # file still open elsewhere, reported under the same number)
+            self.ended = False
         if tried:
             self.readable = False
         elif self.readable:
