@@ -28,7 +28,8 @@ cannot have answered yet) returns at once when it is set: it then tries the sysc
 wait after the syscall said "would block" clears it: whatever set it was read since.
 Wake-ups can be spurious (an event for bytes already read): callers retry the syscall.
 Once the peer's FIN (or an error) was seen, every read wait returns at once: a recv
-that takes the last bytes leaves the end unread, unannounced. A recv that filled its
+that takes the last bytes leaves the end unread, unannounced (until a recv still says it
+would block: that end was an old file's, reported under a reused number). A recv that filled its
 whole buffer may have left bytes behind, which no new event
 announces: the caller then sets `readable` itself, so a wait that does not look first
 returns at once.
