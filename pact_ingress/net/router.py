@@ -78,6 +78,7 @@ from pact_ingress.logs import log
 from pact_ingress.model import Config, Route, normalize_hostname
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.runners import Runners
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
@@ -202,6 +203,7 @@ class Router:
         self._conn_counters: dict[tuple[str, str], Any] = {}
         self._accepting = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        self._runners: Runners = Runners(None)  # handler tasks for handed-over connections
         self._edge: Any = None  # the epoll engine (net/edge.py) while serving
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
@@ -232,6 +234,7 @@ class Router:
         others = [lst for lst in listeners if type(lst) is not trio.SocketListener]
         async with trio.open_nursery() as handlers:
             self._handlers = handlers
+            self._runners = Runners(handlers)
             if sockets:
                 self._edge = Edge(self, sockets)
                 handlers.start_soon(self._edge.run)
@@ -243,6 +246,7 @@ class Router:
                     await trio.sleep_forever()
             if self._edge is not None:
                 self._edge.stop_accepting()
+            self._runners.close()  # idle handler tasks end: the nursery waits for none
             for listener in listeners:
                 await listener.aclose()
 
@@ -262,8 +266,7 @@ class Router:
               client: tuple[str, int], who: str, kind: Counter[str]) -> None:
         """Take over a connection the engine peeked and counted (as `kind`) but does not
         serve: it runs here as if this router had read `data` itself."""
-        assert self._handlers is not None
-        self._handlers.start_soon(self._handle_adopted, sock, hello, data, client, who, kind)
+        self._runners.start(self._handle_adopted, sock, hello, data, client, who, kind)
 
     def adopt_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
                         data: bytes, client: tuple[str, int], who: str,
@@ -271,9 +274,7 @@ class Router:
         """`adopt` for a connection the engine found to be a plain terminate one (what
         `_plain_terminate` would pick): its route comes with it, so nothing is parsed or
         looked up again, and its socket comes as the engine accepted it."""
-        assert self._handlers is not None
-        self._handlers.start_soon(self._handle_terminate, sock, route, sni, data, client,
-                                  who, kind)
+        self._runners.start(self._handle_terminate, sock, route, sni, data, client, who, kind)
 
     async def _handle_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
                                 data: bytes, client: tuple[str, int], who: str,
