@@ -280,7 +280,14 @@ class Router:
                                 data: bytes, client: tuple[str, int], who: str,
                                 kind: Counter[str]) -> None:
         try:
-            await self._terminate_socket(sock, data, route, client, sni)
+            serve_socket = getattr(self.terminator, "serve_socket", None)
+            if self.handoff is None and serve_socket is not None:
+                # `_terminate_socket`'s usual case inline (one coroutine less)
+                ctx = self._served_context(sock, route, client)
+                if ctx is not None:
+                    await serve_socket(sock, data, ctx, route, client, sni=sni)
+            else:
+                await self._terminate_socket(sock, data, route, client, sni)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self._handler_error(client[0], exc)
         finally:
