@@ -51,6 +51,7 @@ from typing import Any
 import trio
 from prometheus_client import generate_latest
 
+from pact_ingress import gctune
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import bind as bind_log
 from pact_ingress.logs import log
@@ -130,9 +131,10 @@ class WorkerBackends(Backends):
 
 
 class Worker:
-    def __init__(self, channel: Channel, index: int) -> None:
+    def __init__(self, channel: Channel, index: int, *, settle_gc: bool = False) -> None:
         self.channel = channel
         self.index = index
+        self.settle_gc = settle_gc  # `gctune.settle()` once ready (the worker process)
         self.stats = Stats()
         self.resolver = Resolver()
         self.link = MainLink(channel)
@@ -210,6 +212,8 @@ class Worker:
             root.start_soon(self._flush_closed)
             root.start_soon(self.remote.run)
             root.start_soon(log.flush_forever)
+            if self.settle_gc:
+                gctune.settle()  # what lives now lives for the process: out of collections
             await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
             log.info("worker_ready", pid=os.getpid())
             try:
@@ -423,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bind_log(worker=args.index)
     sock = socket.socket(fileno=args.fd)
     try:
-        return trio.run(Worker(Channel(sock), args.index).run)
+        return trio.run(Worker(Channel(sock), args.index, settle_gc=True).run)
     except KeyboardInterrupt:
         return 0
 
