@@ -59,6 +59,7 @@ from pact_ingress.logs import setup as setup_logs
 from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.runners import Runners
 from pact_ingress.net.workers import Channel
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto import workers as wp
@@ -152,6 +153,7 @@ class Worker:
         self._draining = False
         self._closed_send, self._closed_recv = trio.open_memory_channel[int](math.inf)
         self._root: trio.Nursery | None = None
+        self._runners = Runners(None)
 
     # -- start ----------------------------------------------------------------------
 
@@ -205,6 +207,8 @@ class Worker:
         code = 0
         async with trio.open_nursery() as root:
             self._root = root
+            # connections run in parked tasks (cancelled with the root at the end)
+            self._runners = Runners(root)
             root.start_soon(self.resolver.refresh_forever)
             if self.state is not None:
                 await root.start(self.state.run)
@@ -245,7 +249,7 @@ class Worker:
                     raise wp.ProtocolError("HANDOFF without exactly one fd")
                 assert self._root is not None
                 self._handling += 1
-                self._root.start_soon(self._serve, wp.decode_handoff(msg.payload), fds[0])
+                self._runners.start(self._serve, wp.decode_handoff(msg.payload), fds[0])
                 continue
             for fd in fds:
                 os.close(fd)
