@@ -276,8 +276,9 @@ class Terminator:
         try:
             if ours:
                 try:
-                    await tls.do_handshake(  # type: ignore[call-arg]
-                        trio.current_time() + limits.clienthello_timeout)
+                    # `ServerTLS.do_handshake`'s body, without its coroutine
+                    await tls.handshake(  # type: ignore[union-attr]
+                        conn.now() + limits.clienthello_timeout, hold_tail=True)
                 except trio.TooSlowError:
                     return
             else:
