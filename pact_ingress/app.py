@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from pact_ingress import __version__, sdnotify
+from pact_ingress import __version__, gctune, sdnotify
 from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
 from pact_ingress.errors import ConfigError, PactIngressError
 from pact_ingress.identity import ensure_selfsigned_cert, load_identity
@@ -42,12 +42,14 @@ class Ingress:
     """All components of one running ingress, built from one config."""
 
     def __init__(self, config: Config, *, stats: Stats | None = None, workers: int = 1,
-                 log_format: str = "json") -> None:
+                 log_format: str = "json", settle_gc: bool = False) -> None:
         from pact_ingress.acme.manager import CertManager
         from pact_ingress.net.terminate import Terminator
         from pact_ingress.net.tunnel.server import TunnelServer
 
         self.config = config
+        #: `gctune.settle()` once serving (the `serve` process; not an in-process test)
+        self.settle_gc = settle_gc
         self.started = time.time()
         self.stats = stats or Stats()
         self.identity = load_identity(config.identity_key, create=True)
@@ -315,6 +317,8 @@ class Ingress:
             await nursery.start(self._serve_router, listeners)
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
+            if self.settle_gc:
+                gctune.settle()  # what lives now lives for the process: out of collections
             sdnotify.ready()
             task_status.started(self)
 
@@ -384,7 +388,7 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     count = default_workers() if workers is None else workers
 
     async def run() -> None:
-        await Ingress(config, workers=count, log_format=log_format).run()
+        await Ingress(config, workers=count, log_format=log_format, settle_gc=True).run()
 
     try:
         trio.run(run)

@@ -51,6 +51,7 @@ from typing import Any
 import trio
 from prometheus_client import generate_latest
 
+from pact_ingress import gctune
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import bind as bind_log
 from pact_ingress.logs import log
@@ -58,6 +59,7 @@ from pact_ingress.logs import setup as setup_logs
 from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.runners import Runners
 from pact_ingress.net.workers import Channel
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto import workers as wp
@@ -130,9 +132,10 @@ class WorkerBackends(Backends):
 
 
 class Worker:
-    def __init__(self, channel: Channel, index: int) -> None:
+    def __init__(self, channel: Channel, index: int, *, settle_gc: bool = False) -> None:
         self.channel = channel
         self.index = index
+        self.settle_gc = settle_gc  # `gctune.settle()` once ready (the worker process)
         self.stats = Stats()
         self.resolver = Resolver()
         self.link = MainLink(channel)
@@ -150,6 +153,7 @@ class Worker:
         self._draining = False
         self._closed_send, self._closed_recv = trio.open_memory_channel[int](math.inf)
         self._root: trio.Nursery | None = None
+        self._runners = Runners(None)
 
     # -- start ----------------------------------------------------------------------
 
@@ -203,6 +207,8 @@ class Worker:
         code = 0
         async with trio.open_nursery() as root:
             self._root = root
+            # connections run in parked tasks (cancelled with the root at the end)
+            self._runners = Runners(root)
             root.start_soon(self.resolver.refresh_forever)
             if self.state is not None:
                 await root.start(self.state.run)
@@ -210,6 +216,8 @@ class Worker:
             root.start_soon(self._flush_closed)
             root.start_soon(self.remote.run)
             root.start_soon(log.flush_forever)
+            if self.settle_gc:
+                gctune.settle()  # what lives now lives for the process: out of collections
             await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
             log.info("worker_ready", pid=os.getpid())
             try:
@@ -241,7 +249,7 @@ class Worker:
                     raise wp.ProtocolError("HANDOFF without exactly one fd")
                 assert self._root is not None
                 self._handling += 1
-                self._root.start_soon(self._serve, wp.decode_handoff(msg.payload), fds[0])
+                self._runners.start(self._serve, wp.decode_handoff(msg.payload), fds[0])
                 continue
             for fd in fds:
                 os.close(fd)
@@ -423,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bind_log(worker=args.index)
     sock = socket.socket(fileno=args.fd)
     try:
-        return trio.run(Worker(Channel(sock), args.index).run)
+        return trio.run(Worker(Channel(sock), args.index, settle_gc=True).run)
     except KeyboardInterrupt:
         return 0
 

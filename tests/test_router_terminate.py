@@ -6,6 +6,7 @@ Real sockets and real TLS over loopback; the terminators are small stand-ins."""
 
 from __future__ import annotations
 
+import _socket
 import socket
 import ssl
 from pathlib import Path
@@ -117,8 +118,37 @@ async def test_terminate_connections_reach_the_terminator_as_bare_sockets(
         payload = f"ping {n}".encode() * 100
         assert await trio.to_thread.run_sync(_echo_once, port, client, payload) == payload
     await _settled(router)
-    # the peeked ClientHello (a handshake record) came first; nothing went to `serve`
-    assert terminator.seen == [("socket", socket.socket, b"\x16", HOST, HOST)] * 3
+    # the peeked ClientHello (a handshake record) came first; nothing went to `serve`;
+    # the socket is the very object the engine accepted (no new one made for its fd)
+    assert terminator.seen == [("socket", _socket.socket, b"\x16", HOST, HOST)] * 3
+
+
+async def test_every_alpn_reaches_the_terminator_but_an_acme_validation(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """The engine's shortcut decides on the hello's bytes without parsing it: one that
+    names `acme-tls/1` anywhere (here inside another ALPN name) takes the router's
+    parsing path and is still terminated; only a real `acme-tls/1` offer is kept from
+    the terminator (answered by the challenge responder: none here, so an alert)."""
+    pki = WebPKI()
+    terminator = _Both()
+    router, port = await _served(nursery, tmp_path, terminator, pki)
+    for alpn in (("http/1.1",), ("x-acme-tls/1", "http/1.1"), ("h2", "http/1.1")):
+        client = pki.client_context(alpn=alpn)
+        assert await trio.to_thread.run_sync(_echo_once, port, client, b"hi") == b"hi"
+    await _settled(router)
+    assert [(kind, first, sni, host) for kind, _, first, sni, host in terminator.seen] == [
+        ("socket", b"\x16", HOST, HOST)] * 3
+    client = pki.client_context(alpn=("acme-tls/1",))
+    try:
+        await trio.to_thread.run_sync(_echo_once, port, client, b"hi")
+    except (ssl.SSLError, OSError):
+        pass  # refused: no challenge certificate here
+    else:
+        raise AssertionError("an ACME validation was served")
+    await _settled(router)
+    assert len(terminator.seen) == 3
+    assert router.stats.value("pact_ingress_rejections_total",
+                              {"reason": "acme_no_challenge"}) == 1
 
 
 async def test_a_terminator_with_serve_only_still_gets_a_stream(

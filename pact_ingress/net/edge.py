@@ -78,6 +78,7 @@ from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
     ACCEPT_BACKOFF,
     ACCEPT_CAPACITY_ERRNOS,
+    ACME_ALPN,
     HEAD_TIMEOUT,
     PEEK_READ,
     Router,
@@ -511,7 +512,10 @@ class Edge:
         if route.mode == "passthrough" and address is not None:
             addrs = router.backends.resolver.cached(address.host)
         if addrs is None:  # terminate, tunnel backend, or a name not resolved yet
-            self._hand_off(conn, hello)
+            if route.mode == "terminate" and _no_acme(conn.buf, hello):
+                self._hand_off_terminate(conn, route, sni)
+            else:
+                self._hand_off(conn, hello)
             return
         self._connect(conn, route, addrs, more)
 
@@ -528,6 +532,16 @@ class Edge:
         sock = socket.socket(csock.family, socket.SOCK_STREAM, socket.IPPROTO_TCP,
                              csock.detach())
         self.router.adopt(sock, parsed, conn.buf, conn.client, conn.who, conn.kind)
+
+    def _hand_off_terminate(self, conn: _Conn, route: Route, sni: str | None) -> None:
+        """`_hand_off` for a terminate connection the router would serve as such
+        (`Router._plain_terminate`): the route goes with it, the ClientHello is not
+        parsed again, and the socket goes as it is (no new socket object for the fd)."""
+        self._forget(conn, handing_off=True)
+        conn.close("handed_off")
+        assert conn.kind is not None
+        self.router.adopt_terminate(conn.csock, route, sni, conn.buf, conn.client, conn.who,
+                                    conn.kind)
 
     @staticmethod
     def _hello(conn: _Conn, hello: ClientHello | str) -> ClientHello:
@@ -969,6 +983,18 @@ class Edge:
             raw.detach()
         self.listeners.clear()
         self.ep.close()
+
+
+_ACME_ALPN = ACME_ALPN.encode()
+
+
+def _no_acme(buf: bytes, hello: ClientHello | str) -> bool:
+    """The ClientHello does not offer ALPN `acme-tls/1`. Where only its SNI was taken
+    (`quick_sni`), bytes that do not contain the name anywhere cannot offer it; bytes
+    that do are left to the router, which parses them."""
+    if type(hello) is str:
+        return _ACME_ALPN not in buf
+    return ACME_ALPN not in hello.alpn  # type: ignore[union-attr]
 
 
 def _tune(conn: _Conn) -> None:

@@ -61,6 +61,7 @@ listeners first, then gives open connections a deadline before cancelling them.
 
 from __future__ import annotations
 
+import _socket
 import errno
 import os
 import socket
@@ -76,6 +77,7 @@ from pact_ingress.logs import log
 from pact_ingress.model import Config, Route, normalize_hostname
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.runners import Runners
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
@@ -209,6 +211,7 @@ class Router:
         self._conn_counters: dict[tuple[str, str], Any] = {}
         self._accepting = trio.CancelScope()
         self._handlers: trio.Nursery | None = None
+        self._runners: Runners = Runners(None)  # handler tasks for handed-over connections
         self._edge: Any = None  # the epoll engine (net/edge.py) while serving
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
@@ -239,6 +242,7 @@ class Router:
         others = [lst for lst in listeners if type(lst) is not trio.SocketListener]
         async with trio.open_nursery() as handlers:
             self._handlers = handlers
+            self._runners = Runners(handlers)
             if sockets:
                 self._edge = Edge(self, sockets)
                 handlers.start_soon(self._edge.run)
@@ -250,6 +254,7 @@ class Router:
                     await trio.sleep_forever()
             if self._edge is not None:
                 self._edge.stop_accepting()
+            self._runners.close()  # idle handler tasks end: the nursery waits for none
             for listener in listeners:
                 await listener.aclose()
 
@@ -269,8 +274,35 @@ class Router:
               client: tuple[str, int], who: str, kind: Tally) -> None:
         """Take over a connection the engine peeked and counted (as `kind`) but does not
         serve: it runs here as if this router had read `data` itself."""
-        assert self._handlers is not None
-        self._handlers.start_soon(self._handle_adopted, sock, hello, data, client, who, kind)
+        self._runners.start(self._handle_adopted, sock, hello, data, client, who, kind)
+
+    def adopt_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
+                        data: bytes, client: tuple[str, int], who: str,
+                        kind: Counter[str]) -> None:
+        """`adopt` for a connection the engine found to be a plain terminate one (what
+        `_plain_terminate` would pick): its route comes with it, so nothing is parsed or
+        looked up again, and its socket comes as the engine accepted it."""
+        self._runners.start(self._handle_terminate, sock, route, sni, data, client, who, kind)
+
+    async def _handle_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
+                                data: bytes, client: tuple[str, int], who: str,
+                                kind: Counter[str]) -> None:
+        try:
+            serve_socket = getattr(self.terminator, "serve_socket", None)
+            if self.handoff is None and serve_socket is not None:
+                # `_terminate_socket`'s usual case inline (one coroutine less)
+                ctx = self._served_context(sock, route, client)
+                if ctx is not None:
+                    await serve_socket(sock, data, ctx, route, client, sni=sni)
+            else:
+                await self._terminate_socket(sock, data, route, client, sni)
+        except Exception as exc:  # a bug in one connection's handler must not stop the rest
+            self._handler_error(client[0], exc)
+        finally:
+            if sock.fileno() != -1:  # the terminator closes what it served
+                sock.close()
+            self._counts.total -= 1
+            self._counts.drop(kind, who)
 
     async def _handle_adopted(self, sock: socket.socket, hello: ClientHello | None,
                               data: bytes, client: tuple[str, int], who: str,
@@ -528,7 +560,8 @@ class Router:
             except (trio.BrokenResourceError, ssl.SSLError, OSError):
                 pass
 
-    def _served_context(self, sock: trio.socket.SocketType | socket.socket, route: Route,
+    def _served_context(self, sock: trio.socket.SocketType | socket.socket | _socket.socket,
+                        route: Route,
                         client: tuple[str, int]) -> ssl.SSLContext | None:
         """The route's certificate context; None (alert sent, refusal counted) while
         there is none or nothing terminates here."""
@@ -552,22 +585,34 @@ class Router:
         await self.terminator.serve(  # type: ignore[union-attr]
             ReplayStream(data, trio.SocketStream(sock)), ctx, route, client, sni=sni)
 
-    async def _terminate_socket(self, sock: socket.socket, data: bytes, route: Route,
-                                client: tuple[str, int], sni: str | None) -> None:
+    async def _terminate_socket(self, sock: socket.socket | _socket.socket, data: bytes,
+                                route: Route, client: tuple[str, int],
+                                sni: str | None) -> None:
         """`_terminate` for a connection the engine handed over as a bare socket: TLS runs
         on it directly (`Terminator.serve_socket`), without a trio socket, stream and
-        replay wrapper built around it first. The terminator closes it."""
+        replay wrapper built around it first. The terminator closes it. `sock` may be
+        the engine's own `_socket.socket`: it becomes a `socket.socket` (the same fd)
+        only where trio must wrap it; whoever holds it afterwards sees it detached."""
         ctx = self._served_context(sock, route, client)
         if ctx is None:
             return
-        if self.handoff is not None and await self.handoff.serve(
-                trio.socket.from_stdlib_socket(sock), data, route, client, sni, ctx):
-            return
+        if self.handoff is not None:
+            stdlib = _stdlib(sock)
+            try:
+                handed = await self.handoff.serve(trio.socket.from_stdlib_socket(stdlib),
+                                                  data, route, client, sni, ctx)
+            except BaseException:
+                stdlib.close()
+                raise
+            if handed:
+                stdlib.close()  # the worker has its own copy of the fd
+                return
+            sock = stdlib
         serve_socket = getattr(self.terminator, "serve_socket", None)
         if serve_socket is not None:
             await serve_socket(sock, data, ctx, route, client, sni=sni)
             return
-        wrapped = trio.socket.from_stdlib_socket(sock)  # a terminator with `serve` only
+        wrapped = trio.socket.from_stdlib_socket(_stdlib(sock))  # a `serve`-only terminator
         try:
             await self.terminator.serve(  # type: ignore[union-attr]
                 ReplayStream(data, trio.SocketStream(wrapped)), ctx, route, client, sni=sni)
@@ -686,7 +731,17 @@ async def _send_head(backend: trio.socket.SocketType | trio.abc.Stream, head: by
                 raise trio.BrokenResourceError("backend did not take the ClientHello")
 
 
-def _send_alert(sock: trio.socket.SocketType | socket.socket, description: int) -> None:
+def _stdlib(sock: socket.socket | _socket.socket) -> socket.socket:
+    """`sock` as the `socket.socket` trio wraps: the engine's own `_socket.socket` is
+    detached into one (naming family, type and protocol spares the two getsockopt(2) the
+    socket module would make to learn them)."""
+    if isinstance(sock, socket.socket):
+        return sock
+    return socket.socket(sock.family, socket.SOCK_STREAM, socket.IPPROTO_TCP, sock.detach())
+
+
+def _send_alert(sock: trio.socket.SocketType | socket.socket | _socket.socket,
+                description: int) -> None:
     """Best effort: a fatal alert, then the caller closes. Seven bytes on a connection
     that has sent us nothing fit its empty send buffer; a peer that is gone is no error."""
     try:

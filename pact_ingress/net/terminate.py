@@ -43,12 +43,13 @@ the same story on each, whichever the version:
 
 from __future__ import annotations
 
+import _socket
 import bisect
 import collections
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -144,14 +145,21 @@ class _Answer:
         return cls(refusal.http_status, refusal.body, headers, refusal.code)
 
 
-@dataclass(frozen=True)
 class _Connection:
-    route_host: str  # the route the router chose; the Route itself is looked up per request
-    sni: str | None
-    client_ip: str
-    client: str  # the rate limiter's bucket for client_ip (an IPv6 /64 is one client)
-    log_prefix: str  # route and client_ip as its access lines write them
-    now: Callable[[], float]  # trio.current_time, cheaper (`deadlines.clock`)
+    """What the exchanges of one connection share (made once per connection: a plain
+    slotted class, not a frozen dataclass, whose `__init__` sets each field through
+    `object.__setattr__`). Nothing changes it after it is made."""
+
+    __slots__ = ("route_host", "sni", "client_ip", "client", "log_prefix", "now")
+
+    def __init__(self, route_host: str, sni: str | None, client_ip: str, client: str,
+                 log_prefix: str, now: Callable[[], float]) -> None:
+        self.route_host = route_host  # the route the router chose; looked up per request
+        self.sni = sni
+        self.client_ip = client_ip
+        self.client = client  # the rate limiter's bucket for client_ip (IPv6: its /64)
+        self.log_prefix = log_prefix  # route and client_ip as its access lines write them
+        self.now = now  # trio.current_time, cheaper (`deadlines.clock`)
 
 
 class Terminator:
@@ -227,38 +235,41 @@ class Terminator:
         """
         await self._serve(_server_tls(stream, server_ctx), route, client, sni)
 
-    async def serve_socket(
+    def serve_socket(
         self,
-        sock: socket.socket,
+        sock: socket.socket | _socket.socket,
         data: bytes,
         server_ctx: ssl.SSLContext,
         route: Route,
         client: tuple[str, int],
         *,
         sni: str | None = None,
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """`serve` for a bare non-blocking socket and the bytes already read from it (the
         router's hand-over): TLS runs on the socket itself, with `data` fed to it first.
-        Always closes the socket."""
+        Always closes the socket. To be awaited like `serve`: it returns the connection's
+        coroutine itself (one coroutine per connection fewer than an `async def` that
+        awaits it)."""
         try:
             # our writes are whole answers: nothing gains from being held back for an ACK
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass  # a connection already reset fails where it is used, like any other
         try:
-            tls = ServerTLS(sock, server_ctx, data)
+            tls = ServerTLS(sock, server_ctx, data)  # type: ignore[arg-type]
         except BaseException:
             sock.close()
             raise
-        await self._serve(tls, route, client, sni)
+        return self._serve(tls, route, client, sni)
 
     async def _serve(self, tls: ServerTLS | trio.SSLStream, route: Route,
                      client: tuple[str, int], sni: str | None) -> None:
         if sni is None and not route.host.startswith("*."):
             sni = route.host
         limits = route.limits
-        conn = _Connection(route.host, sni, client[0], client_bucket(client[0]) or client[0],
-                           request_prefix(route.host, client[0]), deadlines.clock())
+        ip = client[0]
+        conn = _Connection(route.host, sni, ip, client_bucket(ip) or ip,
+                           request_prefix(route.host, ip), deadlines.clock())
         handle = partial(self._exchange, conn)
         ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
         self._open += 1
@@ -266,8 +277,9 @@ class Terminator:
         try:
             if ours:
                 try:
-                    await tls.do_handshake(  # type: ignore[call-arg]
-                        trio.current_time() + limits.clienthello_timeout)
+                    # `ServerTLS.do_handshake`'s body, without its coroutine
+                    await tls.handshake(  # type: ignore[union-attr]
+                        conn.now() + limits.clienthello_timeout, hold_tail=True)
                 except trio.TooSlowError:
                     return
             else:
