@@ -7,10 +7,13 @@ Real sockets and real TLS over loopback; the terminators are small stand-ins."""
 from __future__ import annotations
 
 import _socket
+import contextlib
 import socket
 import ssl
+import threading
 from pathlib import Path
 
+import pytest
 import trio
 
 from pact_ingress.model import Route
@@ -121,6 +124,47 @@ async def test_terminate_connections_reach_the_terminator_as_bare_sockets(
     # the peeked ClientHello (a handshake record) came first; nothing went to `serve`;
     # the socket is the very object the engine accepted (no new one made for its fd)
     assert terminator.seen == [("socket", _socket.socket, b"\x16", HOST, HOST)] * 3
+
+
+def _quiet_client(port: int, ctx: ssl.SSLContext, handshake: bool,
+                  done: threading.Event) -> None:
+    """A real ClientHello (and, with `handshake`, the rest of the handshake), then
+    nothing until `done` (or the test's timeout)."""
+    with socket.create_connection((LOOPBACK, port), timeout=TEST_TIMEOUT) as raw:
+        if handshake:
+            with ctx.wrap_socket(raw, server_hostname=HOST):
+                done.wait(TEST_TIMEOUT + 5)
+            return
+        hello = ctx.wrap_bio(ssl.MemoryBIO(), outgoing := ssl.MemoryBIO(),
+                             server_hostname=HOST)
+        with contextlib.suppress(ssl.SSLWantReadError):
+            hello.do_handshake()
+        raw.sendall(outgoing.read())
+        done.wait(TEST_TIMEOUT + 5)
+
+
+@pytest.mark.parametrize("handshake", [False, True], ids=["in_handshake", "after_it"])
+async def test_a_quiet_client_never_holds_up_another_connection(
+        nursery: trio.Nursery, tmp_path: Path, handshake: bool) -> None:
+    """The handed-over socket must be non-blocking: a read that waits for a client who
+    went quiet parks its task, and the other connections are served meanwhile."""
+    pki = WebPKI()
+    terminator = _Both()
+    router, port = await _served(nursery, tmp_path, terminator, pki)
+    client = pki.client_context(alpn=("http/1.1",))
+    done = threading.Event()
+    async with trio.open_nursery() as inner:
+        inner.start_soon(trio.to_thread.run_sync, _quiet_client, port, client, handshake, done)
+        with trio.fail_after(TEST_TIMEOUT):
+            while not terminator.seen:  # the quiet one is being served
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)  # (and has come to its read)
+        try:
+            got = await trio.to_thread.run_sync(_echo_once, port, client, b"other" * 50)
+        finally:
+            done.set()
+    assert got == b"other" * 50
+    await _settled(router)
 
 
 async def test_every_alpn_reaches_the_terminator_but_an_acme_validation(

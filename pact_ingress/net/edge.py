@@ -540,6 +540,7 @@ class Edge:
         self._forget(conn, handing_off=True)
         conn.close("handed_off")
         assert conn.kind is not None
+        _nonblocking(conn)  # the engine tries each recv/send before it waits
         self.router.adopt_terminate(conn.csock, route, sni, conn.buf, conn.client, conn.who,
                                     conn.kind)
 
