@@ -4,6 +4,7 @@ ready, at their deadline, on cancellation or close, and never for another socket
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -32,21 +33,30 @@ async def _recv(watch: readiness.Watch, sock: socket.socket, deadline: float = f
             wait_first = tried = True
 
 
+async def _parked_reads(watch: readiness.Watch, sock: socket.socket,
+                        act: Callable[[], object], reads: int = 1) -> list[bytes]:
+    """What a reader parked on `watch` gets in `reads` reads when `act` runs once it is
+    parked (the nursery waits for it)."""
+    got: list[bytes] = []
+
+    async def reader() -> None:
+        for _ in range(reads):
+            got.append(await _recv(watch, sock, wait_first=True))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert watch.reader is not None
+        act()
+    return got
+
+
 async def test_a_parked_reader_is_woken_by_data_and_again_by_more() -> None:
     a, b = _pair()
     with a, b:
         watch = readiness.hub().watch(a)
         for i in range(5):  # the socket stays in the set: every round waits again
-            async with trio.open_nursery() as nursery:
-                got: list[bytes] = []
-
-                async def reader() -> None:
-                    got.append(await _recv(watch, a, wait_first=True))
-
-                nursery.start_soon(reader)
-                await trio.testing.wait_all_tasks_blocked()
-                assert watch.reader is not None
-                b.send(b"x%d" % i)
+            got = await _parked_reads(watch, a, lambda i=i: b.send(b"x%d" % i))
             assert got == [b"x%d" % i]
             assert watch.reader is None
 
@@ -204,9 +214,15 @@ async def test_a_reused_fd_number_gets_a_fresh_watch() -> None:
             assert await _recv(new, c, wait_first=True) == b"new socket"
 
 
-async def test_many_sockets_each_woken_for_its_own_data() -> None:
+@pytest.mark.parametrize("count,reverse", [
+    (200, True),  # sent in an order unlike the waits'
+    # more sockets ready at once than one `epoll_wait` takes (`MAX_EVENTS`): several
+    # takes in one hub wake, every parked reader woken
+    (readiness.MAX_EVENTS * 3 + 7, False),
+], ids=["200_reversed", "beyond_one_epoll_take"])
+async def test_many_sockets_each_woken_for_its_own_data(count: int, reverse: bool) -> None:
     hub = readiness.hub()
-    pairs = [_pair() for _ in range(200)]
+    pairs = [_pair() for _ in range(count)]
     try:
         watches = [hub.watch(a) for a, _ in pairs]
         got: dict[int, bytes] = {}
@@ -214,14 +230,15 @@ async def test_many_sockets_each_woken_for_its_own_data() -> None:
         async def reader(i: int) -> None:
             got[i] = await _recv(watches[i], pairs[i][0], wait_first=True)
 
-        with trio.fail_after(20):
+        with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                for i in range(len(pairs)):
+                for i in range(count):
                     nursery.start_soon(reader, i)
                 await trio.testing.wait_all_tasks_blocked()
-                for i in reversed(range(len(pairs))):  # in an order unlike the waits'
+                # all sent before the hub runs
+                for i in (reversed(range(count)) if reverse else range(count)):
                     pairs[i][1].send(b"%d" % i)
-        assert got == {i: b"%d" % i for i in range(len(pairs))}
+        assert got == {i: b"%d" % i for i in range(count)}
     finally:
         for a, b in pairs:
             a.close()
@@ -232,16 +249,7 @@ async def test_a_peer_close_wakes_the_reader() -> None:
     a, b = _pair()
     with a:
         watch = readiness.hub().watch(a)
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
-
-            async def reader() -> None:
-                got.append(await _recv(watch, a, wait_first=True))
-
-            nursery.start_soon(reader)
-            await trio.testing.wait_all_tasks_blocked()
-            b.close()
-        assert got == [b""]
+        assert await _parked_reads(watch, a, b.close) == [b""]
 
 
 async def test_the_end_that_came_with_the_last_bytes_is_not_lost() -> None:
@@ -250,18 +258,12 @@ async def test_the_end_that_came_with_the_last_bytes_is_not_lost() -> None:
     a, b = _pair()
     with a:
         watch = readiness.hub().watch(a)
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
 
-            async def reader() -> None:
-                got.append(await _recv(watch, a, wait_first=True))
-                got.append(await _recv(watch, a, wait_first=True))
-
-            nursery.start_soon(reader)
-            await trio.testing.wait_all_tasks_blocked()
+        def last_then_close() -> None:
             b.send(b"last")
             b.close()
-        assert got == [b"last", b""]
+
+        assert await _parked_reads(watch, a, last_then_close, reads=2) == [b"last", b""]
 
 
 async def test_bytes_left_behind_by_a_full_read_are_found() -> None:

@@ -32,14 +32,15 @@ import trio.testing
 
 from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.memory_tls import READ_SIZE
+from pact_ingress.net.tls_server import ServerTLS
 from tests.terminate_env import (
+    _READERS,
     BYSTANDER_IP,
     LOOPBACK,
     OPT_HOST,
     H2Conn,
     H2Result,
     ServeEnv,
-    _READERS,
     closed_by_peer,
     forget,
     read_response,
@@ -47,6 +48,7 @@ from tests.terminate_env import (
     rpc,
     tls_socket,
 )
+from tests.test_readiness import _pair, _parked_reads, _recv
 from tests.test_tls_server import _handshake_to_finished
 from tests.tls_helpers import WebPKI
 
@@ -57,24 +59,15 @@ OPEN_LIMITS = {"calls_per_hour_per_ip": 100_000_000, "calls_per_hour_per_ip_key"
 HANG = 10.0
 
 
-def _pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setblocking(False)
-    return a, b
-
-
-async def _recv(watch: readiness.Watch, sock: socket.socket, deadline: float = float("inf"),
-                wait_first: bool = False) -> bytes:
-    """The callers' rule: try the syscall, wait only when it would block."""
-    tried = False
-    while True:
-        if wait_first:
-            await watch.wait_readable(deadline, tried)
-        try:
-            return sock.recv(4096)
-        except BlockingIOError:
-            wait_first = tried = True
+async def _read_into(tls: ServerTLS, got: bytearray, size: int) -> None:
+    """Read `tls` the engine's way (buffered plaintext first, then wait, then recv)
+    into `got` until it holds `size` bytes."""
+    while len(got) < size:
+        data = tls.read_buffered()
+        if data is None:
+            data = await tls.read(READ_SIZE, wait_first=True)
+        assert data, "the peer closed early"
+        got.extend(data)
 
 
 def _fill_send_buffer(sock: socket.socket) -> None:
@@ -118,17 +111,8 @@ async def test_server_tls_reads_a_burst_bigger_than_one_recv_whole() -> None:
         burst = peer.outgoing.read()
         assert len(burst) > 2 * READ_SIZE
         got = bytearray()
-
-        async def reader() -> None:
-            while len(got) < len(payload):
-                data = tls.read_buffered()
-                if data is None:
-                    data = await tls.read(READ_SIZE, wait_first=True)
-                assert data, "the peer did not close"
-                got.extend(data)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader)
+            nursery.start_soon(_read_into, tls, got, len(payload))
             await trio.testing.wait_all_tasks_blocked()  # parked between "requests"
             peer.sock.setblocking(True)
             peer.sock.sendall(burst)  # all of it in the kernel before the hub looks
@@ -196,14 +180,6 @@ async def test_server_tls_reader_and_writer_at_once_on_one_socket() -> None:
         got_up = bytearray()
         got_down = bytearray()
 
-        async def server_reader() -> None:
-            while len(got_up) < len(up):
-                data = tls.read_buffered()
-                if data is None:
-                    data = await tls.read(READ_SIZE, wait_first=True)
-                assert data
-                got_up.extend(data)
-
         async def server_writer() -> None:
             for start in range(0, len(down), 100_000):
                 await tls.write(down[start:start + 100_000])
@@ -235,7 +211,7 @@ async def test_server_tls_reader_and_writer_at_once_on_one_socket() -> None:
 
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(server_reader)
+                nursery.start_soon(_read_into, tls, got_up, len(up))
                 nursery.start_soon(server_writer)
                 await trio.to_thread.run_sync(client)
         assert hashlib.sha256(got_up).digest() == hashlib.sha256(up).digest()
@@ -412,32 +388,6 @@ async def test_a_file_still_open_elsewhere_under_a_reused_number_gives_only_spur
             s.close()
 
 
-async def test_more_ready_sockets_than_one_epoll_take_are_all_woken() -> None:
-    """More sockets become ready at once than `MAX_EVENTS`: every parked reader is woken
-    (several `epoll_wait` takes in one hub wake)."""
-    hub = readiness.hub()
-    pairs = [_pair() for _ in range(readiness.MAX_EVENTS * 3 + 7)]
-    try:
-        watches = [hub.watch(a) for a, _ in pairs]
-        got: dict[int, bytes] = {}
-
-        async def reader(i: int) -> None:
-            got[i] = await _recv(watches[i], pairs[i][0], wait_first=True)
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                for i in range(len(pairs)):
-                    nursery.start_soon(reader, i)
-                await trio.testing.wait_all_tasks_blocked()
-                for i, (_, b) in enumerate(pairs):  # all sent before the hub runs
-                    b.send(b"%d" % i)
-        assert got == {i: b"%d" % i for i in range(len(pairs))}
-    finally:
-        for a, b in pairs:
-            a.close()
-            b.close()
-
-
 async def test_rdhup_hup_and_rst_wake_both_sides() -> None:
     """Peer half-close wakes the reader (EOF); a reset wakes reader and writer (errors),
     rather than leaving either parked."""
@@ -445,16 +395,7 @@ async def test_rdhup_hup_and_rst_wake_both_sides() -> None:
     a, b = _pair()
     with a, b:
         watch = readiness.hub().watch(a)
-        async with trio.open_nursery() as nursery:
-            got: list[bytes] = []
-
-            async def reader() -> None:
-                got.append(await _recv(watch, a, wait_first=True))
-
-            nursery.start_soon(reader)
-            await trio.testing.wait_all_tasks_blocked()
-            b.shutdown(socket.SHUT_WR)
-        assert got == [b""]
+        assert await _parked_reads(watch, a, lambda: b.shutdown(socket.SHUT_WR)) == [b""]
     # TCP reset: reader and writer both woken
     listener = socket.create_server((LOOPBACK, 0))
     with listener:

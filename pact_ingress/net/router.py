@@ -278,7 +278,7 @@ class Router:
 
     def adopt_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
                         data: bytes, client: tuple[str, int], who: str,
-                        kind: Counter[str]) -> None:
+                        kind: Tally) -> None:
         """`adopt` for a connection the engine found to be a plain terminate one (what
         `_plain_terminate` would pick): its route comes with it, so nothing is parsed or
         looked up again, and its socket comes as the engine accepted it."""
@@ -286,7 +286,7 @@ class Router:
 
     async def _handle_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
                                 data: bytes, client: tuple[str, int], who: str,
-                                kind: Counter[str]) -> None:
+                                kind: Tally) -> None:
         try:
             serve_socket = getattr(self.terminator, "serve_socket", None)
             if self.handoff is None and serve_socket is not None:
