@@ -22,19 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 from tests.bench.bench_passthrough import SNI, hello_for, ingress_yaml
-from tests.bench.callgrind_terminate import _by_object
+from tests.bench.callgrind_terminate import collect, counted, serve_under_callgrind
 from tests.bench.harness import (
     CORE_LOAD,
-    CORE_PROXY,
     Service,
     free_port,
     pin_self,
@@ -69,42 +65,21 @@ def measure(name: str, tree: Path, tmp: Path, sink: int, hello: Path, conns: int
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(ingress_yaml(tmp, port, {SNI["flood"]: sink}).replace(
         f"state_dir: {tmp}/state", f"state_dir: {state}"))
-    out = tmp / f"callgrind-{name}.out"
-    python = os.path.realpath(sys.executable)  # valgrind must run the interpreter itself
-    proc = subprocess.Popen(
-        ["taskset", "-c", str(CORE_PROXY), "valgrind", "--tool=callgrind",
-         "--instr-atstart=no", f"--callgrind-out-file={out}", python, "-m", "pact_ingress",
-         "serve", "-c", str(cfg)],
-        cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
-        stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    proc = serve_under_callgrind(name, tree, cfg, tmp, port)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(f"{name}: serve did not start under valgrind")
-                time.sleep(0.5)
         _flood(port, hello, max(conns // 4, INFLIGHT))  # warm: caches, pools, every path
         time.sleep(2)
         idle = _open_fds(proc.pid)
-        subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
-                       capture_output=True)
+        collect(proc, True)
         _flood(port, hello, conns)
         settle = time.monotonic() + 60  # the last client closes have to be read
         while _open_fds(proc.pid) > idle and time.monotonic() < settle:
             time.sleep(0.2)
-        subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True,
-                       capture_output=True)
-        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
-                       capture_output=True)
+        collect(proc, False)
     finally:
         proc.terminate()
         proc.wait(60)
-    dumps = sorted(tmp.glob(f"callgrind-{name}.out.*"))
-    return _by_object(dumps[-1])
+    return counted(tmp, name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.bench import bench_terminate as bt
@@ -49,12 +50,26 @@ REQUEST = f"GET / HTTP/1.1\r\nHost: {bt.HOST}\r\nConnection: close\r\n\r\n".enco
 THREADS = 8
 
 
-def _connections(port: int, count: int) -> int:
-    """`count` new connections from THREADS threads; how many got a 200."""
+def _client_context() -> ssl.SSLContext:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def _in_threads(worker: Callable[[int], None], each: int) -> None:
+    """`worker(each)` in THREADS threads at once, all joined."""
+    threads = [threading.Thread(target=worker, args=(each,)) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _connections(port: int, count: int) -> int:
+    """`count` new connections from THREADS threads; how many got a 200."""
+    ctx = _client_context()
     ok = [0]
 
     def one(last: list[ssl.SSLSession | None]) -> None:
@@ -79,12 +94,7 @@ def _connections(port: int, count: int) -> int:
         for _ in range(n):
             one(last)
 
-    threads = [threading.Thread(target=worker, args=(count // THREADS,))
-               for _ in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(worker, count // THREADS)
     return ok[0]
 
 
@@ -93,10 +103,7 @@ KA_REQUEST = f"GET / HTTP/1.1\r\nHost: {bt.HOST}\r\n\r\n".encode()
 
 def _keepalive(port: int, count: int) -> int:
     """`count` keep-alive requests over THREADS connections; how many got a 200."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx = _client_context()
     ok = [0]
 
     def worker(n: int) -> None:
@@ -120,12 +127,7 @@ def _keepalive(port: int, count: int) -> int:
                     if data.startswith(b"HTTP/1.1 200"):
                         ok[0] += 1
 
-    threads = [threading.Thread(target=worker, args=(count // THREADS,))
-               for _ in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(worker, count // THREADS)
     return ok[0]
 
 
@@ -140,12 +142,10 @@ def _by_object(dump: Path) -> Counter[str]:
     return objects
 
 
-def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int,
-            keepalive: int = 0) -> Counter[str]:
-    port = free_port()
-    cfg = tmp / f"{name}.yaml"
-    cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
-                   .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
+def serve_under_callgrind(name: str, tree: Path, cfg: Path, tmp: Path, port: int
+                          ) -> subprocess.Popen[bytes]:
+    """`pact-ingress serve -c cfg` from `tree` under callgrind, collection off, on the
+    proxy core; returned once it accepts on `port` (under valgrind that takes a while)."""
     out = tmp / f"callgrind-{name}.out"
     python = os.path.realpath(sys.executable)  # valgrind must run the interpreter itself
     proc = subprocess.Popen(
@@ -154,36 +154,55 @@ def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
          "serve", "-c", str(cfg)],
         cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
         stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise SystemExit(f"{name}: serve did not start under valgrind") from None
+            time.sleep(0.5)
+
+
+def collect(proc: subprocess.Popen[bytes], on: bool) -> None:
+    """Switch instruction collection on, or off and dump what was counted."""
+    control = ["callgrind_control", "-i", "on" if on else "off", str(proc.pid)]
+    subprocess.run(control, check=True, capture_output=True)
+    if not on:
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
+                       capture_output=True)
+
+
+def counted(tmp: Path, name: str) -> Counter[str]:
+    """Instructions by shared object in the last dump of `name`'s run."""
+    return _by_object(sorted(tmp.glob(f"callgrind-{name}.out.*"))[-1])
+
+
+def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int,
+            keepalive: int = 0) -> Counter[str]:
+    port = free_port()
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
+                   .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
+    proc = serve_under_callgrind(name, tree, cfg, tmp, port)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(f"{name}: serve did not start under valgrind")
-                time.sleep(0.5)
         _connections(port, 8 * THREADS)  # warm: pools filled, every path run once
         if keepalive:
             _keepalive(port, 8 * THREADS)
-        subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
-                       capture_output=True)
+        collect(proc, True)
         if keepalive:
             ok, conns = _keepalive(port, keepalive), keepalive
         else:
             ok = _connections(port, conns)
-        subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True,
-                       capture_output=True)
-        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
-                       capture_output=True)
+        collect(proc, False)
         if ok != conns // THREADS * THREADS:
             raise SystemExit(f"{name}: {ok} of {conns} connections answered 200")
     finally:
         proc.terminate()
         proc.wait(60)
-    dumps = sorted(tmp.glob(f"callgrind-{name}.out.*"))
-    return _by_object(dumps[-1])
+    return counted(tmp, name)
 
 
 def main(argv: list[str] | None = None) -> int:
