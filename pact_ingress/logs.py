@@ -62,7 +62,7 @@ def ms_repr(x: float) -> str:
     zeros repr would not print gives repr's text."""
     if -_MS_EXACT < x < _MS_EXACT:
         text = ("%.3f" % x).rstrip("0")
-        return text + "0" if text.endswith(".") else text
+        return text + "0" if text[-1] == "." else text
     return repr(round(x, 3))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import socket
 import struct
 import threading
@@ -477,3 +478,58 @@ def test_clients_aborting_while_the_backend_connect_is_pending(
     eventually(lambda: metric(admin, "pact_ingress_open_connections") == 0, "all ended")
     eventually(lambda: open_fds(pid) <= before + 8, f"fds back near {before}")
     assert echoed(tls)
+
+
+def test_conn_close_names_the_route_a_connection_was_routed_by(
+        tmp_path_factory: pytest.TempPathFactory):
+    """A connection keeps the constants of the route it was routed by for its conn_close
+    line: one opened before a reload that renames the route's tenant logs the old
+    tenant, one opened after it the new; both lines carry every member."""
+    tmp = tmp_path_factory.mktemp("edge-reload")
+    tls = free_port()
+    backend = Backend(echo)
+
+    def config(tenant: str) -> str:
+        return f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{tls}"]
+tenants:
+  - name: {tenant}
+    pins: ["sha256:{'A' * 43}"]
+    routes:
+      - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{backend.port}"}}
+"""
+
+    s = Served(tmp, config("before"))
+    try:
+        s.wait_notify("READY=1")
+
+        def closes() -> list[dict]:
+            return [e for e in s.log_events() if e.get("event") == "conn_close"]
+
+        old = dial(tls)
+        old.sendall(HELLO + b"ping")
+        assert recv_exact(old, len(HELLO) + 4) == HELLO + b"ping"  # routed, relaying
+        s.config.write_text(config("after"))
+        s.proc.send_signal(signal.SIGHUP)
+        eventually(lambda: any(e.get("event") == "reloaded" for e in s.log_events()),
+                   "the reload")
+        with dial(tls) as new:
+            new.sendall(HELLO)
+            assert recv_exact(new, len(HELLO)) == HELLO
+        eventually(lambda: len(closes()) == 1, "the new connection's conn_close")
+        old.close()
+        eventually(lambda: len(closes()) == 2, "the old connection's conn_close")
+        first, second = closes()
+        assert first["tenant"] == "after" and second["tenant"] == "before"
+        for line, up in ((first, len(HELLO)), (second, len(HELLO) + 4)):
+            assert set(line) == {"ts", "level", "event", "route", "tenant", "mode",
+                                 "client_ip", "bytes_up", "bytes_down", "duration_s",
+                                 "outcome"}, line
+            assert line["route"] == ECHO_SNI and line["mode"] == "passthrough"
+            assert line["bytes_up"] == up and line["bytes_down"] == up
+            assert line["outcome"] == "ok" and line["client_ip"] == "127.0.0.1"
+    finally:
+        s.stop()
+        backend.close()

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pact_ingress.proto import hello_fast
 from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.proto.hello_fast import quick_sni
 from tests.test_clienthello import (
@@ -126,3 +127,81 @@ def test_synthetic_hellos(message: bytes, expected: str | None) -> None:
     assert agrees(frame(message)) == expected
     assert agrees(frame(message, version=0x0303)) == expected
     assert agrees(frame(message, version=0x0304)) is None  # record version 3.4
+
+
+# --- remembered extension layouts --------------------------------------------------------
+
+
+def header_offsets(wire: bytes) -> list[int]:
+    """Offsets in `wire` (one record) of its extension headers (the test's own walk)."""
+    pos = 5 + 4 + 2 + 32
+    pos += 1 + wire[pos]  # session_id
+    pos += 2 + int.from_bytes(wire[pos : pos + 2], "big")  # cipher_suites
+    pos += 1 + wire[pos]  # compression_methods
+    end = pos + 2 + int.from_bytes(wire[pos : pos + 2], "big")
+    pos += 2
+    offsets = []
+    while pos < end:
+        offsets.append(pos)
+        pos += 4 + int.from_bytes(wire[pos + 2 : pos + 4], "big")
+    return offsets
+
+
+def learned(wire: bytes) -> None:
+    """Make `quick_sni` remember the layout of `wire` (an accepted hello, seen twice)."""
+    assert agrees(wire) is not None
+    assert agrees(wire) is not None
+    assert any(layout[1] == tuple(
+        int.from_bytes(wire[at + i : at + i + 2], "big")
+        for at in header_offsets(wire) for i in (0, 2)) for layout in hello_fast._LAYOUTS.values())
+
+
+SNI_NAMES = [name for name in NAMES if INDEX[name]["sni"]]
+
+
+@pytest.mark.parametrize("name", SNI_NAMES)
+def test_a_layout_is_learned_from_accepted_hellos(name: str) -> None:
+    learned(vector(name))
+    assert agrees(vector(name)) == INDEX[name]["sni"]  # answered from the layout
+
+
+def test_a_layout_is_learned_only_from_accepted_hellos() -> None:
+    hello_fast._LAYOUTS.clear()
+    hello_fast._SEEN.clear()
+    refused = frame(hello_message(sni_ext(b"bad name"), alpn_ext(b"h2")))
+    for _ in range(3):
+        assert agrees(refused) is None
+    assert not hello_fast._LAYOUTS and not hello_fast._SEEN
+
+
+def test_layouts_are_bounded() -> None:
+    for n in range(hello_fast._REMEMBERED + 10):  # a new layout each time, each seen twice
+        wire = frame(hello_message(GOOD_SNI, ext(0xFF00, bytes(n % 300)),
+                                   session_id=bytes(n // 300)))
+        assert agrees(wire) == "www.example.test"
+        assert agrees(wire) == "www.example.test"
+        assert len(hello_fast._LAYOUTS) <= hello_fast._REMEMBERED
+        assert len(hello_fast._SEEN) <= hello_fast._REMEMBERED
+
+
+@given(st.data())
+@settings(max_examples=600, deadline=None)
+def test_headers_mutated_against_a_learned_layout_agree(data: st.DataObject) -> None:
+    """With its layout remembered, a hello whose extension headers (types, lengths) are
+    mutated gets the parser's verdict: a duplicate type, a length that shifts the next
+    header, one that overruns the block."""
+    original = vector(data.draw(st.sampled_from(SNI_NAMES)))
+    learned(original)
+    wire = bytearray(original)
+    offsets = header_offsets(original)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.sampled_from(offsets)) + data.draw(st.integers(0, 3))
+        wire[at] = data.draw(st.sampled_from([0, 1, 0x10, 0x2b, 0xff, wire[at] ^ 1,
+                                              wire[at] + 1 & 0xFF, wire[at] - 1 & 0xFF]))
+    agrees(bytes(wire))
+    # a type made equal to another extension's type: a duplicate, never accepted
+    first, second = data.draw(st.lists(st.sampled_from(offsets), min_size=2, max_size=2,
+                                       unique=True))
+    twice = bytearray(original)
+    twice[second : second + 2] = original[first : first + 2]
+    assert agrees(bytes(twice)) is None

@@ -164,7 +164,8 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking")
+                 "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking",
+                 "prepared")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str) -> None:
@@ -198,6 +199,7 @@ class _Conn(Passthrough):
         self.last_error: str = ""
         self.counters: tuple[Any, Any] = (None, None)  # the route's (up, down) byte counters
         self.nonblocking = False  # the client fd has O_NONBLOCK (see `_accept`)
+        self.prepared: _Prepared | None = None  # its route's constants, once routed
 
     def add_up(self, n: int) -> None:
         self.up_bytes += n
@@ -517,7 +519,23 @@ class Edge:
             else:
                 self._hand_off(conn, hello)
             return
-        self._connect(conn, route, addrs, more)
+        # The backend connect (here rather than in a method of its own: every routed
+        # connection comes this way, and a call costs more than these few lines).
+        conn.route = route
+        prepared = self.routes.get(route.host)
+        if prepared is None or prepared[0] is not route:
+            prepared = self._prepared(route)
+        conn.prepared = prepared
+        conn.counters = prepared[1]
+        conn.addrs = addrs
+        head = conn.buf
+        conn.hello_len = len(head)
+        if route.proxy_protocol == "v2":
+            local = conn.csock.getsockname()
+            head = encode_v2(conn.client, (str(local[0]), int(local[1]))) + head
+        conn.head = memoryview(head)
+        conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
+        self._dial(conn)
 
     def _hand_off(self, conn: _Conn, hello: ClientHello | str | None) -> None:
         """To the router's task path, with the bytes read so far."""
@@ -554,23 +572,6 @@ class Edge:
         return parsed
 
     # --- backend ---------------------------------------------------------------------------
-
-    def _connect(self, conn: _Conn, route: Route, addrs: tuple[str, ...], more: bool) -> None:
-        conn.route = route
-        prepared = self.routes.get(route.host)
-        if prepared is None or prepared[0] is not route:
-            prepared = self._prepared(route)
-        conn.counters = prepared[1]
-        conn.addrs = addrs
-        conn.hello_len = len(conn.buf)
-        head = conn.buf
-        if route.proxy_protocol == "v2":
-            local = conn.csock.getsockname()
-            head = encode_v2(conn.client, (str(local[0]), int(local[1]))) + head
-        conn.head = memoryview(head)
-        limits = route.limits
-        conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, limits.idle_timeout, more)
-        self._dial(conn)
 
     def _dial(self, conn: _Conn) -> None:
         """Connect to the next address; a refusal moves on to the one after."""
@@ -859,10 +860,8 @@ class Edge:
     def _finish(self, conn: _Conn, outcome: str) -> None:
         """A routed connection is over: its log line and counter, then close."""
         route = conn.route
-        assert route is not None
-        prepared = self.routes.get(route.host)
-        if prepared is None or prepared[0] is not route:
-            prepared = self._prepared(route)
+        prepared = conn.prepared  # made for `route` when it was routed
+        assert route is not None and prepared is not None
         _, _, ok, head = prepared
         bytes_up = conn.up_bytes + conn.hello_len
         if not log.emit_members(logging.INFO, "conn_close", (

@@ -77,22 +77,35 @@ def quick_sni(data: bytes | bytearray) -> str | None:
     if pos + 2 + ((data[pos] << 8) | data[pos + 1]) != end:
         return None
     pos += 2
-    # each extension's header offset by type; an extension that overruns the block, or
-    # a header cut by its end, leaves `pos` past `end` (or the read past `data`)
-    found: dict[int, int] = {}
-    count = 0
-    extension = _EXTENSION
-    try:
-        while pos < end:
-            kind, size = extension(data, pos)
-            found[kind] = pos
-            pos += 4 + size
-            count += 1
-    except _SHORT:
-        return None
-    if pos != end or len(found) != count:
-        return None  # framing, or a duplicate (the parser names it)
-    at = found.get(0)
+    # The extensions' framing: every header, in order, each extension ending where the
+    # next begins and the last at `end`, no type twice. A layout seen before (the same
+    # headers at the same offsets) is checked in one `struct` call: equal headers at
+    # equal offsets are exactly what the walk below would find and accept.
+    key = (pos << 20) | end  # (`end` < 2**20: it is bounded by MAX_CLIENT_HELLO)
+    layout = _LAYOUTS.get(key)
+    if layout is not None and layout[0](data, pos) == layout[1]:
+        found = None
+        at, alpn, versions = layout[2]
+    else:
+        # each extension's header offset by type; an extension that overruns the block,
+        # or a header cut by its end, leaves `pos` past `end` (or the read past `data`)
+        start = pos
+        found = {}
+        count = 0
+        extension = _EXTENSION
+        try:
+            while pos < end:
+                kind, size = extension(data, pos)
+                found[kind] = pos
+                pos += 4 + size
+                count += 1
+        except _SHORT:
+            return None
+        if pos != end or len(found) != count:
+            return None  # framing, or a duplicate (the parser names it)
+        at = found.get(0)
+        alpn = found.get(16)
+        versions = found.get(43)
     if at is None:
         return None  # no server_name
     # Past this point every extension lies within `data`: a struct read past its end
@@ -107,7 +120,7 @@ def quick_sni(data: bytes | bytearray) -> str | None:
             raw = _host_name(data, at + 4, at + 4 + size, listed)
             if raw is None:
                 return None
-        at = found.get(16)
+        at = alpn
         if at is not None:  # ALPN: a non-empty list of non-empty names, filling it
             _, size, listed = _LIST(data, at)
             pos = at + 6
@@ -122,7 +135,7 @@ def quick_sni(data: bytes | bytearray) -> str | None:
                     if pos > stop or name == pos:
                         return None
                 _remember(_ALPN_LISTS, names, True)
-        at = found.get(43)
+        at = versions
         if at is not None:  # supported_versions: an even, non-empty list, filling it
             size = ((data[at + 2] << 8) | data[at + 3]) - 1
             if size < 2 or size & 1 or data[at + 4] != size:
@@ -135,6 +148,8 @@ def quick_sni(data: bytes | bytearray) -> str | None:
         if len(lower) > _MAX_HOSTNAME or _HOST_MATCH(lower) is None:
             return None
         host = _remember(_HOSTS, raw, lower.decode("ascii"))
+    if found is not None:
+        _learn(key, found, data, start, end)
     return host
 
 
@@ -148,7 +163,35 @@ _ALPN_LISTS: dict[bytes, bool] = {}
 _REMEMBERED = 1024
 
 
-def _remember(cache: dict[bytes, Any], key: bytes, value: Any) -> Any:
+#: Extension layouts of accepted hellos, by (offset of the first extension, end): the
+#: `struct` that reads every header at once, the headers it read then, and the offsets of
+#: server_name, ALPN and supported_versions. A layout is learned the second time an
+#: accepted hello shows it (`_SEEN`: the first time, only its offsets are noted), so a
+#: client whose layout changes every time (random extension order, GREASE types) costs
+#: a note per hello, not a `struct` made in vain.
+_LAYOUTS: dict[int, tuple[Any, tuple[int, ...], tuple[int, int | None, int | None]]] = {}
+_SEEN: dict[int, tuple[tuple[int, int], ...]] = {}
+
+
+def _learn(key: int, found: dict[int, int], data: bytes, start: int, end: int) -> None:
+    """An accepted hello's extension layout (`found`: offset by type, in wire order)."""
+    seen = tuple(found.items())
+    if _SEEN.get(key) != seen:
+        _remember(_SEEN, key, seen)
+        return
+    fmt = [">"]
+    last = start
+    for at in found.values():
+        if at > last:
+            fmt.append(f"{at - last}x")
+        fmt.append("HH")
+        last = at + 4
+    read = struct.Struct("".join(fmt)).unpack_from
+    _remember(_LAYOUTS, key, (read, read(data, start),
+                              (found[0], found.get(16), found.get(43))))
+
+
+def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:
     if len(cache) >= _REMEMBERED:
         cache.clear()
     cache[key] = value
