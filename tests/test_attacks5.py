@@ -33,6 +33,7 @@ import pytest
 from tests.terminate_env import (
     LOOPBACK,
     OPT_HOST,
+    H2Conn,
     ServeEnv,
     forget,
     read_chunked_body,
@@ -299,10 +300,12 @@ def test_more_connections_at_once_than_tasks_are_kept_parked(env: ServeEnv) -> N
 
 def test_the_crowd_shrinks_below_the_hub_and_grows_again(env: ServeEnv) -> None:
     """Sockets join the readiness hub while ≥ 4 terminate connections are open and leave
-    when it is nearly idle: connections that lived through a crowd, its end and a new
-    crowd keep being answered (no wait parked on a hub nobody serves)."""
+    when it is nearly idle: connections (HTTP/1.1 and HTTP/2) that lived through a
+    crowd, its end and a new crowd keep being answered (no wait parked on a hub nobody
+    serves), and h2 streams in flight while the crowd leaves are answered too."""
     serve = env.fresh().serve
-    keep = _many_open(serve.port, 3)
+    keep = _many_open(serve.port, 1)
+    h2s = [H2Conn(serve.port, OPT_HOST) for _ in range(2)]
     try:
         for rnd in range(4):
             crowd = _many_open(serve.port, 8)
@@ -311,10 +314,22 @@ def test_the_crowd_shrinks_below_the_hub_and_grows_again(env: ServeEnv) -> None:
                     target = f"/a5/crowd/{rnd}/{i}"
                     s.sendall(request_bytes("GET", target, OPT_HOST))
                     _check(read_response(s), target)
+                for i, h in enumerate(h2s):
+                    target = f"/a5/h2crowd/{rnd}/{i}"
+                    _check(h.request("GET", target), target)
+                # streams opened in the crowd, answered after it is gone
+                sids = [h.open_stream("POST", f"/a5/h2gone/{rnd}", length=2)
+                        for h in h2s]
             finally:
                 for s in crowd:
                     forget(s)
             time.sleep(0.2)  # the crowd's ends are seen: three connections are left
+            for h, sid in zip(h2s, sids, strict=True):
+                h.send_body(sid, b"{}")
+                h.sock.sendall(h.conn.data_to_send())
+                result = h.wait(sid)
+                assert result.status == 200, result
+                assert json.loads(result.body)["target"] == f"/a5/h2gone/{rnd}"
             for i, s in enumerate(keep):
                 target = f"/a5/alone/{rnd}/{i}"
                 s.sendall(request_bytes("GET", target, OPT_HOST))
@@ -322,6 +337,8 @@ def test_the_crowd_shrinks_below_the_hub_and_grows_again(env: ServeEnv) -> None:
     finally:
         for s in keep:
             forget(s)
+        for h in h2s:
+            h.close()
     assert serve.wait_open_connections(0) == 0
 
 
