@@ -418,3 +418,38 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         for s in socks:
             forget(s)
         env.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_misbehaving_connections_leave_no_count_against_their_client(
+        tmp_path_factory: pytest.TempPathFactory, workers: int) -> None:
+    """With a per-client cap of 4, one client misbehaves in every way, twice; then it
+    opens 4 connections at once: all 4 are served (none of its earlier connections is
+    still counted against it), and a 5th at once is refused."""
+    env = ServeEnv.start(tmp_path_factory.mktemp(f"cap{workers}"), workers=workers,
+                         limits=dict(LIMITS, max_connections_per_ip=4))
+    try:
+        serve = env.serve
+        for _ in range(2):
+            for kind in HOSTILE:
+                _hostile(serve.port, kind)
+        assert serve.wait_open_connections(0) == 0
+        socks = _many_open(serve.port, 4)
+        try:
+            for i, s in enumerate(socks):
+                s.sendall(request_bytes("GET", f"/a5/cap/{i}", OPT_HOST))
+                _check(read_response(s), f"/a5/cap/{i}")
+            with pytest.raises((OSError, ssl.SSLError)):
+                extra = tls_socket(serve.port, OPT_HOST, timeout=HANG)
+                try:
+                    extra.sendall(request_bytes("GET", "/a5/cap/over", OPT_HOST))
+                    read_response(extra)
+                finally:
+                    forget(extra)
+        finally:
+            for s in socks:
+                forget(s)
+        assert serve.wait_open_connections(0) == 0
+        assert _bug_events(env) == []
+    finally:
+        env.stop()
