@@ -382,7 +382,7 @@ def _read_exact(sock: ssl.SSLSocket, n: int) -> bytes:
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
 def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         tmp_path_factory: pytest.TempPathFactory, workers: int) -> None:
-    """Drain with parked tasks (served connections), an idle keep-alive connection, one
+    """Drain with parked tasks (300 served at once before), an idle keep-alive connection, one
     stalled mid-handshake and one streaming answer in flight: the stream finishes whole,
     and the process exits once nothing is in flight (the stalled handshake's 3 s at
     most), not at the 30 s drain deadline: a keep-alive connection whose answer ended
@@ -392,8 +392,16 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
     socks: list[socket.socket] = []
     try:
         serve = env.serve
-        for i in range(20):
-            _good(serve.port, f"park-{i}")
+        wave = _many_open(serve.port, 300)  # more tasks than are kept parked, then parked
+        try:
+            for i, s in enumerate(wave):
+                s.sendall(request_bytes("GET", f"/a5/park/{i}", OPT_HOST))
+            for i, s in enumerate(wave):
+                _check(read_response(s), f"/a5/park/{i}")
+        finally:
+            for s in wave:
+                forget(s)
+        assert serve.wait_open_connections(0) == 0
         idle = tls_socket(serve.port, OPT_HOST, timeout=HANG)
         socks.append(idle)
         idle.sendall(request_bytes("GET", "/a5/idle", OPT_HOST))
