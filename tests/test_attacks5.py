@@ -34,6 +34,7 @@ from tests.terminate_env import (
     LOOPBACK,
     OPT_HOST,
     H2Conn,
+    H2Result,
     ServeEnv,
     forget,
     read_chunked_body,
@@ -383,7 +384,7 @@ def _read_exact(sock: ssl.SSLSocket, n: int) -> bytes:
 def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         tmp_path_factory: pytest.TempPathFactory, workers: int) -> None:
     """Drain with parked tasks (300 served at once before), an idle keep-alive connection, one
-    stalled mid-handshake and one streaming answer in flight: the stream finishes whole,
+    stalled mid-handshake, one streaming answer and one h2 request in flight: both finish,
     and the process exits once nothing is in flight (the stalled handshake's 3 s at
     most), not at the 30 s drain deadline: a keep-alive connection whose answer ended
     during the drain is idle, and a drain closes idle connections."""
@@ -413,9 +414,22 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         socks.append(streaming)
         streaming.sendall(request_bytes("GET", "/stream?n=6&interval=0.2", OPT_HOST))
         assert read_response(streaming, head_only=True).status == 200
+        h2 = H2Conn(serve.port, OPT_HOST)
+        socks.append(h2.sock)
+        _check(h2.request("GET", "/a5/h2-first"), "/a5/h2-first")
+        sid = h2.conn.get_next_available_stream_id()  # a streaming answer, begun
+        h2._results[sid] = H2Result(None, [], b"")
+        h2.conn.send_headers(sid, [
+            (b":method", b"GET"), (b":scheme", b"https"), (b":authority", OPT_HOST.encode()),
+            (b":path", b"/stream?n=6&interval=0.2")], end_stream=True)
+        h2.sock.sendall(h2.conn.data_to_send())
+        h2._pump(until=lambda: h2._results[sid].status is not None, timeout=HANG)
         serve.proc.send_signal(signal.SIGTERM)
         body = read_chunked_body(streaming)
         assert body == b"".join(f"id: {i}\ndata: tick\n\n".encode() for i in range(6))
+        result = h2.wait(sid)  # the h2 answer begun before the drain ends whole too
+        assert result.status == 200, result
+        assert result.body == body
         try:
             rc = serve.proc.wait(timeout=12)
         except subprocess.TimeoutExpired:
