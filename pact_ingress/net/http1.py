@@ -80,8 +80,9 @@ class H1Connection:
         self.write_timeout = write_timeout
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
-        # set by a drain: a connection that becomes idle after it began closes too (the
-        # drain cancelled only the scopes of those idle at that moment)
+        # set by a drain: a keep-alive connection that becomes idle after it began
+        # closes too (the drain cancelled only the scopes of those idle at that moment);
+        # a new one still gets its first request, which its client sends unasked
         self._draining = draining
         # our own TLS takes deadlines per call; any other stream gets a scope per read
         self._tls = stream if isinstance(stream, ServerStream) else None
@@ -188,7 +189,7 @@ class H1Connection:
                 return b""
             if data is not None:
                 return data
-            if self._draining is not None and self._draining.is_set():
+            if self._answered and self._draining is not None and self._draining.is_set():
                 return None
             idle = self._idle
             if idle is None:
@@ -211,7 +212,7 @@ class H1Connection:
                 sweeper.disarm(arm)
             # the deadline or a drain may have fired as the bytes arrived: it stands
             return None if idle.cancel_called else data
-        if self._draining is not None and self._draining.is_set():
+        if self._answered and self._draining is not None and self._draining.is_set():
             return None
         with trio.CancelScope(deadline=deadline) as scope:
             self._idle_scopes.add(scope)
