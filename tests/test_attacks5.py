@@ -385,6 +385,7 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         tmp_path_factory: pytest.TempPathFactory, workers: int) -> None:
     """Drain with parked tasks (300 served at once before), an idle keep-alive connection, one
     stalled mid-handshake, one streaming answer and one h2 request in flight: both finish,
+    a connection accepted before the drain and shaking hands after it gets its answer,
     and the process exits once nothing is in flight (the stalled handshake's 3 s at
     most), not at the 30 s drain deadline: a keep-alive connection whose answer ended
     during the drain is idle, and a drain closes idle connections."""
@@ -424,7 +425,15 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
             (b":path", b"/stream?n=6&interval=0.2")], end_stream=True)
         h2.sock.sendall(h2.conn.data_to_send())
         h2._pump(until=lambda: h2._results[sid].status is not None, timeout=HANG)
+        early = _raw(serve.port)  # accepted before the drain; its hello comes after
+        socks.append(early)
         serve.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        client = _MemoryClient()
+        early.sendall(client.hello())
+        client.finish(early)
+        answer = client.request(early, request_bytes("GET", "/a5/early", OPT_HOST))
+        assert answer.startswith(b"HTTP/1.1 200") and b"/a5/early" in answer, answer[:200]
         body = read_chunked_body(streaming)
         assert body == b"".join(f"id: {i}\ndata: tick\n\n".encode() for i in range(6))
         result = h2.wait(sid)  # the h2 answer begun before the drain ends whole too
