@@ -484,3 +484,24 @@ def test_misbehaving_connections_leave_no_count_against_their_client(
         assert _bug_events(env) == []
     finally:
         env.stop()
+
+
+def test_sni_spellings_of_a_terminate_host_are_served_alike(env: ServeEnv) -> None:
+    """The engine's remembered host names (`quick_sni`) and the route lookup: the same
+    host in other cases and with its trailing dot is terminated like the canonical
+    spelling, over and over (remembered), and a near-miss is refused (alert 112)."""
+    serve = env.fresh().serve
+    for _ in range(3):
+        for host in (OPT_HOST, OPT_HOST.upper(), OPT_HOST + ".", OPT_HOST.title() + "."):
+            sock = tls_socket(serve.port, host, timeout=HANG)
+            try:
+                target = "/a5/spelling"
+                sock.sendall(request_bytes("GET", target, OPT_HOST))
+                _check(read_response(sock), target)
+            finally:
+                forget(sock)
+        for host in ("x" + OPT_HOST, OPT_HOST[:-1], "www." + OPT_HOST):
+            with pytest.raises(ssl.SSLError) as info:
+                forget(tls_socket(serve.port, host, timeout=HANG))
+            assert "UNRECOGNIZED_NAME" in str(info.value).upper(), info.value
+    assert serve.wait_open_connections(0) == 0
