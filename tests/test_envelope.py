@@ -543,3 +543,35 @@ def test_arbitrary_member_bytes_only_ever_raise_envelope_invalid(data: bytes, me
             env, recipient_key=_key(recipient), sender_public_key=_key(sender).public_key(),
             now=VECTOR_NOW,
         )
+
+
+class _Pin(str):
+    """A str subclass (never a JSON value): answered as `is_pin` answers it."""
+
+
+def test_the_seen_pins_set_never_changes_a_verdict() -> None:
+    """`_known_pin` answers as `is_pin` does, before and after the set remembers the
+    pins, for near-misses of remembered pins (case, padding bits, lengths, whitespace,
+    other types) and after the set was overfilled and cleared."""
+    from pact_ingress.identity import is_pin
+
+    pins = [fingerprint(generate_key().public_key()) for _ in range(4)]
+    for pin in pins:
+        assert E._known_pin(pin) and E._known_pin(pin)  # cold, then remembered
+
+    def near(pin: str) -> list[object]:
+        body = pin[7:]
+        last = body[-1]
+        flipped = b64url(b64url_decode(body))[:-1] + chr(ord(last) ^ 1)
+        return [pin, pin.upper(), pin.lower(), "SHA256:" + body, pin + "=", pin + " ",
+                " " + pin, pin[:-1], pin + "A", "sha256:" + flipped, pin.encode(),
+                bytearray(pin.encode()), [pin], {pin: 1}, None, 1, pin + "\n",
+                pin.replace("sha256:", "sha384:"), _Pin(pin), _Pin(pin + "A")]
+
+    for rounds in range(2):
+        for pin in pins:
+            for probe in near(pin):
+                assert E._known_pin(probe) is is_pin(probe), (rounds, probe)
+        for i in range(E._PINS_SEEN_MAX + 3):  # overfilled: cleared, then refilled
+            E._known_pin("sha256:" + b64url(hashlib.sha256(b"%d" % i).digest()))
+        assert len(E._PINS_SEEN) <= E._PINS_SEEN_MAX

@@ -205,3 +205,47 @@ def test_headers_mutated_against_a_learned_layout_agree(data: st.DataObject) -> 
     twice = bytearray(original)
     twice[second : second + 2] = original[first : first + 2]
     assert agrees(bytes(twice)) is None
+
+
+def _variants(name: bytes) -> list[bytes]:
+    """Spellings of `name` around the host-name rule: case, dots, bytes it must refuse."""
+    return [name, name.upper(), name.title(), name + b".", name + b"..", b"." + name,
+            name.upper() + b".", name + b"\x00", name + b" ", name + b"\xc3\xa9",
+            name.replace(b".", b".."), name.replace(b".", b"\x00"), name[:-1],
+            name + b"." + b"a" * 63, name + b"." + b"a" * 64,
+            (name + b".") * (253 // (len(name) + 1)) + name[:1],
+            b"a" * (253 - len(name) - 1) + b"." + name,
+            b"a" * (254 - len(name) - 1) + b"." + name,
+            b"a" * (253 - len(name) - 1) + b"." + name + b"."]
+
+
+ALPNS = [(b"h2", b"http/1.1"), (b"http/1.1",), (b"acme-tls/1",), (b"h2",),
+         (b"h2", b""), (b"", b"h2"), (b"h2", b"http/1.1", b"x" * 255)]
+
+
+@pytest.mark.parametrize("cold", [True, False], ids=["cold-cache", "warm-cache"])
+def test_remembered_names_and_alpn_lists_never_change_a_verdict(cold: bool) -> None:
+    """A client fills the remembered names and ALPN lists with valid entries; then every
+    hostile spelling of those names and every ALPN list around the remembered ones, as
+    bytes and as a bytearray, still gets exactly the parser's verdict. `cold`: the maps
+    are emptied first, and again by overfilling them (more names than they keep)."""
+    names = [b"mcp.attack.test", b"Opt.Attack.Test", b"a_b-c.d", b"x" * 63 + b".test"]
+    if cold:
+        hello_fast._HOSTS.clear()
+        hello_fast._ALPN_LISTS.clear()
+    for name in names:  # the honest client first: valid entries remembered
+        for alpn in ALPNS[:4]:
+            assert agrees(frame(hello_message(sni_ext(name), alpn_ext(*alpn)))) is not None
+    if cold:  # forgotten by overfilling, then the same hostile inputs again below
+        for i in range(hello_fast._REMEMBERED + 5):
+            agrees(frame(hello_message(sni_ext(b"n%d.fill.test" % i))))
+    for name in names:
+        for variant in _variants(name):
+            for alpn in ALPNS:
+                wire = frame(hello_message(sni_ext(variant), alpn_ext(*alpn)))
+                quick = agrees(wire)
+                assert quick_sni(bytearray(wire)) == quick
+                assert agrees(wire) == quick  # asked again: the remembered answer
+    assert len(hello_fast._HOSTS) <= hello_fast._REMEMBERED
+    assert len(hello_fast._ALPN_LISTS) <= hello_fast._REMEMBERED
+    assert all(type(k) is bytes for k in hello_fast._HOSTS)

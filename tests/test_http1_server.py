@@ -211,3 +211,42 @@ def test_whole_response_writes_what_the_streamed_one_writes(
         assert await serve(True) == await serve(False)
 
     trio.run(main)
+
+
+def test_a_drain_ends_a_keep_alive_connection_once_its_answer_is_done() -> None:
+    """A drain that begins while a request is being answered: once the answer is out,
+    the connection ends instead of waiting for another request (its idle scope was not
+    in the set the drain cancelled). A new connection, with the drain already on, still
+    gets its first request answered, however late that comes."""
+    import trio
+    import trio.testing
+
+    from pact_ingress.net.http1 import H1Connection
+
+    raw = b"GET / HTTP/1.1\r\nHost: h.test\r\n\r\n"
+
+    async def main() -> None:
+        draining = trio.Event()
+        answered = 0
+
+        async def handle(ex) -> None:  # type: ignore[no-untyped-def]
+            nonlocal answered
+            draining.set()  # the drain begins mid-answer
+            await ex.respond_whole(200, [(b"content-length", b"2")], b"ok")
+            answered += 1
+
+        for late in (False, True):
+            ours, theirs = trio.testing.memory_stream_pair()
+            conn = H1Connection(ours, idle_timeout=1000, head_timeout=1000,
+                                write_timeout=1000, idle_scopes=set(), draining=draining)
+            with trio.fail_after(10):  # a bound: a connection left waiting fails here
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.serve, handle)
+                    if late:  # the drain is on before this connection's request comes
+                        await trio.testing.wait_all_tasks_blocked()
+                    await theirs.send_all(raw)
+            assert answered == (2 if late else 1)
+            out = await theirs.receive_some(65536)
+            assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"ok")
+
+    trio.run(main)

@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.relay_env import RelayCaller, RelayServe, envelope, relay_identities
 
 SENDERS = 16
@@ -24,11 +26,14 @@ SENDERS = 16
 BEFORE_KILL = 300
 
 
-def test_kill9_loses_no_acknowledged_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_kill9_loses_no_acknowledged_call(tmp_path: Path, workers: int) -> None:
+    """`workers`: the calls are served in main, or in two workers that send main their
+    enqueues packed (main answers each from its store's COMMIT)."""
     ids = relay_identities(tmp_path)
     # one sender key from one address: budgets far above the load, so every call is
     # answered by the store (queued) and none by the limiter
-    serve = RelayServe(tmp_path, recipients=[ids.recipient], extra=(
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=workers, extra=(
         "limits: {calls_per_hour_per_ip_key: 1000000, calls_per_hour_per_ip: 1000000}\n"))
     try:
         recipient = RelayCaller(serve.port, ids.recipient)
@@ -40,7 +45,8 @@ def test_kill9_loses_no_acknowledged_call(tmp_path: Path) -> None:
         stop = threading.Event()
 
         def sender(n: int) -> None:
-            caller = RelayCaller(serve.port, ids.sender)
+            # from 127.0.0.2-9: with workers, both of them take calls
+            caller = RelayCaller(serve.port, ids.sender, source=f"127.0.0.{2 + n % 8}")
             i = 0
             while not stop.is_set():
                 msg_id = f"s{n}-{i}"

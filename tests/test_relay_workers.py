@@ -511,3 +511,128 @@ async def test_an_ask_main_never_answers_fails_after_the_timeout(autojump_clock:
         assert ASK_TIMEOUT <= waited <= ASK_TIMEOUT + 1.5 and len(sent) == 1
         assert remote._waiting == {}  # nothing left behind
         nursery.cancel_scope.cancel()
+
+
+def test_the_same_msg_ids_raced_through_both_workers_are_stored_once(
+        tmp_path: Path) -> None:
+    """Every caller, on both workers, sends the same envelopes at once (the same msg_ids,
+    odd ones among them: non-ASCII, an emoji, 5 KB long): each call is answered
+    queued, and each msg_id is stored exactly once, byte for byte."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        msg_ids = [f"race-{i}" for i in range(12)] + [
+            "ünïcødé-ключ-鍵", "emoji-\U0001f600", "x" * 5000, "quote\"back\\slash"]
+        sent = {m: envelope(ids.sender, ids.recipient, msg_id=m, text=f"body {m[:20]}")
+                for m in msg_ids}
+        errors: list[str] = []
+        start = threading.Barrier(len(SOURCES))
+
+        def caller(ip: str) -> None:
+            try:
+                c = RelayCaller(serve.port, ids.sender, source=ip)
+                start.wait(WAIT)
+                for m in msg_ids:
+                    result, _ = c.tool("relay_call", sent[m])
+                    if not queued(result, m):
+                        errors.append(f"{ip} {m[:20]}: {result}")
+                c.close()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"{ip}: {exc!r}")
+
+        threads = [threading.Thread(target=caller, args=(ip,)) for ip in SOURCES]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * WAIT)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        assert drain_queue(recipient) == sent
+    finally:
+        serve.stop()
+
+
+def test_calls_while_the_store_cannot_write_are_unavailable_never_queued_falsely(
+        tmp_path: Path) -> None:
+    """Callers on both workers fire relay_calls while another process holds the store's
+    file locked (an exclusive transaction: every write fails once the busy timeout
+    passes), then lets it go. Every call is answered, queued or `unavailable`, none
+    hangs; every call answered queued is in the queue afterwards, exactly as sent."""
+    import sqlite3
+    import time
+
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        sent: dict[str, dict[str, str]] = {}
+        answered: set[str] = set()
+        unavailable: set[str] = set()
+        errors: list[str] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def caller(ip: str) -> None:
+            try:
+                c = RelayCaller(serve.port, ids.sender, source=ip)
+                for i in range(5000):  # and at most until `stop`
+                    if stop.is_set():
+                        break
+                    m = f"{ip}-{i}"
+                    env = envelope(ids.sender, ids.recipient, msg_id=m, text=f"b {m}")
+                    with lock:
+                        sent[m] = env
+                    result, _ = c.tool("relay_call", env)
+                    with lock:
+                        if queued(result, m):
+                            answered.add(m)
+                        elif code_of(result) == "unavailable":
+                            unavailable.add(m)
+                        else:
+                            errors.append(f"{m}: {result}")
+                    if m in unavailable:
+                        time.sleep(0.02)  # as a client backs off
+                c.close()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(f"{ip}: {exc!r}")
+
+        threads = [threading.Thread(target=caller, args=(ip,)) for ip in SOURCES]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WAIT
+        while len(answered) < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        holder = sqlite3.connect(tmp_path / "state" / "relay.sqlite", timeout=WAIT)
+        try:
+            holder.execute("BEGIN EXCLUSIVE")  # mid-stream: nobody else writes now
+            before = len(unavailable)
+            deadline = time.monotonic() + 3 * WAIT
+            while len(unavailable) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            holder.rollback()
+            holder.close()
+        # released: the store comes back (reopened on demand) and calls are queued again
+        after = len(answered)
+        deadline = time.monotonic() + 3 * WAIT
+        while len(answered) == after and time.monotonic() < deadline and all(
+                t.is_alive() for t in threads):
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(3 * WAIT)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        assert unavailable, "the locked store never answered unavailable"
+        assert len(answered) > after, "the store never came back"
+        found = drain_queue(recipient)
+        assert answered <= set(found), sorted(answered - set(found))[:5]
+        for m, env in found.items():
+            assert env == sent[m]
+    finally:
+        serve.stop()

@@ -124,3 +124,34 @@ async def test_the_router_serves_connections_in_reused_tasks_and_drains_promptly
             while outer.child_tasks:
                 await trio.sleep(0.01)
     assert router._runners.idle == 0
+
+
+async def test_a_parked_task_keeps_nothing_of_the_connection_it_served() -> None:
+    """What a handler was given (a connection's socket, its ClientHello bytes, its route)
+    is let go once it returns: a parked task does not hold the last connection's
+    objects until the next one comes (up to `MAX_IDLE` of them, after a burst)."""
+    import gc
+    import weakref
+
+    class Thing:
+        pass
+
+    done = trio.Event()
+
+    async def handler(thing: Thing) -> None:
+        await trio.lowlevel.checkpoint()
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        runners = Runners(nursery)
+        thing = Thing()
+        ref = weakref.ref(thing)
+        runners.start(handler, thing)
+        del thing
+        with trio.fail_after(TEST_TIMEOUT):
+            await done.wait()
+            while runners.idle == 0:
+                await trio.sleep(0)
+        gc.collect()
+        assert ref() is None, "the parked task still holds its last connection's objects"
+        runners.close()

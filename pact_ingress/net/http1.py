@@ -71,7 +71,8 @@ class _MustWait(Exception):
 
 class H1Connection:
     def __init__(self, stream: trio.abc.Stream, *, idle_timeout: float, head_timeout: float,
-                 write_timeout: float, idle_scopes: set[trio.CancelScope]) -> None:
+                 write_timeout: float, idle_scopes: set[trio.CancelScope],
+                 draining: trio.Event | None = None) -> None:
         self.stream = stream
         self.parser = H1ServerParser()
         self.idle_timeout = idle_timeout
@@ -79,6 +80,10 @@ class H1Connection:
         self.write_timeout = write_timeout
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
+        # set by a drain: a keep-alive connection that becomes idle after it began
+        # closes too (the drain cancelled only the scopes of those idle at that moment);
+        # a new one still gets its first request, which its client sends unasked
+        self._draining = draining
         # our own TLS takes deadlines per call; any other stream gets a scope per read
         self._tls = stream if isinstance(stream, ServerStream) else None
         self._idle: trio.CancelScope | None = None  # entered by `serve` once needed
@@ -184,6 +189,8 @@ class H1Connection:
                 return b""
             if data is not None:
                 return data
+            if self._answered and self._draining is not None and self._draining.is_set():
+                return None
             idle = self._idle
             if idle is None:
                 raise _MustWait()
@@ -205,6 +212,8 @@ class H1Connection:
                 sweeper.disarm(arm)
             # the deadline or a drain may have fired as the bytes arrived: it stands
             return None if idle.cancel_called else data
+        if self._answered and self._draining is not None and self._draining.is_set():
+            return None
         with trio.CancelScope(deadline=deadline) as scope:
             self._idle_scopes.add(scope)
             try:

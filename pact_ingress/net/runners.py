@@ -78,12 +78,17 @@ class Runners:
             idle.remove(task)  # cancelled while parked: it is in the set (and only then)
             return trio.lowlevel.Abort.SUCCEEDED
 
+        job: _Job | None = None
         while True:
             await handler(*args)
+            # a parked task holds nothing of the connection it served (after a burst,
+            # MAX_IDLE of them would keep sockets, hellos and old routes alive)
+            args = ()
+            job = None
             if not self._open or len(idle) >= MAX_IDLE:
                 return
             idle.append(task)
-            job: _Job | None = await trio.lowlevel.wait_task_rescheduled(abort)
+            job = await trio.lowlevel.wait_task_rescheduled(abort)
             if job is None:
                 return
             handler, args = job

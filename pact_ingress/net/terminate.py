@@ -297,7 +297,8 @@ class Terminator:
                 await H1Connection(tls, idle_timeout=limits.idle_timeout,
                                    head_timeout=limits.clienthello_timeout,
                                    write_timeout=CLIENT_WRITE_TIMEOUT,
-                                   idle_scopes=self._idle_scopes).serve(handle)
+                                   idle_scopes=self._idle_scopes,
+                                   draining=self._draining).serve(handle)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
             log.debug("terminate_connection_ended", route=route.host, error=repr(exc))
         except Exception as exc:
