@@ -434,6 +434,8 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
         client.finish(early)
         answer = client.request(early, request_bytes("GET", "/a5/early", OPT_HOST))
         assert answer.startswith(b"HTTP/1.1 200") and b"/a5/early" in answer, answer[:200]
+        # answered during the drain: the client is told the connection ends here
+        assert b"\r\nconnection: close\r\n" in answer.split(b"\r\n\r\n")[0].lower() + b"\r\n"
         body = read_chunked_body(streaming)
         assert body == b"".join(f"id: {i}\ndata: tick\n\n".encode() for i in range(6))
         result = h2.wait(sid)  # the h2 answer begun before the drain ends whole too

@@ -176,6 +176,11 @@ class H1Connection:
             except ParseError as exc:
                 self.deferred = exc  # events parsed before the error are served first
 
+    def draining(self) -> bool:
+        """The process is draining: a response says `Connection: close` (the client
+        then knows not to send another request on a connection about to close)."""
+        return self._draining is not None and self._draining.is_set()
+
     async def _idle_read(self, deadline: float) -> bytes | None:
         """A read between requests: a drain closes the connection here (None). What is
         already decrypted or buffered is taken at once; otherwise the connection waits
@@ -283,9 +288,10 @@ class H1Exchange(Exchange):
         self._framing: Framing | None = None
         self._complete = False
         self._pending = b""  # a response head not written yet
+        self._close = False  # the response said `Connection: close`
 
     def reusable(self) -> bool:
-        return (self._complete and self.body_done and self.request.keep_alive
+        return (self._complete and self.body_done and not self._close
                 and self._framing is not Framing.CLOSE)
 
     async def receive(self, deadline: float) -> bytes:
@@ -321,7 +327,8 @@ class H1Exchange(Exchange):
         client waits for it before the first event)."""
         self._framing = response_framing(self.method, self.request.http_version, status,
                                          headers)
-        close = self.stopped_early or not self.request.keep_alive
+        close = self._close = (self.stopped_early or not self.request.keep_alive
+                               or self.c.draining())
         self._pending = response_head(status, headers, self._framing, close=close)
         if self._framing in (Framing.CHUNKED, Framing.CLOSE):
             await self._write_pending(b"")
@@ -331,8 +338,9 @@ class H1Exchange(Exchange):
         request = self.request
         framing = self._framing = response_framing(self.method, request.http_version,
                                                    status, headers)
-        head = response_head(status, headers, framing,
-                             close=self.stopped_early or not request.keep_alive)
+        close = self._close = (self.stopped_early or not request.keep_alive
+                               or self.c.draining())
+        head = response_head(status, headers, framing, close=close)
         if framing is Framing.LENGTH or framing is Framing.CLOSE:
             data = head + body if body else head
         elif framing is Framing.CHUNKED:
