@@ -35,6 +35,7 @@ from tests.terminate_env import (
     OPT_HOST,
     H2Conn,
     H2Result,
+    Serve,
     ServeEnv,
     forget,
     read_chunked_body,
@@ -281,21 +282,27 @@ def _many_open(port: int, n: int) -> list[ssl.SSLSocket]:
     return socks
 
 
+def _served_at_once(serve: Serve, count: int, tag: str) -> None:
+    """`count` connections open at once, each with a request in flight, each answered;
+    then all closed and none left counted."""
+    socks = _many_open(serve.port, count)
+    try:
+        for i, s in enumerate(socks):
+            s.sendall(request_bytes("GET", f"/a5/{tag}/{i}", OPT_HOST))
+        for i, s in enumerate(socks):
+            _check(read_response(s), f"/a5/{tag}/{i}")
+    finally:
+        for s in socks:
+            forget(s)
+    assert serve.wait_open_connections(0) == 0
+
+
 def test_more_connections_at_once_than_tasks_are_kept_parked(env: ServeEnv) -> None:
     """300 connections open at once (more than the 256 parked tasks kept), each with a
     request in flight, twice: the second wave is served by parked tasks and new ones."""
     serve = env.fresh().serve
     for wave in range(2):
-        socks = _many_open(serve.port, 300)
-        try:
-            for i, s in enumerate(socks):
-                s.sendall(request_bytes("GET", f"/a5/w{wave}/{i}", OPT_HOST))
-            for i, s in enumerate(socks):
-                _check(read_response(s), f"/a5/w{wave}/{i}")
-        finally:
-            for s in socks:
-                forget(s)
-        assert serve.wait_open_connections(0) == 0
+        _served_at_once(serve, 300, f"w{wave}")
     _good(serve.port, "after-waves")
 
 
@@ -394,16 +401,7 @@ def test_sigterm_while_tasks_are_parked_busy_and_mid_handshake(
     socks: list[socket.socket] = []
     try:
         serve = env.serve
-        wave = _many_open(serve.port, 300)  # more tasks than are kept parked, then parked
-        try:
-            for i, s in enumerate(wave):
-                s.sendall(request_bytes("GET", f"/a5/park/{i}", OPT_HOST))
-            for i, s in enumerate(wave):
-                _check(read_response(s), f"/a5/park/{i}")
-        finally:
-            for s in wave:
-                forget(s)
-        assert serve.wait_open_connections(0) == 0
+        _served_at_once(serve, 300, "park")  # more tasks than are kept parked, then parked
         idle = tls_socket(serve.port, OPT_HOST, timeout=HANG)
         socks.append(idle)
         idle.sendall(request_bytes("GET", "/a5/idle", OPT_HOST))

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,24 @@ def metric_total(metrics: str, name: str) -> float:
                and "worker" not in s.labels)
 
 
-def test_calls_through_both_workers_land_in_the_one_store(tmp_path: Path) -> None:
+def _two_workers_relay(tmp_path: Path) -> tuple[Any, RelayServe, RelayCaller]:
+    """Identities, `serve` with two workers and its relay, and the recipient (from
+    worker 0's first address) allowing the sender."""
     ids = relay_identities(tmp_path)
     serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
     try:
-        groups = by_worker()
-        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        recipient = RelayCaller(serve.port, ids.recipient, source=by_worker()[0][0])
         assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+    except BaseException:
+        serve.stop()
+        raise
+    return ids, serve, recipient
+
+
+def test_calls_through_both_workers_land_in_the_one_store(tmp_path: Path) -> None:
+    ids, serve, recipient = _two_workers_relay(tmp_path)
+    try:
+        groups = by_worker()
         callers = {ip: RelayCaller(serve.port, ids.sender, source=ip)
                    for ips in groups.values() for ip in ips}
         sent: dict[str, dict[str, str]] = {}
@@ -513,17 +525,31 @@ async def test_an_ask_main_never_answers_fails_after_the_timeout(autojump_clock:
         nursery.cancel_scope.cancel()
 
 
+def _senders(serve: RelayServe, ids: Any, calls: Callable[[str, RelayCaller], None],
+             errors: list[str]) -> list[threading.Thread]:
+    """One started thread per address of SOURCES, each running `calls` with its own
+    sender connection from that address; what escapes `calls` goes to `errors`."""
+    def run(ip: str) -> None:
+        try:
+            c = RelayCaller(serve.port, ids.sender, source=ip)
+            calls(ip, c)
+            c.close()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(f"{ip}: {exc!r}")
+
+    threads = [threading.Thread(target=run, args=(ip,)) for ip in SOURCES]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def test_the_same_msg_ids_raced_through_both_workers_are_stored_once(
         tmp_path: Path) -> None:
     """Every caller, on both workers, sends the same envelopes at once (the same msg_ids,
     odd ones among them: non-ASCII, an emoji, 5 KB long): each call is answered
     queued, and each msg_id is stored exactly once, byte for byte."""
-    ids = relay_identities(tmp_path)
-    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    ids, serve, recipient = _two_workers_relay(tmp_path)
     try:
-        groups = by_worker()
-        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
-        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
         msg_ids = [f"race-{i}" for i in range(12)] + [
             "ünïcødé-ключ-鍵", "emoji-\U0001f600", "x" * 5000, "quote\"back\\slash"]
         sent = {m: envelope(ids.sender, ids.recipient, msg_id=m, text=f"body {m[:20]}")
@@ -531,21 +557,14 @@ def test_the_same_msg_ids_raced_through_both_workers_are_stored_once(
         errors: list[str] = []
         start = threading.Barrier(len(SOURCES))
 
-        def caller(ip: str) -> None:
-            try:
-                c = RelayCaller(serve.port, ids.sender, source=ip)
-                start.wait(WAIT)
-                for m in msg_ids:
-                    result, _ = c.tool("relay_call", sent[m])
-                    if not queued(result, m):
-                        errors.append(f"{ip} {m[:20]}: {result}")
-                c.close()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(f"{ip}: {exc!r}")
+        def calls(ip: str, c: RelayCaller) -> None:
+            start.wait(WAIT)
+            for m in msg_ids:
+                result, _ = c.tool("relay_call", sent[m])
+                if not queued(result, m):
+                    errors.append(f"{ip} {m[:20]}: {result}")
 
-        threads = [threading.Thread(target=caller, args=(ip,)) for ip in SOURCES]
-        for t in threads:
-            t.start()
+        threads = _senders(serve, ids, calls, errors)
         for t in threads:
             t.join(2 * WAIT)
         assert not any(t.is_alive() for t in threads)
@@ -564,12 +583,8 @@ def test_calls_while_the_store_cannot_write_are_unavailable_never_queued_falsely
     import sqlite3
     import time
 
-    ids = relay_identities(tmp_path)
-    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    ids, serve, recipient = _two_workers_relay(tmp_path)
     try:
-        groups = by_worker()
-        recipient = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
-        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
         sent: dict[str, dict[str, str]] = {}
         answered: set[str] = set()
         unavailable: set[str] = set()
@@ -577,33 +592,26 @@ def test_calls_while_the_store_cannot_write_are_unavailable_never_queued_falsely
         lock = threading.Lock()
         stop = threading.Event()
 
-        def caller(ip: str) -> None:
-            try:
-                c = RelayCaller(serve.port, ids.sender, source=ip)
-                for i in range(5000):  # and at most until `stop`
-                    if stop.is_set():
-                        break
-                    m = f"{ip}-{i}"
-                    env = envelope(ids.sender, ids.recipient, msg_id=m, text=f"b {m}")
-                    with lock:
-                        sent[m] = env
-                    result, _ = c.tool("relay_call", env)
-                    with lock:
-                        if queued(result, m):
-                            answered.add(m)
-                        elif code_of(result) == "unavailable":
-                            unavailable.add(m)
-                        else:
-                            errors.append(f"{m}: {result}")
-                    if m in unavailable:
-                        time.sleep(0.02)  # as a client backs off
-                c.close()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(f"{ip}: {exc!r}")
+        def calls(ip: str, c: RelayCaller) -> None:
+            for i in range(5000):  # and at most until `stop`
+                if stop.is_set():
+                    break
+                m = f"{ip}-{i}"
+                env = envelope(ids.sender, ids.recipient, msg_id=m, text=f"b {m}")
+                with lock:
+                    sent[m] = env
+                result, _ = c.tool("relay_call", env)
+                with lock:
+                    if queued(result, m):
+                        answered.add(m)
+                    elif code_of(result) == "unavailable":
+                        unavailable.add(m)
+                    else:
+                        errors.append(f"{m}: {result}")
+                if m in unavailable:
+                    time.sleep(0.02)  # as a client backs off
 
-        threads = [threading.Thread(target=caller, args=(ip,)) for ip in SOURCES]
-        for t in threads:
-            t.start()
+        threads = _senders(serve, ids, calls, errors)
         deadline = time.monotonic() + WAIT
         while len(answered) < 50 and time.monotonic() < deadline:
             time.sleep(0.01)
