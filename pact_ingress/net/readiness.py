@@ -29,10 +29,9 @@ wait after the syscall said "would block" clears it: whatever set it was read si
 Wake-ups can be spurious (an event for bytes already read): callers retry the syscall.
 Once the peer's FIN (or an error) was seen, every read wait returns at once: a recv
 that takes the last bytes leaves the end unread, unannounced (until a recv still says it
-would block: that end was an old file's, reported under a reused number). A recv that filled its
-whole buffer may have left bytes behind, which no new event
-announces: the caller then sets `readable` itself, so a wait that does not look first
-returns at once.
+would block: that end was an old file's, reported under a reused number). A recv that
+filled its whole buffer may have left bytes behind, which no new event announces: the
+caller then sets `readable` itself, so a wait that does not look first returns at once.
 
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
