@@ -57,11 +57,11 @@ _MS_EXACT = 1e12
 def ms_repr(x: float) -> str:
     """`repr(round(x, 3))`, the text of a line's seconds (`ts`, durations), at under half
     its cost: `round` and `repr` each run the float-to-decimal conversion, repr the
-    arbitrary-precision one, twice per connection line. "%.3f" rounds the same way as
+    arbitrary-precision one, twice per connection line. Format `.3f` rounds the same way as
     `round(x, 3)` (the same correctly rounded conversion), and in range, stripping the
     zeros repr would not print gives repr's text."""
     if -_MS_EXACT < x < _MS_EXACT:
-        text = ("%.3f" % x).rstrip("0")
+        text = f"{x:.3f}".rstrip("0")
         return text + "0" if text[-1] == "." else text
     return repr(round(x, 3))
 

@@ -140,9 +140,9 @@ class _MemoryClient:
             head, sep, body = got.partition(b"\r\n\r\n")
             if sep:
                 for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        if len(body) >= int(line.split(b":")[1]):
-                            return got
+                    if (line.lower().startswith(b"content-length:")
+                            and len(body) >= int(line.split(b":")[1])):
+                        return got
 
 
 def _raw(port: int) -> socket.socket:

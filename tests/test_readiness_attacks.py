@@ -807,12 +807,11 @@ async def test_a_504_on_one_pooled_connection_leaves_the_others_and_the_pool_wor
 
     with trio.fail_after(60):
         for round_ in range(2):
-            async with env.client(http2=False) as client:
-                async with trio.open_nursery() as inner:
-                    for _ in range(3):
-                        inner.start_soon(stall, client)
-                    for i in range(12):
-                        inner.start_soon(ok, client, 100 * round_ + i)
+            async with env.client(http2=False) as client, trio.open_nursery() as inner:
+                for _ in range(3):
+                    inner.start_soon(stall, client)
+                for i in range(12):
+                    inner.start_soon(ok, client, 100 * round_ + i)
             async with env.client(http2=False) as client:  # after: the pool serves
                 for i in range(5):
                     await ok(client, 1000 + 100 * round_ + i)

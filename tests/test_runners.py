@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 
 from pact_ingress.net import runners as runners_mod
 from pact_ingress.net.runners import Runners
@@ -29,7 +30,7 @@ async def test_sequential_handlers_reuse_one_task() -> None:
             runners.start(handler, n)
             with trio.fail_after(TEST_TIMEOUT):
                 while len(seen) <= n or runners.idle == 0:
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
         assert [n for n, _ in seen] == list(range(20))
         assert len({id(task) for _, task in seen}) == 1
         assert len(nursery.child_tasks) == 1
@@ -53,12 +54,12 @@ async def test_concurrent_handlers_get_tasks_of_their_own_and_park_bounded(
             runners.start(handler)
         with trio.fail_after(TEST_TIMEOUT):
             while len(running) < 5:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         assert len(nursery.child_tasks) == 5  # none waited for another
         release.set()
         with trio.fail_after(TEST_TIMEOUT):
             while len(nursery.child_tasks) > 3:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         assert runners.idle == 3  # the rest ended
         before = set(nursery.child_tasks)
         running.clear()
@@ -66,7 +67,7 @@ async def test_concurrent_handlers_get_tasks_of_their_own_and_park_bounded(
             runners.start(handler)  # release is set: each returns at once
         with trio.fail_after(TEST_TIMEOUT):
             while len(running) < 3 or runners.idle < 3:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         assert running <= before and set(nursery.child_tasks) == before
         runners.close()
 
@@ -81,7 +82,7 @@ async def test_a_parked_task_that_is_cancelled_leaves_the_idle_set() -> None:
         runners.start(handler)
         with trio.fail_after(TEST_TIMEOUT):
             while runners.idle < 2:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         nursery.cancel_scope.cancel()
     assert runners.idle == 0
     assert not nursery.child_tasks
@@ -151,7 +152,7 @@ async def test_a_parked_task_keeps_nothing_of_the_connection_it_served() -> None
         with trio.fail_after(TEST_TIMEOUT):
             await done.wait()
             while runners.idle == 0:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         gc.collect()
         assert ref() is None, "the parked task still holds its last connection's objects"
         runners.close()

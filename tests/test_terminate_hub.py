@@ -51,24 +51,24 @@ async def test_many_keep_alive_connections_all_answered_through_the_hub(env: Env
 
 def _half_closing_client(port: int, context: ssl.SSLContext, requests: int) -> bytes:
     """`requests` pipelined requests, then the TCP FIN at once; everything read."""
-    with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:
-        with context.wrap_socket(raw, server_hostname=HOST) as tls:
-            tls.sendall(b"".join(
-                f"GET /_demo/headers?r={i} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
-                for i in range(requests)))
-            # the FIN right behind the last request (on a copy of the descriptor: the
-            # TLS socket's own shutdown would drop its TLS state)
-            with socket.fromfd(tls.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
-                dup.shutdown(socket.SHUT_WR)
-            data = b""
-            while True:
-                try:
-                    chunk = tls.recv(65536)
-                except (ssl.SSLError, OSError):
-                    break
-                if not chunk:
-                    break
-                data += chunk
+    with (socket.create_connection(("127.0.0.1", port), timeout=20) as raw,
+          context.wrap_socket(raw, server_hostname=HOST) as tls):
+        tls.sendall(b"".join(
+            f"GET /_demo/headers?r={i} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+            for i in range(requests)))
+        # the FIN right behind the last request (on a copy of the descriptor: the
+        # TLS socket's own shutdown would drop its TLS state)
+        with socket.fromfd(tls.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+            dup.shutdown(socket.SHUT_WR)
+        data = b""
+        while True:
+            try:
+                chunk = tls.recv(65536)
+            except (ssl.SSLError, OSError):
+                break
+            if not chunk:
+                break
+            data += chunk
     return data
 
 

@@ -106,8 +106,8 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("hub", "fd", "reader", "writer", "readable", "ended", "out", "closed",
-                 "_abort_read", "_abort_write")
+    __slots__ = ("_abort_read", "_abort_write", "closed", "ended", "fd", "hub", "out",
+                 "readable", "reader", "writer")
 
     def __init__(self, hub: Hub, fd: int) -> None:
         self.hub = hub

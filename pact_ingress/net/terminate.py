@@ -150,7 +150,7 @@ class _Connection:
     slotted class, not a frozen dataclass, whose `__init__` sets each field through
     `object.__setattr__`). Nothing changes it after it is made."""
 
-    __slots__ = ("route_host", "sni", "client_ip", "client", "log_prefix", "now")
+    __slots__ = ("client", "client_ip", "log_prefix", "now", "route_host", "sni")
 
     def __init__(self, route_host: str, sni: str | None, client_ip: str, client: str,
                  log_prefix: str, now: Callable[[], float]) -> None:

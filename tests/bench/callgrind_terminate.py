@@ -73,19 +73,19 @@ def _connections(port: int, count: int) -> int:
     ok = [0]
 
     def one(last: list[ssl.SSLSession | None]) -> None:
-        with socket.create_connection(("127.0.0.1", port), timeout=120) as raw:
-            with ctx.wrap_socket(raw, server_hostname=bt.HOST, session=last[0]) as tls:
-                tls.sendall(REQUEST)
-                data = b""
-                while True:
-                    try:
-                        chunk = tls.recv(65536)
-                    except (ssl.SSLEOFError, ConnectionResetError):
-                        break
-                    if not chunk:
-                        break
-                    data += chunk
-                last[0] = tls.session  # the ticket that came with the answer
+        with (socket.create_connection(("127.0.0.1", port), timeout=120) as raw,
+              ctx.wrap_socket(raw, server_hostname=bt.HOST, session=last[0]) as tls):
+            tls.sendall(REQUEST)
+            data = b""
+            while True:
+                try:
+                    chunk = tls.recv(65536)
+                except (ssl.SSLEOFError, ConnectionResetError):
+                    break
+                if not chunk:
+                    break
+                data += chunk
+            last[0] = tls.session  # the ticket that came with the answer
         if data.startswith(b"HTTP/1.1 200"):
             ok[0] += 1
 
@@ -107,25 +107,25 @@ def _keepalive(port: int, count: int) -> int:
     ok = [0]
 
     def worker(n: int) -> None:
-        with socket.create_connection(("127.0.0.1", port), timeout=120) as raw:
-            with ctx.wrap_socket(raw, server_hostname=bt.HOST) as tls:
-                for _ in range(n):
-                    tls.sendall(KA_REQUEST)
-                    data = b""
-                    while True:
-                        data += tls.recv(65536)
-                        head, sep, rest = data.partition(b"\r\n\r\n")
-                        if not sep:
-                            continue
-                        length = 0
-                        for line in head.split(b"\r\n")[1:]:
-                            name, _, value = line.partition(b":")
-                            if name.strip().lower() == b"content-length":
-                                length = int(value)
-                        if len(rest) >= length:
-                            break
-                    if data.startswith(b"HTTP/1.1 200"):
-                        ok[0] += 1
+        with (socket.create_connection(("127.0.0.1", port), timeout=120) as raw,
+              ctx.wrap_socket(raw, server_hostname=bt.HOST) as tls):
+            for _ in range(n):
+                tls.sendall(KA_REQUEST)
+                data = b""
+                while True:
+                    data += tls.recv(65536)
+                    head, sep, rest = data.partition(b"\r\n\r\n")
+                    if not sep:
+                        continue
+                    length = 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value)
+                    if len(rest) >= length:
+                        break
+                if data.startswith(b"HTTP/1.1 200"):
+                    ok[0] += 1
 
     _in_threads(worker, count // THREADS)
     return ok[0]
@@ -177,7 +177,7 @@ def collect(proc: subprocess.Popen[bytes], on: bool) -> None:
 
 def counted(tmp: Path, name: str) -> Counter[str]:
     """Instructions by shared object in the last dump of `name`'s run."""
-    return _by_object(sorted(tmp.glob(f"callgrind-{name}.out.*"))[-1])
+    return _by_object(max(tmp.glob(f"callgrind-{name}.out.*")))
 
 
 def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int,
