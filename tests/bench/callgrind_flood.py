@@ -28,7 +28,13 @@ from collections import Counter
 from pathlib import Path
 
 from tests.bench.bench_passthrough import SNI, hello_for, ingress_yaml
-from tests.bench.callgrind_terminate import collect, counted, serve_under_callgrind
+from tests.bench.callgrind_terminate import (
+    collect,
+    counted,
+    print_table,
+    require_valgrind,
+    serve_under_callgrind,
+)
 from tests.bench.harness import (
     CORE_LOAD,
     Service,
@@ -87,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
     p.add_argument("--conns", type=int, default=2000)
     args = p.parse_args(argv)
-    for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
-        if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
+    require_valgrind()
     if (os.cpu_count() or 1) >= 2:
         pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-bench-cgf-"))
@@ -108,14 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = measure(name, Path(tree).resolve(), tmp, sink, hello, args.conns)
     shutil.rmtree(tmp, ignore_errors=True)
     groups = {"libpython (our Python)": ("libpython3.11", "libpython3"), "libc": ("libc",)}
-    print("| k instructions per flood connection | " + " | ".join(rows) + " |")
-    print("|---" * (len(rows) + 1) + "|")
-    for label, prefixes in groups.items():
-        cells = [sum(v for k, v in c.items() if k in prefixes) / args.conns / 1e3
-                 for c in rows.values()]
-        print(f"| {label} | " + " | ".join(f"{x:,.1f}" for x in cells) + " |")
-    totals = [sum(c.values()) / args.conns / 1e3 for c in rows.values()]
-    print("| total (user space) | " + " | ".join(f"{x:,.1f}" for x in totals) + " |")
+    print_table(rows, groups, args.conns, "k instructions per flood connection", "{:,.1f}")
     return 0
 
 

@@ -205,6 +205,26 @@ def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
     return counted(tmp, name)
 
 
+def require_valgrind() -> None:
+    for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
+
+
+def print_table(rows: dict[str, Counter[str]], groups: dict[str, tuple[str, ...]],
+                per: int, title: str, cell: str) -> None:
+    """A markdown table: one column per tree, thousands of instructions per unit (`per`
+    units counted) in each group of shared objects, then the total."""
+    print(f"| {title} | " + " | ".join(rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
+    for label, prefixes in groups.items():
+        cells = [sum(v for k, v in c.items() if k in prefixes) / per / 1e3
+                 for c in rows.values()]
+        print(f"| {label} | " + " | ".join(cell.format(x) for x in cells) + " |")
+    totals = [sum(c.values()) / per / 1e3 for c in rows.values()]
+    print("| total (user space) | " + " | ".join(cell.format(x) for x in totals) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="+", help="NAME=DIR: a tree holding pact_ingress")
@@ -215,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
     globals()["THREADS"] = args.threads
-    for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
-        if shutil.which(tool) is None:
-            raise SystemExit(f"{tool} not found (Debian: apt-get install valgrind)")
+    require_valgrind()
     if (os.cpu_count() or 1) >= 2:
         pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-bench-cg-"))
@@ -234,14 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               "libc": ("libc",)}
     n = (args.keepalive or args.conns) // THREADS * THREADS
     unit = "request" if args.keepalive else "connection"
-    print(f"| k instructions per {unit} | " + " | ".join(rows) + " |")
-    print("|---" * (len(rows) + 1) + "|")
-    for label, prefixes in groups.items():
-        cells = [sum(v for k, v in c.items() if k in prefixes) / n / 1e3
-                 for c in rows.values()]
-        print(f"| {label} | " + " | ".join(f"{x:,.0f}" for x in cells) + " |")
-    totals = [sum(c.values()) / n / 1e3 for c in rows.values()]
-    print("| total (user space) | " + " | ".join(f"{x:,.0f}" for x in totals) + " |")
+    print_table(rows, groups, n, f"k instructions per {unit}", "{:,.0f}")
     return 0
 
 
