@@ -935,7 +935,9 @@ def scaling_main(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                 str(count)), None, d / "ingress.log")
         for path, svc in proxies.items():
             started.append(svc)
-            svc.start([ports[path]])
+            # the admin port too: /status is read before the first run, and a serve with
+            # workers listens there only once its workers are ready
+            svc.start([ports[path], *([admin[path]] if path in admin else [])])
 
         def drive(path: str, warm: bool) -> Drive:
             if shim is None:
