@@ -27,6 +27,8 @@ every pooled connection. Endpoints:
 
 * `GET /stream?n=N&interval=S` — chunked, one small chunk every S seconds (N chunks);
 * `GET /big?bytes=N` — a large body written as fast as the edge reads it;
+* a path starting `/whole`: answered as below, head and body in one write (the edge then
+  has the whole answer in one read);
 * anything else: the body is read whole; JSON-RPC requests are answered (tools/list;
   tools/call → a result saying the node *executed* it), other bodies get their size and
   SHA-256 back as JSON.
@@ -312,11 +314,16 @@ class RecordingNode:
             self._big(tls, conn, int(query.get("bytes", str(1 << 20))))
         else:
             status, payload = self._answer(rec)
-            self._send(tls, conn, h11.Response(status_code=status, headers=[
+            head = conn.send(h11.Response(status_code=status, headers=[
                 ("content-type", "application/json"), ("content-length", str(len(payload)))]))
-            if payload:
-                self._send(tls, conn, h11.Data(data=payload))
-            self._send(tls, conn, h11.EndOfMessage())
+            rest = (conn.send(h11.Data(data=payload)) if payload else b"") + conn.send(
+                h11.EndOfMessage())
+            if url.path.startswith("/whole"):  # head and body in one write, as many servers do
+                tls.sendall(head + rest)
+            else:
+                tls.sendall(head)
+                if rest:
+                    tls.sendall(rest)
         return True
 
     @staticmethod

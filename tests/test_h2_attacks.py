@@ -18,6 +18,7 @@ import hashlib
 import json
 import shutil
 import signal
+import socket
 import ssl
 import struct
 import subprocess
@@ -66,8 +67,9 @@ class Raw:
     """One TLS connection speaking frames exactly as the test writes them."""
 
     def __init__(self, env: Env, *, source: str = ATTACKER_IP,
-                 first: bytes | None = None) -> None:
-        self.sock = tls_socket(env.serve.port, HOST, source=source, alpn=("h2",))
+                 first: bytes | None = None, rcvbuf: int | None = None) -> None:
+        self.sock = tls_socket(env.serve.port, HOST, source=source, alpn=("h2",),
+                               rcvbuf=rcvbuf)
         assert self.sock.selected_alpn_protocol() == "h2"
         self.enc = hpack.Encoder()
         self.dec = hpack.Decoder()
@@ -855,6 +857,49 @@ def test_streams_beyond_the_limit_are_refused_and_the_rest_served(env: Env) -> N
         c.close()
     assert _reached(env, "/refused") == 0
     assert all(_complete(env, f"/held-{sid}") == [b"%d" % sid] for sid in range(3, 201, 2))
+
+
+def test_whole_answers_to_a_client_that_reads_late_arrive_in_order(env: Env) -> None:
+    """Small answers are sent by their stream's own task while the writer is idle. A
+    client with a small receive buffer that reads nothing until all its streams were
+    answered: the kernel takes part of those sends, the rest is held and must leave
+    before anything sent later. Every answer arrives whole (a TLS record out of order
+    would break the connection), and the connection serves on."""
+    pad = "p" * 3000
+    # windows wide open: what holds the answers back is the kernel, not flow control
+    c = Raw(env, rcvbuf=4096, first=settings((4, 2**31 - 1)))
+    c.send(frame(WINDOW_UPDATE, 0, 0, u32(2**31 - 1 - 65535)))
+    try:
+        for round_ in range(2):
+            sids = range(1 + 200 * round_, 200 * (round_ + 1), 2)
+            c.send(*(c.headers(sid, f"/whole-{sid}-{pad}") for sid in sids))
+            deadline = time.monotonic() + 10  # until the node answered them all
+            while (_reached(env, f"/whole-{sids[-1]}-") == 0 and time.monotonic() < deadline):
+                time.sleep(0.05)
+            time.sleep(0.3)  # the answers pile up behind the closed receive window
+            for sid in sids:
+                status, answer = c.answer(sid)
+                assert status == 200, sid
+                assert json.loads(answer)["target"] == f"/whole-{sid}-{pad}", sid
+        _served_after(c, 401)
+    finally:
+        c.close()
+
+
+def test_client_that_leaves_while_answers_are_held(env: Env) -> None:
+    """The same pile-up, then the client resets the connection instead of reading: what
+    is held cannot be sent, the connection ends (the fixture: no connection left counted,
+    another client served)."""
+    c = Raw(env, rcvbuf=4096, first=settings((4, 2**31 - 1)))
+    c.send(frame(WINDOW_UPDATE, 0, 0, u32(2**31 - 1 - 65535)))
+    pad = "p" * 3000
+    sids = range(1, 200, 2)
+    c.send(*(c.headers(sid, f"/whole-gone-{sid}-{pad}") for sid in sids))
+    deadline = time.monotonic() + 10
+    while _reached(env, f"/whole-gone-{sids[-1]}-") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()  # RST: the edge's next send fails
 
 
 def test_client_goaway_lets_the_open_stream_finish(env: Env) -> None:

@@ -263,3 +263,48 @@ async def test_close_unwatched_leaves_trio_able_to_wait_on_the_next_socket() -> 
     finally:
         a.close()
         b.close()
+
+
+async def test_write_nowait_holds_what_the_kernel_refused_and_sends_it_first() -> None:
+    """`write_nowait` into a socket the peer does not read: what the kernel refuses is
+    held, a later `write` (and `flush_by`) sends it before its own records, and the peer
+    decrypts every byte in order; it never waits and says when it cannot go at all."""
+    pki = WebPKI()
+    tls, peer, server_sock = await _handshake_to_finished(pki, with_request=b"")
+    server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sent = bytearray()
+    try:
+        outcomes = []
+        for i in range(200):  # the peer reads nothing: the socket fills
+            piece = bytes([i]) * 1000
+            done = tls.write_nowait(piece)
+            if done is None:
+                break
+            sent += piece
+            outcomes.append(done)
+            if not done:
+                break
+        assert outcomes[-1] is False and all(outcomes[:-1]) and tls.holding
+        assert tls.write_nowait(b"x") is None  # held ciphertext: only `write` may go on
+        later = b"after the held records" * 100
+        received = bytearray()
+
+        async def drain() -> None:
+            while len(received) < len(sent) + len(later):
+                peer.incoming.write(await peer.receive())
+                while True:
+                    try:
+                        received.extend(peer.tls.read(1 << 16))
+                    except ssl.SSLWantReadError:
+                        break
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await tls.write(later, trio.current_time() + 10)
+            await tls.flush_by(trio.current_time() + 10)
+        assert not tls.holding
+        assert bytes(received) == bytes(sent) + later
+    finally:
+        tls.close()
+        peer.sock.close()

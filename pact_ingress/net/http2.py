@@ -136,6 +136,8 @@ class H2Connection:
                  idle_scopes: set[trio.CancelScope], draining: trio.Event,
                  on_flood: Callable[[Flood], None] = lambda kind: None) -> None:
         self.stream = stream
+        # our own TLS: a stream worker may send a finished answer itself (`_send_now`)
+        self._tls = stream if isinstance(stream, ServerTLS) else None
         self.conn = h2.H2Server(max_concurrent_streams=MAX_CONCURRENT_STREAMS,
                                 max_header_list_size=MAX_HEADER_LIST_SIZE)
         self.idle_timeout = idle_timeout
@@ -393,12 +395,52 @@ class H2Connection:
                 self._writer = None
                 trio.lowlevel.reschedule(task)
 
+    def _send_now(self) -> None:
+        """What is queued, sent by the calling task when the writer is idle (parked,
+        nothing of its own in flight), so a finished answer costs no wake-up of the
+        writer; never waits: what the kernel does not take at once is held by the TLS
+        stream and the writer is woken to send it, ahead of anything queued later."""
+        tls = self._tls
+        if tls is None or self._writer is None or self._broken or not self.conn.out:
+            self.kick()
+            return
+        data = self.conn.take_output()
+        try:
+            done = tls.write_nowait(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._broken = True
+            self._scope.cancel()  # as when the writer fails: the connection is over
+            raise ClientGone("client connection broke") from exc
+        if done is None:  # not possible now: the frames go back to the writer
+            self.conn.out[:0] = data
+            self.kick()
+            return
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+        if not done:
+            task, self._writer = self._writer, None
+            trio.lowlevel.reschedule(task)
+
     async def _write_loop(self) -> None:
         def abort(_: object) -> trio.lowlevel.Abort:
             self._writer = None
             return trio.lowlevel.Abort.SUCCEEDED
 
+        tls = self._tls
         while True:
+            if tls is not None and tls.holding:  # left by `_send_now`: it goes first
+                self._writing = True
+                try:
+                    await tls.flush_by(trio.current_time() + self.write_timeout)
+                except (trio.BrokenResourceError, trio.ClosedResourceError,
+                        trio.TooSlowError):
+                    self._broken = True
+                    self._scope.cancel()
+                    return
+                finally:
+                    self._writing = False
+                continue
             if not self.conn.out:
                 if self._written is not None:
                     self._written.set()
@@ -434,7 +476,7 @@ class H2Connection:
         self.kick()
         if self._broken:
             raise ClientGone("client connection broke")
-        if self.conn.out or self._writing:
+        if self.conn.out or self._writing or (self._tls is not None and self._tls.holding):
             if self._written is None:
                 self._written = trio.Event()
             await self._written.wait()
@@ -597,6 +639,31 @@ class H2Exchange(Exchange):
                     await self.c._wait_room()
                     continue
                 raise ClientGone("client did not read in time")
+
+    async def respond_whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """The whole answer queued at once and, when the writer is idle, sent by this
+        task (`_send_now`): no wake-up of the writer per answer. An answer that has to
+        wait (for the window, or for the writer to take the outbox) goes the long way."""
+        c = self.c
+        conn = c.conn
+        n = len(body)
+        self._live()
+        try:
+            if n and (n > conn.local_flow_control_window(self.stream_id)
+                      or n > conn.max_outbound_frame_size or len(conn.out) + n >= FLUSH_BYTES):
+                await super().respond_whole(status, headers, body)
+                return
+            conn.send_headers(self.stream_id, response_block(status, headers),
+                              end_stream=not n)
+            if n:
+                conn.send_data(self.stream_id, body, end_stream=True)
+        except h2.StreamClosed as exc:
+            raise ClientGone("stream or connection closed") from exc
+        if n:
+            c._guard.credit(Flood.WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
+        if self.stopped and not self._ended:
+            self._rst(ErrorCode.NO_ERROR)
+        c._send_now()
 
     async def end(self) -> None:
         self._live()

@@ -63,6 +63,9 @@ class MemoryTLS:
         self._sweeper: deadlines.Sweeper | None = None  # this run's, once a read waited
         self._watch: readiness.Watch | None = None  # in the hub, once a wait needed it
         self._sending = False  # a task is moving the outgoing BIO to the transport
+        # ciphertext taken from the outgoing BIO by `write_nowait` that the kernel did
+        # not take: it leaves before anything else, with the next `_flush`
+        self._held = b""
         self._sent = trio.lowlevel.ParkingLot()  # tasks waiting for it to finish
 
     def _broken(self, why: str) -> Exception:
@@ -135,7 +138,7 @@ class MemoryTLS:
         caller tried a send itself and could not send them all)."""
         out = self._out
         raw = self._raw
-        if raw is not None and not self._sending and not rest:
+        if raw is not None and not self._sending and not rest and not self._held:
             # the usual case: one send takes it all, nothing awaited
             data = out.read()
             if not data:
@@ -154,6 +157,8 @@ class MemoryTLS:
                 await self._sent.park()
                 continue
             raise trio.TooSlowError()
+        if self._held:  # older than `rest` and all the BIO holds (see `write_nowait`)
+            rest, self._held = self._held + rest, b""
         if not rest and not out.pending:
             return
         self._sending = True
@@ -312,7 +317,7 @@ class MemoryTLS:
             if len(data) <= WRITE_SLICE:
                 self._sslobj.write(data)
                 raw = self._raw
-                if raw is not None and not self._sending:
+                if raw is not None and not self._sending and not self._held:
                     # `_flush`'s usual case inline: one send takes the records
                     out = self._out
                     records = out.read()
@@ -334,6 +339,42 @@ class MemoryTLS:
                 await self._flush(deadline)
         except ssl.SSLError as exc:
             raise self._broken(f"TLS failed: {exc}") from exc
+
+    def write_nowait(self, data: bytes | bytearray) -> bool | None:
+        """`write` without ever awaiting, for a task that must not be the one to wait
+        (its scope may be cancelled, and a record cut off mid-send cannot be resumed).
+        None: not possible now (another task is sending, ciphertext is held, `data` is
+        large, or there is no socket): use `write`. True: the kernel took it all. False:
+        the rest is held and leaves first with the next `_flush` (`flush_by`), which the
+        caller must see run."""
+        raw = self._raw
+        if raw is None or self._sending or self._held or len(data) > WRITE_SLICE:
+            return None
+        try:
+            self._sslobj.write(data)
+        except ssl.SSLError as exc:
+            raise self._broken(f"TLS failed: {exc}") from exc
+        records = self._out.read()
+        try:
+            sent = raw.send(records)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            raise self._broken(f"send failed: {exc!r}") from exc
+        if sent == len(records):
+            return True
+        self._held = records[sent:]
+        return False
+
+    @property
+    def holding(self) -> bool:
+        """Ciphertext `write_nowait` left to send."""
+        return bool(self._held)
+
+    async def flush_by(self, deadline: float) -> None:
+        """Everything held or in the outgoing BIO to the transport (`TooSlowError` at
+        `deadline`)."""
+        await self._flush(deadline)
 
 
 class ServerStream(MemoryTLS, trio.abc.Stream):
