@@ -59,6 +59,7 @@ from __future__ import annotations
 import _socket
 import errno
 import fcntl
+import ipaddress
 import logging
 import math
 import os
@@ -165,13 +166,16 @@ class _Conn(Passthrough):
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
                  "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking",
-                 "prepared")
+                 "prepared", "local")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
-                 client: tuple[str, int], who: str) -> None:
+                 client: tuple[str, int], who: str, local: tuple[str, int] | None) -> None:
         Passthrough.__init__(self, now, hello_timeout)  # (`super()` builds an object)
         self.csock = csock
         self.cfd = csock.fileno()
+        #: The address the client connected to, when its listener's says it (bound to
+        #: one address); None: ask the socket (a wildcard listener), if ever needed.
+        self.local = local
         self.bsock: _socket.socket | None = None
         self.bfd = -1
         self.client = client
@@ -231,9 +235,14 @@ class Edge:
         self.tally: dict[Any, int] = {}
         #: What every connection of a route needs, made once per route (`_prepared`).
         self.routes: dict[str, _Prepared] = {}
+        #: Each listener's own address where every connection it accepts has that local
+        #: address (bound to one IP), else None: a PROXY v2 header's destination without
+        #: a getsockname(2) per connection.
+        self.locals: dict[int, tuple[str, int] | None] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
+            self.locals[fd] = _bound_address(raw)
             for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
                 raw.setsockopt(socket.IPPROTO_TCP, option, value)
             self.listeners[fd] = raw
@@ -397,6 +406,7 @@ class Edge:
         counts = router._counts
         limits = router.limits
         family = raw.family
+        local = self.locals.get(raw.fileno())
         for _ in range(ACCEPT_BATCH):
             try:
                 fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
@@ -426,7 +436,8 @@ class Edge:
             counts.total += 1
             pending = counts.pending
             pending[who] = pending.get(who, 0) + 1
-            conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
+            conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who,
+                         local)
             self.conns.add(conn)
             try:
                 self._read_hello(conn)
@@ -531,8 +542,11 @@ class Edge:
         head = conn.buf
         conn.hello_len = len(head)
         if route.proxy_protocol == "v2":
-            local = conn.csock.getsockname()
-            head = encode_v2(conn.client, (str(local[0]), int(local[1]))) + head
+            local = conn.local
+            if local is None:  # a wildcard listener: the address it was reached at
+                name = conn.csock.getsockname()
+                local = (str(name[0]), int(name[1]))
+            head = encode_v2(conn.client, local) + head
         conn.head = memoryview(head)
         conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
         self._dial(conn)
@@ -995,6 +1009,30 @@ def _no_acme(buf: bytes, hello: ClientHello | str) -> bool:
     if type(hello) is str:
         return _ACME_ALPN not in buf
     return ACME_ALPN not in hello.alpn  # type: ignore[union-attr]
+
+
+def _bound_address(raw: socket.socket) -> tuple[str, int] | None:
+    """The (ip, port) every connection `raw` accepts is addressed to, when it is bound to
+    one IP; None for a wildcard, a transparent listener (it accepts connections to other
+    addresses) or one whose address cannot be read."""
+    try:
+        name = raw.getsockname()
+        if ipaddress.ip_address(str(name[0]).partition("%")[0]).is_unspecified:
+            return None
+        if raw.family == socket.AF_INET6:
+            transparent = raw.getsockopt(socket.IPPROTO_IPV6, _IPV6_TRANSPARENT)
+        else:
+            transparent = raw.getsockopt(socket.IPPROTO_IP, _IP_TRANSPARENT)
+        if transparent:
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return (str(name[0]), int(name[1]))
+
+
+#: Linux's socket options for a listener that accepts connections to any address.
+_IP_TRANSPARENT = getattr(socket, "IP_TRANSPARENT", 19)
+_IPV6_TRANSPARENT = getattr(socket, "IPV6_TRANSPARENT", 75)
 
 
 def _tune(conn: _Conn) -> None:
