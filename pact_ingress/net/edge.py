@@ -81,6 +81,7 @@ from pact_ingress.net.router import (
     ACCEPT_CAPACITY_ERRNOS,
     ACME_ALPN,
     HEAD_TIMEOUT,
+    PEEK_HEADROOM,
     PEEK_READ,
     Router,
     Tally,
@@ -125,6 +126,8 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
+#: The accepted socket's type and protocol, as plain ints (`_accept`).
+_STREAM, _TCP = int(socket.SOCK_STREAM), int(socket.IPPROTO_TCP)
 #: Per-call non-blocking reads and writes of a client socket whose fd blocks (`_accept`).
 _DONTWAIT = socket.MSG_DONTWAIT
 _ONE = (1).to_bytes(4, sys.byteorder)  # FIONBIO's int argument
@@ -183,7 +186,7 @@ class _Conn(Passthrough):
         self.kind: Tally | None = None  # the _Counts bucket it is counted in
         self.buf = b""
         self.route: Route | None = None
-        self.head: memoryview | None = None
+        self.head: bytes | memoryview | None = None  # a view once partly written
         self.hello_len = 0
         self.addrs: tuple[str, ...] = ()
         self.addr_i = 0
@@ -407,6 +410,14 @@ class Edge:
         limits = router.limits
         family = raw.family
         local = self.locals.get(raw.fileno())
+        # `router._over_limit`'s bounds, for its usual answer (none) without the call; a
+        # connection at a bound gets its reason from it (limits change between rounds,
+        # never within one)
+        most = limits.max_connections
+        most_per_client = limits.max_connections_per_ip + PEEK_HEADROOM
+        pending = counts.pending
+        clients = counts.clients
+        hello_timeout = limits.clienthello_timeout
         for _ in range(ACCEPT_BATCH):
             try:
                 fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
@@ -423,21 +434,22 @@ class Edge:
                 return
             ip = addr[0]
             who = client_of(ip) if ":" in ip else ip
-            reason = router._over_limit(who)
-            if reason is not None:
-                self.stats.rejections.labels(reason).inc()
-                self.stats.refused("-", ip, reason)
-                os.close(fd)  # at accept: nothing read, nothing answered
-                continue
+            if (counts.total >= most
+                    or pending.get(who, 0) + clients.get(who, 0) >= most_per_client):
+                reason = router._over_limit(who)
+                if reason is not None:
+                    self.stats.rejections.labels(reason).inc()
+                    self.stats.refused("-", ip, reason)
+                    os.close(fd)  # at accept: nothing read, nothing answered
+                    continue
             # The fd stays blocking: every read and write of it here says MSG_DONTWAIT, and
             # O_NONBLOCK (one more syscall) is set only when it is first spliced
             # (`_nonblocking`), which most connections never are.
-            sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            sock = _socket.socket(family, _STREAM, _TCP, fd)
             counts.total += 1
-            pending = counts.pending
             pending[who] = pending.get(who, 0) + 1
-            conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who,
-                         local)
+            conn = _Conn(self.now, hello_timeout, sock,
+                         addr if len(addr) == 2 else (ip, addr[1]), who, local)
             self.conns.add(conn)
             try:
                 self._read_hello(conn)
@@ -547,7 +559,7 @@ class Edge:
                 name = conn.csock.getsockname()
                 local = (str(name[0]), int(name[1]))
             head = encode_v2(conn.client, local) + head
-        conn.head = memoryview(head)
+        conn.head = head
         conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
         self._dial(conn)
 
@@ -641,10 +653,11 @@ class Edge:
             else:
                 self._unreachable(conn, conn.last_error)
             return
-        head = conn.head = head[n:]
-        steps = conn.head_progress(self.now, not head)
-        if head:
+        if n < len(head):  # the rest when the backend takes more (no copy of it)
+            conn.head = (head if type(head) is memoryview else memoryview(head))[n:]
+            conn.head_progress(self.now, False)
             return
+        steps = conn.head_progress(self.now, True)
         conn.head = None
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
