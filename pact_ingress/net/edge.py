@@ -948,7 +948,6 @@ class Edge:
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
-            conn.outs &= ~(1 << BACKEND)
         conn.csock.close()
         counts = self.router._counts
         counts.total -= 1
