@@ -233,6 +233,7 @@ class EventLogger:
     def __init__(self) -> None:
         self._held: list[str] | None = None
         self._holder = 0  # thread ident of the holder
+        self._held_info = False  # INFO lines go straight to the JSON handler (`hold`)
         self._access: list[str] = []  # buffered access lines, oldest first
         self._access_bytes = 0
 
@@ -304,6 +305,11 @@ class EventLogger:
         if _direct is not None:
             self._held = []
             self._holder = threading.get_ident()
+            handlers = _LOGGER.handlers
+            # what `emit_members` asks of every INFO line, asked once for the lines held
+            # (the handlers and levels do not change while a batch runs)
+            self._held_info = (len(handlers) == 1 and handlers[0] is _direct
+                               and _LOGGER.isEnabledFor(logging.INFO))
 
     def release(self) -> None:
         """Write the held lines, one write, and stop holding."""
@@ -318,10 +324,15 @@ class EventLogger:
         line as `log.info(event, **fields)`, without encoding the constant fields again.
         False, and nothing written, unless lines go straight to the JSON handler and no
         bound field shares a name with them: then the caller logs the usual way."""
-        handler = _direct
-        handlers = _LOGGER.handlers
-        if (handler is None or len(handlers) != 1 or handlers[0] is not handler
-                or not _LOGGER.isEnabledFor(level) or (_bound and not names.isdisjoint(_bound))):
+        held = self._held
+        mine = held is not None and self._holder == threading.get_ident()
+        if not (mine and level == logging.INFO and self._held_info):
+            handler = _direct
+            handlers = _LOGGER.handlers
+            if (handler is None or len(handlers) != 1 or handlers[0] is not handler
+                    or not _LOGGER.isEnabledFor(level)):
+                return False
+        if _bound and not names.isdisjoint(_bound):
             return False
         head = _LINE_HEADS.get((level, event))
         if head is None:
@@ -330,9 +341,8 @@ class EventLogger:
             head = _LINE_HEADS[level, event] = (
                 f'"level":"{_LEVEL_NAMES.get(level, "info")}","event":{_event_json(event)},')
         line = f'{{"ts":{ts_repr(time.time())},{head}{_bound_members}{encoded}}}\n'
-        held = self._held
-        if held is not None and self._holder == threading.get_ident():
-            held.append(line)
+        if mine:
+            held.append(line)  # type: ignore[union-attr]
             return True
         handler.acquire()
         try:
