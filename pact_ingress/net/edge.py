@@ -128,6 +128,11 @@ SWEEP_INTERVAL = 1.0
 COPY_PROBE = 16384
 #: The accepted socket's type and protocol, as plain ints (`_accept`).
 _STREAM, _TCP = int(socket.SOCK_STREAM), int(socket.IPPROTO_TCP)
+#: A backend socket's families and type, as plain ints (`_dial`), and what a
+#: non-blocking connect that has not failed returns.
+_INET, _INET6 = int(socket.AF_INET), int(socket.AF_INET6)
+_NEW_STREAM = int(socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+_CONNECTING = (0, errno.EINPROGRESS)
 #: Per-call non-blocking reads and writes of a client socket whose fd blocks (`_accept`).
 _DONTWAIT = socket.MSG_DONTWAIT
 _ONE = (1).to_bytes(4, sys.byteorder)  # FIONBIO's int argument
@@ -606,10 +611,8 @@ class Edge:
         port = route.backend.address.port
         while conn.addr_i < len(conn.addrs):
             ip = conn.addrs[conn.addr_i]
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
             try:  # out of fds (EMFILE) fails this address like a refusal would
-                sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
-                                      | socket.SOCK_CLOEXEC)
+                sock = _socket.socket(_INET6 if ":" in ip else _INET, _NEW_STREAM)
             except OSError as exc:
                 conn.last_error = str(exc)
                 conn.addr_i += 1
@@ -619,7 +622,7 @@ class Edge:
                 for option, value in STREAM_OPTIONS:
                     sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
-            if err in (0, errno.EINPROGRESS):
+            if err in _CONNECTING:
                 conn.bsock = sock
                 conn.bfd = fd = sock.fileno()
                 self.fds[fd] = (conn, BACKEND)
