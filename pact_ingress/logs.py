@@ -14,6 +14,7 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: Field names that must never reach a log line with their value.
@@ -54,16 +55,59 @@ def _json_line(created: float, level: str, event: str, fields: dict[str, Any]) -
 _MS_EXACT = 1e12
 
 
-def ms_repr(x: float) -> str:
-    """`repr(round(x, 3))`, the text of a line's seconds (`ts`, durations), at under half
-    its cost: `round` and `repr` each run the float-to-decimal conversion, repr the
-    arbitrary-precision one, twice per connection line. Format `.3f` rounds the same way as
-    `round(x, 3)` (the same correctly rounded conversion), and in range, stripping the
-    zeros repr would not print gives repr's text."""
-    if -_MS_EXACT < x < _MS_EXACT:
+#: Below this magnitude a text is kept for the interval of (positive) floats that print
+#: as it (`ms_repr`): x * 1000 is below 2**42 there, within 2**-11 of the exact product.
+_MS_KEPT = 4e9
+#: How far inside its millisecond's rounding interval (in ms) a kept interval ends: four
+#: times the error of the products and quotients that bound it, so every float in it
+#: rounds to the same millisecond (a value next to a half is not kept at all).
+_MS_MARGIN = 0.002
+_MS_BELOW_HALF = 0.5 - _MS_MARGIN
+_MS_ABOVE_HALF = 0.5 + _MS_MARGIN
+
+
+def _ms_texts() -> Callable[[float], str]:
+    """A `ms_repr`: its own last text and the interval of floats that print as it (one
+    tuple, replaced whole: a thread reads a consistent one)."""
+    last = (0.0, 0.0, "")
+
+    def ms_repr(x: float) -> str:
+        """`repr(round(x, 3))`, the text of a line's seconds (`ts`, durations), at a
+        fraction of its cost: `round` and `repr` each run the float-to-decimal
+        conversion, repr the arbitrary-precision one, twice per connection line. Format
+        `.3f` rounds the same way as `round(x, 3)` (the same correctly rounded
+        conversion), and in range, stripping the zeros repr would not print gives repr's
+        text. Lines come in bursts, and consecutive timestamps (or durations) mostly fall
+        in one millisecond: the last text is kept with the interval of floats that
+        round to its millisecond, and a float inside it costs two comparisons."""
+        nonlocal last
+        low, high, text = last
+        if low <= x < high:
+            return text
+        if not -_MS_EXACT < x < _MS_EXACT:
+            return repr(round(x, 3))
         text = f"{x:.3f}".rstrip("0")
-        return text + "0" if text[-1] == "." else text
-    return repr(round(x, 3))
+        if text[-1] == ".":
+            text += "0"
+        if 0.0 < x < _MS_KEPT:
+            scaled = x * 1000.0
+            ms = scaled // 1.0
+            fraction = scaled - ms  # (exact: both are below 2**42)
+            if fraction > _MS_ABOVE_HALF:
+                ms += 1.0
+            elif fraction >= _MS_BELOW_HALF or not ms:
+                # next to a half, only the decimal conversion can tell; and an interval
+                # around 0 would take in -0.0 and the negatives, which print "-0.0"
+                return text
+            last = ((ms - _MS_BELOW_HALF) / 1000.0, (ms + _MS_BELOW_HALF) / 1000.0, text)
+        return text
+
+    return ms_repr
+
+
+#: Durations (a connection's, a request's) and timestamps: each with its own last text.
+ms_repr = _ms_texts()
+ts_repr = _ms_texts()
 
 
 _quote = json.encoder.encode_basestring_ascii  # the C string escaper json itself uses
@@ -76,7 +120,7 @@ def _access_line(created: float, event: str, fields: dict[str, Any]) -> str:
     escaper, numbers through repr; anything else through the encoder)."""
     if not _HEAD_FIELDS.isdisjoint(fields):  # a field that replaces the head: as usual
         return _json_line(created, "info", event, fields) + "\n"
-    parts = [f'{{"ts":{ms_repr(created)},"level":"info","event":{_quote(event)}']
+    parts = [f'{{"ts":{ts_repr(created)},"level":"info","event":{_quote(event)}']
     for name, value in fields.items():
         kind = type(value)
         if kind is str:
@@ -189,6 +233,7 @@ class EventLogger:
     def __init__(self) -> None:
         self._held: list[str] | None = None
         self._holder = 0  # thread ident of the holder
+        self._held_info = False  # INFO lines go straight to the JSON handler (`hold`)
         self._access: list[str] = []  # buffered access lines, oldest first
         self._access_bytes = 0
 
@@ -228,7 +273,7 @@ class EventLogger:
             self.access("request", **json.loads("{" + prefix + "}"), method=method,
                         path=path, status=status, ms=ms)
             return
-        line = (f'{{"ts":{ms_repr(time.time())},"level":"info","event":"request",'
+        line = (f'{{"ts":{ts_repr(time.time())},"level":"info","event":"request",'
                 f'{_bound_members}{prefix},"method":{_quote(method)},"path":{_quote(path)},'
                 f'"status":{status!r},"ms":{ms!r}}}\n')
         self._access.append(line)
@@ -260,6 +305,11 @@ class EventLogger:
         if _direct is not None:
             self._held = []
             self._holder = threading.get_ident()
+            handlers = _LOGGER.handlers
+            # what `emit_members` asks of every INFO line, asked once for the lines held
+            # (the handlers and levels do not change while a batch runs)
+            self._held_info = (len(handlers) == 1 and handlers[0] is _direct
+                               and _LOGGER.isEnabledFor(logging.INFO))
 
     def release(self) -> None:
         """Write the held lines, one write, and stop holding."""
@@ -274,10 +324,15 @@ class EventLogger:
         line as `log.info(event, **fields)`, without encoding the constant fields again.
         False, and nothing written, unless lines go straight to the JSON handler and no
         bound field shares a name with them: then the caller logs the usual way."""
-        handler = _direct
-        handlers = _LOGGER.handlers
-        if (handler is None or len(handlers) != 1 or handlers[0] is not handler
-                or not _LOGGER.isEnabledFor(level) or (_bound and not names.isdisjoint(_bound))):
+        held = self._held
+        mine = held is not None and self._holder == threading.get_ident()
+        if not (mine and level == logging.INFO and self._held_info):
+            handler = _direct
+            handlers = _LOGGER.handlers
+            if (handler is None or len(handlers) != 1 or handlers[0] is not handler
+                    or not _LOGGER.isEnabledFor(level)):
+                return False
+        if _bound and not names.isdisjoint(_bound):
             return False
         head = _LINE_HEADS.get((level, event))
         if head is None:
@@ -285,10 +340,9 @@ class EventLogger:
                 _LINE_HEADS.clear()
             head = _LINE_HEADS[level, event] = (
                 f'"level":"{_LEVEL_NAMES.get(level, "info")}","event":{_event_json(event)},')
-        line = f'{{"ts":{ms_repr(time.time())},{head}{_bound_members}{encoded}}}\n'
-        held = self._held
-        if held is not None and self._holder == threading.get_ident():
-            held.append(line)
+        line = f'{{"ts":{ts_repr(time.time())},{head}{_bound_members}{encoded}}}\n'
+        if mine:
+            held.append(line)  # type: ignore[union-attr]
             return True
         handler.acquire()
         try:

@@ -533,3 +533,50 @@ tenants:
     finally:
         s.stop()
         backend.close()
+
+
+def test_every_conn_close_line_comes_out_while_idle_and_at_the_drain(
+        tmp_path_factory: pytest.TempPathFactory):
+    """The engine writes a batch's log lines together: a burst of connections ends with
+    every conn_close line in the log while the process then sits idle (a bounded wait,
+    not a timing assert), and connections that end during the SIGTERM drain have theirs
+    written before the process exits."""
+    tmp = tmp_path_factory.mktemp("edge-lines")
+    tls = free_port()
+    backend = Backend(echo)
+    s = Served(tmp, f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{tls}"]
+tenants:
+  - name: t
+    pins: ["sha256:{'A' * 43}"]
+    routes:
+      - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{backend.port}"}}
+""")
+
+    def closes() -> int:
+        return sum(e.get("event") == "conn_close" for e in s.log_events())
+
+    try:
+        s.wait_notify("READY=1")
+        burst = [dial(tls) for _ in range(40)]
+        for c in burst:
+            c.sendall(HELLO)
+        for c in burst:
+            assert recv_exact(c, len(HELLO)) == HELLO
+            c.close()
+        eventually(lambda: closes() == 40, "a conn_close line per connection of the burst")
+        late = [dial(tls) for _ in range(8)]
+        for c in late:
+            c.sendall(HELLO)
+            assert recv_exact(c, len(HELLO)) == HELLO
+        s.proc.send_signal(signal.SIGTERM)
+        s.wait_notify("STOPPING=1")
+        for c in late:  # they end during the drain
+            c.close()
+        assert s.proc.wait(timeout=WAIT) == 0
+        assert closes() == 48
+    finally:
+        s.stop()
+        backend.close()

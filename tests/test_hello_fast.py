@@ -147,13 +147,20 @@ def header_offsets(wire: bytes) -> list[int]:
     return offsets
 
 
-def learned(wire: bytes) -> None:
-    """Make `quick_sni` remember the layout of `wire` (an accepted hello, seen twice)."""
+def learned(wire: bytes, whole: bool = True) -> None:
+    """Make `quick_sni` remember the layout of `wire` (an accepted hello, seen twice):
+    its extension headers, and (`whole`) the whole hello's framing for its size, else
+    no whole-hello layout of that size (its extension layout is what answers)."""
+    hello_fast._WHOLE.pop(len(wire), None)
+    hello_fast._LAYOUTS.clear()  # (a layout of its extensions learned earlier: again)
     assert agrees(wire) is not None
     assert agrees(wire) is not None
     assert any(layout[1] == tuple(
         int.from_bytes(wire[at + i : at + i + 2], "big")
         for at in header_offsets(wire) for i in (0, 2)) for layout in hello_fast._LAYOUTS.values())
+    assert len(wire) in hello_fast._WHOLE
+    if not whole:
+        del hello_fast._WHOLE[len(wire)]
 
 
 SNI_NAMES = [name for name in NAMES if INDEX[name]["sni"]]
@@ -168,10 +175,11 @@ def test_a_layout_is_learned_from_accepted_hellos(name: str) -> None:
 def test_a_layout_is_learned_only_from_accepted_hellos() -> None:
     hello_fast._LAYOUTS.clear()
     hello_fast._SEEN.clear()
+    hello_fast._WHOLE.clear()
     refused = frame(hello_message(sni_ext(b"bad name"), alpn_ext(b"h2")))
     for _ in range(3):
         assert agrees(refused) is None
-    assert not hello_fast._LAYOUTS and not hello_fast._SEEN
+    assert not hello_fast._LAYOUTS and not hello_fast._SEEN and not hello_fast._WHOLE
 
 
 def test_layouts_are_bounded() -> None:
@@ -182,6 +190,7 @@ def test_layouts_are_bounded() -> None:
         assert agrees(wire) == "www.example.test"
         assert len(hello_fast._LAYOUTS) <= hello_fast._REMEMBERED
         assert len(hello_fast._SEEN) <= hello_fast._REMEMBERED
+        assert len(hello_fast._WHOLE) <= hello_fast._REMEMBERED
 
 
 @given(st.data())
@@ -191,7 +200,7 @@ def test_headers_mutated_against_a_learned_layout_agree(data: st.DataObject) -> 
     mutated gets the parser's verdict: a duplicate type, a length that shifts the next
     header, one that overruns the block."""
     original = vector(data.draw(st.sampled_from(SNI_NAMES)))
-    learned(original)
+    learned(original, whole=data.draw(st.booleans()))
     wire = bytearray(original)
     offsets = header_offsets(original)
     for _ in range(data.draw(st.integers(1, 3))):
@@ -205,6 +214,53 @@ def test_headers_mutated_against_a_learned_layout_agree(data: st.DataObject) -> 
     twice = bytearray(original)
     twice[second : second + 2] = original[first : first + 2]
     assert agrees(bytes(twice)) is None
+
+
+@pytest.mark.parametrize("name", SNI_NAMES)
+def test_a_whole_layout_answers_without_the_walk(name: str) -> None:
+    wire = vector(name)
+    learned(wire)
+    hello_fast._LAYOUTS.clear()
+    hello_fast._SEEN.clear()
+    assert agrees(wire) == INDEX[name]["sni"]
+    # answered from the whole layout: the walk, which notes every accepted layout, did
+    # not run
+    assert not hello_fast._SEEN and not hello_fast._LAYOUTS
+
+
+@given(st.data())
+@settings(max_examples=600, deadline=None)
+def test_bytes_mutated_against_a_whole_layout_agree(data: st.DataObject) -> None:
+    """With the whole hello's layout remembered, any byte of a hello of the same size
+    mutated (a record or message length, the session_id length, a list length inside
+    server_name, ALPN or supported_versions, a host name byte, a header) gets the
+    parser's verdict."""
+    original = vector(data.draw(st.sampled_from(SNI_NAMES)))
+    learned(original)
+    wire = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(wire) - 1))
+        wire[at] = data.draw(st.sampled_from([0, 1, 2, 0x20, 0x2e, 0x41, 0xff, wire[at] ^ 1,
+                                              wire[at] + 1 & 0xFF, wire[at] - 1 & 0xFF]))
+    agrees(bytes(wire))
+
+
+def test_a_size_keeps_its_first_whole_layout() -> None:
+    """Two accepted layouts of one size: the first keeps the size, the second is
+    answered as before (the walk, then its extension layout), each with its own name."""
+    hello_fast._WHOLE.clear()
+    first = frame(hello_message(sni_ext(b"one.test"), alpn_ext(b"h2")))
+    second = frame(hello_message(alpn_ext(b"h2"), sni_ext(b"two.test")))
+    assert len(first) == len(second)
+    for _ in range(3):
+        assert agrees(first) == "one.test"
+    kept = hello_fast._WHOLE[len(first)]
+    for _ in range(3):
+        assert agrees(second) == "two.test"
+    for _ in range(3):
+        assert agrees(first) == "one.test"
+        assert agrees(second) == "two.test"
+    assert hello_fast._WHOLE[len(first)] is kept
 
 
 def _variants(name: bytes) -> list[bytes]:

@@ -90,3 +90,42 @@ def test_declines_for_the_text_format() -> None:
         assert out.getvalue() == ""
     finally:
         logs.setup("json")
+
+
+def test_held_lines_are_judged_as_unheld_ones(stream: io.StringIO) -> None:
+    """While lines are held, `emit_members` answers what it answers unheld: INFO lines
+    below the level, other levels, a second handler and a bound field of the same name
+    are declined (the caller logs them the usual way), the rest held and written."""
+    def emit(level: int = logging.INFO, name: str = "n") -> bool:
+        return logs.log.emit_members(level, "e", logs.members(**{name: 1}),
+                                     frozenset({name}))
+
+    logs.log.hold()
+    try:
+        assert emit() and emit(logging.WARNING)
+        assert not emit(logging.DEBUG)
+    finally:
+        logs.log.release()
+    assert len(stream.getvalue().splitlines()) == 2
+    logging.getLogger("pact_ingress").setLevel(logging.WARNING)
+    logs.log.hold()
+    try:
+        assert not emit() and emit(logging.WARNING)
+    finally:
+        logs.log.release()
+    logging.getLogger("pact_ingress").setLevel(logging.INFO)
+    extra = logging.StreamHandler(io.StringIO())
+    logging.getLogger("pact_ingress").addHandler(extra)
+    logs.log.hold()
+    try:
+        assert not emit()
+    finally:
+        logs.log.release()
+        logging.getLogger("pact_ingress").removeHandler(extra)
+    logs.bind(n="bound")
+    logs.log.hold()
+    try:
+        assert not emit() and emit(name="m")
+    finally:
+        logs.log.release()
+    assert len(stream.getvalue().splitlines()) == 4

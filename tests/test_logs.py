@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import trio
 import trio.testing
@@ -146,3 +147,38 @@ def test_ms_repr_edges() -> None:
     for x in (0.0, -0.0, 0.0004, -0.0004, 0.0005, 0.0015, 0.9995, 1e12 - 0.0005, 1e12,
               -1e12, 1e16, 1.5e300, 5e-324, float("inf"), float("-inf")):
         assert logs.ms_repr(x) == repr(round(x, 3)), x
+
+
+_NEAR = st.one_of(st.sampled_from([0.0, 1e-9, 1e-7, 2.4e-7, 1e-4, 4.9e-4, 5e-4, 5.1e-4,
+                                   1e-3, 0.0015]),
+                  st.floats(min_value=0, max_value=0.002))
+
+
+@given(st.one_of(st.floats(min_value=-1, max_value=1e5),
+                 st.floats(min_value=1.5e9, max_value=4.1e9),
+                 st.integers(-10**6, 10**13).map(lambda n: n / 2000)),  # ties at .0005
+       st.lists(st.tuples(st.sampled_from([1, -1]), _NEAR), min_size=1, max_size=8),
+       st.sampled_from([0, 1, -1]))
+@settings(max_examples=3000)
+def test_a_kept_millisecond_is_repr_of_round(x: float, steps: list[tuple[int, float]],
+                                             ulps: int) -> None:
+    """Floats next to the last one (within a millisecond or two, a few ulps, across a
+    half, through 0 to -0.0 and the negatives) print as `repr(round(y, 3))` whether or
+    not they fall in the kept interval."""
+    text = logs._ms_texts()  # a fresh one: nothing kept yet
+    assert text(x) == repr(round(x, 3))
+    y = x
+    for sign, step in steps:
+        y = y + sign * step
+        if ulps:
+            y = math.nextafter(y, math.copysign(math.inf, ulps))
+        for z in (y, -0.0, 0.0, -y):
+            assert text(z) == repr(round(z, 3)), (x, z)
+
+
+def test_a_millisecond_is_kept() -> None:
+    """Within one millisecond, the text is not made again (the kept interval answers)."""
+    text = logs._ms_texts()
+    first = text(1796100041.2931)
+    assert text(1796100041.2934) is first and text(1796100041.2929) is first
+    assert text(1796100041.2937) == "1796100041.294"

@@ -403,7 +403,12 @@ def test_connections_count_per_ipv4_address_or_ipv6_64(a: str, b: str, same: boo
 
 
 
-async def test_proxy_protocol_v2_header_to_backend(nursery: trio.Nursery, tmp_path: Path):
+@pytest.mark.parametrize("listen, target", [
+    ("127.0.0.1", "127.0.0.1"),  # bound to one address: the header names the listener's
+    ("0.0.0.0", "127.0.0.7"),  # a wildcard: the address this connection was made to
+])
+async def test_proxy_protocol_v2_header_to_backend(nursery: trio.Nursery, tmp_path: Path,
+                                                   listen: str, target: str):
     got: list[bytes] = []
 
     async def backend(s: trio.SocketStream) -> None:
@@ -414,8 +419,8 @@ async def test_proxy_protocol_v2_header_to_backend(nursery: trio.Nursery, tmp_pa
 
     port = await start_raw_backend(nursery, backend)
     h = await start_router(nursery, make_config(
-        tmp_path, [route(HELLO_SNI, "t", port, proxy_protocol="v2")]))
-    client = await trio.open_tcp_stream("127.0.0.1", h.port, local_address="127.0.0.5")
+        tmp_path, [route(HELLO_SNI, "t", port, proxy_protocol="v2")]), host=listen)
+    client = await trio.open_tcp_stream(target, h.port, local_address="127.0.0.5")
     await client.send_all(HELLO)
     with trio.fail_after(TEST_TIMEOUT):
         while not got:
@@ -425,7 +430,7 @@ async def test_proxy_protocol_v2_header_to_backend(nursery: trio.Nursery, tmp_pa
     consumed = header.length
     assert header.src is not None and header.src[0] == "127.0.0.5"
     assert header.src[1] == client.socket.getsockname()[1]
-    assert header.dst == ("127.0.0.1", h.port)
+    assert header.dst == (target, h.port)
     assert got[0][consumed:] == HELLO
 
 

@@ -7,6 +7,7 @@ I/O). The wire answers are checked through a real serve in tests/test_edge.py.""
 from __future__ import annotations
 
 import itertools
+import socket
 
 import pytest
 from hypothesis import given
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from pact_ingress.config import Limits
 from pact_ingress.net.backends import Backends
+from pact_ingress.net.edge import _Conn
 from pact_ingress.net.router import PEEK_HEADROOM, Router
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.passthrough import (
@@ -310,3 +312,18 @@ def test_global_cap(router: Router) -> None:
     for i in range(router.limits.max_connections):
         assert accept(router, f"10.0.1.{i}") is None
     assert accept(router, "10.0.2.1") == "max_connections"
+
+
+def test_the_engine_connection_starts_as_the_machine_does() -> None:
+    """The engine's connection sets the machine's fields itself (no call per
+    connection): every one of them, to the value `Passthrough.__init__` gives."""
+    a, b = socket.socketpair()
+    try:
+        conn = _Conn(12.5, HELLO_T, a, ("192.0.2.1", 1), "192.0.2.1", None)
+        ref = hello(12.5)
+        for name in Passthrough.__slots__:
+            assert getattr(conn, name) == getattr(ref, name), name
+            assert type(getattr(conn, name)) is type(getattr(ref, name)), name
+    finally:
+        a.close()
+        b.close()

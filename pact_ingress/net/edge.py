@@ -59,6 +59,7 @@ from __future__ import annotations
 import _socket
 import errno
 import fcntl
+import ipaddress
 import logging
 import math
 import os
@@ -80,6 +81,7 @@ from pact_ingress.net.router import (
     ACCEPT_CAPACITY_ERRNOS,
     ACME_ALPN,
     HEAD_TIMEOUT,
+    PEEK_HEADROOM,
     PEEK_READ,
     Router,
     Tally,
@@ -124,6 +126,13 @@ SWEEP_INTERVAL = 1.0
 #: Bytes read by the copy that starts every wake-up of a direction (see `Edge._copy`): a
 #: request or a response usually fits; a read that fills it hands the direction to splice.
 COPY_PROBE = 16384
+#: The accepted socket's type and protocol, as plain ints (`_accept`).
+_STREAM, _TCP = int(socket.SOCK_STREAM), int(socket.IPPROTO_TCP)
+#: A backend socket's families and type, as plain ints (`_dial`), and what a
+#: non-blocking connect that has not failed returns.
+_INET, _INET6 = int(socket.AF_INET), int(socket.AF_INET6)
+_NEW_STREAM = int(socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+_CONNECTING = (0, errno.EINPROGRESS)
 #: Per-call non-blocking reads and writes of a client socket whose fd blocks (`_accept`).
 _DONTWAIT = socket.MSG_DONTWAIT
 _ONE = (1).to_bytes(4, sys.byteorder)  # FIONBIO's int argument
@@ -165,13 +174,24 @@ class _Conn(Passthrough):
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
                  "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking",
-                 "prepared")
+                 "prepared", "local")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
-                 client: tuple[str, int], who: str) -> None:
-        Passthrough.__init__(self, now, hello_timeout)  # (`super()` builds an object)
+                 client: tuple[str, int], who: str, local: tuple[str, int] | None) -> None:
+        # `Passthrough.__init__`, inline (a call per connection; `super()` would build an
+        # object too): the same fields and values, which a test holds it to
+        self.state = S_HELLO
+        self.deadline = now + hello_timeout
+        self.outcome = None
+        self.up = self.down = F_READ
+        self.connected = False
+        self.seen = 0
+        self.idle_timeout = self.head_timeout = 0.0
         self.csock = csock
         self.cfd = csock.fileno()
+        #: The address the client connected to, when its listener's says it (bound to
+        #: one address); None: ask the socket (a wildcard listener), if ever needed.
+        self.local = local
         self.bsock: _socket.socket | None = None
         self.bfd = -1
         self.client = client
@@ -179,7 +199,7 @@ class _Conn(Passthrough):
         self.kind: Tally | None = None  # the _Counts bucket it is counted in
         self.buf = b""
         self.route: Route | None = None
-        self.head: memoryview | None = None
+        self.head: bytes | memoryview | None = None  # a view once partly written
         self.hello_len = 0
         self.addrs: tuple[str, ...] = ()
         self.addr_i = 0
@@ -231,9 +251,14 @@ class Edge:
         self.tally: dict[Any, int] = {}
         #: What every connection of a route needs, made once per route (`_prepared`).
         self.routes: dict[str, _Prepared] = {}
+        #: Each listener's own address where every connection it accepts has that local
+        #: address (bound to one IP), else None: a PROXY v2 header's destination without
+        #: a getsockname(2) per connection.
+        self.locals: dict[int, tuple[str, int] | None] = {}
         for listener in listeners:
             fd = listener.socket.fileno()
             raw = socket.socket(fileno=fd)  # the same fd: detached in stop_accepting
+            self.locals[fd] = _bound_address(raw)
             for option, value in STREAM_OPTIONS:  # inherited by every accepted socket
                 raw.setsockopt(socket.IPPROTO_TCP, option, value)
             self.listeners[fd] = raw
@@ -397,6 +422,15 @@ class Edge:
         counts = router._counts
         limits = router.limits
         family = raw.family
+        local = self.locals.get(raw.fileno())
+        # `router._over_limit`'s bounds, for its usual answer (none) without the call; a
+        # connection at a bound gets its reason from it (limits change between rounds,
+        # never within one)
+        most = limits.max_connections
+        most_per_client = limits.max_connections_per_ip + PEEK_HEADROOM
+        pending = counts.pending
+        clients = counts.clients
+        hello_timeout = limits.clienthello_timeout
         for _ in range(ACCEPT_BATCH):
             try:
                 fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
@@ -413,20 +447,22 @@ class Edge:
                 return
             ip = addr[0]
             who = client_of(ip) if ":" in ip else ip
-            reason = router._over_limit(who)
-            if reason is not None:
-                self.stats.rejections.labels(reason).inc()
-                self.stats.refused("-", ip, reason)
-                os.close(fd)  # at accept: nothing read, nothing answered
-                continue
+            if (counts.total >= most
+                    or pending.get(who, 0) + clients.get(who, 0) >= most_per_client):
+                reason = router._over_limit(who)
+                if reason is not None:
+                    self.stats.rejections.labels(reason).inc()
+                    self.stats.refused("-", ip, reason)
+                    os.close(fd)  # at accept: nothing read, nothing answered
+                    continue
             # The fd stays blocking: every read and write of it here says MSG_DONTWAIT, and
             # O_NONBLOCK (one more syscall) is set only when it is first spliced
             # (`_nonblocking`), which most connections never are.
-            sock = _socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fd)
+            sock = _socket.socket(family, _STREAM, _TCP, fd)
             counts.total += 1
-            pending = counts.pending
             pending[who] = pending.get(who, 0) + 1
-            conn = _Conn(self.now, limits.clienthello_timeout, sock, (ip, addr[1]), who)
+            conn = _Conn(self.now, hello_timeout, sock,
+                         addr if len(addr) == 2 else (ip, addr[1]), who, local)
             self.conns.add(conn)
             try:
                 self._read_hello(conn)
@@ -531,9 +567,12 @@ class Edge:
         head = conn.buf
         conn.hello_len = len(head)
         if route.proxy_protocol == "v2":
-            local = conn.csock.getsockname()
-            head = encode_v2(conn.client, (str(local[0]), int(local[1]))) + head
-        conn.head = memoryview(head)
+            local = conn.local
+            if local is None:  # a wildcard listener: the address it was reached at
+                name = conn.csock.getsockname()
+                local = (str(name[0]), int(name[1]))
+            head = encode_v2(conn.client, local) + head
+        conn.head = head
         conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
         self._dial(conn)
 
@@ -580,10 +619,8 @@ class Edge:
         port = route.backend.address.port
         while conn.addr_i < len(conn.addrs):
             ip = conn.addrs[conn.addr_i]
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
             try:  # out of fds (EMFILE) fails this address like a refusal would
-                sock = _socket.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK
-                                      | socket.SOCK_CLOEXEC)
+                sock = _socket.socket(_INET6 if ":" in ip else _INET, _NEW_STREAM)
             except OSError as exc:
                 conn.last_error = str(exc)
                 conn.addr_i += 1
@@ -593,7 +630,7 @@ class Edge:
                 for option, value in STREAM_OPTIONS:
                     sock.setsockopt(socket.IPPROTO_TCP, option, value)
             err = sock.connect_ex((ip, port))
-            if err in (0, errno.EINPROGRESS):
+            if err in _CONNECTING:
                 conn.bsock = sock
                 conn.bfd = fd = sock.fileno()
                 self.fds[fd] = (conn, BACKEND)
@@ -627,10 +664,11 @@ class Edge:
             else:
                 self._unreachable(conn, conn.last_error)
             return
-        head = conn.head = head[n:]
-        steps = conn.head_progress(self.now, not head)
-        if head:
+        if n < len(head):  # the rest when the backend takes more (no copy of it)
+            conn.head = (head if type(head) is memoryview else memoryview(head))[n:]
+            conn.head_progress(self.now, False)
             return
+        steps = conn.head_progress(self.now, True)
         conn.head = None
         conn.buf = b""  # sent: an idle connection keeps no copy of its hello
         assert conn.route is not None
@@ -921,7 +959,6 @@ class Edge:
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
-            conn.outs &= ~(1 << BACKEND)
         conn.csock.close()
         counts = self.router._counts
         counts.total -= 1
@@ -995,6 +1032,30 @@ def _no_acme(buf: bytes, hello: ClientHello | str) -> bool:
     if type(hello) is str:
         return _ACME_ALPN not in buf
     return ACME_ALPN not in hello.alpn  # type: ignore[union-attr]
+
+
+def _bound_address(raw: socket.socket) -> tuple[str, int] | None:
+    """The (ip, port) every connection `raw` accepts is addressed to, when it is bound to
+    one IP; None for a wildcard, a transparent listener (it accepts connections to other
+    addresses) or one whose address cannot be read."""
+    try:
+        name = raw.getsockname()
+        if ipaddress.ip_address(str(name[0]).partition("%")[0]).is_unspecified:
+            return None
+        if raw.family == socket.AF_INET6:
+            transparent = raw.getsockopt(socket.IPPROTO_IPV6, _IPV6_TRANSPARENT)
+        else:
+            transparent = raw.getsockopt(socket.IPPROTO_IP, _IP_TRANSPARENT)
+        if transparent:
+            return None
+    except (OSError, ValueError, IndexError):
+        return None
+    return (str(name[0]), int(name[1]))
+
+
+#: Linux's socket options for a listener that accepts connections to any address.
+_IP_TRANSPARENT = getattr(socket, "IP_TRANSPARENT", 19)
+_IPV6_TRANSPARENT = getattr(socket, "IPV6_TRANSPARENT", 75)
 
 
 def _tune(conn: _Conn) -> None:

@@ -47,13 +47,25 @@ def quick_sni(data: bytes | bytearray) -> str | None:
     host; None when the full parser must decide (see the module doc).
 
     Written for the interpreter: every bytecode counts here, so fixed fields come in one
-    `struct` call rather than a subscript each, and an extension's header in one. A read
+    `struct` call rather than a subscript each, an extension's header in one, and a hello
+    framed as one accepted before (`_WHOLE`) is checked in one call altogether. A read
     past the end of `data` (`struct.error`) can only come from a length field that the
     checks would refuse anyway (see each one), so it declines as they would."""
     if len(data) < 47:
         return None
     if type(data) is not bytes:  # (a bytearray's slices could not key the maps below)
         data = bytes(data)
+    # A hello framed exactly as one accepted before (every length and header the checks
+    # below read, equal at equal offsets, in a read of the same size) passes them all
+    # as that one did: only its host name and ALPN list are left to look up.
+    whole = _WHOLE.get(len(data))
+    if whole is not None and whole[0](data) == whole[1]:
+        name_at, name_end, alpn_at, alpn_end = whole[2]
+        if alpn_at == alpn_end or data[alpn_at:alpn_end] in _ALPN_LISTS:
+            host = _HOSTS.get(data[name_at:name_end])
+            if host is not None:
+                return host
+        # a name or an ALPN list not remembered: the walk below checks and remembers it
     # record: handshake(22), version 3.x (x ≤ 3); message: client_hello(1)
     kind, major, minor, record, message, high, low, legacy, sid = _HEAD(data)
     total = 4 + ((high << 16) | low)
@@ -82,6 +94,7 @@ def quick_sni(data: bytes | bytearray) -> str | None:
     # headers at the same offsets) is checked in one `struct` call: equal headers at
     # equal offsets are exactly what the walk below would find and accept.
     key = (pos << 20) | end  # (`end` < 2**20: it is bounded by MAX_CLIENT_HELLO)
+    start = pos
     layout = _LAYOUTS.get(key)
     if layout is not None and layout[0](data, pos) == layout[1]:
         found = None
@@ -89,7 +102,6 @@ def quick_sni(data: bytes | bytearray) -> str | None:
     else:
         # each extension's header offset by type; an extension that overruns the block,
         # or a header cut by its end, leaves `pos` past `end` (or the read past `data`)
-        start = pos
         found = {}
         count = 0
         extension = _EXTENSION
@@ -150,6 +162,8 @@ def quick_sni(data: bytes | bytearray) -> str | None:
         host = _remember(_HOSTS, raw, lower.decode("ascii"))
     if found is not None:
         _learn(key, found, data, start, end)
+    elif len(data) not in _WHOLE:  # (forgotten since, or not learned yet: see `_learn`)
+        _learn_whole(layout[3], data, start)  # type: ignore[index]
     return host
 
 
@@ -164,12 +178,13 @@ _REMEMBERED = 1024
 
 
 #: Extension layouts of accepted hellos, by (offset of the first extension, end): the
-#: `struct` that reads every header at once, the headers it read then, and the offsets of
-#: server_name, ALPN and supported_versions. A layout is learned the second time an
-#: accepted hello shows it (`_SEEN`: the first time, only its offsets are noted), so a
-#: client whose layout changes every time (random extension order, GREASE types) costs
-#: a note per hello, not a `struct` made in vain.
-_LAYOUTS: dict[int, tuple[Any, tuple[int, ...], tuple[int, int | None, int | None]]] = {}
+#: `struct` that reads every header at once, the headers it read then, the offsets of
+#: server_name, ALPN and supported_versions, and every header's offset by type. A layout
+#: is learned the second time an accepted hello shows it (`_SEEN`: the first time, only
+#: its offsets are noted), so a client whose layout changes every time (random extension
+#: order, GREASE types) costs a note per hello, not a `struct` made in vain.
+_LAYOUTS: dict[int, tuple[Any, tuple[int, ...], tuple[int, int | None, int | None],
+                          dict[int, int]]] = {}
 _SEEN: dict[int, tuple[tuple[int, int], ...]] = {}
 
 
@@ -188,7 +203,58 @@ def _learn(key: int, found: dict[int, int], data: bytes, start: int, end: int) -
         last = at + 4
     read = struct.Struct("".join(fmt)).unpack_from
     _remember(_LAYOUTS, key, (read, read(data, start),
-                              (found[0], found.get(16), found.get(43))))
+                              (found[0], found.get(16), found.get(43)), found))
+    if len(data) not in _WHOLE:  # the first layout of a size keeps it (no thrashing)
+        _learn_whole(found, data, start)
+
+
+#: Whole-hello layouts of accepted hellos, by the size of the read that held them: the
+#: `struct` that reads, in one call, every field `quick_sni`'s checks depend on — the
+#: record and message headers, the session_id, cipher_suites, compression_methods and
+#: extensions lengths, every extension header, the server_name list and name lengths,
+#: the ALPN list length and the supported_versions list length — the values it read
+#: then, and where the host name and the ALPN names lie. Learned with an extension
+#: layout (an accepted hello seen twice), one per size, bounded.
+_WHOLE: dict[int, tuple[Any, tuple[int, ...], tuple[int, int, int, int]]] = {}
+
+
+def _learn_whole(found: dict[int, int], data: bytes, start: int) -> None:
+    """The whole-hello layout of an accepted hello whose extension headers are at the
+    offsets `found` (by type), its extensions block's length field at `start` - 2.
+    Only the usual server_name (one host_name filling it) is learned: any other goes
+    through `_host_name` every time."""
+    sid = data[43]
+    suites = 44 + sid
+    compression = suites + 2 + ((data[suites] << 8) | data[suites + 1])
+    fields = [(0, "BBBHBBHB"), (43, "B"), (suites, "H"), (compression, "B"),
+              (start - 2, "H")]
+    fields += [(at, "HH") for at in found.values()]
+    at = found[0]
+    _, size, listed, name_type, length = _ONE_NAME(data, at)
+    if not (name_type == 0 and size == listed + 2 and listed == length + 3):
+        return
+    fields.append((at + 4, "HBH"))
+    names = (at + 9, at + 9 + length)
+    alpn = found.get(16)
+    if alpn is None:
+        names += (0, 0)
+    else:
+        fields.append((alpn + 4, "H"))
+        names += (alpn + 6, alpn + 4 + ((data[alpn + 2] << 8) | data[alpn + 3]))
+    versions = found.get(43)
+    if versions is not None:
+        fields.append((versions + 4, "B"))
+    fmt = [">"]
+    last = 0
+    for at, code in sorted(fields):
+        if at < last:
+            return  # overlapping fields: not a layout this can describe
+        if at > last:
+            fmt.append(f"{at - last}x")
+        fmt.append(code)
+        last = at + struct.calcsize(">" + code)
+    read = struct.Struct("".join(fmt)).unpack_from
+    _remember(_WHOLE, len(data), (read, read(data), names))  # type: ignore[arg-type]
 
 
 def _remember(cache: dict[Any, Any], key: Any, value: Any) -> Any:

@@ -253,7 +253,8 @@ class Passthrough:
         else:
             self.down = flow
         if self.up is F_DONE and self.down is F_DONE:
-            self.close("ok")
+            self.state = S_CLOSED  # (SPLICING -> CLOSED: in `_NEXT`; `close`, inline)
+            self.outcome = "ok"
             return True
         return False
 
