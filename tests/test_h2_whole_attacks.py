@@ -760,3 +760,108 @@ def test_hpack_state_survives_whole_answers(env: Env) -> None:
                 assert fields[b":status"] == b"200", sid
     finally:
         c.close()
+
+
+# === in process: the held path made certain =============================================
+
+
+async def test_held_whole_answers_leave_first_in_process() -> None:
+    """`H2Connection` over `ServerTLS` on a socketpair with small buffers, a client that
+    reads nothing until 60 whole answers were given: `write_nowait` must have held some
+    ciphertext (checked, so the path is surely taken), and once the client reads, every
+    record decrypts (h2's client state machine accepts the sequence) and every answer is
+    whole, on its own stream; the connection then ends cleanly when the client leaves."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import trio
+
+    from pact_ingress.net.http2 import H2Connection
+    from tests.test_tls_server import _handshake_to_finished
+    from tests.tls_helpers import WebPKI
+
+    tls, peer, server_sock = await _handshake_to_finished(WebPKI(), with_request=b"")
+    server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    held = 0
+    write_nowait = tls.write_nowait
+
+    def counting(data: bytes | bytearray) -> bool | None:
+        nonlocal held
+        done = write_nowait(data)
+        held += done is False
+        return done
+
+    tls.write_nowait = counting  # type: ignore[method-assign]
+    client = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding=None))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: MAX_WINDOW})
+    client.increment_flow_control_window(MAX_WINDOW - 65535)
+    sids = []
+    for i in range(60):  # under the stream limit, their answers under `FLUSH_BYTES`
+        sid = client.get_next_available_stream_id()
+        client.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"https"),
+                                  (b":authority", b"h2.test"), (b":path", f"/{i}".encode())],
+                            end_stream=True)
+        sids.append(sid)
+    answered = trio.Event()
+    given = 0
+
+    async def handle(ex: object) -> None:
+        nonlocal given
+        body = (ex.target * 300)[:1000]  # type: ignore[attr-defined]
+        await ex.respond_whole(200, [(b"content-length", str(len(body)).encode())],  # type: ignore[attr-defined]
+                               body)
+        given += 1
+        if given == len(sids):
+            answered.set()
+
+    conn = H2Connection(tls, idle_timeout=30, write_timeout=10, idle_scopes=set(),
+                        draining=trio.Event())
+    bodies: dict[int, bytes] = {}
+    ended: set[int] = set()
+    events: list[object] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.serve, handle)
+
+        def pump_out() -> None:
+            peer.tls.write(client.data_to_send())
+            peer.sock.sendall(peer.outgoing.read())
+
+        pump_out()
+        with trio.fail_after(20):
+            await answered.wait()
+        await trio.sleep(0.1)
+        with trio.fail_after(20):  # now read it all: every record must decrypt
+            while not ended.issuperset(sids):
+                peer.incoming.write(await peer.receive())
+                try:
+                    plain = peer.tls.read(1 << 20)
+                except ssl.SSLWantReadError:
+                    continue
+                while True:
+                    try:
+                        plain += peer.tls.read(1 << 20)
+                    except ssl.SSLWantReadError:
+                        break
+                for ev in client.receive_data(plain):
+                    events.append(ev)
+                    if isinstance(ev, h2.events.DataReceived):
+                        bodies[ev.stream_id] = bodies.get(ev.stream_id, b"") + ev.data
+                        client.acknowledge_received_data(ev.flow_controlled_length,
+                                                         ev.stream_id)
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        ended.add(ev.stream_id)
+                pump_out()
+        client.close_connection()
+        pump_out()
+        with trio.fail_after(20):
+            await conn.flush()
+        nursery.cancel_scope.cancel()
+    tls.close()
+    peer.sock.close()
+    assert held > 0, "the kernel took every answer: the held path was not exercised"
+    for i, sid in enumerate(sids):
+        assert bodies[sid] == (f"/{i}".encode() * 300)[:1000], sid
+    assert not any(isinstance(e, h2.events.StreamReset) for e in events)
