@@ -316,8 +316,9 @@ class RecordingNode:
             status, payload = self._answer(rec)
             head = conn.send(h11.Response(status_code=status, headers=[
                 ("content-type", "application/json"), ("content-length", str(len(payload)))]))
-            rest = (conn.send(h11.Data(data=payload)) if payload else b"") + conn.send(
-                h11.EndOfMessage())
+            # no body to a HEAD request (its head says how long the body would be)
+            rest = (conn.send(h11.Data(data=payload)) if payload and rec.method != "HEAD"
+                    else b"") + conn.send(h11.EndOfMessage())
             if url.path.startswith("/whole"):  # head and body in one write, as many servers do
                 tls.sendall(head + rest)
             else:
