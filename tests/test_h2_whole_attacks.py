@@ -42,6 +42,7 @@ from tests.test_h2_attacks import (
     DATA,
     END_HEADERS,
     END_STREAM,
+    ENHANCE_YOUR_CALM,
     GOAWAY,
     HEADERS,
     LIMITS,
@@ -486,7 +487,8 @@ def test_pings_while_answers_are_held(env: Env, count: int) -> None:
     """PINGs sent while answers are held for a client that does not read: each PING ACK
     echoes a PING sent, in order, none twice, and what arrives is well formed. Within
     the allowance, every PING is answered and every answer arrives intact; beyond it
-    the flood verdict ends the connection (the fixture: nothing left counted)."""
+    the flood verdict ends the connection with GOAWAY(ENHANCE_YOUR_CALM), which the
+    client gets (the fixture: nothing left counted)."""
     c = Wire(env, burst=2048, **_wide_open())  # type: ignore[arg-type]
     _open_connection_window(c)
     try:
@@ -513,6 +515,11 @@ def test_pings_while_answers_are_held(env: Env, count: int) -> None:
             assert all(c.ended(s) for s in paths)
         else:
             assert c.until(lambda: c.eof, WAIT), "a PING flood did not end the connection"
+            # the verdict reaches the client: the edge does not reset the connection
+            # (which would throw away what it sent) while the client's PINGs are unread
+            goaways = [f for f in c.frames if f[0] == GOAWAY]
+            assert [struct.unpack(">II", f[3][:8])[1] for f in goaways] == [
+                ENHANCE_YOUR_CALM]
     finally:
         c.close()
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import math
+import socket
 from collections.abc import Awaitable, Callable
 
 import outcome
@@ -106,6 +107,11 @@ YIELD_EVERY = 8
 #: Stream workers kept parked per connection for the next request; more than this many
 #: concurrent streams spawn workers that end with their exchange.
 MAX_IDLE_WORKERS = 8
+#: After a GOAWAY for an error, how long and how much of what the client still sends is
+#: read and dropped before closing (`H2Connection._linger`): long enough for a client
+#: to read what was sent to it, little enough that a flooder gains nothing by it.
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 256 * 1024
 
 _Handle = Callable[[Exchange], Awaitable[None]]
 
@@ -150,6 +156,7 @@ class H2Connection:
         self._last_stream: int | None = None  # the last stream taken before a drain
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
+        self._refused = False  # the read loop ended on our GOAWAY for an error
         self.on_flood: Callable[[Flood], None] = on_flood
         # writing
         self._writing = False  # the writer holds a batch it is sending
@@ -188,12 +195,43 @@ class H2Connection:
                         # GOAWAY(NO_ERROR) naming the last stream taken before the drain
                         self.conn.close_connection(last_stream_id=self._last_stream)
                     await self.flush()  # a GOAWAY, the last answers
+                    if self._refused:
+                        await self._linger()
                 except ClientGone:
                     pass
                 finally:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
+
+    async def _linger(self) -> None:
+        """After our GOAWAY for an error (a flood, a protocol error), the write side is
+        shut and what the client still sends is read and dropped, for at most
+        `LINGER_SECONDS` and `LINGER_BYTES`, before the connection closes: closed with
+        the client's bytes unread, the socket would be reset, and the reset throws away
+        the GOAWAY and the answers still on their way, so the client would never learn
+        why. The dropped bytes are not decrypted."""
+        tls = self._tls
+        if tls is None:
+            return
+        sock = tls.socket
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        left = LINGER_BYTES
+        with trio.move_on_after(LINGER_SECONDS):
+            while left > 0:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                left -= len(data)
 
     async def _on_drain(self) -> None:
         """Take no new stream; say GOAWAY once the open ones have been answered. Not at
@@ -244,6 +282,7 @@ class H2Connection:
             try:
                 events = self.conn.receive_data(data)
             except h2.ConnectionError_:
+                self._refused = True
                 return  # GOAWAY is queued
             for event in events:
                 self._dispatch(event)
@@ -251,6 +290,7 @@ class H2Connection:
                     break  # the verdict is in: the rest of this read starts nothing
             self.kick()
             if self._flooded is not None:
+                self._refused = True
                 return
             if len(self.conn.out) >= FLUSH_BYTES:
                 await self._wait_room()

@@ -27,6 +27,10 @@ class ServerTLS(ServerStream):
         self._sock = sock
         self._closed = False
 
+    @property
+    def socket(self) -> socket.socket:
+        return self._sock
+
     async def do_handshake(self, deadline: float = math.inf) -> None:
         await self.handshake(deadline, hold_tail=True)
 
