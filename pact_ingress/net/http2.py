@@ -21,17 +21,21 @@ buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most th
 connection window, whatever the client sends. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
-Writes: only the writer task writes to the socket. Everyone else (the reader answering
-PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets the state
-machine queue frames in its outbox (`H2Server.out`) and calls `kick`, which wakes the
-writer; the writer takes the whole outbox and sends it in one write when it runs. So a 1 KiB answer
-leaves as one TLS record in one `send`, the answers of streams that finish together
-share one, and nothing cancels a write half-way (a TLS record cut off mid-write would
-leave nothing to resume). Back-pressure: a stream or the reader that finds more than
-`FLUSH_BYTES` in the outbox waits for the writer to take it. Each write must be taken by
-the client within `write_timeout`, else the connection is dropped (a client that stops
-reading must not hold a node's response, or our buffers, for ever). Response DATA waits
-for the client's flow-control window with the same deadline.
+Writes: only the writer task ever waits on the socket. Everyone else (the reader
+answering PINGs and SETTINGS, a stream queueing its head, DATA, END_STREAM or RST) lets
+the state machine queue frames in its outbox (`H2Server.out`) and calls `kick`, which
+wakes the writer; the writer takes the whole outbox and sends it in one write when it
+runs. So a 1 KiB answer leaves as one TLS record in one `send`, the answers of streams
+that finish together share one, and nothing cancels a write half-way (a TLS record cut
+off mid-write would leave nothing to resume). One exception saves the writer's wake-up
+on the usual answer: a stream whose whole answer is queued while the writer is idle
+sends the outbox itself without waiting (`_send_now`); what the kernel does not take is
+held by the TLS stream and the writer is woken to send it before anything else.
+Back-pressure: a stream or the reader that finds more than `FLUSH_BYTES` in the outbox
+waits for the writer to take it. Each write must be taken by the client within
+`write_timeout`, else the connection is dropped (a client that stops reading must not
+hold a node's response, or our buffers, for ever). Response DATA waits for the client's
+flow-control window with the same deadline.
 
 Idle connections: a connection with no stream open is closed after `idle_timeout`
 without a new request (one watchdog task per connection, re-armed by the time of the
@@ -41,16 +45,17 @@ PRIORITY, unknown types, frames on closed streams) do not keep a connection: a c
 pinging within its allowance would otherwise hold it for ever.
 
 A stream reset by the client cancels its exchange at once (and with it the upstream
-request). Frames that cost a client nothing and us something (RST_STREAM, and the
-resets a client provokes from us: malformed requests, stream errors, streams beyond the
-concurrency limit; PING,
-SETTINGS, PRIORITY, empty DATA, unknown types, and WINDOW_UPDATEs beyond what the data
-we send explains) are metered per connection (`proto.h2_guard`): a flood
-ends the connection with GOAWAY(ENHANCE_YOUR_CALM). Zero-window stalls end at the write
-deadline. An answer given before the body was read ends the stream with
-`RST_STREAM(NO_ERROR)` after the complete response (RFC 9113 §8.1). A drain takes no
-new stream (REFUSED_STREAM: safe to retry elsewhere), lets the open ones finish, uploads
-included, then sends GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
+request). Frames that cost a client nothing and us something (RST_STREAM, and the resets
+a client provokes from us: malformed requests, stream errors, streams beyond the
+concurrency limit; PING, SETTINGS, PRIORITY, empty DATA, unknown types, and
+WINDOW_UPDATEs beyond what the data we send explains) are metered per connection
+(`proto.h2_guard`): a flood ends the connection with GOAWAY(ENHANCE_YOUR_CALM), after
+which the connection lingers a moment, reading and dropping what the client still sends,
+so the GOAWAY is not lost to a reset. Zero-window stalls end at the write deadline. An
+answer given before the body was read ends the stream with `RST_STREAM(NO_ERROR)` after
+the complete response (RFC 9113 §8.1). A drain takes no new stream (REFUSED_STREAM: safe
+to retry elsewhere), lets the open ones finish, uploads included, then sends
+GOAWAY(NO_ERROR) and closes; an idle connection closes at once.
 
 Header blocks are checked here, in one pass each way: a request header block by
 `proto.h2_request.split_request` (names, characters, pseudo-headers, connection-specific
