@@ -140,18 +140,11 @@ class MemoryTLS:
         raw = self._raw
         if raw is not None and not self._sending and not rest and not self._held:
             # the usual case: one send takes it all, nothing awaited
-            data = out.read()
-            if not data:
+            if not out.pending:
                 return
-            try:
-                sent = raw.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError as exc:
-                raise self._broken(f"send failed: {exc!r}") from exc
-            if sent == len(data) and not out.pending:
+            rest = self._send_out()  # sent before anything else: no await until we own sending
+            if not rest and not out.pending:
                 return
-            rest = data[sent:]  # sent before anything else: no await until we own sending
         while self._sending:  # another task is sending; it sends our records too
             with trio.move_on_at(deadline):
                 await self._sent.park()
@@ -316,20 +309,12 @@ class MemoryTLS:
         try:
             if len(data) <= WRITE_SLICE:
                 self._sslobj.write(data)
-                raw = self._raw
-                if raw is not None and not self._sending and not self._held:
-                    # `_flush`'s usual case inline: one send takes the records
-                    out = self._out
-                    records = out.read()
-                    try:
-                        sent = raw.send(records)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError as exc:
-                        raise self._broken(f"send failed: {exc!r}") from exc
-                    if sent == len(records) and not out.pending:
+                if self._raw is not None and not self._sending and not self._held:
+                    # `_flush`'s usual case: one send takes the records
+                    rest = self._send_out()
+                    if not rest and not self._out.pending:
                         return
-                    await self._flush(deadline, records[sent:])
+                    await self._flush(deadline, rest)
                     return
                 await self._flush(deadline)
                 return
@@ -347,24 +332,26 @@ class MemoryTLS:
         large, or there is no socket): use `write`. True: the kernel took it all. False:
         the rest is held and leaves first with the next `_flush` (`flush_by`), which the
         caller must see run."""
-        raw = self._raw
-        if raw is None or self._sending or self._held or len(data) > WRITE_SLICE:
+        if self._raw is None or self._sending or self._held or len(data) > WRITE_SLICE:
             return None
         try:
             self._sslobj.write(data)
         except ssl.SSLError as exc:
             raise self._broken(f"TLS failed: {exc}") from exc
+        self._held = self._send_out()
+        return not self._held
+
+    def _send_out(self) -> bytes:
+        """The records the outgoing BIO holds, to the socket in one non-blocking send
+        (there must be a socket); what the kernel did not take (b"": all of it)."""
         records = self._out.read()
         try:
-            sent = raw.send(records)
+            sent = self._raw.send(records)  # type: ignore[union-attr]
         except BlockingIOError:
-            sent = 0
+            return records
         except OSError as exc:
             raise self._broken(f"send failed: {exc!r}") from exc
-        if sent == len(records):
-            return True
-        self._held = records[sent:]
-        return False
+        return records[sent:] if sent < len(records) else b""
 
     @property
     def holding(self) -> bool:
