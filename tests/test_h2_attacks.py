@@ -942,6 +942,24 @@ def test_zero_window_stall_ends(env: Env) -> None:
         c.close()
 
 
+def test_a_flood_that_goes_on_after_goaway_is_closed(env: Env) -> None:
+    """A PING flood that does not stop at the edge's GOAWAY: the client gets the GOAWAY
+    (the edge reads and drops what it still sends for a moment before closing, so no
+    reset throws it away), and the connection is closed while the client is still
+    sending: the lingering close is bounded, not held open by the flooder."""
+    c = Raw(env)
+    try:
+        burst = frame(PING, 0, 0, bytes(8)) * 50
+        deadline = time.monotonic() + 20  # far beyond the linger: a bound for the loop
+        while not c.eof and time.monotonic() < deadline:
+            c.send(burst)
+            c.read(0.01)
+        assert c.eof, "the connection stayed open while the client kept flooding"
+        assert c.goaway(0) == ENHANCE_YOUR_CALM
+    finally:
+        c.close()
+
+
 def test_pings_do_not_keep_an_idle_connection(tmp_path: Path) -> None:
     """A connection with no stream open ends after idle_timeout even while the client
     pings within its allowance (else each connection of the per-IP cap is held for

@@ -200,14 +200,14 @@ class H2Connection:
                         # GOAWAY(NO_ERROR) naming the last stream taken before the drain
                         self.conn.close_connection(last_stream_id=self._last_stream)
                     await self.flush()  # a GOAWAY, the last answers
-                    if self._refused:
-                        await self._linger()
                 except ClientGone:
                     pass
                 finally:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
+            if self._refused and not self._broken:
+                await self._linger()  # with every task of the connection ended: none writes
 
     async def _linger(self) -> None:
         """After our GOAWAY for an error (a flood, a protocol error), the write side is
