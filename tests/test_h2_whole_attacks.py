@@ -782,6 +782,7 @@ async def test_held_whole_answers_leave_first_in_process() -> None:
     import h2.connection
     import h2.events
     import trio
+    import trio.testing
 
     from pact_ingress.net.http2 import H2Connection
     from tests.test_tls_server import _handshake_to_finished
@@ -813,10 +814,13 @@ async def test_held_whole_answers_leave_first_in_process() -> None:
                             end_stream=True)
         sids.append(sid)
     answered = trio.Event()
-    given = 0
+    go = trio.Event()  # set once every handler waits and the writer is parked, idle
+    given = waiting = 0
 
     async def handle(ex: object) -> None:
-        nonlocal given
+        nonlocal given, waiting
+        waiting += 1
+        await go.wait()  # trio runs the woken handlers in one batch, in random order
         body = (ex.target * 300)[:1000]  # type: ignore[attr-defined]
         await ex.respond_whole(200, [(b"content-length", str(len(body)).encode())],  # type: ignore[attr-defined]
                                body)
@@ -838,6 +842,13 @@ async def test_held_whole_answers_leave_first_in_process() -> None:
 
         pump_out()
         with trio.fail_after(20):
+            while waiting < len(sids):
+                await trio.sleep(0.01)
+            # nothing else can run now: the writer is parked with nothing to send, so
+            # the handlers, all woken at once, send their answers themselves until the
+            # kernel refuses part of one (held), and the writer takes over from there
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            go.set()
             await answered.wait()
         await trio.sleep(0.1)
         with trio.fail_after(20):  # now read it all: every record must decrypt
