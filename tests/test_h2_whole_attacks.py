@@ -28,13 +28,14 @@ import ssl
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import hpack
 import httpx
 import pytest
 
+from tests import test_h2_attacks
 from tests.terminate_env import BYSTANDER_IP, HOST, LOOPBACK, WAIT
 from tests.terminate_env import ServeEnv as Env
 from tests.test_h2_attacks import (
@@ -52,7 +53,6 @@ from tests.test_h2_attacks import (
     SETTINGS,
     WINDOW_UPDATE,
     Raw,
-    _bystander,
     frame,
     settings,
     u32,
@@ -64,20 +64,10 @@ MAX_WINDOW = 2**31 - 1
 CANCEL = 8
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    env = Env.start(tmp_path_factory.mktemp("h2whole"), limits=LIMITS)
-    yield env
-    env.stop()
-
-
-@pytest.fixture
-def env(shared: Env) -> Iterator[Env]:
-    env = shared.fresh()
-    yield env
-    # after every attack: another client is served, and no connection is left counted
-    assert _bystander(env) == 200
-    assert env.serve.wait_open_connections(0) == 0
+# The h2 attack module's fixtures, each module getting its own serve: after every attack
+# another client is served, and no connection is left counted.
+shared = test_h2_attacks.shared
+env = test_h2_attacks.env
 
 
 class Wire(Raw):
