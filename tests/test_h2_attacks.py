@@ -125,6 +125,11 @@ class Raw:
             self.eof = True
             return False
         self.buf += data
+        self._parse()
+        return True
+
+    def _parse(self) -> None:
+        """The whole frames in `buf`, onto `frames`."""
         while len(self.buf) >= 9:
             head, flags, sid = struct.unpack_from(">I B I", self.buf)
             length = head >> 8
@@ -136,7 +141,6 @@ class Raw:
             if head & 0xFF == DATA and length:  # keep the answers coming, as h2 does:
                 self._consumed(0, length)  # a WINDOW_UPDATE per half window consumed
                 self._consumed(sid & 0x7FFFFFFF, length)
-        return True
 
     def _consumed(self, sid: int, length: int) -> None:
         self.unacked[sid] = self.unacked.get(sid, 0) + length

@@ -119,19 +119,6 @@ class Wire(Raw):
                 self.oversized.append((sid, len(payload)))
         return True
 
-    def _parse(self) -> None:
-        while len(self.buf) >= 9:
-            head, flags, sid = struct.unpack_from(">I B I", self.buf)
-            length = head >> 8
-            if len(self.buf) < 9 + length:
-                break
-            payload = self.buf[9:9 + length]
-            self.buf = self.buf[9 + length:]
-            self.frames.append((head & 0xFF, flags, sid & 0x7FFFFFFF, payload))
-            if head & 0xFF == DATA and length:
-                self._consumed(0, length)
-                self._consumed(sid & 0x7FFFFFFF, length)
-
     def drain(self, done: Callable[[], object] | None = None, timeout: float = WAIT) -> None:
         """Read (in bursts) until `done()` or the connection ends, bounded by `timeout`."""
         deadline = time.monotonic() + timeout
