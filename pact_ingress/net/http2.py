@@ -265,7 +265,7 @@ class H2Connection:
 
     async def _read_loop(self) -> None:
         reads = 0
-        tls = self.stream if isinstance(self.stream, ServerTLS) else None
+        tls = self._tls
         data = b""
         while not (self._goaway and not self.streams):
             reads += 1
