@@ -4,7 +4,8 @@
 
 It measures keep-alive requests/s and the new-connection rate through terminate +
 pinned re-origination, next to HAProxy doing terminate + re-encrypt to the same backend,
-against the target "≥ 0.5× HAProxy's keep-alive req/s", with the CPU per request and a
+with the proxy CPU per request judged against the goals (per keep-alive HTTP/1.1 request
+≤ 4× HAProxy's, per new TLS connection ≤ 1.5×, per HTTP/2 request ≤ 200 µs) and a
 profile of where pact-ingress's time goes. This module runs all of that in one go.
 
 What runs where (2 cores, `harness.CORE_PROXY` / `harness.CORE_LOAD`):
@@ -19,9 +20,9 @@ Paths, each carrying the same load to the same node:
 - **direct**: the client talks TLS to the node itself (context: what the node alone costs);
 - **haproxy**: TLS ends at HAProxy, which re-encrypts to the node, presenting the ingress
   identity as client certificate, ALPN as the node offers, `http-reuse always`;
-- **pact-ingress**: TLS ends at pact-ingress's terminate route (its own h11/h2 front,
-  `net/http1.py`, `net/http2.py`), which re-originates over its pinned mutual-TLS pool
-  (httpcore) to the node.
+- **pact-ingress**: TLS ends at pact-ingress's terminate route (its own HTTP/1.1 and
+  HTTP/2 legs, `net/http1.py` on llhttp and `net/http2.py`), which re-originates over its
+  own pinned mutual-TLS HTTP/1.1 pool (`net/upstream.py`) to the node.
 - **hypercorn alone** (reference, on the proxy core): hypercorn's own server (trio
   worker, TLS) answering the same 200 + 1 KiB from a trivial ASGI app, no upstream at
   all: what a Python HTTP server on trio costs here by itself, before a single byte is
@@ -47,9 +48,9 @@ proxy process's CPU ÷ requests answered. The profile is a separate keep-alive r
 Python frame ("self") and by the share of samples a module is anywhere on the stack
 ("inclusive"). Its figures are shares of the ingress's busy time, not extra CPU.
 
-Why a hypercorn-alone column: the target (≥ 0.5× HAProxy's keep-alive req/s) is judged
-against C; the reference shows how much of the gap any Python HTTP front on trio pays and
-how much is pact-ingress's own work (checks, re-origination).
+Why a hypercorn-alone column: the goals are judged against C; the reference shows how
+much of the gap any Python HTTP front on trio pays and how much is pact-ingress's own
+work (checks, re-origination).
 """
 
 from __future__ import annotations
@@ -124,8 +125,14 @@ LOAD_BOUND = 0.9
 PROFILE_RATE = 100
 #: Rows of the profile's "hottest functions" table.
 PROFILE_TOP = 15
-#: The target: pact-ingress keep-alive req/s ≥ this × HAProxy's.
-KEEPALIVE_TARGET = Target(min_ratio=0.5)
+#: The goals, on the proxy's CPU (the like-for-like job: HAProxy in HTTP mode with a Host
+#: check and a pooled upstream): per keep-alive HTTP/1.1 request at most 4× HAProxy's,
+#: per new TLS connection (one request) at most 1.5×. HTTP/2's goal is absolute
+#: (`H2_GOAL_US`), judged in the notes.
+KEEPALIVE_CPU_GOAL = Target(max_ratio=4.0)
+NEW_CONN_CPU_GOAL = Target(max_ratio=1.5)
+#: µs of proxy CPU per keep-alive HTTP/2 request (8 connections).
+H2_GOAL_US = 200.0
 
 
 @dataclass(frozen=True)
@@ -451,23 +458,22 @@ def capacity(run: ClientRun) -> float | None:
 MetricSpec = tuple[str, str, str, Callable[[ClientRun], float | None], Target | None]
 RATIOS = [(SUBJECT, DIRECT), (PEER, DIRECT), (SUBJECT, PEER), (FLOOR, PEER)]
 METRICS: list[MetricSpec] = [
-    ("keep-alive req/s, HTTP/1.1, 1 conn", "req/s", "ka1", lambda r: r.rate,
-     KEEPALIVE_TARGET),
-    ("keep-alive req/s, HTTP/1.1, 8 conns", "req/s", "ka8", lambda r: r.rate,
-     KEEPALIVE_TARGET),
-    ("keep-alive req/s, HTTP/1.1, 32 conns", "req/s", "ka32", lambda r: r.rate,
-     KEEPALIVE_TARGET),
-    ("keep-alive req/s, HTTP/2, 8 conns", "req/s", "h2ka8", lambda r: r.rate,
-     KEEPALIVE_TARGET),
+    ("keep-alive req/s, HTTP/1.1, 1 conn", "req/s", "ka1", lambda r: r.rate, None),
+    ("keep-alive req/s, HTTP/1.1, 8 conns", "req/s", "ka8", lambda r: r.rate, None),
+    ("keep-alive req/s, HTTP/1.1, 32 conns", "req/s", "ka32", lambda r: r.rate, None),
+    ("keep-alive req/s, HTTP/2, 8 conns", "req/s", "h2ka8", lambda r: r.rate, None),
     ("proxy CPU per request, HTTP/1.1, 1 conn", "µs", "ka1", per_request_us, None),
-    ("proxy CPU per request, HTTP/1.1, 8 conns", "µs", "ka8", per_request_us, None),
-    ("proxy CPU per request, HTTP/1.1, 32 conns", "µs", "ka32", per_request_us, None),
+    ("proxy CPU per request, HTTP/1.1, 8 conns", "µs", "ka8", per_request_us,
+     KEEPALIVE_CPU_GOAL),
+    ("proxy CPU per request, HTTP/1.1, 32 conns", "µs", "ka32", per_request_us,
+     KEEPALIVE_CPU_GOAL),
     ("proxy CPU per request, HTTP/2, 8 conns", "µs", "h2ka8", per_request_us, None),
     ("keep-alive capacity of one core, HTTP/1.1 (1 s ÷ CPU per req, 8 conns)", "req/s",
-     "ka8", capacity, KEEPALIVE_TARGET),
+     "ka8", capacity, None),
     ("new TLS conn/s (1 request each), 1 client", "conn/s", "new1", lambda r: r.rate, None),
     ("new TLS conn/s (1 request each), 8 clients", "conn/s", "new8", lambda r: r.rate, None),
-    ("proxy CPU per new TLS conn, 8 clients", "µs", "new8", per_request_us, None),
+    ("proxy CPU per new TLS conn, 8 clients", "µs", "new8", per_request_us,
+     NEW_CONN_CPU_GOAL),
 ]
 
 
@@ -484,6 +490,13 @@ def build_report(results: dict[str, dict[str, list[ClientRun]]], title: str,
             values[path] = statistics.median(nums) if nums else None
         checks = (Check(SUBJECT, PEER, target),) if target else ()
         report.add(Row(name, unit, values, checks))
+    h2 = [v for v in (per_request_us(r) for r in results.get("h2ka8", {}).get(SUBJECT, []))
+          if v is not None]
+    if h2:
+        h2_us = statistics.median(h2)
+        notes.append(f"HTTP/2 goal (≤ {H2_GOAL_US:g} µs of proxy CPU per request, 8 conns): "
+                     f"{h2_us:,.1f} µs, {'met' if h2_us <= H2_GOAL_US else 'missed'} "
+                     f"(an absolute figure: it moves with what else runs on the host)")
     non2xx = errors = 0
     for key, by_path in results.items():
         for path, runs in by_path.items():
@@ -525,6 +538,14 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("pact_ingress/net/terminate.py", "pact-ingress terminate.py"),
     ("pact_ingress/net/upstream.py", "pact-ingress upstream.py"),
     ("pact_ingress/net/http2.py", "pact-ingress http2.py"),
+    ("pact_ingress/net/http1.py", "pact-ingress http1.py"),
+    # its functions' self time is mostly the C under them: SSL_read/SSL_write and the
+    # send/recv syscalls (py-spy charges a C call to the Python line making it)
+    ("pact_ingress/net/memory_tls.py", "pact-ingress memory_tls.py (TLS + socket I/O)"),
+    ("pact_ingress/net/readiness.py", "pact-ingress readiness.py + deadlines.py (waits)"),
+    ("pact_ingress/net/deadlines.py", "pact-ingress readiness.py + deadlines.py (waits)"),
+    ("pact_ingress/proto/", "pact-ingress proto/ (parsers, checks, head serialising)"),
+    ("pact_ingress/logs.py", "pact-ingress logs.py (access line)"),
     ("pact_ingress/", "pact-ingress (other)"),
     ("/hypercorn/", "hypercorn"),
     ("/h11/", "h11"),
@@ -610,10 +631,10 @@ def _short(func: str, file: str) -> str:
 
 
 _OVERLAP_NOTE = ("Inclusive shares overlap (a sample counts for every component on its "
-                 "stack). hypercorn calls the route's ASGI app (`_ConnectionApp` in "
-                 "`terminate.py`), and `Terminator.serve` hosts hypercorn's connection loop, "
-                 "so both cover most samples: the self column and the function tables say "
-                 "more.")
+                 "stack): the HTTP legs (`http1.py`, `http2.py`) call `terminate.py`'s "
+                 "request story, which calls `upstream.py`, so those cover most samples; "
+                 "the self column and the function tables say more. A C call's time "
+                 "(TLS, syscalls) counts for the Python function that made it.")
 
 
 def profile_markdown(p: dict[str, Any], title: str) -> str:
