@@ -11,9 +11,10 @@ from the proxy core moves every figure by tens of percent. This runs the rig of
 core), and alternates short runs of every phase through HAProxy and every tree, round
 after round, so each one sees the same load. Reported: the median µs of proxy CPU per
 request (per new connection for `new*` phases) and the ratio to HAProxy's, measured in
-the same rounds. `--profile NAME` then records that tree under py-spy during a
-keep-alive run (`--profile-phase`) and prints the same summary `bench_terminate` does
-(several names, comma-separated: one after the other).
+the same rounds, and the median of the per-round ratios with their range (the paired
+figure: a round's two runs share the host's weather). `--profile NAME` then records
+that tree under py-spy during a keep-alive run (`--profile-phase`) and prints the same
+summary `bench_terminate` does (several names, comma-separated: one after the other).
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -64,6 +65,15 @@ def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | Non
     summary = bt.summarise_profile(out.read_text(), 7, PROFILE_RATE)
     print()
     print(bt.profile_markdown(summary, f"py-spy: {name}, {phase.key}, {run.rate:,.0f} req/s"))
+
+
+def paired(subject: list[float], peer: list[float]) -> str:
+    """The median of the per-round ratios subject ÷ peer, and their range. Each round
+    measures the two seconds apart, so what the host's other work does to both cancels
+    out of a round's ratio; the ratio of the medians (the column before) takes each
+    median from different rounds."""
+    ratios = sorted(s / p for s, p in zip(subject, peer, strict=True))
+    return f"{statistics.median(ratios):.2f}× ({ratios[0]:.2f}–{ratios[-1]:.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
         names = list(trees)
         print("| phase | " + " | ".join(f"{p} (µs)" for p in paths) + " | "
-              + " | ".join(f"{n} ÷ haproxy" for n in names) + " |")
-        print("|---" * (len(paths) + len(names) + 1) + "|")
+              + " | ".join(f"{n} ÷ haproxy" for n in names) + " | "
+              + " | ".join(f"{n} ÷ haproxy, paired" for n in names) + " |")
+        print("|---" * (len(paths) + 2 * len(names) + 1) + "|")
         for ph in plan:
             med = {p: statistics.median(cpu[(ph.key, p)]) for p in paths}
             print(f"| {ph.label} | " + " | ".join(f"{med[p]:,.1f}" for p in paths) + " | "
-                  + " | ".join(f"{med[n] / med[bt.PEER]:.2f}×" for n in names) + " |")
+                  + " | ".join(f"{med[n] / med[bt.PEER]:.2f}×" for n in names) + " | "
+                  + " | ".join(paired(cpu[(ph.key, n)], cpu[(ph.key, bt.PEER)])
+                               for n in names) + " |")
         print(f"\nmedian of {args.rounds} rounds of {args.seconds:g} s; load average at "
               f"end {os.getloadavg()[0]:.2f}")
         for name in (args.profile or "").split(","):
