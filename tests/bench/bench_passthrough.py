@@ -508,6 +508,21 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
     return results
 
 
+def paired_ratio(by_path: dict[str, list[dict[str, Any]]],
+                 value: Callable[[dict[str, Any]], float | None]) -> str:
+    """pact-ingress ÷ HAProxy round by round: the median and range of the per-round
+    ratios. A round measures the two seconds apart, so what the host's other work does
+    to both cancels out of its ratio; the table's ratio divides medians that may come
+    from different rounds."""
+    ratios = sorted(s / p for s, p in ((value(a), value(b)) for a, b in
+                                       zip(by_path[SUBJECT], by_path[PEER], strict=True))
+                    if s is not None and p)
+    if not ratios:
+        return "no paired rounds"
+    return (f"pact-ingress ÷ haproxy per round: median {statistics.median(ratios):.2f}× "
+            f"(range {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} rounds)")
+
+
 def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Settings,
                  title: str, notes: list[str], idle: dict[str, Any] | None = None) -> Report:
     report = Report(title, baseline=DIRECT, peer=PEER, subject=SUBJECT)
@@ -520,6 +535,8 @@ def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Setting
             nums = [v for v in per_round if v is not None]
             values[path] = statistics.median(nums) if nums else None
         report.add(Metric(name, unit, values, target))
+        if target is not None and s.rounds > 1:
+            notes.append(f"{name}: {paired_ratio(results[key], value)}")
     if idle is not None:
         for metric in idle_metrics(idle):
             report.add(metric)
