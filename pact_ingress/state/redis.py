@@ -20,10 +20,11 @@ client cannot use (a wrong password) keeps the instance in fallback, as before.
 
 **Health.** `RedisState` is either *shared* (Redis answers) or *fallback* (it does
 not). Every call runs under a deadline; a failure or a timeout switches to fallback at
-once, and while in fallback nothing waits on Redis at all. A probe task (`run`) pings
+once, and while in fallback nothing waits on Redis at all. A probe task (`run`) checks
 Redis every `PROBE_INTERVAL`; it switches back to shared when Redis connects and answers
-a PING within the decision deadline (so a Redis that is up but too slow stays in
-fallback instead of flapping). Each switch is one log line, the `state_shared` gauge and
+a write within the decision deadline (a `SET … XX` that stores nothing), so a Redis
+that is up but too slow, or answers PING but refuses writes (out of memory under
+`noeviction`, a read-only replica), stays in fallback instead of flapping. Each switch is one log line, the `state_shared` gauge and
 `state_fallbacks` counter, and `/status` (`state`). Starting while Redis is down is not
 an error: the instance starts in fallback and joins when Redis comes.
 
@@ -243,12 +244,22 @@ class RedisState:
         try:
             # (re)connecting and loading scripts may take longer than one decision...
             await self.call("connect", self.limiter.load, CONNECT_DEADLINE)
-            # ...but shared mode needs a Redis that answers within the decision deadline
-            await self.call("ping", self.client.ping, self.deadline)
+            # ...but shared mode needs a Redis that answers within the decision deadline,
+            # and takes writes: every decision writes, and a Redis that is full under
+            # `noeviction` (or a read-only replica) still answers PING, so a PING alone
+            # would switch back to shared at every probe and lose it at the next decision
+            await self.call("ping", self._write_probe, self.deadline)
         except Unavailable:
             return False
         self.found()
         return True
+
+    async def _write_probe(self) -> None:
+        """A write Redis refuses when it refuses writes, which stores nothing: SET … XX
+        of a key nobody creates (refused before it runs when Redis is out of memory)."""
+        from coredis.tokens import PureToken
+
+        await self.client.set(self.key("probe"), b"", condition=PureToken.XX, px=1)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
