@@ -254,13 +254,15 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
     node = RecordingNode(node_id)
     redis = RedisServer(tmp_path / "redis")
     instances: list[Instance] = []
+    env = {"tmp": tmp_path, "key": key, "node": node, "node_fp": node_id.fingerprint,
+           "redis": redis, "instances": instances, "port": free_port()}
     try:
-        yield {"tmp": tmp_path, "key": key, "node": node, "node_fp": node_id.fingerprint,
-               "redis": redis, "instances": instances, "port": free_port()}
+        yield env
     finally:
         for instance in instances:
             instance.close()
         redis.stop()
+        env["redis"].stop()  # a test may have put another one there
         node.stop()
 
 
@@ -523,3 +525,60 @@ def test_a_refused_decision_is_one_logged_and_counted_switch(
     # Redis itself is fine: the instance rejoins by itself within a probe interval
     wait_event(instance, "state_backend_shared", 2)
     assert_clean(instances)
+
+
+# -- an operator's mistakes at start ------------------------------------------------------
+
+@pytest.mark.slow
+def test_wrong_password_or_no_redis_at_start_serves_alone_and_says_why_once(
+    env: dict[str, Any],
+) -> None:
+    tmp: Path = env["tmp"]
+    env["redis"].stop()
+    redis = env["redis"] = RedisServer(tmp / "redis-auth", password=PASSWORD)
+    wrong = "not-the-" + PASSWORD
+    password_file = tmp / "redis.pass"
+    password_file.write_text(wrong + "\n")
+    os.chmod(password_file, 0o600)
+    nobody = free_port()  # nothing listens there
+    configs = [
+        state_block(redis, env["key"], extra=f"  password_file: {password_file}\n"),
+        state_block(redis, env["key"]).replace(f":{redis.port}/", f":{nobody}/"),
+    ]
+    instances = env["instances"]
+    for address, state in zip(ADDRESSES, configs):
+        instances.append(Instance(tmp, address, env["port"], env["node"], env["node_fp"],
+                                  state))  # READY: a missing Redis does not hold the start
+    for instance, why in zip(instances, ("WRONGPASS", "Connect")):
+        doc = instance.wait_mode("fallback")
+        assert why.lower() in (doc["state"]["last_error"] or "").lower(), doc["state"]
+        lines = [e for e in instance.events()
+                 if str(e.get("event", "")).startswith("state_backend_")]
+        assert [e["event"] for e in lines] == ["state_backend_connecting",
+                                              "state_backend_unavailable"], lines
+        assert why.lower() in lines[1]["error"].lower(), lines
+        # each counts alone, with the route's budget
+        statuses = Counter(get(instance, ATTACKER) for _ in range(2 * BURST))
+        assert statuses == {200: BURST, 429: BURST}, statuses
+        logs = instance.logs()
+        assert PASSWORD not in logs and wrong not in logs
+        assert "Traceback" not in logs, logs[-3000:]
+
+    # the operator gives Redis the password the instance has: it joins by itself
+    assert redis_command_auth(redis, PASSWORD, "CONFIG", "SET", "requirepass", wrong) \
+        == b"+OK\r\n+OK\r\n"
+    instances[0].wait_mode("shared")
+    assert instances[0].state_events()[-1] == "state_backend_shared"
+    assert wrong not in instances[0].logs()
+    assert_clean(instances)
+
+
+def redis_command_auth(redis: RedisServer, password: str, *args: str) -> bytes:
+    """AUTH, then one command, on one connection; both replies."""
+    with socket.create_connection((redis.host, redis.port), timeout=5) as s:
+        out = b""
+        for command in (("AUTH", password), args):
+            s.sendall(f"*{len(command)}\r\n".encode() + b"".join(
+                f"${len(a.encode())}\r\n{a}\r\n".encode() for a in command))
+            out += s.recv(4096)
+        return out
