@@ -266,14 +266,16 @@ def env(tmp_path: Path) -> Iterator[dict[str, Any]]:
         node.stop()
 
 
-def state_block(redis: RedisServer, key: Path, *, deadline: str = "500ms",
+def state_block(redis: RedisServer, key: Path, *, deadline: str | None = "500ms",
                 extra: str = "") -> str:
+    """The `state` block; `deadline=None` leaves the default (50 ms). Tests that are not
+    about the deadline give 500 ms: a loaded test machine must not turn into a fallback."""
     return (f"state:\n  backend: redis\n  url: {redis.url}\n  encryption_key_file: {key}\n"
-            f"  deadline: {deadline}\n{extra}")
+            + (f"  deadline: {deadline}\n" if deadline else "") + extra)
 
 
 def start_cluster(env: dict[str, Any], *, args: tuple[str, ...] = (),
-                  deadline: str = "500ms") -> list[Instance]:
+                  deadline: str | None = "500ms") -> list[Instance]:
     state = state_block(env["redis"], env["key"], deadline=deadline)
     for address in ADDRESSES:
         env["instances"].append(Instance(env["tmp"], address, env["port"], env["node"],
@@ -315,6 +317,31 @@ def test_concurrent_flood_gets_one_budget_across_instances_and_workers(
                                'where="fallback"') == 0
     assert sum(i.metric("pact_ingress_rate_limit_decisions_total", 'where="shared"')
                for i in instances) == 8 * BURST + 2
+    assert_clean(instances)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "with the default 50 ms deadline one client's flood of TLS connections keeps the "
+    "instance's event loop busy for longer than the deadline, so its own decisions "
+    "time out waiting for a Redis connection of the limiter's pool (4, each reconnected "
+    "after a timed-out decision) although Redis answers at once (also at real-time "
+    "priority): every instance declares Redis lost and counts alone, and the flooding "
+    "client gets one more burst per instance. The deadline covers the wait for the "
+    "pool and the reconnects; fixing it means bounding only the wait on Redis's reply "
+    "(or pipelining decisions on the connections), a change to state.resp_client's "
+    "contract and to how a frozen Redis is bounded"))
+def test_a_flood_at_the_default_deadline_does_not_unshare_the_budget(
+    env: dict[str, Any],
+) -> None:
+    instances = start_cluster(env, args=("--workers", "1"), deadline=None)
+    attack = flood(instances, ATTACKER, 600, threads=48)  # ~1-2 s on 2 cores
+    statuses = Counter(s for _, s in attack)
+    assert set(statuses) <= {200, 429}, statuses
+    for instance in instances:
+        assert instance.metric("pact_ingress_rate_limit_decisions_total",
+                               'where="fallback"') == 0, instance.state_events()
+    assert statuses[200] == BURST and from_node(env["node"], ATTACKER) == BURST, statuses
     assert_clean(instances)
 
 
