@@ -25,7 +25,7 @@ CALLS = 24
 def test_acknowledged_calls_survive_kill9_of_the_acknowledging_instance(
     cluster: tuple[RedisServer, list[RelayServe], RelayIdentities],
 ) -> None:
-    redis, (a, b), ids = cluster
+    _redis, (a, b), ids = cluster
     recipient_b = RelayCaller(b.port, ids.recipient, b.address)
     sender_a = RelayCaller(a.port, ids.sender, a.address)
     sender_b = RelayCaller(b.port, ids.sender, b.address)
