@@ -195,7 +195,8 @@ class RedisState:
         stats.state_shared.set(0)
 
     #: False in a worker process of `serve --workers`: main logs the instance's switches
-    #: (one line each); a worker's own client switching with it says so at debug level.
+    #: (one line each); a worker's own client switching with it says so at debug level,
+    #: and main takes a switch only a worker saw from its report (`app.Ingress`).
     announce = True
 
     def _say(self, level: Callable[..., None]) -> Callable[..., None]:
