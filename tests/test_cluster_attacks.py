@@ -322,14 +322,15 @@ def test_concurrent_flood_gets_one_budget_across_instances_and_workers(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_flood_at_the_default_deadline_does_not_unshare_the_budget(
-    env: dict[str, Any],
+    env: dict[str, Any], workers: int,
 ) -> None:
     """One client's flood keeps the instances' event loops busy for longer than the
     default 50 ms deadline while Redis answers at once: the decisions' own queue for the
     limiter's connections, connecting them, and the health probe must not be taken for
     a slow Redis, or every instance counts alone and the client gets a burst each."""
-    instances = start_cluster(env, args=("--workers", "1"), deadline=None)
+    instances = start_cluster(env, args=("--workers", str(workers)), deadline=None)
     attack = flood(instances, ATTACKER, 600, threads=48)  # ~1-2 s on 2 cores
     statuses = Counter(s for _, s in attack)
     assert set(statuses) <= {200, 429}, statuses
