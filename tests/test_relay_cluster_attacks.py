@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.redis_server import RedisServer
-from tests.relay_env import RelayCaller, RelayIdentities, RelayServe, envelope
+from tests.relay_env import RelayCaller, RelayIdentities, RelayServe, code_of, envelope
 from tests.test_relay_cluster import cluster, msg_ids, wait_mode
 
 __all__ = ["cluster"]  # the fixture, shared with the relay cluster tests
@@ -83,3 +83,39 @@ def test_acknowledged_calls_survive_kill9_of_the_acknowledging_instance(
     # the survivor never lost Redis over it
     wait_mode(b, "shared")
     assert [e.get("event") for e in b.log_events()].count("state_backend_lost") == 0
+
+
+@pytest.mark.slow
+def test_a_frozen_redis_answers_unavailable_and_the_retry_is_stored_once(
+    cluster: tuple[RedisServer, list[RelayServe], RelayIdentities],
+) -> None:
+    """Redis stopped with SIGSTOP while a sender queues via both instances: each call is
+    answered (`unavailable` — never `queued`, never a hang), and once Redis continues
+    (and runs what it had read meanwhile) the sender's retries are each queued once:
+    the recipient fetches every msg_id exactly once."""
+    redis, (a, b), ids = cluster
+    recipient = RelayCaller(b.port, ids.recipient, b.address)
+    senders = [RelayCaller(s.port, ids.sender, s.address) for s in (a, b)]
+    try:
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        envelopes = {f"f{n}": envelope(ids.sender, ids.recipient, msg_id=f"f{n}")
+                     for n in range(6)}
+        redis.freeze()
+        try:
+            for n, (msg_id, env) in enumerate(envelopes.items()):
+                result, _ = senders[n % 2].tool("relay_call", env)
+                assert code_of(result) == "unavailable", result
+        finally:
+            redis.thaw()
+        for serve in (a, b):
+            wait_mode(serve, "shared")
+        for n, (msg_id, env) in enumerate(envelopes.items()):
+            result, _ = senders[(n + 1) % 2].tool("relay_call", env)
+            assert result["structuredContent"] == {"status": "queued", "msg_id": msg_id}
+        page = recipient.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        assert sorted(msg_ids(page)) == sorted(envelopes), msg_ids(page)
+    finally:
+        for caller in (recipient, *senders):
+            caller.close()
+    for serve in (a, b):
+        assert "Traceback" not in serve.logs(), serve.logs()[-3000:]
