@@ -3,7 +3,8 @@
 one real redis-server run as the README requires. A sender keeps queueing via A while A
 is killed with SIGKILL; every call A answered `queued` is delivered via B exactly once
 per fetch-and-ack, nothing is delivered twice after its ack, and the sender's retries of
-the calls A never answered are queued once."""
+the calls A never answered are queued once. With Redis frozen (SIGSTOP) every call is
+answered `unavailable`, and the retries after it continues are each stored once."""
 
 from __future__ import annotations
 
