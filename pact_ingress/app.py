@@ -86,6 +86,7 @@ class Ingress:
                                       backends=self.backends, certs=self.certs,
                                       log_format=log_format)
             self.router.handoff = self.workers
+            self.workers.on_state_fallback = self._worker_fell_back
         self.bound: dict[str, list[tuple[str, int]]] = {}
         self._apply(config)
 
@@ -221,6 +222,18 @@ class Ingress:
             **({"relay": self.relay.status()} if self.relay and cfg.relay else {}),
             **({"workers": self.workers.status()} if self.workers is not None else {}),
         }
+
+    def _worker_fell_back(self, index: int, report: dict[str, Any]) -> None:
+        """A worker's own Redis client fell back (its decision failed) after main's last
+        switch, which main's probe did not see: that is the instance's switch too, so
+        main's state says it (one `state_backend_lost` line, one count) and rejoins at
+        its next probe. A worker still catching up on an older outage is not news."""
+        since = report.get("state_since")
+        lost = getattr(self.state, "lost", None)
+        if lost is None or not isinstance(since, (int, float)):
+            return
+        if self.state.healthy and since > self.state.since:
+            lost(f"worker {index}: {report.get('state_error') or 'unavailable'}")
 
     def _state_status(self) -> dict[str, Any]:
         """Main's state backend, unless a running worker (its own Redis connection) has

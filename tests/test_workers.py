@@ -419,15 +419,15 @@ def test_metrics_of_processes_fold_into_one_instance() -> None:
 
     from pact_ingress.admin.merge import exposition, merge_families, retire
 
-    def registry(requests: int, open_: int, expiry: float, created_offset: float
-                 ) -> CollectorRegistry:
+    def registry(requests: int, open_: int, expiry: float, created_offset: float,
+                 shared: int = 1) -> CollectorRegistry:
         r = CollectorRegistry()
         c = Counter("pact_ingress_http_requests", "x", ["route"], registry=r)
         c.labels("a").inc(requests)
         Gauge("pact_ingress_open_connections", "x", registry=r).set(open_)
         Gauge("pact_ingress_certificate_expiry_timestamp_seconds", "x", ["host"],
               registry=r).labels("a").set(expiry)
-        Gauge("pact_ingress_state_shared", "x", registry=r).set(1)
+        Gauge("pact_ingress_state_shared", "x", registry=r).set(shared)
         return r
 
     main = registry(1, 2, 1000.0, 0)
@@ -442,6 +442,12 @@ def test_metrics_of_processes_fold_into_one_instance() -> None:
     created = [s.value for f in text_string_to_metric_families(merged) for s in f.samples
                if s.name == "pact_ingress_http_requests_created"]
     assert len(created) == 1
+    # a worker whose own Redis client fell back: the instance is not shared (as /status)
+    alone = generate_latest(registry(0, 0, 5.0, 0, shared=0)).decode()
+    merged = exposition(merge_families(main.collect(), [*workers, alone])).decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(merged)
+              for s in f.samples}
+    assert values["pact_ingress_state_shared"] == 0
     gone = retire(retire("", workers[0]), workers[1])
     fams = {f.name for f in text_string_to_metric_families(gone)}
     assert fams == {"pact_ingress_http_requests"}  # gauges died with their process

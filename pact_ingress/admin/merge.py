@@ -7,9 +7,12 @@ Prometheus text; here it is parsed and folded into main's families by name and l
 * counters, histogram buckets/sums/counts and ordinary gauges are **summed** (requests
   served, open connections: each connection is counted by exactly one process);
 * `*_created` samples take the **earliest** (the series exists since its first process);
-* timestamp gauges (`*_timestamp_seconds`, certificate expiry) and the flags in
-  `NOT_SUMMED` take **main's** value (a sum of timestamps or of "1 = shared" means
-  nothing); a worker's copy only shows when main has none.
+* timestamp gauges (`*_timestamp_seconds`, certificate expiry) and the counts in
+  `NOT_SUMMED` take **main's** value (a sum of timestamps means nothing); a worker's copy
+  only shows when main has none;
+* the flags in `LOWEST` take the **lowest** value: `state_shared` is 1 only while every
+  process decides in Redis — what `/status` says — since a worker's own Redis client
+  may have fallen back (its decision failed) before main's probe noticed.
 
 Families only a worker has (a route main never served) are added as they come.
 """
@@ -23,9 +26,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-#: Families that state a fact about the instance (shared or not; how often it fell back)
-#: rather than count work: every process with a Redis client switches with main.
-NOT_SUMMED = frozenset({"pact_ingress_state_shared", "pact_ingress_state_fallbacks"})
+#: Families that state a fact about the instance (how often it fell back) rather than
+#: count work: every process with a Redis client switches with main.
+NOT_SUMMED = frozenset({"pact_ingress_state_fallbacks"})
+#: Flags the instance has only while every process has them (1 = shared).
+LOWEST = frozenset({"pact_ingress_state_shared"})
 
 
 def _key(sample: Any) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -58,7 +63,8 @@ def merge_families(main: Iterable[Metric], reports: Iterable[str]) -> list[Metri
                 old = owner.samples[i]
                 if keep_main:
                     continue
-                value = min(old.value, s.value) if s.name.endswith("_created") \
+                value = min(old.value, s.value) if (s.name.endswith("_created")
+                                                    or fam.name in LOWEST) \
                     else old.value + s.value
                 owner.samples[i] = old._replace(value=value)
     return list(families.values())

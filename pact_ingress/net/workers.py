@@ -285,6 +285,10 @@ class WorkerPool:
         self._nursery: trio.Nursery | None = None
         #: main's relay store service (`relay.remote.StoreService`), when a relay is served
         self.relay_service: Any = None
+        #: Called with (worker index, its report) for every report of a worker whose own
+        #: Redis client is in fallback (`app.Ingress` turns one only a worker saw into
+        #: the instance's switch: one log line, one count).
+        self.on_state_fallback: Callable[[int, dict[str, Any]], None] | None = None
         self._sent = stats.worker_handoffs.labels("worker")
         self._fallback = stats.worker_handoffs.labels("main")
         for slot in self.slots:
@@ -439,6 +443,8 @@ class WorkerPool:
             waiting = slot.asks.pop(msg.id, None)
             report = wp.decode_json(msg.payload)
             slot.report = report
+            if report.get("state_mode") == "fallback" and self.on_state_fallback is not None:
+                self.on_state_fallback(slot.index, report)
             if waiting is not None:
                 waiting[1].append(report)
                 waiting[0].set()

@@ -20,12 +20,19 @@ client cannot use (a wrong password) keeps the instance in fallback, as before.
 
 **Health.** `RedisState` is either *shared* (Redis answers) or *fallback* (it does
 not). Every call runs under a deadline; a failure or a timeout switches to fallback at
-once, and while in fallback nothing waits on Redis at all. A probe task (`run`) pings
+once, and while in fallback nothing waits on Redis at all. A probe task (`run`) checks
 Redis every `PROBE_INTERVAL`; it switches back to shared when Redis connects and answers
-a PING within the decision deadline (so a Redis that is up but too slow stays in
-fallback instead of flapping). Each switch is one log line, the `state_shared` gauge and
-`state_fallbacks` counter, and `/status` (`state`). Starting while Redis is down is not
-an error: the instance starts in fallback and joins when Redis comes.
+a write within the decision deadline (a `SET … XX` that stores nothing), so a Redis
+that is up but too slow, or answers PING but refuses writes (out of memory under
+`noeviction`, a read-only replica), stays in fallback instead of flapping. While
+shared, decisions themselves notice a slow Redis, so the probe then only looks for one
+that is gone (`CONNECT_DEADLINE`): a flood that keeps this process's event loop busy
+must not pass for a slow Redis. For the same reason a decision's deadline starts when
+it has its turn for a connection (`RedisLimiter._turns`), and the probe keeps the
+connections open (`RespClient.warm`) so that a decision does not connect. Each switch
+is one log line, the `state_shared` gauge and `state_fallbacks` counter, and `/status`
+(`state`). Starting while Redis is down is not an error: the instance starts in
+fallback and joins when Redis comes.
 
 **Rate limits** (`RedisLimiter`). The buckets and their arithmetic are
 `proto.ratelimit`'s: the same demands (which buckets a call draws on, cost, emission
@@ -188,7 +195,8 @@ class RedisState:
         stats.state_shared.set(0)
 
     #: False in a worker process of `serve --workers`: main logs the instance's switches
-    #: (one line each); a worker's own client switching with it says so at debug level.
+    #: (one line each); a worker's own client switching with it says so at debug level,
+    #: and main takes a switch only a worker saw from its report (`app.Ingress`).
     announce = True
 
     def _say(self, level: Callable[..., None]) -> Callable[..., None]:
@@ -243,12 +251,26 @@ class RedisState:
         try:
             # (re)connecting and loading scripts may take longer than one decision...
             await self.call("connect", self.limiter.load, CONNECT_DEADLINE)
-            # ...but shared mode needs a Redis that answers within the decision deadline
-            await self.call("ping", self.client.ping, self.deadline)
+            # ...but shared mode needs a Redis that answers within the decision deadline,
+            # and takes writes: every decision writes, and a Redis that is full under
+            # `noeviction` (or a read-only replica) still answers PING, so a PING alone
+            # would switch back to shared at every probe and lose it at the next decision
+            # (while shared, decisions themselves notice a slow Redis: the probe only
+            # looks for one that is gone, and must not take this process's own busy
+            # event loop for a slow Redis)
+            await self.call("ping", self._write_probe,
+                            CONNECT_DEADLINE if self.healthy else self.deadline)
         except Unavailable:
             return False
         self.found()
         return True
+
+    async def _write_probe(self) -> None:
+        """A write Redis refuses when it refuses writes, which stores nothing: SET … XX
+        of a key nobody creates (refused before it runs when Redis is out of memory)."""
+        from coredis.tokens import PureToken
+
+        await self.client.set(self.key("probe"), b"", condition=PureToken.XX, px=1)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -298,14 +320,21 @@ class RedisLimiter:
         self.script = Script(GCRA_SCRIPT)
         # the hot path's own client (see state.resp_client for why not coredis)
         self.resp = RespClient(state.settings, ssl_context=_tls_context(state.settings))
+        # Decisions take turns for the client's connections here, before the deadline
+        # starts: the deadline measures Redis, and a flood that keeps this process's
+        # event loop busy must not make its own queue look like a sick Redis (every
+        # decision would then be made alone, the cluster's budget one per instance).
+        # One connection is left to the probe's script load, which takes no turn.
+        self._turns = trio.Semaphore(max(1, self.resp.max_connections - 1))
         self._prefix = state.key("rl", "")
         self._decided_shared = state.stats.rate_decisions.labels("shared")
         self._decided_alone = state.stats.rate_decisions.labels("fallback")
 
     async def load(self) -> None:
-        """Put the script into Redis's cache (a restarted Redis has forgotten it); this
-        also opens a decision connection, so the first decision does not connect."""
+        """Put the script into Redis's cache (a restarted Redis has forgotten it), and
+        open the decision connections, so that decisions do not connect."""
         await self.resp.script_load(self.script)
+        await self.resp.warm()
 
     async def check_calls(
         self,
@@ -355,9 +384,12 @@ class RedisLimiter:
         for bucket, (cost, interval, burst) in demands.items():
             names.append(self._name(scope, client, bucket))
             args += [str(cost), repr(interval), str(burst)]
-        answer = await self.state.call(
-            "ratelimit", lambda: self.resp.evalsha(self.script, names, args),
-            self.state.deadline)
+        async with self._turns:
+            if not self.state.healthy:  # lost while this decision waited for its turn
+                raise Unavailable(self.state.last_error or "unavailable")
+            answer = await self.state.call(
+                "ratelimit", lambda: self.resp.evalsha(self.script, names, args),
+                self.state.deadline)
         if answer == b"ok":
             return ALLOWED
         return Limited(max(1, math.ceil(float(answer) - _EPSILON)))

@@ -281,6 +281,20 @@ class RespClient:
             raise
         return conn
 
+    async def warm(self) -> None:
+        """Open connections up to the pool's size, so that a decision finds one open
+        rather than connecting (TCP, AUTH, SELECT) within its own deadline — under a
+        flood this process's event loop alone can take longer than that."""
+        while self._open < self.max_connections and not self._waiting:
+            self._open += 1
+            try:
+                conn = await self._connect()
+            except BaseException:
+                self._open -= 1
+                self._wake(1)
+                raise
+            self._release(conn)
+
     def close(self) -> int:
         """Close the idle connections (those in use close when their request ends);
         how many were closed."""
