@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pact_ingress.model import RedisSettings, Secret
 from pact_ingress.proto.ratelimit import ALLOWED, Budget, Decision, Limited, RateLimiter
-from pact_ingress.state.redis import RedisState, Unavailable
+from pact_ingress.state.redis import TURN_WAIT, RedisState, Unavailable
 from pact_ingress.stats import Stats
 from tests.redis_server import RedisServer
 
@@ -252,3 +252,34 @@ async def test_a_busy_event_loop_is_not_a_slow_redis(
     assert state.stats.value("pact_ingress_rate_limit_decisions_total",
                              {"where": "fallback"}) == 0
     assert sum(a is ALLOWED for a in answers) == 8 * 5  # 8 clients, a burst each
+
+
+async def test_a_decision_waits_for_its_turn_only_so_long(
+    nursery: trio.Nursery, redis: RedisServer,
+) -> None:
+    """A decision queued behind others (every turn on a connection taken) waits at most
+    `TURN_WAIT`, then is made by this instance alone; the queue is this process's, not
+    Redis's, so the instance stays shared and the next decision with a turn free is made
+    in Redis again."""
+    state = await _running(nursery, redis)
+    limiter = state.limiter
+    budget = Budget(600, 10)
+    turns = limiter._turns
+    held = turns.value
+    for _ in range(held):  # what decisions in flight hold under a flood
+        turns.acquire_nowait()
+    started = trio.current_time()
+    with trio.fail_after(TURN_WAIT + 10):  # a decision that waits without a bound fails
+        waited = await limiter.check_calls("192.0.2.9", [None], 0.0, budget=budget,
+                                           scope="turns.example")
+    assert waited is ALLOWED
+    assert trio.current_time() - started >= TURN_WAIT
+    assert state.healthy, state.last_error
+    assert state.stats.value("pact_ingress_rate_limit_decisions_total",
+                             {"where": "fallback"}) == 1
+    for _ in range(held):
+        turns.release()
+    assert await limiter.check_calls("192.0.2.9", [None], 0.0, budget=budget,
+                                     scope="turns.example") is ALLOWED
+    assert state.stats.value("pact_ingress_rate_limit_decisions_total",
+                             {"where": "shared"}) == 1

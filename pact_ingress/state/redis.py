@@ -96,11 +96,16 @@ if TYPE_CHECKING:
 #: healthy one answers in well under a millisecond on the same network (a Redis in
 #: another data centre needs the setting raised above its round trip).
 DECISION_DEADLINE = RedisSettings.deadline
-#: How often the health probe pings Redis (in both states), so the status is current
+#: How often the health probe checks Redis (in both states), so the status is current
 #: without traffic and recovery is noticed within about this long.
 PROBE_INTERVAL = 1.0
 #: A probe may take this long to (re)connect — TCP, TLS, AUTH — before its timed PING.
 CONNECT_DEADLINE = 2.0
+#: The longest a decision waits for its turn on a connection, behind the decisions
+#: queued before it (a flood makes that queue). Past it this one decision is made by
+#: the instance alone and the state stays shared: the queue is this process's, not
+#: Redis's, but a request must not wait on it without a bound.
+TURN_WAIT = 1.0
 #: Connections to Redis per instance: decisions are short, so a few carry a busy edge.
 MAX_CONNECTIONS = 16
 
@@ -384,12 +389,19 @@ class RedisLimiter:
         for bucket, (cost, interval, burst) in demands.items():
             names.append(self._name(scope, client, bucket))
             args += [str(cost), repr(interval), str(burst)]
-        async with self._turns:
+        turns = self._turns
+        with trio.move_on_after(TURN_WAIT) as waiting:
+            await turns.acquire()
+        if waiting.cancelled_caught:  # this process's queue, not Redis: the state stands
+            raise Unavailable(f"decisions queued for over {TURN_WAIT:g} s")
+        try:
             if not self.state.healthy:  # lost while this decision waited for its turn
                 raise Unavailable(self.state.last_error or "unavailable")
             answer = await self.state.call(
                 "ratelimit", lambda: self.resp.evalsha(self.script, names, args),
                 self.state.deadline)
+        finally:
+            turns.release()
         if answer == b"ok":
             return ALLOWED
         return Limited(max(1, math.ceil(float(answer) - _EPSILON)))
