@@ -13,9 +13,9 @@ The one exception is the rate-limit decision, on every request's path: through c
 it cost ~400 µs of ingress CPU (more than a whole terminate request), nearly all of it
 the library's per-call machinery. `RedisLimiter` sends its EVALSHA through
 `state.resp_client` instead — a few persistent connections, one send and one receive per
-decision — while everything else (and the health probe's PING) stays on coredis. Both
+decision — while everything else (and the health probe's write) stays on coredis. Both
 connect with the same settings (AUTH, SELECT, TLS); the probe's `load` opens the
-decision client's first connection and loads the script there, so a Redis the decision
+decision client's connections and loads the script there, so a Redis the decision
 client cannot use (a wrong password) keeps the instance in fallback, as before.
 
 **Health.** `RedisState` is either *shared* (Redis answers) or *fallback* (it does
@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import coredis
 import trio
 from coredis.retry import NoRetryPolicy
+from coredis.tokens import PureToken
 
 from pact_ingress.logs import log
 from pact_ingress.model import RedisSettings, Relay
@@ -273,8 +274,6 @@ class RedisState:
     async def _write_probe(self) -> None:
         """A write Redis refuses when it refuses writes, which stores nothing: SET … XX
         of a key nobody creates (refused before it runs when Redis is out of memory)."""
-        from coredis.tokens import PureToken
-
         await self.client.set(self.key("probe"), b"", condition=PureToken.XX, px=1)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
