@@ -168,3 +168,221 @@ def test_a_reload_while_a_worker_respawns_reaches_the_new_worker_whole(
             assert r.status == 200
     finally:
         serve.stop()
+
+
+# === helpers for traffic during reloads ====================================================
+
+
+class Echo:
+    """A raw TCP echo server on loopback: the passthrough route's backend."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server((LOOPBACK, 0))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.listener.close()
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def passthrough_route(echo_port: int) -> str:
+    return f"      - {{host: {PT_HOST}, mode: passthrough, backend: '{LOOPBACK}:{echo_port}'}}\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """As an operator's tool (or `tenant add`) should: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def curl() -> str:
+    import shutil
+
+    path = shutil.which("curl")
+    assert path, "curl is required for this test (apt-get install -y curl)"
+    return path
+
+
+def admin_reload(serve: Serve) -> tuple[int, str]:
+    """`curl -X POST /reload`: the HTTP status and the body."""
+    import subprocess
+
+    out = subprocess.run([curl(), "-s", "-X", "POST", "-w", "\n%{http_code}", "--max-time",
+                          str(WAIT), f"http://{LOOPBACK}:{serve.admin_port}/reload"],
+                         capture_output=True, text=True, timeout=WAIT + 5, check=False)
+    body, _, code = out.stdout.rpartition("\n")
+    return int(code or 0), body
+
+
+class Traffic:
+    """Keep-alive HTTP/1.1 and HTTP/2 clients on a terminate route and passthrough
+    connections, each from every given source address, looping (bounded) until
+    stopped. Every answer that is not what the route promises is recorded."""
+
+    def __init__(self, serve: Serve, sources: list[str], *, max_rounds: int = 2000) -> None:
+        self.serve, self.max_rounds = serve, max_rounds
+        self.stop_event = threading.Event()
+        self.failures: list[str] = []
+        self.done = {"h1": 0, "h2": 0, "pt": 0}
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=fn, args=(ip,), daemon=True)
+                        for ip in sources for fn in (self._h1, self._h2, self._pt)]
+        for t in self.threads:
+            t.start()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.done[kind] += 1
+
+    def _fail(self, what: str) -> None:
+        with self._lock:
+            self.failures.append(what)
+
+    def _h1(self, ip: str) -> None:
+        sock = tls_socket(self.serve.port, OPT_HOST, source=ip)
+        try:
+            for i in range(self.max_rounds):
+                if self.stop_event.is_set():
+                    return
+                sock.sendall(request_bytes("GET", f"/h1/{i}", OPT_HOST))
+                resp = read_response(sock)
+                if resp.status != 200:
+                    return self._fail(f"h1 {ip} #{i}: {resp.status_line}")
+                self._count("h1")
+        except (OSError, ConnectionError) as exc:
+            self._fail(f"h1 {ip}: {exc!r}")
+        finally:
+            forget(sock)
+
+    def _h2(self, ip: str) -> None:
+        conn = H2Conn(self.serve.port, OPT_HOST, source=ip)
+        try:
+            for i in range(self.max_rounds):
+                if self.stop_event.is_set():
+                    return
+                res = conn.request("GET", f"/h2/{i}")
+                if res.status != 200:
+                    return self._fail(f"h2 {ip} #{i}: {res}")
+                self._count("h2")
+        except (OSError, TimeoutError) as exc:
+            self._fail(f"h2 {ip}: {exc!r}")
+        finally:
+            conn.close()
+
+    def _pt(self, ip: str) -> None:
+        sock = socket.create_connection((LOOPBACK, self.serve.port), timeout=WAIT,
+                                        source_address=(ip, 0))
+        try:
+            sock.sendall(HELLO)
+            if recv_exact(sock, len(HELLO)) != HELLO:
+                return self._fail(f"pt {ip}: hello not echoed")
+            for i in range(self.max_rounds):
+                if self.stop_event.is_set():
+                    return
+                msg = f"ping {ip} {i}".encode()
+                sock.sendall(msg)
+                if recv_exact(sock, len(msg)) != msg:
+                    return self._fail(f"pt {ip} #{i}: echo lost")
+                self._count("pt")
+        except OSError as exc:
+            self._fail(f"pt {ip}: {exc!r}")
+        finally:
+            sock.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(WAIT)
+        assert not any(t.is_alive() for t in self.threads), "a client hung"
+
+
+#: Budgets far above what the bounded loops can spend: the load is not what is judged.
+UNLIMITED = {"calls_per_hour_per_ip": 10_000_000, "calls_per_hour_per_ip_key": 10_000_000}
+
+
+def route_hosts(serve: Serve) -> set[str]:
+    return {r["host"] for r in serve.status()["routes"]}
+
+
+# === 1. reload storms under traffic ========================================================
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_reload_storm_under_traffic_fails_no_request_and_ends_on_the_last_config(
+        tmp_path: Path, ids: Identities, node: RecordingNode, workers: int) -> None:
+    """SIGHUPs back to back, with `POST /reload` calls among them, while keep-alive
+    HTTP/1.1 and HTTP/2 clients and passthrough connections run from addresses of every
+    worker. Each config differs (a growing list of routes, a changed limit): no request
+    fails, no process dies or is replaced, nothing writes a traceback, no reload is
+    refused, and main and every worker end on the last config written."""
+    echo = Echo()
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=workers, limits=UNLIMITED,
+                  extra_routes=passthrough_route(echo.port))
+    traffic = None
+    try:
+        pids = worker_pids(serve) if workers > 1 else None
+        sources = [ips[0] for ips in by_worker().values()]
+        traffic = Traffic(serve, sources)
+        poll(lambda: all(traffic.done.values()) or traffic.failures, "traffic of every kind")
+        rounds = 30
+        for k in range(1, rounds + 1):
+            serve.limits = {**UNLIMITED, "max_body_bytes": 100_000 + k}
+            serve.extra_routes = passthrough_route(echo.port) + "".join(
+                f"      - {{host: s{j}.storm.test, mode: passthrough, "
+                f"backend: '{LOOPBACK}:9'}}\n" for j in range(k))
+            write_atomic(serve.config, serve.render())
+            if k % 5 == 0:
+                code, body = admin_reload(serve)
+                assert code == 200 and json.loads(body)["ok"] is True, (code, body)
+            else:
+                serve.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.02)
+        final = {HOST, OPT_HOST, PT_HOST} | {f"s{j}.storm.test" for j in range(rounds)}
+        poll(lambda: route_hosts(serve) == final, "main on the last config")
+        if workers > 1:
+            poll(lambda: all(counts[-1] == len(final)
+                             for counts in applied_by(serve).values()), "workers on it too")
+        before = dict(traffic.done)
+        poll(lambda: all(traffic.done[k] > before[k] for k in before) or traffic.failures,
+             "traffic after it")
+        traffic.stop()
+        assert traffic.failures == []
+        assert_no_casualty(serve, pids)
+        events = serve.log_events()
+        assert not [e for e in events if e.get("event") == "reload_refused"]
+        assert sum(e.get("event") == "reloaded" for e in events) >= rounds // 5
+        if workers > 1:
+            assert set(applied_by(serve)) == {0, 1}
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        serve.stop()
+        echo.stop()
