@@ -386,3 +386,114 @@ def test_a_reload_storm_under_traffic_fails_no_request_and_ends_on_the_last_conf
             traffic.stop()
         serve.stop()
         echo.stop()
+
+
+# === 2. good and bad configs alternating under load ========================================
+
+
+INCLUDE = "include: tenants.d/*.yaml\n"
+
+
+def bad_configs(serve: Serve, tmp: Path) -> list[tuple[str, str, Path, str]]:
+    """(name, config text, the file the refusal must name, a fragment of its message)
+    for configs an operator gets wrong, each with exactly one problem. `serve.render()`
+    ends inside the `tenants:` list, so a tenant appended there is one more tenant."""
+    base, cfg = serve.render(), serve.config
+    lines = (base + INCLUDE).count("\n")
+    certs = tmp / "certs"
+    (certs / "km.attack.test.crt").write_bytes((certs / f"{HOST}.crt").read_bytes())
+    enc = tmp / "enc.key"
+    enc.write_text("A" * 43 + "=\n")
+    enc.chmod(0o644)
+
+    def tenant(name: str, routes: str) -> str:
+        return f"  - name: {name}\n    pins: [\"{serve.node_fp}\"]\n    routes:\n{routes}"
+
+    key_missing = terminate_route("km.attack.test", serve.node.port).replace(
+        "certs/km.attack.test.key", "certs/km-missing.key")
+    duplicate = f"      - {{host: {OPT_HOST}, mode: passthrough, backend: '{LOOPBACK}:9'}}\n"
+    return [
+        ("yaml syntax", base + INCLUDE + "  - this is: [not a tenant\n", cfg,
+         "YAML syntax error"),
+        ("unknown key", base + INCLUDE + "bogus_key: 1\n", cfg,
+         f"{lines + 1}: unknown key 'bogus_key'"),
+        ("key file missing", base + tenant("km", key_missing) + INCLUDE, cfg,
+         "certs/km-missing.key does not exist, but its partner does"),
+        ("secret file 0644", base + INCLUDE + "state:\n  backend: redis\n"
+         "  url: redis://127.0.0.1:1/0\n  encryption_key_file: enc.key\n", cfg,
+         "is readable by every user"),
+        ("duplicate host", base + tenant("dup", duplicate) + INCLUDE, cfg,
+         f"host '{OPT_HOST}' is already routed by tenant 'attack'"),
+        # an included tenant file whose tenant was deleted, its routes left behind
+        ("tenant gone", base + INCLUDE, tmp / "tenants.d" / "ghost.yaml",
+         "tenant needs 'name'"),
+    ]
+
+
+def test_bad_reloads_alternating_with_good_ones_under_load(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """With `--workers 2` and traffic running: a YAML syntax error, an unknown key, a
+    cert whose key file is missing, a secret file readable by every user, a host routed
+    twice, an included tenant file whose tenant is gone (routes without a name or pins),
+    each followed by a good config. Each bad one: exactly one `reload_refused` line
+    naming FILE:LINE, no worker touched; each good one: applied by main and both
+    workers. Nothing fails, dies or writes a traceback."""
+    echo = Echo()
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2, limits=UNLIMITED,
+                  extra_routes=passthrough_route(echo.port))
+    traffic = None
+    (tmp_path / "tenants.d").mkdir()
+    try:
+        pids = worker_pids(serve)
+        traffic = Traffic(serve, [ips[0] for ips in by_worker().values()])
+        poll(lambda: all(traffic.done.values()) or traffic.failures, "traffic of every kind")
+        cases = bad_configs(serve, tmp_path)
+        hosts = {HOST, OPT_HOST, PT_HOST}
+        for n, (name, text, where, fragment) in enumerate(cases):
+            ghost = tmp_path / "tenants.d" / "ghost.yaml"
+            if name == "tenant gone":
+                # its name line deleted with the tenant, its pins and routes left behind
+                write_atomic(ghost, f"pins: [\"{serve.node_fp}\"]\nroutes:\n  - {{host: "
+                             f"ghost.attack.test, mode: passthrough, backend: '{LOOPBACK}:9'}}\n")
+            refused_before = [e for e in serve.log_events() if e.get("event") ==
+                              "reload_refused"]
+            applied_before = applied_by(serve)
+            if n % 2:
+                write_atomic(serve.config, text)
+                code, body = admin_reload(serve)
+                assert code == 422, (name, code, body)
+                outcome = "reload_refused"
+            else:
+                outcome = serve.reload(text)
+            assert outcome == "reload_refused", (name, outcome)
+            refused = [e for e in serve.log_events()
+                       if e.get("event") == "reload_refused"][len(refused_before):]
+            assert len(refused) == 1, (name, refused)
+            line = refused[0]["error"]
+            assert line.startswith(f"{where}:") and line.split(":")[1].isdigit(), (name, line)
+            assert fragment in line, (name, line)
+            assert "\n" not in line, (name, line)
+            assert route_hosts(serve) == hosts, name
+            ghost.unlink(missing_ok=True)
+            # a good one follows: applied everywhere
+            hosts = hosts | {f"g{n}.good.test"}
+            serve.extra_routes += (f"      - {{host: g{n}.good.test, mode: passthrough, "
+                                   f"backend: '{LOOPBACK}:9'}}\n")
+            assert serve.reload(serve.render() + INCLUDE) == "reloaded"
+            assert route_hosts(serve) == hosts, name
+            poll(lambda: all(len(applied_by(serve).get(w, [])) == len(applied_before.get(w, []))
+                             + 1 for w in (0, 1)), f"both workers take the good config ({name})")
+            assert {w: c[-1] for w, c in applied_by(serve).items()} == {0: len(hosts),
+                                                                        1: len(hosts)}
+        before = dict(traffic.done)
+        poll(lambda: all(traffic.done[k] > before[k] for k in before) or traffic.failures,
+             "traffic after it")
+        traffic.stop()
+        assert traffic.failures == []
+        assert_no_casualty(serve, pids)
+        assert "Traceback" not in serve.logs()
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        serve.stop()
+        echo.stop()
