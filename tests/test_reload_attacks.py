@@ -497,3 +497,88 @@ def test_bad_reloads_alternating_with_good_ones_under_load(
             traffic.stop()
         serve.stop()
         echo.stop()
+
+
+# === 3. with workers: open connections on every worker follow the reload ===================
+
+GONE_HOST = "gone.attack.test"
+
+
+def test_open_connections_on_every_worker_follow_reloads_and_ignore_a_bad_one(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """`--workers 2`, keep-alive HTTP/1.1 and HTTP/2 connections opened on each worker
+    before any reload. A reload lowering `max_body_bytes` makes the next upload on each
+    of them 413; a bad reload (that would also drop a route and the limit) changes
+    nothing anywhere; a reload that removes a terminate route makes the next request on
+    each connection to it 421. No connection is cut, no process replaced."""
+    routes = terminate_route(GONE_HOST, node.port)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2, limits=UNLIMITED,
+                  extra_routes=routes)
+    opened: list[Any] = []
+    try:
+        pids = worker_pids(serve)
+        groups = by_worker()
+        conns: dict[tuple[int, str], tuple[Any, Any]] = {}
+        for w, ips in groups.items():
+            for host in (GONE_HOST, OPT_HOST):
+                h1 = tls_socket(serve.port, host, source=ips[0])
+                h2c = H2Conn(serve.port, host, source=ips[0])
+                opened += [h1, h2c]
+                conns[(w, host)] = (h1, h2c)
+        assert serve.status()["workers"][0]["open_connections"] == 4
+        assert serve.status()["workers"][1]["open_connections"] == 4
+
+        def h1_get(sock: Any, host: str) -> int:
+            sock.sendall(request_bytes("GET", "/k", host))
+            return read_response(sock).status
+
+        upload = b"u" * 2000
+
+        def h2_upload(h2c: H2Conn) -> int | None:
+            return h2c.request("POST", "/up", body=upload,
+                               content_type="application/octet-stream").status
+
+        for (w, host), (h1, h2c) in conns.items():
+            assert h1_get(h1, host) == 200 and h2c.request("GET", "/k").status == 200
+            if host == OPT_HOST:
+                assert h2_upload(h2c) == 200
+
+        # the limit goes down: every worker applies it to connections already open
+        assert serve.reload(limits={**UNLIMITED, "max_body_bytes": 1000}) == "reloaded"
+        for w in groups:
+            h1, h2c = conns[(w, OPT_HOST)]
+            assert h2_upload(h2c) == 413, w
+            assert h1_get(h1, OPT_HOST) == 200, w  # the connection is as it was
+
+        # a bad config that would undo both: refused, nobody changes
+        bad = serve.render().replace(routes, "").replace("max_body_bytes: 1000",
+                                                         "max_body_bytes: 1000000") + "oops\n"
+        assert serve.reload(bad) == "reload_refused"
+        for w in groups:
+            assert h2_upload(conns[(w, OPT_HOST)][1]) == 413, w
+            h1, h2c = conns[(w, GONE_HOST)]
+            assert h1_get(h1, GONE_HOST) == 200 and h2c.request("GET", "/k").status == 200, w
+
+        # the route goes: the next request on each open connection to it is misdirected
+        def gone_seen() -> int:
+            return sum(f"host={GONE_HOST}" in ";".join(r.header_values("forwarded"))
+                       for r in node.requests())
+
+        gone_before = gone_seen()
+        assert gone_before >= 4
+        assert serve.reload(extra_routes="") == "reloaded"
+        for w in groups:
+            h1, h2c = conns[(w, GONE_HOST)]
+            assert h2c.request("GET", "/k").status == 421, w
+            assert h1_get(h1, GONE_HOST) == 421, w
+            h1, h2c = conns[(w, OPT_HOST)]
+            assert h1_get(h1, OPT_HOST) == 200 and h2c.request("GET", "/k").status == 200, w
+        assert gone_seen() == gone_before  # the node never saw the removed route again
+        assert_no_casualty(serve, pids)
+    finally:
+        for c in opened:
+            if isinstance(c, H2Conn):
+                c.close()
+            else:
+                forget(c)
+        serve.stop()
