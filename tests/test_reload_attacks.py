@@ -582,3 +582,78 @@ def test_open_connections_on_every_worker_follow_reloads_and_ignore_a_bad_one(
             else:
                 forget(c)
         serve.stop()
+
+
+# === 4. SIGTERM with reloads and more SIGTERMs ==============================================
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("scenario", ["sigterm_during_reload", "reload_during_drain",
+                                      "sigterm_twice"])
+def test_sigterm_with_reloads_drains_and_exits_zero(
+        tmp_path: Path, ids: Identities, node: RecordingNode, scenario: str,
+        workers: int) -> None:
+    """Streaming answers in flight (one per worker) and an idle keep-alive connection,
+    then SIGTERM together with a reload of a large config (SIGHUP right before it), or
+    with reloads during the drain (SIGHUP and `POST /reload`), or twice. Whatever the
+    order: every stream finishes whole, the idle connection is closed, every process
+    exits 0 (well within the drain deadline), and nothing writes a traceback."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=workers, limits=UNLIMITED)
+    streams: list[Any] = []
+    idle = None
+    try:
+        pids = worker_pids(serve) if workers > 1 else {}
+        for ips in by_worker().values():
+            sock = tls_socket(serve.port, OPT_HOST, source=ips[0])
+            streams.append(sock)
+            sock.sendall(request_bytes("GET", "/stream?n=8&interval=0.2", OPT_HOST))
+            assert read_response(sock, head_only=True).status == 200
+        idle = tls_socket(serve.port, OPT_HOST, source=by_worker()[0][0])
+        idle.sendall(request_bytes("GET", "/idle", OPT_HOST))
+        assert read_response(idle).status == 200
+        if scenario == "sigterm_during_reload":
+            serve.extra_routes = bulk_routes(1500, "t")
+            write_atomic(serve.config, serve.render())
+            serve.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.05)  # main is reading the config when SIGTERM comes
+            serve.proc.send_signal(signal.SIGTERM)
+        elif scenario == "reload_during_drain":
+            serve.proc.send_signal(signal.SIGTERM)
+            poll(lambda: any(e.get("event") == "draining" for e in serve.log_events()),
+                 "the drain")
+            serve.extra_routes = terminate_route("late.attack.test", node.port)
+            write_atomic(serve.config, serve.render())
+            serve.proc.send_signal(signal.SIGHUP)
+            code, _ = admin_reload(serve)
+            assert code in (0, 200), code  # refused at the door once closed, or done
+        else:
+            serve.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            serve.proc.send_signal(signal.SIGTERM)
+        for sock in streams:
+            assert read_chunked_body(sock).count(b"data: tick") == 8
+        idle.settimeout(WAIT)
+        try:
+            assert idle.recv(65536) == b""
+        except OSError:
+            pass  # a reset is closed too
+        assert serve.proc.wait(timeout=WAIT) == 0, serve.logs()[-3000:]
+        for pid in pids.values():
+            poll(lambda pid=pid: not Path(f"/proc/{pid}").exists()
+                 or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+                 f"worker {pid} gone")
+        logs = serve.logs()
+        assert "Traceback" not in logs, logs[logs.find("Traceback") - 200:][:3000]
+        events = serve.log_events()
+        assert not [e for e in events if e.get("event") in ("worker_exited", "worker_killed")]
+        if workers > 1:
+            stopped = {e["pid"]: e.get("code") for e in events
+                       if e.get("event") == "worker_stopped" and "pid" in e}
+            assert stopped == {pid: 0 for pid in pids.values()}, stopped
+        assert [e.get("event") for e in events].count("stopped") == 1
+    finally:
+        for sock in streams:
+            forget(sock)
+        if idle is not None:
+            forget(idle)
+        serve.stop()
