@@ -657,3 +657,50 @@ def test_sigterm_with_reloads_drains_and_exits_zero(
         if idle is not None:
             forget(idle)
         serve.stop()
+
+
+# === a config path that is no file ==========================================================
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
+        tmp_path: Path, ids: Identities, node: RecordingNode, kind: str) -> None:
+    """The operator's config path became a named pipe (a tool writing through one, a
+    slip of `mkfifo`) or a directory, then SIGHUP: reading it must not wait for a writer
+    that never comes — that would stop every connection, the admin endpoint and
+    SIGTERM with it. The reload is refused in one line naming the file; the process
+    serves on and drains on SIGTERM."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1, limits=UNLIMITED)
+    try:
+        good = serve.config.read_text()
+        serve.config.unlink()
+        if kind == "fifo":
+            os.mkfifo(serve.config)
+        else:
+            serve.config.mkdir()
+        serve.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        refused: list[dict[str, Any]] = []
+        while not refused and time.monotonic() < deadline:
+            refused = [e for e in serve.log_events() if e.get("event") == "reload_refused"]
+            time.sleep(0.05)
+        assert len(refused) == 1, serve.logs()[-2000:]
+        assert refused[0]["error"].startswith(f"{serve.config}:"), refused
+        assert exchange(serve.port, request_bytes("GET", "/ok", OPT_HOST),
+                        host=OPT_HOST).status == 200
+        assert route_hosts(serve) == {HOST, OPT_HOST}
+        if kind == "fifo":
+            serve.config.unlink()
+        else:
+            serve.config.rmdir()
+        serve.config.write_text(good)
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.proc.wait(timeout=WAIT) == 0
+        assert "Traceback" not in serve.logs()
+    finally:
+        if kind == "fifo" and serve.config.is_fifo():
+            # a reader blocked on the pipe gets its EOF, so the process can be stopped
+            fd = os.open(serve.config, os.O_WRONLY | os.O_NONBLOCK) if serve.alive() else -1
+            if fd >= 0:
+                os.close(fd)
+        serve.stop()
