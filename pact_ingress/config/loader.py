@@ -69,6 +69,7 @@ import base64
 import binascii
 import dataclasses
 import difflib
+import errno
 import fnmatch
 import glob
 import ipaddress
@@ -465,7 +466,15 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
     if (text := overlay.get(os.path.abspath(path))) is not None:
         return text
     try:
-        with open(path, "rb") as fh:
+        # non-blocking open: a named pipe must not hold a reload (and with it the whole
+        # event loop) waiting for a writer; it is refused below like any non-file
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                ctx.errors.append(f"{ctx.file}:1: not a regular file")
+                return None
             data = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
