@@ -704,3 +704,41 @@ def test_a_config_path_that_is_no_regular_file_is_refused_without_blocking(
             if fd >= 0:
                 os.close(fd)
         serve.stop()
+
+
+# === SIGHUP while serve is still starting ===================================================
+
+
+class HupWhileStarting(Serve):
+    """A `Serve` whose config changes, followed by SIGHUP, while the process is still
+    starting (its config read, its workers not yet up): a reload from logrotate or a
+    script that does not wait for READY."""
+
+    def wait_notify(self, wanted: str, timeout: float = WAIT) -> list[str]:
+        if wanted == "READY=1" and not getattr(self, "_hupped", False):
+            self._hupped = True
+            deadline = time.monotonic() + WAIT
+            while self.alive() and time.monotonic() < deadline and not any(
+                    e.get("event") == "selfsigned_cert_created" for e in self.log_events()):
+                time.sleep(0.01)
+            self.extra_routes = f"      - {{host: early.test, mode: passthrough, " \
+                                f"backend: '{LOOPBACK}:9'}}\n"
+            write_atomic(self.config, self.render())
+            self.proc.send_signal(signal.SIGHUP)
+        return super().wait_notify(wanted, timeout)
+
+
+def test_a_sighup_while_serve_starts_neither_kills_it_nor_is_lost(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """SIGHUP's default action ends a process: one that arrives after `serve` read its
+    config but before its signal handling is up must not, and the config written
+    before it must be the one in force once serving."""
+    serve = HupWhileStarting(tmp_path, node, ids.node.fingerprint, workers=2)
+    try:
+        assert serve.alive()
+        poll(lambda: "early.test" in route_hosts(serve), "the config written before SIGHUP")
+        assert exchange(serve.port, request_bytes("GET", "/ok", OPT_HOST),
+                        host=OPT_HOST).status == 200
+        assert "Traceback" not in serve.logs()
+    finally:
+        serve.stop()
