@@ -321,6 +321,8 @@ class Ingress:
                 gctune.settle()  # what lives now lives for the process: out of collections
             sdnotify.ready()
             task_status.started(self)
+            if _take_early_hup():  # a SIGHUP came while starting: its config may be newer
+                nursery.start_soon(self.reload)
 
     async def _run_relay(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                          ) -> None:
@@ -372,6 +374,21 @@ class Ingress:
                     await self.stop()
 
 
+#: A SIGHUP arrived before `serve` handled signals itself (see `main_serve`).
+_early_hup = False
+
+
+def _note_early_hup(signum: int, frame: Any) -> None:
+    global _early_hup
+    _early_hup = True
+
+
+def _take_early_hup() -> bool:
+    global _early_hup
+    taken, _early_hup = _early_hup, False
+    return taken
+
+
 def _reason(exc: BaseException) -> str:
     """An exception as one line for an operator: the message, or its type if empty."""
     text = " ".join(str(exc).split())
@@ -383,6 +400,9 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     usable core, 1 = this process alone (no children), see `net/workers.py`."""
     from pact_ingress.net.workers import default_workers
 
+    # SIGHUP's default action ends the process, and the handler of `_signals` is up only
+    # once the workers are: until then a reload is noted and done once serving
+    signal.signal(signal.SIGHUP, _note_early_hup)
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI
     count = default_workers() if workers is None else workers
