@@ -742,3 +742,33 @@ def test_a_sighup_while_serve_starts_neither_kills_it_nor_is_lost(
         assert "Traceback" not in serve.logs()
     finally:
         serve.stop()
+
+
+@pytest.mark.parametrize("damage", [b"\x00\x00\x00\x00", b"\x1b[2J", b"\x7f"])
+def test_a_config_damaged_by_control_bytes_is_refused_in_one_line_naming_the_line(
+        tmp_path: Path, ids: Identities, node: RecordingNode, damage: bytes) -> None:
+    """A config file with bytes YAML does not accept (a block of NULs left by a crash
+    mid-write, a pasted escape sequence) on some line past the first: the refusal is one
+    line naming FILE and that line, like every other config error, and the running
+    config stays."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1, limits=UNLIMITED)
+    try:
+        text = serve.render().encode()
+        lines = text.split(b"\n")
+        at = len(lines) - 3  # a line of the last route, well past the first
+        lines[at - 1] += b"  " + damage
+        serve.config.write_bytes(b"\n".join(lines))
+        before = len(serve.log_events())
+        serve.proc.send_signal(signal.SIGHUP)
+        poll(lambda: any(e.get("event") == "reload_refused"
+                         for e in serve.log_events()[before:]), "the refusal")
+        refused = [e for e in serve.log_events()[before:] if e.get("event") == "reload_refused"]
+        assert len(refused) == 1, refused
+        error = refused[0]["error"]
+        assert error.startswith(f"{serve.config}:{at}: "), error
+        assert "\n" not in error, error
+        assert route_hosts(serve) == {HOST, OPT_HOST}
+        assert exchange(serve.port, request_bytes("GET", "/ok", OPT_HOST),
+                        host=OPT_HOST).status == 200
+    finally:
+        serve.stop()
