@@ -503,8 +503,15 @@ def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
         why = "; ".join(p for p in (exc.context, exc.problem) if p)
         ctx.errors.append(f"{ctx.file}:{line}: YAML syntax error: {why}")
         return None
+    except yaml.reader.ReaderError as exc:
+        # a character YAML refuses (NULs left by a crash mid-write, an escape sequence):
+        # its line, and one line of message (PyYAML's own text spans two)
+        line = text[: exc.position].count("\n") + 1
+        ctx.errors.append(f"{ctx.file}:{line}: YAML error: unacceptable character "
+                          f"#x{exc.character:04x}: {exc.reason}")
+        return None
     except yaml.YAMLError as exc:
-        ctx.errors.append(f"{ctx.file}:1: YAML error: {exc}")
+        ctx.errors.append(f"{ctx.file}:1: YAML error: {' '.join(str(exc).split())}")
         return None
     if node is None:
         ctx.errors.append(f"{ctx.file}:1: empty file (no YAML document)")
