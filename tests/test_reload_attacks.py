@@ -37,6 +37,7 @@ from tests.terminate_env import (
     OPT_HOST,
     WAIT,
     H2Conn,
+    H2Result,
     Identities,
     RecordingNode,
     Serve,
@@ -771,4 +772,61 @@ def test_a_config_damaged_by_control_bytes_is_refused_in_one_line_naming_the_lin
         assert exchange(serve.port, request_bytes("GET", "/ok", OPT_HOST),
                         host=OPT_HOST).status == 200
     finally:
+        serve.stop()
+
+
+def h2_get_started(h2c: H2Conn, path: str) -> int:
+    """A whole GET sent on a new stream, its answer left for `H2Conn.wait`."""
+    sid = h2c.conn.get_next_available_stream_id()
+    h2c._results[sid] = H2Result(None, [], b"")
+    h2c.conn.send_headers(sid, [(b":method", b"GET"), (b":scheme", b"https"),
+                                (b":authority", h2c.host.encode()), (b":path", path.encode())],
+                          end_stream=True)
+    h2c.sock.sendall(h2c.conn.data_to_send())
+    return sid
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_request_in_flight_when_its_route_is_removed_finishes_whole(
+        tmp_path: Path, ids: Identities, node: RecordingNode, http2: bool) -> None:
+    """A streaming answer under way on each worker when a reload removes its route (and
+    with it the route's upstream pool): every stream ends whole, the next request on the
+    same connection is 421, and the node sees nothing more for that host."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2, limits=UNLIMITED,
+                  extra_routes=terminate_route(GONE_HOST, node.port))
+    conns: list[Any] = []
+    try:
+        pids = worker_pids(serve)
+        sids = []
+        for ips in by_worker().values():
+            if http2:
+                h2c = H2Conn(serve.port, GONE_HOST, source=ips[0])
+                conns.append(h2c)
+                sids.append(h2_get_started(h2c, "/stream?n=8&interval=0.15"))
+            else:
+                sock = tls_socket(serve.port, GONE_HOST, source=ips[0])
+                conns.append(sock)
+                sock.sendall(request_bytes("GET", "/stream?n=8&interval=0.15", GONE_HOST))
+                assert read_response(sock, head_only=True).status == 200
+        poll(lambda: node.active_streams == 2, "both streams under way")
+        assert serve.reload(extra_routes="") == "reloaded"
+        seen = len(node.requests())
+        for i, conn in enumerate(conns):
+            if http2:
+                res = conn.wait(sids[i])
+                assert res.status == 200 and res.reset is None, res
+                assert res.body.count(b"data: tick") == 8
+                assert conn.request("GET", "/after").status == 421
+            else:
+                assert read_chunked_body(conn).count(b"data: tick") == 8
+                conn.sendall(request_bytes("GET", "/after", GONE_HOST))
+                assert read_response(conn).status == 421
+        assert len(node.requests()) == seen
+        assert_no_casualty(serve, pids)
+    finally:
+        for c in conns:
+            if isinstance(c, H2Conn):
+                c.close()
+            else:
+                forget(c)
         serve.stop()
