@@ -830,3 +830,46 @@ def test_a_request_in_flight_when_its_route_is_removed_finishes_whole(
             else:
                 forget(c)
         serve.stop()
+
+
+def test_a_lowered_rate_limit_binds_open_connections_on_every_worker(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """Keep-alive connections on both workers spend freely under a high per-IP budget; a
+    reload lowers it to 10 calls per hour (a burst of 5): on each of those same
+    connections the budget now runs out within a few requests (429 with Retry-After),
+    and a refused reload that would raise it again changes nothing."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2, limits=UNLIMITED)
+    socks: list[Any] = []
+    try:
+        pids = worker_pids(serve)
+        for ips in by_worker().values():
+            socks.append(tls_socket(serve.port, OPT_HOST, source=ips[0]))
+
+        def statuses(sock: Any, n: int) -> list[int]:
+            out = []
+            for i in range(n):
+                sock.sendall(request_bytes("GET", f"/r{i}", OPT_HOST))
+                resp = read_response(sock)
+                out.append(resp.status)
+                if resp.status == 429:
+                    assert resp.header("retry-after"), resp.headers
+                    break
+            return out
+
+        for sock in socks:
+            assert statuses(sock, 12) == [200] * 12
+        low = {"calls_per_hour_per_ip": 10, "calls_per_hour_per_ip_key": 10}
+        assert serve.reload(limits=low) == "reloaded"
+        for sock in socks:
+            got = statuses(sock, 12)
+            assert got[-1] == 429 and len(got) <= 6, got
+        assert serve.reload(serve.render().replace("calls_per_hour_per_ip: 10\n",
+                                                   "calls_per_hour_per_ip: ten\n")
+                            ) == "reload_refused"
+        for sock in socks:
+            assert statuses(sock, 1) == [429]
+        assert_no_casualty(serve, pids)
+    finally:
+        for sock in socks:
+            forget(sock)
+        serve.stop()
