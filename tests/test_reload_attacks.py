@@ -873,3 +873,58 @@ def test_a_lowered_rate_limit_binds_open_connections_on_every_worker(
         for sock in socks:
             forget(sock)
         serve.stop()
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stop_signals_repeated_until_exit_still_drain_and_exit_zero(
+        tmp_path: Path, ids: Identities, node: RecordingNode, signame: str,
+        workers: int) -> None:
+    """An impatient operator (or a supervisor and a script at once) sends the stop
+    signal to every process again and again, up to the moment each is gone: the
+    drain runs once, the streams in flight finish whole, and main and every worker
+    still exit 0 — also when a signal lands after a process's event loop is done."""
+    signum = getattr(signal, signame)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=workers, limits=UNLIMITED)
+    streams: list[Any] = []
+    try:
+        pids = worker_pids(serve) if workers > 1 else {}
+        for ips in by_worker().values():
+            sock = tls_socket(serve.port, OPT_HOST, source=ips[0])
+            streams.append(sock)
+            sock.sendall(request_bytes("GET", "/stream?n=5&interval=0.1", OPT_HOST))
+            assert read_response(sock, head_only=True).status == 200
+        reader_done: list[int] = []
+
+        def read_streams() -> None:
+            for s in streams:
+                reader_done.append(read_chunked_body(s).count(b"data: tick"))
+
+        reader = threading.Thread(target=read_streams, daemon=True)
+        reader.start()
+        targets = [serve.proc.pid, *pids.values()]
+        deadline = time.monotonic() + WAIT
+        for _ in range(5000):  # bounded: every 3 ms until main is gone
+            if serve.proc.poll() is not None or time.monotonic() > deadline:
+                break
+            for pid in targets:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.003)
+        assert serve.proc.wait(timeout=WAIT) == 0, serve.logs()[-2000:]
+        reader.join(WAIT)
+        assert reader_done == [5] * len(streams)
+        assert "Traceback" not in serve.logs(), serve.logs()[-3000:]
+        events = [e.get("event") for e in serve.log_events()]
+        assert events.count("draining") == 1 and events.count("stopped") == 1
+        if workers > 1:
+            assert events.count("worker_draining") == workers
+            ended = {e["pid"]: e.get("code", e.get("signal")) for e in serve.log_events()
+                     if e.get("event") in ("worker_stopped", "worker_exited") and "pid" in e}
+            assert ended == {pid: 0 for pid in pids.values()}, ended
+    finally:
+        for sock in streams:
+            forget(sock)
+        serve.stop()
