@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from pact_ingress import __version__, gctune, sdnotify
+from pact_ingress import __version__, gctune, sdnotify, stopping
 from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
 from pact_ingress.errors import ConfigError, PactIngressError
 from pact_ingress.identity import ensure_selfsigned_cert, load_identity
@@ -87,6 +87,7 @@ class Ingress:
                                       log_format=log_format)
             self.router.handoff = self.workers
         self.bound: dict[str, list[tuple[str, int]]] = {}
+        self._stopping = False
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -354,6 +355,10 @@ class Ingress:
         return True, "\n".join(lines) or "renewed"
 
     async def stop(self, deadline: float = DRAIN_DEADLINE) -> None:
+        if self._stopping:  # another SIGTERM: the drain is under way already
+            return
+        self._stopping = True
+        stopping.draining()
         sdnotify.stopping()
         log.info("draining", open_connections=self.router.open_connections,
                  deadline_s=deadline)
@@ -403,6 +408,7 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     # SIGHUP's default action ends the process, and the handler of `_signals` is up only
     # once the workers are: until then a reload is noted and done once serving
     signal.signal(signal.SIGHUP, _note_early_hup)
+    stopping.guard()
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI
     count = default_workers() if workers is None else workers
@@ -417,6 +423,7 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
         if fault is None or fault is exc:
             raise
         raise fault from exc
+    stopping.exiting()
     log.info("stopped")
     return 0
 
