@@ -23,8 +23,6 @@ import signal
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,6 @@ from tests.terminate_env import (
     read_response,
     request_bytes,
     tls_socket,
-    unsealed_call_body,
 )
 from tests.test_workers import by_worker, poll, worker_pids
 
@@ -248,8 +245,13 @@ class Traffic:
     connections, each from every given source address, looping (bounded) until
     stopped. Every answer that is not what the route promises is recorded."""
 
-    def __init__(self, serve: Serve, sources: list[str], *, max_rounds: int = 2000) -> None:
+    #: Each client's pause between requests: load, not a busy loop on two shared cores.
+    PAUSE = 0.002
+
+    def __init__(self, serve: Serve, sources: list[str], *, max_rounds: int = 20_000,
+                 max_seconds: float = 60.0) -> None:
         self.serve, self.max_rounds = serve, max_rounds
+        self.deadline = time.monotonic() + max_seconds
         self.stop_event = threading.Event()
         self.failures: list[str] = []
         self.done = {"h1": 0, "h2": 0, "pt": 0}
@@ -271,7 +273,7 @@ class Traffic:
         sock = tls_socket(self.serve.port, OPT_HOST, source=ip)
         try:
             for i in range(self.max_rounds):
-                if self.stop_event.is_set():
+                if self.stop_event.wait(self.PAUSE) or time.monotonic() > self.deadline:
                     return
                 sock.sendall(request_bytes("GET", f"/h1/{i}", OPT_HOST))
                 resp = read_response(sock)
@@ -287,7 +289,7 @@ class Traffic:
         conn = H2Conn(self.serve.port, OPT_HOST, source=ip)
         try:
             for i in range(self.max_rounds):
-                if self.stop_event.is_set():
+                if self.stop_event.wait(self.PAUSE) or time.monotonic() > self.deadline:
                     return
                 res = conn.request("GET", f"/h2/{i}")
                 if res.status != 200:
@@ -306,7 +308,7 @@ class Traffic:
             if recv_exact(sock, len(HELLO)) != HELLO:
                 return self._fail(f"pt {ip}: hello not echoed")
             for i in range(self.max_rounds):
-                if self.stop_event.is_set():
+                if self.stop_event.wait(self.PAUSE) or time.monotonic() > self.deadline:
                     return
                 msg = f"ping {ip} {i}".encode()
                 sock.sendall(msg)
@@ -435,7 +437,7 @@ def test_bad_reloads_alternating_with_good_ones_under_load(
         tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
     """With `--workers 2` and traffic running: a YAML syntax error, an unknown key, a
     cert whose key file is missing, a secret file readable by every user, a host routed
-    twice, an included tenant file whose tenant is gone (routes without a name or pins),
+    twice, an included tenant file whose tenant is gone (its pins and routes left),
     each followed by a good config. Each bad one: exactly one `reload_refused` line
     naming FILE:LINE, no worker touched; each good one: applied by main and both
     workers. Nothing fails, dies or writes a traceback."""
@@ -482,8 +484,9 @@ def test_bad_reloads_alternating_with_good_ones_under_load(
                                    f"backend: '{LOOPBACK}:9'}}\n")
             assert serve.reload(serve.render() + INCLUDE) == "reloaded"
             assert route_hosts(serve) == hosts, name
-            poll(lambda: all(len(applied_by(serve).get(w, [])) == len(applied_before.get(w, []))
-                             + 1 for w in (0, 1)), f"both workers take the good config ({name})")
+            poll(lambda before=applied_before: all(
+                len(applied_by(serve).get(w, [])) == len(before.get(w, [])) + 1 for w in (0, 1)),
+                f"both workers take the good config ({name})")
             assert {w: c[-1] for w, c in applied_by(serve).items()} == {0: len(hosts),
                                                                         1: len(hosts)}
         before = dict(traffic.done)
