@@ -931,3 +931,42 @@ def test_stop_signals_repeated_until_exit_still_drain_and_exit_zero(
         for sock in streams:
             forget(sock)
         serve.stop()
+
+
+# === what only a restart changes stays as it started, in workers too ========================
+
+
+def test_a_reload_changing_the_identity_key_leaves_every_worker_on_the_running_one(
+        tmp_path: Path, ids: Identities, node: RecordingNode) -> None:
+    """The identity key is read at start only. A reload whose config names another key
+    file (here one that does not exist yet) is applied with a warning saying so, and a
+    worker that dies afterwards is replaced by one that still presents the running
+    identity to the node — not one that fails on the new path, or uses another key."""
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=2, limits=UNLIMITED)
+    try:
+        pids = worker_pids(serve)
+        text = serve.render().replace("identity: {key: ingress.key}",
+                                      "identity: {key: rotated/ingress.key}")
+        assert "rotated/" in text
+        assert serve.reload(text) == "reloaded"
+        os.kill(pids[0], signal.SIGKILL)
+        poll(lambda: (w := serve.status()["workers"][0])["pid"] != pids[0]
+             and w["state"] == "ready"
+             or len([e for e in serve.log_events() if e.get("event") == "worker_exited"]) > 1,
+             "a new worker 0")
+        exited = [e for e in serve.log_events() if e.get("event") == "worker_exited"]
+        assert [e["pid"] for e in exited] == [pids[0]], exited
+        assert "Traceback" not in serve.logs(), serve.logs()[-3000:]
+        node.clear()
+        served = serve.status()["workers"][0]["requests"]
+        for ip in by_worker()[0]:
+            r = exchange(serve.port, request_bytes("GET", "/x", OPT_HOST), host=OPT_HOST,
+                         source=ip)
+            assert r.status == 200
+        assert serve.status()["workers"][0]["requests"] > served  # the new worker's work
+        assert {r.peer for r in node.requests()} == {ids.ingress.fingerprint}
+        assert serve.status()["identity"] == ids.ingress.fingerprint
+        warned = [e for e in serve.log_events() if e.get("event") == "reload_identity_unchanged"]
+        assert len(warned) == 1, serve.logs()[-2000:]
+    finally:
+        serve.stop()
