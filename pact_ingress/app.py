@@ -171,6 +171,9 @@ class Ingress:
         if new.state != old.state:
             log.warning("reload_state_unchanged",
                         detail="the state backend (state:) changes only on restart")
+        if new.identity_key != old.identity_key:
+            log.warning("reload_identity_unchanged",
+                        detail="the identity key (identity.key) changes only on restart")
         try:
             self._switch(new)
         except Exception as exc:

@@ -55,6 +55,7 @@ environment: only main speaks to systemd, and it says READY once the workers are
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 import os
 import pickle
@@ -275,6 +276,9 @@ class WorkerPool:
             raise ValueError("a pool has at least two workers (one means no pool)")
         self.count = count
         self.config = config
+        # read by a worker once, as it starts; main read them at its own start and a
+        # reload changes neither there, so no worker (a replacement too) reads others
+        self._at_start = {"identity_key": config.identity_key, "state": config.state}
         self.stats = stats
         self.backends = backends
         self.certs = certs
@@ -680,7 +684,7 @@ class WorkerPool:
         handed to it later. The frames go out now when the channel takes them (it
         usually does); otherwise a task sends the rest, and handoffs to that worker wait
         for it, so no connection reaches a worker ahead of the config it belongs to."""
-        self.config = config
+        self.config = config = dataclasses.replace(config, **self._at_start)
         frames = wp.encode(Kind.CONFIG, pickle.dumps(config))
         for slot in self.slots:
             channel = slot.channel
