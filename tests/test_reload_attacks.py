@@ -878,16 +878,17 @@ def test_a_lowered_rate_limit_binds_open_connections_on_every_worker(
         serve.stop()
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGTERM+SIGHUP"])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_stop_signals_repeated_until_exit_still_drain_and_exit_zero(
         tmp_path: Path, ids: Identities, node: RecordingNode, signame: str,
         workers: int) -> None:
     """An impatient operator (or a supervisor and a script at once) sends the stop
-    signal to every process again and again, up to the moment each is gone: the
-    drain runs once, the streams in flight finish whole, and main and every worker
-    still exit 0 — also when a signal lands after a process's event loop is done."""
-    signum = getattr(signal, signame)
+    signal to every process again and again, up to the moment each is gone (with
+    `+SIGHUP`: reloads to main in between): the drain runs once, the streams in flight
+    finish whole, and main and every worker still exit 0 — also when a signal lands
+    after a process's event loop is done."""
+    signum, *more = (getattr(signal, name) for name in signame.split("+"))
     serve = Serve(tmp_path, node, ids.node.fingerprint, workers=workers, limits=UNLIMITED)
     streams: list[Any] = []
     try:
@@ -913,6 +914,8 @@ def test_stop_signals_repeated_until_exit_still_drain_and_exit_zero(
             for pid in targets:
                 try:
                     os.kill(pid, signum)
+                    for extra in more if pid == serve.proc.pid else ():
+                        os.kill(pid, extra)
                 except ProcessLookupError:
                     pass
             time.sleep(0.003)
