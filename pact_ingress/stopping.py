@@ -42,8 +42,9 @@ def draining() -> None:
 
 
 def exiting() -> None:
-    """The event loop is done: ignore stop signals for the rest of the exit. (The
-    interpreter puts the default action back for every Python-level handler as it
-    finalizes, but leaves an ignored signal ignored.)"""
-    for signum in _SIGNALS:
+    """The event loop is done: ignore stop signals, and SIGHUP (nothing is left to
+    reload), for the rest of the exit. (The interpreter puts the default action back
+    for every Python-level handler as it finalizes, but leaves an ignored signal
+    ignored.)"""
+    for signum in (*_SIGNALS, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
