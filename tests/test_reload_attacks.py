@@ -973,3 +973,49 @@ def test_a_reload_changing_the_identity_key_leaves_every_worker_on_the_running_o
         assert len(warned) == 1, serve.logs()[-2000:]
     finally:
         serve.stop()
+
+
+# === the channel to a worker that goes away under waiting writers ===========================
+
+
+async def test_writers_queued_on_a_full_channel_see_it_closed_not_a_crash() -> None:
+    """A worker stops reading, its channel fills, and several of main's tasks wait to
+    write (a reload's config, a handoff, a stats question: one on the socket, the rest
+    in line for it); then the worker is gone and main closes the channel. Each waiter
+    must see the channel closed — the error every caller handles — not another error
+    that would escape into main's nursery."""
+    import trio
+    import trio.testing
+
+    from pact_ingress.net.workers import Channel
+    from pact_ingress.proto import workers as wp
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    channel = Channel(mine)
+    try:
+        frame = wp.encode(wp.Kind.STATS, b"x" * 60_000)[0]
+        for _ in range(10_000):  # bounded: the queue holds a few such frames
+            if not channel.try_send_frame(frame):
+                break
+        else:
+            raise AssertionError("the channel never filled")
+        outcomes: list[str] = []
+
+        async def writer(n: int) -> None:
+            try:
+                await channel.send(wp.Kind.STATS_ASK, b"", n)
+                outcomes.append("sent")
+            except (OSError, trio.ClosedResourceError):
+                outcomes.append("closed")
+            except Exception as exc:  # what must not happen: reported, not raised
+                outcomes.append(repr(exc))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(3):
+                nursery.start_soon(writer, n)
+            await trio.testing.wait_all_tasks_blocked()
+            channel.close()
+        assert outcomes == ["closed"] * 3, outcomes
+    finally:
+        theirs.close()
+        channel.close()
