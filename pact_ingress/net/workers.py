@@ -125,6 +125,10 @@ class Channel:
 
     async def wait_writable(self) -> None:
         async with self._writers:
+            # closed while this task waited in line (the worker is gone): say so in the
+            # error every sender handles; waiting on the dead fd would raise another
+            if self.sock.fileno() < 0:
+                raise trio.ClosedResourceError("the channel to the worker is closed")
             await trio.lowlevel.wait_writable(self.sock)
 
     def next_id(self) -> int:
@@ -780,7 +784,7 @@ class WorkerPool:
             with trio.move_on_after(timeout):
                 await channel.send(Kind.STATS_ASK, b"", ask_id)
                 await event.wait()
-        except OSError:
+        except (OSError, trio.ClosedResourceError):  # gone meanwhile: its last report stays
             pass
         finally:
             slot.asks.pop(ask_id, None)
