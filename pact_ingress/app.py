@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from pact_ingress import __version__, gctune, sdnotify
+from pact_ingress import __version__, gctune, sdnotify, stopping
 from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
 from pact_ingress.errors import ConfigError, PactIngressError
 from pact_ingress.identity import ensure_selfsigned_cert, load_identity
@@ -88,6 +88,7 @@ class Ingress:
             self.router.handoff = self.workers
             self.workers.on_state_fallback = self._worker_fell_back
         self.bound: dict[str, list[tuple[str, int]]] = {}
+        self._stopping = False
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -171,6 +172,9 @@ class Ingress:
         if new.state != old.state:
             log.warning("reload_state_unchanged",
                         detail="the state backend (state:) changes only on restart")
+        if new.identity_key != old.identity_key:
+            log.warning("reload_identity_unchanged",
+                        detail="the identity key (identity.key) changes only on restart")
         try:
             self._switch(new)
         except Exception as exc:
@@ -334,6 +338,8 @@ class Ingress:
                 gctune.settle()  # what lives now lives for the process: out of collections
             sdnotify.ready()
             task_status.started(self)
+            if _take_early_hup():  # a SIGHUP came while starting: its config may be newer
+                nursery.start_soon(self.reload)
 
     async def _run_relay(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                          ) -> None:
@@ -365,6 +371,10 @@ class Ingress:
         return True, "\n".join(lines) or "renewed"
 
     async def stop(self, deadline: float = DRAIN_DEADLINE) -> None:
+        if self._stopping:  # another SIGTERM: the drain is under way already
+            return
+        self._stopping = True
+        stopping.draining()
         sdnotify.stopping()
         log.info("draining", open_connections=self.router.open_connections,
                  deadline_s=deadline)
@@ -385,6 +395,21 @@ class Ingress:
                     await self.stop()
 
 
+#: A SIGHUP arrived before `serve` handled signals itself (see `main_serve`).
+_early_hup = False
+
+
+def _note_early_hup(signum: int, frame: Any) -> None:
+    global _early_hup
+    _early_hup = True
+
+
+def _take_early_hup() -> bool:
+    global _early_hup
+    taken, _early_hup = _early_hup, False
+    return taken
+
+
 def _reason(exc: BaseException) -> str:
     """An exception as one line for an operator: the message, or its type if empty."""
     text = " ".join(str(exc).split())
@@ -396,6 +421,10 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     usable core, 1 = this process alone (no children), see `net/workers.py`."""
     from pact_ingress.net.workers import default_workers
 
+    # SIGHUP's default action ends the process, and the handler of `_signals` is up only
+    # once the workers are: until then a reload is noted and done once serving
+    signal.signal(signal.SIGHUP, _note_early_hup)
+    stopping.guard()
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI
     count = default_workers() if workers is None else workers
@@ -410,6 +439,7 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
         if fault is None or fault is exc:
             raise
         raise fault from exc
+    stopping.exiting()
     log.info("stopped")
     return 0
 

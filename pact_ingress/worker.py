@@ -51,7 +51,7 @@ from typing import Any
 import trio
 from prometheus_client import generate_latest
 
-from pact_ingress import gctune
+from pact_ingress import gctune, stopping
 from pact_ingress.errors import BackendError
 from pact_ingress.logs import bind as bind_log
 from pact_ingress.logs import log
@@ -396,6 +396,7 @@ class Worker:
         if self._draining:
             return
         self._draining = True
+        stopping.draining()
         log.info("worker_draining", open_connections=self._handling)
         assert self._root is not None
         self._root.start_soon(self._drain)
@@ -425,6 +426,7 @@ class Worker:
 
 def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # reloads come from main, never a signal
+    stopping.guard()
     parser = argparse.ArgumentParser(prog="pact_ingress.worker")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--fd", type=int, required=True)
@@ -434,9 +436,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bind_log(worker=args.index)
     sock = socket.socket(fileno=args.fd)
     try:
-        return trio.run(Worker(Channel(sock), args.index, settle_gc=True).run)
+        code = trio.run(Worker(Channel(sock), args.index, settle_gc=True).run)
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    stopping.exiting()
+    return code
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ import base64
 import binascii
 import dataclasses
 import difflib
+import errno
 import fnmatch
 import glob
 import ipaddress
@@ -465,7 +466,15 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
     if (text := overlay.get(os.path.abspath(path))) is not None:
         return text
     try:
-        with open(path, "rb") as fh:
+        # non-blocking open: a named pipe must not hold a reload (and with it the whole
+        # event loop) waiting for a writer; it is refused below like any non-file
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                ctx.errors.append(f"{ctx.file}:1: not a regular file")
+                return None
             data = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
@@ -494,8 +503,15 @@ def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
         why = "; ".join(p for p in (exc.context, exc.problem) if p)
         ctx.errors.append(f"{ctx.file}:{line}: YAML syntax error: {why}")
         return None
+    except yaml.reader.ReaderError as exc:
+        # a character YAML refuses (NULs left by a crash mid-write, an escape sequence):
+        # its line, and one line of message (PyYAML's own text spans two)
+        line = text[: exc.position].count("\n") + 1
+        ctx.errors.append(f"{ctx.file}:{line}: YAML error: unacceptable character "
+                          f"#x{exc.character:04x}: {exc.reason}")
+        return None
     except yaml.YAMLError as exc:
-        ctx.errors.append(f"{ctx.file}:1: YAML error: {exc}")
+        ctx.errors.append(f"{ctx.file}:1: YAML error: {' '.join(str(exc).split())}")
         return None
     if node is None:
         ctx.errors.append(f"{ctx.file}:1: empty file (no YAML document)")

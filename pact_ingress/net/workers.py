@@ -55,6 +55,7 @@ environment: only main speaks to systemd, and it says READY once the workers are
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 import os
 import pickle
@@ -116,9 +117,18 @@ class Channel:
         # trio lets one task at a time wait for an fd to be writable; handoffs, a reload's
         # config and stats questions all wait on a full channel together, so they queue
         self._writers = trio.Lock()
+        # Every CONFIG travels under one id, so two may never be on their way at once:
+        # their frames would join into one message. While one is being sent, the newest
+        # config waits here (an older one waiting is simply replaced) and follows it.
+        self.config_sending = False
+        self.config_next: list[bytes] | None = None
 
     async def wait_writable(self) -> None:
         async with self._writers:
+            # closed while this task waited in line (the worker is gone): say so in the
+            # error every sender handles; waiting on the dead fd would raise another
+            if self.sock.fileno() < 0:
+                raise trio.ClosedResourceError("the channel to the worker is closed")
             await trio.lowlevel.wait_writable(self.sock)
 
     def next_id(self) -> int:
@@ -270,6 +280,9 @@ class WorkerPool:
             raise ValueError("a pool has at least two workers (one means no pool)")
         self.count = count
         self.config = config
+        # read by a worker once, as it starts; main read them at its own start and a
+        # reload changes neither there, so no worker (a replacement too) reads others
+        self._at_start = {"identity_key": config.identity_key, "state": config.state}
         self.stats = stats
         self.backends = backends
         self.certs = certs
@@ -379,7 +392,12 @@ class WorkerPool:
                 nursery.start_soon(self._read, slot, channel)
                 nursery.start_soon(self._send_answers, channel, answers)
                 try:
-                    await channel.send(Kind.CONFIG, pickle.dumps(self.config))
+                    # through the same queue as a reload's: one may come while this one
+                    # is still on its way (the new process is not reading yet)
+                    self._send_config(slot, channel, wp.encode(Kind.CONFIG,
+                                                               pickle.dumps(self.config)))
+                    if slot.config_pending is not None:  # whole before anything else
+                        await slot.config_pending.wait()
                     if self.relay_service is not None:  # before any relay connection
                         await channel.send(Kind.RELAY_STATE, self.relay_service.state())
                 except OSError:
@@ -676,31 +694,45 @@ class WorkerPool:
         handed to it later. The frames go out now when the channel takes them (it
         usually does); otherwise a task sends the rest, and handoffs to that worker wait
         for it, so no connection reaches a worker ahead of the config it belongs to."""
-        self.config = config
+        self.config = config = dataclasses.replace(config, **self._at_start)
         frames = wp.encode(Kind.CONFIG, pickle.dumps(config))
         for slot in self.slots:
             channel = slot.channel
             if channel is None or self._nursery is None:
                 continue  # a worker (re)starting gets `self.config` when it is spawned
-            rest = list(frames)
             try:
-                while rest and channel.try_send_frame(rest[0]):
-                    rest.pop(0)
+                self._send_config(slot, channel, frames)
             except OSError:
                 continue  # it is gone; its supervisor will see it exit
-            if rest:
-                done = slot.config_pending = trio.Event()
-                self._nursery.start_soon(self._send_rest, channel, rest, done)
+
+    def _send_config(self, slot: _Slot, channel: Channel, frames: list[bytes]) -> None:
+        """One CONFIG's frames: now, as far as the channel takes them, unless another is
+        still on its way; the rest by a task, and `slot.config_pending` set once all of
+        it (and any config queued behind it) is sent."""
+        if channel.config_sending:
+            channel.config_next = frames  # the running task sends it next
+            return
+        rest = list(frames)
+        while rest and channel.try_send_frame(rest[0]):
+            rest.pop(0)
+        if rest:
+            assert self._nursery is not None
+            channel.config_sending = True
+            done = slot.config_pending = trio.Event()
+            self._nursery.start_soon(self._send_rest, channel, rest, done)
 
     @staticmethod
     async def _send_rest(channel: Channel, frames: list[bytes], done: trio.Event) -> None:
         try:
-            for frame in frames:
-                while not channel.try_send_frame(frame):
-                    await channel.wait_writable()
+            while frames:
+                for frame in frames:
+                    while not channel.try_send_frame(frame):
+                        await channel.wait_writable()
+                frames, channel.config_next = channel.config_next or [], None
         except (OSError, trio.ClosedResourceError):
             pass
         finally:
+            channel.config_sending, channel.config_next = False, None
             done.set()
 
     def drain(self) -> None:
@@ -758,7 +790,7 @@ class WorkerPool:
             with trio.move_on_after(timeout):
                 await channel.send(Kind.STATS_ASK, b"", ask_id)
                 await event.wait()
-        except OSError:
+        except (OSError, trio.ClosedResourceError):  # gone meanwhile: its last report stays
             pass
         finally:
             slot.asks.pop(ask_id, None)

@@ -1,0 +1,50 @@
+"""Stop signals (SIGTERM, SIGINT) outside the event loop's own handling.
+
+While a process serves, trio receives the stop signals through a receiver that, when
+it closes, puts back the disposition it found. From then until the process is gone
+(trio's teardown, the last log flush, the interpreter's exit) that disposition rules:
+with the default one, the second SIGTERM of an impatient operator, or a supervisor's
+and a script's at once, turns a process that drained and was exiting 0 into one
+killed by the signal. `guard()`, called before trio runs, makes that disposition ours:
+until a drain began it does what the default would (the process dies of the signal,
+as it always did before serving); once one began (`draining()`), it ignores the
+signal, since the exit it asks for is already under way; and once the event loop
+is done, `exiting()` ignores them for good.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_draining = False
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _draining:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def guard() -> None:
+    """Install the disposition above for the stop signals (main thread, before trio)."""
+    for signum in _SIGNALS:
+        signal.signal(signum, _handler)
+
+
+def draining() -> None:
+    """A drain began: stop signals from now on change nothing."""
+    global _draining
+    _draining = True
+
+
+def exiting() -> None:
+    """The event loop is done: ignore stop signals, and SIGHUP (nothing is left to
+    reload), for the rest of the exit. (The interpreter puts the default action back
+    for every Python-level handler as it finalizes, but leaves an ignored signal
+    ignored.)"""
+    for signum in (*_SIGNALS, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
