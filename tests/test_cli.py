@@ -115,6 +115,9 @@ def test_check_config_checks_cert_files(tmp_path: Path):
     (tmp_path / "secret.key").write_bytes(generate_key().private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.BestAvailableEncryption(b"pw")))
+    (tmp_path / "secret.key").chmod(0o600)
+    (tmp_path / "public.key").write_bytes((tmp_path / "good.key").read_bytes())
+    (tmp_path / "public.key").chmod(0o644)
     routes = [  # host, cert, key, (line that is wrong, message)
         ("ok", "good.crt", "good.key", None),
         ("fresh", "new/fresh.crt", "new/fresh.key", None),  # serve will create them
@@ -123,6 +126,7 @@ def test_check_config_checks_cert_files(tmp_path: Path):
         ("mismatch", "good.crt", "other.key", ("key", "does not belong to the certificate")),
         ("gone", "good.crt", "gone.key", ("key", "cannot read: No such file or directory")),
         ("secret", "good.crt", "secret.key", ("key", "is encrypted")),
+        ("public", "good.crt", "public.key", ("key", "is readable by every user")),
         ("blocked", "afile/x.crt", "good.key2", ("cert", "cannot be created: ")),
         ("half", "good.crt", "missing.key", ("key", "does not exist, but its partner does")),
     ]

@@ -230,6 +230,45 @@ def test_every_error_line_has_file_and_line(tmp_path: Path) -> None:
         f"{path}:1", f"{path}:2", f"{path}:3", f"{path}:1", f"{path}:1"]  # fmt: skip
 
 
+def test_identity_key_readable_by_every_user_is_refused(tmp_path: Path) -> None:
+    """A private key must not be readable by every local user: the ingress's identity
+    key (named, or the default in the state directory) and the connector's are refused
+    at the line that names them; group-readable (0640) and a key not there yet (written
+    0600 on the first start) are fine."""
+    from pact_ingress.identity import keygen
+
+    keygen(tmp_path / "named.key")
+    (tmp_path / "state").mkdir()
+    keygen(tmp_path / "state" / "identity.key")
+    head = "listen: {tls: ['127.0.0.1:1']}\n"
+    named = tmp_path / "named.yaml"
+    named.write_text(head + "state_dir: s2\nidentity:\n  key: named.key\n")
+    default = tmp_path / "default.yaml"
+    default.write_text(head + "state_dir: state\n")
+    for mode in (0o600, 0o640):
+        (tmp_path / "named.key").chmod(mode)
+        (tmp_path / "state" / "identity.key").chmod(mode)
+        load_config(named)
+        load_config(default)
+    (tmp_path / "named.key").chmod(0o644)
+    (tmp_path / "state" / "identity.key").chmod(0o604)
+    assert [m for m in _messages(named) if "every user" in m] == [
+        f"{named}:4: identity.key {tmp_path / 'named.key'} is readable by every user: "
+        "chmod o-rwx (e.g. 0600, or 0640 with the service's group)"]
+    assert [m.split(": ", 1)[0] for m in _messages(default) if "every user" in m] == [
+        f"{default}:2"]
+    keygen(tmp_path / "node.key")
+    connector = tmp_path / "connector.yaml"
+    connector.write_text(CONNECTOR)
+    (tmp_path / "node.key").chmod(0o644)
+    assert any(m.startswith(f"{connector}:") and "readable by every user" in m
+               for m in _connector_messages(connector))
+    (tmp_path / "node.key").chmod(0o600)
+    load_connector_config(connector)
+    (tmp_path / "gone.yaml").write_text(head + "state_dir: s3\n")
+    load_config(tmp_path / "gone.yaml")  # no key yet: serve makes one, 0600
+
+
 def _messages(path: Path) -> list[str]:
     with pytest.raises(ConfigError) as info:
         load_config(path)

@@ -830,10 +830,29 @@ def _items(ctx: _Ctx, fields: _Fields, name: str) -> list[Node]:
 def _identity(ctx: _Ctx, top: _Fields, state_dir: Path | None) -> Path | None:
     node = top.get("identity")
     if node is None:
-        return state_dir / "identity.key" if state_dir else None
+        path = state_dir / "identity.key" if state_dir else None
+        if path is not None:
+            _key_not_public(ctx, top.key("state_dir"), path, "identity key")
+        return path
     fields = _mapping(ctx, node, "identity", ("key",), required=("key",))
     key = fields.get("key") if fields else None
-    return _path(ctx, key, "identity.key") if key else None
+    path = _path(ctx, key, "identity.key") if key else None
+    if path is not None and key is not None:
+        _key_not_public(ctx, key, path, "identity.key")
+    return path
+
+
+def _key_not_public(ctx: _Ctx, node: Node, path: Path, what: str) -> None:
+    """A private key that exists must not be readable by every local user (one that
+    does not exist yet is written 0600). Other problems with it are reported where it
+    is read."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISREG(mode) and mode & 0o007:
+        ctx.at(node, f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
+               "or 0640 with the service's group)")  # fmt: skip
 
 
 def _listen(ctx: _Ctx, node: Node) -> Listen | None:
@@ -1351,7 +1370,8 @@ def _cert_files(ctx: _Ctx, fields: _Fields, route: Route, files: CertFiles) -> C
                "cert and key, or neither (serve then writes a self-signed pair)")  # fmt: skip
         return None
     cert_pem = _read_pem(ctx, cert_node, files.cert, f"{where}: cert")
-    key_pem = _read_pem(ctx, key_node, files.key, f"{where}: key")
+    key_pem = _read_small_file(ctx, key_node, files.key, f"{where}: key",
+                               MAX_CERT_FILE_BYTES, kind="PEM file", private=True)
     if cert_pem is None or key_pem is None:
         return None
     try:
@@ -1490,7 +1510,11 @@ def _hook_url(ctx: _Ctx, node: Node) -> str | None:
 
 def _connector_identity(ctx: _Ctx, node: Node) -> Path | None:
     fields = _mapping(ctx, node, "identity", ("key",), required=("key",))
-    return fields.opt("key", _path, "identity.key") if fields else None
+    key = fields.get("key") if fields else None
+    path = _path(ctx, key, "identity.key") if key is not None else None
+    if path is not None and key is not None:
+        _key_not_public(ctx, key, path, "identity.key")
+    return path
 
 
 def _connector_ingress(ctx: _Ctx, node: Node
