@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pact_ingress.admin.client import fetch_status
 from pact_ingress.identity import Identity, keygen
@@ -33,6 +33,33 @@ PT_HOST = "pt.cluster.test"
 TM_HOST = "tm.cluster.test"
 WAIT = 30.0
 
+
+def serve_until_ready(directory: Path, config: Path, args: Iterable[str], log: IO[bytes],
+                      wait: float = WAIT) -> tuple[subprocess.Popen[bytes], bool]:
+    """`pact-ingress serve -c config *args`, its output to `log`; returned with whether it
+    said READY=1 on its notify socket (in `directory`) within `wait` seconds."""
+    notify_path = directory / "notify.sock"
+    with contextlib.suppress(FileNotFoundError):
+        notify_path.unlink()
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    env = dict(os.environ, NOTIFY_SOCKET=str(notify_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config), *args],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            notify.settimeout(max(0.05, deadline - time.monotonic()))
+            try:
+                msg = notify.recv(4096).decode()
+            except TimeoutError:
+                break
+            if "READY=1" in msg.split("\n"):
+                return proc, True
+    finally:
+        notify.close()
+    return proc, False
 
 class Instance:
     """One `serve` process; `start()` waits for READY, `kill()` is kill -9."""
@@ -71,27 +98,9 @@ tunnel: {{hostname: {TUNNEL_HOST}}}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Instance:
-        notify_path = self.dir / "notify.sock"
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
-             *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + WAIT
-        try:
-            while time.monotonic() < deadline:
-                notify.settimeout(max(0.05, deadline - time.monotonic()))
-                try:
-                    msg = notify.recv(4096).decode()
-                except TimeoutError:
-                    break
-                if "READY=1" in msg.split("\n"):
-                    return self
-        finally:
-            notify.close()
+        self.proc, ready = serve_until_ready(self.dir, self.config, self.args, self._log)
+        if ready:
+            return self
         self.kill()
         raise AssertionError(f"serve on {self.address} not READY:\n{self.logs()[-3000:]}")
 

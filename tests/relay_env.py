@@ -35,6 +35,7 @@ from tests.terminate_env import (
     RawResponse,
     forget,
     free_port,
+    json_events,
     read_response,
     request_bytes,
 )
@@ -249,13 +250,7 @@ listen:
         return self.log_path.read_text(errors="replace")
 
     def log_events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.logs().splitlines():
-            with contextlib.suppress(ValueError):
-                doc = json.loads(line)
-                if isinstance(doc, dict):
-                    out.append(doc)
-        return out
+        return json_events(self.logs())
 
     def kill9(self) -> None:
         assert self.proc is not None

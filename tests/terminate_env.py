@@ -394,6 +394,17 @@ class RecordingNode:
 # --- the serve process -------------------------------------------------------------------
 
 
+def json_events(text: str) -> list[dict[str, Any]]:
+    """The JSON objects among a process's log lines (any other line is skipped)."""
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            doc = json.loads(line)
+            if isinstance(doc, dict):
+                out.append(doc)
+    return out
+
+
 @dataclass
 class Serve:
     """`python -m pact_ingress serve -c CONFIG` with two terminate routes on one node.
@@ -482,13 +493,7 @@ listen:
         return self.log_path.read_text(errors="replace")
 
     def log_events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.logs().splitlines():
-            with contextlib.suppress(ValueError):
-                doc = json.loads(line)
-                if isinstance(doc, dict):
-                    out.append(doc)
-        return out
+        return json_events(self.logs())
 
     def reload(self, text: str | None = None, **changes: Any) -> str:
         """Write a new config (`text`, or this one re-rendered with `changes`), SIGHUP,

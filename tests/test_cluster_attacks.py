@@ -18,13 +18,10 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
-import json
 import os
 import signal
 import socket
-import ssl
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -37,8 +34,9 @@ import pytest
 from pact_ingress.admin.client import fetch_status
 from pact_ingress.identity import keygen
 from pact_ingress.model import Address
+from tests.cluster_env import get_status, serve_until_ready
 from tests.redis_server import RedisServer, free_port
-from tests.terminate_env import RecordingNode
+from tests.terminate_env import RecordingNode, json_events
 
 HOST = "flood.cluster.test"
 ADDRESSES = ("127.0.0.2", "127.0.0.3")
@@ -85,27 +83,10 @@ listen:
         self.start()
 
     def start(self) -> None:
-        notify_path = self.dir / "notify.sock"
-        with contextlib.suppress(FileNotFoundError):
-            notify_path.unlink()
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(notify_path))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
-             *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + WAIT
-        try:
-            while time.monotonic() < deadline:
-                notify.settimeout(max(0.05, deadline - time.monotonic()))
-                try:
-                    msg = notify.recv(4096).decode()
-                except TimeoutError:
-                    break
-                if "READY=1" in msg.split("\n"):
-                    return
-        finally:
-            notify.close()
+        self.proc, ready = serve_until_ready(self.dir, self.config, self.args, self._log,
+                                             WAIT)
+        if ready:
+            return
         self.stop()
         raise AssertionError(f"serve on {self.address} not READY:\n{self.logs()[-3000:]}")
 
@@ -127,13 +108,7 @@ listen:
         return self.log_path.read_text(errors="replace")
 
     def events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.logs().splitlines():
-            with contextlib.suppress(ValueError):
-                doc = json.loads(line)
-                if isinstance(doc, dict):
-                    out.append(doc)
-        return out
+        return json_events(self.logs())
 
     def state_events(self) -> list[str]:
         """The instance's switches (main's lines; workers log theirs at debug)."""
@@ -179,25 +154,8 @@ listen:
 def get(instance: Instance, client_ip: str, timeout: float = WAIT) -> int | None:
     """One HTTPS GET from `client_ip` on a fresh connection: its status code, or None if
     the connection failed or timed out before an answer."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["http/1.1"])
-    try:
-        with socket.create_connection((instance.address, instance.port), timeout=timeout,
-                                      source_address=(client_ip, 0)) as raw, \
-                context.wrap_socket(raw, server_hostname=HOST) as tls:
-            tls.sendall(f"GET /flood HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n"
-                        .encode())
-            head = b""
-            while b"\r\n" not in head:
-                chunk = tls.recv(4096)
-                if not chunk:
-                    return None
-                head += chunk
-            return int(head.split(b" ", 2)[1])
-    except (OSError, ssl.SSLError, ValueError, IndexError):
-        return None
+    return get_status(instance.address, instance.port, HOST, source=client_ip,
+                      timeout=timeout)
 
 
 def flood(instances: list[Instance], client_ip: str, n: int, *, threads: int = 6,
