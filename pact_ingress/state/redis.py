@@ -389,10 +389,13 @@ class RedisLimiter:
             names.append(self._name(scope, client, bucket))
             args += [str(cost), repr(interval), str(burst)]
         turns = self._turns
-        with trio.move_on_after(TURN_WAIT) as waiting:
-            await turns.acquire()
-        if waiting.cancelled_caught:  # this process's queue, not Redis: the state stands
-            raise Unavailable(f"decisions queued for over {TURN_WAIT:g} s")
+        try:
+            turns.acquire_nowait()  # the usual case: a turn is free, no scope to enter
+        except trio.WouldBlock:
+            with trio.move_on_after(TURN_WAIT) as waiting:
+                await turns.acquire()
+            if waiting.cancelled_caught:  # this process's queue, not Redis: state stands
+                raise Unavailable(f"decisions queued for over {TURN_WAIT:g} s") from None
         try:
             if not self.state.healthy:  # lost while this decision waited for its turn
                 raise Unavailable(self.state.last_error or "unavailable")
