@@ -295,11 +295,10 @@ class Worker:
             "open": self._handling,
             "requests": int(requests),
             # a worker keeps its own Redis connection: main's view alone could say
-            # "shared" while this worker still counts budgets by itself
-            **({"state_mode": self.state.status()["mode"]} if self.state is not None else {}),
-            # when and why it switched: main logs and counts a switch only a worker saw
-            **({"state_since": self.state.since, "state_error": self.state.last_error}
-               if self.state is not None else {}),
+            # "shared" while this worker still counts budgets by itself; with when and
+            # why it switched, main logs and counts a switch only a worker saw
+            **({"state_mode": self.state.status()["mode"], "state_since": self.state.since,
+                "state_error": self.state.last_error} if self.state is not None else {}),
         }
 
     async def _flush_closed(self) -> None:
