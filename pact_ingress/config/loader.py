@@ -746,6 +746,11 @@ def _read_secret(ctx: _Ctx, node: Node | None, path: Path, what: str) -> bytes |
     return _read_small_file(ctx, node, path, what, MAX_SECRET_FILE_BYTES, private=True)
 
 
+def _readable_by_all(what: str, path: Path) -> str:
+    return (f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
+            "or 0640 with the service's group)")
+
+
 def _read_small_file(ctx: _Ctx, node: Node, path: Path, what: str, cap: int, *,
                      kind: str | None = None, private: bool = False) -> bytes | None:
     """The bytes of a regular file of at most `cap` bytes, or None with the reason recorded.
@@ -760,8 +765,7 @@ def _read_small_file(ctx: _Ctx, node: Node, path: Path, what: str, cap: int, *,
             ctx.at(node, f"{what} {path} is not a regular file")
             return None
         if private and mode & 0o007:
-            ctx.at(node, f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
-                   "or 0640 with the service's group)")  # fmt: skip
+            ctx.at(node, _readable_by_all(what, path))
             return None
         with open(path, "rb") as fh:
             data = fh.read(cap + 1)  # one byte more tells an over-size file
@@ -851,8 +855,7 @@ def _key_not_public(ctx: _Ctx, node: Node, path: Path, what: str) -> None:
     except OSError:
         return
     if stat.S_ISREG(mode) and mode & 0o007:
-        ctx.at(node, f"{what} {path} is readable by every user: chmod o-rwx (e.g. 0600, "
-               "or 0640 with the service's group)")  # fmt: skip
+        ctx.at(node, _readable_by_all(what, path))
 
 
 def _listen(ctx: _Ctx, node: Node) -> Listen | None:
