@@ -2,7 +2,8 @@
 
     git archive <commit> pact_ingress | tar -x -C /tmp/before
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
-        [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after]
+        [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
+        [--upstream h2|http/1.1]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -15,6 +16,11 @@ the same rounds, and the median of the per-round ratios with their range (the pa
 figure: a round's two runs share the host's weather). `--profile NAME` then records
 that tree under py-spy during a keep-alive run (`--profile-phase`) and prints the same
 summary `bench_terminate` does (several names, comma-separated: one after the other).
+`--upstream` is the ALPN the node offers, as in `bench_terminate`: by default
+`h2,http/1.1`, so HAProxy re-originates over HTTP/2 (one connection multiplexing every
+client's requests) while pact-ingress speaks HTTP/1.1 to the node; `http/1.1` makes both
+re-originate over HTTP/1.1, which shows how much of HAProxy's lead is its upstream
+protocol.
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--profile", help="NAME[,NAME…] of trees to profile afterwards")
     p.add_argument("--profile-phase", default="ka8")
+    p.add_argument("--upstream", choices=("h2", "http/1.1"), default="h2",
+                   help="ALPN the node offers (default h2, falling back to http/1.1; "
+                        "http/1.1 makes HAProxy re-originate over HTTP/1.1 too)")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
@@ -94,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         if cpus >= 2:
             pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-bench-ab-"))
-    print(f"load average at start: {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    upstream_alpn = "h2,http/1.1" if args.upstream == "h2" else "http/1.1"
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; the node offers "
+          f"{upstream_alpn}", file=sys.stderr)
     with services() as started:
-        rig = bt.build_rig(tmp, started, "h2,http/1.1")
+        rig = bt.build_rig(tmp, started, upstream_alpn)
         yaml = (tmp / "ingress.yaml").read_text()
         paths = [bt.PEER]
         for name, tree in trees.items():
