@@ -140,6 +140,11 @@ class _Answers:
         return self.http01_response(host, token)
 
 
+def _serves(host: str) -> bool:
+    """The route table these tests stand for: h.example only."""
+    return host == "h.example"
+
+
 @pytest.mark.parametrize("method,target,host,status,location", [
     ("GET", "/.well-known/acme-challenge/" + "A" * 43, "h.example", 200, None),
     ("GET", "/.well-known/acme-challenge/" + "A" * 43, "H.Example:80", 200, None),
@@ -150,6 +155,9 @@ class _Answers:
     ("GET", "http://evil.example/x", "h.example", 308, "https://h.example/"),
     ("GET", "/", None, 400, None),
     ("GET", "/", "evil.example/x", 400, None),
+    # a host that is no route is not redirected: the answer never names it
+    ("GET", "/x", "evil.example", 404, None),
+    ("GET", "/x", "127.0.0.1", 404, None),
     # a trailing newline must not slip through a pattern's end anchor
     ("GET", "/", "h.example\n", 400, None),
     ("GET", "/.well-known/acme-challenge/" + "A" * 43 + "\n", "h.example", 404, None),
@@ -157,7 +165,7 @@ class _Answers:
 ])
 def test_http_plan(method: str, target: str, host: str | None, status: int,
                    location: str | None) -> None:
-    ans = plan_response(method, target, host, _Answers())
+    ans = plan_response(method, target, host, _Answers(), _serves)
     assert ans.status == status
     assert dict(ans.headers).get("Location") == location
     if status == 200:
@@ -167,7 +175,7 @@ def test_http_plan(method: str, target: str, host: str | None, status: int,
 async def _roundtrip(raw: bytes) -> bytes:
     a, b = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as n:
-        n.start_soon(handle_http, b, _Answers())
+        n.start_soon(handle_http, b, _Answers(), _serves)
         await a.send_all(raw)
         out = b""
         with trio.fail_after(WAIT):
@@ -194,15 +202,19 @@ async def test_http_listener_real_socket_with_curl(nursery: trio.Nursery) -> Non
     from tests.tools import require
 
     curl = require("curl")
-    _, port = await nursery.start(serve_http, Address("127.0.0.1", 0), _Answers())
+    _, port = await nursery.start(serve_http, Address("127.0.0.1", 0), _Answers(), _serves)
     url = f"http://127.0.0.1:{port}/.well-known/acme-challenge/{'A' * 43}"
     res = await trio.run_process([curl, "-s", "-H", "Host: h.example", url],
                                  capture_stdout=True)
     assert res.stdout == b"tok.thumb"
     res = await trio.run_process([curl, "-s", "-o", "/dev/null", "-w",
-                                  "%{http_code} %{redirect_url}", f"http://127.0.0.1:{port}/a?b"],
+                                  "%{http_code} %{redirect_url}", "-H", "Host: h.example",
+                                  f"http://127.0.0.1:{port}/a?b"],
                                  capture_stdout=True)
-    assert res.stdout == b"308 https://127.0.0.1/a?b"
+    assert res.stdout == b"308 https://h.example/a?b"
+    res = await trio.run_process([curl, "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                  f"http://127.0.0.1:{port}/a?b"], capture_stdout=True)
+    assert res.stdout == b"404"  # Host 127.0.0.1 is no route
 
 
 # ------------------------------------------------------------------------------ DNS-01

@@ -1,5 +1,9 @@
 """The plain-HTTP :80 listener: ACME HTTP-01 answers, everything else 308 → https.
 
+Only a host the ingress serves (`serves(host)`: a route or the relay host) is redirected;
+any other Host gets a 404, so the answer never points a client at a name an attacker
+chose.
+
 Deliberately tiny and strict. One request per connection (we answer with
 `Connection: close`), parsed by h11 with the request head capped at `MAX_HEAD_BYTES`; a
 request body is never read. The whole exchange has one deadline (`REQUEST_TIMEOUT`) and
@@ -13,6 +17,7 @@ is tested without sockets; `handle_http` is the I/O around it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +85,7 @@ class Answer:
 
 
 def plan_response(method: str, target: str, host_header: str | None,
-                  answers: Http01Answers) -> Answer:
+                  answers: Http01Answers, serves: Callable[[str], bool]) -> Answer:
     """What to send for one request (pure; see module docstring)."""
     m = HOST_RE.fullmatch((host_header or "").lower())
     if m is None:
@@ -94,6 +99,8 @@ def plan_response(method: str, target: str, host_header: str | None,
         if method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", (("Allow", "GET, HEAD"),))
         return Answer(200, (("Content-Type", "application/octet-stream"),), key_authz)
+    if not serves(host):
+        return _text(404, "no such host\n")
     path = target if TARGET_RE.fullmatch(target) else "/"
     return _text(308, "redirecting to https\n", (("Location", f"https://{host}{path}"),))
 
@@ -103,7 +110,8 @@ def _text(status: int, text: str, extra: tuple[tuple[str, str], ...] = ()) -> An
                   text.encode())
 
 
-async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
+async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup,
+                      serves: Callable[[str], bool]) -> None:
     """Serve one connection: one request, one answer, close."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     try:
@@ -115,7 +123,8 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
             host = next((v.decode("ascii", "replace") for k, v in request.headers
                          if k == b"host"), None)
             method = request.method.decode("ascii", "replace")
-            answer = plan_response(method, target, host, await _look_up(answers, target, host))
+            answer = plan_response(method, target, host, await _look_up(answers, target, host),
+                                   serves)
             if target.startswith(CHALLENGE_PREFIX):
                 log.info("acme_http01_request", host=host, status=answer.status)
             await _send(stream, conn, answer, head_only=method == "HEAD")
@@ -160,10 +169,12 @@ async def _send_raw_error(stream: trio.abc.Stream, status: int) -> None:
             pass
 
 
-async def serve_http(address: Address, answers: Http01Lookup, *,
+async def serve_http(address: Address, answers: Http01Lookup,
+                     serves: Callable[[str], bool], *,
                      task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
-    """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
+    """Listen on `address` until cancelled; `task_status.started((host, port))` once bound.
+    `serves(host)` says whether a (lower-case) host may be redirected to https."""
     try:
         listeners = await trio.open_tcp_listeners(address.port, host=address.host)
     except OSError as exc:
@@ -173,12 +184,13 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
     log.info("http_listening", address=f"{bound[0]}:{bound[1]}")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, answers, slots, nursery)
+            nursery.start_soon(_accept_loop, listener, answers, serves, slots, nursery)
         task_status.started((str(bound[0]), int(bound[1])))
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       slots: trio.Semaphore, nursery: trio.Nursery) -> None:
+                       serves: Callable[[str], bool], slots: trio.Semaphore,
+                       nursery: trio.Nursery) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:
@@ -191,12 +203,12 @@ async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
                 await trio.aclose_forcefully(stream)
                 continue
             slots.acquire_nowait()
-            nursery.start_soon(_serve_one, stream, answers, slots)
+            nursery.start_soon(_serve_one, stream, answers, serves, slots)
 
 
 async def _serve_one(stream: trio.SocketStream, answers: Http01Lookup,
-                     slots: trio.Semaphore) -> None:
+                     serves: Callable[[str], bool], slots: trio.Semaphore) -> None:
     try:
-        await handle_http(stream, answers)
+        await handle_http(stream, answers, serves)
     finally:
         slots.release()
