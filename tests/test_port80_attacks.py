@@ -21,6 +21,7 @@ import re
 import socket
 import ssl
 import struct
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -51,6 +52,10 @@ ALLOWED_HEADERS = {"content-type", "content-length", "connection", "location", "
 ATTACKER = "127.0.0.2"
 ATTACKER_TLS = "127.0.0.3"
 BYSTANDER = "127.0.0.1"
+SLOW = "127.0.0.4"
+#: The :443 ClientHello deadline the served config sets (half-done handshakes end by it).
+HELLO_TIMEOUT = 4
+ALERT_NO_APP_PROTO, ALERT_UNRECOGNIZED_NAME, ALERT_INTERNAL = 120, 112, 80
 
 
 # ------------------------------------------------------------------------------ raw I/O
@@ -179,7 +184,9 @@ class Gate:
                     return
                 head += chunk
             target = head.split(b" ")[1].decode()
-            host = re.search(rb"\r\nHost: ([^\r:]+)", head, re.I)[1].decode()  # type: ignore[index]
+            found = re.search(rb"\r\nHost: ([^\r:]+)", head, re.IGNORECASE)
+            assert found is not None, head
+            host = found[1].decode()
             token = target.removeprefix(PREFIX)
             self.seen.append((host, token))
             if self.probe is not None:
@@ -203,6 +210,7 @@ class Edge:
     tls_port: int
     admin_port: int
     proc: object = None
+    baseline: int = 0  # the serve process's fds once it has its first certificate
 
     @property
     def pid(self) -> int:
@@ -285,6 +293,8 @@ acme:
   agree_tos: true
   challenges: [http-01]
   ca_bundle: {pebble.ca_bundle}
+limits:
+  clienthello_timeout: {HELLO_TIMEOUT}
 tenants:
   - name: t
     pins: ["{node.fingerprint}"]
@@ -302,7 +312,7 @@ tenants:
         proc.terminate()
         try:
             proc.wait(WAIT)
-        except Exception:
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
         log.close()
@@ -339,6 +349,8 @@ def test_first_issuance_and_the_pending_token(edge: Edge) -> None:
     token (host case, port and trailing dot aside) got the answer, only by GET/HEAD;
     once issued the token is gone."""
     wait_served(edge)
+    time.sleep(0.5)  # the order's last steps (withdrawal, store) end after the swap
+    edge.baseline = fd_count(edge.pid)
     assert edge.gate.probes, "pebble never reached :80"
     host, token, got = edge.gate.probes[0]
     assert "error" not in got, got
@@ -374,14 +386,14 @@ ODD_REQUESTS: list[tuple[str, bytes, set[int | None]]] = [
      {308, 400, 405}),
     ("absolute_evil", b"GET http://evil.example/x HTTP/1.1\r\nHost: acme.pact.test\r\n\r\n",
      {308}),
-    ("dotdot_token", b"GET /.well-known/acme-challenge/../../etc/passwd HTTP/1.1\r\n"
-     b"Host: acme.pact.test\r\n\r\n", {404}),
-    ("pct_traversal", b"GET /.well-known/acme-challenge/%2e%2e%2f%2e%2e%2fetc HTTP/1.1\r\n"
-     b"Host: acme.pact.test\r\n\r\n", {404}),
+    ("dotdot_token", (b"GET /.well-known/acme-challenge/../../etc/passwd HTTP/1.1\r\n"
+                      b"Host: acme.pact.test\r\n\r\n"), {404}),
+    ("pct_traversal", (b"GET /.well-known/acme-challenge/%2e%2e%2f%2e%2e%2fetc HTTP/1.1\r\n"
+                       b"Host: acme.pact.test\r\n\r\n"), {404}),
     ("overlong_token", b"GET /.well-known/acme-challenge/" + b"A" * 5000 + b" HTTP/1.1\r\n"
      b"Host: acme.pact.test\r\n\r\n", {404}),
-    ("nul_in_target", b"GET /.well-known/acme-challenge/AAAA\x00AAAAAAAAAAAAAAAA HTTP/1.1\r\n"
-     b"Host: acme.pact.test\r\n\r\n", {400}),
+    ("nul_in_target", (b"GET /.well-known/acme-challenge/AAAA\x00AAAAAAAAAAAAAAAA HTTP/1.1\r\n"
+                       b"Host: acme.pact.test\r\n\r\n"), {400}),
     ("cr_in_target", b"GET /x\rLocation:evil HTTP/1.1\r\nHost: acme.pact.test\r\n\r\n", {400}),
     ("lf_in_target", b"GET /x\nSet-Cookie: a=b HTTP/1.1\r\nHost: acme.pact.test\r\n\r\n",
      {400}),
@@ -409,8 +421,8 @@ ODD_REQUESTS: list[tuple[str, bytes, set[int | None]]] = [
     ("http2_version", b"GET / HTTP/2.0\r\nHost: acme.pact.test\r\n\r\n", {308, 400, 505}),
     ("obs_fold", b"GET / HTTP/1.1\r\nHost: acme.pact.test\r\nX: a\r\n b\r\n\r\n", {308, 400}),
     ("space_before_colon", b"GET / HTTP/1.1\r\nHost : evil.example\r\n\r\n", {400}),
-    ("te_and_cl", b"POST / HTTP/1.1\r\nHost: acme.pact.test\r\nContent-Length: 5\r\n"
-     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", {308, 400}),
+    ("te_and_cl", (b"POST / HTTP/1.1\r\nHost: acme.pact.test\r\nContent-Length: 5\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"), {308, 400}),
     ("empty", b"", {None}),
     ("only_crlf", b"\r\n\r\n\r\n", {400, None}),
 ]
@@ -544,15 +556,16 @@ def test_flood_from_one_ip_leaves_room_for_another(edge: Edge) -> None:
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + HANG
-    while fd_count(edge.pid) > before + 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert fd_count(edge.pid) <= before + 2
+    wait_fds(edge, before)
 
 
 def test_slowloris_is_cut_at_the_deadline(edge: Edge) -> None:
-    """A byte a second: the listener closes by its deadline, not when the client stops."""
-    with connect(edge.http_port, ATTACKER) as s:
+    """A byte a second: the listener closes by its deadline, not when the client stops,
+    and its slot comes back."""
+    before = fd_count(edge.pid)
+    probe = get(edge.http_port, "/", ACME_HOST, src=SLOW)  # this address has its slots
+    assert probe.status == 308
+    with connect(edge.http_port, SLOW) as s:
         start = time.monotonic()
         closed = False
         for ch in b"GET / HTTP/1.1\r\nHost: acme.pact.test\r\nX: " + b"a" * 60:
@@ -574,4 +587,210 @@ def test_slowloris_is_cut_at_the_deadline(edge: Edge) -> None:
             if time.monotonic() - start > HANG:
                 break
         assert closed, "a slow client outlived the request deadline"
+    wait_fds(edge, before)
 
+
+def wait_fds(edge: Edge, baseline: int, slack: int = 2) -> None:
+    """The serve process's open fds come back to `baseline` (+ slack) within HANG."""
+    deadline = time.monotonic() + HANG
+    while fd_count(edge.pid) > baseline + slack and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fd_count(edge.pid) <= baseline + slack, (fd_count(edge.pid), baseline)
+
+
+
+# ------------------------------------------------------------------------------ :443
+def py_hello(sni: str | None, alpn: list[str]) -> bytes:
+    """The ClientHello Python's ssl sends for `sni` and `alpn` (a real, complete one)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(alpn)
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname=sni)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def _ext(kind: int, data: bytes) -> bytes:
+    return struct.pack(">HH", kind, len(data)) + data
+
+
+def raw_hello(names: list[bytes], alpn: list[bytes]) -> bytes:
+    """A hand-made ClientHello: any SNI bytes (several names too) and ALPN entries."""
+    entries = b"".join(b"\x00" + struct.pack(">H", len(n)) + n for n in names)
+    protos = b"".join(bytes([len(a)]) + a for a in alpn)
+    exts = (_ext(0, struct.pack(">H", len(entries)) + entries)
+            + _ext(16, struct.pack(">H", len(protos)) + protos)
+            + _ext(43, b"\x02\x03\x04") + _ext(10, b"\x00\x02\x00\x1d"))
+    body = (b"\x03\x03" + os.urandom(32) + b"\x00" + b"\x00\x02\x13\x01" + b"\x01\x00"
+            + struct.pack(">H", len(exts)) + exts)
+    msg = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack(">H", len(msg)) + msg
+
+
+def tls_answer(port: int, hello: bytes, src: str = BYSTANDER) -> tuple[str, int | None]:
+    """("alert", description) / ("handshake", None) / ("close", None) for one hello."""
+    with connect(port, src) as s:
+        s.sendall(hello)
+        first = b""
+        try:
+            while len(first) < 7:
+                chunk = s.recv(7 - len(first))
+                if not chunk:
+                    break
+                first += chunk
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            raise AssertionError("no answer to a ClientHello within the deadline") from None
+    if first[:1] == b"\x15" and len(first) == 7:
+        return "alert", first[6]
+    if first[:1] == b"\x16":
+        return "handshake", None
+    assert first == b"", first
+    return "close", None
+
+
+ACME = [b"acme-tls/1"]
+TLS_CASES: list[tuple[str, bytes, set[tuple[str, int | None]]]] = [
+    ("terminate_no_pending", py_hello(ACME_HOST, ["acme-tls/1"]), {("alert", 120)}),
+    ("upper_case_sni", py_hello(ACME_HOST.upper(), ["acme-tls/1"]), {("alert", 120)}),
+    ("trailing_dot_sni", raw_hello([ACME_HOST.encode() + b"."], ACME),
+     {("alert", 120), ("alert", 112)}),
+    ("mixed_h2_first", py_hello(ACME_HOST, ["h2", "acme-tls/1"]), {("alert", 120)}),
+    ("mixed_http11_last", py_hello(ACME_HOST, ["acme-tls/1", "http/1.1"]), {("alert", 120)}),
+    ("acme_twice", raw_hello([ACME_HOST.encode()], ACME * 2), {("alert", 120)}),
+    ("passthrough_host", py_hello(PASS_HOST, ["acme-tls/1"]), {("alert", 80)}),
+    ("unknown_host", py_hello("nobody.pact.test", ["acme-tls/1"]), {("alert", 112)}),
+    ("no_sni", py_hello(None, ["acme-tls/1"]), {("alert", 112)}),
+    ("sub_of_terminate", py_hello("x." + ACME_HOST, ["acme-tls/1"]), {("alert", 112)}),
+    ("nul_in_sni", raw_hello([ACME_HOST.encode() + b"\x00.evil"], ACME),
+     {("alert", 112), ("alert", 50), ("alert", 47), ("close", None)}),
+    ("empty_sni", raw_hello([b""], ACME),
+     {("alert", 112), ("alert", 50), ("alert", 47), ("close", None)}),
+    ("sni_300", raw_hello([b"a." * 149 + b"pact.test"], ACME),
+     {("alert", 112), ("alert", 50), ("alert", 47), ("close", None)}),
+    ("two_names", raw_hello([ACME_HOST.encode(), b"nobody.pact.test"], ACME),
+     {("alert", 120), ("alert", 112), ("alert", 50), ("alert", 47), ("close", None)}),
+    ("empty_alpn_name", raw_hello([ACME_HOST.encode()], [b"", b"acme-tls/1"]),
+     {("alert", 50), ("alert", 47), ("close", None)}),
+    ("plain_h2", py_hello(ACME_HOST, ["h2"]), {("handshake", None)}),
+]
+
+
+@pytest.mark.parametrize("name,hello,ok", TLS_CASES, ids=[c[0] for c in TLS_CASES])
+def test_acme_tls_alpn_hellos_get_a_defined_answer(edge: Edge, name: str, hello: bytes,
+                                                  ok: set[tuple[str, int | None]]) -> None:
+    """acme-tls/1 with no challenge pending: alert 120 for a terminate host however it is
+    spelled or mixed; a passthrough host goes to its node (dead here: 80); anything else
+    is 112 or a malformed-hello answer. Never a handshake but for the plain h2 hello."""
+    assert tls_answer(edge.tls_port, hello) in ok
+
+
+def _hammer(fn: Callable[[], object], stop: threading.Event, results: list[object],
+            limit: int) -> threading.Thread:
+    """Call `fn` until `stop` or `limit` calls (bounded), recording each result."""
+
+    def run() -> None:
+        for _ in range(limit):
+            if stop.is_set():
+                return
+            try:
+                results.append(fn())
+            except (OSError, AssertionError) as exc:
+                results.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_tls_flood_and_half_hellos_leave_a_bystander_served(edge: Edge) -> None:
+    """Half-sent hellos held open and a stream of acme-tls/1 hellos from one address:
+    another address still gets its certificate; every flood hello is answered 120; the
+    half ones are closed by the ClientHello deadline and the fds come back."""
+    before = fd_count(edge.pid)
+    hello = py_hello(ACME_HOST, ["acme-tls/1"])
+    half = _hold(edge.tls_port, ATTACKER_TLS, 150, first=hello[: len(hello) // 2])
+    stop, results = threading.Event(), []  # type: ignore[var-annotated]
+    threads = [_hammer(lambda: tls_answer(edge.tls_port, hello, ATTACKER_TLS), stop,
+                       results, 150) for _ in range(4)]
+    try:
+        for _ in range(5):
+            assert served_cert(edge) is not None, "the bystander got no certificate"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(WAIT)
+    assert results and all(r == ("alert", ALERT_NO_APP_PROTO) for r in results), (
+        [r for r in results if r != ("alert", ALERT_NO_APP_PROTO)][:5])
+    for s in half:  # each ends by the deadline: a close, never a handshake
+        with s:
+            reply = read_all(s)
+            assert not reply.raw.startswith(b"\x16"), reply.raw[:20]
+    wait_fds(edge, before)
+
+
+JUNK = [raw for name, raw, _ in ODD_REQUESTS if name != "empty"]
+
+
+def test_renewal_validates_while_both_ports_are_attacked(edge: Edge) -> None:
+    """A forced renewal through the admin endpoint while one address holds more :80
+    connections than the listener serves and sends junk, and another streams acme-tls/1
+    hellos: pebble's validation (from a third address) is answered, the new certificate
+    is served, and its token was pending only for its own host."""
+    assert edge.baseline, "the first issuance test did not run"
+    old = wait_served(edge)
+    probes_before = len(edge.gate.probes)
+    held = _hold(edge.http_port, ATTACKER, MAX_CONNECTIONS + 16)
+    stop, junk_results, tls_results = threading.Event(), [], []  # type: ignore[var-annotated]
+    junk = iter(JUNK * 20)
+    threads = [
+        _hammer(lambda: http80(edge.http_port, next(junk), src=ATTACKER).status, stop,
+                junk_results, 200),
+        _hammer(lambda: tls_answer(edge.tls_port, py_hello(ACME_HOST, ["acme-tls/1"]),
+                                   ATTACKER_TLS), stop, tls_results, 300),
+    ]
+    try:
+        status, body = request(edge.admin(), "POST", f"/certs/renew?host={ACME_HOST}",
+                               timeout=WAIT)
+        assert status == 200, body
+        new = wait_served(edge, not_der=old)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(WAIT)
+        for s in held:
+            s.close()
+    assert new != old
+    assert len(edge.gate.probes) > probes_before
+    host, token, got = edge.gate.probes[-1]
+    assert "error" not in got, got
+    assert host == ACME_HOST and got["exact"][0] == 200  # type: ignore[index]
+    assert got["other_host"] == got["passthrough_host"] == got["token_plus"] == 404
+    assert edge.gate.answered[-1] == 200
+    assert get(edge.http_port, PREFIX + token, ACME_HOST).status == 404  # withdrawn
+    # the flood was refused or answered, never left hanging
+    assert all(not isinstance(r, AssertionError) for r in junk_results + tls_results), (
+        [r for r in junk_results + tls_results if isinstance(r, AssertionError)][:3])
+    assert all(r == ("alert", ALERT_NO_APP_PROTO) for r in tls_results
+               if not isinstance(r, OSError))
+
+
+def test_zz_no_tracebacks_and_back_to_baseline(edge: Edge) -> None:
+    """After every attack: the log holds one JSON event per line and no traceback, the
+    process is back to the sockets it had before the attacks, and /status says the
+    certificate is fine."""
+    wait_fds(edge, edge.baseline)
+    text = edge.log_text
+    assert "Traceback" not in text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(json_events(text)) == len(lines), [
+        line for line in lines if not line.startswith("{")][:5]
+    assert not [e for e in json_events(text) if e.get("level") in ("error", "critical")]
+    status = fetch_status(edge.admin())
+    cert = next(c for c in status["certs"] if c["host"] == ACME_HOST)
+    assert cert["last_error"] is None and cert["not_after"]
+    reasons = {r["reason"] for r in status["recent_refusals"]}
+    assert "acme_no_challenge" in reasons

@@ -8,7 +8,8 @@ Deliberately tiny and strict. One request per connection (we answer with
 `Connection: close`), parsed by h11 with the request head capped at `MAX_HEAD_BYTES`; a
 request body is never read. The whole exchange has one deadline (`REQUEST_TIMEOUT`) and
 at most `MAX_CONNECTIONS` connections are served at once, at most
-`MAX_CONNECTIONS_PER_IP` of them for one client; beyond that new ones are closed at accept. Nothing here proxies: port 80 carries no application traffic.
+`MAX_CONNECTIONS_PER_IP` of them for one client; beyond that new ones are closed at
+accept. Nothing here proxies: port 80 carries no application traffic.
 
 `plan_response` is the pure decision (method, target, Host → status, headers, body) so it
 is tested without sockets; `handle_http` is the I/O around it.
