@@ -31,6 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from cryptography import x509
+
+from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
 from pact_ingress.admin.client import fetch_status, request
 from pact_ingress.config import Address
 from pact_ingress.identity import keygen
@@ -200,12 +203,67 @@ class Gate:
             c.sendall(reply.raw)
 
 
+@dataclass
+class TlsGate:
+    """Pebble's TLS-ALPN-01 port: on each validation connection `probe()` runs first (the
+    challenge is pending then), then the CA's bytes are piped to the real :443."""
+
+    target_port: int
+    port: int = field(default_factory=free_port)
+    probes: list[dict[str, object]] = field(default_factory=list)
+    probe: Callable[[], dict[str, object]] | None = None
+
+    def start(self) -> TlsGate:
+        self.sock = socket.create_server(("127.0.0.1", self.port))
+        self.sock.settimeout(0.2)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.sock.close()
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        if self.probe is not None:
+            try:
+                got = self.probe()
+            except Exception as exc:  # noqa: BLE001 - reported by the test, CA still served
+                got = {"error": repr(exc)}
+            self.probes.append(got)
+        with c, socket.create_connection(("127.0.0.1", self.target_port), timeout=WAIT) as up:
+            c.settimeout(WAIT)
+            back = threading.Thread(target=_pipe, args=(up, c), daemon=True)
+            back.start()
+            _pipe(c, up)
+            back.join(WAIT)
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+
+
 # ------------------------------------------------------------------------------ the edge
 @dataclass
 class Edge:
     tmp: Path
     pebble: Pebble
     gate: Gate
+    tls_gate: TlsGate
+    config: Path
     http_port: int
     tls_port: int
     admin_port: int
@@ -268,16 +326,62 @@ def pending_probe(edge_http: int) -> Callable[[str, str], dict[str, object]]:
     return probe
 
 
+def alpn_handshake(port: int, sni: str, alpn: list[str]) -> tuple[str | None, x509.Certificate]:
+    """(negotiated ALPN, certificate) of a full handshake that verifies nothing."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(alpn)
+    with connect(port, timeout=5) as s, ctx.wrap_socket(s, server_hostname=sni) as t:
+        der = t.getpeercert(binary_form=True)
+        assert der is not None
+        return t.selected_alpn_protocol(), x509.load_der_x509_certificate(der)
+
+
+def is_challenge_cert(cert: x509.Certificate, host: str) -> bool:
+    try:
+        ext = cert.extensions.get_extension_for_oid(ACME_IDENTIFIER_OID)
+    except x509.ExtensionNotFound:
+        return False
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return ext.critical and san.get_values_for_type(x509.DNSName) == [host]
+
+
+def pending_alpn_probe(tls_port: int) -> Callable[[], dict[str, object]]:
+    """What the TLS gate checks while a TLS-ALPN-01 challenge is pending."""
+
+    def answer(sni: str, alpn: list[str]) -> object:
+        try:
+            proto, cert = alpn_handshake(tls_port, sni, alpn)
+        except (ssl.SSLError, OSError) as exc:
+            return ("refused", type(exc).__name__)
+        return (proto, is_challenge_cert(cert, ACME_HOST))
+
+    def probe() -> dict[str, object]:
+        return {
+            "exact": answer(ACME_HOST, ["acme-tls/1"]),
+            "mixed": answer(ACME_HOST, ["h2", "acme-tls/1"]),
+            "upper_sni": answer(ACME_HOST.upper(), ["acme-tls/1"]),
+            "plain_h2": answer(ACME_HOST, ["h2"]),
+            "passthrough": tls_answer(tls_port, py_hello(PASS_HOST, ["acme-tls/1"])),
+            "other": tls_answer(tls_port, py_hello("x." + ACME_HOST, ["acme-tls/1"])),
+        }
+
+    return probe
+
+
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     tmp = tmp_path_factory.mktemp("port80")
     dns = ChallTestSrv(tmp / "challtestsrv").start()
     http_port, tls_port, admin_port = free_port(), free_port(), free_port()
-    gate = Gate(http_port)
+    gate, tls_gate = Gate(http_port), TlsGate(tls_port)
     pebble = Pebble(tmp / "pebble", f"127.0.0.1:{dns.dns_port}", http_port=gate.port,
-                    tls_port=tls_port)
+                    tls_port=tls_gate.port)
     gate.probe = pending_probe(http_port)
+    tls_gate.probe = pending_alpn_probe(tls_port)
     gate.start()
+    tls_gate.start()
     pebble.start()
     node = keygen(tmp / "node.key")
     cfg = tmp / "ingress.yaml"
@@ -304,7 +408,7 @@ tenants:
 """)
     log = open(tmp / "serve.log", "wb")
     proc, ready = serve_until_ready(tmp, cfg, ["--workers", "1"], log)
-    e = Edge(tmp, pebble, gate, http_port, tls_port, admin_port, proc)
+    e = Edge(tmp, pebble, gate, tls_gate, cfg, http_port, tls_port, admin_port, proc)
     try:
         assert ready, e.log_text[-3000:]
         yield e
@@ -317,6 +421,7 @@ tenants:
             proc.wait(5)
         log.close()
         gate.stop()
+        tls_gate.stop()
         pebble.stop()
         dns.stop()
 
@@ -423,6 +528,12 @@ ODD_REQUESTS: list[tuple[str, bytes, set[int | None]]] = [
     ("space_before_colon", b"GET / HTTP/1.1\r\nHost : evil.example\r\n\r\n", {400}),
     ("te_and_cl", (b"POST / HTTP/1.1\r\nHost: acme.pact.test\r\nContent-Length: 5\r\n"
                    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"), {308, 400}),
+    # the challenge path logs its Host: quotes, backslashes and bytes over 0x7f stay
+    # inside one JSON line (the module's last test reads every line)
+    ("challenge_odd_host", (b"GET /.well-known/acme-challenge/" + b"A" * 43 + b" HTTP/1.1\r\n"
+                            b'Host: a"b\\c\xff\xfe{"x":1}\r\n\r\n'), {400}),
+    ("challenge_long_host", (b"GET /.well-known/acme-challenge/" + b"A" * 43 + b" HTTP/1.1\r\n"
+                             b"Host: " + b"h" * 7000 + b"\r\n\r\n"), {400, 404}),
     ("empty", b"", {None}),
     ("only_crlf", b"\r\n\r\n\r\n", {400, None}),
 ]
@@ -776,6 +887,33 @@ def test_renewal_validates_while_both_ports_are_attacked(edge: Edge) -> None:
         [r for r in junk_results + tls_results if isinstance(r, AssertionError)][:3])
     assert all(r == ("alert", ALERT_NO_APP_PROTO) for r in tls_results
                if not isinstance(r, OSError))
+
+
+def test_tls_alpn_renewal_answers_only_its_host(edge: Edge) -> None:
+    """Switched to TLS-ALPN-01 by a reload, a renewal is validated through :443; while it
+    was pending the challenge certificate went only to acme-tls/1 handshakes for its
+    host, a plain h2 handshake got the served certificate, other names got their usual
+    alerts; afterwards acme-tls/1 is refused again."""
+    text = edge.config.read_text()
+    edge.config.write_text(text.replace("challenges: [http-01]", "challenges: [tls-alpn-01]"))
+    status, body = request(edge.admin(), "POST", "/reload", timeout=WAIT)
+    assert status == 200, body
+    old = wait_served(edge)
+    status, body = request(edge.admin(), "POST", f"/certs/renew?host={ACME_HOST}",
+                           timeout=WAIT)
+    assert status == 200, body
+    wait_served(edge, not_der=old)
+    assert edge.tls_gate.probes, "pebble never came through the TLS gate"
+    got = edge.tls_gate.probes[-1]
+    assert "error" not in got, got
+    assert got["exact"] == ("acme-tls/1", True)
+    assert got["mixed"] == ("acme-tls/1", True)
+    assert got["upper_sni"] == ("acme-tls/1", True)  # DNS names are case-insensitive
+    assert got["plain_h2"] == ("h2", False)
+    assert got["passthrough"] == ("alert", ALERT_INTERNAL)
+    assert got["other"] == ("alert", ALERT_UNRECOGNIZED_NAME)
+    after = tls_answer(edge.tls_port, py_hello(ACME_HOST, ["acme-tls/1"]))
+    assert after == ("alert", ALERT_NO_APP_PROTO)
 
 
 def test_zz_no_tracebacks_and_back_to_baseline(edge: Edge) -> None:
