@@ -5,7 +5,9 @@ real pebble over HTTP-01, a passthrough route, the :80 listener, :443 and the ad
 endpoint. Pebble's HTTP-01 validation goes through a small gate in this process on its
 way to :80: while the CA's request is in the gate the challenge is certainly pending,
 so the gate aims its own requests at the pending token (right and wrong hosts, wrong
-methods, near-miss tokens) before it lets the CA's request through.
+methods, near-miss tokens) before it lets the CA's request through. A second gate does
+the same on pebble's way to :443 once a reload switches the order to TLS-ALPN-01.
+Renewals are forced through the admin endpoint while both ports are flooded.
 
 Each attack asserts a defined answer (a status, a close or a TLS alert) within the
 listener's documented deadline, no header injection, no reflected foreign host; the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import socket
 import ssl
 import struct
@@ -30,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from cryptography import x509
 
 from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
@@ -373,6 +375,8 @@ def pending_alpn_probe(tls_port: int) -> Callable[[], dict[str, object]]:
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     tmp = tmp_path_factory.mktemp("port80")
+    for tool in ("pebble", "pebble-challtestsrv"):  # a missing CA fails, never skips
+        assert shutil.which(tool), f"{tool} is not installed (apt-get install pebble)"
     dns = ChallTestSrv(tmp / "challtestsrv").start()
     http_port, tls_port, admin_port = free_port(), free_port(), free_port()
     gate, tls_gate = Gate(http_port), TlsGate(tls_port)
