@@ -217,23 +217,6 @@ async def test_http_listener_real_socket_with_curl(nursery: trio.Nursery) -> Non
     assert res.stdout == b"404"  # Host 127.0.0.1 is no route
 
 
-def test_router_serves_routes_wildcards_and_the_relay_host(tmp_path: Path) -> None:
-    """What :80 may redirect: configured names (any case, a wildcard's names below its
-    suffix, not the suffix itself) and the relay host; nothing else."""
-    import types
-
-    from pact_ingress.net.backends import Backends
-    from pact_ingress.net.router import Router
-
-    cfg = make_config(tmp_path, [route("a.example", "t", 9), route("*.w.example", "t", 9)])
-    router = Router(cfg, stats=Stats(), backends=Backends())
-    assert router.serves("a.example") and router.serves("x.y.w.example")
-    assert not router.serves("w.example") and not router.serves("evil.example")
-    assert not router.serves("relay.example")
-    router.relay = types.SimpleNamespace(host="relay.example")  # type: ignore[assignment]
-    assert router.serves("relay.example")
-
-
 # ------------------------------------------------------------------------------ DNS-01
 def test_tsig_key_file_and_challenge_names(tmp_path: Path) -> None:
     f = tmp_path / "k"
