@@ -315,7 +315,7 @@ class Ingress:
                 from pact_ingress.net.http_listener import serve_http
 
                 for a in cfg.listen.http:
-                    await nursery.start(serve_http, a, self.certs, self.router.serves)
+                    await nursery.start(serve_http, a, self.certs)
             if cfg.listen.admin is not None:
                 from pact_ingress.admin.server import serve_admin
                 from pact_ingress.admin.token import read_admin_token

@@ -132,8 +132,7 @@ async def start_edge(nursery: trio.Nursery, tmp: Path, pebble: Pebble, config: C
                     certs=certs)
     listeners = await trio.open_tcp_listeners(pebble.tls_port, host="127.0.0.1")
     await nursery.start(router.serve, listeners)
-    await nursery.start(serve_http, Address("127.0.0.1", pebble.http_port), certs,
-                        router.serves)
+    await nursery.start(serve_http, Address("127.0.0.1", pebble.http_port), certs)
     await nursery.start(certs.run)
     edge = Edge(pebble, config, certs, stats, nursery)
     edge.router = router

@@ -1,9 +1,5 @@
 """The plain-HTTP :80 listener: ACME HTTP-01 answers, everything else 308 → https.
 
-Only a host the ingress serves (`serves(host)`: a route or the relay host) is redirected;
-any other Host gets a 404, so the answer never points a client at a name an attacker
-chose.
-
 Deliberately tiny and strict. One request per connection (we answer with
 `Connection: close`), parsed by h11 with the request head capped at `MAX_HEAD_BYTES`; a
 request body is never read. The whole exchange has one deadline (`REQUEST_TIMEOUT`) and
@@ -18,7 +14,6 @@ is tested without sockets; `handle_http` is the I/O around it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,7 +40,11 @@ READ_SIZE = 4096
 CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
 #: ACME tokens are base64url (RFC 8555 §8.1), at least 128 bits of entropy.
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
-#: Host header: a DNS name, optional port (dropped in the redirect).
+#: Host header: a DNS name, optional port (dropped in the redirect). The redirect goes
+#: to the name the client asked for, whatever it is, as a plain-HTTP request for any name
+#: pointed at this address is fair; what is not a DNS name (longer than `MAX_NAME`, or
+#: not matching) gets 400.
+MAX_NAME = 253
 HOST_RE = re.compile(r"(?P<name>([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
                      r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\.?(:[0-9]{1,5})?")
 #: A redirect target may only carry printable ASCII without spaces.
@@ -90,10 +89,10 @@ class Answer:
 
 
 def plan_response(method: str, target: str, host_header: str | None,
-                  answers: Http01Answers, serves: Callable[[str], bool]) -> Answer:
+                  answers: Http01Answers) -> Answer:
     """What to send for one request (pure; see module docstring)."""
     m = HOST_RE.fullmatch((host_header or "").lower())
-    if m is None:
+    if m is None or len(m["name"]) > MAX_NAME:
         return _text(400, "missing or invalid Host header\n")
     host = m["name"]
     if target.startswith(CHALLENGE_PREFIX):
@@ -104,8 +103,6 @@ def plan_response(method: str, target: str, host_header: str | None,
         if method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", (("Allow", "GET, HEAD"),))
         return Answer(200, (("Content-Type", "application/octet-stream"),), key_authz)
-    if not serves(host):
-        return _text(404, "no such host\n")
     path = target if TARGET_RE.fullmatch(target) else "/"
     return _text(308, "redirecting to https\n", (("Location", f"https://{host}{path}"),))
 
@@ -115,8 +112,7 @@ def _text(status: int, text: str, extra: tuple[tuple[str, str], ...] = ()) -> An
                   text.encode())
 
 
-async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup,
-                      serves: Callable[[str], bool]) -> None:
+async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
     """Serve one connection: one request, one answer, close."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     try:
@@ -128,10 +124,11 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup,
             host = next((v.decode("ascii", "replace") for k, v in request.headers
                          if k == b"host"), None)
             method = request.method.decode("ascii", "replace")
-            answer = plan_response(method, target, host, await _look_up(answers, target, host),
-                                   serves)
+            answer = plan_response(method, target, host, await _look_up(answers, target, host))
             if target.startswith(CHALLENGE_PREFIX):
-                log.info("acme_http01_request", host=host, status=answer.status)
+                # a Host can be most of the 8 KiB head: the line keeps what a name can be
+                log.info("acme_http01_request", host=host if host is None else host[:MAX_NAME + 6],
+                         status=answer.status)
             await _send(stream, conn, answer, head_only=method == "HEAD")
     except h11.RemoteProtocolError as exc:
         await _send_raw_error(stream, exc.error_status_hint)
@@ -181,12 +178,10 @@ async def _send_raw_error(stream: trio.abc.Stream, status: int) -> None:
             pass
 
 
-async def serve_http(address: Address, answers: Http01Lookup,
-                     serves: Callable[[str], bool], *,
+async def serve_http(address: Address, answers: Http01Lookup, *,
                      task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
                      ) -> None:
-    """Listen on `address` until cancelled; `task_status.started((host, port))` once bound.
-    `serves(host)` says whether a (lower-case) host may be redirected to https."""
+    """Listen on `address` until cancelled; `task_status.started((host, port))` once bound."""
     try:
         listeners = await trio.open_tcp_listeners(address.port, host=address.host)
     except OSError as exc:
@@ -196,13 +191,12 @@ async def serve_http(address: Address, answers: Http01Lookup,
     log.info("http_listening", address=f"{bound[0]}:{bound[1]}")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, answers, serves, slots, nursery)
+            nursery.start_soon(_accept_loop, listener, answers, slots, nursery)
         task_status.started((str(bound[0]), int(bound[1])))
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       serves: Callable[[str], bool], slots: _Slots,
-                       nursery: trio.Nursery) -> None:
+                       slots: _Slots, nursery: trio.Nursery) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:
@@ -218,7 +212,7 @@ async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
             if who is None or not slots.take(who):
                 await trio.aclose_forcefully(stream)
                 continue
-            nursery.start_soon(_serve_one, stream, answers, serves, slots, who)
+            nursery.start_soon(_serve_one, stream, answers, slots, who)
 
 
 @dataclass
@@ -244,8 +238,8 @@ class _Slots:
 
 
 async def _serve_one(stream: trio.SocketStream, answers: Http01Lookup,
-                     serves: Callable[[str], bool], slots: _Slots, who: str) -> None:
+                     slots: _Slots, who: str) -> None:
     try:
-        await handle_http(stream, answers, serves)
+        await handle_http(stream, answers)
     finally:
         slots.give(who)

@@ -224,14 +224,6 @@ class Router:
         self.limits = config.limits
         self.tunnel_hostname = config.tunnel_hostname
 
-    def serves(self, host: str) -> bool:
-        """Is `host` one this router answers on :443 (a route, or the relay host)? The
-        :80 listener redirects only such names."""
-        if self.table.lookup(host) is not None:
-            return True
-        return self.relay is not None and normalize_hostname(host, validate=False) == (
-            self.relay.host)
-
     # --- accepting -------------------------------------------------------------------
 
     async def serve(
