@@ -150,6 +150,11 @@ class _Answers:
     ("GET", "http://evil.example/x", "h.example", 308, "https://h.example/"),
     ("GET", "/", None, 400, None),
     ("GET", "/", "evil.example/x", 400, None),
+    # any name pointed at this address is sent to https on that same name, nothing else
+    ("GET", "/x", "other.example", 308, "https://other.example/x"),
+    # a name longer than DNS allows is no name
+    ("GET", "/", "a." * 126 + "ab", 400, None),
+    ("GET", "/", "a." * 125 + "abc", 308, "https://" + "a." * 125 + "abc/"),
     # a trailing newline must not slip through a pattern's end anchor
     ("GET", "/", "h.example\n", 400, None),
     ("GET", "/.well-known/acme-challenge/" + "A" * 43 + "\n", "h.example", 404, None),

@@ -3,8 +3,9 @@
 Deliberately tiny and strict. One request per connection (we answer with
 `Connection: close`), parsed by h11 with the request head capped at `MAX_HEAD_BYTES`; a
 request body is never read. The whole exchange has one deadline (`REQUEST_TIMEOUT`) and
-at most `MAX_CONNECTIONS` connections are served at once; beyond that new ones are closed
-at accept. Nothing here proxies: port 80 carries no application traffic.
+at most `MAX_CONNECTIONS` connections are served at once, at most
+`MAX_CONNECTIONS_PER_IP` of them for one client; beyond that new ones are closed at
+accept. Nothing here proxies: port 80 carries no application traffic.
 
 `plan_response` is the pure decision (method, target, Host → status, headers, body) so it
 is tested without sockets; `handle_http` is the I/O around it.
@@ -13,7 +14,7 @@ is tested without sockets; `handle_http` is the I/O around it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import h11
@@ -22,6 +23,7 @@ import trio
 from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Address
+from pact_ingress.net.router import client_of
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
 MAX_HEAD_BYTES = 8 * 1024
@@ -29,13 +31,20 @@ MAX_HEAD_BYTES = 8 * 1024
 REQUEST_TIMEOUT = 10.0
 #: Connections served at once; more are closed at accept (port 80 is not worth more).
 MAX_CONNECTIONS = 1024
+#: Connections one client (an IPv4 address, an IPv6 /64) may hold at once, so that one
+#: address holding idle connections cannot take the slots a CA's validation needs.
+MAX_CONNECTIONS_PER_IP = 32
 #: Bytes per receive call.
 READ_SIZE = 4096
 
 CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
 #: ACME tokens are base64url (RFC 8555 §8.1), at least 128 bits of entropy.
 TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{16,256}")
-#: Host header: a DNS name, optional port (dropped in the redirect).
+#: Host header: a DNS name, optional port (dropped in the redirect). The redirect goes
+#: to the name the client asked for, whatever it is, as a plain-HTTP request for any name
+#: pointed at this address is fair; what is not a DNS name (longer than `MAX_NAME`, or
+#: not matching) gets 400.
+MAX_NAME = 253
 HOST_RE = re.compile(r"(?P<name>([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
                      r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)\.?(:[0-9]{1,5})?")
 #: A redirect target may only carry printable ASCII without spaces.
@@ -83,7 +92,7 @@ def plan_response(method: str, target: str, host_header: str | None,
                   answers: Http01Answers) -> Answer:
     """What to send for one request (pure; see module docstring)."""
     m = HOST_RE.fullmatch((host_header or "").lower())
-    if m is None:
+    if m is None or len(m["name"]) > MAX_NAME:
         return _text(400, "missing or invalid Host header\n")
     host = m["name"]
     if target.startswith(CHALLENGE_PREFIX):
@@ -117,7 +126,9 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
             method = request.method.decode("ascii", "replace")
             answer = plan_response(method, target, host, await _look_up(answers, target, host))
             if target.startswith(CHALLENGE_PREFIX):
-                log.info("acme_http01_request", host=host, status=answer.status)
+                # a Host can be most of the 8 KiB head: the line keeps what a name can be
+                log.info("acme_http01_request", host=host if host is None else host[:MAX_NAME + 6],
+                         status=answer.status)
             await _send(stream, conn, answer, head_only=method == "HEAD")
     except h11.RemoteProtocolError as exc:
         await _send_raw_error(stream, exc.error_status_hint)
@@ -128,12 +139,19 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
 
 
 async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
-    while True:  # bounded by REQUEST_TIMEOUT and h11's head cap
+    received = 0
+    while True:  # bounded by REQUEST_TIMEOUT and the head cap
         event = conn.next_event()
         if isinstance(event, h11.Request):
             return event
         if event is h11.NEED_DATA:
-            conn.receive_data(bytes(await stream.receive_some(READ_SIZE)))  # b"" = EOF, h11 knows
+            # h11 checks its cap only while a head is incomplete, so a head finished by the
+            # read that crossed the cap would pass; never read past the cap instead
+            if received >= MAX_HEAD_BYTES:
+                raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
+            data = await stream.receive_some(min(READ_SIZE, MAX_HEAD_BYTES - received))
+            received += len(data)
+            conn.receive_data(bytes(data))  # b"" = EOF, h11 knows
             continue
         return None  # ConnectionClosed (peer left before a request) or anything unexpected
 
@@ -168,7 +186,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
         listeners = await trio.open_tcp_listeners(address.port, host=address.host)
     except OSError as exc:
         raise ListenError.binding(str(address), exc) from exc
-    slots = trio.Semaphore(MAX_CONNECTIONS)
+    slots = _Slots()
     bound = listeners[0].socket.getsockname()[:2]
     log.info("http_listening", address=f"{bound[0]}:{bound[1]}")
     async with trio.open_nursery() as nursery:
@@ -178,7 +196,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       slots: trio.Semaphore, nursery: trio.Nursery) -> None:
+                       slots: _Slots, nursery: trio.Nursery) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:
@@ -187,16 +205,41 @@ async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
                 log.warning("http_accept_error", error=str(exc))
                 await trio.sleep(0.1)
                 continue
-            if slots.value == 0:
+            try:
+                who = client_of(str(stream.socket.getpeername()[0]))
+            except OSError:  # the peer is already gone
+                who = None
+            if who is None or not slots.take(who):
                 await trio.aclose_forcefully(stream)
                 continue
-            slots.acquire_nowait()
-            nursery.start_soon(_serve_one, stream, answers, slots)
+            nursery.start_soon(_serve_one, stream, answers, slots, who)
+
+
+@dataclass
+class _Slots:
+    """Connections being served, in total and per client (see `MAX_CONNECTIONS_PER_IP`)."""
+
+    free: int = MAX_CONNECTIONS
+    by_client: dict[str, int] = field(default_factory=dict)
+
+    def take(self, who: str) -> bool:
+        held = self.by_client.get(who, 0)
+        if self.free == 0 or held >= MAX_CONNECTIONS_PER_IP:
+            return False
+        self.free -= 1
+        self.by_client[who] = held + 1
+        return True
+
+    def give(self, who: str) -> None:
+        self.free += 1
+        held = self.by_client.pop(who) - 1
+        if held:
+            self.by_client[who] = held
 
 
 async def _serve_one(stream: trio.SocketStream, answers: Http01Lookup,
-                     slots: trio.Semaphore) -> None:
+                     slots: _Slots, who: str) -> None:
     try:
         await handle_http(stream, answers)
     finally:
-        slots.release()
+        slots.give(who)
