@@ -171,6 +171,12 @@ MAX_OUTSTANDING_TOKENS = 128
 #: A taken data connection whose replacement (dialed with a spare) has not arrived after
 #: this long is given up on: TOKENs make up for it. Replacements normally take ms.
 REPLACE_WAIT = 1.0
+#: A TOKEN not redeemed this long after it was sent is presumed lost on its way (a dial
+#: refused at the door or failed on the path; the connector does not say): it stays valid
+#: until TOKEN_TTL, but the pool no longer counts it as coming and grants another.
+#: Refills normally take ms; counting lost ones for their whole TTL left a pool empty for
+#: TOKEN_TTL after the refusals had stopped.
+TOKEN_WAIT = 2.0
 #: Control frames a connector may send: a few per heartbeat is normal; this is a flood.
 CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
@@ -555,7 +561,8 @@ class TunnelServer:
         the connector's stock runs low. All in one TLS record and one write."""
         target = self._target(session, now)
         out = session.grants
-        want = target - len(session.idle) - len(out.tokens) - len(session.replacing)
+        coming = sum(1 for issued in out.tokens.values() if now - issued <= TOKEN_WAIT)
+        want = target - len(session.idle) - coming - len(session.replacing)
         want = min(want, MAX_OUTSTANDING_TOKENS - len(out.tokens))
         grants: list[tf.Message] = [tf.Token(self._tokens.issue(session, Kind.TOKEN, now))
                                     for _ in range(max(0, want))]
