@@ -74,6 +74,19 @@ def fd_count(proc: subprocess.Popen[bytes]) -> int:
     return total
 
 
+def connector_sockets(port: int) -> set[str]:
+    """`socket:[inode]` of every TCP socket on `port` whose peer is 127.0.0.1 (where the
+    connectors dial from; the attacks' callers come from 127.0.0.2 and 127.0.0.3)."""
+    out = set()
+    local_port = f"{port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, inode = fields[1], fields[2], fields[9]
+        if local.endswith(":" + local_port) and remote.startswith("0100007F:"):
+            out.add(f"socket:[{inode}]")
+    return out
+
+
 class Connect:
     """One `pact-ingress connect` process for a tenant's node."""
 
@@ -110,7 +123,8 @@ connections: {connections}
         self._log.close()
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
 
@@ -236,20 +250,33 @@ tenants:
                                  f"{self.logs()[-3000:]}") from None
 
     def fds(self) -> int:
+        """The serve processes' fds, leaving out the connectors' connections (their idle
+        pools grow and shrink with the open rate, by design) and epoll sets (the
+        readiness hub's is made once, on the first busy moment); every client
+        connection, pipe and anything else counts."""
         assert self.proc is not None
-        return fd_count(self.proc)
+        pooled = connector_sockets(self.port)
+        total = 0
+        for pid in pids_of(self.proc):
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        if link not in pooled and link != "anon_inode:[eventpoll]":
+                            total += 1
+        return total
 
     # -- invariants -----------------------------------------------------------------------
 
     def served(self, source: str = LOOPBACK) -> None:
         """Both tenants reach their own node, and only their own."""
-        a, b = len(self.alina_node.requests()), len(self.bob_node.requests())
-        assert get_status(self.port, PT, source=source) == 200, self.logs()[-2000:]
-        assert get_status(self.port, TM, source=source) == 200, self.logs()[-2000:]
-        assert len(self.alina_node.requests()) == a + 1
-        assert len(self.bob_node.requests()) == b + 1
-        assert all(r.headers_host() == PT for r in self.alina_node.requests()[a:])
-        assert all(r.headers_host() == TM for r in self.bob_node.requests()[b:])
+        for host, mine, other in ((PT, self.alina_node, self.bob_node),
+                                  (TM, self.bob_node, self.alina_node)):
+            probe = f"/ping?probe={os.urandom(8).hex()}"
+            status = get_status(self.port, host, source=source, path=probe)
+            assert status == 200, (host, status, self.logs()[-2000:])
+            assert [r.headers_host() for r in mine.requests() if r.target == probe] == [host]
+            assert not [r for r in other.requests() if r.target == probe]
 
     def clean_logs(self) -> None:
         for name, text in [("serve", self.logs())] + [
@@ -316,9 +343,11 @@ def fresh(world: World) -> Iterator[World]:
     assert world.proc is not None and world.proc.poll() is None, world.logs()[-3000:]
     world.wait_settled("the tunnels to settle before the attack")
     world.served()
+    fds = world.fds()
     yield world
     world.wait_settled("the tunnels to settle after the attack")
     world.served()
+    wait_for(lambda: world.fds() <= fds, f"fds back to {fds} (now {world.fds()})")
     world.clean_logs()
 
 
@@ -566,3 +595,195 @@ def test_pool_refills_soon_after_data_connections_were_refused(fresh: World) -> 
             s.close()
     wait_for(lambda: get_status(w.port, PT, source="127.0.0.2", timeout=3) == 200,
              "alina served again", timeout=8)
+
+
+# --- hostile public clients ----------------------------------------------------------------
+
+
+def tls_client(port: int, host: str, source: str = LOOPBACK, rcvbuf: int | None = None
+               ) -> ssl.SSLSocket:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["http/1.1"])
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    raw.settimeout(10)
+    raw.bind((source, 0))
+    raw.connect((LOOPBACK, port))
+    return ctx.wrap_socket(raw, server_hostname=host)
+
+
+def big_request(host: str, size: int) -> bytes:
+    return f"GET /big?bytes={size} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+
+def test_clients_aborting_mid_stream_leave_nothing_behind(fresh: World) -> None:
+    """Callers of both tunnel routes that reset their connection in the middle of a large
+    answer, or pipeline requests and reset before reading: the other tenant is served
+    meanwhile, and every tunnel stream, node connection and fd is given back."""
+    w = fresh
+    for i in range(6):
+        for host in (PT, TM):
+            s = tls_client(w.port, host, source="127.0.0.2")
+            s.sendall(big_request(host, 32 << 20))
+            got = 0
+            while got < 256 << 10:
+                chunk = s.recv(65536)
+                assert chunk, host
+                got += len(chunk)
+            reset(s)
+        s = tls_client(w.port, TM, source="127.0.0.2")  # pipelined, then gone
+        s.sendall(b"".join(f"GET /ping?{n} HTTP/1.1\r\nHost: {TM}\r\n\r\n".encode()
+                           for n in range(8)) + big_request(TM, 8 << 20))
+        reset(s)
+        w.served(source="127.0.0.3")
+    w.wait_settled("streams given back after the aborts")
+
+
+def test_a_caller_that_stops_reading_holds_only_its_own_stream(fresh: World) -> None:
+    """A caller that asks for a large answer and stops reading (its window full, the
+    tunnel stream backed up to the node): other callers of the same tenant, and the
+    other tenant, are served while it sits there."""
+    w = fresh
+    stuck = []
+    try:
+        for host in (PT, TM, PT):
+            s = tls_client(w.port, host, source="127.0.0.2", rcvbuf=4096)
+            s.sendall(big_request(host, 64 << 20))
+            s.recv(1024)  # the answer began; not another byte is read
+            stuck.append(s)
+        wait_for(lambda: w.tunnels()["alina"][1] >= 2, "the stuck streams open")
+        for _ in range(5):
+            w.served(source="127.0.0.3")
+    finally:
+        for s in stuck:
+            reset(s)
+
+
+def test_flood_from_one_address_leaves_another_served(fresh: World) -> None:
+    """One address opens the most connections it may, half of them tunnel streams held
+    open, half silent; a caller from another address is served, and all of it is given
+    back when the flood ends."""
+    w = fresh
+    flood: list[socket.socket] = []
+    try:
+        for i in range(20):  # tunnel streams, the inner TLS done, then idle
+            flood.append(tls_client(w.port, PT if i % 2 else TM, source="127.0.0.2"))
+        for _ in range(36):  # and silent ones up to the accept cap (40 + 16)
+            flood.append(raw_connection(w.port, b"", source="127.0.0.2"))
+        over = raw_connection(w.port, b"", source="127.0.0.2")  # one too many: closed
+        assert read_until_closed(over, 3)[1] in ("eof", "reset")
+        over.close()
+        for _ in range(3):
+            w.served(source="127.0.0.3")
+        assert w.tunnels()["alina"][1] >= 10
+    finally:
+        for s in flood:
+            reset(s)
+
+
+# --- a hostile connector with a valid key ------------------------------------------------------
+
+
+def test_tokens_are_single_use_and_die_with_their_session(fresh: World) -> None:
+    """Two hand-made sessions of alina's key at once: a token works once, in the pool
+    of the session that issued it; replayed, or presented after its session ended, it
+    is refused and nothing reaches a pool; bob's key cannot use alina's tokens."""
+    w = fresh
+    one, two = tunnel_tls(w.port, w.alina_key), tunnel_tls(w.port, w.alina_key)
+    data: list[socket.socket] = []
+    try:
+        tokens = []
+        for s in (one, two):
+            s.sendall(hello())
+            tokens.append([m.token for m in first_frames(s, tf.Token, 2)  # type: ignore[attr-defined]
+                           if isinstance(m, tf.Token)])
+        wait_for(lambda: w.tunnels()["alina"][0] == 4, "four alina sessions")
+        ok = raw_connection(w.port, tf.raw_data_preamble(tokens[0][0]))
+        ok.settimeout(5)
+        assert ok.recv(16) == tc.DATA_OK
+        data.append(ok)
+        for token in (tokens[0][0], tokens[0][0]):  # replays
+            s = raw_connection(w.port, tf.raw_data_preamble(token))
+            assert read_until_closed(s)[0] == b""
+            s.close()
+        # over TLS, with bob's key: the token is alina's
+        with tunnel_tls(w.port, w.bob_key, tc.ALPN_DATA) as s:
+            s.sendall(tf.encode(tf.DataHello(tokens[1][0])))
+            assert tc.DATA_OK not in read_until_closed(s)[0]
+        one.close()  # its tokens die with it
+        wait_for(lambda: w.tunnels()["alina"][0] == 3, "session one gone")
+        s = raw_connection(w.port, tf.raw_data_preamble(tokens[0][1]))
+        assert read_until_closed(s)[0] == b""
+        s.close()
+        # the other session's token is still good: sessions do not void each other
+        good = raw_connection(w.port, tf.raw_data_preamble(tokens[1][1]))
+        good.settimeout(5)
+        assert good.recv(16) == tc.DATA_OK
+        data.append(good)
+        reasons = [e["reason"] for e in w.events("tunnel_refused")]
+        assert reasons.count("token_mismatch") >= 1 and reasons.count("bad_token") >= 3
+    finally:
+        for s in (one, two, *data):
+            s.close()
+
+
+def test_black_hole_data_connections_hurt_only_their_own_tenant(fresh: World) -> None:
+    """A connector with alina's key that takes every token it is given, dials the data
+    connections and then neither reads nor writes: the streams it swallows are alina's
+    own; bob is served all along, and when it goes everything is given back."""
+    w = fresh
+    ctl = tunnel_tls(w.port, w.alina_key)
+    holes: list[socket.socket] = []
+    try:
+        ctl.sendall(hello())
+        for m in first_frames(ctl, tf.Token, tc_pool_min()):
+            if isinstance(m, tf.Token):
+                s = raw_connection(w.port, tf.raw_data_preamble(m.token))
+                holes.append(s)
+        for s in holes:
+            s.settimeout(5)
+            assert s.recv(16) == tc.DATA_OK
+        results = []
+        for _ in range(8):  # some of alina's streams land in the hole, and time out there
+            results.append(get_status(w.port, PT, source="127.0.0.3", timeout=1))
+            probe = f"/ping?probe={os.urandom(8).hex()}"
+            assert get_status(w.port, TM, source="127.0.0.3", path=probe) == 200
+            assert [r for r in w.bob_node.requests() if r.target == probe]
+        assert results.count(200) >= 1, results  # the real connector still gets its share
+        assert not [r for r in w.bob_node.requests() if r.headers_host() != TM]
+    finally:
+        ctl.close()
+        for s in holes:
+            reset(s)
+
+
+def tc_pool_min() -> int:
+    from pact_ingress.proto.tunnel.session import POOL_MIN
+    return POOL_MIN
+
+
+def test_a_connector_connecting_twice_at_once(fresh: World) -> None:
+    """A second `connect` for alina (same key, its own slots) while the first runs: both
+    are admitted; killing either leaves the other serving; the count of live
+    connections follows the processes, not what they once were."""
+    w = fresh
+    directory = w.tmp / "connect-alina-2"
+    directory.mkdir(exist_ok=True)
+    second = Connect(directory, w.alina_key, w.ingress.fingerprint, w.port,
+                     w.alina_node.port)
+    try:
+        wait_for(lambda: w.tunnels()["alina"][0] == 4, "both alina connectors up")
+        for _ in range(4):
+            w.served(source="127.0.0.3")
+        w.connectors["alina"].kill()
+        wait_for(lambda: w.tunnels()["alina"][0] == 2, "the first one's sessions gone")
+        for _ in range(4):
+            w.served(source="127.0.0.3")
+        w.connectors["alina"].start()
+        wait_for(lambda: w.tunnels()["alina"][0] == 4, "the first one back")
+    finally:
+        second.close()
+    assert "Traceback" not in second.logs()
