@@ -351,8 +351,12 @@ def fresh(world: World) -> Iterator[World]:
     world.clean_logs()
 
 
-def test_smoke(fresh: World) -> None:
-    print(fresh.tunnels(), fresh.fds())
+def test_each_tenant_reaches_only_its_own_node(fresh: World) -> None:
+    """The baseline every attack returns to: through the workers (terminate) and main
+    (passthrough), each route's callers reach their own tenant's node."""
+    for source in ("127.0.0.2", "127.0.0.3"):
+        for _ in range(3):
+            fresh.served(source=source)
 
 
 # --- hostile peers ---------------------------------------------------------------------
@@ -401,6 +405,24 @@ def read_until_closed(sock: socket.socket, limit: float = 5.0) -> tuple[bytes, s
             return data, "eof"
         data += chunk
     return data, "timeout"
+
+
+def read_at_least(sock: socket.socket, size: int, limit: float = 10.0) -> int:
+    """Read until `size` bytes came, the peer closed, or `limit` passed: the count."""
+    got = 0
+    deadline = time.monotonic() + limit
+    sock.settimeout(1)
+    while got < size and time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 20)
+        except (TimeoutError, socket.timeout):
+            continue
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += len(chunk)
+    return got
 
 
 def frames_in(data: bytes) -> list[tf.Message]:
@@ -787,3 +809,115 @@ def test_a_connector_connecting_twice_at_once(fresh: World) -> None:
     finally:
         second.close()
     assert "Traceback" not in second.logs()
+
+
+# --- processes dying and configs changing under traffic ------------------------------------
+
+
+class Traffic:
+    """Requests to one host from a thread until stopped; records the outcomes."""
+
+    def __init__(self, w: World, host: str, source: str) -> None:
+        self.w, self.host, self.source = w, host, source
+        self.results: list[int | None] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self.results.append(get_status(self.w.port, self.host, source=self.source,
+                                           timeout=3))
+            time.sleep(0.02)
+
+    def stop(self) -> list[int | None]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.results
+
+
+def test_connector_killed_and_restarted_during_traffic(fresh: World) -> None:
+    """kill -9 of alina's connector while both tenants' callers keep coming, and while a
+    large answer is flowing: bob never notices; alina's callers are refused (a TLS
+    alert, not a hang) until the restarted connector is back, then served."""
+    w = fresh
+    bob = Traffic(w, TM, "127.0.0.3")
+    alina = Traffic(w, PT, "127.0.0.2")
+    try:
+        flowing = tls_client(w.port, PT, source="127.0.0.2")
+        flowing.sendall(big_request(PT, 4 << 20))
+        flowing.recv(1024)
+        time.sleep(0.3)
+        w.connectors["alina"].kill()
+        wait_for(lambda: w.tunnels()["alina"][0] == 0, "alina's tunnel down")
+        assert get_status(w.port, PT, source="127.0.0.2", timeout=8) is None
+        w.connectors["alina"].start()
+        wait_for(lambda: w.tunnels()["alina"][0] == 2, "alina's connector back")
+        wait_for(lambda: get_status(w.port, PT, source="127.0.0.2") == 200, "alina served")
+        reset(flowing)
+    finally:
+        bob_results, alina_results = bob.stop(), alina.stop()
+    assert bob_results and set(bob_results) == {200}, bob_results
+    assert 200 in alina_results
+
+
+def test_reload_drops_and_readds_a_tenant_while_its_streams_run(fresh: World) -> None:
+    """SIGHUP with bob gone while bob's callers are mid-answer and alina's keep coming;
+    then SIGHUP with bob back: alina is served throughout, bob's connector is told its key
+    is unpinned and comes back after the re-add, and no stream or count is left over."""
+    w = fresh
+    alina = Traffic(w, PT, "127.0.0.2")
+    mid = []
+    try:
+        for _ in range(2):
+            s = tls_client(w.port, TM, source="127.0.0.3")
+            s.sendall(big_request(TM, 4 << 20))
+            s.recv(1024)
+            mid.append(s)
+        w.write_config(bob=False)
+        reload(w)
+        wait_for(lambda: "bob" not in w.tunnels(), "bob's tunnel gone from /status")
+        assert get_status(w.port, TM, source="127.0.0.3", timeout=5) is None
+        w.write_config(bob=True)
+        reload(w)
+        wait_for(lambda: w.tunnels().get("bob", (0, 0))[0] == 2, "bob's connector back")
+        for s in mid:  # a stream handed out outlives its tenant's tunnel: it completes
+            rest = (4 << 20) - 1024  # the body, less what the first read may have taken
+            assert read_at_least(s, rest) >= rest
+            s.close()
+    finally:
+        results = alina.stop()
+        for s in mid:
+            s.close()
+    assert results and set(results) == {200}, results
+    refused = [e for e in json_events(w.connectors["bob"].logs())
+               if e.get("event") == "tunnel_key_refused"]
+    assert refused and refused[0]["code"] == "KEY_UNPINNED"
+
+
+def reload(w: World) -> None:
+    assert w.proc is not None
+    before = len(w.events("reloaded"))
+    w.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(w.events("reloaded")) > before, "the reload applied")
+
+
+def test_ingress_restarted_under_connectors(fresh: World) -> None:
+    """serve stops (SIGTERM) with streams open and starts again on the same port: both
+    connectors come back by themselves and both tenants are served."""
+    w = fresh
+    open_streams = [tls_client(w.port, host, source="127.0.0.2") for host in (PT, TM)]
+    for s, host in zip(open_streams, (PT, TM)):
+        s.sendall(big_request(host, 1 << 20))
+        s.recv(1024)
+    assert w.proc is not None
+    w.proc.send_signal(signal.SIGTERM)
+    for s in open_streams:
+        reset(s)
+    assert w.proc.wait(20) == 0, w.logs()[-3000:]
+    w.start_serve()
+    w.wait_settled("both connectors back after the restart")
+    for name, c in w.connectors.items():
+        goaways = [e for e in json_events(c.logs()) if e.get("event") == "tunnel_goaway"]
+        assert any(e["code"] == "SHUTDOWN" for e in goaways), name
