@@ -238,8 +238,20 @@ tenants:
                                            (self.alina_node, self.bob_node))}
         workers_idle = all(w["open_connections"] == 0 for w in doc.get("workers", []))
         control = sum(c.connections for c in self.connectors.values())
-        return (got == want and got.get("bob", (0, 0))[1] <= 8
+        metrics = self.tunnel_metrics()
+        return (got == want and metrics == got and got.get("bob", (0, 0))[1] <= 8
                 and doc["counters"].get("open_connections") == control and workers_idle)
+
+    def tunnel_metrics(self) -> dict[str, tuple[int, int]]:
+        """tenant → (connections, streams), as /metrics says."""
+        values: dict[str, dict[str, int]] = {}
+        for line in self.metrics().splitlines():
+            for name in ("pact_ingress_tunnels{", "pact_ingress_tunnel_streams{"):
+                if line.startswith(name):
+                    tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+                    values.setdefault(tenant, {})[name] = int(float(line.rsplit(" ", 1)[1]))
+        return {t: (v.get("pact_ingress_tunnels{", 0), v.get("pact_ingress_tunnel_streams{", 0))
+                for t, v in values.items() if t in self.connectors}
 
     def wait_settled(self, what: str = "the tunnels to settle") -> None:
         try:
@@ -255,6 +267,9 @@ tenants:
         readiness hub's is made once, on the first busy moment); every client
         connection, pipe and anything else counts."""
         assert self.proc is not None
+        # a terminate route's tunnel stream opened for a worker is a socketpair between
+        # main and the worker (one fd each); the worker's upstream pool keeps some alive
+        upstream = 2 * self.tunnels().get("bob", (0, 0))[1]
         pooled = connector_sockets(self.port)
         total = 0
         for pid in pids_of(self.proc):
@@ -264,7 +279,7 @@ tenants:
                         link = os.readlink(f"/proc/{pid}/fd/{fd}")
                         if link not in pooled and link != "anon_inode:[eventpoll]":
                             total += 1
-        return total
+        return total - upstream
 
     # -- invariants -----------------------------------------------------------------------
 
@@ -351,12 +366,22 @@ def fresh(world: World) -> Iterator[World]:
     world.clean_logs()
 
 
-def test_each_tenant_reaches_only_its_own_node(fresh: World) -> None:
-    """The baseline every attack returns to: through the workers (terminate) and main
-    (passthrough), each route's callers reach their own tenant's node."""
-    for source in ("127.0.0.2", "127.0.0.3"):
+def test_each_tenant_reaches_only_its_own_node_from_every_worker(fresh: World) -> None:
+    """The baseline every attack returns to: each route's callers reach their own
+    tenant's node, passthrough from main, terminate from whichever worker the caller's
+    address is handed to (both workers here), over main's tunnel streams."""
+    from pact_ingress.proto.workers import worker_for
+
+    sources = {}
+    for last in range(2, 40):
+        sources.setdefault(worker_for(f"127.0.0.{last}", 2), f"127.0.0.{last}")
+    assert len(sources) == 2
+    before = {w["index"]: w["requests"] for w in fresh.status()["workers"]}
+    for source in sources.values():
         for _ in range(3):
             fresh.served(source=source)
+    after = {w["index"]: w["requests"] for w in fresh.status()["workers"]}
+    assert all(after[i] >= before[i] + 3 for i in sources), (before, after)
 
 
 # --- hostile peers ---------------------------------------------------------------------
