@@ -492,11 +492,29 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def stall_tunnel_slots(port: int, count: int) -> list[socket.socket]:
-    """`count` connections from 127.0.0.1 that start like a connector's and say no more."""
+def tunnel_client_hello() -> bytes:
+    """A connector's first flight: a ClientHello for the tunnel hostname, control ALPN."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols([tc.ALPN_CONTROL])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=TUNNEL)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def stall_tunnel_slots(port: int, count: int, tls: bool = False) -> list[socket.socket]:
+    """`count` connections from 127.0.0.1 that start like a connector's (the raw data
+    preamble, or with `tls` every third a ClientHello for the tunnel) and say no more."""
     held = []
+    first = tunnel_client_hello()
     for i in range(count):
-        held.append(raw_connection(port, tf.RAW_DATA_MAGIC + b"\x07"[:i % 2]))
+        if tls and i % 3 == 0:
+            held.append(raw_connection(port, first))
+        else:
+            held.append(raw_connection(port, tf.RAW_DATA_MAGIC + b"\x07"[:i % 2]))
     time.sleep(0.3)
     return held
 
@@ -615,7 +633,7 @@ def test_half_open_flood_on_the_connectors_address_cannot_lock_it_out(fresh: Wor
     cap = 40  # the config's max_connections_per_ip
     held: list[socket.socket] = []
     try:
-        held += stall_tunnel_slots(w.port, cap)
+        held += stall_tunnel_slots(w.port, cap, tls=True)
         # each stream uses up a pooled data connection; the connector must replace them
         statuses = [get_status(w.port, PT, source="127.0.0.2", timeout=5) for _ in range(12)]
         assert statuses == [200] * 12, statuses
