@@ -523,6 +523,10 @@ class Edge:
             sni = hello if type(hello) is str else hello.sni  # type: ignore[union-attr]
             tunnel = (sni is not None and sni == router.tunnel_hostname
                       and router._is_tunnel(self._hello(conn, hello)))
+        if tunnel and router._unproven(None if hello is None else self._hello(conn, hello)):
+            conn.kind = router._counts.pending  # until the tunnel server admits it
+            self._hand_off(conn, hello)
+            return
         kind = router._classify(conn.who, ip, tunnel)
         if kind is None:  # over its kind's cap: refused (and uncounted) by _classify
             self._drop(conn, counted=False)

@@ -340,14 +340,18 @@ class TunnelServer:
 
     # --- accepting connections ---------------------------------------------------------
 
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None:
         """Serve one connection the router gave us; closes it (or pools a duplicate).
 
         The router hands over TLS connections for the tunnel hostname and raw data
-        connections (its peeked bytes start with `RAW_DATA_MAGIC`).
+        connections (its peeked bytes start with `RAW_DATA_MAGIC`). `admit` is called
+        once the connection proved it is a connector's (its token, or its pinned key):
+        the router counts it as one from then on; False means its address is at its cap
+        of those, and it is refused.
         """
         if tf.raw_data_prefix(stream.pending):
-            await self._handle_raw(stream, client)
+            await self._handle_raw(stream, client, admit)
             return
         tls = OpenSSLStream(stream, self._ctx, server_side=True)
         fingerprint: str | None = None
@@ -357,6 +361,9 @@ class TunnelServer:
                 await tls.do_handshake()
             fingerprint = tls.peer_fingerprint
             tenant, alpn = self._admit(tls, fingerprint)
+            if admit is not None and not admit():
+                raise _Refused("over_capacity", "over the tunnel connections of its address",
+                               tf.GoawayCode.OVER_CAPACITY)
             if alpn == ALPN_CONTROL:
                 await self._serve_control(tls, tenant, fingerprint or "", client)
             else:
@@ -594,7 +601,8 @@ class TunnelServer:
             raise _Refused("protocol_error", "bytes left over in the TLS phase")
         self._pool(session, hello.token, stream.inner.socket)
 
-    async def _handle_raw(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+    async def _handle_raw(self, stream: ReplayStream, client: tuple[str, int],
+                          admit: Callable[[], bool] | None = None) -> None:
         """A raw data connection: magic, DATA_HELLO in the clear; we answer DATA_OK.
 
         The token alone authenticates it (security argument in the module docstring).
@@ -618,6 +626,8 @@ class TunnelServer:
                 raise _Refused("shutting_down", "ingress shutting down")
             session = self._redeem(hello.token, None)
             tenant = session.tenant
+            if admit is not None and not admit():
+                return  # its address is at its tunnel cap: refused and logged by the router
             sock = stream.inner.socket
             if os.write(sock.fileno(), DATA_OK) != len(DATA_OK):
                 raise trio.BrokenResourceError("DATA_OK not taken whole")
