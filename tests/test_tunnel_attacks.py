@@ -997,3 +997,28 @@ def test_ingress_restarted_under_connectors(fresh: World) -> None:
     for name, c in w.connectors.items():
         goaways = [e for e in json_events(c.logs()) if e.get("event") == "tunnel_goaway"]
         assert any(e["code"] == "SHUTDOWN" for e in goaways), name
+
+
+def test_slow_handshakes_on_the_connectors_address_do_not_keep_it_out(fresh: World) -> None:
+    """Handshakes for the tunnel hostname that trickle in and stall, from the connector's
+    own address, up to its tunnel cap: a connector restarted meanwhile gets its control
+    connections back."""
+    w = fresh
+    first = tunnel_client_hello()
+    held = [raw_connection(w.port, b"") for _ in range(40)]
+    try:
+        for cut in range(0, 10):  # the ClientHello a few bytes at a time
+            for s in held:
+                s.sendall(first[cut * 4:cut * 4 + 4])
+            time.sleep(0.02)
+        for s in held:
+            s.sendall(first[40:])  # whole now; the handshake is never finished
+        w.connectors["bob"].kill()
+        wait_for(lambda: "bob" not in w.tunnels() or w.tunnels()["bob"][0] == 0,
+                 "bob's tunnel down")
+        w.connectors["bob"].start()
+        wait_for(lambda: w.tunnels()["bob"][0] == 2, "bob's connector back", timeout=10)
+        w.served(source="127.0.0.3")
+    finally:
+        for s in held:
+            s.close()
