@@ -38,6 +38,7 @@ from tests.terminate_env import RecordingNode, json_events
 
 LOOPBACK = "127.0.0.1"
 TUNNEL = "tunnel.attack.test"
+TUNNEL_CLUSTER = "tunnel.cluster.test"  # tests.cluster_env's
 PT = "pt.alina.test"  # alina: passthrough, backend tunnel
 TM = "tm.bob.test"  # bob: terminate, backend tunnel
 WAIT = 20.0
@@ -1022,3 +1023,62 @@ def test_slow_handshakes_on_the_connectors_address_do_not_keep_it_out(fresh: Wor
     finally:
         for s in held:
             s.close()
+
+
+def test_stalled_forward_links_do_not_take_the_connectors_slots(tmp_path: Path) -> None:
+    """With instances forwarding to each other (Redis registry, `state.peers`), a
+    ClientHello for the tunnel hostname with the forward ALPN is a tunnel connection too:
+    stalled ones from the connector's address, up to its tunnel cap, must not keep the
+    connector's data connections out."""
+    import base64
+
+    from tests.cluster_env import PT_HOST, Instance, home_node, request
+    from tests.cluster_env import Connect as ClusterConnect
+    from tests.netutil import free_port_on
+    from tests.redis_server import RedisServer
+    from tests.tools import require
+
+    require("redis-server")
+    redis = RedisServer(tmp_path / "redis")
+    key = tmp_path / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    peer = keygen(tmp_path / "peer.key", common_name="peer instance")
+    extra = (f"state: {{backend: redis, url: {redis.url}, encryption_key_file: {key},"
+             f' deadline: 500ms, peers: ["{peer.fingerprint}"]}}\n'
+             "limits: {max_connections_per_ip: 20}\n")
+    node = home_node(tmp_path)
+    port = free_port_on("127.0.0.2")
+    instance = Instance(tmp_path, "127.0.0.2", port, node.identity.fingerprint, extra=extra)
+    connect = None
+    held: list[socket.socket] = []
+    try:
+        instance.start()
+        connect = ClusterConnect(tmp_path, node.identity, node.port,
+                                 [f"127.0.0.2:{port}"], [instance.identity.fingerprint])
+        wait_for(lambda: instance.tunnels_up() >= 1, "the tunnel up")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols([tc.ALPN_FORWARD])
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        with contextlib.suppress(ssl.SSLWantReadError):
+            ctx.wrap_bio(incoming, outgoing, server_hostname=TUNNEL_CLUSTER).do_handshake()
+        first = outgoing.read()
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.2", port), timeout=5,
+                                         source_address=(LOOPBACK, 0))
+            s.sendall(first)
+            held.append(s)
+        time.sleep(0.3)
+        statuses = [request(instance, PT_HOST, timeout=7) for _ in range(16)]
+        assert statuses == [200] * 16, (statuses, instance.logs()[-2000:])
+        assert "Traceback" not in instance.logs()
+    finally:
+        for s in held:
+            s.close()
+        if connect is not None:
+            connect.close()
+        instance.close()
+        node.stop()
+        redis.stop()
