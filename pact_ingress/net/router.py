@@ -133,7 +133,8 @@ class TunnelsLike(Protocol):
 
 
 class ForwardLike(Protocol):
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None: ...
 
 
 class HandoffLike(Protocol):
@@ -184,7 +185,7 @@ class _Admission:
     the first bytes of a tunnel connection and stalls holds no slot the connector needs.
     False: that address is at its tunnel cap (refused, counted and logged here)."""
 
-    __slots__ = ("router", "who", "ip", "kind")
+    __slots__ = ("ip", "kind", "router", "who")
 
     def __init__(self, router: Router, who: str, ip: str) -> None:
         self.router = router
@@ -443,8 +444,7 @@ class Router:
                     admission = _Admission(self, who, client[0])
                     await self._serve_peeked(sock, hello, data, client, admission)
                 else:
-                    kind = self._classify(who, client[0], hello is not None
-                                          and self._is_tunnel(hello))
+                    kind = self._classify(who, client[0], False)
                     if kind is not None:
                         await self._serve_peeked(sock, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
@@ -469,12 +469,13 @@ class Router:
             await self._dispatch(sock, hello, data, client, admission)
 
     def _unproven(self, hello: ClientHello | None) -> bool:
-        """A connection that says it is a connector's (the raw data preamble, or control
-        or data TLS for the tunnel hostname) but has not proved it yet: it stays counted
-        as pending until the tunnel server admits it (`_Admission`)."""
+        """A connection that says it is a connector's (the raw data preamble, control or
+        data TLS for the tunnel hostname) or a peer instance's forward link, but has not
+        proved it yet: it stays counted as pending until the tunnel server (or the
+        forwarder) admits it (`_Admission`)."""
         if hello is None:
             return self.tunnels is not None
-        return self._is_tunnel(hello) and ALPN_FORWARD not in hello.alpn
+        return self._is_tunnel(hello)
 
     def _is_tunnel(self, hello: ClientHello) -> bool:
         """A connector's TLS connection (control, or data over TLS): what `_dispatch`
@@ -533,7 +534,8 @@ class Router:
         sni = hello.sni
         if self._is_tunnel(hello) and ALPN_FORWARD in hello.alpn:
             if self.forward is not None:  # a peer instance's forward link
-                await self.forward.handle(ReplayStream(data, trio.SocketStream(sock)), client)
+                await self.forward.handle(ReplayStream(data, trio.SocketStream(sock)), client,
+                                          admission)
             else:
                 self._reject(client[0], "forward_not_configured")
                 _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
