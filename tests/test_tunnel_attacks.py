@@ -589,6 +589,10 @@ def test_unauthenticated_parties_get_no_tunnel(fresh: World) -> None:
         ("pinned key, TLS 1.2", lambda: tunnel_tls(w.port, w.alina_key,
                                                    max_version=ssl.TLSVersion.TLSv1_2)),
         ("the ingress's own key", lambda: tunnel_tls(w.port, w.ingress)),
+        # no peers configured here: a forward link is refused with an alert
+        ("forward link", lambda: tunnel_tls(w.port, w.stranger, tc.ALPN_FORWARD)),
+        ("forward link, pinned key", lambda: tunnel_tls(w.port, w.alina_key,
+                                                        tc.ALPN_FORWARD)),
     ]
     for what, dial in attempts:
         try:
@@ -1078,3 +1082,43 @@ def test_stalled_forward_links_do_not_take_the_connectors_slots(tmp_path: Path) 
         instance.close()
         node.stop()
         redis.stop()
+
+
+def test_callers_of_a_tenant_whose_tunnel_is_down_are_refused_at_once(fresh: World) -> None:
+    """alina's connector is gone: a burst of her callers each get an answer (a TLS
+    alert) without waiting for a tunnel, bob is served meanwhile, and nothing is left
+    counted when alina's connector is back."""
+    w = fresh
+    w.connectors["alina"].kill()
+    try:
+        wait_for(lambda: w.tunnels()["alina"][0] == 0, "alina's tunnel down")
+        results: list[tuple[bytes, str]] = []
+
+        def one() -> None:
+            with tls_client_raw(w.port, PT, "127.0.0.2") as s:
+                results.append(read_until_closed(s, 8))
+
+        threads = [threading.Thread(target=one) for _ in range(30)]
+        for t in threads:
+            t.start()
+        probe = f"/ping?probe={os.urandom(8).hex()}"
+        assert get_status(w.port, TM, source="127.0.0.3", path=probe) == 200
+        for t in threads:
+            t.join(15)
+        assert len(results) == 30
+        assert all(end != "timeout" for _, end in results), results
+        alert_internal_error = b"\x15\x03\x03\x00\x02\x02\x50"
+        assert all(data == alert_internal_error for data, _ in results), results[:3]
+    finally:
+        w.connectors["alina"].start()
+
+
+def tls_client_raw(port: int, host: str, source: str) -> socket.socket:
+    """A caller that sends a ClientHello for `host` and reads what comes back as bytes."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    with contextlib.suppress(ssl.SSLWantReadError):
+        ctx.wrap_bio(incoming, outgoing, server_hostname=host).do_handshake()
+    return raw_connection(port, outgoing.read(), source=source)
