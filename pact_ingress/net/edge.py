@@ -523,14 +523,15 @@ class Edge:
             sni = hello if type(hello) is str else hello.sni  # type: ignore[union-attr]
             tunnel = (sni is not None and sni == router.tunnel_hostname
                       and router._is_tunnel(self._hello(conn, hello)))
-        kind = router._classify(conn.who, ip, tunnel)
+        if tunnel:  # pending until the tunnel server admits it (`Router._unproven`)
+            conn.kind = router._counts.pending
+            self._hand_off(conn, hello)
+            return
+        kind = router._classify(conn.who, ip, False)
         if kind is None:  # over its kind's cap: refused (and uncounted) by _classify
             self._drop(conn, counted=False)
             return
         conn.kind = kind
-        if tunnel:
-            self._hand_off(conn, hello)
-            return
         relay = router.relay
         if relay is not None and sni is not None and normalize_hostname(
                 sni, validate=False) == relay.host:

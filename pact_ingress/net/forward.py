@@ -53,6 +53,7 @@ from __future__ import annotations
 import ipaddress
 import random
 import ssl
+from collections.abc import Callable
 
 import trio
 from OpenSSL import SSL
@@ -187,8 +188,12 @@ class Forwarder:
 
     # --- the receiving side ------------------------------------------------------------
 
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None:
-        """Serve one forward link the router gave us (it closes the socket after)."""
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None:
+        """Serve one forward link the router gave us (it closes the socket after).
+        `admit` is called once the peer's key is known to be a peer's (the router counts
+        it as a tunnel connection from then on); False: refused, its address is at its
+        cap of those."""
         tls = OpenSSLStream(stream, self._server_ctx, server_side=True)
         fingerprint: str | None = None
         tenant = "-"
@@ -199,6 +204,8 @@ class Forwarder:
                 fingerprint = tls.peer_fingerprint
                 if fingerprint not in self.peers:
                     raise _Refused("refused_peer", "key not in state.peers")
+                if admit is not None and not admit():
+                    raise _Refused("over_capacity", "over the tunnel connections of its address")
                 tenant = await _read_request(tls)
             try:
                 backend = await self.tunnels.open_stream(tenant)  # our own, never forwarded

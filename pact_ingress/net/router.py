@@ -33,7 +33,10 @@ holds a whole /64, as the call budgets assume too). Tunnel connections from a ho
 node's connector are counted apart from that client's other connections, each kind
 against its own `max_connections_per_ip`: a household behind one NAT address, whose
 members call its own node through this edge, must not be able to lock its connector
-out (or the reverse). What a connection is shows only in its first bytes, so at accept a
+out (or the reverse). A connection that claims to be a connector's takes a tunnel slot
+only once the tunnel server has authenticated it (`_Admission`): until then it counts as
+pending, so stalled impostors on that address cannot fill the connector's slots. What a
+connection is shows only in its first bytes, so at accept a
 client at its cap still gets `PEEK_HEADROOM` connections to show them; one that turns
 out to be an ordinary client connection over the cap is then closed unanswered. Accept
 errors such as EMFILE are survived (logged, short back-off).
@@ -66,7 +69,7 @@ import errno
 import os
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -125,11 +128,13 @@ class CertsLike(Protocol):
 
 
 class TunnelsLike(Protocol):
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None: ...
 
 
 class ForwardLike(Protocol):
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None: ...
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None: ...
 
 
 class HandoffLike(Protocol):
@@ -170,6 +175,37 @@ class _Counts:
             kind[client] = left
         else:
             del kind[client]
+
+
+class _Admission:
+    """A connection that claims to be a connector's, counted as pending (like any
+    connection still showing its first bytes) until the tunnel server calls this once it
+    has proved it (a token redeemed, a pinned key's handshake): only then does it take one
+    of its address's tunnel slots. So anyone behind the connector's address who sends
+    the first bytes of a tunnel connection and stalls holds no slot the connector needs.
+    False: that address is at its tunnel cap (refused, counted and logged here)."""
+
+    __slots__ = ("ip", "kind", "router", "who")
+
+    def __init__(self, router: Router, who: str, ip: str) -> None:
+        self.router = router
+        self.who = who
+        self.ip = ip
+        self.kind = router._counts.pending
+
+    def __call__(self) -> bool:
+        router = self.router
+        counts = router._counts
+        if self.kind is not counts.pending:
+            return True
+        tunnels = counts.tunnels
+        if tunnels[self.who] >= router.limits.max_connections_per_ip:
+            router._reject(self.ip, "max_tunnel_connections_per_ip")
+            return False
+        counts.drop(counts.pending, self.who)
+        tunnels[self.who] += 1
+        self.kind = tunnels
+        return True
 
 
 def client_of(ip: str) -> str:
@@ -308,6 +344,9 @@ class Router:
                               data: bytes, client: tuple[str, int], who: str,
                               kind: Tally) -> None:
         wrapped = None
+        # the engine hands a connection over still pending only when it is `_unproven`
+        admission = _Admission(self, who, client[0]) if kind is self._counts.pending \
+            else None
         try:
             route = self._plain_terminate(hello)
             if route is not None:  # the usual case: see `_terminate_socket`
@@ -315,7 +354,7 @@ class Router:
                 await self._terminate_socket(sock, data, route, client, hello.sni)
             else:
                 wrapped = trio.socket.from_stdlib_socket(sock)
-                await self._serve_peeked(wrapped, hello, data, client)
+                await self._serve_peeked(wrapped, hello, data, client, admission)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self._handler_error(client[0], exc)
         finally:
@@ -324,7 +363,7 @@ class Router:
             elif sock.fileno() != -1:  # the terminator closes what it served
                 sock.close()
             self._counts.total -= 1
-            self._counts.drop(kind, who)
+            self._counts.drop(kind if admission is None else admission.kind, who)
 
     def _handler_error(self, ip: str, exc: Exception) -> None:
         self.stats.rejections.labels("handler_error").inc()
@@ -396,30 +435,47 @@ class Router:
                               who: str) -> None:
         counts = self._counts
         kind: Tally | None = counts.pending
+        admission = None
         try:
             peeked = await self._peek(sock, client[0])
             if peeked is not None:
                 hello, data = peeked
-                kind = self._classify(who, client[0], hello is None or self._is_tunnel(hello))
-                if kind is not None:
-                    await self._serve_peeked(sock, hello, data, client)
+                if self._unproven(hello):
+                    admission = _Admission(self, who, client[0])
+                    await self._serve_peeked(sock, hello, data, client, admission)
+                else:
+                    kind = self._classify(who, client[0], False)
+                    if kind is not None:
+                        await self._serve_peeked(sock, hello, data, client)
         except Exception as exc:  # a bug in one connection's handler must not stop the rest
             self._handler_error(client[0], exc)
         finally:
             sock.close()
             counts.total -= 1
+            if admission is not None:
+                kind = admission.kind
             if kind is not None:
                 counts.drop(kind, who)
 
     # --- one connection ----------------------------------------------------------------
 
     async def _serve_peeked(self, sock: trio.socket.SocketType, hello: ClientHello | None,
-                            data: bytes, client: tuple[str, int]) -> None:
+                            data: bytes, client: tuple[str, int],
+                            admission: _Admission | None = None) -> None:
         if hello is None:  # a tunnel raw data connection (see module docstring)
             stream = ReplayStream(data, trio.SocketStream(sock))
-            await self.tunnels.handle(stream, client)  # type: ignore[union-attr]
+            await self.tunnels.handle(stream, client, admission)  # type: ignore[union-attr]
         else:
-            await self._dispatch(sock, hello, data, client)
+            await self._dispatch(sock, hello, data, client, admission)
+
+    def _unproven(self, hello: ClientHello | None) -> bool:
+        """A connection that says it is a connector's (the raw data preamble, control or
+        data TLS for the tunnel hostname) or a peer instance's forward link, but has not
+        proved it yet: it stays counted as pending until the tunnel server (or the
+        forwarder) admits it (`_Admission`)."""
+        if hello is None:
+            return self.tunnels is not None
+        return self._is_tunnel(hello)
 
     def _is_tunnel(self, hello: ClientHello) -> bool:
         """A connector's TLS connection (control, or data over TLS): what `_dispatch`
@@ -473,18 +529,20 @@ class Router:
         log.info("conn_rejected", client_ip=ip, reason=reason, route=route)
 
     async def _dispatch(self, sock: trio.socket.SocketType, hello: ClientHello, data: bytes,
-                        client: tuple[str, int]) -> None:
+                        client: tuple[str, int], admission: _Admission | None = None
+                        ) -> None:
         sni = hello.sni
         if self._is_tunnel(hello) and ALPN_FORWARD in hello.alpn:
             if self.forward is not None:  # a peer instance's forward link
-                await self.forward.handle(ReplayStream(data, trio.SocketStream(sock)), client)
+                await self.forward.handle(ReplayStream(data, trio.SocketStream(sock)), client,
+                                          admission)
             else:
                 self._reject(client[0], "forward_not_configured")
                 _send_alert(sock, tls_alert.NO_APPLICATION_PROTOCOL)
             return
         if self._is_tunnel(hello):
             await self.tunnels.handle(  # type: ignore[union-attr]
-                ReplayStream(data, trio.SocketStream(sock)), client)
+                ReplayStream(data, trio.SocketStream(sock)), client, admission)
             return
         if self.relay is not None and sni is not None and normalize_hostname(
                 sni, validate=False) == self.relay.host:

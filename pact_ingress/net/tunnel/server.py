@@ -171,6 +171,12 @@ MAX_OUTSTANDING_TOKENS = 128
 #: A taken data connection whose replacement (dialed with a spare) has not arrived after
 #: this long is given up on: TOKENs make up for it. Replacements normally take ms.
 REPLACE_WAIT = 1.0
+#: A TOKEN not redeemed this long after it was sent is presumed lost on its way (a dial
+#: refused at the door or failed on the path; the connector does not say): it stays valid
+#: until TOKEN_TTL, but the pool no longer counts it as coming and grants another.
+#: Refills normally take ms; counting lost ones for their whole TTL left a pool empty for
+#: TOKEN_TTL after the refusals had stopped.
+TOKEN_WAIT = 2.0
 #: Control frames a connector may send: a few per heartbeat is normal; this is a flood.
 CONTROL_FRAME_RATE = 20.0
 CONTROL_FRAME_BURST = 100
@@ -334,14 +340,18 @@ class TunnelServer:
 
     # --- accepting connections ---------------------------------------------------------
 
-    async def handle(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+    async def handle(self, stream: ReplayStream, client: tuple[str, int],
+                     admit: Callable[[], bool] | None = None) -> None:
         """Serve one connection the router gave us; closes it (or pools a duplicate).
 
         The router hands over TLS connections for the tunnel hostname and raw data
-        connections (its peeked bytes start with `RAW_DATA_MAGIC`).
+        connections (its peeked bytes start with `RAW_DATA_MAGIC`). `admit` is called
+        once the connection proved it is a connector's (its token, or its pinned key):
+        the router counts it as one from then on; False means its address is at its cap
+        of those, and it is refused.
         """
         if tf.raw_data_prefix(stream.pending):
-            await self._handle_raw(stream, client)
+            await self._handle_raw(stream, client, admit)
             return
         tls = OpenSSLStream(stream, self._ctx, server_side=True)
         fingerprint: str | None = None
@@ -351,6 +361,9 @@ class TunnelServer:
                 await tls.do_handshake()
             fingerprint = tls.peer_fingerprint
             tenant, alpn = self._admit(tls, fingerprint)
+            if admit is not None and not admit():
+                raise _Refused("over_capacity", "over the tunnel connections of its address",
+                               tf.GoawayCode.OVER_CAPACITY)
             if alpn == ALPN_CONTROL:
                 await self._serve_control(tls, tenant, fingerprint or "", client)
             else:
@@ -555,7 +568,8 @@ class TunnelServer:
         the connector's stock runs low. All in one TLS record and one write."""
         target = self._target(session, now)
         out = session.grants
-        want = target - len(session.idle) - len(out.tokens) - len(session.replacing)
+        coming = sum(1 for issued in out.tokens.values() if now - issued <= TOKEN_WAIT)
+        want = target - len(session.idle) - coming - len(session.replacing)
         want = min(want, MAX_OUTSTANDING_TOKENS - len(out.tokens))
         grants: list[tf.Message] = [tf.Token(self._tokens.issue(session, Kind.TOKEN, now))
                                     for _ in range(max(0, want))]
@@ -587,7 +601,8 @@ class TunnelServer:
             raise _Refused("protocol_error", "bytes left over in the TLS phase")
         self._pool(session, hello.token, stream.inner.socket)
 
-    async def _handle_raw(self, stream: ReplayStream, client: tuple[str, int]) -> None:
+    async def _handle_raw(self, stream: ReplayStream, client: tuple[str, int],
+                          admit: Callable[[], bool] | None = None) -> None:
         """A raw data connection: magic, DATA_HELLO in the clear; we answer DATA_OK.
 
         The token alone authenticates it (security argument in the module docstring).
@@ -611,6 +626,8 @@ class TunnelServer:
                 raise _Refused("shutting_down", "ingress shutting down")
             session = self._redeem(hello.token, None)
             tenant = session.tenant
+            if admit is not None and not admit():
+                return  # its address is at its tunnel cap: refused and logged by the router
             sock = stream.inner.socket
             if os.write(sock.fileno(), DATA_OK) != len(DATA_OK):
                 raise trio.BrokenResourceError("DATA_OK not taken whole")
