@@ -33,6 +33,7 @@ Nothing here queues anything before step 3 has found a caller key.
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -266,6 +267,12 @@ class RelayExchange:
             await self._send(202, b"", [])
             return
         rpc_id = message["id"]
+        if not _valid_id(rpc_id):
+            # echoing it would answer with any structure the caller chose (one nested
+            # deeper than the event loop's stack can encode, parsed in a thread)
+            await self._json(400, _rpc(None, error=(
+                -32600, "Invalid Request: id must be a string, a number or null")))
+            return
         params = message.get("params")
         params = params if isinstance(params, dict) else {}
         if self.caller is None:
@@ -286,9 +293,8 @@ class RelayExchange:
         """The JSON document; megabytes of it are parsed in a worker thread (one at a
         time), so a large call does not stall every other connection."""
         if len(body) <= INLINE_CHECK_BYTES:
-            return json.loads(body)
-        return await trio.to_thread.run_sync(json.loads, body,
-                                             limiter=self.server.large_slot)
+            return _loads(body)
+        return await trio.to_thread.run_sync(_loads, body, limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
                         ) -> dict[str, Any] | bytes:
@@ -307,7 +313,8 @@ class RelayExchange:
         name = params.get("name")
         arguments = params.get("arguments", {})
         if name not in ("relay_call", "fetch_queued", "ack"):
-            return _rpc(rpc_id, error=(-32602, f"Unknown tool: {str(name)[:64]}"))
+            shown = name[:64] if isinstance(name, str) else type(name).__name__
+            return _rpc(rpc_id, error=(-32602, f"Unknown tool: {shown}"))
         result = await self._tool(name, arguments)
         if isinstance(result, str):  # a relay_call queued: its msg_id
             return _queued_answer(rpc_id, result)
@@ -366,6 +373,33 @@ class RelayExchange:
             scope=server.host)
         if isinstance(decision, Limited):
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+#: RFC 8259 JSON only: NaN and Infinity are not JSON (and echoed back, they would make
+#: our answer no JSON either).
+_decode = json.JSONDecoder(parse_constant=_no_constant).decode
+
+
+def _loads(body: bytes) -> Any:
+    """A request body as JSON: UTF-8 (a leading BOM ignored, as RFC 8259 allows), no
+    NaN / Infinity; ValueError otherwise."""
+    return _decode(body.decode("utf-8-sig"))
+
+
+def _valid_id(rpc_id: Any) -> bool:
+    """JSON-RPC 2.0: an id is a string, a number or null (a finite one: 1e999 parses as
+    infinity, which has no JSON spelling)."""
+    if rpc_id is None or isinstance(rpc_id, str):
+        return True
+    if isinstance(rpc_id, bool):
+        return False
+    if isinstance(rpc_id, int):
+        return True
+    return isinstance(rpc_id, float) and math.isfinite(rpc_id)
 
 
 def _queued_answer(rpc_id: Any, msg_id: str) -> bytes:
