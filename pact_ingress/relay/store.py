@@ -567,6 +567,15 @@ class SqliteStore:
 def _open(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) and check the store; raises sqlite3.Error / OSError."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # SQLite creates the -wal and -shm files (which hold the same envelopes) with the
+    # database file's mode, so the file is private before SQLite first opens it
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
+    for leftover in ("-wal", "-shm"):  # made before the file was private
+        try:
+            os.chmod(f"{path}{leftover}", 0o600)
+        except FileNotFoundError:
+            pass
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -578,7 +587,6 @@ def _open(path: Path) -> sqlite3.Connection:
         if check != "ok":
             raise sqlite3.DatabaseError(f"integrity check failed: {check}")
         conn.executescript(_SCHEMA)
-        os.chmod(path, 0o600)
     except BaseException:
         conn.close()
         raise
