@@ -201,3 +201,187 @@ def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path
         clean_log(serve)
     finally:
         serve.stop()
+
+
+# --- bounds: exact, with both workers racing ------------------------------------------
+
+
+def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
+    """Calls for two recipients raced through both workers from four addresses: one
+    recipient's queue stops exactly at its byte bound (an item that lands right on it
+    fits), the other's exactly at its item bound; every other call is `rate_limited`
+    with retry_after 60, a duplicate is still answered as one at a full queue, one ack
+    makes room for exactly one more, and /status and /metrics say what was stored."""
+    ids = relay_identities(tmp_path)
+    second = keygen(tmp_path / "second.key", common_name="second")
+    now = int(time.time())
+
+    def env(to: Any, m: str, text: str) -> dict[str, str]:
+        return envelope(ids.sender, to, msg_id=m, text=text, ts=now, exp=now + 3600)
+
+    big = {f"b-{i:03d}": env(ids.recipient, f"b-{i:03d}", "x" * 600) for i in range(30)}
+    small = {f"s-{i:03d}": env(second, f"s-{i:03d}", "") for i in range(30)}
+    big_size = {len(canonical_envelope(e)) for e in big.values()}
+    small_size = {len(canonical_envelope(e)) for e in small.values()}
+    assert len(big_size) == 1 and len(small_size) == 1, (big_size, small_size)
+    size_big, size_small = big_size.pop(), small_size.pop()
+    max_items, bytes_bound = 10, 7 * size_big  # 7 big items land exactly on the byte bound
+    assert max_items * size_small < bytes_bound  # the small ones stop at the item bound
+    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=2,
+                       max_items=max_items, max_bytes=str(bytes_bound), extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owners = {ids.recipient.fingerprint: RelayCaller(serve.port, ids.recipient,
+                                                         source=groups[0][0]),
+                  second.fingerprint: RelayCaller(serve.port, second, source=groups[1][0])}
+        for owner in owners.values():
+            assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        work = list(big.items()) + list(small.items())
+        sources = groups[0][:2] + groups[1][:2]
+        answers: dict[str, dict[str, Any]] = {}
+        lock = threading.Lock()
+        gate = threading.Barrier(len(sources))
+
+        def racer(k: int) -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=sources[k])
+            try:
+                gate.wait(timeout=WAIT)
+                for m, e in work[k::len(sources)]:
+                    result, resp = caller.tool("relay_call", e)
+                    assert resp.status == 200, (m, resp.status)
+                    with lock:
+                        answers[m] = result
+            finally:
+                caller.close()
+
+        threads = [threading.Thread(target=racer, args=(k,)) for k in range(len(sources))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=WAIT)
+        assert len(answers) == len(work)
+        ok = {m for m, r in answers.items() if queued(r, m)}
+        refused = {m: r for m, r in answers.items() if m not in ok}
+        assert all(code_of(r) == "rate_limited" and r["structuredContent"]["retry_after"] == 60
+                   for r in refused.values()), list(refused.values())[:2]
+        ok_big, ok_small = {m for m in ok if m in big}, {m for m in ok if m in small}
+        assert (len(ok_big), len(ok_small)) == (7, max_items)
+        assert depth(serve) == (7 + max_items, 7 * size_big + max_items * size_small)
+        text = serve.metrics()
+        assert metric(text, "pact_ingress_relay_queued_items") == 7 + max_items
+        assert metric(text, "pact_ingress_relay_queued_bytes") == (
+            7 * size_big + max_items * size_small)
+        sender = RelayCaller(serve.port, ids.sender, source=groups[1][1])
+        dup = sorted(ok_big)[0]
+        assert queued(sender.tool("relay_call", big[dup])[0], dup)  # full, yet a duplicate
+        owner = owners[ids.recipient.fingerprint]
+        page = owner.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        assert set(msg_ids(page)) == ok_big and not page["more"]
+        assert owner.tool("ack", {"ids": [page["items"][0]["id"]]})[0][
+            "structuredContent"] == {"acked": 1}
+        late = sorted(set(big) - ok_big)
+        assert queued(sender.tool("relay_call", big[late[0]])[0], late[0])
+        assert code_of(sender.tool("relay_call", big[late[1]])[0]) == "rate_limited"
+        # each recipient holds exactly its own answered calls
+        assert set(drain_queue(owner)) == ok_big - {msg_ids(page)[0]} | {late[0]}
+        assert set(drain_queue(owners[second.fingerprint])) == ok_small
+        assert depth(serve) == (0, 0)
+        clean_log(serve)
+    finally:
+        serve.stop()
+
+
+# --- recipients: two fetchers at once, while calls arrive -------------------------------
+
+
+def test_two_fetchers_of_one_recipient_while_calls_arrive(tmp_path: Path) -> None:
+    """The recipient fetches and acks from two connections (one per worker) with pages
+    of every size while a sender queues: every queued item reaches a fetcher, each is
+    acked exactly once in all (the other ack of it counts 0), nothing stays, another
+    recipient sees none of it and cannot ack it, and odd limits are bad_request."""
+    ids = relay_identities(tmp_path)
+    second = keygen(tmp_path / "second.key", common_name="second")
+    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=2,
+                       extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        snoop = RelayCaller(serve.port, second, source=groups[1][2])
+        for bad in (0, -1, 1.5, "5", True, None, [], {"n": 1}, 2 ** 64 * -1):
+            result, resp = owner.tool("fetch_queued", {"limit": bad})
+            assert resp.status == 200 and code_of(result) == "bad_request", (bad, result)
+        for bad_args in ({"limit": 1, "x": 1}, [], "x", None):
+            assert code_of(owner.tool("fetch_queued", bad_args)[0]) == "bad_request"
+        total = 60
+        sent: set[str] = set()
+        done = threading.Event()
+        seen: list[set[str]] = [set(), set()]
+        acked = [0, 0]
+        foreign: list[str] = []
+
+        def sender() -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=groups[1][0])
+            try:
+                for i in range(total):
+                    m = f"f-{i}"
+                    assert queued(caller.tool("relay_call", envelope(
+                        ids.sender, ids.recipient, msg_id=m))[0], m)
+                    sent.add(m)
+            finally:
+                caller.close()
+                done.set()
+
+        def fetcher(k: int) -> None:
+            caller = RelayCaller(serve.port, ids.recipient, source=groups[k][1])
+            limits = [1, 3, 1000, 10 ** 9, 7, 2]
+            try:
+                empty_after_done = 0
+                for n in range(2000):
+                    page = caller.tool("fetch_queued", {"limit": limits[n % len(limits)]})[
+                        0]["structuredContent"]
+                    got = msg_ids(page)
+                    seen[k].update(got)
+                    # another recipient reading and acking at the same time
+                    other = snoop.tool("fetch_queued", {})[0]["structuredContent"]
+                    foreign.extend(msg_ids(other))
+                    ids_ = [i["id"] for i in page["items"]]
+                    if ids_:
+                        assert snoop.tool("ack", {"ids": ids_})[0][
+                            "structuredContent"] == {"acked": 0}
+                    count = caller.tool("ack", {"ids": ids_})[0]["structuredContent"]["acked"]
+                    assert 0 <= count <= len(ids_)
+                    acked[k] += count
+                    if not got and done.is_set():
+                        empty_after_done += 1
+                        if empty_after_done == 2:
+                            return
+            finally:
+                caller.close()
+
+        snoop_lock = threading.Lock()
+        real_tool = snoop.tool
+
+        def locked_tool(name: str, arguments: Any) -> Any:
+            with snoop_lock:  # one connection, two threads: one request at a time
+                return real_tool(name, arguments)
+
+        snoop.tool = locked_tool  # type: ignore[method-assign]
+        threads = [threading.Thread(target=sender)] + [
+            threading.Thread(target=fetcher, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=WAIT * 2)
+        assert not any(t.is_alive() for t in threads)
+        assert len(sent) == total
+        assert seen[0] | seen[1] == sent  # every item reached a fetcher
+        assert acked[0] + acked[1] == total  # and was acked exactly once in all
+        assert not foreign
+        assert owner.tool("fetch_queued", {})[0]["structuredContent"] == {
+            "items": [], "more": False}
+        assert depth(serve) == (0, 0)
+        assert metric(serve.metrics(), "pact_ingress_relay_acked_items_total") == total
+        clean_log(serve)
+    finally:
+        serve.stop()
