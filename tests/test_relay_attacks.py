@@ -385,3 +385,78 @@ def test_two_fetchers_of_one_recipient_while_calls_arrive(tmp_path: Path) -> Non
         clean_log(serve)
     finally:
         serve.stop()
+
+
+# --- a full disk ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs (needs CAP_SYS_ADMIN, as root in the test container): a real
+    ENOSPC under SQLite, which no chmod can give root."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
+                           str(mnt)], capture_output=True, text=True)
+    assert done.returncode == 0, f"cannot mount a tmpfs for the full-disk test: {done.stderr}"
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_answers_unavailable_and_queues_nothing_falsely(
+        tmp_path: Path, small_disk: Path) -> None:
+    """Large calls into a store on a disk that fills up (main's store, calls through a
+    worker): each answer is `queued` or `unavailable`, the processes stay up and say so
+    on /status, every `queued` is there to fetch once the disk has room again, and
+    nothing answered `unavailable` reached the recipient."""
+    ids = relay_identities(tmp_path)
+    store = small_disk / "relay.sqlite"
+
+    class Serve(RelayServe):
+        def render(self) -> str:
+            return super().render().replace("  cert:", f"  store: {store}\n  cert:", 1)
+
+    serve = Serve(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender, source=groups[1][0])
+        answers: dict[str, str] = {}
+        for i in range(30):  # ~130 KiB each: the 1 MiB disk is full well before
+            m = f"big-{i}"
+            result, resp = sender.tool("relay_call", envelope(
+                ids.sender, ids.recipient, msg_id=m, text="y" * 96_000))
+            assert resp.status == 200, (m, resp.status)
+            answers[m] = "queued" if queued(result, m) else str(code_of(result))
+            if list(answers.values()).count("unavailable") >= 3:
+                break
+        kinds = set(answers.values())
+        assert kinds == {"queued", "unavailable"}, answers
+        assert serve.proc is not None and serve.proc.poll() is None
+        status = serve.status()["relay"]
+        assert status["healthy"] is False and status["last_error"]
+        # bystanders: the recipient is told unavailable, not denied, not empty
+        assert code_of(owner.tool("fetch_queued", {})[0]) == "unavailable"
+        # room again: the store comes back by itself (reopened on demand)
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+        deadline = time.monotonic() + WAIT
+        while True:
+            result, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                           msg_id="after"))
+            if queued(result, "after"):
+                break
+            assert code_of(result) == "unavailable", result
+            assert time.monotonic() < deadline, "the store did not come back"
+            time.sleep(0.5)
+        got = set(drain_queue(owner))
+        ok = {m for m, k in answers.items() if k == "queued"}
+        assert got == ok | {"after"}, (sorted(got), answers)
+        text = serve.metrics()
+        assert metric(text, "pact_ingress_relay_refusals_total") >= 3
+        assert serve.status()["relay"]["healthy"] is True
+        clean_log(serve)
+    finally:
+        serve.stop()
