@@ -27,15 +27,18 @@ import pytest
 from pact_ingress.envelope import canonical_envelope
 from pact_ingress.identity import b64url_decode, keygen
 from tests.relay_env import (
+    RELAY_HOST,
     RelayCaller,
+    RelayH2,
     RelayServe,
     code_of,
     envelope,
     relay_identities,
+    relay_socket,
     rpc,
     tool_body,
 )
-from tests.terminate_env import WAIT
+from tests.terminate_env import WAIT, H2Result
 from tests.test_relay_workers import HIGH_LIMITS, by_worker, drain_queue, queued
 
 
@@ -580,6 +583,107 @@ def test_a_flooding_address_is_budgeted_while_a_bystander_is_served(tmp_path: Pa
         assert answers[0] == answers[1] == answers[2]
         got = drain_queue(owner)
         assert len(got) == stored + 1 and got["replay"] == first
+        clean_log(serve)
+    finally:
+        serve.stop()
+
+
+# --- real clients, both HTTP versions, multiplexed streams ------------------------------
+
+
+def _curl(serve: RelayServe, ident: Any, body: bytes, version: str, tmp: Path
+          ) -> tuple[int, bytes]:
+    data = tmp / "curl-body.json"
+    data.write_bytes(body)
+    cert = ["--cert", str(ident.cert_path), "--key", str(ident.key_path)] if ident else []
+    done = subprocess.run(
+        ["curl", "-sS", "-k", version, "--resolve", f"{RELAY_HOST}:{serve.port}:127.0.0.1",
+         "-H", "content-type: application/json", "--data-binary", f"@{data}",
+         "-w", "\n%{http_code} %{http_version}", "--max-time", "20", *cert,
+         f"https://{RELAY_HOST}:{serve.port}/relay/mcp"],
+        capture_output=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    out, _, tail = done.stdout.rpartition(b"\n")
+    code, http = tail.decode().split()
+    assert http == ("2" if version == "--http2" else "1.1"), (version, http)
+    return int(code), out
+
+
+def _h2_streams(serve: RelayServe, ident: Any, source: str, bodies: list[bytes]
+                ) -> list[tuple[int | None, bytes]]:
+    """Every body on its own stream of one HTTP/2 connection, all sent before any answer
+    is read."""
+    conn = RelayH2.__new__(RelayH2)
+    conn._start(relay_socket(serve.port, ident, alpn=("h2",), source=source), RELAY_HOST,
+                validate=True)
+    try:
+        sids = []
+        for body in bodies:
+            sid = conn.conn.get_next_available_stream_id()
+            conn._results[sid] = H2Result(None, [], b"")
+            conn.conn.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"),
+                                         (b":authority", RELAY_HOST.encode()),
+                                         (b":path", b"/relay/mcp"),
+                                         (b"content-type", b"application/json")])
+            conn.conn.send_data(sid, body, end_stream=True)
+            sids.append(sid)
+        conn.sock.sendall(conn.conn.data_to_send())
+        conn._pump(until=lambda: all(s in conn._done for s in sids), timeout=WAIT)
+        return [(conn._results[s].status, conn._results[s].body) for s in sids]
+    finally:
+        conn.close()
+
+
+def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
+        tmp_path: Path) -> None:
+    """curl over HTTP/1.1 and HTTP/2 (with and without a client certificate) gets the
+    same defined answers; calls multiplexed on HTTP/2 streams of two connections, one
+    per worker, stop exactly at the recipient's item bound."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, max_items=8,
+                       extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint, ids.other.fingerprint]
+                                   ).status == 200
+        body = tool_body("relay_call", envelope(ids.other, ids.recipient, msg_id="curl"))
+        answers = {v: _curl(serve, ids.other, body, v, tmp_path)
+                   for v in ("--http2", "--http1.1")}
+        assert answers["--http2"] == answers["--http1.1"]  # the duplicate's answer: alike
+        status, out = answers["--http2"]
+        assert status == 200 and queued(strict_json(out)["result"], "curl")
+        for v in ("--http2", "--http1.1"):
+            status, out = _curl(serve, None, body, v, tmp_path)
+            assert status == 401 and code_of(strict_json(out)["result"]) == \
+                "identity_required", (v, out)
+            status, out = _curl(serve, ids.other, b'{"id": NaN}', v, tmp_path)
+            assert status == 400 and strict_json(out)["error"]["code"] == -32700
+        # 2 × 20 calls on the streams of two connections (one per worker): 7 places left
+        results: dict[int, list[tuple[int | None, bytes]]] = {}
+
+        def blast(k: int) -> None:
+            results[k] = _h2_streams(serve, ids.sender, groups[k][1], [
+                tool_body("relay_call", envelope(ids.sender, ids.recipient,
+                                                 msg_id=f"h2-{k}-{i}"), rpc_id=i)
+                for i in range(20)])
+
+        threads = [threading.Thread(target=blast, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=WAIT)
+        ok = set()
+        for k, answers_k in results.items():
+            for i, (status, out) in enumerate(answers_k):
+                assert status == 200, (k, i, status, out[:100])
+                result = strict_json(out)["result"]
+                if queued(result, f"h2-{k}-{i}"):
+                    ok.add(f"h2-{k}-{i}")
+                else:
+                    assert code_of(result) == "rate_limited", result
+        assert len(results) == 2 and len(ok) == 7, (len(results), ok)
+        assert set(drain_queue(owner)) == ok | {"curl"}
         clean_log(serve)
     finally:
         serve.stop()
