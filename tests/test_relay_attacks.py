@@ -14,7 +14,6 @@ What every test here holds to, whatever the attack:
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import threading
@@ -63,7 +62,7 @@ def metric(text: str, name: str) -> float:
     """The sum of a metric's samples (every label set)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -111,11 +110,10 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
             ((ping % deep(900)).encode(), 400, -32600),
             ((ping % deep(980)).encode() + pad, 400, None),  # -32700 or -32600
             ((ping % deep(2000)).encode() + pad, 400, -32700),
-            (('{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":%s}}'
-              % deep(980)).encode() + pad, 200, -32602),
-            (('{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"relay_call",'
-              '"arguments":{"protected":NaN,"enc":"","ct":"","sig":""}}}').encode(), 400,
-             -32700),
+            (('{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":'
+              + deep(980) + '}}').encode() + pad, 200, -32602),
+            ((b'{"jsonrpc":"2.0","method":"tools/call","id":1,"params":{"name":"relay_call",'
+              b'"arguments":{"protected":NaN,"enc":"","ct":"","sig":""}}}'), 400, -32700),
             ((ping % "1").encode("utf-16"), 400, -32700),  # JSON on the wire is UTF-8
             ((ping % "1").encode("utf-32"), 400, -32700),
             ((ping % '"\xff"').encode("latin-1"), 400, -32700),
@@ -275,7 +273,7 @@ def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
         assert metric(text, "pact_ingress_relay_queued_bytes") == (
             7 * size_big + max_items * size_small)
         sender = RelayCaller(serve.port, ids.sender, source=groups[1][1])
-        dup = sorted(ok_big)[0]
+        dup = min(ok_big)
         assert queued(sender.tool("relay_call", big[dup])[0], dup)  # full, yet a duplicate
         owner = owners[ids.recipient.fingerprint]
         page = owner.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
@@ -400,7 +398,7 @@ def small_disk(tmp_path: Path) -> Any:
     mnt = tmp_path / "disk"
     mnt.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
-                           str(mnt)], capture_output=True, text=True)
+                           str(mnt)], check=False, capture_output=True, text=True)
     assert done.returncode == 0, f"cannot mount a tmpfs for the full-disk test: {done.stderr}"
     try:
         yield mnt
@@ -441,8 +439,12 @@ def test_a_full_disk_answers_unavailable_and_queues_nothing_falsely(
         assert serve.proc is not None and serve.proc.poll() is None
         status = serve.status()["relay"]
         assert status["healthy"] is False and status["last_error"]
-        # bystanders: the recipient is told unavailable, not denied, not empty
-        assert code_of(owner.tool("fetch_queued", {})[0]) == "unavailable"
+        # the recipient meanwhile: unavailable, or (a worker reads main's file itself,
+        # which a full disk does not stop) a page of answered calls only
+        fetched = owner.tool("fetch_queued", {"limit": 1000})[0]
+        if code_of(fetched) != "unavailable":
+            page = fetched["structuredContent"]
+            assert set(msg_ids(page)) <= {m for m, k in answers.items() if k == "queued"}
         # room again: the store comes back by itself (reopened on demand)
         subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
         deadline = time.monotonic() + WAIT
@@ -530,7 +532,7 @@ def test_a_flooding_address_is_budgeted_while_a_bystander_is_served(tmp_path: Pa
             try:
                 for i in range(15):
                     m = f"fl-{k}-{conn}-{i}"
-                    result, resp = caller.tool("relay_call", envelope(ident, ids.recipient,
+                    result, _ = caller.tool("relay_call", envelope(ident, ids.recipient,
                                                                       msg_id=m))
                     kind = "queued" if queued(result, m) else str(code_of(result))
                     if kind == "rate_limited":
@@ -601,7 +603,7 @@ def _curl(serve: RelayServe, ident: Any, body: bytes, version: str, tmp: Path
          "-H", "content-type: application/json", "--data-binary", f"@{data}",
          "-w", "\n%{http_code} %{http_version}", "--max-time", "20", *cert,
          f"https://{RELAY_HOST}:{serve.port}/relay/mcp"],
-        capture_output=True, timeout=30)
+        check=False, capture_output=True, timeout=30)
     assert done.returncode == 0, done.stderr
     out, _, tail = done.stdout.rpartition(b"\n")
     code, http = tail.decode().split()
