@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pact_ingress.envelope import canonical_envelope
+from pact_ingress.envelope import MAX_PROTECTED_CHARS, canonical_envelope
 from pact_ingress.identity import b64url_decode, keygen
 from tests.relay_env import (
     RELAY_HOST,
@@ -75,6 +75,36 @@ def depth(serve: RelayServe) -> tuple[int, int]:
 def msg_ids(page: dict[str, Any]) -> list[str]:
     return [json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"]
             for i in page["items"]]
+
+
+class Threads:
+    """Threads whose failures fail the test (an assert in a thread is otherwise only a
+    warning): `start` them, then `join` re-raises the first error."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def add(self, fn: Any, *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                self.errors.append(exc)
+
+        self.threads.append(threading.Thread(target=run))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def join(self, timeout: float = WAIT) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a thread did not finish"
+        if self.errors:
+            raise self.errors[0]
 
 
 # --- odd JSON --------------------------------------------------------------------------
@@ -255,11 +285,11 @@ def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
             finally:
                 caller.close()
 
-        threads = [threading.Thread(target=racer, args=(k,)) for k in range(len(sources))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=WAIT)
+        threads = Threads()
+        for k in range(len(sources)):
+            threads.add(racer, k)
+        threads.start()
+        threads.join()
         assert len(answers) == len(work)
         ok = {m for m, r in answers.items() if queued(r, m)}
         refused = {m: r for m, r in answers.items() if m not in ok}
@@ -368,13 +398,12 @@ def test_two_fetchers_of_one_recipient_while_calls_arrive(tmp_path: Path) -> Non
                 return real_tool(name, arguments)
 
         snoop.tool = locked_tool  # type: ignore[method-assign]
-        threads = [threading.Thread(target=sender)] + [
-            threading.Thread(target=fetcher, args=(k,)) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=WAIT * 2)
-        assert not any(t.is_alive() for t in threads)
+        threads = Threads()
+        threads.add(sender)
+        threads.add(fetcher, 0)
+        threads.add(fetcher, 1)
+        threads.start()
+        threads.join(WAIT * 2)
         assert len(sent) == total
         assert seen[0] | seen[1] == sent  # every item reached a fetcher
         assert acked[0] + acked[1] == total  # and was acked exactly once in all
@@ -556,12 +585,13 @@ def test_a_flooding_address_is_budgeted_while_a_bystander_is_served(tmp_path: Pa
             finally:
                 caller.close()
 
-        threads = [threading.Thread(target=flooder, args=(k, c)) for k in range(3)
-                   for c in range(2)] + [threading.Thread(target=calm_caller)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=WAIT)
+        threads = Threads()
+        for k in range(3):
+            for c in range(2):
+                threads.add(flooder, k, c)
+        threads.add(calm_caller)
+        threads.start()
+        threads.join()
         assert calm == ["queued"] * 5
         kinds = {kind for answers in flood.values() for kind in answers}
         assert kinds <= {"queued", "rate_limited"} and sum(map(len, flood.values())) == 90
@@ -670,11 +700,11 @@ def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
                                                  msg_id=f"h2-{k}-{i}"), rpc_id=i)
                 for i in range(20)])
 
-        threads = [threading.Thread(target=blast, args=(k,)) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=WAIT)
+        threads = Threads()
+        threads.add(blast, 0)
+        threads.add(blast, 1)
+        threads.start()
+        threads.join()
         ok = set()
         for k, answers_k in results.items():
             for i, (status, out) in enumerate(answers_k):
@@ -686,6 +716,124 @@ def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
                     assert code_of(result) == "rate_limited", result
         assert len(results) == 2 and len(ok) == 7, (len(results), ok)
         assert set(drain_queue(owner)) == ok | {"curl"}
+        clean_log(serve)
+    finally:
+        serve.stop()
+
+
+# --- kill -9 amid acks and calls; odd msg_ids ----------------------------------------------
+
+
+def test_kill9_amid_acks_and_calls_keeps_acked_acked_and_queued_queued(
+        tmp_path: Path) -> None:
+    """Main and both workers killed while the recipient acks from two connections (one
+    per worker) and a sender keeps calling: after the restart no item whose ack was
+    answered comes back, and every item answered `queued` and not acked is there (an
+    ack cut off before its answer may have landed or not)."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        owner.close()
+        lock = threading.Lock()
+        answered: set[str] = set()
+        acked: set[str] = set()  # msg_ids whose ack was answered
+        in_flight: set[str] = set()  # msg_ids of an ack sent, its answer not (yet) read
+        stop = threading.Event()
+
+        def sender(k: int) -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=groups[k][2])
+            for i in range(400):
+                if stop.is_set():
+                    return
+                m = f"c{k}-{i}"
+                try:
+                    result, _ = caller.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                                   msg_id=m))
+                except (OSError, ValueError):
+                    return  # the process is gone
+                if queued(result, m):
+                    with lock:
+                        answered.add(m)
+
+        def acker(k: int) -> None:
+            caller = RelayCaller(serve.port, ids.recipient, source=groups[k][1])
+            for _ in range(2000):
+                if stop.is_set():
+                    return
+                try:
+                    page = caller.tool("fetch_queued", {"limit": 10})[0]["structuredContent"]
+                    names = dict(zip([i["id"] for i in page["items"]], msg_ids(page),
+                                     strict=True))
+                    with lock:
+                        in_flight.update(names.values())
+                    result = caller.tool("ack", {"ids": list(names)})[0]
+                except (OSError, ValueError, KeyError):
+                    return  # the process is gone, or said unavailable to the fetch
+                if code_of(result) == "unavailable":
+                    return  # main is gone: a worker no longer knows what became of it
+                assert "acked" in result["structuredContent"], result
+                with lock:
+                    acked.update(names.values())
+
+        threads = Threads()
+        for k in (0, 1):
+            threads.add(sender, k)
+            threads.add(acker, k)
+        threads.start()
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            with lock:
+                if len(acked) >= 60 and len(answered) >= 120:
+                    break
+            time.sleep(0.01)
+        serve.kill9()
+        stop.set()
+        threads.join()
+        assert len(acked) >= 60, (len(acked), len(answered))
+        serve.restart()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        found = set(drain_queue(owner))
+        assert not found & acked, sorted(found & acked)[:5]
+        lost = answered - acked - in_flight - found
+        assert not lost, sorted(lost)[:5]
+        clean_log(serve)
+    finally:
+        serve.stop()
+
+
+def test_odd_msg_ids_are_keys_of_their_own(tmp_path: Path) -> None:
+    """msg_ids that differ only in a NUL, case, a trailing space, Unicode normal form, or
+    that are near the header's bound: each is its own item, answered with exactly its
+    msg_id, and a replay of each is the duplicate."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        # the longest msg_id whose encoded header is right at its bound, and one longer
+        longest = 1000
+        while len(envelope(ids.sender, ids.recipient, msg_id="x" * (longest + 1))[
+                "protected"]) <= MAX_PROTECTED_CHARS:
+            longest += 1 if len(envelope(ids.sender, ids.recipient, msg_id="x" * (
+                longest + 64))["protected"]) > MAX_PROTECTED_CHARS else 64
+        over = envelope(ids.sender, ids.recipient, msg_id="x" * (longest + 1))
+        odd = ["a", "a\x00", "a\x00b", "A", "a ", "\u00e9", "e\u0301", "\u202eevil", "\n",
+               "x" * longest, "%00", "a\\", '"', "\U0001f600", "NaN", "null", "0", "-0"]
+        sender = RelayCaller(serve.port, ids.sender, source=groups[1][0])
+        assert code_of(sender.tool("relay_call", over)[0]) == "envelope_invalid"
+        envs = {m: envelope(ids.sender, ids.recipient, msg_id=m) for m in odd}
+        for m in odd:
+            result, resp = sender.tool("relay_call", envs[m])
+            assert resp.status == 200 and queued(result, m), (m[:20], result)
+        again = RelayCaller(serve.port, ids.sender, source=groups[0][1])
+        for m in odd:
+            assert queued(again.tool("relay_call", envs[m])[0], m), m[:20]
+        got = drain_queue(owner)
+        assert set(got) == set(odd) and all(got[m] == envs[m] for m in odd)
         clean_log(serve)
     finally:
         serve.stop()
