@@ -132,7 +132,7 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
             ((ping % "NaN").encode(), 400, -32700),
             ((ping % "Infinity").encode(), 400, -32700),
             ((ping % "-Infinity").encode(), 400, -32700),
-            ((ping % "1e999").encode(), 400, -32600),  # a float that is no number
+            ((ping % "1e999").encode(), 400, -32600),  # a float (infinity, even)
             ((ping % ("9" * 5000)).encode(), 400, -32700),  # past int parsing's bound
             ((ping % "[1]").encode(), 400, -32600),  # ids are strings, numbers or null
             ((ping % '{"a":1}').encode(), 400, -32600),
@@ -147,7 +147,9 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
             ((ping % "1").encode("utf-16"), 400, -32700),  # JSON on the wire is UTF-8
             ((ping % "1").encode("utf-32"), 400, -32700),
             ((ping % '"\xff"').encode("latin-1"), 400, -32700),
-            (b"\xef\xbb\xbf" + (ping % "1").encode(), 200, None),  # a BOM may be ignored
+            (b"\xef\xbb\xbf" + (ping % "1").encode(), 400, -32700),  # as the edge: no BOM
+            ((ping % "1.5").encode(), 400, -32600),  # ids are integers, as on the edge
+            ((ping % "1,\"id\":2").encode(), 400, -32700),  # a member named twice
             ((ping % "1").encode() + b"\x00", 400, -32700),
             (json.dumps([good, {"jsonrpc": "2.0"}]).encode(), 400, -32600),  # no batches
             (json.dumps([good]).encode(), 400, -32600),
@@ -163,10 +165,11 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
                                                 ), (what, doc)
             elif code is not None:
                 assert doc["error"]["code"] == code, (what, doc)
-        # duplicate members: one reading (the last), answered once
-        doc = strict_json(sender.request(
-            "POST", "/relay/mcp", b'{"jsonrpc":"2.0","method":"ping","id":1,"id":2}').body)
-        assert doc == {"jsonrpc": "2.0", "id": 2, "result": {}}
+        # a member named twice deep inside the call: refused, nothing queued
+        call = tool_body("relay_call", envelope(ids.sender, ids.recipient, msg_id="twice"))
+        doubled = call.replace(b'"sig": ', b'"sig": "AAAA", "sig": ', 1)
+        resp = sender.request("POST", "/relay/mcp", doubled)
+        assert resp.status == 400 and strict_json(resp.body)["error"]["code"] == -32700
         # nothing of the batches was queued; the connection still serves
         page = owner.tool("fetch_queued", {})[0]["structuredContent"]
         assert page == {"items": [], "more": False}
