@@ -33,7 +33,6 @@ Nothing here queues anything before step 3 has found a caller key.
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -271,7 +270,7 @@ class RelayExchange:
             # echoing it would answer with any structure the caller chose (one nested
             # deeper than the event loop's stack can encode, parsed in a thread)
             await self._json(400, _rpc(None, error=(
-                -32600, "Invalid Request: id must be a string, a number or null")))
+                -32600, "Invalid Request: id must be a string, integer or null")))
             return
         params = message.get("params")
         params = params if isinstance(params, dict) else {}
@@ -375,31 +374,36 @@ class RelayExchange:
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
 
 
+# The request body's JSON rules are the terminate edge's (`proto.posture`), so a caller
+# meets one reading of JSON on every host of the ingress.
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("duplicate member name")
+    return obj
+
+
 #: RFC 8259 JSON only: NaN and Infinity are not JSON (and echoed back, they would make
-#: our answer no JSON either).
-_decode = json.JSONDecoder(parse_constant=_no_constant).decode
+#: our answer no JSON either); a member named twice has no one reading.
+_decode = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_no_duplicates).decode
 
 
 def _loads(body: bytes) -> Any:
-    """A request body as JSON: UTF-8 (a leading BOM ignored, as RFC 8259 allows), no
-    NaN / Infinity; ValueError otherwise."""
-    return _decode(body.decode("utf-8-sig"))
+    """A request body as JSON: UTF-8, no NaN / Infinity, no member named twice;
+    ValueError otherwise."""
+    return _decode(body.decode("utf-8"))
 
 
 def _valid_id(rpc_id: Any) -> bool:
-    """JSON-RPC 2.0: an id is a string, a number or null (a finite one: 1e999 parses as
-    infinity, which has no JSON spelling)."""
-    if rpc_id is None or isinstance(rpc_id, str):
-        return True
-    if isinstance(rpc_id, bool):
-        return False
-    if isinstance(rpc_id, int):
-        return True
-    return isinstance(rpc_id, float) and math.isfinite(rpc_id)
+    """A JSON-RPC id as the terminate edge takes it: a string, an integer or null."""
+    return rpc_id is None or isinstance(rpc_id, str) or (
+        isinstance(rpc_id, int) and not isinstance(rpc_id, bool))
 
 
 def _queued_answer(rpc_id: Any, msg_id: str) -> bytes:
