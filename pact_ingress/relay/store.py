@@ -182,6 +182,7 @@ class SqliteStore:
         self._token: trio.lowlevel.TrioToken | None = None
         self._depths: dict[str, tuple[int, int]] = {}
         self._allowlists: dict[str, frozenset[str]] = {}
+        self._published: set[str] = set()  # recipients whose gauges were set
         self._next_open = 0.0
         #: Transactions committed (tests check that concurrent calls shared them).
         self.commits = 0
@@ -519,9 +520,16 @@ class SqliteStore:
     def _publish_depths(self) -> None:
         if self.stats is None:
             return
-        for recipient, (items, size) in self._depths.items():
+        depths = self._depths
+        # a recount (purge, reopen) leaves out recipients with nothing queued: their
+        # gauges go to 0, not stay at what they last held
+        for recipient in self._published - depths.keys():
+            self.stats.relay_queued_items.labels(recipient).set(0)
+            self.stats.relay_queued_bytes.labels(recipient).set(0)
+        for recipient, (items, size) in depths.items():
             self.stats.relay_queued_items.labels(recipient).set(items)
             self.stats.relay_queued_bytes.labels(recipient).set(size)
+        self._published = set(depths)
 
     def _connection(self) -> sqlite3.Connection | None:
         if self._conn is not None:
