@@ -186,7 +186,7 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
 def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path) -> None:
     """The store (and SQLite's -wal / -shm beside it, which hold the same envelopes) is
     readable by its owner only, also when it sits in a directory others can read; a
-    kill -9 of serve (main and both workers) right after a `queued` answer keeps the
+    kill -9 of main (its workers exit with it) right after a `queued` answer keeps the
     item, right after an `ack` answer keeps it acked (never handed out again, and its
     msg_id still answered as the duplicate)."""
     ids = relay_identities(tmp_path)
@@ -219,7 +219,7 @@ def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path
             sender = RelayCaller(serve.port, ids.sender, source=groups[1][0])
             for m, env in envs.items():
                 assert queued(sender.tool("relay_call", env)[0], m)
-            serve.kill9()  # right after the queued answers, main and workers at once
+            serve.kill9()  # right after the queued answers
             serve.restart()
             files = [store, *(Path(f"{store}{s}") for s in ("-wal", "-shm"))]
             modes = {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files
@@ -729,10 +729,10 @@ def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
 
 def test_kill9_amid_acks_and_calls_keeps_acked_acked_and_queued_queued(
         tmp_path: Path) -> None:
-    """Main and both workers killed while the recipient acks from two connections (one
-    per worker) and a sender keeps calling: after the restart no item whose ack was
-    answered comes back, and every item answered `queued` and not acked is there (an
-    ack cut off before its answer may have landed or not)."""
+    """Main killed (its workers exit with it) while the recipient acks from two
+    connections (one per worker) and a sender keeps calling: after the restart no item
+    whose ack was answered comes back, and every item answered `queued` and not acked is
+    there (an ack cut off before its answer may have landed or not)."""
     ids = relay_identities(tmp_path)
     serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
     try:
