@@ -170,6 +170,17 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
         doubled = call.replace(b'"sig": ', b'"sig": "AAAA", "sig": ', 1)
         resp = sender.request("POST", "/relay/mcp", doubled)
         assert resp.status == 400 and strict_json(resp.body)["error"]["code"] == -32700
+        # the allow-list body is read by the same rules: refused whole, the list stays
+        fp = json.dumps(ids.sender.fingerprint)
+        for body in ((f'{{"senders": [{fp}]}}').encode("utf-16"),
+                     f'{{"senders": [], "senders": [{fp}]}}'.encode(),
+                     f'{{"senders": [{fp}, NaN]}}'.encode(),
+                     b"\xef\xbb\xbf" + f'{{"senders": [{fp}]}}'.encode()):
+            resp = owner.request("POST", "/relay/allowlist", body)
+            assert resp.status == 400 and strict_json(resp.body)["code"] == "bad_request", (
+                body[:40], resp.status)
+        assert strict_json(owner.allowlist_get().body) == {
+            "senders": [ids.sender.fingerprint]}
         # nothing of the batches was queued; the connection still serves
         page = owner.tool("fetch_queued", {})[0]["structuredContent"]
         assert page == {"items": [], "more": False}
