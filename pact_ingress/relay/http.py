@@ -292,8 +292,9 @@ class RelayExchange:
         """The JSON document; megabytes of it are parsed in a worker thread (one at a
         time), so a large call does not stall every other connection."""
         if len(body) <= INLINE_CHECK_BYTES:
-            return _loads(body)
-        return await trio.to_thread.run_sync(_loads, body, limiter=self.server.large_slot)
+            return rules.loads(body)
+        return await trio.to_thread.run_sync(rules.loads, body,
+                                             limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
                         ) -> dict[str, Any] | bytes:
@@ -372,32 +373,6 @@ class RelayExchange:
             scope=server.host)
         if isinstance(decision, Limited):
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
-
-
-# The request body's JSON rules are the terminate edge's (`proto.posture`), so a caller
-# meets one reading of JSON on every host of the ingress.
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError("duplicate member name")
-    return obj
-
-
-#: RFC 8259 JSON only: NaN and Infinity are not JSON (and echoed back, they would make
-#: our answer no JSON either); a member named twice has no one reading.
-_decode = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_no_duplicates).decode
-
-
-def _loads(body: bytes) -> Any:
-    """A request body as JSON: UTF-8, no NaN / Infinity, no member named twice;
-    ValueError otherwise."""
-    return _decode(body.decode("utf-8"))
 
 
 def _valid_id(rpc_id: Any) -> bool:
