@@ -910,3 +910,37 @@ tenants:
         assert ingress.relay.status()["queues"] == []
         assert gauges() == (0, 0)
         await ingress.stop(deadline=1)
+
+
+# --- an item larger than a whole queue -------------------------------------------------------
+
+
+def test_an_item_larger_than_the_whole_queue_bound_is_too_large_not_retry_later(
+        tmp_path: Path) -> None:
+    """An envelope larger than a recipient's whole byte bound can never be queued, even
+    into an empty queue: it is `too_large` (retrying it in 60 s, as `rate_limited` says,
+    would repeat until it expires); one exactly at the bound is queued, and then the
+    next is `rate_limited` (a full queue)."""
+    ids = relay_identities(tmp_path)
+    now = int(time.time())
+    exact = envelope(ids.sender, ids.recipient, msg_id="exact", text="z" * 3000, ts=now)
+    bound = len(canonical_envelope(exact))
+    over = envelope(ids.sender, ids.recipient, msg_id="over", text="z" * 3100, ts=now)
+    assert len(canonical_envelope(over)) > bound
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2,
+                       max_bytes=str(bound), extra=HIGH_LIMITS)
+    try:
+        groups = by_worker()
+        owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        for source in (groups[0][1], groups[1][0]):  # the same answer through either worker
+            sender = RelayCaller(serve.port, ids.sender, source=source)
+            result, resp = sender.tool("relay_call", over)
+            assert resp.status == 200 and code_of(result) == "too_large", result
+        assert queued(sender.tool("relay_call", exact)[0], "exact")
+        small = envelope(ids.sender, ids.recipient, msg_id="small", text="")
+        assert code_of(sender.tool("relay_call", small)[0]) == "rate_limited"
+        assert set(drain_queue(owner)) == {"exact"}
+        clean_log(serve)
+    finally:
+        serve.stop()
