@@ -76,8 +76,8 @@ MAX_CLOCK_SKEW = 300
 MAX_LIFETIME = 30 * 24 * 3600
 #: Cap on the encoded protected header. Eight of its nine members are short (three
 #: 50-char fingerprints, two ints, two fixed strings); only msg_id is free-form, and a
-#: UUID-sized key needs ~40 bytes. 8 KiB leaves >7 KiB for msg_id while bounding the
-#: JSON parse the edge does on unauthenticated input.
+#: UUID-sized key needs ~40 bytes. 8 KiB of base64url (6 KiB decoded) leaves over 5 KiB
+#: for msg_id while bounding the JSON parse the edge does on unauthenticated input.
 MAX_PROTECTED_CHARS = 8 * 1024
 
 #: ts and exp are Unix seconds in [0, 2**53): every JSON implementation holds such an

@@ -252,10 +252,11 @@ def test_depth_bounds(serve: RelayServe, ids: RelayIdentities) -> None:
     recipient.tool("ack", {"ids": [page[0]["id"]]})
     assert not sender.tool("relay_call", envelope(ids.sender, ids.recipient,
                                                   msg_id="d-5"))[0].get("isError")
-    # bytes: one large item over the 64 KiB bound
+    # bytes: one item over the whole 64 KiB bound never fits, not even an empty queue
+    # (the byte bound of a queue that is merely full: test_relay_attacks)
     big = envelope(ids.sender, ids.recipient, msg_id="big", text="x" * 70_000)
     recipient.tool("ack", {"ids": [i["id"] for i in page[1:]]})
-    assert code_of(sender.tool("relay_call", big)[0]) == "rate_limited"
+    assert code_of(sender.tool("relay_call", big)[0]) == "too_large"
     assert "pact_ingress_relay_queued_items{" in serve.metrics()
 
 

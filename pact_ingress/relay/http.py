@@ -266,6 +266,12 @@ class RelayExchange:
             await self._send(202, b"", [])
             return
         rpc_id = message["id"]
+        if not _valid_id(rpc_id):
+            # echoing it would answer with any structure the caller chose (one nested
+            # deeper than the event loop's stack can encode, parsed in a thread)
+            await self._json(400, _rpc(None, error=(
+                -32600, "Invalid Request: id must be a string, integer or null")))
+            return
         params = message.get("params")
         params = params if isinstance(params, dict) else {}
         if self.caller is None:
@@ -286,8 +292,8 @@ class RelayExchange:
         """The JSON document; megabytes of it are parsed in a worker thread (one at a
         time), so a large call does not stall every other connection."""
         if len(body) <= INLINE_CHECK_BYTES:
-            return json.loads(body)
-        return await trio.to_thread.run_sync(json.loads, body,
+            return rules.loads(body)
+        return await trio.to_thread.run_sync(rules.loads, body,
                                              limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
@@ -307,7 +313,8 @@ class RelayExchange:
         name = params.get("name")
         arguments = params.get("arguments", {})
         if name not in ("relay_call", "fetch_queued", "ack"):
-            return _rpc(rpc_id, error=(-32602, f"Unknown tool: {str(name)[:64]}"))
+            shown = name[:64] if isinstance(name, str) else type(name).__name__
+            return _rpc(rpc_id, error=(-32602, f"Unknown tool: {shown}"))
         result = await self._tool(name, arguments)
         if isinstance(result, str):  # a relay_call queued: its msg_id
             return _queued_answer(rpc_id, result)
@@ -366,6 +373,12 @@ class RelayExchange:
             scope=server.host)
         if isinstance(decision, Limited):
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
+
+
+def _valid_id(rpc_id: Any) -> bool:
+    """A JSON-RPC id as the terminate edge takes it: a string, an integer or null."""
+    return rpc_id is None or isinstance(rpc_id, str) or (
+        isinstance(rpc_id, int) and not isinstance(rpc_id, bool))
 
 
 def _queued_answer(rpc_id: Any, msg_id: str) -> bytes:

@@ -308,6 +308,10 @@ class RelayServer:
             # the store's snapshot, `seen` is this call's own)
             accepted = await trio.to_thread.run_sync(check, limiter=self.large_slot)
         header = accepted.header
+        if len(accepted.envelope) > self.relay.max_bytes:
+            # no fetch or ack can ever make room for it: `rate_limited` would have the
+            # sender retry until it expires
+            raise Refusal(rules.TOO_LARGE, "envelope over the recipient's whole queue bound")
         try:
             done = await self.store.enqueue(header.to, header.sender, header.msg_id,
                                             accepted.envelope, accepted.expires_at)

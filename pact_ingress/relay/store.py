@@ -182,6 +182,7 @@ class SqliteStore:
         self._token: trio.lowlevel.TrioToken | None = None
         self._depths: dict[str, tuple[int, int]] = {}
         self._allowlists: dict[str, frozenset[str]] = {}
+        self._published: set[str] = set()  # recipients whose gauges were set
         self._next_open = 0.0
         #: Transactions committed (tests check that concurrent calls shared them).
         self.commits = 0
@@ -519,9 +520,16 @@ class SqliteStore:
     def _publish_depths(self) -> None:
         if self.stats is None:
             return
-        for recipient, (items, size) in self._depths.items():
+        depths = self._depths
+        # a recount (purge, reopen) leaves out recipients with nothing queued: their
+        # gauges go to 0, not stay at what they last held
+        for recipient in self._published - depths.keys():
+            self.stats.relay_queued_items.labels(recipient).set(0)
+            self.stats.relay_queued_bytes.labels(recipient).set(0)
+        for recipient, (items, size) in depths.items():
             self.stats.relay_queued_items.labels(recipient).set(items)
             self.stats.relay_queued_bytes.labels(recipient).set(size)
+        self._published = set(depths)
 
     def _connection(self) -> sqlite3.Connection | None:
         if self._conn is not None:
@@ -567,6 +575,15 @@ class SqliteStore:
 def _open(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) and check the store; raises sqlite3.Error / OSError."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # SQLite creates the -wal and -shm files (which hold the same envelopes) with the
+    # database file's mode, so the file is private before SQLite first opens it
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
+    for leftover in ("-wal", "-shm"):  # made before the file was private
+        try:
+            os.chmod(f"{path}{leftover}", 0o600)
+        except FileNotFoundError:
+            pass
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -578,7 +595,6 @@ def _open(path: Path) -> sqlite3.Connection:
         if check != "ok":
             raise sqlite3.DatabaseError(f"integrity check failed: {check}")
         conn.executescript(_SCHEMA)
-        os.chmod(path, 0o600)
     except BaseException:
         conn.close()
         raise
