@@ -513,15 +513,18 @@ def test_a_full_disk_answers_unavailable_and_queues_nothing_falsely(
 # --- msg_ids across senders ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the store's duplicate key is (recipient, msg_id), not (recipient, sender, msg_id): a "
-    "second listed sender whose call reuses a msg_id is answered 'queued' and its call is "
-    "dropped, so one contact can swallow another's calls by queueing their (predictable) "
-    "msg_ids first; keying on the sender needs a schema migration of the SQLite and the "
-    "Redis stores, too large for this change"))
-def test_a_msg_id_of_one_sender_never_swallows_another_senders_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_msg_id_of_one_sender_never_swallows_another_senders_call(
+        tmp_path: Path, workers: int) -> None:
+    """A msg_id is the recipient's idempotency key whoever sends it, so a second listed
+    sender's call under a msg_id another sender's item holds cannot be stored; answered
+    `queued` as a duplicate, it would be acknowledged and never delivered. It is refused
+    (`bad_request`, nothing stored) and goes through under a fresh msg_id; the first
+    sender's own retry is still the duplicate it always was. With two workers the answer
+    crosses the worker channel from main's store."""
     ids = relay_identities(tmp_path)
-    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1, extra=HIGH_LIMITS)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=workers,
+                       extra=HIGH_LIMITS)
     try:
         owner = RelayCaller(serve.port, ids.recipient)
         assert owner.allowlist_set([ids.sender.fingerprint, ids.other.fingerprint]
@@ -530,13 +533,18 @@ def test_a_msg_id_of_one_sender_never_swallows_another_senders_call(tmp_path: Pa
         second = RelayCaller(serve.port, ids.sender)
         assert queued(first.tool("relay_call", envelope(ids.other, ids.recipient,
                                                          msg_id="1"))[0], "1")
-        answered = queued(second.tool("relay_call", envelope(ids.sender, ids.recipient,
-                                                              msg_id="1"))[0], "1")
+        taken, _ = second.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="1"))
+        assert code_of(taken) == "bad_request", taken
+        assert "fresh msg_id" in json.dumps(taken)
+        assert queued(first.tool("relay_call", envelope(ids.other, ids.recipient,
+                                                         msg_id="1"))[0], "1")  # a retry
+        assert queued(second.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                          msg_id="2"))[0], "2")
         page = owner.tool("fetch_queued", {})[0]["structuredContent"]
-        senders = {json.loads(b64url_decode(i["envelope"]["protected"]))["from"]
-                   for i in page["items"]}
-        # a call answered 'queued' reaches the recipient, whoever else used its msg_id
-        assert not answered or ids.sender.fingerprint in senders, (answered, senders)
+        held = sorted((json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"],
+                       json.loads(b64url_decode(i["envelope"]["protected"]))["from"])
+                      for i in page["items"])
+        assert held == [("1", ids.other.fingerprint), ("2", ids.sender.fingerprint)], held
         clean_log(serve)
     finally:
         serve.stop()

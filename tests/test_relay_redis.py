@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from pact_ingress.model import RedisSettings, Relay
-from pact_ingress.relay.store import StoreUnavailable
+from pact_ingress.relay.store import MsgIdTaken, StoreUnavailable
 from pact_ingress.state.redis import RedisState
 from pact_ingress.state.relay_store import RELAY_DEADLINE, RedisRelayStore
 from pact_ingress.stats import Stats
@@ -108,5 +108,28 @@ async def test_redis_gone_answers_unavailable_then_recovers(
         assert [i.envelope for i in items] == [b"b"]  # nothing from the failed calls
         assert not (await store.enqueue(A, B, "after", b"a", 2_000_000_000)).duplicate
         assert (await store.enqueue(A, B, "before", b"b", 2_000_000_000)).duplicate
+    finally:
+        server.stop()
+
+
+async def test_a_dedupe_entry_written_before_it_named_its_sender_stays_a_duplicate(
+    nursery: trio.Nursery, tmp_path: Path,
+) -> None:
+    """Dedupe entries now carry the sender ("ID expires_at sender"), so another sender's
+    call under a held msg_id is refused; one an older version wrote ("ID expires_at")
+    cannot say whose it is, and answers every sender's retry as the duplicate it was."""
+    server = RedisServer(tmp_path / "redis")
+    try:
+        store = await _open(nursery, server)
+        first = await store.enqueue(A, B, "new", b"n", 2_000_000_000)
+        dedupe = store._keys(A, "d")[0]
+        assert await store.state.client.hget(dedupe, "new") == (
+            f"{first.id} 2000000000 {B}".encode())
+        with pytest.raises(MsgIdTaken):
+            await store.enqueue(A, A, "new", b"n", 2_000_000_000)
+        await store.state.client.hset(dedupe, {"new": f"{first.id} 2000000000"})
+        for sender in (A, B):
+            again = await store.enqueue(A, sender, "new", b"n", 2_000_000_000)
+            assert again.duplicate and again.id == first.id
     finally:
         server.stop()

@@ -23,6 +23,8 @@ from pact_ingress.identity import keygen
 from pact_ingress.model import RedisSettings, Relay
 from pact_ingress.proto import relay as rules
 from pact_ingress.relay.store import (
+    Enqueued,
+    MsgIdTaken,
     QueueFull,
     RelayStore,
     SqliteStore,
@@ -173,6 +175,48 @@ async def test_dedupe_bounds_ack(make: Make) -> None:
             await store.enqueue(A, B, "m3", b"x" * 16, 2_000_000_000)  # bytes bound
         await store.enqueue(A, B, "m3", b"x" * 15, 2_000_000_000)
         assert (await store.enqueue(A, B, "m1", b"other", 2_000_000_000)).duplicate
+    finally:
+        await store.aclose()
+
+
+async def test_a_msg_id_held_by_another_sender_is_refused_not_swallowed(make: Make) -> None:
+    """A msg_id is the recipient's key whoever sends it: another sender's call under one
+    that is held (queued, acked, at a full queue, or racing it in one batch) is refused
+    with MsgIdTaken, never answered as a duplicate that stores nothing; the holder's own
+    retry stays a duplicate."""
+    C = "sha256:" + "C" * 43
+    store = await make(max_items=2, max_bytes=10_000)
+    try:
+        first = await store.enqueue(A, B, "m1", b"from B", 2_000_000_000)
+        with pytest.raises(MsgIdTaken):
+            await store.enqueue(A, C, "m1", b"from C", 2_000_000_000)
+        assert (await store.enqueue(A, B, "m1", b"from B", 2_000_000_000)).id == first.id
+        await store.enqueue(A, B, "m2", b"from B", 2_000_000_000)  # the queue is full now
+        with pytest.raises(MsgIdTaken):
+            await store.enqueue(A, C, "m2", b"from C", 2_000_000_000)
+        items, _ = await store.fetch(A, 10)
+        assert await store.ack(A, [i.id for i in items]) == 2
+        with pytest.raises(MsgIdTaken):  # acked, still remembered until it expires
+            await store.enqueue(A, C, "m1", b"from C", 2_000_000_000)
+        outcomes: list[object] = []
+
+        async def race(sender: str) -> None:
+            try:
+                outcomes.append(await store.enqueue(A, sender, "m3", sender.encode(),
+                                                    2_000_000_000))
+            except MsgIdTaken:
+                outcomes.append(sender)
+
+        async with trio.open_nursery() as nursery:  # one batch for the SQLite writer
+            for sender in (B, C, B, C):
+                nursery.start_soon(race, sender)
+        stored = [o for o in outcomes if isinstance(o, Enqueued)]
+        refused = {o for o in outcomes if isinstance(o, str)}
+        assert len(stored) == 2 and [o.duplicate for o in stored].count(False) == 1, outcomes
+        assert len(refused) == 1 and len(outcomes) == 4, outcomes  # the loser's two calls
+        winner = ({B, C} - refused).pop()
+        items, _ = await store.fetch(A, 10)
+        assert [i.envelope for i in items] == [winner.encode()], items
     finally:
         await store.aclose()
 

@@ -234,6 +234,7 @@ class RelayStatus(enum.IntEnum):
     QUEUE_FULL = 1     # {retry_after}
     UNAVAILABLE = 2    # {reason}
     ENQUEUED = 3       # an ENQUEUE's success: `encode_enqueued` (binary, no document)
+    MSG_ID_TAKEN = 4   # {}: another sender's item holds the msg_id
 
 
 _RELAY_HEAD = struct.Struct("!BI")

@@ -70,6 +70,7 @@ from pact_ingress.relay.store import (
     Enqueued,
     FileReader,
     Item,
+    MsgIdTaken,
     QueueFull,
     SqliteStore,
     StoreUnavailable,
@@ -232,6 +233,8 @@ class RemoteStore:
             return out, rest
         if status == RelayStatus.QUEUE_FULL:
             raise QueueFull(int(out.get("retry_after", 1)))  # type: ignore[call-overload]
+        if status == RelayStatus.MSG_ID_TAKEN:
+            raise MsgIdTaken("")
         reason = str(out.get("reason", "relay store unavailable"))
         if out.get("broken"):  # main's store, not just this call: probe before the next
             self._health(False, reason)
@@ -354,6 +357,8 @@ class StoreService:
                 elif isinstance(error, QueueFull):
                     reply(wp.encode_relay(RelayStatus.QUEUE_FULL,
                                           {"retry_after": error.retry_after}))
+                elif isinstance(error, MsgIdTaken):
+                    reply(wp.encode_relay(RelayStatus.MSG_ID_TAKEN, {}))
                 elif isinstance(error, StoreUnavailable):
                     reply(self._unavailable(error))
                 else:  # as `WorkerPool._relay_ask` answers a failure it did not expect
@@ -396,6 +401,8 @@ class StoreService:
             out, rest = await self._run(op, doc, blob)
         except QueueFull as exc:
             return wp.encode_relay(RelayStatus.QUEUE_FULL, {"retry_after": exc.retry_after})
+        except MsgIdTaken:
+            return wp.encode_relay(RelayStatus.MSG_ID_TAKEN, {})
         except StoreUnavailable as exc:
             return self._unavailable(exc)
         except (KeyError, TypeError, ValueError) as exc:

@@ -80,7 +80,13 @@ from pact_ingress.relay.http import (
     MAX_BUFFERED_TOTAL,
     RelayExchange,
 )
-from pact_ingress.relay.store import QueueFull, RelayStore, SqliteStore, StoreUnavailable
+from pact_ingress.relay.store import (
+    MsgIdTaken,
+    QueueFull,
+    RelayStore,
+    SqliteStore,
+    StoreUnavailable,
+)
 from pact_ingress.relay.tls import RelayTLS
 from pact_ingress.state import LocalState, StateBackend
 from pact_ingress.stats import Stats
@@ -318,6 +324,9 @@ class RelayServer:
         except QueueFull as exc:
             raise Refusal(rules.RATE_LIMITED, "the recipient's queue is full",
                           exc.retry_after) from None
+        except MsgIdTaken:
+            raise Refusal(rules.BAD_REQUEST, "msg_id already used for this recipient by "
+                          "another sender: send the call under a fresh msg_id") from None
         self._enqueued[done.duplicate].inc()
         if not done.duplicate:
             self.woken(header.to)

@@ -33,7 +33,9 @@ thread after its COMMIT, so a reader sees the old or the new mapping, both consi
 Rows are never updated into another shape: ``ack`` sets ``acked = 1`` and drops the
 envelope, keeping the (recipient, msg_id) row until the item would have expired, so a
 sender retrying after the recipient acked is still told "queued" (the duplicate answer)
-instead of queueing the call a second time. `purge` deletes rows whose ``expires_at``
+instead of queueing the call a second time. The row keeps its sender: another sender's
+call under that msg_id is refused (`MsgIdTaken`), not told "queued" for a call that
+would never be delivered. `purge` deletes rows whose ``expires_at``
 passed (unacked ones count as expiries) and recounts depths from the table, which also
 picks up changes an operator made with ``pact-ingress relay purge``.
 
@@ -100,6 +102,13 @@ CREATE TABLE IF NOT EXISTS allowlists (
 
 class StoreUnavailable(Exception):
     """The store cannot take or answer this operation now (broken, overloaded, slow)."""
+
+
+class MsgIdTaken(Exception):
+    """The recipient has an item under this msg_id from another sender. A msg_id is the
+    recipient's idempotency key whoever sends it (its own check keys on it alone), so
+    the call cannot be stored under it, and answering it as a duplicate would
+    acknowledge a call that is never delivered: the sender must use a fresh one."""
 
 
 class QueueFull(Exception):
@@ -243,7 +252,8 @@ class SqliteStore:
     async def enqueue(self, recipient: str, sender: str, msg_id: str, envelope: bytes,
                       expires_at: int) -> Enqueued:
         """Queue one item (durably, before returning) or name the existing one; QueueFull
-        when the recipient is at a bound, StoreUnavailable when the store is broken."""
+        when the recipient is at a bound, MsgIdTaken when another sender's item holds the
+        msg_id, StoreUnavailable when the store is broken."""
         fn, row = self._enqueue_job(recipient, sender, msg_id, envelope, expires_at)
         return await self._submit(fn, writes=True, single=True,  # type: ignore[no-any-return]
                                   row=row)
@@ -269,9 +279,13 @@ class SqliteStore:
         now = int(self.clock())
 
         def existing(conn: sqlite3.Connection) -> Enqueued | None:
-            row = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
-                               (recipient, msg_id)).fetchone()
-            return None if row is None else Enqueued(int(row[0]), True)
+            row = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
+                               " msg_id = ?", (recipient, msg_id)).fetchone()
+            if row is None:
+                return None
+            if row[1] != sender:
+                raise MsgIdTaken(msg_id)
+            return Enqueued(int(row[0]), True)
 
         def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
@@ -439,13 +453,15 @@ class SqliteStore:
         if job.single:
             try:
                 job.result = job.fn(conn)
-            except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
+            except (QueueFull, MsgIdTaken, sqlite3.IntegrityError,
+                    sqlite3.ProgrammingError) as exc:
                 job.error = exc
             return
         conn.execute("SAVEPOINT job")
         try:
             job.result = job.fn(conn)
-        except (QueueFull, sqlite3.IntegrityError, sqlite3.ProgrammingError) as exc:
+        except (QueueFull, MsgIdTaken, sqlite3.IntegrityError,
+                    sqlite3.ProgrammingError) as exc:
             job.error = exc
             conn.execute("ROLLBACK TO job")
         conn.execute("RELEASE job")
@@ -482,10 +498,12 @@ class SqliteStore:
                 depths[recipient] = (items + 1, total + size)
                 job.result = Enqueued(item_id, False)
                 continue
-            dup = conn.execute("SELECT id FROM items WHERE recipient = ? AND msg_id = ?",
-                               (recipient, msg_id)).fetchone()
+            dup = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
+                               " msg_id = ?", (recipient, msg_id)).fetchone()
             if dup is None:
                 job.error = sqlite3.IntegrityError("relay item not stored")
+            elif dup[1] != job.row[1]:
+                job.error = MsgIdTaken(msg_id)
             else:
                 job.result = Enqueued(int(dup[0]), True)
         self._depths = depths

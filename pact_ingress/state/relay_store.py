@@ -3,13 +3,14 @@
 Theory of operation
 -------------------
 **Same rules as the embedded store** (`relay/store.py`): at least once, dedupe by
-(recipient, msg_id) — the second call answers like the first, also after the item was
-acked, until it would have expired —, per-recipient `max_items` / `max_bytes` bounds,
-items visible until `min(exp, 30 days)` (computed by `proto.relay`), oldest-first pages
-bounded by `limit` and `MAX_PAGE_BYTES`, ack deletes, and an unacked item comes back on
-every fetch. Each operation is one Lua script, so it is atomic and one round trip:
-an enqueue checks the dedupe entry, the bounds and appends in one step, and two
-instances enqueueing the same msg_id at once store it once.
+(recipient, msg_id) — the same sender's second call answers like the first, also after
+the item was acked, until it would have expired; another sender's is refused —,
+per-recipient `max_items` / `max_bytes` bounds, items visible until `min(exp, 30 days)`
+(computed by `proto.relay`), oldest-first pages bounded by `limit` and `MAX_PAGE_BYTES`,
+ack deletes, and an unacked item comes back on every fetch. Each operation is one Lua
+script, so it is atomic and one round trip: an enqueue checks the dedupe entry, the
+bounds and appends in one step, and two instances enqueueing the same msg_id at once
+store it once.
 
 **Keys** (all under the state's `key_prefix`, then ``relay:``; the keys of one
 recipient share the hash tag ``{RECIPIENT}``):
@@ -20,7 +21,7 @@ recipient share the hash tag ``{RECIPIENT}``):
 ``{r}:x``     zset    unacked item ids, scored by expiry: what purge drops
 ``{r}:i``     hash    ``ID`` → envelope, ``ID:m`` → "queued_at expires_at size sender"
 ``{r}:b``     string  bytes of unacked envelopes (the byte bound; ZCARD q is the item one)
-``{r}:d``     hash    msg_id → "ID expires_at": the dedupe entry, kept after ack
+``{r}:d``     hash    msg_id → "ID expires_at sender": the dedupe entry, kept after ack
 ``{r}:dx``    zset    msg_ids scored by expiry: when their dedupe entries go
 ``recipients`` set    recipients that ever had an item (what purge walks)
 ``allow``     hash    recipient → its allow-list, one fingerprint per line
@@ -68,7 +69,7 @@ from coredis.exceptions import ResponseError
 
 from pact_ingress.logs import log
 from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
-from pact_ingress.relay.store import Enqueued, Item, QueueFull, StoreUnavailable
+from pact_ingress.relay.store import Enqueued, Item, MsgIdTaken, QueueFull, StoreUnavailable
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -87,15 +88,20 @@ REQUIRED = {"appendonly": "yes", "appendfsync": "always"}
 
 #: KEYS: seq q x i b d dx recipients. ARGV: now, expires_at, msg_id, sender, envelope,
 #: max_items, max_bytes, recipient. Returns {id, outcome, items, bytes}: outcome 0 is
-#: queued, 1 a duplicate (id: the first one's), 2 full; items/bytes: the queue after.
+#: queued, 1 a duplicate (id: the first one's), 2 full, 3 the msg_id is another sender's;
+#: items/bytes: the queue after. A dedupe entry written before it named its sender ("ID
+#: expires_at") counts as this sender's.
 ENQUEUE_SCRIPT = """
 local now, exp = tonumber(ARGV[1]), tonumber(ARGV[2])
 local items = redis.call('ZCARD', KEYS[2])
 local bytes = tonumber(redis.call('GET', KEYS[5]) or '0')
 local seen = redis.call('HGET', KEYS[6], ARGV[3])
 if seen then
-  local id, until_ = string.match(seen, '^(%d+) (%d+)$')
-  if tonumber(until_) > now then return {tonumber(id), 1, items, bytes} end
+  local id, until_, by = string.match(seen, '^(%d+) (%d+) ?(.*)$')
+  if tonumber(until_) > now then
+    if by ~= '' and by ~= ARGV[4] then return {tonumber(id), 3, items, bytes} end
+    return {tonumber(id), 1, items, bytes}
+  end
 end
 local size = string.len(ARGV[5])
 if items + 1 > tonumber(ARGV[6]) or bytes + size > tonumber(ARGV[7]) then
@@ -107,7 +113,7 @@ redis.call('ZADD', KEYS[3], exp, id)
 redis.call('HSET', KEYS[4], id, ARGV[5],
            id .. ':m', ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. size .. ' ' .. ARGV[4])
 redis.call('INCRBY', KEYS[5], size)
-redis.call('HSET', KEYS[6], ARGV[3], id .. ' ' .. ARGV[2])
+redis.call('HSET', KEYS[6], ARGV[3], id .. ' ' .. ARGV[2] .. ' ' .. ARGV[4])
 redis.call('ZADD', KEYS[7], exp, ARGV[3])
 redis.call('SADD', KEYS[8], ARGV[8])
 return {id, 0, items + 1, bytes + size}
@@ -271,6 +277,8 @@ class RedisRelayStore:
         self._set_depth(recipient, int(items), int(size))
         if outcome == 2:
             raise QueueFull(FULL_RETRY_AFTER)
+        if outcome == 3:
+            raise MsgIdTaken(msg_id)
         return Enqueued(int(item_id), outcome == 1)
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
