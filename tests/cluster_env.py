@@ -177,8 +177,8 @@ def request(instance: Instance, host: str, timeout: float = 10.0) -> int | None:
 
 
 def get_status(address: str, port: int, host: str, *, source: str | None = None,
-               timeout: float = 10.0) -> int | None:
-    """One `GET /ping` with SNI and Host `host` (from `source` if given): the status code,
+               path: str = "/ping", timeout: float = 10.0) -> int | None:
+    """One `GET path` with SNI and Host `host` (from `source` if given): the status code,
     or None if the connection failed before a response (TLS alert or reset)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
@@ -189,7 +189,7 @@ def get_status(address: str, port: int, host: str, *, source: str | None = None,
         with socket.create_connection((address, port), timeout=timeout,
                                       source_address=bind) as raw, \
                 ctx.wrap_socket(raw, server_hostname=host) as tls:
-            tls.sendall(f"GET /ping HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
                         .encode())
             head = b""
             while b"\r\n" not in head:

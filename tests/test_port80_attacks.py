@@ -31,6 +31,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import pytest
 from cryptography import x509
@@ -146,19 +147,13 @@ def fd_count(pid: int) -> int:
 
 
 # ------------------------------------------------------------------------------ the gate
-@dataclass
-class Gate:
-    """Pebble's HTTP-01 port: each validation request is read whole, handed to `probe`
-    (the challenge is pending then), and only then forwarded to the real :80."""
+class _Listening:
+    """A loopback listener on `self.port` serving each connection in a thread of its own
+    (`_one`) until `stop`."""
 
-    target_port: int
-    port: int = field(default_factory=free_port)
-    seen: list[tuple[str, str]] = field(default_factory=list)  # (host, token)
-    probes: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
-    probe: Callable[[str, str], dict[str, object]] | None = None
-    answered: list[int | None] = field(default_factory=list)
+    port: int
 
-    def start(self) -> Gate:
+    def start(self) -> Self:
         self.sock = socket.create_server(("127.0.0.1", self.port))
         self.sock.settimeout(0.2)
         self.stopping = threading.Event()
@@ -178,6 +173,22 @@ class Gate:
             except TimeoutError:
                 continue
             threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Gate(_Listening):
+    """Pebble's HTTP-01 port: each validation request is read whole, handed to `probe`
+    (the challenge is pending then), and only then forwarded to the real :80."""
+
+    target_port: int
+    port: int = field(default_factory=free_port)
+    seen: list[tuple[str, str]] = field(default_factory=list)  # (host, token)
+    probes: list[tuple[str, str, dict[str, object]]] = field(default_factory=list)
+    probe: Callable[[str, str], dict[str, object]] | None = None
+    answered: list[int | None] = field(default_factory=list)
 
     def _one(self, c: socket.socket) -> None:
         with c:
@@ -206,7 +217,7 @@ class Gate:
 
 
 @dataclass
-class TlsGate:
+class TlsGate(_Listening):
     """Pebble's TLS-ALPN-01 port: on each validation connection `probe()` runs first (the
     challenge is pending then), then the CA's bytes are piped to the real :443."""
 
@@ -214,27 +225,6 @@ class TlsGate:
     port: int = field(default_factory=free_port)
     probes: list[dict[str, object]] = field(default_factory=list)
     probe: Callable[[], dict[str, object]] | None = None
-
-    def start(self) -> TlsGate:
-        self.sock = socket.create_server(("127.0.0.1", self.port))
-        self.sock.settimeout(0.2)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(5)
-        self.sock.close()
-
-    def _run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                c, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=self._one, args=(c,), daemon=True).start()
 
     def _one(self, c: socket.socket) -> None:
         if self.probe is not None:

@@ -29,6 +29,7 @@ from tests.relay_env import (
     RELAY_HOST,
     RelayCaller,
     RelayH2,
+    RelayIdentities,
     RelayServe,
     code_of,
     envelope,
@@ -194,6 +195,16 @@ def test_odd_json_always_gets_a_defined_json_answer(tmp_path: Path) -> None:
 # --- the store file: modes, kill -9 after queued and after ack --------------------------
 
 
+def serve_with_store(tmp_path: Path, ids: RelayIdentities, store: Path) -> RelayServe:
+    """Two workers, the relay's store file at `store`."""
+
+    class Serve(RelayServe):
+        def render(self) -> str:
+            return super().render().replace("  cert:", f"  store: {store}\n  cert:", 1)
+
+    return Serve(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+
+
 def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path) -> None:
     """The store (and SQLite's -wal / -shm beside it, which hold the same envelopes) is
     readable by its owner only, also when it sits in a directory others can read; a
@@ -206,11 +217,7 @@ def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path
     public.chmod(0o755)
     store = public / "relay.sqlite"
 
-    class Serve(RelayServe):
-        def render(self) -> str:
-            return super().render().replace("  cert:", f"  store: {store}\n  cert:", 1)
-
-    serve = Serve(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    serve = serve_with_store(tmp_path, ids, store)
     try:
         groups = by_worker()
         owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
@@ -458,11 +465,7 @@ def test_a_full_disk_answers_unavailable_and_queues_nothing_falsely(
     ids = relay_identities(tmp_path)
     store = small_disk / "relay.sqlite"
 
-    class Serve(RelayServe):
-        def render(self) -> str:
-            return super().render().replace("  cert:", f"  store: {store}\n  cert:", 1)
-
-    serve = Serve(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    serve = serve_with_store(tmp_path, ids, store)
     try:
         groups = by_worker()
         owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])

@@ -32,6 +32,7 @@ import pytest
 from pact_ingress.identity import Identity, keygen
 from pact_ingress.proto.tunnel import constants as tc
 from pact_ingress.proto.tunnel import frames as tf
+from tests import cluster_env
 from tests.cluster_env import serve_until_ready
 from tests.netutil import free_port
 from tests.terminate_env import RecordingNode, json_events
@@ -317,25 +318,8 @@ def node_connections(node: RecordingNode) -> int:
 def get_status(port: int, host: str, *, source: str = LOOPBACK, path: str = "/ping",
                timeout: float = 10.0) -> int | None:
     """One GET: the status code, or None if the connection failed before a response."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["http/1.1"])
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=timeout,
-                                      source_address=(source, 0)) as raw, \
-                ctx.wrap_socket(raw, server_hostname=host) as tls:
-            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-                        .encode())
-            head = b""
-            while b"\r\n" not in head:
-                chunk = tls.recv(4096)
-                if not chunk:
-                    return None
-                head += chunk
-            return int(head.split(b" ", 2)[1])
-    except (OSError, ssl.SSLError, ValueError, IndexError):
-        return None
+    return cluster_env.get_status(LOOPBACK, port, host, source=source, path=path,
+                                  timeout=timeout)
 
 
 @pytest.fixture(scope="module")
