@@ -144,6 +144,21 @@ def _remove_stale_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise ConfigError(f"listen.admin unix:{path}: exists and is not a socket")
+    # A socket someone still listens on (another instance's admin endpoint) is not stale:
+    # removing it would cut its operator off. Only a refused connect proves it dead.
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"listen.admin unix:{path}: exists and cannot be checked: "
+                          f"{exc.strerror or exc}") from exc
+    else:
+        raise ConfigError(f"listen.admin unix:{path}: in use by another process")
+    finally:
+        probe.close()
     path.unlink()
 
 
