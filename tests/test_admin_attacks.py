@@ -668,3 +668,47 @@ def test_fingerprint_and_keygen_on_hostile_paths(tmp_path: Path) -> None:
     result = run_cli(tmp_path, "keygen", "-o", str(link))
     _one_line_error(result, (1, 2))
     assert victim.read_text() == "victim"
+
+
+def test_hostile_terminate_requests_do_not_grow_metrics_status_or_leak(tmp_path: Path) -> None:
+    """Terminate routes on two worker processes: requests with made-up Host headers, paths,
+    caller headers and bodies carrying a secret. The instance's /metrics (gathered from
+    every process) and /status stay bounded, and neither they nor the log carry the
+    secret, the body or the made-up names."""
+    from tests.terminate_env import HOST, ServeEnv, exchange, request_bytes
+
+    env = ServeEnv.start(tmp_path, workers=2)
+    serve = env.serve
+    try:
+        def flood(count: int, tag: str) -> None:
+            for i in range(count):  # bounded
+                source = f"127.0.{2 + i % 50}.{1 + i // 50}"
+                # the path is logged by design (cut at '?'): the secret rides in the query
+                target = f"/{tag}{i}/x?token={SECRET_BODY}"
+                headers = [("Authorization", f"Bearer {SECRET_BODY}"),
+                           ("X-Pact-Caller", f"{tag}{i}-caller")]
+                host = HOST if i % 2 else f"{tag}{i}.evil.test"
+                body = json.dumps({"secret": SECRET_BODY}).encode()
+                try:
+                    exchange(serve.port, request_bytes("POST", target, host, body=body,
+                                                       headers=headers), source=source)
+                except (OSError, ConnectionError):
+                    pass
+
+        flood(30, "warm")
+        metrics_before = len(serve.metrics())
+        status_before = len(json.dumps(serve.status()))
+        flood(200, "flood")
+        metrics = serve.metrics()
+        status = json.dumps(serve.status())
+        assert len(metrics) < metrics_before + 4096, "metrics grew with hostile input"
+        assert len(status) < status_before + 8192, "status grew with hostile input"
+        assert len(json.loads(status)["recent_refusals"]) <= 50
+        logs = serve.logs()
+        for text in (metrics, status, logs):
+            assert SECRET_BODY not in text
+        assert "flood1" not in metrics + status and "evil.test" not in metrics + status
+        assert "PRIVATE KEY" not in metrics + status + logs
+        assert "Traceback" not in logs
+    finally:
+        env.stop()
