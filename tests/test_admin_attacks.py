@@ -195,6 +195,16 @@ def parse(raw: bytes) -> tuple[int, bytes]:
     return status, rest[:int(fields.get(b"content-length", b"0"))]
 
 
+def child_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(out)
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -712,3 +722,27 @@ def test_hostile_terminate_requests_do_not_grow_metrics_status_or_leak(tmp_path:
         assert "Traceback" not in logs
     finally:
         env.stop()
+
+
+def test_concurrent_reloads_and_scrapes_with_workers(tmp_path: Path) -> None:
+    """With worker processes a reload is sent to every worker and /metrics asks each of
+    them: concurrent reloads and scrapes all get answers, and no process dies."""
+    serve = Serve(tmp_path, workers=2)
+    try:
+        children = child_pids(serve.proc.pid)
+        assert len(children) == 2, children
+
+        def call(i: int) -> int:
+            if i % 3 == 0:
+                return serve.get("/metrics")[0]
+            if i % 3 == 1:
+                return serve.get("/status")[0]
+            return serve.request("POST", "/reload")[0]
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(call, range(36)))
+        assert results == [200] * 36
+        assert child_pids(serve.proc.pid) == children  # none died or was replaced
+        serve.assert_clean()
+    finally:
+        serve.stop()
