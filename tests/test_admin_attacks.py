@@ -254,6 +254,9 @@ ODD_REQUESTS: list[tuple[str, bytes, set[int]]] = [
      + b"".join(b"X-%d: v\r\n" % i for i in range(5000)) + b"\r\n", {0, 200, 400, 413, 431}),
     ("huge_target", b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
      {0, 400, 414, 431}),
+    # no endpoint takes a body: a big one is read to its end and refused, no reload runs
+    ("big_body_post", b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 300000\r\n\r\n"
+     + b"b" * 300_000, {413}),
     ("chunked_post_garbage", b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", {0, 400, 200}),
 ]
