@@ -61,7 +61,7 @@ class Serve:
     endpoint (TCP loopback, or `unix:PATH`), optionally guarded by a token file."""
 
     def __init__(self, tmp: Path, *, admin: str | None = None, token: bool = False,
-                 workers: int = 1) -> None:
+                 workers: int = 1, extra: str = "") -> None:
         self.tmp = tmp
         self.port = free_port()
         self.admin_port = free_port()
@@ -77,7 +77,7 @@ state_dir: state
 listen:
   tls: ["{LOOPBACK}:{self.port}"]
   admin: "{self.admin}"
-{token_line}tenants:
+{token_line}{extra}tenants:
   - name: attack
     pins: ["sha256:{'A' * 43}"]
     routes:
@@ -749,3 +749,47 @@ def test_concurrent_reloads_and_scrapes_with_workers(tmp_path: Path) -> None:
         serve.assert_clean()
     finally:
         serve.stop()
+
+
+def test_redis_password_and_state_key_never_show(tmp_path: Path) -> None:
+    """With Redis shared state: neither the Redis password nor the state encryption key
+    shows in /status, /metrics, the log or the CLI's output, also after a reload whose
+    password is wrong (the error it logs names the failure, not the secret)."""
+    import base64
+
+    from tests.redis_server import RedisServer
+
+    password = "r3d1s-pa55-" + "q" * 20
+    key = os.urandom(32)
+    key_text = base64.b64encode(key).decode()
+    redis = RedisServer(tmp_path / "redis", password=password)
+    try:
+        (tmp_path / "redis.pass").write_text(password + "\n")
+        (tmp_path / "state.key").write_text(key_text + "\n")
+        for name in ("redis.pass", "state.key"):
+            os.chmod(tmp_path / name, 0o600)
+        state = (f"state:\n  backend: redis\n  url: {redis.url}\n  password_file: redis.pass\n"
+                 "  encryption_key_file: state.key\n")
+        serve = Serve(tmp_path, extra=state)
+        try:
+            for i in range(20):
+                _hello(serve.port, f"r{i}.unknown.test")
+            (tmp_path / "redis.pass").write_text("wrong-" + password[::-1] + "\n")
+            serve.request("POST", "/reload")
+            (tmp_path / "redis.pass").write_text(password + "\n")
+            outputs = [serve.get("/status")[1].decode(), serve.get("/metrics")[1].decode(),
+                       serve.get("/")[1].decode()]
+            for args in (["status", "-c", str(serve.config)],
+                         ["check-config", "-c", str(serve.config)]):
+                result = run_cli(tmp_path, *args)
+                assert result.returncode == 0, result.stderr[-2000:]
+                outputs += [result.stdout, result.stderr]
+            outputs.append(serve.logs())
+            for text in outputs:
+                assert password not in text and password[::-1] not in text
+                assert key_text not in text and key.hex() not in text
+            serve.assert_clean()
+        finally:
+            serve.stop()
+    finally:
+        redis.stop()
