@@ -31,7 +31,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -84,7 +83,7 @@ listen:
       - {{host: known.example.test, mode: passthrough, backend: "{LOOPBACK}:9"}}
 """)
         self.log_path = tmp / "serve.log"
-        self._log = open(self.log_path, "w+b")
+        self._log = open(self.log_path, "w+b")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
              "--workers", str(workers)],
@@ -257,8 +256,8 @@ ODD_REQUESTS: list[tuple[str, bytes, set[int]]] = [
     # no endpoint takes a body: a big one is read to its end and refused, no reload runs
     ("big_body_post", b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 300000\r\n\r\n"
      + b"b" * 300_000, {413}),
-    ("chunked_post_garbage", b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", {0, 400, 200}),
+    ("chunked_post_garbage", (b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"), {0, 400, 200}),
 ]
 
 

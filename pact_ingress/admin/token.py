@@ -10,7 +10,6 @@ import stat
 from pact_ingress.errors import ConfigError
 from pact_ingress.model import Config
 
-
 #: A bearer token is a line of text; a bigger file is not one.
 MAX_TOKEN_FILE_BYTES = 4096
 
