@@ -81,6 +81,7 @@ listen:
     pins: ["sha256:{'A' * 43}"]
     routes:
       - {{host: known.example.test, mode: passthrough, backend: "{LOOPBACK}:9"}}
+      - {{host: "*.wild.example.test", mode: passthrough, backend: "{LOOPBACK}:9"}}
 """)
         self.log_path = tmp / "serve.log"
         self._log = open(self.log_path, "w+b")  # noqa: SIM115 - lives as long as the process
@@ -543,6 +544,7 @@ def test_hostile_names_and_addresses_do_not_grow_metrics_or_status(
         for i in range(40):  # warm up: every family that traffic creates exists
             _hello(serve.port, f"warm{i}.unknown.test")
             _hello(serve.port, "known.example.test")
+            _hello(serve.port, f"warm{i}.wild.example.test")
         metrics_before = len(serve.get("/metrics")[1])
         status_before = len(serve.get("/status")[1])
         rss_before = rss_kib(serve.proc.pid)
@@ -551,6 +553,8 @@ def test_hostile_names_and_addresses_do_not_grow_metrics_or_status(
                    source=f"127.0.{1 + i // 200}.{1 + i % 200}")
             if i % 4 == 0:
                 _hello(serve.port, "known.example.test", source=f"127.1.{i // 200}.{1 + i % 200}")
+            if i % 4 == 1:  # a wildcard route: its label is the route, not the name asked
+                _hello(serve.port, f"w{i}x.wild.example.test")
             if i % 8 == 0:
                 serve.get(f"/{SECRET_BODY}/{i}?password={SECRET_BODY}")
         metrics = serve.get("/metrics")[1].decode()
@@ -558,9 +562,11 @@ def test_hostile_names_and_addresses_do_not_grow_metrics_or_status(
         assert len(metrics) < metrics_before + 4096, "metrics grew with hostile input"
         assert len(status) < status_before + 8192, "status grew with hostile input"
         assert len(json.loads(status)["recent_refusals"]) <= 50
+        assert 'route="*.wild.example.test"' in metrics  # the wildcard route was reached
         assert rss_kib(serve.proc.pid) < rss_before + 32 * 1024
         for text in (metrics, status):
             assert SECRET_BODY not in text and ".unknown.test" not in text
+            assert "x.wild.example.test" not in text
         serve.assert_clean()
         logs = serve.logs()
         assert f"password={SECRET_BODY}" not in logs  # queries carry secrets
