@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -798,3 +799,63 @@ def test_redis_password_and_state_key_never_show(tmp_path: Path) -> None:
             serve.stop()
     finally:
         redis.stop()
+
+
+class FakeAdmin:
+    """Something else listening where `status` expects the admin endpoint (a stale port
+    taken over, a misconfigured proxy): answers every request with `body`."""
+
+    def __init__(self, body: bytes) -> None:
+        import threading
+
+        self.body = body
+        self.sock = socket.create_server((LOOPBACK, 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        for _ in range(4):  # bounded: one or two requests per test
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+                                 % len(self.body) + self.body)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("doc", [
+    {"routes": 5, "uptime_s": "x"},
+    {"routes": [1, 2], "counters": [], "recent_refusals": "abc"},
+    {"workers": {"a": 1}, "relay": {"queues": [None]}},
+    {"uptime_s": 1, "routes": [{"host": "a\x1b]0;pwned\x07\x1b[2J.example", "tenant": "t"}],
+     "certs": [{"host": "b", "last_error": "CA refused: \x1b[31mred\x1b[0m\r\x08"}]},
+], ids=["wrong_types", "wrong_lists", "wrong_nesting", "terminal_escapes"])
+def test_status_cli_survives_an_unexpected_status_document(tmp_path: Path,
+                                                          doc: dict[str, Any]) -> None:
+    """`status` renders whatever answers on the admin address: a document of the wrong
+    shape is a one-line error, not a traceback, and control characters in it (a CA's
+    error text ends up in `last_error`) never reach the operator's terminal raw."""
+    fake = FakeAdmin(json.dumps(doc).encode())
+    try:
+        config = tmp_path / "ingress.yaml"
+        config.write_text(f"state_dir: state\nlisten:\n  tls: ['{LOOPBACK}:{free_port()}']\n"
+                          f"  admin: '{LOOPBACK}:{fake.port}'\n")
+        result = run_cli(tmp_path, "status", "-c", str(config))
+        assert result.returncode in (0, 1), result.stderr[-2000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        for text in (result.stdout, result.stderr):
+            assert not any(ord(c) < 32 and c not in "\n" for c in text), repr(text[-500:])
+            assert "\x7f" not in text
+    finally:
+        fake.close()
