@@ -859,3 +859,19 @@ def test_status_cli_survives_an_unexpected_status_document(tmp_path: Path,
             assert "\x7f" not in text
     finally:
         fake.close()
+
+
+def test_certs_renew_does_not_print_control_characters_raw(tmp_path: Path) -> None:
+    fake = FakeAdmin(json.dumps({"ok": True, "message": "renewed\x1b]0;pwned\x07\x1b[2J\n"
+                                 "CA said: \x1b[31mok\x1b[0m"}).encode())
+    try:
+        config = tmp_path / "ingress.yaml"
+        config.write_text(f"state_dir: state\nlisten:\n  tls: ['{LOOPBACK}:{free_port()}']\n"
+                          f"  admin: '{LOOPBACK}:{fake.port}'\n")
+        result = run_cli(tmp_path, "certs", "renew", "a.example.test", "-c", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "renewed" in result.stdout and "CA said" in result.stdout
+        for text in (result.stdout, result.stderr):
+            assert not any(ord(c) < 32 and c not in "\n" for c in text), repr(text[-500:])
+    finally:
+        fake.close()
