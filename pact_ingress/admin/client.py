@@ -117,7 +117,8 @@ def post(
 _CONTROLS = {c: "?" for c in [*range(32), *range(127, 160)]}
 
 
-def _clean(text: str) -> str:
+def clean_text(text: str) -> str:
+    """`text` with every control character shown as '?' (safe to print to a terminal)."""
     return text.translate(_CONTROLS)
 
 
@@ -126,7 +127,7 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return _clean(str(value))
+    return clean_text(str(value))
 
 
 def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -161,8 +162,8 @@ def format_status(d: dict[str, Any]) -> str:
 
 def _format_status(d: dict[str, Any]) -> str:
     uptime = _cell(round(d.get("uptime_s", 0)))
-    lines = [f"pact-ingress {_cell(d.get('version', '?'))}, up {uptime}s, "
-             f"config {_cell(d.get('config', '?'))}", ""]
+    version, config = _cell(d.get("version", "?")), _cell(d.get("config", "?"))
+    lines = [f"pact-ingress {version}, up {uptime}s, config {config}", ""]
     lines += _table("routes", ("host", "tenant", "mode", "backend", "seal"),
                     [(r.get("host"), r.get("tenant"), r.get("mode"), r.get("backend"),
                       r.get("seal")) for r in d.get("routes", [])])
@@ -178,8 +179,8 @@ def _format_status(d: dict[str, Any]) -> str:
     if isinstance(relay, dict):
         state = ("ok" if relay.get("healthy")
                  else f"UNAVAILABLE: {_cell(relay.get('last_error'))}")
-        lines += ["", f"relay {_cell(relay.get('host'))}: store {_cell(relay.get('store'))} "
-                  f"{state}"]
+        store = _cell(relay.get("store"))
+        lines += ["", f"relay {_cell(relay.get('host'))}: store {store} {state}"]
         if relay.get("persistence_warning"):
             lines.append("WARNING: relay store can lose items: "
                          f"{_cell(relay['persistence_warning'])}")
