@@ -71,7 +71,7 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     if action == "list":
         print(format_rows(inventory(config)))
         return 0
-    from pact_ingress.admin.client import post
+    from pact_ingress.admin.client import clean_text, post
 
     if config.listen.admin is None:
         raise ConfigError(f"{config_path}: listen.admin is not set; `certs renew` asks the "
@@ -84,7 +84,7 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""),
                   token=read_admin_token(config))
     for line in str(answer.get("message", "")).splitlines():
-        print(line)
+        print(clean_text(line))  # the CA's words can reach it: no raw control characters
     if not answer.get("ok"):
         raise PactIngressError(f"renewal of {target} failed")
     return 0

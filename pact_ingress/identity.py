@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import ssl
+import stat
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -219,11 +220,28 @@ def keygen(path: Path, *, ed25519_key: bool = False, common_name: str = "pact") 
     return Identity(path, cert_path_for(path), key, cert, fingerprint(key.public_key()))
 
 
-def load_private_key(path: Path) -> PrivateKey:
+#: Key and certificate files are a few KiB; a bigger one is no such file.
+MAX_KEY_FILE_BYTES = 1024 * 1024
+
+
+def _read_small_file(path: Path, what: str) -> bytes:
+    """A regular file's bytes; a FIFO or device (which could block or never end) and an
+    oversized file are refused instead of read."""
     try:
-        data = Path(path).read_bytes()
+        # non-blocking: opening a FIFO must not wait for a writer
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise IdentityError(f"{path}: cannot read {what}: not a regular file")
+            data = fh.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
-        raise IdentityError(f"{path}: cannot read key: {exc.strerror}") from exc
+        raise IdentityError(f"{path}: cannot read {what}: {exc.strerror}") from exc
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise IdentityError(f"{path}: cannot read {what}: larger than {MAX_KEY_FILE_BYTES} bytes")
+    return data
+
+
+def load_private_key(path: Path) -> PrivateKey:
+    data = _read_small_file(path, "key")
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
@@ -274,10 +292,7 @@ def _write_cert_somewhere(cert_path: Path, cert: x509.Certificate) -> Path:
 
 def fingerprint_file(path: Path) -> str:
     """Fingerprint of a private key, public key (SPKI), or certificate file, PEM or DER."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise IdentityError(f"{path}: cannot read: {exc.strerror}") from exc
+    data = _read_small_file(path, "file")
     loaders = (
         lambda d: serialization.load_pem_private_key(d, None).public_key(),
         lambda d: serialization.load_der_private_key(d, None).public_key(),

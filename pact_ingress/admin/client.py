@@ -112,12 +112,22 @@ def post(
 
 # ---- terminal rendering --------------------------------------------------------------
 
+#: C0 and C1 control characters and DEL: a value printed raw could move the cursor,
+#: retitle or clear the operator's terminal (a CA's error text reaches `last_error`).
+_CONTROLS = {c: "?" for c in [*range(32), *range(127, 160)]}
+
+
+def clean_text(text: str) -> str:
+    """`text` with every control character shown as '?' (safe to print to a terminal)."""
+    return text.translate(_CONTROLS)
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return str(value).replace("\n", " ")
+    return clean_text(str(value))
 
 
 def _table(title: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -139,10 +149,21 @@ def _when(at: Any) -> str:
 
 
 def format_status(d: dict[str, Any]) -> str:
-    """A readable plain-text rendering of a status document for `pact-ingress status`."""
+    """A readable plain-text rendering of a status document for `pact-ingress status`.
+
+    Whatever answers on the admin address is rendered: a document of another shape is
+    an `AdminError`, and no control character from it reaches the terminal."""
+    try:
+        return _format_status(d)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise AdminError(f"the admin endpoint's status document has an unexpected shape "
+                         f"({type(exc).__name__})") from exc
+
+
+def _format_status(d: dict[str, Any]) -> str:
     uptime = _cell(round(d.get("uptime_s", 0)))
-    lines = [f"pact-ingress {d.get('version', '?')}, up {uptime}s, config {d.get('config', '?')}",
-             ""]
+    version, config = _cell(d.get("version", "?")), _cell(d.get("config", "?"))
+    lines = [f"pact-ingress {version}, up {uptime}s, config {config}", ""]
     lines += _table("routes", ("host", "tenant", "mode", "backend", "seal"),
                     [(r.get("host"), r.get("tenant"), r.get("mode"), r.get("backend"),
                       r.get("seal")) for r in d.get("routes", [])])
@@ -156,10 +177,13 @@ def format_status(d: dict[str, Any]) -> str:
                             for c in d.get("certs", [])])
     relay = d.get("relay")
     if isinstance(relay, dict):
-        state = "ok" if relay.get("healthy") else f"UNAVAILABLE: {relay.get('last_error')}"
-        lines += ["", f"relay {relay.get('host')}: store {relay.get('store')} {state}"]
+        state = ("ok" if relay.get("healthy")
+                 else f"UNAVAILABLE: {_cell(relay.get('last_error'))}")
+        store = _cell(relay.get("store"))
+        lines += ["", f"relay {_cell(relay.get('host'))}: store {store} {state}"]
         if relay.get("persistence_warning"):
-            lines.append(f"WARNING: relay store can lose items: {relay['persistence_warning']}")
+            lines.append("WARNING: relay store can lose items: "
+                         f"{_cell(relay['persistence_warning'])}")
         lines += _table("relay queues", ("tenant", "recipient", "items", "bytes"),
                         [(q.get("tenant"), q.get("recipient"), q.get("items"), q.get("bytes"))
                          for q in relay.get("queues", [])])

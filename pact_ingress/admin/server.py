@@ -72,6 +72,10 @@ ADMIN_BACKLOG = 16
 #: Largest request head hypercorn buffers for us (h11's default is 16 KiB).
 MAX_REQUEST_HEAD = 16 * 1024
 
+#: No admin endpoint takes a body; a request carrying more than this is answered 413
+#: (after it is read to its end, see `AdminApp.__call__`).
+MAX_REQUEST_BODY = 64 * 1024
+
 #: Idle keep-alive connections are closed after this many seconds.
 KEEP_ALIVE_SECONDS = 5.0
 
@@ -140,6 +144,21 @@ def _remove_stale_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise ConfigError(f"listen.admin unix:{path}: exists and is not a socket")
+    # A socket someone still listens on (another instance's admin endpoint) is not stale:
+    # removing it would cut its operator off. Only a refused connect proves it dead.
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"listen.admin unix:{path}: exists and cannot be checked: "
+                          f"{exc.strerror or exc}") from exc
+    else:
+        raise ConfigError(f"listen.admin unix:{path}: in use by another process")
+    finally:
+        probe.close()
     path.unlink()
 
 
@@ -231,7 +250,18 @@ class AdminApp:
             return
         if scope["type"] != "http":
             return
-        status, headers, body = await self.handle(scope)
+        # Answer only once the request has been read to its end. hypercorn answers a body
+        # that breaks the HTTP framing with its own 400 from the task that reads; were our
+        # answer being written at that moment, the two writes would collide on the socket
+        # and the error would tear down the server and the process with it. After a
+        # complete request nothing more is parsed until our answer is out.
+        size = await _read_body(receive)
+        if size is None:
+            return  # the client went away, or hypercorn refused the body and closed
+        if size > MAX_REQUEST_BODY:
+            status, headers, body = _error(413, "admin requests carry no body")
+        else:
+            status, headers, body = await self.handle(scope)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -328,6 +358,19 @@ _POSTS: dict[str, Callable[[AdminApp, dict[str, list[str]]], Awaitable[Response]
     "/reload": AdminApp.post_reload,
     "/certs/renew": AdminApp.post_renew,
 }
+
+
+async def _read_body(receive: Any) -> int | None:
+    """Reads (and drops) the request body; its size, or None when the request ended
+    without one complete (a disconnect, or a framing error hypercorn has answered)."""
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return size
 
 
 def _loopback_host(host: str) -> bool:
