@@ -413,6 +413,7 @@ def test_an_unusable_token_file_is_a_one_line_error_not_a_hang_or_traceback(
         os.mkfifo(token)
     elif kind == "not_utf8":
         token.write_bytes(b"\xff\xfe" + b"\x80" * 40)
+        token.chmod(0o600)  # private, so its bytes are what is refused
     else:
         token.mkdir()
     port, admin = free_port(), free_port()

@@ -230,6 +230,23 @@ def test_every_error_line_has_file_and_line(tmp_path: Path) -> None:
         f"{path}:1", f"{path}:2", f"{path}:3", f"{path}:1", f"{path}:1"]  # fmt: skip
 
 
+def test_admin_token_file_readable_by_every_user_is_refused(tmp_path: Path) -> None:
+    """The admin bearer token guards reload and the status of every tenant: like the
+    state's secret files, one every local user may read is refused at its line."""
+    token = tmp_path / "admin.token"
+    token.write_text("t" * 40 + "\n")
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text("listen:\n  tls: ['127.0.0.1:1']\n  admin: 127.0.0.1:2\n"
+                   "  admin_token_file: admin.token\nstate_dir: state\n")
+    for mode in (0o600, 0o640):
+        token.chmod(mode)
+        load_config(cfg)
+    token.chmod(0o644)
+    assert [m for m in _messages(cfg) if "every user" in m] == [
+        f"{cfg}:4: listen.admin_token_file {token} is readable by every user: "
+        "chmod o-rwx (e.g. 0600, or 0640 with the service's group)"]
+
+
 def test_identity_key_readable_by_every_user_is_refused(tmp_path: Path) -> None:
     """A private key must not be readable by every local user: the ingress's identity
     key (named, or the default in the state directory) and the connector's are refused

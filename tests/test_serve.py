@@ -240,6 +240,7 @@ def test_remote_admin_needs_the_token_file(tmp_path: Path):
     tls, admin = free_port(), free_port()
     token = "t" * 40
     (tmp_path / "admin.token").write_text(token + "\n")
+    (tmp_path / "admin.token").chmod(0o600)  # a secret: every user's to read is refused
     served = Served(tmp_path, f"""\
 state_dir: state
 listen:

@@ -847,9 +847,9 @@ def _identity(ctx: _Ctx, top: _Fields, state_dir: Path | None) -> Path | None:
 
 
 def _key_not_public(ctx: _Ctx, node: Node, path: Path, what: str) -> None:
-    """A private key that exists must not be readable by every local user (one that
-    does not exist yet is written 0600). Other problems with it are reported where it
-    is read."""
+    """A private key (or the admin token) that exists must not be readable by every
+    local user (a key that does not exist yet is written 0600). Other problems with it
+    are reported where it is read."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -868,6 +868,8 @@ def _listen(ctx: _Ctx, node: Node) -> Listen | None:
     http = _addresses(ctx, fields, "http")
     token_node = fields.get("admin_token_file")
     token_file = _path(ctx, token_node, "listen.admin_token_file") if token_node else None
+    if token_file is not None and token_node is not None:  # a secret like the state's
+        _key_not_public(ctx, token_node, token_file, "listen.admin_token_file")
     admin = fields.opt("admin", _admin, token_file is not None)
     admin_node = fields.get("admin")
     extra = [(admin, admin_node)] if isinstance(admin, Address) and admin_node else []
