@@ -19,7 +19,6 @@ import hashlib
 import os
 import re
 import ssl
-import stat
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
 from pact_ingress.errors import IdentityError
+from pact_ingress.files import read_small
 
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
@@ -228,16 +228,11 @@ def _read_small_file(path: Path, what: str) -> bytes:
     """A regular file's bytes; a FIFO or device (which could block or never end) and an
     oversized file are refused instead of read."""
     try:
-        # non-blocking: opening a FIFO must not wait for a writer
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise IdentityError(f"{path}: cannot read {what}: not a regular file")
-            data = fh.read(MAX_KEY_FILE_BYTES + 1)
+        return read_small(path, MAX_KEY_FILE_BYTES)[0]
     except OSError as exc:
         raise IdentityError(f"{path}: cannot read {what}: {exc.strerror}") from exc
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise IdentityError(f"{path}: cannot read {what}: larger than {MAX_KEY_FILE_BYTES} bytes")
-    return data
+    except ValueError as exc:  # NotAFile, TooLarge
+        raise IdentityError(f"{path}: cannot read {what}: {exc}") from None
 
 
 def load_private_key(path: Path) -> PrivateKey:

@@ -4,10 +4,8 @@ server that requires it (`app.py`) and the CLI commands that present it (`status
 
 from __future__ import annotations
 
-import os
-import stat
-
 from pact_ingress.errors import ConfigError
+from pact_ingress.files import read_small
 from pact_ingress.model import Config
 
 #: A bearer token is a line of text; a bigger file is not one.
@@ -21,15 +19,11 @@ def read_admin_token(config: Config) -> str | None:
         return None
     where = f"{config.path}: listen.admin_token_file {path}"
     try:
-        # non-blocking: opening a FIFO must not wait for a writer that never comes
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise ConfigError(f"{where}: not a regular file")
-            data = fh.read(MAX_TOKEN_FILE_BYTES + 1)
+        data = read_small(path, MAX_TOKEN_FILE_BYTES)[0]
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read: {exc.strerror}") from exc
-    if len(data) > MAX_TOKEN_FILE_BYTES:
-        raise ConfigError(f"{where}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
+    except ValueError as exc:  # NotAFile, TooLarge
+        raise ConfigError(f"{where}: {exc}") from None
     try:
         return data.decode("ascii").strip()
     except UnicodeDecodeError:

@@ -92,6 +92,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from pact_ingress.errors import ConfigError
+from pact_ingress.files import NotAFile, TooLarge, read_small
 from pact_ingress.identity import pin_problem
 from pact_ingress.model import (
     RELAY_MAX_BYTES,
@@ -466,20 +467,17 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
     if (text := overlay.get(os.path.abspath(path))) is not None:
         return text
     try:
-        # non-blocking open: a named pipe must not hold a reload (and with it the whole
-        # event loop) waiting for a writer; it is refused below like any non-file
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-            if not stat.S_ISREG(mode):
-                ctx.errors.append(f"{ctx.file}:1: not a regular file")
-                return None
-            data = fh.read(MAX_CONFIG_BYTES + 1)
+        # a named pipe must not hold a reload (and with it the whole event loop) waiting
+        # for a writer: `read_small` refuses it like any non-file
+        data = read_small(path, MAX_CONFIG_BYTES)[0]
     except OSError as exc:
         ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
         return None
-    if len(data) > MAX_CONFIG_BYTES:
+    except NotAFile as exc:
+        ctx.errors.append(f"{ctx.file}: cannot read: {os.strerror(errno.EISDIR)}"
+                          if exc.is_dir else f"{ctx.file}:1: not a regular file")
+        return None
+    except TooLarge:
         ctx.errors.append(f"{ctx.file}:1: file larger than {MAX_CONFIG_BYTES} bytes")
         return None
     try:
@@ -757,24 +755,20 @@ def _read_small_file(ctx: _Ctx, node: Node, path: Path, what: str, cap: int, *,
     `kind` names what the file should be (in the messages); `private` refuses a file every
     local user may read."""
     try:
-        mode = os.stat(path).st_mode
-        if kind is not None and stat.S_ISDIR(mode):
-            ctx.at(node, f"{what} {path} is a directory, not a {kind}")
-            return None
-        if not stat.S_ISREG(mode):  # a FIFO or device would block or never end
-            ctx.at(node, f"{what} {path} is not a regular file")
-            return None
-        if private and mode & 0o007:
-            ctx.at(node, _readable_by_all(what, path))
-            return None
-        with open(path, "rb") as fh:
-            data = fh.read(cap + 1)  # one byte more tells an over-size file
+        data, mode = read_small(path, cap)
     except OSError as exc:
         ctx.at(node, f"{what} {path}: cannot read: {exc.strerror or exc}")
         return None
-    if len(data) > cap:
+    except NotAFile as exc:
+        ctx.at(node, f"{what} {path} is a directory, not a {kind}" if kind and exc.is_dir
+               else f"{what} {path} is not a regular file")
+        return None
+    except TooLarge:
         ctx.at(node, f"{what} {path} is larger than {cap} bytes"
                + (f": not a {kind}" if kind else ""))
+        return None
+    if private and mode & 0o007:
+        ctx.at(node, _readable_by_all(what, path))
         return None
     return data
 
