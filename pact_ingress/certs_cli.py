@@ -16,6 +16,7 @@ from urllib.parse import quote
 from cryptography import x509
 
 from pact_ingress.acme.store import CertInfo, list_store
+from pact_ingress.admin.client import clean_text
 from pact_ingress.config import CertFiles, Config, load_config
 from pact_ingress.errors import ConfigError, PactIngressError
 
@@ -54,9 +55,10 @@ def inventory(config: Config) -> list[CertInfo]:
 
 def format_rows(rows: list[CertInfo]) -> str:
     head = ("HOST", "SOURCE", "ISSUER", "NOT AFTER", "NEXT RENEWAL", "LAST ERROR")
+    # the issuer's name and the last error are a CA's words: no raw control characters
     table = [head] + [
-        (r.host, r.source, (r.issuer or "-")[:40], _when(r.not_after), _when(r.next_renewal),
-         r.last_error or "-")
+        (r.host, r.source, clean_text((r.issuer or "-")[:40]), _when(r.not_after),
+         _when(r.next_renewal), clean_text(r.last_error or "-"))
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
@@ -71,7 +73,7 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     if action == "list":
         print(format_rows(inventory(config)))
         return 0
-    from pact_ingress.admin.client import clean_text, post
+    from pact_ingress.admin.client import post
 
     if config.listen.admin is None:
         raise ConfigError(f"{config_path}: listen.admin is not set; `certs renew` asks the "

@@ -492,3 +492,16 @@ async def test_ari_window_moves_renewal(tmp_path: Path, nursery: trio.Nursery,
             await trio.sleep(0.01)
     assert asked == [chain]
     assert list_store(tmp_path / "state")[0].next_renewal == suggested.timestamp()
+
+
+def test_certs_list_prints_no_raw_control_characters() -> None:
+    """`certs list` shows a CA's words (the issuer's name, the last error): an escape
+    sequence in them must not reach the operator's terminal as one."""
+    from pact_ingress.acme.store import CertInfo
+    from pact_ingress.certs_cli import format_rows
+
+    out = format_rows([CertInfo("h.example", "acme", issuer="CA\x1b]0;owned\x07",
+                                last_error="urn:acme:error \x1b[2J\x1b[Hbad\r\nnews\x9b1m")])
+    assert not any(ord(c) < 32 and c != "\n" or 127 <= ord(c) < 160 for c in out), repr(out)
+    assert out.count("\n") == 1  # a header and one row, the error's CR LF shown as '?'
+    assert "urn:acme:error ?[2J?[Hbad??news?1m" in out
