@@ -595,6 +595,40 @@ def test_drain_sends_goaway_after_the_held_answers(tmp_path: Path) -> None:
         env.stop()
 
 
+def test_drain_answer_reaches_a_slow_reader_that_keeps_talking(tmp_path: Path) -> None:
+    """SIGTERM while a large answer is still on its way to a client that reads slowly
+    and sends a PING after each read (frames the edge no longer reads once its last
+    stream is answered): the connection must not be reset while the answer is still in
+    the edge's kernel buffers, so the client gets every byte, then GOAWAY(NO_ERROR)."""
+    size = 400_000
+    env = Env.start(tmp_path, limits=LIMITS)
+    try:
+        c = Wire(env, burst=4096, **_wide_open())  # type: ignore[arg-type]
+        _open_connection_window(c)
+        try:
+            c.send(c.headers(1, f"/big?bytes={size}"))
+            _wait_node(env, "/big", 1)
+            env.serve.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            for _ in range(5000):  # bounded: until the GOAWAY or the end of the connection
+                if any(f[0] == GOAWAY for f in c.frames) or time.monotonic() > deadline:
+                    break
+                if not c.read(2.0):
+                    break
+                c.send(frame(PING, 0, 0, bytes(8)))
+                time.sleep(0.002)
+            c.drain(timeout=2)
+            well_formed(c)
+            big_ok(c, 1, size)
+            assert [struct.unpack(">II", f[3][:8]) for f in c.frames if f[0] == GOAWAY] == [
+                (1, NO_ERROR)]
+            assert env.serve.proc.wait(timeout=60) == 0, env.serve.logs()[-2000:]
+        finally:
+            c.close()
+    finally:
+        env.stop()
+
+
 # === real clients, many concurrent streams =============================================
 
 WHOLE_N = 300

@@ -71,8 +71,11 @@ the same pass. The state machine enforces the header list size and checks
 from __future__ import annotations
 
 import collections
+import fcntl
 import math
 import socket
+import sys
+import termios
 from collections.abc import Awaitable, Callable
 
 import outcome
@@ -117,6 +120,12 @@ MAX_IDLE_WORKERS = 8
 #: to read what was sent to it, little enough that a flooder gains nothing by it.
 LINGER_SECONDS = 1.0
 LINGER_BYTES = 256 * 1024
+#: After the drain's GOAWAY(NO_ERROR), the same, for longer: a client still reading the
+#: last answers keeps sending WINDOW_UPDATEs, and a reset would throw away what it has not
+#: read yet. It ends as soon as the client closes its side, as clients do on GOAWAY.
+DRAIN_LINGER_SECONDS = 5.0
+#: How often a lingering connection asks whether the client has acknowledged it all.
+LINGER_POLL = 0.05
 
 _Handle = Callable[[Exchange], Awaitable[None]]
 
@@ -206,16 +215,19 @@ class H2Connection:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
-            if self._refused and not self._broken:
-                await self._linger()  # with every task of the connection ended: none writes
+            if (self._refused or self._goaway) and not self._broken:
+                # with every task of the connection ended: none writes
+                await self._linger(LINGER_SECONDS if self._refused else DRAIN_LINGER_SECONDS)
 
-    async def _linger(self) -> None:
-        """After our GOAWAY for an error (a flood, a protocol error), the write side is
-        shut and what the client still sends is read and dropped, for at most
-        `LINGER_SECONDS` and `LINGER_BYTES`, before the connection closes: closed with
-        the client's bytes unread, the socket would be reset, and the reset throws away
-        the GOAWAY and the answers still on their way, so the client would never learn
-        why. The dropped bytes are not decrypted."""
+    async def _linger(self, seconds: float) -> None:
+        """After our GOAWAY (for an error: a flood, a protocol error; or the drain's), the
+        write side is shut and what the client still sends is read and dropped until the
+        client has acknowledged everything we sent, or it closes, for at most `seconds`
+        and `LINGER_BYTES`. Closed with the client's bytes unread, the socket would be
+        reset, and the reset throws away what our kernel has not delivered yet: the
+        GOAWAY and the answers still on their way (the client would never learn why, or
+        lose the last answers of a drain). Once the client's kernel has it all, a reset
+        takes nothing from it. The dropped bytes are not decrypted."""
         tls = self._tls
         if tls is None:
             return
@@ -225,9 +237,12 @@ class H2Connection:
         except OSError:
             return
         left = LINGER_BYTES
-        with trio.move_on_after(LINGER_SECONDS):
+        with trio.move_on_after(seconds):
             while left > 0:
-                await trio.lowlevel.wait_readable(sock)
+                if not _unacknowledged(sock):
+                    left = 0  # delivered: drop what is readable now, so no reset comes
+                with trio.move_on_after(LINGER_POLL if left else 0):
+                    await trio.lowlevel.wait_readable(sock)
                 try:
                     data = sock.recv(READ_SIZE)
                 except BlockingIOError:
@@ -750,3 +765,13 @@ class H2Exchange(Exchange):
 
     def _rst(self, code: int) -> None:
         self.c.conn.reset_stream(self.stream_id, code)  # nothing when already closed
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    """Bytes (and our FIN) sent on `sock` that the peer has not acknowledged yet; 0 if
+    the kernel cannot say."""
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)),
+                              sys.byteorder, signed=True)
+    except OSError:
+        return 0
