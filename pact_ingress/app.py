@@ -433,7 +433,7 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
         await Ingress(config, workers=count, log_format=log_format, settle_gc=True).run()
 
     try:
-        trio.run(run)
+        stopping.run(run)
     except BaseException as exc:
         fault = _operational_fault(exc)
         if fault is None or fault is exc:

@@ -10,13 +10,23 @@ until a drain began it does what the default would (the process dies of the sign
 as it always did before serving); once one began (`draining()`), it ignores the
 signal, since the exit it asks for is already under way; and once the event loop
 is done, `exiting()` ignores them for good.
+
+`run` is `trio.run` that calls `exiting()` as soon as the main task is done, before
+trio's teardown: that teardown closes the socket the signal handlers wake the loop
+through before it unhooks it, and a handled signal landing in between is written to a
+closed descriptor (a traceback on stderr). An ignored one never reaches a handler.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _draining = False
@@ -48,3 +58,15 @@ def exiting() -> None:
     ignored.)"""
     for signum in (*_SIGNALS, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+
+
+def run(main: Callable[[], Awaitable[T]]) -> T:
+    """`trio.run(main)`, with the stop signals and SIGHUP ignored from the moment `main`
+    returns or raises (see the module doc)."""
+    async def body() -> T:
+        try:
+            return await main()
+        finally:
+            exiting()
+
+    return trio.run(body)

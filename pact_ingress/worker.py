@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bind_log(worker=args.index)
     sock = socket.socket(fileno=args.fd)
     try:
-        code = trio.run(Worker(Channel(sock), args.index, settle_gc=True).run)
+        code = stopping.run(Worker(Channel(sock), args.index, settle_gc=True).run)
     except KeyboardInterrupt:
         code = 0
     stopping.exiting()
