@@ -8,6 +8,7 @@ behind is a config `serve` accepts; `connect` ends with 0 on SIGTERM/SIGINT.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import socket
@@ -23,7 +24,9 @@ from typing import IO
 import pytest
 
 from pact_ingress.config import load_config
-from pact_ingress.identity import keygen
+from pact_ingress.errors import PactIngressError
+from pact_ingress.identity import b64url, keygen
+from pact_ingress.tenants import add_tenant
 from tests.cluster_env import serve_until_ready
 from tests.netutil import free_port
 
@@ -66,6 +69,11 @@ def main(tmp_path: Path) -> Path:
     path.parent.mkdir()
     path.write_text(MAIN)
     return path
+
+
+def pin_of(seed: str) -> str:
+    """A well-formed pin of no real key (the config needs one pin per tunnel node)."""
+    return "sha256:" + b64url(hashlib.sha256(seed.encode()).digest())
 
 
 def add(main: Path, name: str, host: str, *extra: str,
@@ -118,6 +126,33 @@ def test_concurrent_adds_cannot_route_one_host_twice(main: Path) -> None:
     owners = [t.name for t in load_config(main).tenants
               if any(r.host == "race.home.test" for r in t.routes)]
     assert len(owners) == 1
+
+
+def test_concurrent_adds_in_one_process_cannot_route_one_host_twice(main: Path) -> None:
+    """The same race made likely: threads released together, each add's fsync letting
+    the others validate meanwhile. Several rounds, each on a host of its own."""
+    for round_ in range(4):
+        host = f"race{round_}.home.test"
+        barrier = threading.Barrier(6)
+        outcomes: list[str] = []
+
+        def racer(i: int, host: str = host, barrier: threading.Barrier = barrier,
+                  round_: int = round_, outcomes: list[str] = outcomes) -> None:
+            barrier.wait()
+            try:
+                add_tenant(main, f"r{round_}-{i}", host, pin=pin_of(f"node {round_}"))
+                outcomes.append("added")
+            except PactIngressError as exc:
+                outcomes.append(type(exc).__name__)
+
+        threads = [threading.Thread(target=racer, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        config = load_config(main)  # raises if two tenants route the host
+        assert outcomes.count("added") == 1, outcomes
+        assert sum(r.host == host for t in config.tenants for r in t.routes) == 1
 
 
 def test_another_tenants_tunnel_pin_is_refused(main: Path) -> None:
@@ -209,7 +244,7 @@ tenants:
     routes:
       - {{host: home.home.test, mode: passthrough, backend: tunnel}}
 """)
-        self.serve_log: IO[bytes] = open(tmp / "serve.log", "ab")
+        self.serve_log: IO[bytes] = open(tmp / "serve.log", "ab")  # noqa: SIM115 - close()
         self.serve, ready = serve_until_ready(tmp, self.config, ["--workers", "1"],
                                               self.serve_log)
         assert ready, (tmp / "serve.log").read_text()
@@ -218,7 +253,7 @@ tenants:
             key=self.node.key_path, port=self.port, tunnel=TUNNEL,
             pin=self.ingress.fingerprint, forward=self.forward.getsockname()[1]))
         self.connect_log_path = tmp / "connect.log"
-        self.connect_log: IO[bytes] = open(self.connect_log_path, "ab")
+        self.connect_log: IO[bytes] = open(self.connect_log_path, "ab")  # noqa: SIM115
         self.connect = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "connect", "-c", str(self.connector_config)],
             stdout=self.connect_log, stderr=subprocess.STDOUT)
