@@ -61,6 +61,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_connect(args: argparse.Namespace) -> int:
+    # SIGHUP changes nothing for the connector (it logs so while it runs): ignored from
+    # here, it can neither kill it while it starts nor while SIGTERM's drain runs, when
+    # no handler of trio's is there to catch it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from pact_ingress import app
 
     return app.main_connect(Path(args.config), log_format=args.log_format or "json")
