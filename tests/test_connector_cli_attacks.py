@@ -8,6 +8,7 @@ behind is a config `serve` accepts; `connect` ends with 0 on SIGTERM/SIGINT.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import signal
@@ -223,7 +224,7 @@ class Edge:
     """A real `serve` with one passthrough tunnel tenant, its `connect`, and a forward
     target that accepts and holds connections."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, ingress_pin: str | None = None) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.ingress = keygen(tmp / "ingress.key", common_name="ingress")
@@ -251,7 +252,8 @@ tenants:
         self.connector_config = tmp / "connector.yaml"
         self.connector_config.write_text(CONNECTOR.format(
             key=self.node.key_path, port=self.port, tunnel=TUNNEL,
-            pin=self.ingress.fingerprint, forward=self.forward.getsockname()[1]))
+            pin=ingress_pin or self.ingress.fingerprint,
+            forward=self.forward.getsockname()[1]))
         self.connect_log_path = tmp / "connect.log"
         self.connect_log: IO[bytes] = open(self.connect_log_path, "ab")  # noqa: SIM115
         self.connect = subprocess.Popen(
@@ -282,6 +284,8 @@ tenants:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        with contextlib.suppress(OSError):
+            self.forward.shutdown(socket.SHUT_RDWR)
         self.forward.close()
         for sock in self.held:
             sock.close()
@@ -360,3 +364,76 @@ def test_connect_with_the_ingress_down_at_start_retries_then_stops_with_0(
               if "tunnel_reconnect" in line]
     assert delays[0] >= 0.25 and delays[-1] > delays[0], delays  # backs off, never spins
     assert "Traceback" not in log.read_text()
+
+
+def events(text: str, name: str) -> list[dict[str, object]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("event") == name:
+            out.append(doc)
+    return out
+
+
+def test_an_ingress_with_another_key_is_refused_and_retried_with_backoff(
+        tmp_path: Path) -> None:
+    """The connector pins the ingress: one whose key differs gets no HELLO, the log says
+    which fingerprint was expected and which was seen, and the slot keeps retrying,
+    further apart each time, until SIGTERM ends it with 0."""
+    e = Edge(tmp_path, ingress_pin=PIN_A)
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(events(e.connect_logs(), "tunnel_reconnect")) < 3:
+            assert e.connect.poll() is None, e.connect_logs()
+            assert time.monotonic() < deadline, e.connect_logs()
+            time.sleep(0.05)
+        mismatches = events(e.connect_logs(), "ingress_pin_mismatch")
+        assert mismatches, e.connect_logs()
+        assert all(m["expected"] == [PIN_A] and m["seen"] == e.ingress.fingerprint
+                   for m in mismatches)
+        assert "tunnel_up" not in e.connect_logs()
+        delays = [float(d["delay_s"]) for d in events(e.connect_logs(), "tunnel_reconnect")
+                  if d["slot"] == 0]  # type: ignore[arg-type]
+        assert len(delays) >= 2 and delays[-1] > delays[0], delays
+        e.connect.send_signal(signal.SIGTERM)
+        assert e.connect.wait(timeout=WAIT) == 0, e.connect_logs()
+        assert "Traceback" not in e.connect_logs()
+    finally:
+        e.close()
+
+
+def test_a_forward_target_that_is_down_fails_the_stream_not_the_tunnel(edge: Edge) -> None:
+    """Requests arriving while the home node's endpoint is down end at once; the tunnel
+    stays and the next request, once the endpoint is back, reaches it."""
+    edge.wait_log("tunnel_up")
+    port = edge.forward.getsockname()[1]
+    # the home node's TLS endpoint goes away (shutdown first: a listener closed while a
+    # thread waits in accept() would go on accepting)
+    edge.forward.shutdown(socket.SHUT_RDWR)
+    edge.forward.close()
+    for _ in range(3):
+        with socket.create_connection((LOOPBACK, edge.port), timeout=10) as caller:
+            caller.sendall(client_hello("home.home.test"))
+            caller.settimeout(10)
+            while caller.recv(4096):  # ends: an alert or EOF, never a hang
+                pass
+    edge.wait_log("forward_unreachable")
+    edge.forward = socket.create_server((LOOPBACK, port))  # back
+    threading.Thread(target=edge._accept, daemon=True).start()
+    with socket.create_connection((LOOPBACK, edge.port), timeout=10) as caller:
+        caller.sendall(client_hello("home.home.test"))
+        deadline = time.monotonic() + WAIT
+        while not edge.held:
+            assert time.monotonic() < deadline, edge.connect_logs()
+            time.sleep(0.02)
+    assert edge.connect.poll() is None
+    assert events(edge.connect_logs(), "tunnel_up") and not events(
+        edge.connect_logs(), "tunnel_down"), edge.connect_logs()
+    edge.connect.send_signal(signal.SIGINT)
+    for sock in edge.held:
+        sock.close()
+    assert edge.connect.wait(timeout=WAIT) == 0, edge.connect_logs()
+    assert "Traceback" not in edge.connect_logs()
