@@ -109,6 +109,14 @@ def test_a_tenants_d_that_is_a_file_or_cannot_be_written_is_one_line(main: Path)
     assert run("check-config", "-c", str(main)).returncode == 0
 
 
+def test_an_ingress_key_that_cannot_be_created_is_one_line_and_writes_nothing(
+        main: Path) -> None:
+    main.write_text(MAIN.replace("state_dir: state", "state_dir: /proc/no-state"))
+    err = one_line_failure(add(main, "bob", "bob.home.test"), 1)
+    assert "identity.key" in err
+    assert not (main.parent / "tenants.d").exists()  # no tenant without the ingress pin
+
+
 def test_concurrent_adds_cannot_route_one_host_twice(main: Path) -> None:
     """Adds race between validating and writing: however they interleave, at most one
     tenant gets the host and the config stays loadable."""

@@ -671,9 +671,9 @@ async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,
     """Run the connector until cancelled, or until `shutdown` is set (then drain ≤ grace).
 
     The CLI sets `shutdown` on SIGTERM, and passes the `identity` it loaded before
-    starting (so an unreadable key is its one-line error; otherwise it is loaded here). `task_status.started()` receives the
-    `multi.ConnectorSet`: one Connector per ingress target (live counts for status output
-    and tests).
+    starting (so an unreadable key is its one-line error; otherwise it is loaded here).
+    `task_status.started()` receives the `multi.ConnectorSet`: one Connector per ingress
+    target (live counts for status output and tests).
     """
     # one Connector per ingress target, even for a single address: the set is where
     # names are resolved (every record an instance) and kept resolved
