@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -174,6 +176,28 @@ def test_another_tenants_tunnel_pin_is_refused(main: Path) -> None:
     assert "alina" in err
     assert not (main.parent / "tenants.d" / "bob.yaml").exists()
     assert [t.name for t in load_config(main).tenants] == ["alina"]
+
+
+def test_directories_made_under_a_lax_umask_are_not_world_writable(main: Path,
+                                                                     tmp_path: Path) -> None:
+    """Under umask 000 (a service manager's or a container's) the directories the CLI
+    creates must still not let every user drop a tenant file (a route and a pin of their
+    choosing at the next reload) or swap a key."""
+    def lax(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pact_ingress", *args],
+                              capture_output=True, text=True, timeout=60, check=False,
+                              preexec_fn=lambda: os.umask(0))
+
+    result = lax("tenant", "add", "bob", "--host", "bob.home.test", "--pin", PIN_B,
+                 "-c", str(main))
+    assert result.returncode == 0, result.stderr
+    result = lax("keygen", "-o", str(tmp_path / "new" / "node.key"))
+    assert result.returncode == 0, result.stderr
+    for directory in (main.parent / "tenants.d", main.parent / "state", tmp_path / "new"):
+        assert os.stat(directory).st_mode & 0o022 == 0, oct(os.stat(directory).st_mode)
+    assert stat.S_IMODE(os.stat(main.parent / "tenants.d" / "bob.yaml").st_mode) == 0o644
+    for key in (main.parent / "state" / "identity.key", tmp_path / "new" / "node.key"):
+        assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
 
 
 # --- keygen ----------------------------------------------------------------------------
