@@ -48,7 +48,7 @@ from pact_ingress.config import (
     parse_address,
 )
 from pact_ingress.errors import PactIngressError, UsageError
-from pact_ingress.identity import load_identity, pin_problem
+from pact_ingress.identity import load_identity, make_dirs, pin_problem
 
 TENANTS_DIR = "tenants.d"
 RELOAD_COMMANDS = (
@@ -284,7 +284,7 @@ def _adding(config_path: Path) -> Iterator[None]:
 def _write_new(target: Path, text: str) -> None:
     """Atomically create `target` with `text`; refuse if it exists (no clobbering)."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(target.parent)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     except OSError as exc:
         raise PactIngressError(f"cannot write {target}: {exc.strerror or exc}") from None
