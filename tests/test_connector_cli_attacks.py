@@ -200,6 +200,56 @@ def test_directories_made_under_a_lax_umask_are_not_world_writable(main: Path,
         assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
 
 
+def test_the_printed_connector_config_brings_the_tunnel_up(tmp_path: Path) -> None:
+    """`tenant add` prints the home node's connector config: saved as printed (only the
+    key path and the forward target are the node's to fill in), `connect` accepts it and
+    the ingress, started on the written tenant file, takes the tunnel."""
+    port = free_port()
+    node = keygen(tmp_path / "node" / "node.key")
+    main = tmp_path / "etc" / "ingress.yaml"
+    main.parent.mkdir()
+    main.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["{LOOPBACK}:{port}"]
+tunnel: {{hostname: {TUNNEL}}}
+include: tenants.d/*.yaml
+""")
+    added = add(main, "bob", "bob.home.test", pin=node.fingerprint)
+    assert added.returncode == 0, added.stderr
+    lines = added.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("connector config"))
+    block = []
+    for line in lines[start + 1:]:
+        if line and not line.startswith("  "):
+            break
+        block.append(line[2:])
+    printed = "\n".join(block)
+    ingress_pin = (main.parent / "state" / "identity.key")
+    assert run("fingerprint", str(ingress_pin)).stdout.strip() in printed
+    connector = tmp_path / "node" / "connector.yaml"
+    connector.write_text(printed.replace("/var/lib/pact/node.key", str(node.key_path)))
+    log_path = tmp_path / "connect.log"
+    with open(tmp_path / "serve.log", "ab") as serve_log, open(log_path, "ab") as log:
+        serve, ready = serve_until_ready(tmp_path, main, ["--workers", "1"], serve_log)
+        proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "connect", "-c",
+                                 str(connector)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert ready, (tmp_path / "serve.log").read_text()
+            deadline = time.monotonic() + WAIT
+            while not events(log_path.read_text(), "tunnel_up"):
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=WAIT) == 0, log_path.read_text()
+        finally:
+            for p in (proc, serve):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
 # --- keygen ----------------------------------------------------------------------------
 
 
