@@ -459,10 +459,13 @@ def _operational_fault(exc: BaseException) -> PactIngressError | None:
 
 def main_connect(path: Path, *, log_format: str = "json") -> int:
     """Run the connector until SIGTERM/SIGINT, then drain its open streams and exit 0."""
+    from pact_ingress.identity import load_identity
     from pact_ingress.net.tunnel.connector import run_connector
 
     setup_logs(log_format)
     cfg = load_connector_config(path)
+    # before trio: an unreadable key is one line from the CLI, not an exception group
+    identity = load_identity(cfg.identity_key)
 
     async def run() -> None:
         stop = trio.Event()
@@ -470,7 +473,8 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
 
             async def connector(task_status: trio.TaskStatus[Any]) -> None:
                 # returns after `stop` once open streams drained (or the grace ran out)
-                await run_connector(cfg, shutdown=stop, task_status=task_status)
+                await run_connector(cfg, shutdown=stop, identity=identity,
+                                    task_status=task_status)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(_stop_on_signal, stop)

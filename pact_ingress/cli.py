@@ -19,12 +19,19 @@ from pact_ingress.errors import ConfigError, PactIngressError
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from pact_ingress.identity import keygen
+    from pact_ingress.identity import cert_path_for, keygen
 
     out = Path(args.output)
-    if out.exists() and not args.force:
-        raise PactIngressError(f"{out}: exists (use --force to overwrite)")
-    ident = keygen(out, ed25519_key=args.ed25519)
+    # the certificate beside the key is written too: a node.crt already there may be the
+    # node's own certificate, so it is no more ours to replace than the key is
+    for path in (out, cert_path_for(out)):
+        if os.path.lexists(path) and not args.force:
+            raise PactIngressError(f"{path}: exists (use --force to overwrite)")
+    try:
+        ident = keygen(out, ed25519_key=args.ed25519)
+    except OSError as exc:
+        raise PactIngressError(f"{out}: cannot write the key or its certificate: "
+                               f"{exc.strerror or exc}") from None
     print(ident.fingerprint)
     print(f"key: {ident.key_path} (0600)  cert: {ident.cert_path}", file=sys.stderr)
     return 0
@@ -54,6 +61,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_connect(args: argparse.Namespace) -> int:
+    # SIGHUP changes nothing for the connector (it logs so while it runs): ignored from
+    # here, it can neither kill it while it starts nor while SIGTERM's drain runs, when
+    # no handler of trio's is there to catch it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from pact_ingress import app
 
     return app.main_connect(Path(args.config), log_format=args.log_format or "json")

@@ -168,10 +168,23 @@ def ensure_selfsigned_cert(host: str, cert_path: Path, key_path: Path) -> bool:
     return True
 
 
+def make_dirs(directory: Path) -> None:
+    """`mkdir -p` with 0755 at most for every directory it creates: under a lax umask
+    (000 from a service manager or a container) a directory holding keys or tenant files
+    would otherwise be writable by every user, who could then swap or add files in it."""
+    missing = []
+    directory = Path(directory)
+    while not directory.is_dir() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for part in reversed(missing):
+        part.mkdir(mode=0o755, exist_ok=True)  # the umask can only take more away
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write `data` to `path` via a temp file + rename, created with `mode` from the start."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, mode)

@@ -9,7 +9,9 @@ Adding is validate-then-write. The whole config is loaded with the new file pres
 config invalid is never written, and a running ingress reloading on SIGHUP can never
 pick up a half-checked file. Only then is the file written: to a temp file in
 ``tenants.d`` (a dot-name the ``*.yaml`` glob does not match), then hard-linked to its
-final name, which is atomic and refuses to clobber a file that appeared meanwhile.
+final name, which is atomic and refuses to clobber a file that appeared meanwhile. Adds
+hold an exclusive lock on the main file from loading to writing, so two adds at once
+cannot each validate without the other's file and route one host twice.
 
 A tenant needs a pin: without the home node's fingerprint the edge can neither
 authenticate the node's tunnel nor pin the node when re-originating, so `add_tenant`
@@ -22,16 +24,20 @@ include glob pulled in, is refused with a message saying where to edit by hand.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import ipaddress
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from pact_ingress.config import (
+    MAX_TENANT_NAME,
     TENANT_NAME_RE,
     Address,
     Config,
@@ -41,8 +47,8 @@ from pact_ingress.config import (
     normalize_hostname,
     parse_address,
 )
-from pact_ingress.errors import UsageError
-from pact_ingress.identity import load_identity, pin_problem
+from pact_ingress.errors import PactIngressError, UsageError
+from pact_ingress.identity import load_identity, make_dirs, pin_problem
 
 TENANTS_DIR = "tenants.d"
 RELOAD_COMMANDS = (
@@ -140,17 +146,23 @@ def add_tenant(
     Raises UsageError for bad arguments (missing/invalid pin, taken name or host, no
     include), ConfigError when the existing config or the result would be invalid.
     """
-    config = load_config(config_path)
-    host = _check_args(config, name, host, mode, pin, backend)
-    target = Path(os.path.dirname(config.path)) / TENANTS_DIR / f"{name}.yaml"
-    _check_target(config, config_path, name, target)
-    text = tenant_yaml(config, name, host, mode, pin, backend)  # type: ignore[arg-type]
-    new_config = load_config_with(config_path, {target: text})
-    tenant = new_config.tenant(name)
-    if tenant is None or tenant.source != target:  # pragma: no cover - include checked above
-        raise UsageError(f"{target} would not be loaded by the include globs of {config_path}")
-    ingress_pin = load_identity(config.identity_key, create=True).fingerprint
-    _write_new(target, text)
+    with _adding(config_path):
+        config = load_config(config_path)
+        host = _check_args(config, name, host, mode, pin, backend)
+        target = Path(os.path.dirname(config.path)) / TENANTS_DIR / f"{name}.yaml"
+        _check_target(config, config_path, name, target)
+        text = tenant_yaml(config, name, host, mode, pin, backend)  # type: ignore[arg-type]
+        new_config = load_config_with(config_path, {target: text})
+        tenant = new_config.tenant(name)
+        if tenant is None or tenant.source != target:  # pragma: no cover - include checked
+            raise UsageError(f"{target} would not be loaded by the include globs of "
+                             f"{config_path}")
+        try:
+            ingress_pin = load_identity(config.identity_key, create=True).fingerprint
+        except OSError as exc:
+            raise PactIngressError(f"{config.identity_key}: cannot create the ingress key: "
+                                   f"{exc.strerror or exc}") from None
+        _write_new(target, text)
     return TenantAdded(
         tenant=tenant,
         path=target,
@@ -166,8 +178,9 @@ def _check_args(
     config: Config, name: str, host: str, mode: str, pin: str | None, backend: str
 ) -> str:
     """Refuse bad arguments with one-line messages; return the normalized host."""
-    if not TENANT_NAME_RE.fullmatch(name):
-        raise UsageError(f"tenant name {name!r} must match [a-z0-9][a-z0-9-]*")
+    if not TENANT_NAME_RE.fullmatch(name) or len(name) > MAX_TENANT_NAME:
+        raise UsageError(f"tenant name {name!r} must match [a-z0-9][a-z0-9-]* (at most "
+                         f"{MAX_TENANT_NAME} characters)")
     if (existing := config.tenant(name)) is not None:
         raise UsageError(f"tenant {name!r} already exists (in {existing.source})")
     if pin is None:
@@ -191,7 +204,20 @@ def _check_args(
     owner = next((r.tenant for r in config.routes() if r.host == host), None)
     if owner is not None:
         raise UsageError(f"host {host!r} already belongs to tenant {owner!r}")
+    _check_pin_unshared(config, pin, tunnel=backend == "tunnel")
     return host
+
+
+def _check_pin_unshared(config: Config, pin: str, *, tunnel: bool) -> None:
+    """The ingress refuses a connector whose key two tenants pin (it could not tell whose
+    routes the tunnel serves), so sharing a pin with a tenant when either of the two uses
+    a tunnel would cut that node's tunnel off at the next reload."""
+    for other in config.tenants:
+        if pin in other.pins and (tunnel or any(r.backend.is_tunnel for r in other.routes)):
+            raise UsageError(
+                f"--pin {pin} is already a pin of tenant {other.name!r}: the ingress refuses "
+                "a tunnel key pinned by two tenants; give each home node its own key"
+            )
 
 
 def _check_target(config: Config, config_path: Path, name: str, target: Path) -> None:
@@ -234,10 +260,34 @@ def _config_relative(config: Config, path: Path) -> str:
     return str(path) if rel.startswith(os.path.join(os.pardir, os.pardir)) else rel
 
 
+@contextlib.contextmanager
+def _adding(config_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the main config file while one add validates and writes.
+
+    Validation reads the tenants that exist and the write adds one; two adds running at
+    once would each validate without the other's file and could both route one host, an
+    invalid config the next reload refuses. Adds queue on this lock; `serve` never takes
+    it. A main file that cannot be opened is left to `load_config` to report.
+    """
+    try:
+        fd = os.open(config_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _write_new(target: Path, text: str) -> None:
     """Atomically create `target` with `text`; refuse if it exists (no clobbering)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        make_dirs(target.parent)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    except OSError as exc:
+        raise PactIngressError(f"cannot write {target}: {exc.strerror or exc}") from None
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -247,6 +297,8 @@ def _write_new(target: Path, text: str) -> None:
         os.link(tmp, target)
     except FileExistsError:
         raise UsageError(f"{target} already exists") from None
+    except OSError as exc:
+        raise PactIngressError(f"cannot write {target}: {exc.strerror or exc}") from None
     finally:
         os.unlink(tmp)
 

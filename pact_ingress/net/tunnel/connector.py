@@ -665,17 +665,19 @@ def _literal_family(host: str) -> int | None:
 async def run_connector(cfg: ConnectorConfig, *, stats: Stats | None = None,
                         shutdown: trio.Event | None = None, grace: float = DRAIN_GRACE,
                         heartbeat: float = HEARTBEAT_INTERVAL,
+                        identity: Identity | None = None,
                         task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
                         ) -> None:
     """Run the connector until cancelled, or until `shutdown` is set (then drain ≤ grace).
 
-    The CLI sets `shutdown` on SIGTERM. `task_status.started()` receives the
-    `multi.ConnectorSet`: one Connector per ingress target (live counts for status output
-    and tests).
+    The CLI sets `shutdown` on SIGTERM, and passes the `identity` it loaded before
+    starting (so an unreadable key is its one-line error; otherwise it is loaded here).
+    `task_status.started()` receives the `multi.ConnectorSet`: one Connector per ingress
+    target (live counts for status output and tests).
     """
     # one Connector per ingress target, even for a single address: the set is where
     # names are resolved (every record an instance) and kept resolved
     from pact_ingress.net.tunnel.multi import ConnectorSet  # it builds on this module
 
-    connectors = ConnectorSet(cfg, stats=stats, heartbeat=heartbeat)
+    connectors = ConnectorSet(cfg, stats=stats, heartbeat=heartbeat, identity=identity)
     await connectors.run(shutdown=shutdown, grace=grace, task_status=task_status)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from pact_ingress.identity import Identity, load_identity
 from pact_ingress.logs import log
 from pact_ingress.model import Address, ConnectorConfig, is_ip_address
 from pact_ingress.net.tunnel.connector import DRAIN_GRACE, Backoff, Connector
@@ -77,8 +78,12 @@ class ConnectorSet:
 
     def __init__(self, cfg: ConnectorConfig, *, stats: Stats | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
-                 data_transport: str | None = None) -> None:
+                 data_transport: str | None = None, identity: Identity | None = None
+                 ) -> None:
         self.cfg = cfg
+        #: Loaded once and shared by every target's connector: a target that appears
+        #: later (a new record of a name) must not fail on a key file changed meanwhile.
+        self.identity = identity
         self.stats = stats or Stats()
         self.heartbeat = heartbeat
         self.data_transport = data_transport or cfg.data_transport
@@ -165,7 +170,10 @@ class ConnectorSet:
     def _start(self, address: Address) -> None:
         assert self._nursery is not None
         cfg = dataclasses.replace(self.cfg, ingress=address, ingresses=())
+        if self.identity is None:
+            self.identity = load_identity(cfg.identity_key)
         target = _Target(Connector(cfg, stats=self.stats, heartbeat=self.heartbeat,
+                                   identity=self.identity,
                                    data_transport=self.data_transport))
         self.targets[address] = target
         if len(self.cfg.ingress_addresses) > 1 or address != self.cfg.ingress:
