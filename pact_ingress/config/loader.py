@@ -128,6 +128,10 @@ MAX_INCLUDED_FILES = 10_000
 #: Mappings and lists walked per load. YAML aliases can make a small file a huge tree
 #: (billion laughs); the schema is shallow, a route costs 1-3, so this is ~30k routes.
 MAX_WALKED_NODES = 100_000
+#: Nesting of YAML collections. The schema is six deep (top, tenants, tenant, routes,
+#: route, limits); PyYAML composes nested nodes recursively, so without a bound a few KiB
+#: of brackets reach the interpreter's recursion limit instead of a config error.
+MAX_NESTING = 64
 #: Errors collected before giving up: an operator reads the first screenful anyway.
 MAX_ERRORS = 100
 #: Pins per tenant: one normally, two during a key rotation (spec §2); a few spare.
@@ -488,13 +492,39 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
         return None
 
 
+class _TooDeep(yaml.YAMLError):
+    def __init__(self, mark: yaml.Mark) -> None:
+        self.mark = mark
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing collections nested deeper than MAX_NESTING."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING:
+                raise _TooDeep(self.peek_event().start_mark)
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+
 def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
     """The node tree of one YAML file, or None (with the error recorded)."""
     text = _read_text(ctx, path, overlay)
     if text is None:
         return None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
+    except _TooDeep as exc:
+        ctx.errors.append(f"{ctx.file}:{exc.mark.line + 1}: YAML nested more than "
+                          f"{MAX_NESTING} levels deep")
+        return None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1

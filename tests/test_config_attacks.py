@@ -1,0 +1,85 @@
+"""The config surface attacked by a careless or hostile operator.
+
+Each case is a file an operator could really write (or a file system state they could
+really leave behind). What must hold for every one of them:
+
+* `pact-ingress check-config` exits 0, or exits 2 with one `FILE:LINE: message` line per
+  problem, naming the file that holds it (an included file, not the main one) and no
+  traceback;
+* `serve` refuses to start on it the same way;
+* a SIGHUP reload of it is refused (`reload_refused`), the process lives on and the
+  routes it served before are still served.
+
+Most cases go through the loader or one `check-config` process; a few representative
+ones through a real `serve` and SIGHUP.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pact_ingress.config import load_config
+from pact_ingress.errors import ConfigError
+
+PIN_A = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
+PIN_B = "sha256:x793VWsYDT8xeunXBhFx6_D5dIsCXFH2LhqWH_5t0o4"
+BASE = """\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:8443"]
+tunnel: {hostname: tunnel.example}
+"""
+#: `FILE:LINE: message`, nothing else, on one line.
+ERROR_LINE = re.compile(r"[^\n:]+:\d+: [^\n]+")
+
+
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pact_ingress", "check-config", "-c",
+                           str(path)], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def refused(path: Path) -> list[str]:
+    """The lines `check-config` refuses `path` with, each checked for shape."""
+    result = check_config(path)
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines and all(ERROR_LINE.fullmatch(line) for line in lines), result.stderr
+    return lines
+
+
+def messages(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return info.value.messages
+
+
+# --- YAML shapes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nest", ["flow", "block"])
+def test_deeply_nested_yaml_is_one_error_at_its_line(tmp_path: Path, nest: str) -> None:
+    """A few KiB of nesting (a runaway generator, a hostile file) must not reach the
+    interpreter's recursion limit inside the YAML composer: that was a traceback from
+    check-config and from serve's start, where a config error belongs."""
+    if nest == "flow":
+        deep = "limits: " + "[" * 2000 + "]" * 2000 + "\n"
+    else:  # indentation grows with depth: 400 levels stay well under the size cap
+        deep = "limits:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(400))
+    path = tmp_path / "deep.yaml"
+    path.write_text(BASE + deep)
+    lines = refused(path)
+    assert len(lines) == 1 and lines[0].startswith(f"{path}:"), lines
+    where, message = lines[0].split(": ", 1)
+    assert "nested" in message, lines
+    line = int(where.rsplit(":", 1)[1])
+    if nest == "flow":
+        assert line == 5, lines
+    else:  # where the nesting passes the limit, not the file's first or last line
+        assert 5 + 32 < line < 5 + 100, lines
