@@ -16,7 +16,10 @@ ones through a real `serve` and SIGHUP.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +86,81 @@ def test_deeply_nested_yaml_is_one_error_at_its_line(tmp_path: Path, nest: str) 
         assert line == 5, lines
     else:  # where the nesting passes the limit, not the file's first or last line
         assert 5 + 32 < line < 5 + 100, lines
+
+
+# --- include: what the glob finds ---------------------------------------------------------
+
+TENANT = """\
+name: {name}
+pins: ["{pin}"]
+routes:
+  - host: {name}.example
+    mode: passthrough
+    backend: "127.0.0.1:9000"
+"""
+INCLUDING = BASE + "include: tenants.d/*.yaml\n"
+
+
+def as_ordinary_user() -> list[str]:
+    """A command prefix under which file modes hold: root reads every file, so as root
+    the process gives up the capabilities that let it (and the test fails, never skips,
+    without setpriv)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    return [shutil.which("setpriv") or "setpriv", f"--inh-caps={caps}",
+            f"--bounding-set={caps}"]
+
+
+def test_an_include_directory_that_cannot_be_listed_is_an_error(tmp_path: Path) -> None:
+    """`chmod 700 tenants.d` by root while the service runs as its own user: the glob
+    sees nothing in a directory it may not list. That must not read as "no tenants" (a
+    reload would then drop every included tenant and its routes); it is an error at the
+    include line, naming the directory."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    (tmp_path / "tenants.d").mkdir()
+    (tmp_path / "tenants.d" / "a.yaml").write_text(TENANT.format(name="a", pin=PIN_A))
+    (tmp_path / "tenants.d").chmod(0o311)  # may enter, may not list
+    try:
+        result = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                 "check-config", "-c", str(main)], capture_output=True,
+                                text=True, timeout=60, check=False)
+    finally:
+        (tmp_path / "tenants.d").chmod(0o755)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{main}:5: "), lines
+    assert "tenants.d" in lines[0] and "Permission denied" in lines[0], lines
+
+
+@pytest.mark.parametrize("kind", ["dangling-symlink", "symlink-loop", "fifo", "socket",
+                                  "device"])
+def test_an_included_name_that_is_no_readable_file_is_an_error(tmp_path: Path,
+                                                                kind: str) -> None:
+    """`tenants.d/b.yaml` matched by the glob but not a file that can be read (a symlink
+    to a volume not mounted, a loop, a pipe, a socket, a device): its tenant would vanish
+    without a word, and with it its routes on the next reload. It is an error naming that
+    file; nothing blocks on the pipe."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    tenants = tmp_path / "tenants.d"
+    tenants.mkdir()
+    (tenants / "a.yaml").write_text(TENANT.format(name="a", pin=PIN_A))
+    bad = tenants / "b.yaml"
+    if kind == "dangling-symlink":
+        bad.symlink_to(tmp_path / "unmounted" / "b.yaml")
+    elif kind == "symlink-loop":
+        bad.symlink_to(tenants / "c.yaml")
+        (tenants / "c.yaml").symlink_to(bad)
+    elif kind == "fifo":
+        os.mkfifo(bad)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(bad))
+    else:
+        bad.symlink_to("/dev/zero")
+    lines = refused(main)
+    shown = [line for line in lines if line.startswith(f"{bad}:")]
+    assert len(shown) == 1, lines
+    assert all(line.startswith(f"{tenants}/") for line in lines), lines

@@ -28,7 +28,8 @@ Decisions worth knowing:
   when they appear in an included tenant file: one base for the whole tree.
 * ``include`` is a glob (or a list of globs) relative to the main file's directory; each
   matching file holds one tenant mapping. No match (e.g. a missing ``tenants.d``) means no
-  extra tenants, not an error.
+  extra tenants, not an error; but a directory the glob cannot list, or a match that
+  cannot be read as a file, is one: either would otherwise drop tenants without a word.
 * ``identity`` may be omitted: the key then lives at ``STATE_DIR/identity.key``.
 * Route ``mode`` and ``backend`` are required (no silent default for where traffic goes).
 * A terminate route without ``cert`` uses ``acme`` when an ``acme`` block exists;
@@ -474,11 +475,11 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
         # a named pipe must not hold a reload (and with it the whole event loop) waiting
         # for a writer: `read_small` refuses it like any non-file
         data = read_small(path, MAX_CONFIG_BYTES)[0]
-    except OSError as exc:
-        ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
+    except OSError as exc:  # line 1 too: every complaint reads FILE:LINE
+        ctx.errors.append(f"{ctx.file}:1: cannot read: {exc.strerror or exc}")
         return None
     except NotAFile as exc:
-        ctx.errors.append(f"{ctx.file}: cannot read: {os.strerror(errno.EISDIR)}"
+        ctx.errors.append(f"{ctx.file}:1: cannot read: {os.strerror(errno.EISDIR)}"
                           if exc.is_dir else f"{ctx.file}:1: not a regular file")
         return None
     except TooLarge:
@@ -1069,8 +1070,13 @@ def _expand_includes(
     found: dict[str, str] = {}  # abspath -> display path
     for pattern, node in patterns:
         full = os.path.join(base, os.path.expanduser(pattern))
+        if (unlisted := _unlistable(full)) is not None:
+            ctx.at(node, f"include {pattern!r}: cannot list {unlisted}")
+            continue
         for hit in sorted(glob.glob(full)):
-            if os.path.isfile(hit):
+            # only directories are passed over: anything else the glob names (a symlink
+            # to nowhere, a pipe) is read, and refused there, rather than dropped unsaid
+            if not os.path.isdir(hit):
                 found.setdefault(os.path.abspath(hit), hit)
         for virtual in overlay:
             if fnmatch.fnmatch(virtual, os.path.abspath(full)):
@@ -1081,6 +1087,22 @@ def _expand_includes(
             return []
     found.pop(os.path.abspath(main), None)
     return [found[k] for k in sorted(found)]
+
+
+def _unlistable(pattern: str) -> str | None:
+    """"DIR: reason" when the directory an include glob searches exists but cannot be
+    listed (glob then quietly finds nothing, which would read as "no tenants"); None
+    when it can, or does not exist (no tenants.d yet is fine)."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    directory = os.path.join(*parts[:fixed]) if fixed else os.curdir
+    try:
+        os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"{directory}: {exc.strerror or exc}"
+    return None
 
 
 def _included_tenant(
