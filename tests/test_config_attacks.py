@@ -164,3 +164,87 @@ def test_an_included_name_that_is_no_readable_file_is_an_error(tmp_path: Path,
     shown = [line for line in lines if line.startswith(f"{bad}:")]
     assert len(shown) == 1, lines
     assert all(line.startswith(f"{tenants}/") for line in lines), lines
+
+
+# --- numbers, durations, sizes, ports -----------------------------------------------------
+
+
+def limit_messages(tmp_path: Path, key: str, value: str) -> list[str]:
+    path = tmp_path / "limits.yaml"
+    path.write_text(BASE + f"limits:\n  {key}: {value}\n")
+    found = messages(path)
+    assert all(m.startswith(f"{path}:6: limits.{key}") for m in found), found
+    return found
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("max_body_bytes", "99999999999999999999GiB"),  # the unit form had no upper bound
+    ("max_body_bytes", "4611686018427387905"),
+    ("max_connections", "99999999999999999999999999"),
+    ("relay_max_bytes", "99999999999999999999GiB"),
+])
+def test_a_huge_number_is_refused_as_too_large(tmp_path: Path, key: str, value: str) -> None:
+    """A number past any sane bound is refused for what it is: the size form with a unit
+    had no bound at all (while the same number of bytes written plainly had one), and a
+    huge plain integer was refused with "must be at least 1"."""
+    if key.startswith("relay_"):
+        path = tmp_path / "relay.yaml"
+        path.write_text(BASE + f"relay: {{host: relay.example, cert: {{cert: r.crt, "
+                               f"key: r.key}}, max_bytes: {value}}}\n")
+        found = messages(path)
+        assert found and all(m.startswith(f"{path}:5: relay.max_bytes") for m in found), found
+    else:
+        found = limit_messages(tmp_path, key, value)
+    assert len(found) == 1 and "at most" in found[0] and "at least" not in found[0], found
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("idle_timeout", "１０s"),  # full-width digits
+    ("idle_timeout", "٣"),  # an Arabic-Indic digit
+    ("max_body_bytes", "６MiB"),
+    ("max_body_bytes", "٣٣"),
+])
+def test_digits_are_ascii_digits(tmp_path: Path, key: str, value: str) -> None:
+    """Python's `\\d` and `int()` take any script's digits: a value no YAML reader or
+    operator would read as that number must be refused, not quietly converted."""
+    assert len(limit_messages(tmp_path, key, value)) == 1
+
+
+@pytest.mark.parametrize("port", ["０８０", "٨٠", "²"])
+def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
+    path = tmp_path / "port.yaml"
+    path.write_text(BASE + f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: passthrough, backend: "127.0.0.1:{port}"}}
+""")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:9: backend"), found
+    assert "port must be 1..65535" in found[0], found
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("0x10", 16.0), ("0b101", 5.0),
+                                               ("0o10", None)])
+def test_a_duration_in_another_base_is_read_as_yaml_reads_it(tmp_path: Path, value: str,
+                                                             seconds: float | None) -> None:
+    """YAML 1.1 reads 0x10 and 0b101 as integers, and a plain number is seconds: they are
+    read as the limits that take integers read them, where they were refused with
+    Python's own words ("could not convert string to float"). 0o10 is no YAML 1.1
+    integer: a bad duration."""
+    path = tmp_path / "limits.yaml"
+    path.write_text(BASE + f"limits:\n  idle_timeout: {value}\n")
+    if seconds is not None:
+        assert load_config(path).limits.idle_timeout == seconds
+    else:
+        found = limit_messages(tmp_path, "idle_timeout", value)
+        assert len(found) == 1 and "bad duration" in found[0], found
+
+
+def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
+    path = tmp_path / "state.yaml"
+    path.write_text(BASE + "state:\n  backend: redis\n  url: redis://127.0.0.1/٣\n"
+                           "  encryption_key_file: nope.key\n")
+    found = messages(path)
+    assert any(m.startswith(f"{path}:7: state.url") and "database number" in m
+               for m in found), found

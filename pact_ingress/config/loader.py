@@ -161,9 +161,10 @@ MAX_PEERS = 64
 MAX_STATE_DEADLINE = 1.0
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
+# re.ASCII: `\d` would take any script's digits, and float() and int() would read them
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?", re.ASCII)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?")
+_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?", re.ASCII)
 _SIZE_UNITS = {
     None: 1, "B": 1,
     "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -206,6 +207,8 @@ def parse_size(text: str) -> int:
     size = int(m.group(1)) * _SIZE_UNITS[m.group(2)]
     if size <= 0:
         raise ValueError(f"bad size {text!r}: must be greater than zero")
+    if size > _NO_LIMIT:  # the bound a plain integer has
+        raise ValueError(f"bad size {text!r}: must be at most {_NO_LIMIT} bytes")
     return size
 
 
@@ -244,7 +247,7 @@ def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
         if default_port is None:
             raise ValueError(f"{text!r}: missing port (want HOST:PORT)")
         return host, default_port
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: port must be 1..65535")
     return host, int(port_text)
 
@@ -398,7 +401,8 @@ def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT)
         return None
     value = int(SafeConstructor().construct_yaml_int(node))
     if not lo <= value <= hi:
-        bound = f"between {lo} and {hi}" if hi < _NO_LIMIT else f"at least {lo}"
+        bound = (f"between {lo} and {hi}" if hi < _NO_LIMIT
+                 else f"at least {lo}" if value < lo else f"at most {hi}")
         ctx.at(node, f"{what} must be {bound}, got {value}")
         return None
     return value
@@ -407,8 +411,10 @@ def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT)
 def _duration(ctx: _Ctx, node: Node, what: str) -> float | None:
     try:
         if isinstance(node, ScalarNode) and node.tag in (_INT, _FLOAT):
-            number = float(SafeConstructor().construct_yaml_float(node))
-            return _check_duration(number, node.value)
+            # an integer may be spelled 0x10 or 0b101, which only the int reader knows
+            construct = (SafeConstructor().construct_yaml_int if node.tag == _INT
+                         else SafeConstructor().construct_yaml_float)
+            return _check_duration(float(construct(node)), node.value)
         if isinstance(node, ScalarNode) and node.tag == _STR:
             return parse_duration(node.value)
     except ValueError as exc:
@@ -740,7 +746,8 @@ def _redis_url(ctx: _Ctx, node: Node) -> tuple[str, int, int, str | None, bool] 
         problem = "it names no host"
     elif parts.query or parts.fragment:
         problem = "query strings and fragments are not supported (use the state.* keys)"
-    elif parts.path.strip("/") and not parts.path.strip("/").isdigit():
+    elif parts.path.strip("/") and not (parts.path.strip("/").isascii()
+                                        and parts.path.strip("/").isdigit()):
         problem = "the path must be a database number, e.g. /0"
     if problem is None:
         try:
