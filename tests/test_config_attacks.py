@@ -248,3 +248,37 @@ def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
     found = messages(path)
     assert any(m.startswith(f"{path}:7: state.url") and "database number" in m
                for m in found), found
+
+
+# --- route values -------------------------------------------------------------------------
+
+
+def terminate_with(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "route.yaml"
+    path.write_text(BASE + f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - host: a.example
+        mode: terminate
+        backend: "127.0.0.1:9000"
+        cert: {{cert: c.crt, key: c.key}}
+{extra}""")
+    return path
+
+
+@pytest.mark.parametrize("mcp_path", ["/mcp%zz", "/mcp%", "/mcp%2", "/a%g1/mcp"])
+def test_an_mcp_path_with_a_broken_percent_escape_is_refused(tmp_path: Path,
+                                                             mcp_path: str) -> None:
+    """The edge compares each request's normalised path with the normalised mcp_path;
+    one whose escape cannot be decoded made that comparison fail on every POST to the
+    route (a 400 blamed on the caller, or worse), long after check-config said ok."""
+    path = terminate_with(tmp_path, f"        mcp_path: '{mcp_path}'\n")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:13: mcp_path"), found
+
+
+def test_an_mcp_path_with_good_escapes_loads(tmp_path: Path) -> None:
+    path = terminate_with(tmp_path, "        mcp_path: '/m%41cp/x%2Fy'\n")
+    route, = load_config(path).routes()
+    assert route.mcp_path == "/m%41cp/x%2Fy"

@@ -95,6 +95,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from pact_ingress.errors import ConfigError
 from pact_ingress.files import NotAFile, TooLarge, read_small
 from pact_ingress.identity import pin_problem
+from pact_ingress.proto.http_request import BadRequest, normalise_path
 from pact_ingress.model import (
     RELAY_MAX_BYTES,
     RELAY_MAX_ITEMS,
@@ -1371,8 +1372,15 @@ def _seal(ctx: _Ctx, node: Node) -> str | None:
 
 def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
     path = _string(ctx, node, "mcp_path")
-    if path is not None and not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
+    if path is None:
+        return None
+    if not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
         ctx.at(node, f"mcp_path must be an absolute URL path like /mcp, got {path!r}")
+        return None
+    try:  # each request's path is compared with this one, normalised the same way
+        normalise_path(path.encode("ascii"))
+    except BadRequest:
+        ctx.at(node, f"mcp_path {path!r} has a '%' not followed by two hex digits")
         return None
     return path
 
