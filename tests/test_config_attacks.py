@@ -282,3 +282,52 @@ def test_an_mcp_path_with_good_escapes_loads(tmp_path: Path) -> None:
     path = terminate_with(tmp_path, "        mcp_path: '/m%41cp/x%2Fy'\n")
     route, = load_config(path).routes()
     assert route.mcp_path == "/m%41cp/x%2Fy"
+
+
+# --- one key, two tenants -----------------------------------------------------------------
+
+
+def two_tenants(backend_a: str, backend_b: str) -> tuple[str, str]:
+    inline = f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: passthrough, backend: "{backend_a}"}}
+"""
+    included = f"""name: b
+pins:
+  - "{PIN_B}"
+  - "{PIN_A}"
+routes:
+  - {{host: b.example, mode: passthrough, backend: "{backend_b}"}}
+"""
+    return BASE + "include: tenants.d/*.yaml\n" + inline, included
+
+
+@pytest.mark.parametrize(("backend_a", "backend_b"), [("tunnel", "127.0.0.1:9000"),
+                                                      ("127.0.0.1:9000", "tunnel")])
+def test_a_pin_of_two_tenants_is_refused_when_a_tunnel_depends_on_it(
+        tmp_path: Path, backend_a: str, backend_b: str) -> None:
+    """A tenant file copied from another and its pin left as it was: the tunnel server
+    refuses a connector whose key two tenants pin (it cannot tell whose traffic it may
+    carry), so the reload that brings the copy would cut the first tenant's live
+    tunnels and no tunnel of either could come back. check-config says so, at the
+    copied pin, in the file that holds it."""
+    main, included = two_tenants(backend_a, backend_b)
+    (tmp_path / "main.yaml").write_text(main)
+    (tmp_path / "tenants.d").mkdir()
+    (tmp_path / "tenants.d" / "b.yaml").write_text(included)
+    lines = refused(tmp_path / "main.yaml")
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{tmp_path}/tenants.d/b.yaml:4: "), lines
+    assert "'a'" in lines[0] and f"(at {tmp_path}/main.yaml:8)" in lines[0], lines
+
+
+def test_a_pin_of_two_tenants_without_tunnels_loads(tmp_path: Path) -> None:
+    """One node behind two tenants, each route reaching it at its address: the edge
+    pins the node's key for both, which works, so it stays allowed."""
+    main, included = two_tenants("127.0.0.1:9000", "127.0.0.1:9001")
+    (tmp_path / "main.yaml").write_text(main)
+    (tmp_path / "tenants.d").mkdir()
+    (tmp_path / "tenants.d" / "b.yaml").write_text(included)
+    assert [t.name for t in load_config(tmp_path / "main.yaml").tenants] == ["a", "b"]

@@ -22,6 +22,7 @@ from pact_ingress.tenants import (
 ROOT = Path(__file__).resolve().parent.parent
 PIN_A = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
 PIN_B = "sha256:x793VWsYDT8xeunXBhFx6_D5dIsCXFH2LhqWH_5t0o4"
+PIN_C = "sha256:YeoIA_iFNSO3d9QUrOMTDNTT-S3izX_4aVwzfXnC7u4"
 
 MAIN = """\
 state_dir: state
@@ -236,7 +237,7 @@ def test_second_add_with_same_host_is_refused(main: Path) -> None:
 def test_list_tenants(main: Path) -> None:
     assert [t.name for t in list_tenants(main)] == ["alina"]
     add_tenant(main, "bob", "bob.example", pin=PIN_B)
-    add_tenant(main, "carol", "carol.example", pin=PIN_B)
+    add_tenant(main, "carol", "carol.example", pin=PIN_C)  # a tunnel needs a pin of its own
     tenants = list_tenants(main)
     assert [t.name for t in tenants] == ["alina", "bob", "carol"]
     assert tenants[0].source == main

@@ -622,6 +622,8 @@ class _Seen:
     broken: frozenset[str] = frozenset()  # top-level blocks present but invalid (no cascade)
     names: dict[str, str] = field(default_factory=dict)  # name -> "FILE:LINE"
     hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # host -> (tenant, where)
+    #: pin -> (first tenant, where, whether any tenant with it needs a connector)
+    pins: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
     relay_host: tuple[str, str] | None = None  # (host, where) of the relay gateway
 
 
@@ -1136,7 +1138,29 @@ def _tenant(ctx: _Ctx, node: Node, seen: _Seen, source: Path) -> Tenant | None:
     relay = fields.opt("relay", _boolean, "tenant relay", default=False)
     if name is None or not pins or len(routes) != len(nodes) or relay is None:
         return None
+    connector = relay or any(r.backend.is_tunnel for r in routes)
+    if not _pins_of_its_own(ctx, fields.get("pins"), pins, name, connector, seen):
+        return None
     return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)), relay=relay)
+
+
+def _pins_of_its_own(ctx: _Ctx, node: Node | None, pins: tuple[str, ...], tenant: str,
+                     connector: bool, seen: _Seen) -> bool:
+    """One node may sit behind two tenants while the edge only dials it. But a connector
+    (backend: tunnel, or the relay's wake) whose key two tenants pin is refused by the
+    tunnel server, which cannot tell whose traffic it may carry: a copied tenant file
+    whose pin was left as it was would cut the first tenant's tunnels on reload."""
+    assert isinstance(node, SequenceNode)  # `pins` parsed as a list of strings
+    ok = True
+    for pin, item in zip(pins, node.value):
+        owner, where, needs = seen.pins.get(pin, (tenant, ctx.where(item), False))
+        if owner != tenant and (needs or connector):
+            ctx.at(item, f"pin {pin!r} is also a pin of tenant {owner!r} (at {where}): a "
+                   "connector with this key would be refused as ambiguous; a tenant with "
+                   "backend: tunnel or relay: true needs pins of its own")  # fmt: skip
+            ok = False
+        seen.pins[pin] = (owner, where, needs or connector)
+    return ok
 
 
 def _boolean(ctx: _Ctx, node: Node, what: str) -> bool | None:
