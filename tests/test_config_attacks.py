@@ -331,3 +331,106 @@ def test_a_pin_of_two_tenants_without_tunnels_loads(tmp_path: Path) -> None:
     (tmp_path / "tenants.d").mkdir()
     (tmp_path / "tenants.d" / "b.yaml").write_text(included)
     assert [t.name for t in load_config(tmp_path / "main.yaml").tenants] == ["a", "b"]
+
+
+# --- the same configs as a running serve sees them ----------------------------------------
+
+
+def bad_reloads(tmp: Path, good: str, node_fp: str) -> list[tuple[str, str, str]]:
+    """(name, main config text, file the first refusal must name) for each bad config
+    a reload is given; `good` is the running config (with its include)."""
+    tenants = tmp / "tenants.d"
+    shared = (f"name: copy\npins: [\"{node_fp}\"]\nroutes:\n"
+              "  - {host: copy.test, mode: passthrough, backend: tunnel}\n")
+    cases: list[tuple[str, str, str]] = [
+        ("nested", good + "limits: " + "[" * 3000 + "]" * 3000 + "\n", "ingress.yaml"),
+        ("duplicate key", good + "state_dir: again\n", "ingress.yaml"),
+        ("merge key", good + "<<: {state_dir: x}\n", "ingress.yaml"),
+        ("python tag", good + "state: !!python/object/apply:os.system ['true']\n",
+         "ingress.yaml"),
+        ("dangling include", good, "tenants.d/gone.yaml"),
+        ("shared pin", good, "tenants.d/copy.yaml"),
+        ("broken mcp_path", good.replace("mcp_path: /mcp", "mcp_path: /mcp%zz", 1),
+         "ingress.yaml"),
+    ]
+    setups = {
+        "dangling include": lambda: (tenants / "gone.yaml").symlink_to(tmp / "nowhere"),
+        "shared pin": lambda: (tenants / "copy.yaml").write_text(shared),
+    }
+    teardowns = {
+        "dangling include": lambda: (tenants / "gone.yaml").unlink(),
+        "shared pin": lambda: (tenants / "copy.yaml").unlink(),
+    }
+    return [(name, text, where, setups.get(name), teardowns.get(name))  # type: ignore[misc]
+            for name, text, where in cases]
+
+
+def test_serve_refuses_each_bad_reload_in_one_line_and_keeps_serving(tmp_path: Path) -> None:
+    """One running serve given each bad config in turn by SIGHUP: each is refused with
+    `reload_refused` lines of the shape FILE:LINE: message naming the file at fault, the
+    process lives on without a traceback, and the routes it served (an included
+    tenant's too) are still served. A good config afterwards applies."""
+    from tests.terminate_env import (
+        OPT_HOST,
+        RecordingNode,
+        Serve,
+        exchange,
+        make_identities,
+        request_bytes,
+    )
+
+    ids = make_identities(tmp_path)
+    node = RecordingNode(ids.node, client_ca=ids.ingress)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1)
+    try:
+        (tmp_path / "tenants.d").mkdir()
+        (tmp_path / "tenants.d" / "b.yaml").write_text(
+            f"name: b\npins: [\"{PIN_B}\"]\nroutes:\n"
+            "  - {host: b.test, mode: passthrough, backend: '127.0.0.1:9'}\n")
+        good = serve.render() + ("tunnel: {hostname: tunnel.test}\n"
+                                 "include: tenants.d/*.yaml\n")
+        assert serve.reload(good) == "reloaded"
+        hosts = {r["host"] for r in serve.status()["routes"]}
+        assert "b.test" in hosts and OPT_HOST in hosts
+        for name, text, where, setup, teardown in bad_reloads(tmp_path, good,
+                                                              ids.node.fingerprint):
+            if setup:
+                setup()
+            before = len(serve.log_events())
+            outcome = serve.reload(text)
+            lines = [e["error"] for e in serve.log_events()[before:]
+                     if e.get("event") == "reload_refused"]
+            if teardown:
+                teardown()
+            assert outcome == "reload_refused", (name, outcome, serve.logs()[-2000:])
+            assert lines and all(ERROR_LINE.fullmatch(line) for line in lines), (name, lines)
+            assert lines[0].startswith(f"{tmp_path / where}:"), (name, lines)
+            assert serve.alive() and "Traceback" not in serve.logs(), name
+            assert {r["host"] for r in serve.status()["routes"]} == hosts, name
+            assert exchange(serve.port, request_bytes("GET", "/ok", OPT_HOST),
+                            host=OPT_HOST).status == 200, name
+        b_yaml = tmp_path / "tenants.d" / "b.yaml"
+        b_yaml.write_text(b_yaml.read_text().replace("b.test", "c.test"))
+        assert serve.reload(good) == "reloaded"
+        assert "c.test" in {r["host"] for r in serve.status()["routes"]}
+    finally:
+        serve.stop()
+        node.stop()
+
+
+@pytest.mark.parametrize("case", ["nested", "dangling include"])
+def test_serve_does_not_start_on_a_bad_config(tmp_path: Path, case: str) -> None:
+    """`serve` on such a config exits 2 with the one line check-config prints."""
+    main = tmp_path / "main.yaml"
+    if case == "nested":
+        main.write_text(BASE + "limits: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n")
+    else:
+        main.write_text(INCLUDING)
+        (tmp_path / "tenants.d").mkdir()
+        (tmp_path / "tenants.d" / "a.yaml").symlink_to(tmp_path / "nowhere.yaml")
+    result = subprocess.run([sys.executable, "-m", "pact_ingress", "serve", "-c", str(main)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert len(lines) == 1 and ERROR_LINE.fullmatch(lines[0]), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
