@@ -434,3 +434,38 @@ def test_serve_does_not_start_on_a_bad_config(tmp_path: Path, case: str) -> None
     lines = [line for line in result.stderr.splitlines() if not line.startswith("{")]
     assert len(lines) == 1 and ERROR_LINE.fullmatch(lines[0]), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+# --- NUL characters -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    (BASE.replace("state_dir: state", 'state_dir: "st\\0ate"'), 1),
+    (BASE + 'identity: {key: "id\\0.key"}\n', 5),
+    (BASE.replace('tls: ["127.0.0.1:8443"]', 'tls: ["127.0.0.1:8443"]\n'
+                  '  admin: "0.0.0.0:9180"\n  admin_token_file: "tok\\0en"'), 5),
+    (BASE + 'state: {backend: redis, url: "redis://h/0", password_file: "p\\0w",\n'
+            '        encryption_key_file: "k\\0ey"}\n', 5),
+    (BASE + 'acme: {directory: "https://ca.example/dir", agree_tos: true,\n'
+            '       email: "ops\\0@example.org"}\n', 6),
+    (BASE + 'include: "tenants.d/\\0*.yaml"\n', 5),
+    (BASE + f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: terminate, backend: '127.0.0.1:1',
+         cert: {{cert: "a\\0.crt", key: a.key}}}}
+""", 10),
+    (BASE + 'relay: {host: r.example, cert: {cert: r.crt, key: r.key}, store: "s\\0"}\n', 5),
+])
+def test_a_nul_in_a_value_is_an_error_at_its_line(tmp_path: Path, text: str,
+                                                  line: int) -> None:
+    """YAML's "\\0" escape puts a NUL into a string: as a path it made os.stat raise
+    ValueError (a traceback from check-config and serve), and elsewhere it passed
+    check-config unseen (an e-mail address, a cert path that then "does not exist
+    yet")."""
+    path = tmp_path / "nul.yaml"
+    path.write_text(text)
+    found = messages(path)
+    at_line = [m for m in found if m.startswith(f"{path}:{line}: ") and "NUL" in m]
+    assert at_line, found

@@ -375,6 +375,9 @@ def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
     if not node.value.strip():
         ctx.at(node, f"{what} must not be empty")
         return None
+    if "\0" in node.value:  # YAML's "\0" escape: no path, name or address holds one
+        ctx.at(node, f"{what} must not contain a NUL character")
+        return None
     return str(node.value)
 
 
