@@ -469,3 +469,31 @@ def test_a_nul_in_a_value_is_an_error_at_its_line(tmp_path: Path, text: str,
     found = messages(path)
     at_line = [m for m in found if m.startswith(f"{path}:{line}: ") and "NUL" in m]
     assert at_line, found
+
+
+# --- what serve would trip over at start, said by check-config ----------------------------
+
+
+@pytest.mark.parametrize("case", ["state_dir-file", "state_dir-below-file", "identity-dir",
+                                  "admin-too-long", "admin-not-socket"])
+def test_what_serve_cannot_start_with_is_a_config_error_at_its_line(tmp_path: Path,
+                                                                    case: str) -> None:
+    """check-config said ok, then serve failed at start (exit 1 or 2 without a line):
+    a state_dir that is a file or sits below one, an identity key that is a directory,
+    an admin socket path longer than a unix socket address holds, or one naming
+    something that is not a socket."""
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "adir").mkdir()
+    listen = 'listen:\n  tls: ["127.0.0.1:8443"]\n'
+    text, line = {
+        "state_dir-file": ("state_dir: afile\n" + listen, 1),
+        "state_dir-below-file": ("state_dir: afile/state\n" + listen, 1),
+        "identity-dir": ("state_dir: state\n" + listen + "identity: {key: adir}\n", 4),
+        "admin-too-long": ("state_dir: state\n" + listen
+                           + f'  admin: "unix:/tmp/{"a" * 120}.sock"\n', 4),
+        "admin-not-socket": ("state_dir: state\n" + listen + '  admin: "unix:afile"\n', 4),
+    }[case]
+    path = tmp_path / "main.yaml"
+    path.write_text(text)
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:{line}: "), found

@@ -634,7 +634,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     top = _mapping(ctx, root, "the config file", _TOP_KEYS, required=("state_dir", "listen"))
     if top is None:
         return None
-    state_dir = top.opt("state_dir", _path, "state_dir")
+    state_dir = top.opt("state_dir", _state_dir)
     identity_key = _identity(ctx, top, state_dir)
     listen = top.opt("listen", _listen)
     tunnel = top.opt("tunnel", _tunnel)
@@ -664,6 +664,20 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
         state=state,
         relay=relay,
     )
+
+
+def _state_dir(ctx: _Ctx, node: Node) -> Path | None:
+    """A directory, or one that serve can create (it does at start)."""
+    path = _path(ctx, node, "state_dir")
+    if path is None:
+        return None
+    if os.path.lexists(path) and not path.is_dir():
+        ctx.at(node, f"state_dir {path} is not a directory")
+        return None
+    if (blocker := _not_a_directory(path)) is not None:
+        ctx.at(node, f"state_dir {path} cannot be created: {blocker} is not a directory")
+        return None
+    return path
 
 
 def _state(ctx: _Ctx, node: Node) -> State | None:
@@ -886,13 +900,15 @@ def _identity(ctx: _Ctx, top: _Fields, state_dir: Path | None) -> Path | None:
 
 def _key_not_public(ctx: _Ctx, node: Node, path: Path, what: str) -> None:
     """A private key (or the admin token) that exists must not be readable by every
-    local user (a key that does not exist yet is written 0600). Other problems with it
-    are reported where it is read."""
+    local user (a key that does not exist yet is written 0600), nor be a directory. Other
+    problems with it are reported where it is read."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return
-    if stat.S_ISREG(mode) and mode & 0o007:
+    if stat.S_ISDIR(mode):
+        ctx.at(node, f"{what} {path} is a directory")
+    elif stat.S_ISREG(mode) and mode & 0o007:
         ctx.at(node, _readable_by_all(what, path))
 
 
@@ -952,7 +968,7 @@ def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | N
         if not text[5:].strip():
             ctx.at(node, "listen.admin: 'unix:' needs a socket path, e.g. unix:/run/x.sock")
             return None
-        return _resolve(ctx.base, text[5:].strip())
+        return _admin_socket(ctx, node, _resolve(ctx.base, text[5:].strip()))
     address = _address(ctx, node, "listen.admin") if text is not None else None
     if address is not None and not _is_loopback(address.host) and not has_token:
         ctx.at(node, f"listen.admin {str(address)!r} is not a loopback address: the admin "
@@ -960,6 +976,27 @@ def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | N
                "unix:PATH, or set listen.admin_token_file to require a bearer token")  # fmt: skip
         return None
     return address
+
+
+#: A unix socket address holds this many bytes of path (sun_path, less its NUL).
+MAX_UNIX_PATH = 107
+
+
+def _admin_socket(ctx: _Ctx, node: Node, path: Path) -> Path | None:
+    """What binding it at start would refuse, said now: a path too long for a socket
+    address, or one naming something other than a (stale) socket."""
+    if len(os.fsencode(path)) > MAX_UNIX_PATH:
+        ctx.at(node, f"listen.admin unix:{path} is longer than the {MAX_UNIX_PATH} bytes a "
+               "unix socket path may have")  # fmt: skip
+        return None
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return path
+    if not stat.S_ISSOCK(mode):
+        ctx.at(node, f"listen.admin unix:{path} exists and is not a socket")
+        return None
+    return path
 
 
 def _is_loopback(host: str) -> bool:
