@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pact_ingress.config import load_config
+from pact_ingress.config import load_config, parse_address
 from pact_ingress.errors import ConfigError
 
 PIN_A = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
@@ -497,3 +497,36 @@ def test_what_serve_cannot_start_with_is_a_config_error_at_its_line(tmp_path: Pa
     path.write_text(text)
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:{line}: "), found
+
+
+# --- IPv6 zones ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["[fe80::1%lo]:443", "[fe80::1%1]:443"])
+def test_a_link_local_address_may_name_its_interface(text: str) -> None:
+    address = parse_address(text)
+    assert address.host.startswith("fe80::1%") and address.port == 443
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("[fe80::1%nosuchif0]:443", "no network interface"),
+    ("[fe80::1%25lo]:443", "no network interface"),  # the URL spelling of %lo
+    ("[fe80::1%999999]:443", "no network interface"),
+    ("[2001:db8::1%lo]:443", "link-local"),
+    ("[::1%lo]:443", "link-local"),
+])
+def test_a_zone_that_cannot_work_is_refused(tmp_path: Path, text: str, why: str) -> None:
+    """A zone (`%IFACE`) was taken as part of any IPv6 address and only failed when the
+    edge connected or bound: on an address that is not link-local, or naming an
+    interface this machine does not have (the URL spelling %25 included)."""
+    with pytest.raises(ValueError, match=why):
+        parse_address(text)
+    path = tmp_path / "zone.yaml"
+    path.write_text(BASE + f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: passthrough, backend: "{text}"}}
+""")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:9: backend") and why in found[0]

@@ -77,6 +77,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -221,12 +222,30 @@ def parse_address(text: str, *, default_port: int | None = None) -> Address:
         if not host.endswith("]") or not _is_ipv6(host[1:-1]):
             raise ValueError(f"{text!r}: brackets hold an IPv6 address only")
         host = host[1:-1]
+        if "%" in host:
+            _check_zone(host, text)
     elif not is_ip_address(host):
         try:
             host = normalize_hostname(host)
         except ValueError:
             raise ValueError(f"{text!r}: {host!r} is not an IP address or host name") from None
     return Address(host, port)
+
+
+def _check_zone(host: str, text: str) -> None:
+    """A zone (`fe80::1%eth0`) names the interface of a link-local address; anywhere else,
+    or naming an interface this machine lacks, it would fail only at connect or bind."""
+    address, zone = host.split("%", 1)
+    if not ipaddress.IPv6Address(address).is_link_local:
+        raise ValueError(f"{text!r}: a zone (%{zone}) applies to a link-local address "
+                         "(fe80::/10) only")
+    try:
+        if zone.isascii() and zone.isdigit():
+            socket.if_indextoname(int(zone))
+        else:
+            socket.if_nametoindex(zone)
+    except (OSError, OverflowError):
+        raise ValueError(f"{text!r}: no network interface {zone!r} on this machine") from None
 
 
 def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
