@@ -530,3 +530,32 @@ def test_a_zone_that_cannot_work_is_refused(tmp_path: Path, text: str, why: str)
 """)
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:9: backend") and why in found[0]
+
+
+# --- anchors and aliases ------------------------------------------------------------------
+
+
+def test_an_alias_is_blamed_at_its_own_line(tmp_path: Path) -> None:
+    """An alias is the anchored node itself in PyYAML's tree, so a tenant or route
+    repeated through `*x` was reported at the anchor's line, as defined twice "also at"
+    that same line. The complaint belongs where the alias is."""
+    path = tmp_path / "alias.yaml"
+    path.write_text(BASE + f"""tenants:
+  - &t
+    name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - &r {{host: a.example, mode: passthrough, backend: "127.0.0.1:1"}}
+  - name: b
+    pins: ["{PIN_B}"]
+    routes:
+      - *r
+  - *t
+""")
+    assert messages(path) == [
+        f"{path}:14: host 'a.example' is already routed by tenant 'a' (at {path}:10); "
+        "a host belongs to exactly one route",
+        f"{path}:15: tenant 'a' is defined twice (also at {path}:7)",
+        f"{path}:15: host 'a.example' is already routed by tenant 'a' (at {path}:10); "
+        "a host belongs to exactly one route",
+    ]

@@ -527,21 +527,45 @@ class _TooDeep(yaml.YAMLError):
         self.mark = mark
 
 
+class _TooMany(yaml.YAMLError):
+    pass
+
+
 class _Loader(yaml.SafeLoader):
-    """The safe loader, refusing collections nested deeper than MAX_NESTING."""
+    """The safe loader, refusing collections nested deeper than MAX_NESTING, and giving
+    each alias a copy of its anchor's nodes marked with the alias's own position: in
+    PyYAML's tree an alias *is* the anchored node, so a tenant repeated through `*t`
+    would be blamed at the anchor's line. Copies count against MAX_WALKED_NODES, so an
+    alias bomb stops while it is composed."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._copied = 0
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         self._depth += 1
         try:
             if self._depth > MAX_NESTING:
                 raise _TooDeep(self.peek_event().start_mark)
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                return self._copy(super().compose_node(parent, index), mark)
             return super().compose_node(parent, index)  # type: ignore[no-any-return]
         finally:
             self._depth -= 1
+
+    def _copy(self, node: Node, mark: yaml.Mark) -> Node:
+        self._copied += 1
+        if self._copied > MAX_WALKED_NODES:
+            raise _TooMany()
+        if isinstance(node, ScalarNode):
+            return ScalarNode(node.tag, node.value, mark, mark, node.style)
+        if isinstance(node, SequenceNode):
+            items = [self._copy(item, mark) for item in node.value]
+            return SequenceNode(node.tag, items, mark, mark, node.flow_style)
+        pairs = [(self._copy(k, mark), self._copy(v, mark)) for k, v in node.value]
+        return MappingNode(node.tag, pairs, mark, mark, node.flow_style)
 
 
 def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
@@ -554,6 +578,10 @@ def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
     except _TooDeep as exc:
         ctx.errors.append(f"{ctx.file}:{exc.mark.line + 1}: YAML nested more than "
                           f"{MAX_NESTING} levels deep")
+        return None
+    except _TooMany:
+        ctx.errors.append(f"{ctx.file}:1: config too large (its aliases repeat over "
+                          f"{MAX_WALKED_NODES} nodes)")
         return None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
