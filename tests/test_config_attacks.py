@@ -559,3 +559,20 @@ def test_an_alias_is_blamed_at_its_own_line(tmp_path: Path) -> None:
         f"{path}:15: host 'a.example' is already routed by tenant 'a' (at {path}:10); "
         "a host belongs to exactly one route",
     ]
+
+
+# --- line breaks only YAML sees -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85"])
+def test_a_line_break_only_yaml_sees_is_refused_at_its_editor_line(tmp_path: Path,
+                                                                   char: str) -> None:
+    """YAML 1.1 takes U+2028, U+2029 and NEL for line breaks; editors and `grep -n` do
+    not. One pasted into a comment ended the comment for YAML (its tail became a key)
+    and moved every later line number by one. It is refused where an editor shows it."""
+    path = tmp_path / "ls.yaml"
+    path.write_text("state_dir: state\r\nlisten:  # from the wiki" + char + "page\n"
+                    "  tls: ['127.0.0.1:1']\nbogus: 1\n", newline="")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:2: "), found
+    assert f"U+{ord(char):04X}" in found[0], found

@@ -568,10 +568,24 @@ class _Loader(yaml.SafeLoader):
         return MappingNode(node.tag, pairs, mark, mark, node.flow_style)
 
 
+#: Characters YAML 1.1 takes for line breaks that editors and `grep -n` do not: one
+#: pasted into a comment would end it early and shift every later line number.
+_HIDDEN_BREAKS = {"\x85": "NEXT LINE", "\u2028": "LINE SEPARATOR",
+                  "\u2029": "PARAGRAPH SEPARATOR"}
+_HIDDEN_BREAK_RE = re.compile("[" + "".join(_HIDDEN_BREAKS) + "]")
+_EDITOR_BREAK_RE = re.compile(r"\r\n|\r|\n")
+
+
 def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
     """The node tree of one YAML file, or None (with the error recorded)."""
     text = _read_text(ctx, path, overlay)
     if text is None:
+        return None
+    if (hidden := _HIDDEN_BREAK_RE.search(text)) is not None:
+        line = len(_EDITOR_BREAK_RE.split(text[: hidden.start()]))
+        char = hidden.group()
+        ctx.errors.append(f"{ctx.file}:{line}: U+{ord(char):04X} {_HIDDEN_BREAKS[char]} is a "
+                          "line break to YAML but not to an editor: remove it")
         return None
     try:
         node = yaml.compose(text, Loader=_Loader)
