@@ -576,3 +576,37 @@ def test_a_line_break_only_yaml_sees_is_refused_at_its_editor_line(tmp_path: Pat
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:2: "), found
     assert f"U+{ord(char):04X}" in found[0], found
+
+
+# --- YAML 1.1 reading words as booleans ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "extra", "kind"), [
+    ("on", "", "a boolean"),
+    ("no", "", "a boolean"),
+    ("1234", "", "an integer"),
+    ("2026-12-01", "", "a timestamp"),
+    ("a", "seal: off", "a boolean"),
+    ("a", "client_cert: off", "a boolean"),
+])
+def test_a_word_yaml_reads_as_another_type_gets_a_hint_to_quote_it(
+        tmp_path: Path, name: str, extra: str, kind: str) -> None:
+    """YAML 1.1 reads a bare on/off/yes/no as a boolean, 1234 as a number and a date as
+    a timestamp. "must be a string, got a boolean" left the operator to work out why
+    `name: on` is not a string; the message says to quote it."""
+    path = tmp_path / "words.yaml"
+    path.write_text(BASE + f"""tenants:
+  - name: {name}
+    pins: ["{PIN_A}"]
+    routes:
+      - host: a.example
+        mode: terminate
+        backend: "127.0.0.1:1"
+        cert: {{cert: c.crt, key: c.key}}
+        {extra}
+""")
+    line, value = (13, extra.split(": ")[1]) if extra else (6, name)
+    found = messages(path)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{path}:{line}: ") and kind in found[0], found
+    assert "quote" in found[0] and repr(value) in found[0], found

@@ -389,7 +389,7 @@ def _sequence(ctx: _Ctx, node: Node, what: str) -> list[Node]:
 
 def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
     if not isinstance(node, ScalarNode) or node.tag != _STR:
-        ctx.at(node, f"{what} must be a string, got {_kind(node)}")
+        ctx.at(node, f"{what} must be a string, got {_kind(node)}{_quote_hint(node)}")
         return None
     if not node.value.strip():
         ctx.at(node, f"{what} must not be empty")
@@ -398,6 +398,14 @@ def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
         ctx.at(node, f"{what} must not contain a NUL character")
         return None
     return str(node.value)
+
+
+def _quote_hint(node: Node) -> str:
+    """Why a bare word is no string: YAML 1.1 reads on/off/yes/no as booleans, digits as
+    numbers and dates as timestamps unless they are quoted."""
+    if not isinstance(node, ScalarNode) or node.style is not None or node.tag == _NULL:
+        return ""
+    return f" (YAML reads a bare {node.value!r} as {_kind(node)}: quote it, \"{node.value}\")"
 
 
 def _strings(ctx: _Ctx, node: Node, what: str) -> list[tuple[str, Node]]:
