@@ -610,3 +610,25 @@ def test_a_word_yaml_reads_as_another_type_gets_a_hint_to_quote_it(
     assert len(found) == 1, found
     assert found[0].startswith(f"{path}:{line}: ") and kind in found[0], found
     assert "quote" in found[0] and repr(value) in found[0], found
+
+
+# --- what a message may carry to the terminal ---------------------------------------------
+
+
+def test_a_path_with_control_characters_stays_one_printable_line(tmp_path: Path) -> None:
+    """A double-quoted YAML path may hold "\\n" or "\\e": messages that quote the path
+    as it is split one problem over two lines (the one-line-per-problem contract) and
+    sent an escape sequence to the operator's terminal."""
+    (tmp_path / "a\nb").mkdir()
+    (tmp_path / "k\x1b[2J").mkdir()
+    path = tmp_path / "main.yaml"
+    path.write_text('state_dir: "a\\nb/s"\nlisten: {tls: ["127.0.0.1:1"]}\n'
+                    'identity: {key: "k\\e[2J"}\n'
+                    'state: {backend: redis, url: "redis://h/0",\n'
+                    '        encryption_key_file: "x\\ny\\e[31m"}\n')
+    result = check_config(path)
+    assert result.returncode == 2, result
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and all(ERROR_LINE.fullmatch(line) for line in lines), lines
+    assert all(line.isprintable() for line in lines), lines
+    assert lines[0].startswith(f"{path}:3: ") and lines[1].startswith(f"{path}:5: "), lines
