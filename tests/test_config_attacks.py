@@ -632,3 +632,138 @@ def test_a_path_with_control_characters_stays_one_printable_line(tmp_path: Path)
     assert len(lines) == 2 and all(ERROR_LINE.fullmatch(line) for line in lines), lines
     assert all(line.isprintable() for line in lines), lines
     assert lines[0].startswith(f"{path}:3: ") and lines[1].startswith(f"{path}:5: "), lines
+
+
+# --- the rest of the list: already right, kept right ---------------------------------------
+
+ROUTE = "      - {host: HOST, mode: passthrough, backend: 'BACKEND'}\n"
+
+
+def tenant_block(name: str, pin: str, *hosts: str, backend: str = "127.0.0.1:9000") -> str:
+    routes = "".join(ROUTE.replace("HOST", h).replace("BACKEND", backend) for h in hosts)
+    return f"  - name: {name}\n    pins: [\"{pin}\"]\n    routes:\n{routes}"
+
+
+def tenant_file(name: str, pin: str, host: str) -> str:
+    return (f"name: {name}\npins: [\"{pin}\"]\nroutes:\n"
+            f"  - {{host: {host}, mode: passthrough, backend: '127.0.0.1:9000'}}\n")
+
+
+SHAPES: list[tuple[str, bytes | str, dict[str, str], str, int, str]] = [
+    # (id, main text, included files, file at fault, line, words in the message)
+    ("duplicate-key", BASE + "state_dir: other\n", {}, "main.yaml", 5, "duplicate key"),
+    ("merge-key", BASE + "<<: {state_dir: x}\n", {}, "main.yaml", 5, "merge keys"),
+    ("python-tag", BASE + "tenants: !!python/object/apply:os.system ['true']\n", {},
+     "main.yaml", 5, "tag"),
+    ("python-tag-on-mapping", BASE + "state: !!python/object:x.Y {backend: local}\n", {},
+     "main.yaml", 5, "tag"),
+    ("set-tag", BASE + "limits: !!set {max_connections}\n", {}, "main.yaml", 5, "tag"),
+    ("binary-tag", BASE.replace("state_dir: state", "state_dir: !!binary aGk="), {},
+     "main.yaml", 1, "must be a string"),
+    ("crlf", (BASE + "bogus: 1\n").replace("\n", "\r\n").encode(), {}, "main.yaml", 5,
+     "unknown key 'bogus'"),
+    ("bom", b"\xef\xbb\xbf" + (BASE + "bogus: 1\n").encode(), {}, "main.yaml", 5,
+     "unknown key 'bogus'"),
+    ("tab", BASE + "limits:\n\tidle_timeout: 5s\n", {}, "main.yaml", 6, "'\\t'"),
+    ("not-utf8", BASE.encode() + b"# caf\xe9\n", {}, "main.yaml", 5, "not UTF-8"),
+    ("nul-byte", BASE.encode() + b"x: \x00\n", {}, "main.yaml", 5, "#x0000"),
+    ("empty", "", {}, "main.yaml", 1, "empty file"),
+    ("only-comment", "# nothing yet\n", {}, "main.yaml", 1, "empty file"),
+    ("top-list", "- a\n- b\n", {}, "main.yaml", 1, "must be a mapping, got a list"),
+    ("top-scalar", "hello\n", {}, "main.yaml", 1, "must be a mapping, got a string"),
+    ("two-documents", BASE + "---\nx: 1\n", {}, "main.yaml", 5, "single document"),
+    ("seal-none", BASE + f"""tenants:
+  - name: a
+    pins: ["{PIN_A}"]
+    routes:
+      - host: a.example
+        mode: terminate
+        backend: "127.0.0.1:1"
+        seal: none
+""", {}, "main.yaml", 12, "seal: none is not allowed"),
+    ("host-case-and-dot", BASE + "tenants:\n" + tenant_block("a", PIN_A, "a.example")
+     + tenant_block("b", PIN_B, "A.Example."), {}, "main.yaml", 13, "already routed"),
+    ("host-in-two-files", INCLUDING, {"tenants.d/a.yaml": tenant_file("a", PIN_A, "x.example"),
+                                      "tenants.d/b.yaml": tenant_file("b", PIN_B, "X.EXAMPLE.")},
+     "tenants.d/b.yaml", 4, "already routed by tenant 'a'"),
+    ("name-in-two-files", INCLUDING, {"tenants.d/a.yaml": tenant_file("a", PIN_A, "x.example"),
+                                      "tenants.d/b.yaml": tenant_file("a", PIN_B, "y.example")},
+     "tenants.d/b.yaml", 1, "defined twice"),
+    ("tenant-file-list", INCLUDING, {"tenants.d/a.yaml": "- name: a\n  pins: []\n"},
+     "tenants.d/a.yaml", 1, "not a list"),
+    ("tenant-file-two-docs", INCLUDING,
+     {"tenants.d/a.yaml": tenant_file("a", PIN_A, "x.example") + "---\n"
+      + tenant_file("b", PIN_B, "y.example")}, "tenants.d/a.yaml", 5, "single document"),
+    ("tenant-file-crlf", INCLUDING,
+     {"tenants.d/a.yaml": (tenant_file("a", PIN_A, "x.example") + "bogus: 1\n")
+      .replace("\n", "\r\n")}, "tenants.d/a.yaml", 5, "unknown key 'bogus'"),
+    ("pin-padding", BASE + "tenants:\n" + tenant_block("a", PIN_A + "=", "a.example"), {},
+     "main.yaml", 7, "43 base64url"),
+    ("pin-std-base64", BASE + "tenants:\n"
+     + tenant_block("a", PIN_A.replace("-", "+").replace("_", "/"), "a.example"), {},
+     "main.yaml", 7, "43 base64url"),
+    ("backend-no-port", BASE + "tenants:\n" + tenant_block("a", PIN_A, "a.example",
+                                                           backend="127.0.0.1"), {},
+     "main.yaml", 9, "missing port"),
+    ("backend-v6-bare", BASE + "tenants:\n" + tenant_block("a", PIN_A, "a.example",
+                                                           backend="2001:db8::1:443"), {},
+     "main.yaml", 9, "in brackets"),
+    ("backend-port-0", BASE + "tenants:\n" + tenant_block("a", PIN_A, "a.example",
+                                                          backend="a.example:0"), {},
+     "main.yaml", 9, "1..65535"),
+    ("backend-port-65536", BASE + "tenants:\n" + tenant_block("a", PIN_A, "a.example",
+                                                              backend="[::1]:65536"), {},
+     "main.yaml", 9, "1..65535"),
+    ("wildcard-twice", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*.*.x'"), {},
+     "main.yaml", 9, "whole first label"),
+    ("wildcard-partial", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'a*.x'"), {},
+     "main.yaml", 9, "whole first label"),
+    ("wildcard-alone", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*'"), {},
+     "main.yaml", 9, "whole first label"),
+    ("unicode-host", BASE + "tenants:\n" + tenant_block("a", PIN_A, "bücher.example"), {},
+     "main.yaml", 9, "punycode"),
+    ("duration-inf", BASE + "limits: {idle_timeout: .inf}\n", {}, "main.yaml", 5,
+     "greater than zero"),
+    ("duration-nan", BASE + "limits: {idle_timeout: .nan}\n", {}, "main.yaml", 5,
+     "greater than zero"),
+    ("duration-1e999", BASE + "limits: {idle_timeout: 1e999}\n", {}, "main.yaml", 5,
+     "bad duration"),
+    ("duration-upper-S", BASE + "limits: {idle_timeout: 10S}\n", {}, "main.yaml", 5,
+     "bad duration"),
+    ("size-lower-mib", BASE + "limits: {max_body_bytes: 6mib}\n", {}, "main.yaml", 5,
+     "bad size"),
+    ("count-yes", BASE + "limits: {max_connections: yes}\n", {}, "main.yaml", 5,
+     "got a boolean"),
+    ("count-negative", BASE + "limits: {max_connections: -1}\n", {}, "main.yaml", 5,
+     "at least 1"),
+]
+
+
+@pytest.mark.parametrize(("main", "files", "where", "line", "words"),
+                         [case[1:] for case in SHAPES], ids=[case[0] for case in SHAPES])
+def test_each_bad_shape_is_refused_at_its_file_and_line(
+        tmp_path: Path, main: bytes | str, files: dict[str, str], where: str, line: int,
+        words: str) -> None:
+    """What a careless operator writes, each refused at the file and line that hold it
+    (the included file, not the main one), with a message that says what is wrong."""
+    path = tmp_path / "main.yaml"
+    path.write_bytes(main if isinstance(main, bytes) else main.encode())
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(text.encode())
+    found = messages(path)
+    assert any(m.startswith(f"{tmp_path / where}:{line}: ") and words in m
+               for m in found), found
+
+
+def test_each_bad_shape_is_one_line_per_problem_from_check_config(tmp_path: Path) -> None:
+    """The same files through the real command: exit 2, FILE:LINE lines, no traceback
+    (one process for several files, each checked in turn, keeps this fast)."""
+    for name, main, files, *_ in SHAPES[:12]:
+        case = tmp_path / name
+        case.mkdir()
+        (case / "main.yaml").write_bytes(main if isinstance(main, bytes) else main.encode())
+        for file, text in files.items():
+            (case / file).parent.mkdir(exist_ok=True)
+            (case / file).write_text(text)
+        assert refused(case / "main.yaml"), name

@@ -178,6 +178,7 @@ ACME_CHALLENGES = ("tls-alpn-01", "http-01", "dns-01")
 
 _TAG = "tag:yaml.org,2002:"
 _STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "bool", "null"))
+_MAP, _SEQ = _TAG + "map", _TAG + "seq"
 
 
 # --- public value parsers (also used by the CLI and tenants.py) ---------------------------
@@ -359,6 +360,9 @@ def _mapping(
     if not isinstance(node, MappingNode):
         ctx.at(node, f"{what} must be a mapping, got {_kind(node)}")
         return None
+    if node.tag != _MAP:
+        ctx.at(node, _tag_refused(what, node))
+        return None
     fields = _Fields(ctx, node)
     for key_node, value_node in node.value:
         if key_node.tag == _TAG + "merge":
@@ -384,7 +388,18 @@ def _sequence(ctx: _Ctx, node: Node, what: str) -> list[Node]:
     if not isinstance(node, SequenceNode):
         ctx.at(node, f"{what} must be a list, got {_kind(node)}")
         return []
+    if node.tag != _SEQ:
+        ctx.at(node, _tag_refused(what, node))
+        return []
     return list(node.value)
+
+
+def _tag_refused(what: str, node: Node) -> str:
+    """A tag on a mapping or list (`!!python/object`, `!!set`, `!custom`) changes nothing
+    here, as the tree is only walked, never constructed: refused rather than silently
+    ignored, like an unknown key."""
+    tag = node.tag.replace(_TAG, "!!")
+    return f"{what}: the YAML tag {tag} is not supported (plain mappings and lists only)"
 
 
 def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
@@ -1735,6 +1750,9 @@ def _one_or_list(ctx: _Ctx, node: Node, what: str, cap: int,
     if not isinstance(node, SequenceNode):
         value = item(ctx, node, what)
         return None if value is None else (value,)
+    if node.tag != _SEQ:
+        ctx.at(node, _tag_refused(what, node))
+        return None
     if not node.value:
         ctx.at(node, f"{what} must not be an empty list")
         return None
