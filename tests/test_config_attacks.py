@@ -767,3 +767,12 @@ def test_each_bad_shape_is_one_line_per_problem_from_check_config(tmp_path: Path
             (case / file).parent.mkdir(exist_ok=True)
             (case / file).write_text(text)
         assert refused(case / "main.yaml"), name
+
+
+def test_the_line_that_ends_a_long_list_of_errors_has_a_line_too(tmp_path: Path) -> None:
+    """At 100 errors the loader stops; that last line was `FILE: stopped after 100
+    errors`, the one line of its output without a line number."""
+    path = tmp_path / "many.yaml"
+    path.write_text(BASE + "".join(f"k{i}: 1\n" for i in range(150)))
+    lines = refused(path)
+    assert len(lines) == 101 and "stopped after 100 errors" in lines[-1], lines[-2:]

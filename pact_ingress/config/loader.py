@@ -296,15 +296,16 @@ class _Ctx:
     def at(self, node: Node, message: str) -> None:
         self.errors.append(f"{self.where(node)}: {message}")
         if len(self.errors) >= MAX_ERRORS:
-            raise _Stop(f"{self.file}: stopped after {MAX_ERRORS} errors")
+            raise _Stop(f"{self.where(node)}: stopped after {MAX_ERRORS} errors")
 
     def where(self, node: Node) -> str:
         return f"{self.file}:{node.start_mark.line + 1}"
 
-    def spend(self) -> None:
+    def spend(self, node: Node) -> None:
         self.budget[0] -= 1
         if self.budget[0] < 0:
-            raise _Stop(f"{self.file}: config too large (over {MAX_WALKED_NODES} nodes)")
+            raise _Stop(f"{self.where(node)}: config too large (over {MAX_WALKED_NODES} "
+                        "nodes)")
 
     def for_file(self, file: str) -> _Ctx:
         return _Ctx(file, self.base, self.errors, self.budget)
@@ -356,7 +357,7 @@ def _mapping(
     ctx: _Ctx, node: Node, what: str, known: tuple[str, ...], required: tuple[str, ...] = ()
 ) -> _Fields | None:
     """Check `node` is a mapping with string keys drawn from `known`, `required` present."""
-    ctx.spend()
+    ctx.spend(node)
     if not isinstance(node, MappingNode):
         ctx.at(node, f"{what} must be a mapping, got {_kind(node)}")
         return None
@@ -384,7 +385,7 @@ def _mapping(
 
 
 def _sequence(ctx: _Ctx, node: Node, what: str) -> list[Node]:
-    ctx.spend()
+    ctx.spend(node)
     if not isinstance(node, SequenceNode):
         ctx.at(node, f"{what} must be a list, got {_kind(node)}")
         return []
