@@ -776,3 +776,20 @@ def test_the_line_that_ends_a_long_list_of_errors_has_a_line_too(tmp_path: Path)
     path.write_text(BASE + "".join(f"k{i}: 1\n" for i in range(150)))
     lines = refused(path)
     assert len(lines) == 101 and "stopped after 100 errors" in lines[-1], lines[-2:]
+
+
+def test_an_include_naming_one_file_needs_no_listing(tmp_path: Path) -> None:
+    """`include: tenants.d/a.yaml` (no wildcard) reads that file; a directory the service
+    may enter but not list is no obstacle to it, so it is no error either."""
+    main = tmp_path / "main.yaml"
+    main.write_text(BASE + "include: tenants.d/a.yaml\n")
+    (tmp_path / "tenants.d").mkdir()
+    (tmp_path / "tenants.d" / "a.yaml").write_text(TENANT.format(name="a", pin=PIN_A))
+    (tmp_path / "tenants.d").chmod(0o311)
+    try:
+        result = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                 "check-config", "-c", str(main)], capture_output=True,
+                                text=True, timeout=60, check=False)
+    finally:
+        (tmp_path / "tenants.d").chmod(0o755)
+    assert result.returncode == 0 and "(1 tenants, 1 routes)" in result.stdout, result

@@ -1229,7 +1229,9 @@ def _unlistable(pattern: str) -> str | None:
     listed (glob then quietly finds nothing, which would read as "no tenants"); None
     when it can, or does not exist (no tenants.d yet is fine)."""
     parts = Path(pattern).parts
-    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
+    if fixed is None:  # one file named: found without listing anything
+        return None
     directory = os.path.join(*parts[:fixed]) if fixed else os.curdir
     try:
         os.listdir(directory)
