@@ -793,3 +793,13 @@ def test_an_include_naming_one_file_needs_no_listing(tmp_path: Path) -> None:
     finally:
         (tmp_path / "tenants.d").chmod(0o755)
     assert result.returncode == 0 and "(1 tenants, 1 routes)" in result.stdout, result
+
+
+def test_agree_tos_quoted_says_why_it_is_not_true(tmp_path: Path) -> None:
+    """`agree_tos: "true"` is a string, not YAML's true: refused (terms are agreed to
+    explicitly), but "must be true" alone reads as nonsense next to "true"."""
+    path = tmp_path / "tos.yaml"
+    path.write_text(BASE + "acme: {directory: 'https://ca.example/d', agree_tos: 'true'}\n")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:5: acme.agree_tos"), found
+    assert "string" in found[0] and "quotes" in found[0], found

@@ -1138,8 +1138,10 @@ def _agree_tos(ctx: _Ctx, fields: _Fields) -> bool:
     node = fields.get("agree_tos")
     if node is not None and node.tag == _BOOL and node.value.lower() in ("true", "yes", "on"):
         return True
+    got = (f" (got the string {node.value!r}: write true without quotes)"
+           if isinstance(node, ScalarNode) and node.tag == _STR else "")
     ctx.at(node or fields.node, "acme.agree_tos must be true: ordering certificates means "
-           "agreeing to the CA's terms of service, so say so explicitly")  # fmt: skip
+           f"agreeing to the CA's terms of service, so say so explicitly{got}")  # fmt: skip
     return False
 
 
