@@ -803,3 +803,14 @@ def test_agree_tos_quoted_says_why_it_is_not_true(tmp_path: Path) -> None:
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:5: acme.agree_tos"), found
     assert "string" in found[0] and "quotes" in found[0], found
+
+
+def test_an_include_directory_that_is_a_dangling_symlink_is_an_error(tmp_path: Path) -> None:
+    """tenants.d a symlink to a volume that is not mounted (yet): not the same as no
+    tenants.d at all, which is fine. A reload then would drop every included tenant."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    (tmp_path / "tenants.d").symlink_to(tmp_path / "unmounted" / "tenants.d")
+    lines = refused(main)
+    assert len(lines) == 1 and lines[0].startswith(f"{main}:5: "), lines
+    assert "tenants.d" in lines[0], lines

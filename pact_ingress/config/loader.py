@@ -1227,9 +1227,10 @@ def _expand_includes(
 
 
 def _unlistable(pattern: str) -> str | None:
-    """"DIR: reason" when the directory an include glob searches exists but cannot be
-    listed (glob then quietly finds nothing, which would read as "no tenants"); None
-    when it can, or does not exist (no tenants.d yet is fine)."""
+    """"DIR: reason" when the directory an include glob searches (the part before its
+    first wildcard) exists but cannot be listed, or is a symlink to nowhere: glob then
+    quietly finds nothing, which would read as "no tenants". None when it can be listed,
+    or does not exist (no tenants.d yet is fine)."""
     parts = Path(pattern).parts
     fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
     if fixed is None:  # one file named: found without listing anything
@@ -1237,7 +1238,9 @@ def _unlistable(pattern: str) -> str | None:
     directory = os.path.join(*parts[:fixed]) if fixed else os.curdir
     try:
         os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        if os.path.islink(directory):  # a symlink to nowhere is no missing directory
+            return f"{directory}: {exc.strerror or exc} (a symlink to {os.readlink(directory)})"
         return None
     except OSError as exc:
         return f"{directory}: {exc.strerror or exc}"
