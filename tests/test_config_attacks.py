@@ -552,12 +552,11 @@ def test_an_alias_is_blamed_at_its_own_line(tmp_path: Path) -> None:
       - *r
   - *t
 """)
+    routed = f"host 'a.example' is already routed by tenant 'a' (at {path}:10)"
     assert messages(path) == [
-        f"{path}:14: host 'a.example' is already routed by tenant 'a' (at {path}:10); "
-        "a host belongs to exactly one route",
+        f"{path}:14: {routed}; a host belongs to exactly one route",
         f"{path}:15: tenant 'a' is defined twice (also at {path}:7)",
-        f"{path}:15: host 'a.example' is already routed by tenant 'a' (at {path}:10); "
-        "a host belongs to exactly one route",
+        f"{path}:15: {routed}; a host belongs to exactly one route",
     ]
 
 

@@ -96,7 +96,6 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from pact_ingress.errors import ConfigError
 from pact_ingress.files import NotAFile, TooLarge, read_small
 from pact_ingress.identity import pin_problem
-from pact_ingress.proto.http_request import BadRequest, normalise_path
 from pact_ingress.model import (
     RELAY_MAX_BYTES,
     RELAY_MAX_ITEMS,
@@ -121,6 +120,7 @@ from pact_ingress.model import (
     is_ip_address,
     normalize_hostname,
 )
+from pact_ingress.proto.http_request import BadRequest, normalise_path
 
 # --- caps ---------------------------------------------------------------------------------
 
