@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pact_ingress.config import load_config, parse_address
+from pact_ingress.config import load_config, load_connector_config, parse_address
 from pact_ingress.errors import ConfigError
 
 PIN_A = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
@@ -813,3 +813,51 @@ def test_an_include_directory_that_is_a_dangling_symlink_is_an_error(tmp_path: P
     lines = refused(main)
     assert len(lines) == 1 and lines[0].startswith(f"{main}:5: "), lines
     assert "tenants.d" in lines[0], lines
+
+
+# --- files any local user may change ------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["main", "tenant-file", "tenant-dir", "connector"])
+def test_a_config_any_local_user_may_change_is_refused(tmp_path: Path, what: str) -> None:
+    """A config, a tenant file or the directory the include searches that every local
+    user may write lets any of them reroute a tenant's traffic (or add a tenant) at the
+    next reload, and the connector's `on_mail.command` would run whatever they write
+    there. Refused like a key every user may read, naming the file (or the include)."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    tenants = tmp_path / "tenants.d"
+    tenants.mkdir()
+    (tenants / "a.yaml").write_text(TENANT.format(name="a", pin=PIN_A))
+    if what == "connector":
+        main.write_text(f"""identity: {{key: node.key}}
+ingress: {{address: ingress.example, tunnel_hostname: tunnel.example, pin: "{PIN_B}"}}
+forward: "127.0.0.1:8443"
+on_mail: {{command: [/usr/bin/true]}}
+""")
+        main.chmod(0o666)
+        with pytest.raises(ConfigError) as info:
+            load_connector_config(main)
+        found = info.value.messages
+        assert len(found) == 1 and found[0].startswith(f"{main}:1: "), found
+        assert "every user" in found[0], found
+        return
+    target, shown = {"main": (main, f"{main}:1: "),
+                     "tenant-file": (tenants / "a.yaml", f"{tenants}/a.yaml:1: "),
+                     "tenant-dir": (tenants, f"{main}:5: ")}[what]
+    target.chmod(0o777 if target.is_dir() else 0o646)
+    lines = refused(main)
+    assert len(lines) == 1 and lines[0].startswith(shown), lines
+    assert "every user" in lines[0], lines
+
+
+def test_a_world_writable_directory_with_the_sticky_bit_is_still_refused(tmp_path: Path
+                                                                         ) -> None:
+    """The sticky bit stops users from replacing each other's files, not from adding
+    new ones: a new tenants.d/x.yaml is a new tenant at the next reload."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    (tmp_path / "tenants.d").mkdir()
+    (tmp_path / "tenants.d").chmod(0o1777)
+    lines = refused(main)
+    assert len(lines) == 1 and lines[0].startswith(f"{main}:5: "), lines

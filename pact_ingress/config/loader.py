@@ -527,7 +527,7 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
     try:
         # a named pipe must not hold a reload (and with it the whole event loop) waiting
         # for a writer: `read_small` refuses it like any non-file
-        data = read_small(path, MAX_CONFIG_BYTES)[0]
+        data, mode = read_small(path, MAX_CONFIG_BYTES)
     except OSError as exc:  # line 1 too: every complaint reads FILE:LINE
         ctx.errors.append(f"{ctx.file}:1: cannot read: {exc.strerror or exc}")
         return None
@@ -537,6 +537,9 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
         return None
     except TooLarge:
         ctx.errors.append(f"{ctx.file}:1: file larger than {MAX_CONFIG_BYTES} bytes")
+        return None
+    if mode & 0o002:
+        ctx.errors.append(f"{ctx.file}:1: {_writable_by_all('the file')}")
         return None
     try:
         return data.decode("utf-8")
@@ -598,6 +601,13 @@ _HIDDEN_BREAKS = {"\x85": "NEXT LINE", "\u2028": "LINE SEPARATOR",
                   "\u2029": "PARAGRAPH SEPARATOR"}
 _HIDDEN_BREAK_RE = re.compile("[" + "".join(_HIDDEN_BREAKS) + "]")
 _EDITOR_BREAK_RE = re.compile(r"\r\n|\r|\n")
+
+
+def _writable_by_all(what: str) -> str:
+    """Any local user could reroute traffic through it, or add a tenant, at the next
+    reload (and a connector's on_mail.command would run what they wrote)."""
+    return (f"{what} is writable by every user: chmod o-w (whoever may write it decides "
+            "where traffic goes)")
 
 
 def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
@@ -1207,8 +1217,8 @@ def _expand_includes(
     found: dict[str, str] = {}  # abspath -> display path
     for pattern, node in patterns:
         full = os.path.join(base, os.path.expanduser(pattern))
-        if (unlisted := _unlistable(full)) is not None:
-            ctx.at(node, f"include {pattern!r}: cannot list {unlisted}")
+        if (problem := _include_dir_problem(full)) is not None:
+            ctx.at(node, f"include {pattern!r}: {problem}")
             continue
         for hit in sorted(glob.glob(full)):
             # only directories are passed over: anything else the glob names (a symlink
@@ -1226,11 +1236,12 @@ def _expand_includes(
     return [found[k] for k in sorted(found)]
 
 
-def _unlistable(pattern: str) -> str | None:
-    """"DIR: reason" when the directory an include glob searches (the part before its
-    first wildcard) exists but cannot be listed, or is a symlink to nowhere: glob then
-    quietly finds nothing, which would read as "no tenants". None when it can be listed,
-    or does not exist (no tenants.d yet is fine)."""
+def _include_dir_problem(pattern: str) -> str | None:
+    """What is wrong with the directory an include glob searches (the part before its
+    first wildcard): it exists but cannot be listed, or is a symlink to nowhere (glob
+    then quietly finds nothing, which would read as "no tenants"), or every user may
+    add files to it (each a tenant at the next reload; the sticky bit does not stop
+    that). None when it is fine, or does not exist (no tenants.d yet is fine)."""
     parts = Path(pattern).parts
     fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
     if fixed is None:  # one file named: found without listing anything
@@ -1240,10 +1251,17 @@ def _unlistable(pattern: str) -> str | None:
         os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError) as exc:
         if os.path.islink(directory):  # a symlink to nowhere is no missing directory
-            return f"{directory}: {exc.strerror or exc} (a symlink to {os.readlink(directory)})"
+            return (f"cannot list {directory}: {exc.strerror or exc} (a symlink to "
+                    f"{os.readlink(directory)})")
         return None
     except OSError as exc:
-        return f"{directory}: {exc.strerror or exc}"
+        return f"cannot list {directory}: {exc.strerror or exc}"
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:  # gone since it was listed: the glob finds nothing, as it would
+        return None
+    if mode & 0o002:
+        return _writable_by_all(f"directory {directory}")
     return None
 
 
