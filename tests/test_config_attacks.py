@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -861,3 +862,81 @@ def test_a_world_writable_directory_with_the_sticky_bit_is_still_refused(tmp_pat
     (tmp_path / "tenants.d").chmod(0o1777)
     lines = refused(main)
     assert len(lines) == 1 and lines[0].startswith(f"{main}:5: "), lines
+
+
+# --- the TSIG key file --------------------------------------------------------------------
+
+TSIG_KEY = 'key "pact-acme" {\n\talgorithm hmac-sha256;\n\tsecret "c2VjcmV0c2VjcmV0c2VjcmV0";\n};\n'
+
+
+def dns01_config(tmp_path: Path, key: str) -> Path:
+    path = tmp_path / "dns.yaml"
+    path.write_text(BASE + f"""acme:
+  directory: https://ca.example/dir
+  agree_tos: true
+  challenges: [dns-01]
+  dns01:
+    server: "127.0.0.1:53"
+    zone: example.
+    tsig_key_file: {key}
+""")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "world-readable", "garbage", "huge"])
+def test_a_tsig_key_file_that_cannot_be_used_is_an_error_at_its_line(tmp_path: Path,
+                                                                     kind: str) -> None:
+    """The TSIG key was read only when the certificate manager was updated, in the event
+    loop, with a plain read: a pipe there held start and every reload for ever, a device
+    was read without end, a key every user may read (it can change the zone, so obtain
+    certificates for it) was taken, and garbage showed only at the first DNS-01 order.
+    An existing file is now checked at load; one not there yet is fine (systemd's
+    LoadCredential puts it there only for the service)."""
+    key = tmp_path / "tsig.key"
+    if kind == "fifo":
+        os.mkfifo(key, 0o600)
+    elif kind == "device":
+        key.symlink_to("/dev/zero")
+    else:
+        key.write_text({"world-readable": TSIG_KEY, "garbage": "not a key\n",
+                        "huge": TSIG_KEY + "#" * 10_000}[kind])
+        key.chmod(0o644 if kind == "world-readable" else 0o600)
+    found = messages(dns01_config(tmp_path, str(key)))
+    assert len(found) == 1 and found[0].startswith(f"{tmp_path}/dns.yaml:12: "), found
+    assert "tsig_key_file" in found[0], found
+
+
+def test_a_tsig_key_file_not_there_yet_or_good_loads(tmp_path: Path) -> None:
+    config = load_config(dns01_config(tmp_path, "/run/credentials/x.service/tsig.key"))
+    assert config.acme is not None and config.acme.dns01 is not None
+    key = tmp_path / "tsig.key"
+    key.write_text(TSIG_KEY)
+    key.chmod(0o600)
+    assert load_config(dns01_config(tmp_path, str(key))).acme is not None
+
+
+def test_reading_a_tsig_key_that_became_a_pipe_does_not_block(tmp_path: Path) -> None:
+    """Swapped for a pipe after the config was checked: the solver's own read must not
+    wait for a writer (it runs in the event loop)."""
+    from pact_ingress.acme.dns01 import read_tsig_key
+    from pact_ingress.errors import AcmeError
+
+    key = tmp_path / "tsig.key"
+    os.mkfifo(key, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            read_tsig_key(key)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    if thread.is_alive():  # let the blocked reader go, then fail
+        os.close(os.open(key, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=10)
+        pytest.fail("read_tsig_key blocked on a named pipe")
+    assert len(outcome) == 1 and isinstance(outcome[0], AcmeError), outcome

@@ -1174,10 +1174,33 @@ def _dns01(ctx: _Ctx, node: Node) -> Dns01 | None:
         return None
     server = fields.opt("server", _address, "acme.dns01.server", 53)
     zone = fields.opt("zone", _hostname, "acme.dns01.zone")
-    tsig = fields.opt("tsig_key_file", _path, "acme.dns01.tsig_key_file")
+    tsig = fields.opt("tsig_key_file", _tsig_key_file)
     if server is None or zone is None or tsig is None:
         return None
     return Dns01(server, zone + ".", tsig)
+
+
+def _tsig_key_file(ctx: _Ctx, node: Node) -> Path | None:
+    """The key that may change the zone (so obtain certificates for it): when it is there
+    it is checked now, as the state's secrets are; one not there yet is fine (systemd's
+    LoadCredential puts it in place only for the service)."""
+    what = "acme.dns01.tsig_key_file"
+    path = _path(ctx, node, what)
+    if path is None or not os.path.lexists(path):
+        return path
+    data = _read_secret(ctx, node, path, what)
+    if data is None:
+        return None
+    from pact_ingress.acme.dns01 import parse_tsig_key  # dnspython: only when used
+    from pact_ingress.errors import AcmeError
+
+    try:
+        parse_tsig_key(data.decode("ascii"), path)
+    except (UnicodeDecodeError, ValueError, AcmeError):
+        ctx.at(node, f"{what} {path} holds no BIND key clause "
+               '(key "NAME" { algorithm ...; secret "..."; }; as tsig-keygen writes)')
+        return None
+    return path
 
 
 def _limits(ctx: _Ctx, node: Node, base: Limits, what: str) -> Limits | None:
