@@ -940,3 +940,23 @@ def test_reading_a_tsig_key_that_became_a_pipe_does_not_block(tmp_path: Path) ->
         thread.join(timeout=10)
         pytest.fail("read_tsig_key blocked on a named pipe")
     assert len(outcome) == 1 and isinstance(outcome[0], AcmeError), outcome
+
+
+@pytest.mark.parametrize("kind", ["dangling", "fifo", "garbage"])
+def test_an_acme_ca_bundle_that_cannot_be_used_is_an_error_at_its_line(tmp_path: Path,
+                                                                       kind: str) -> None:
+    """check-config said ok to a CA bundle that is a symlink to nowhere, a pipe or holds
+    no certificate; every order then failed against the CA, minutes later, in a log.
+    (One not there at all may still appear before the first order: not refused.)"""
+    bundle = tmp_path / "ca.pem"
+    if kind == "dangling":
+        bundle.symlink_to(tmp_path / "nowhere.pem")
+    elif kind == "fifo":
+        os.mkfifo(bundle)
+    elif kind == "garbage":
+        bundle.write_text("not a certificate\n")
+    path = tmp_path / "ca.yaml"
+    path.write_text(BASE + "acme: {directory: 'https://ca.example/d', agree_tos: true,\n"
+                           f"       ca_bundle: {bundle}}}\n")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:6: acme.ca_bundle"), found

@@ -1117,7 +1117,7 @@ def _acme(ctx: _Ctx, node: Node) -> Acme | None:
     email = fields.opt("email", _acme_email)
     agreed = _agree_tos(ctx, fields)
     challenges = fields.opt("challenges", _challenges, default=Acme.challenges)
-    ca_bundle = fields.opt("ca_bundle", _path, "acme.ca_bundle")
+    ca_bundle = fields.opt("ca_bundle", _ca_bundle)
     dns01 = fields.opt("dns01", _dns01)
     if challenges and "dns-01" in challenges and fields.get("dns01") is None:
         where = fields.get("challenges") or fields.node
@@ -1126,6 +1126,24 @@ def _acme(ctx: _Ctx, node: Node) -> Acme | None:
     if directory is None or not agreed or challenges is None:
         return None
     return Acme(directory, email, True, challenges, ca_bundle, dns01)
+
+
+def _ca_bundle(ctx: _Ctx, node: Node) -> Path | None:
+    """Extra CAs to trust the ACME API with: when the file is there it is read now, so a
+    wrong one is a line here rather than every order failing later (one not there yet,
+    like a test CA's, is looked for when ordering)."""
+    path = _path(ctx, node, "acme.ca_bundle")
+    if path is None or not os.path.lexists(path):
+        return path
+    pem = _read_pem(ctx, node, path, "acme.ca_bundle")
+    if pem is None:
+        return None
+    try:
+        x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        ctx.at(node, f"acme.ca_bundle {path} holds no PEM certificate")
+        return None
+    return path
 
 
 def _acme_directory(ctx: _Ctx, node: Node) -> str | None:
