@@ -236,7 +236,7 @@ def _config_relative(config: Config, path: Path) -> str:
 
 def _write_new(target: Path, text: str) -> None:
     """Atomically create `target` with `text`; refuse if it exists (no clobbering)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # never o+w, even at umask 0
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         os.fchmod(fd, 0o644)

@@ -960,3 +960,20 @@ def test_an_acme_ca_bundle_that_cannot_be_used_is_an_error_at_its_line(tmp_path:
                            f"       ca_bundle: {bundle}}}\n")
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:6: acme.ca_bundle"), found
+
+
+def test_tenant_add_at_umask_0_writes_what_check_config_accepts(tmp_path: Path) -> None:
+    """`tenant add` creates tenants.d; at umask 0 it came out writable by every user,
+    which the include check (rightly) refuses at the next reload."""
+    main = tmp_path / "main.yaml"
+    main.write_text(INCLUDING)
+    main.chmod(0o644)
+    added = subprocess.run(
+        [sys.executable, "-m", "pact_ingress", "tenant", "add", "bob", "--host", "bob.example",
+         "--pin", PIN_B, "--backend", "127.0.0.1:9000", "-c", str(main)],
+        capture_output=True, text=True, timeout=60, check=False,
+        preexec_fn=lambda: os.umask(0))  # noqa: PLW1509 - only sets the umask
+    assert added.returncode == 0, added.stderr
+    assert not (tmp_path / "tenants.d").stat().st_mode & 0o002
+    result = check_config(main)
+    assert result.returncode == 0 and "(1 tenants, 1 routes)" in result.stdout, result
