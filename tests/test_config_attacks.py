@@ -972,7 +972,7 @@ def test_tenant_add_at_umask_0_writes_what_check_config_accepts(tmp_path: Path) 
         [sys.executable, "-m", "pact_ingress", "tenant", "add", "bob", "--host", "bob.example",
          "--pin", PIN_B, "--backend", "127.0.0.1:9000", "-c", str(main)],
         capture_output=True, text=True, timeout=60, check=False,
-        preexec_fn=lambda: os.umask(0))  # noqa: PLW1509 - only sets the umask
+        preexec_fn=lambda: os.umask(0))
     assert added.returncode == 0, added.stderr
     assert not (tmp_path / "tenants.d").stat().st_mode & 0o002
     result = check_config(main)
