@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pact_ingress import __version__
-from pact_ingress.errors import ConfigError, PactIngressError
+from pact_ingress.errors import UNPRINTABLE, ConfigError, PactIngressError
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -235,8 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in exc.messages:
             print(line, file=sys.stderr)
         return 2
-    except PactIngressError as exc:
-        print(f"pact-ingress: {exc}", file=sys.stderr)
+    except PactIngressError as exc:  # a path in it may hold control characters
+        print(f"pact-ingress: {str(exc).translate(UNPRINTABLE)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -17,15 +17,24 @@ class PactIngressError(Exception):
     exit_code = 1
 
 
+#: Characters a message may not carry as they are: line breaks would split one problem
+#: over several lines, escape sequences would reach the operator's terminal. A path or
+#: value quoted in a message may hold them (YAML's "\n" and "\e" escapes).
+UNPRINTABLE = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)]}
+UNPRINTABLE.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
+                     0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
 class ConfigError(PactIngressError):
-    """A configuration file is invalid. `messages` are `FILE:LINE: message` lines."""
+    """A configuration file is invalid. `messages` are `FILE:LINE: message` lines, each
+    one printable line (control characters in them are escaped)."""
 
     exit_code = 2
 
     def __init__(self, messages: list[str] | str) -> None:
         if isinstance(messages, str):
             messages = [messages]
-        self.messages = list(messages)
+        self.messages = [m.translate(UNPRINTABLE) for m in messages]
         super().__init__("\n".join(self.messages))
 
 

@@ -196,7 +196,7 @@ def test_overlay_file_is_included_without_touching_disk(tmp_path: Path) -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read: No such file"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml:1: cannot read: No such file"):
         load_config(tmp_path / "nope.yaml")
 
 

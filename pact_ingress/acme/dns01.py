@@ -31,6 +31,7 @@ import dns.tsigkeyring
 import dns.update
 
 from pact_ingress.errors import AcmeError
+from pact_ingress.files import read_small
 from pact_ingress.model import Dns01
 
 #: TTL of the challenge record: short, it is deleted right after validation anyway.
@@ -61,16 +62,27 @@ class TsigKey:
 
 
 def read_tsig_key(path: Path) -> TsigKey:
-    """Parse a BIND `key "name" { algorithm ...; secret "..."; };` file (tsig-keygen output)."""
+    """Parse a BIND `key "name" { algorithm ...; secret "..."; };` file (tsig-keygen output).
+
+    Read as every operator-named file is (`files.read_small`): this runs in the event
+    loop, where a pipe at the path would otherwise wait for a writer for ever."""
     try:
-        text = Path(path).read_bytes()[:MAX_KEY_FILE].decode("ascii")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_small(path, MAX_KEY_FILE)[0].decode("ascii")
+    except (OSError, ValueError) as exc:  # NotAFile, TooLarge, UnicodeDecodeError
         raise AcmeError(f"cannot read TSIG key file {path}: {exc}", reason="dns01_key") from exc
+    return parse_tsig_key(text, path)
+
+
+def parse_tsig_key(text: str, path: Path) -> TsigKey:
     m = _KEY_RE.search(text)
     if m is None:
         raise AcmeError(f"{path}: not a BIND key clause (tsig-keygen output)",
                         reason="dns01_key")
-    return TsigKey(m["name"], m["alg"], base64.b64decode(m["secret"]))
+    try:
+        secret = base64.b64decode(m["secret"], validate=True)
+    except ValueError as exc:  # binascii.Error: bad padding
+        raise AcmeError(f"{path}: the key's secret is not base64", reason="dns01_key") from exc
+    return TsigKey(m["name"], m["alg"], secret)
 
 
 def challenge_name(host: str) -> str:

@@ -28,7 +28,8 @@ Decisions worth knowing:
   when they appear in an included tenant file: one base for the whole tree.
 * ``include`` is a glob (or a list of globs) relative to the main file's directory; each
   matching file holds one tenant mapping. No match (e.g. a missing ``tenants.d``) means no
-  extra tenants, not an error.
+  extra tenants, not an error; but a directory the glob cannot list, or a match that
+  cannot be read as a file, is one: either would otherwise drop tenants without a word.
 * ``identity`` may be omitted: the key then lives at ``STATE_DIR/identity.key``.
 * Route ``mode`` and ``backend`` are required (no silent default for where traffic goes).
 * A terminate route without ``cert`` uses ``acme`` when an ``acme`` block exists;
@@ -76,6 +77,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -118,6 +120,7 @@ from pact_ingress.model import (
     is_ip_address,
     normalize_hostname,
 )
+from pact_ingress.proto.http_request import BadRequest, normalise_path
 
 # --- caps ---------------------------------------------------------------------------------
 
@@ -128,6 +131,10 @@ MAX_INCLUDED_FILES = 10_000
 #: Mappings and lists walked per load. YAML aliases can make a small file a huge tree
 #: (billion laughs); the schema is shallow, a route costs 1-3, so this is ~30k routes.
 MAX_WALKED_NODES = 100_000
+#: Nesting of YAML collections. The schema is six deep (top, tenants, tenant, routes,
+#: route, limits); PyYAML composes nested nodes recursively, so without a bound a few KiB
+#: of brackets reach the interpreter's recursion limit instead of a config error.
+MAX_NESTING = 64
 #: Errors collected before giving up: an operator reads the first screenful anyway.
 MAX_ERRORS = 100
 #: Pins per tenant: one normally, two during a key rotation (spec §2); a few spare.
@@ -156,9 +163,10 @@ MAX_PEERS = 64
 MAX_STATE_DEADLINE = 1.0
 
 TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*")
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?")
+# re.ASCII: `\d` would take any script's digits, and float() and int() would read them
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h)?", re.ASCII)
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?")
+_SIZE_RE = re.compile(r"(\d+)\s*(B|KiB|MiB|GiB|kB|MB|GB)?", re.ASCII)
 _SIZE_UNITS = {
     None: 1, "B": 1,
     "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -170,6 +178,7 @@ ACME_CHALLENGES = ("tls-alpn-01", "http-01", "dns-01")
 
 _TAG = "tag:yaml.org,2002:"
 _STR, _INT, _FLOAT, _BOOL, _NULL = (_TAG + t for t in ("str", "int", "float", "bool", "null"))
+_MAP, _SEQ = _TAG + "map", _TAG + "seq"
 
 
 # --- public value parsers (also used by the CLI and tenants.py) ---------------------------
@@ -201,6 +210,8 @@ def parse_size(text: str) -> int:
     size = int(m.group(1)) * _SIZE_UNITS[m.group(2)]
     if size <= 0:
         raise ValueError(f"bad size {text!r}: must be greater than zero")
+    if size > _NO_LIMIT:  # the bound a plain integer has
+        raise ValueError(f"bad size {text!r}: must be at most {_NO_LIMIT} bytes")
     return size
 
 
@@ -212,12 +223,30 @@ def parse_address(text: str, *, default_port: int | None = None) -> Address:
         if not host.endswith("]") or not _is_ipv6(host[1:-1]):
             raise ValueError(f"{text!r}: brackets hold an IPv6 address only")
         host = host[1:-1]
+        if "%" in host:
+            _check_zone(host, text)
     elif not is_ip_address(host):
         try:
             host = normalize_hostname(host)
         except ValueError:
             raise ValueError(f"{text!r}: {host!r} is not an IP address or host name") from None
     return Address(host, port)
+
+
+def _check_zone(host: str, text: str) -> None:
+    """A zone (`fe80::1%eth0`) names the interface of a link-local address; anywhere else,
+    or naming an interface this machine lacks, it would fail only at connect or bind."""
+    address, zone = host.split("%", 1)
+    if not ipaddress.IPv6Address(address).is_link_local:
+        raise ValueError(f"{text!r}: a zone (%{zone}) applies to a link-local address "
+                         "(fe80::/10) only")
+    try:
+        if zone.isascii() and zone.isdigit():
+            socket.if_indextoname(int(zone))
+        else:
+            socket.if_nametoindex(zone)
+    except (OSError, OverflowError):
+        raise ValueError(f"{text!r}: no network interface {zone!r} on this machine") from None
 
 
 def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
@@ -239,7 +268,7 @@ def _split_host_port(text: str, default_port: int | None) -> tuple[str, int]:
         if default_port is None:
             raise ValueError(f"{text!r}: missing port (want HOST:PORT)")
         return host, default_port
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: port must be 1..65535")
     return host, int(port_text)
 
@@ -267,15 +296,16 @@ class _Ctx:
     def at(self, node: Node, message: str) -> None:
         self.errors.append(f"{self.where(node)}: {message}")
         if len(self.errors) >= MAX_ERRORS:
-            raise _Stop(f"{self.file}: stopped after {MAX_ERRORS} errors")
+            raise _Stop(f"{self.where(node)}: stopped after {MAX_ERRORS} errors")
 
     def where(self, node: Node) -> str:
         return f"{self.file}:{node.start_mark.line + 1}"
 
-    def spend(self) -> None:
+    def spend(self, node: Node) -> None:
         self.budget[0] -= 1
         if self.budget[0] < 0:
-            raise _Stop(f"{self.file}: config too large (over {MAX_WALKED_NODES} nodes)")
+            raise _Stop(f"{self.where(node)}: config too large (over {MAX_WALKED_NODES} "
+                        "nodes)")
 
     def for_file(self, file: str) -> _Ctx:
         return _Ctx(file, self.base, self.errors, self.budget)
@@ -327,9 +357,12 @@ def _mapping(
     ctx: _Ctx, node: Node, what: str, known: tuple[str, ...], required: tuple[str, ...] = ()
 ) -> _Fields | None:
     """Check `node` is a mapping with string keys drawn from `known`, `required` present."""
-    ctx.spend()
+    ctx.spend(node)
     if not isinstance(node, MappingNode):
         ctx.at(node, f"{what} must be a mapping, got {_kind(node)}")
+        return None
+    if node.tag != _MAP:
+        ctx.at(node, _tag_refused(what, node))
         return None
     fields = _Fields(ctx, node)
     for key_node, value_node in node.value:
@@ -352,21 +385,43 @@ def _mapping(
 
 
 def _sequence(ctx: _Ctx, node: Node, what: str) -> list[Node]:
-    ctx.spend()
+    ctx.spend(node)
     if not isinstance(node, SequenceNode):
         ctx.at(node, f"{what} must be a list, got {_kind(node)}")
+        return []
+    if node.tag != _SEQ:
+        ctx.at(node, _tag_refused(what, node))
         return []
     return list(node.value)
 
 
+def _tag_refused(what: str, node: Node) -> str:
+    """A tag on a mapping or list (`!!python/object`, `!!set`, `!custom`) changes nothing
+    here, as the tree is only walked, never constructed: refused rather than silently
+    ignored, like an unknown key."""
+    tag = node.tag.replace(_TAG, "!!")
+    return f"{what}: the YAML tag {tag} is not supported (plain mappings and lists only)"
+
+
 def _string(ctx: _Ctx, node: Node, what: str) -> str | None:
     if not isinstance(node, ScalarNode) or node.tag != _STR:
-        ctx.at(node, f"{what} must be a string, got {_kind(node)}")
+        ctx.at(node, f"{what} must be a string, got {_kind(node)}{_quote_hint(node)}")
         return None
     if not node.value.strip():
         ctx.at(node, f"{what} must not be empty")
         return None
+    if "\0" in node.value:  # YAML's "\0" escape: no path, name or address holds one
+        ctx.at(node, f"{what} must not contain a NUL character")
+        return None
     return str(node.value)
+
+
+def _quote_hint(node: Node) -> str:
+    """Why a bare word is no string: YAML 1.1 reads on/off/yes/no as booleans, digits as
+    numbers and dates as timestamps unless they are quoted."""
+    if not isinstance(node, ScalarNode) or node.style is not None or node.tag == _NULL:
+        return ""
+    return f" (YAML reads a bare {node.value!r} as {_kind(node)}: quote it, \"{node.value}\")"
 
 
 def _strings(ctx: _Ctx, node: Node, what: str) -> list[tuple[str, Node]]:
@@ -393,7 +448,8 @@ def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT)
         return None
     value = int(SafeConstructor().construct_yaml_int(node))
     if not lo <= value <= hi:
-        bound = f"between {lo} and {hi}" if hi < _NO_LIMIT else f"at least {lo}"
+        bound = (f"between {lo} and {hi}" if hi < _NO_LIMIT
+                 else f"at least {lo}" if value < lo else f"at most {hi}")
         ctx.at(node, f"{what} must be {bound}, got {value}")
         return None
     return value
@@ -402,8 +458,10 @@ def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT)
 def _duration(ctx: _Ctx, node: Node, what: str) -> float | None:
     try:
         if isinstance(node, ScalarNode) and node.tag in (_INT, _FLOAT):
-            number = float(SafeConstructor().construct_yaml_float(node))
-            return _check_duration(number, node.value)
+            # an integer may be spelled 0x10 or 0b101, which only the int reader knows
+            construct = (SafeConstructor().construct_yaml_int if node.tag == _INT
+                         else SafeConstructor().construct_yaml_float)
+            return _check_duration(float(construct(node)), node.value)
         if isinstance(node, ScalarNode) and node.tag == _STR:
             return parse_duration(node.value)
     except ValueError as exc:
@@ -469,16 +527,19 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
     try:
         # a named pipe must not hold a reload (and with it the whole event loop) waiting
         # for a writer: `read_small` refuses it like any non-file
-        data = read_small(path, MAX_CONFIG_BYTES)[0]
-    except OSError as exc:
-        ctx.errors.append(f"{ctx.file}: cannot read: {exc.strerror or exc}")
+        data, mode = read_small(path, MAX_CONFIG_BYTES)
+    except OSError as exc:  # line 1 too: every complaint reads FILE:LINE
+        ctx.errors.append(f"{ctx.file}:1: cannot read: {exc.strerror or exc}")
         return None
     except NotAFile as exc:
-        ctx.errors.append(f"{ctx.file}: cannot read: {os.strerror(errno.EISDIR)}"
+        ctx.errors.append(f"{ctx.file}:1: cannot read: {os.strerror(errno.EISDIR)}"
                           if exc.is_dir else f"{ctx.file}:1: not a regular file")
         return None
     except TooLarge:
         ctx.errors.append(f"{ctx.file}:1: file larger than {MAX_CONFIG_BYTES} bytes")
+        return None
+    if mode & 0o002:
+        ctx.errors.append(f"{ctx.file}:1: {_writable_by_all('the file')}")
         return None
     try:
         return data.decode("utf-8")
@@ -488,13 +549,88 @@ def _read_text(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> str | None:
         return None
 
 
+class _TooDeep(yaml.YAMLError):
+    def __init__(self, mark: yaml.Mark) -> None:
+        self.mark = mark
+
+
+class _TooMany(yaml.YAMLError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, refusing collections nested deeper than MAX_NESTING, and giving
+    each alias a copy of its anchor's nodes marked with the alias's own position: in
+    PyYAML's tree an alias *is* the anchored node, so a tenant repeated through `*t`
+    would be blamed at the anchor's line. Copies count against MAX_WALKED_NODES, so an
+    alias bomb stops while it is composed."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._copied = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_NESTING:
+                raise _TooDeep(self.peek_event().start_mark)
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                return self._copy(super().compose_node(parent, index), mark)
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+    def _copy(self, node: Node, mark: yaml.Mark) -> Node:
+        self._copied += 1
+        if self._copied > MAX_WALKED_NODES:
+            raise _TooMany()
+        if isinstance(node, ScalarNode):
+            return ScalarNode(node.tag, node.value, mark, mark, node.style)
+        if isinstance(node, SequenceNode):
+            items = [self._copy(item, mark) for item in node.value]
+            return SequenceNode(node.tag, items, mark, mark, node.flow_style)
+        pairs = [(self._copy(k, mark), self._copy(v, mark)) for k, v in node.value]
+        return MappingNode(node.tag, pairs, mark, mark, node.flow_style)
+
+
+#: Characters YAML 1.1 takes for line breaks that editors and `grep -n` do not: one
+#: pasted into a comment would end it early and shift every later line number.
+_HIDDEN_BREAKS = {"\x85": "NEXT LINE", "\u2028": "LINE SEPARATOR",
+                  "\u2029": "PARAGRAPH SEPARATOR"}
+_HIDDEN_BREAK_RE = re.compile("[" + "".join(_HIDDEN_BREAKS) + "]")
+_EDITOR_BREAK_RE = re.compile(r"\r\n|\r|\n")
+
+
+def _writable_by_all(what: str) -> str:
+    """Any local user could reroute traffic through it, or add a tenant, at the next
+    reload (and a connector's on_mail.command would run what they wrote)."""
+    return (f"{what} is writable by every user: chmod o-w (whoever may write it decides "
+            "where traffic goes)")
+
+
 def _compose(ctx: _Ctx, path: Path, overlay: Mapping[str, str]) -> Node | None:
     """The node tree of one YAML file, or None (with the error recorded)."""
     text = _read_text(ctx, path, overlay)
     if text is None:
         return None
+    if (hidden := _HIDDEN_BREAK_RE.search(text)) is not None:
+        line = len(_EDITOR_BREAK_RE.split(text[: hidden.start()]))
+        char = hidden.group()
+        ctx.errors.append(f"{ctx.file}:{line}: U+{ord(char):04X} {_HIDDEN_BREAKS[char]} is a "
+                          "line break to YAML but not to an editor: remove it")
+        return None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
+    except _TooDeep as exc:
+        ctx.errors.append(f"{ctx.file}:{exc.mark.line + 1}: YAML nested more than "
+                          f"{MAX_NESTING} levels deep")
+        return None
+    except _TooMany:
+        ctx.errors.append(f"{ctx.file}:1: config too large (its aliases repeat over "
+                          f"{MAX_WALKED_NODES} nodes)")
+        return None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
@@ -584,6 +720,8 @@ class _Seen:
     broken: frozenset[str] = frozenset()  # top-level blocks present but invalid (no cascade)
     names: dict[str, str] = field(default_factory=dict)  # name -> "FILE:LINE"
     hosts: dict[str, tuple[str, str]] = field(default_factory=dict)  # host -> (tenant, where)
+    #: pin -> (first tenant, where, whether any tenant with it needs a connector)
+    pins: dict[str, tuple[str, str, bool]] = field(default_factory=dict)
     relay_host: tuple[str, str] | None = None  # (host, where) of the relay gateway
 
 
@@ -591,7 +729,7 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
     top = _mapping(ctx, root, "the config file", _TOP_KEYS, required=("state_dir", "listen"))
     if top is None:
         return None
-    state_dir = top.opt("state_dir", _path, "state_dir")
+    state_dir = top.opt("state_dir", _state_dir)
     identity_key = _identity(ctx, top, state_dir)
     listen = top.opt("listen", _listen)
     tunnel = top.opt("tunnel", _tunnel)
@@ -621,6 +759,20 @@ def _config(ctx: _Ctx, path: Path, root: Node, overlay: Mapping[str, str]) -> Co
         state=state,
         relay=relay,
     )
+
+
+def _state_dir(ctx: _Ctx, node: Node) -> Path | None:
+    """A directory, or one that serve can create (it does at start)."""
+    path = _path(ctx, node, "state_dir")
+    if path is None:
+        return None
+    if os.path.lexists(path) and not path.is_dir():
+        ctx.at(node, f"state_dir {path} is not a directory")
+        return None
+    if (blocker := _not_a_directory(path)) is not None:
+        ctx.at(node, f"state_dir {path} cannot be created: {blocker} is not a directory")
+        return None
+    return path
 
 
 def _state(ctx: _Ctx, node: Node) -> State | None:
@@ -709,7 +861,8 @@ def _redis_url(ctx: _Ctx, node: Node) -> tuple[str, int, int, str | None, bool] 
         problem = "it names no host"
     elif parts.query or parts.fragment:
         problem = "query strings and fragments are not supported (use the state.* keys)"
-    elif parts.path.strip("/") and not parts.path.strip("/").isdigit():
+    elif parts.path.strip("/") and not (parts.path.strip("/").isascii()
+                                        and parts.path.strip("/").isdigit()):
         problem = "the path must be a database number, e.g. /0"
     if problem is None:
         try:
@@ -842,13 +995,15 @@ def _identity(ctx: _Ctx, top: _Fields, state_dir: Path | None) -> Path | None:
 
 def _key_not_public(ctx: _Ctx, node: Node, path: Path, what: str) -> None:
     """A private key (or the admin token) that exists must not be readable by every
-    local user (a key that does not exist yet is written 0600). Other problems with it
-    are reported where it is read."""
+    local user (a key that does not exist yet is written 0600), nor be a directory. Other
+    problems with it are reported where it is read."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return
-    if stat.S_ISREG(mode) and mode & 0o007:
+    if stat.S_ISDIR(mode):
+        ctx.at(node, f"{what} {path} is a directory")
+    elif stat.S_ISREG(mode) and mode & 0o007:
         ctx.at(node, _readable_by_all(what, path))
 
 
@@ -908,7 +1063,7 @@ def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | N
         if not text[5:].strip():
             ctx.at(node, "listen.admin: 'unix:' needs a socket path, e.g. unix:/run/x.sock")
             return None
-        return _resolve(ctx.base, text[5:].strip())
+        return _admin_socket(ctx, node, _resolve(ctx.base, text[5:].strip()))
     address = _address(ctx, node, "listen.admin") if text is not None else None
     if address is not None and not _is_loopback(address.host) and not has_token:
         ctx.at(node, f"listen.admin {str(address)!r} is not a loopback address: the admin "
@@ -916,6 +1071,27 @@ def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | N
                "unix:PATH, or set listen.admin_token_file to require a bearer token")  # fmt: skip
         return None
     return address
+
+
+#: A unix socket address holds this many bytes of path (sun_path, less its NUL).
+MAX_UNIX_PATH = 107
+
+
+def _admin_socket(ctx: _Ctx, node: Node, path: Path) -> Path | None:
+    """What binding it at start would refuse, said now: a path too long for a socket
+    address, or one naming something other than a (stale) socket."""
+    if len(os.fsencode(path)) > MAX_UNIX_PATH:
+        ctx.at(node, f"listen.admin unix:{path} is longer than the {MAX_UNIX_PATH} bytes a "
+               "unix socket path may have")  # fmt: skip
+        return None
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return path
+    if not stat.S_ISSOCK(mode):
+        ctx.at(node, f"listen.admin unix:{path} exists and is not a socket")
+        return None
+    return path
 
 
 def _is_loopback(host: str) -> bool:
@@ -941,7 +1117,7 @@ def _acme(ctx: _Ctx, node: Node) -> Acme | None:
     email = fields.opt("email", _acme_email)
     agreed = _agree_tos(ctx, fields)
     challenges = fields.opt("challenges", _challenges, default=Acme.challenges)
-    ca_bundle = fields.opt("ca_bundle", _path, "acme.ca_bundle")
+    ca_bundle = fields.opt("ca_bundle", _ca_bundle)
     dns01 = fields.opt("dns01", _dns01)
     if challenges and "dns-01" in challenges and fields.get("dns01") is None:
         where = fields.get("challenges") or fields.node
@@ -950,6 +1126,24 @@ def _acme(ctx: _Ctx, node: Node) -> Acme | None:
     if directory is None or not agreed or challenges is None:
         return None
     return Acme(directory, email, True, challenges, ca_bundle, dns01)
+
+
+def _ca_bundle(ctx: _Ctx, node: Node) -> Path | None:
+    """Extra CAs to trust the ACME API with: when the file is there it is read now, so a
+    wrong one is a line here rather than every order failing later (one not there yet,
+    like a test CA's, is looked for when ordering)."""
+    path = _path(ctx, node, "acme.ca_bundle")
+    if path is None or not os.path.lexists(path):
+        return path
+    pem = _read_pem(ctx, node, path, "acme.ca_bundle")
+    if pem is None:
+        return None
+    try:
+        x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        ctx.at(node, f"acme.ca_bundle {path} holds no PEM certificate")
+        return None
+    return path
 
 
 def _acme_directory(ctx: _Ctx, node: Node) -> str | None:
@@ -972,8 +1166,10 @@ def _agree_tos(ctx: _Ctx, fields: _Fields) -> bool:
     node = fields.get("agree_tos")
     if node is not None and node.tag == _BOOL and node.value.lower() in ("true", "yes", "on"):
         return True
+    got = (f" (got the string {node.value!r}: write true without quotes)"
+           if isinstance(node, ScalarNode) and node.tag == _STR else "")
     ctx.at(node or fields.node, "acme.agree_tos must be true: ordering certificates means "
-           "agreeing to the CA's terms of service, so say so explicitly")  # fmt: skip
+           f"agreeing to the CA's terms of service, so say so explicitly{got}")  # fmt: skip
     return False
 
 
@@ -996,10 +1192,33 @@ def _dns01(ctx: _Ctx, node: Node) -> Dns01 | None:
         return None
     server = fields.opt("server", _address, "acme.dns01.server", 53)
     zone = fields.opt("zone", _hostname, "acme.dns01.zone")
-    tsig = fields.opt("tsig_key_file", _path, "acme.dns01.tsig_key_file")
+    tsig = fields.opt("tsig_key_file", _tsig_key_file)
     if server is None or zone is None or tsig is None:
         return None
     return Dns01(server, zone + ".", tsig)
+
+
+def _tsig_key_file(ctx: _Ctx, node: Node) -> Path | None:
+    """The key that may change the zone (so obtain certificates for it): when it is there
+    it is checked now, as the state's secrets are; one not there yet is fine (systemd's
+    LoadCredential puts it in place only for the service)."""
+    what = "acme.dns01.tsig_key_file"
+    path = _path(ctx, node, what)
+    if path is None or not os.path.lexists(path):
+        return path
+    data = _read_secret(ctx, node, path, what)
+    if data is None:
+        return None
+    from pact_ingress.acme.dns01 import parse_tsig_key  # dnspython: only when used
+    from pact_ingress.errors import AcmeError
+
+    try:
+        parse_tsig_key(data.decode("ascii"), path)
+    except (UnicodeDecodeError, ValueError, AcmeError):
+        ctx.at(node, f"{what} {path} holds no BIND key clause "
+               '(key "NAME" { algorithm ...; secret "..."; }; as tsig-keygen writes)')
+        return None
+    return path
 
 
 def _limits(ctx: _Ctx, node: Node, base: Limits, what: str) -> Limits | None:
@@ -1039,8 +1258,13 @@ def _expand_includes(
     found: dict[str, str] = {}  # abspath -> display path
     for pattern, node in patterns:
         full = os.path.join(base, os.path.expanduser(pattern))
+        if (problem := _include_dir_problem(full)) is not None:
+            ctx.at(node, f"include {pattern!r}: {problem}")
+            continue
         for hit in sorted(glob.glob(full)):
-            if os.path.isfile(hit):
+            # only directories are passed over: anything else the glob names (a symlink
+            # to nowhere, a pipe) is read, and refused there, rather than dropped unsaid
+            if not os.path.isdir(hit):
                 found.setdefault(os.path.abspath(hit), hit)
         for virtual in overlay:
             if fnmatch.fnmatch(virtual, os.path.abspath(full)):
@@ -1051,6 +1275,35 @@ def _expand_includes(
             return []
     found.pop(os.path.abspath(main), None)
     return [found[k] for k in sorted(found)]
+
+
+def _include_dir_problem(pattern: str) -> str | None:
+    """What is wrong with the directory an include glob searches (the part before its
+    first wildcard): it exists but cannot be listed, or is a symlink to nowhere (glob
+    then quietly finds nothing, which would read as "no tenants"), or every user may
+    add files to it (each a tenant at the next reload; the sticky bit does not stop
+    that). None when it is fine, or does not exist (no tenants.d yet is fine)."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), None)
+    if fixed is None:  # one file named: found without listing anything
+        return None
+    directory = os.path.join(*parts[:fixed]) if fixed else os.curdir
+    try:
+        os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        if os.path.islink(directory):  # a symlink to nowhere is no missing directory
+            return (f"cannot list {directory}: {exc.strerror or exc} (a symlink to "
+                    f"{os.readlink(directory)})")
+        return None
+    except OSError as exc:
+        return f"cannot list {directory}: {exc.strerror or exc}"
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:  # gone since it was listed: the glob finds nothing, as it would
+        return None
+    if mode & 0o002:
+        return _writable_by_all(f"directory {directory}")
+    return None
 
 
 def _included_tenant(
@@ -1076,7 +1329,29 @@ def _tenant(ctx: _Ctx, node: Node, seen: _Seen, source: Path) -> Tenant | None:
     relay = fields.opt("relay", _boolean, "tenant relay", default=False)
     if name is None or not pins or len(routes) != len(nodes) or relay is None:
         return None
+    connector = relay or any(r.backend.is_tunnel for r in routes)
+    if not _pins_of_its_own(ctx, fields.get("pins"), pins, name, connector, seen):
+        return None
     return Tenant(name, pins, tuple(routes), Path(os.path.abspath(source)), relay=relay)
+
+
+def _pins_of_its_own(ctx: _Ctx, node: Node | None, pins: tuple[str, ...], tenant: str,
+                     connector: bool, seen: _Seen) -> bool:
+    """One node may sit behind two tenants while the edge only dials it. But a connector
+    (backend: tunnel, or the relay's wake) whose key two tenants pin is refused by the
+    tunnel server, which cannot tell whose traffic it may carry: a copied tenant file
+    whose pin was left as it was would cut the first tenant's tunnels on reload."""
+    assert isinstance(node, SequenceNode)  # `pins` parsed as a list of strings
+    ok = True
+    for pin, item in zip(pins, node.value):
+        owner, where, needs = seen.pins.get(pin, (tenant, ctx.where(item), False))
+        if owner != tenant and (needs or connector):
+            ctx.at(item, f"pin {pin!r} is also a pin of tenant {owner!r} (at {where}): a "
+                   "connector with this key would be refused as ambiguous; a tenant with "
+                   "backend: tunnel or relay: true needs pins of its own")  # fmt: skip
+            ok = False
+        seen.pins[pin] = (owner, where, needs or connector)
+    return ok
 
 
 def _boolean(ctx: _Ctx, node: Node, what: str) -> bool | None:
@@ -1312,8 +1587,15 @@ def _seal(ctx: _Ctx, node: Node) -> str | None:
 
 def _mcp_path(ctx: _Ctx, node: Node) -> str | None:
     path = _string(ctx, node, "mcp_path")
-    if path is not None and not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
+    if path is None:
+        return None
+    if not re.fullmatch(r"/[!$&'()*+,;=:@%A-Za-z0-9._~/-]*", path):
         ctx.at(node, f"mcp_path must be an absolute URL path like /mcp, got {path!r}")
+        return None
+    try:  # each request's path is compared with this one, normalised the same way
+        normalise_path(path.encode("ascii"))
+    except BadRequest:
+        ctx.at(node, f"mcp_path {path!r} has a '%' not followed by two hex digits")
         return None
     return path
 
@@ -1535,6 +1817,9 @@ def _one_or_list(ctx: _Ctx, node: Node, what: str, cap: int,
     if not isinstance(node, SequenceNode):
         value = item(ctx, node, what)
         return None if value is None else (value,)
+    if node.tag != _SEQ:
+        ctx.at(node, _tag_refused(what, node))
+        return None
     if not node.value:
         ctx.at(node, f"{what} must not be an empty list")
         return None
