@@ -485,20 +485,23 @@ def main_connect(path: Path, *, log_format: str = "json") -> int:
                      forward=str(cfg.forward),
                      connections=cfg.connections)
 
-    trio.run(run)
+    stopping.guard()
+    stopping.run(run)
     log.info("stopped")
     return 0
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:
-    """SIGTERM/SIGINT: stop. SIGHUP: the connector has nothing to reload in place (its
-    config is one key and one address); say so instead of dying of the default action."""
+    """SIGTERM/SIGINT: stop (once: later ones change nothing, see `stopping`). SIGHUP:
+    the connector has nothing to reload in place (its config is one key and one address);
+    say so instead of dying of the default action."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
         async for signum in sigs:
             if signum == signal.SIGHUP:
                 log.warning("reload_not_supported", detail="restart the connector to apply "
                             "a changed config: systemctl restart pact-connect")
                 continue
+            stopping.draining()  # more stop signals ask for what is under way
             sdnotify.stopping()
             stop.set()
             return

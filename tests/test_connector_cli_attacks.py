@@ -396,10 +396,12 @@ def client_hello(host: str) -> bytes:
     return outgoing.read()
 
 
-def test_sighup_while_draining_does_not_kill_the_connector(edge: Edge) -> None:
+@pytest.mark.parametrize("second", ["SIGHUP", "SIGTERM", "SIGINT"])
+def test_signals_while_draining_do_not_kill_the_connector(edge: Edge, second: str) -> None:
     """SIGHUP is documented as harmless for `connect` (it logs that a restart applies a
-    changed config); that must also hold while SIGTERM's drain waits for a stream, or a
-    stray HUP turns a clean stop into death by signal."""
+    changed config), and a second stop signal asks for the stop already under way (as
+    for `serve`): both must hold while SIGTERM's drain waits for a stream, or a stray
+    signal turns a clean stop into death by signal."""
     edge.wait_log("tunnel_up")
     caller = socket.create_connection((LOOPBACK, edge.port), timeout=10)
     try:
@@ -410,7 +412,7 @@ def test_sighup_while_draining_does_not_kill_the_connector(edge: Edge) -> None:
             time.sleep(0.02)
         edge.connect.send_signal(signal.SIGTERM)
         edge.wait_log("connector_draining")
-        edge.connect.send_signal(signal.SIGHUP)
+        edge.connect.send_signal(getattr(signal, second))
         edge.wait_log("connector_draining")  # still alive to read its log: not yet proof
     finally:
         caller.close()
