@@ -204,20 +204,7 @@ def _check_args(
     owner = next((r.tenant for r in config.routes() if r.host == host), None)
     if owner is not None:
         raise UsageError(f"host {host!r} already belongs to tenant {owner!r}")
-    _check_pin_unshared(config, pin, tunnel=backend == "tunnel")
     return host
-
-
-def _check_pin_unshared(config: Config, pin: str, *, tunnel: bool) -> None:
-    """The ingress refuses a connector whose key two tenants pin (it could not tell whose
-    routes the tunnel serves), so sharing a pin with a tenant when either of the two uses
-    a tunnel would cut that node's tunnel off at the next reload."""
-    for other in config.tenants:
-        if pin in other.pins and (tunnel or any(r.backend.is_tunnel for r in other.routes)):
-            raise UsageError(
-                f"--pin {pin} is already a pin of tenant {other.name!r}: the ingress refuses "
-                "a tunnel key pinned by two tenants; give each home node its own key"
-            )
 
 
 def _check_target(config: Config, config_path: Path, name: str, target: Path) -> None:
