@@ -60,11 +60,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           workers=args.workers)
 
 
+def _sighup_changes_nothing(signum: int, frame: object) -> None:
+    pass
+
+
 def _cmd_connect(args: argparse.Namespace) -> int:
-    # SIGHUP changes nothing for the connector (it logs so while it runs): ignored from
+    # SIGHUP changes nothing for the connector (it logs so while it runs): caught from
     # here, it can neither kill it while it starts nor while SIGTERM's drain runs, when
-    # no handler of trio's is there to catch it
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # no handler of trio's is there to catch it. Caught by a handler that does nothing
+    # rather than ignored: exec resets a caught signal to its default, while an ignored
+    # one stays ignored in the mail hook's commands.
+    signal.signal(signal.SIGHUP, _sighup_changes_nothing)
     from pact_ingress import app
 
     return app.main_connect(Path(args.config), log_format=args.log_format or "json")
