@@ -211,15 +211,21 @@ def test_digits_are_ascii_digits(tmp_path: Path, key: str, value: str) -> None:
     assert len(limit_messages(tmp_path, key, value)) == 1
 
 
-@pytest.mark.parametrize("port", ["０８０", "٨٠", "²"])
-def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
-    path = tmp_path / "port.yaml"
+def with_backend(tmp_path: Path, backend: str) -> Path:
+    """A config whose one route (line 9) is a passthrough to `backend`."""
+    path = tmp_path / "backend.yaml"
     path.write_text(BASE + f"""tenants:
   - name: a
     pins: ["{PIN_A}"]
     routes:
-      - {{host: a.example, mode: passthrough, backend: "127.0.0.1:{port}"}}
+      - {{host: a.example, mode: passthrough, backend: "{backend}"}}
 """)
+    return path
+
+
+@pytest.mark.parametrize("port", ["０８０", "٨٠", "²"])
+def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
+    path = with_backend(tmp_path, f"127.0.0.1:{port}")
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:9: backend"), found
     assert "port must be 1..65535" in found[0], found
@@ -522,13 +528,7 @@ def test_a_zone_that_cannot_work_is_refused(tmp_path: Path, text: str, why: str)
     interface this machine does not have (the URL spelling %25 included)."""
     with pytest.raises(ValueError, match=why):
         parse_address(text)
-    path = tmp_path / "zone.yaml"
-    path.write_text(BASE + f"""tenants:
-  - name: a
-    pins: ["{PIN_A}"]
-    routes:
-      - {{host: a.example, mode: passthrough, backend: "{text}"}}
-""")
+    path = with_backend(tmp_path, text)
     found = messages(path)
     assert len(found) == 1 and found[0].startswith(f"{path}:9: backend") and why in found[0]
 
