@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pact_ingress.errors import PactIngressError
+from pact_ingress.errors import UNPRINTABLE, PactIngressError
 from pact_ingress.model import Address
 
 #: Largest admin response we read; a status document of thousands of routes is ~1 MiB.
@@ -112,9 +112,10 @@ def post(
 
 # ---- terminal rendering --------------------------------------------------------------
 
-#: C0 and C1 control characters and DEL: a value printed raw could move the cursor,
-#: retitle or clear the operator's terminal (a CA's error text reaches `last_error`).
-_CONTROLS = {c: "?" for c in [*range(32), *range(127, 160)]}
+#: The characters error messages escape (C0 and C1 controls, DEL, line separators): a
+#: value printed raw could move the cursor, retitle or clear the operator's terminal (a
+#: CA's error text reaches `last_error`), or split a table's row.
+_CONTROLS = dict.fromkeys(UNPRINTABLE, "?")
 
 
 def clean_text(text: str) -> str:
