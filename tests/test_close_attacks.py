@@ -15,6 +15,7 @@ KiB at a time, and asserts the invariant: the client gets the whole answer.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import ssl
 import struct
@@ -25,7 +26,11 @@ from pathlib import Path
 import pytest
 
 from tests.terminate_env import (
+    ATTACKER_IP,
+    HOST,
     WAIT,
+    request_bytes,
+    tls_socket,
 )
 from tests.terminate_env import ServeEnv as Env
 from tests.test_h2_attacks import GOAWAY, LIMITS, NO_ERROR, WINDOW_UPDATE, frame, u32
@@ -108,6 +113,93 @@ def responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
 def _big_whole(got: list[tuple[int, dict[str, str], bytes]], error: str | None) -> None:
     assert got and got[0][0] == 200, (error, [(s, h) for s, h, _ in got])
     assert len(got[0][2]) == SIZE and got[0][2] == b"x" * SIZE, (len(got[0][2]), error)
+
+
+# === HTTP/1.1 ===========================================================================
+
+
+def test_h1_connection_close_answer_reaches_a_talking_slow_reader(env: Env) -> None:
+    """An answer with `Connection: close` (the client asked for it) while the client
+    still sends bytes the edge will not read: the edge must not reset the answer away."""
+    sock = tls_socket(env.serve.port, source=ATTACKER_IP, rcvbuf=4096)
+    try:
+        sock.sendall(request_bytes("GET", f"/big?bytes={SIZE}",
+                                   headers=[("Connection", "close")]))
+        _wait_node(env, "/big")
+        data, error = slow_read(sock, talk=lambda i: sock.sendall(b"\r\n"))
+        got = responses(data)
+        _big_whole(got, error)
+        assert got[0][1].get("connection") == "close"
+    finally:
+        sock.close()
+
+
+def test_h1_bad_request_after_a_large_answer_does_not_reset_it(env: Env) -> None:
+    """A large answer, then a malformed pipelined request (400, close), and the client
+    keeps sending: both answers arrive whole."""
+    sock = tls_socket(env.serve.port, source=ATTACKER_IP, rcvbuf=4096)
+    try:
+        sock.sendall(request_bytes("GET", f"/big?bytes={SIZE}"))
+        _wait_node(env, "/big")
+        sock.sendall(b"NOT A REQUEST\r\n\r\n")
+        data, error = slow_read(sock, talk=lambda i: sock.sendall(b"more junk\r\n"))
+        got = responses(data)
+        _big_whole(got, error)
+        assert len(got) == 2 and got[1][0] == 400, (error, [(s, h) for s, h, _ in got])
+        assert got[1][1].get("connection") == "close"
+    finally:
+        sock.close()
+
+
+def test_h1_early_answer_after_a_large_answer_reaches_an_uploading_slow_reader(
+        env: Env) -> None:
+    """A large answer, then a pipelined upload over max_body_bytes, answered 413 before
+    its body is read while the tail of the first answer is still in the edge's kernel;
+    the client keeps uploading a little and reads nothing for longer than a second, then
+    reads on: both answers arrive whole."""
+    sock = tls_socket(env.serve.port, source=ATTACKER_IP, rcvbuf=4096)
+    try:
+        sock.sendall(request_bytes("GET", f"/big?bytes={SIZE}"))
+        _wait_node(env, "/big")
+        # all but the last 12 KB: the edge has handed the whole answer to its kernel by
+        # then (its socket holds more), and the client's holds less than that
+        first, error = slow_read(sock, limit=SIZE - 12_000)
+        assert error is None, error
+        sock.sendall(f"POST /upload HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: text/plain\r\n"
+                     f"Content-Length: 10000000\r\n\r\n".encode())
+        for _ in range(15):  # 1.5 s of uploading without reading
+            with contextlib.suppress(OSError, ssl.SSLError):
+                sock.sendall(b"u" * 1024)
+            time.sleep(0.1)
+        rest, error = slow_read(sock, talk=lambda i: sock.sendall(b"u" * 1024))
+        got = responses(first + rest)
+        _big_whole(got, error)
+        assert len(got) == 2 and got[1][0] == 413, (error, [(s, h) for s, h, _ in got])
+    finally:
+        sock.close()
+
+
+def test_h1_drain_answer_reaches_a_slow_reader_that_pipelines(tmp_path: Path) -> None:
+    """SIGTERM while a large answer is still on its way, and the client pipelines its
+    next request (which the edge, draining, will not take): the answer arrives whole,
+    then the connection closes, and the process exits cleanly."""
+    env = Env.start(tmp_path, limits=LIMITS)
+    try:
+        sock = tls_socket(env.serve.port, source=ATTACKER_IP, rcvbuf=4096)
+        try:
+            sock.sendall(request_bytes("GET", f"/big?bytes={SIZE}"))
+            _wait_node(env, "/big")
+            env.serve.proc.send_signal(signal.SIGTERM)
+            data, error = slow_read(
+                sock, talk=lambda i: i == 0 and sock.sendall(request_bytes("GET", "/next")))
+            got = responses(data)
+            _big_whole(got, error)
+            assert len(got) == 1, [(s, h) for s, h, _ in got]
+        finally:
+            sock.close()
+        assert env.serve.proc.wait(timeout=60) == 0, env.serve.logs()[-2000:]
+    finally:
+        env.stop()
 
 
 # === HTTP/2 =============================================================================
