@@ -25,10 +25,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.netutil import free_port
 from tests.terminate_env import (
     ATTACKER_IP,
     HOST,
+    LOOPBACK,
     WAIT,
+    RecordingNode,
+    Serve,
+    make_identities,
     request_bytes,
     tls_socket,
 )
@@ -232,3 +237,49 @@ def test_h2_idle_close_does_not_reset_an_answer_still_on_its_way(tmp_path: Path)
             c.close()
     finally:
         env.stop()
+
+
+# === port 80 ============================================================================
+
+
+class _WithPort80(Serve):
+    """`Serve` with the plain-HTTP listener on loopback too."""
+
+    def render(self) -> str:
+        self.http_port = free_port()
+        return super().render().replace(
+            "listen:\n", f'listen:\n  http: ["{LOOPBACK}:{self.http_port}"]\n', 1)
+
+
+def test_port80_redirect_reaches_a_slow_reader_that_sends_a_body(tmp_path: Path) -> None:
+    """A 308 whose Location is long (the target is echoed: several KiB), to a client with
+    the smallest receive buffer that is still sending a request body the listener never
+    reads: the redirect arrives whole."""
+    ids = make_identities(tmp_path)
+    node = RecordingNode(ids.node, client_ca=ids.ingress)
+    try:
+        serve = _WithPort80(tmp_path, node, ids.node.fingerprint)
+    except BaseException:
+        node.stop()
+        raise
+    try:
+        path = "/" + "a" * 7000
+        sock = socket.socket()
+        try:
+            # before connecting: the window it advertises is sized from it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+            sock.settimeout(WAIT)
+            sock.connect((LOOPBACK, serve.http_port))
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\n"
+                         f"Content-Length: 1000000\r\n\r\n".encode() + b"b" * 1024)
+            data, error = slow_read(sock, talk=lambda i: sock.sendall(b"b" * 256),
+                                    burst=512, pause=0.005)
+        finally:
+            sock.close()
+        got = responses(data)
+        assert got and got[0][0] == 308, (error, data[:200])
+        assert got[0][1].get("location") == f"https://{HOST}{path}", (error, len(data))
+        assert got[0][2] == b"redirecting to https\n", (error, got[0][2])
+    finally:
+        serve.stop()
+        node.stop()
