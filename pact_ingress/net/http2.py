@@ -167,6 +167,7 @@ class H2Connection:
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
         self._refused = False  # the read loop ended on our GOAWAY for an error
+        self._gone = False  # the read loop ended on the client's close (or reset)
         self.on_flood: Callable[[Flood], None] = on_flood
         # writing
         self._writing = False  # the writer holds a batch it is sending
@@ -211,9 +212,8 @@ class H2Connection:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
-            if not self._broken:
-                # with every task of the connection ended: none writes. Any end but a
-                # broken write: after the client's own close this costs a syscall or two
+            if not (self._broken or self._gone):
+                # with every task of the connection ended: none writes
                 await self._linger(LINGER_SECONDS if self._refused else DRAIN_LINGER_SECONDS)
 
     async def _linger(self, seconds: float) -> None:
@@ -272,8 +272,10 @@ class H2Connection:
                 else:
                     data = await self.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._gone = True
                 return
             if not data:
+                self._gone = True
                 return
             try:
                 events = self.conn.receive_data(data)
