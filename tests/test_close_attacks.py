@@ -8,8 +8,12 @@ its last answer. The same happens to bytes the client sends after the close: the
 a closed socket, which resets the connection with the answer still queued.
 
 Each test provokes one such close with an answer much larger than the kernel buffers
-(the node's `/big`), a client whose receive buffer is small (4 KiB) and reads it a few
-KiB at a time, and asserts the invariant: the client gets the whole answer.
+(the node's `/big`; on port 80, a redirect of several KiB), a client whose receive buffer
+is small (4 KiB; on port 80 the smallest there is) and reads it a few KiB at a time, and
+asserts the invariant: the client gets the whole answer.
+
+Passthrough has no such close: it relays, and ends a connection only once both ends
+said EOF (nothing left unread) or one end failed (a reset passed on as one).
 """
 
 from __future__ import annotations
