@@ -84,8 +84,22 @@ class Raw:
     def send(self, *data: bytes) -> None:
         try:
             self.sock.sendall(b"".join(data))
+        except TimeoutError:
+            self.eof = True  # the edge does not read
         except OSError:
-            self.eof = True  # the edge closed first: what it said is still readable
+            self.take_rest()
+
+    def take_rest(self) -> None:
+        """A send failed: the edge closed first (a reset, once it has dropped what we
+        sent for long enough). What it sent before is still in our kernel, which a reset
+        does not take back: read it, then call the connection ended."""
+        deadline = time.monotonic() + 5
+        for _ in range(4096):  # bounded; a reset connection answers each read at once
+            before = (len(self.frames), len(self.buf))
+            if (time.monotonic() > deadline or not self.read(0.5)
+                    or (len(self.frames), len(self.buf)) == before):
+                break
+        self.eof = True
 
     def block(self, path: str = "/ok", method: str = "GET",
               extra: list[tuple[bytes, bytes]] | None = None, *,

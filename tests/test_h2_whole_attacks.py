@@ -88,9 +88,12 @@ class Wire(Raw):
     def send(self, *data: bytes) -> None:
         try:
             self.sock.sendall(b"".join(data))
+        except TimeoutError as exc:
+            self.send_errors.append(repr(exc))
+            self.eof = True  # the edge does not read
         except OSError as exc:
             self.send_errors.append(repr(exc))
-            self.eof = True  # the edge closed first: what it said is still readable
+            self.take_rest()
 
     def read(self, timeout: float = WAIT) -> bool:
         if self.eof:

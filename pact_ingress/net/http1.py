@@ -17,10 +17,14 @@ Pipelining: while a response streams, the connection keeps reading (up to
 pipelined its next request and then went away is noticed at once, and its exchange ends
 instead of waiting for a read nobody will ever satisfy.
 
-An answer given before the request body was read (`stop_body`) carries
-`Connection: close`; the rest of the upload is then read and dropped for at most
-`DRAIN_SECONDS` / `DRAIN_MAX_BYTES` so that closing does not reset the connection under
-the answer before the client has read it.
+Closing: unless the client closed first or a write failed, the connection lingers
+(`net.linger`) before it closes: our side is shut and what the client still sends (the
+rest of an upload an early answer refused, a request pipelined behind the last answer)
+is read and dropped until the client has acknowledged everything sent, for at most
+`LINGER_SECONDS` / `LINGER_BYTES`. Closed with the client's bytes unread, the socket
+would be reset, and the reset throws away what our kernel has not delivered yet: the
+tail of the last answer, for a client that reads slowly. An answer given before the
+request body was read (`stop_body`) carries `Connection: close`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import trio
 
 from pact_ingress.net import deadlines
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
+from pact_ingress.net.linger import linger
 from pact_ingress.net.memory_tls import ServerStream
 from pact_ingress.proto.http1_server import (
     CONTINUE,
@@ -54,12 +59,16 @@ READ_SIZE = 64 * 1024
 #: Read ahead while a response streams: enough to see the close behind a pipelined
 #: request, little enough that a pipelining client cannot make us buffer much.
 MAX_PIPELINED_BYTES = 64 * 1024
-#: After an early answer, how long and how much of the rest of the upload is discarded:
-#: enough for a polite client's in-flight window to land before we close (so the close
-#: does not reset the answer away), little enough that refusing a flood of large bodies
-#: does not cost us reading (and decrypting) them anyway.
+#: Before a close, at most how long and how much of what the client still sends is read
+#: and dropped while it has not acknowledged all we sent (`net.linger`): long enough for
+#: a slow reader to take a large last answer, little enough that refusing a flood of
+#: large bodies does not cost us reading them anyway (they are not decrypted).
+LINGER_SECONDS = 5.0
+LINGER_BYTES = 256 * 1024
+#: Without a socket of ours to shut and ask (another transport), the rest of an upload
+#: refused early is read, and decrypted, for this long at most instead: enough for a
+#: polite client's in-flight window to land before the close.
 DRAIN_SECONDS = 1.0
-DRAIN_MAX_BYTES = 256 * 1024
 #: Requests served back to back without the connection ever waiting (a client that
 #: pipelines, answered at the edge) before it yields to the other connections once.
 FAIR_SHARE = 16
@@ -88,6 +97,8 @@ class H1Connection:
         self._tls = stream if isinstance(stream, ServerStream) else None
         self._idle: trio.CancelScope | None = None  # entered by `serve` once needed
         self._answered = False  # a request was answered on this connection
+        self._broken = False  # an exchange broke the connection: it closes at once
+        self._upload = False  # the last answer came before its request body was read
         self._now = deadlines.clock()
         self._sweeper: deadlines.Sweeper | None = None  # this run's, at the first wait
 
@@ -101,11 +112,14 @@ class H1Connection:
         if self._tls is not None:
             try:
                 await self._serve(handle)
-                return
             except _MustWait:
                 pass  # nothing half-read: serving starts again inside the scope
+            else:
+                await self._linger()
+                return
         with trio.CancelScope() as self._idle:
             await self._serve(handle)
+        await self._linger()  # outside the idle scope, which may be cancelled
 
     async def _serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         served = 0
@@ -114,8 +128,11 @@ class H1Connection:
             if exchange is None:
                 return
             await handle(exchange)
-            if exchange.stopped_early and not exchange.broken:
-                await self._drain()
+            if exchange.broken:
+                self._broken = True  # nothing more is sent: there is no answer to protect
+                return
+            if exchange.stopped_early:
+                self._upload = True  # the rest of the upload is still coming
                 return
             if not exchange.reusable():
                 return
@@ -242,16 +259,26 @@ class H1Connection:
         try:
             await self.write(head + body)
         except ClientGone:
-            pass
+            self._broken = True
 
-    async def _drain(self) -> None:
-        left = DRAIN_MAX_BYTES
-        deadline = trio.current_time() + DRAIN_SECONDS
-        while left > 0:
-            data = await self.read(deadline)
-            if not data:
-                return
-            left -= len(data)
+    async def _linger(self) -> None:
+        """Before the close (see the module docstring): nothing when the client closed
+        first or the connection broke."""
+        if self._broken or self.parser.closed:
+            return
+        sock = getattr(self._tls, "socket", None)
+        if sock is not None:
+            await linger(sock, LINGER_SECONDS, LINGER_BYTES)
+        elif self._upload:
+            # no socket of ours to shut or ask: the rest of the upload is read (and
+            # decrypted) for a moment, so that the close does not reset the answer away
+            left = LINGER_BYTES
+            deadline = trio.current_time() + DRAIN_SECONDS
+            while left > 0:
+                data = await self.read(deadline)
+                if not data:
+                    return
+                left -= len(data)
 
     # -- writing ----------------------------------------------------------------------
 

@@ -71,11 +71,7 @@ the same pass. The state machine enforces the header list size and checks
 from __future__ import annotations
 
 import collections
-import fcntl
 import math
-import socket
-import sys
-import termios
 from collections.abc import Awaitable, Callable
 
 import outcome
@@ -88,6 +84,7 @@ from pact_ingress.net.http_exchange import (
     Headers,
     send_to_client,
 )
+from pact_ingress.net.linger import linger
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto import h2_server as h2
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
@@ -120,12 +117,11 @@ MAX_IDLE_WORKERS = 8
 #: to read what was sent to it, little enough that a flooder gains nothing by it.
 LINGER_SECONDS = 1.0
 LINGER_BYTES = 256 * 1024
-#: After the drain's GOAWAY(NO_ERROR), the same, for longer: a client still reading the
-#: last answers keeps sending WINDOW_UPDATEs, and a reset would throw away what it has not
-#: read yet. It ends as soon as the client closes its side, as clients do on GOAWAY.
+#: After the drain's GOAWAY(NO_ERROR) or an idle close, the same, for longer: a client
+#: still reading the last answers keeps sending WINDOW_UPDATEs, and a reset would throw
+#: away what it has not read yet. It ends as soon as the client has acknowledged it all,
+#: or closes its side, as clients do on GOAWAY.
 DRAIN_LINGER_SECONDS = 5.0
-#: How often a lingering connection asks whether the client has acknowledged it all.
-LINGER_POLL = 0.05
 
 _Handle = Callable[[Exchange], Awaitable[None]]
 
@@ -171,6 +167,7 @@ class H2Connection:
         self._guard = FloodGuard()
         self._flooded: Flood | None = None
         self._refused = False  # the read loop ended on our GOAWAY for an error
+        self._gone = False  # the read loop ended on the client's close (or reset)
         self.on_flood: Callable[[Flood], None] = on_flood
         # writing
         self._writing = False  # the writer holds a batch it is sending
@@ -215,43 +212,22 @@ class H2Connection:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
                     nursery.cancel_scope.cancel()
-            if (self._refused or self._goaway) and not self._broken:
+            if not (self._broken or self._gone):
                 # with every task of the connection ended: none writes
                 await self._linger(LINGER_SECONDS if self._refused else DRAIN_LINGER_SECONDS)
 
     async def _linger(self, seconds: float) -> None:
-        """After our GOAWAY (for an error: a flood, a protocol error; or the drain's), the
-        write side is shut and what the client still sends is read and dropped until the
-        client has acknowledged everything we sent, or it closes, for at most `seconds`
-        and `LINGER_BYTES`. Closed with the client's bytes unread, the socket would be
-        reset, and the reset throws away what our kernel has not delivered yet: the
-        GOAWAY and the answers still on their way (the client would never learn why, or
-        lose the last answers of a drain). Once the client's kernel has it all, a reset
-        takes nothing from it. The dropped bytes are not decrypted."""
+        """After our GOAWAY (for an error: a flood, a protocol error; or the drain's) or
+        an idle close, `net.linger`: the write side is shut and what the client still
+        sends is read and dropped until the client has acknowledged everything we sent,
+        or it closes, for at most `seconds` and `LINGER_BYTES`. Closed with the client's
+        bytes unread (or meeting the ones it sends next), the socket would be reset, and
+        the reset throws away what our kernel has not delivered yet: the GOAWAY and the
+        answers still on their way (the client would never learn why, or lose the tail
+        of its last answers: a slow reader still sends WINDOW_UPDATEs)."""
         tls = self._tls
-        if tls is None:
-            return
-        sock = tls.socket
-        try:
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            return
-        left = LINGER_BYTES
-        with trio.move_on_after(seconds):
-            while left > 0:
-                if not _unacknowledged(sock):
-                    left = 0  # delivered: drop what is readable now, so no reset comes
-                with trio.move_on_after(LINGER_POLL if left else 0):
-                    await trio.lowlevel.wait_readable(sock)
-                try:
-                    data = sock.recv(READ_SIZE)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    return
-                if not data:
-                    return
-                left -= len(data)
+        if tls is not None:
+            await linger(tls.socket, seconds, LINGER_BYTES)
 
     async def _on_drain(self) -> None:
         """Take no new stream; say GOAWAY once the open ones have been answered. Not at
@@ -296,8 +272,10 @@ class H2Connection:
                 else:
                     data = await self.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._gone = True
                 return
             if not data:
+                self._gone = True
                 return
             try:
                 events = self.conn.receive_data(data)
@@ -765,13 +743,3 @@ class H2Exchange(Exchange):
 
     def _rst(self, code: int) -> None:
         self.c.conn.reset_stream(self.stream_id, code)  # nothing when already closed
-
-
-def _unacknowledged(sock: socket.socket) -> int:
-    """Bytes (and our FIN) sent on `sock` that the peer has not acknowledged yet; 0 if
-    the kernel cannot say."""
-    try:
-        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)),
-                              sys.byteorder, signed=True)
-    except OSError:
-        return 0

@@ -7,6 +7,11 @@ at most `MAX_CONNECTIONS` connections are served at once, at most
 `MAX_CONNECTIONS_PER_IP` of them for one client; beyond that new ones are closed at
 accept. Nothing here proxies: port 80 carries no application traffic.
 
+After an answer the connection lingers (`net.linger`): closed with bytes the client sent
+still unread (a body, a pipelined request), the socket would be reset, and the reset
+throws away what our kernel has not delivered yet: the tail of the answer, for a client
+with a small window.
+
 `plan_response` is the pure decision (method, target, Host → status, headers, body) so it
 is tested without sockets; `handle_http` is the I/O around it.
 """
@@ -23,6 +28,7 @@ import trio
 from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Address
+from pact_ingress.net.linger import linger
 from pact_ingress.net.router import client_of
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
@@ -36,6 +42,10 @@ MAX_CONNECTIONS = 1024
 MAX_CONNECTIONS_PER_IP = 32
 #: Bytes per receive call.
 READ_SIZE = 4096
+#: After the answer, how long and how much of what the client still sends is dropped at
+#: most while it has not acknowledged the answer (it ends as soon as it has, or closes).
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 64 * 1024
 
 CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
 #: ACME tokens are base64url (RFC 8555 §8.1), at least 128 bits of entropy.
@@ -115,6 +125,7 @@ def _text(status: int, text: str, extra: tuple[tuple[str, str], ...] = ()) -> An
 async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
     """Serve one connection: one request, one answer, close."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    answered = False
     try:
         with trio.move_on_after(REQUEST_TIMEOUT):
             request = await _read_request(stream, conn)
@@ -130,12 +141,18 @@ async def handle_http(stream: trio.abc.Stream, answers: Http01Lookup) -> None:
                 log.info("acme_http01_request", host=host if host is None else host[:MAX_NAME + 6],
                          status=answer.status)
             await _send(stream, conn, answer, head_only=method == "HEAD")
+            answered = True
     except h11.RemoteProtocolError as exc:
-        await _send_raw_error(stream, exc.error_status_hint)
+        answered = await _send_raw_error(stream, exc.error_status_hint)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         pass
     finally:
-        await trio.aclose_forcefully(stream)
+        try:
+            sock = getattr(stream, "socket", None)
+            if answered and sock is not None:
+                await linger(sock, LINGER_SECONDS, LINGER_BYTES)
+        finally:
+            await trio.aclose_forcefully(stream)
 
 
 async def _read_request(stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
@@ -167,15 +184,18 @@ async def _send(stream: trio.abc.Stream, conn: h11.Connection, answer: Answer, *
     await stream.send_all(data)
 
 
-async def _send_raw_error(stream: trio.abc.Stream, status: int) -> None:
+async def _send_raw_error(stream: trio.abc.Stream, status: int) -> bool:
+    """The error answer, in at most a second; True once it was handed to the kernel."""
     body = b"bad request\n"
     head = (f"HTTP/1.1 {status} Bad Request\r\nContent-Type: text/plain\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     with trio.move_on_after(1.0):
         try:
             await stream.send_all(head + body)
+            return True
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+    return False
 
 
 async def serve_http(address: Address, answers: Http01Lookup, *,
