@@ -17,11 +17,12 @@ Pipelining: while a response streams, the connection keeps reading (up to
 pipelined its next request and then went away is noticed at once, and its exchange ends
 instead of waiting for a read nobody will ever satisfy.
 
-Closing: unless the client closed first or a write failed, the connection lingers
-(`net.linger`) before it closes: our side is shut and what the client still sends (the
-rest of an upload an early answer refused, a request pipelined behind the last answer)
-is read and dropped until the client has acknowledged everything sent, for at most
-`LINGER_SECONDS` / `LINGER_BYTES`. Closed with the client's bytes unread, the socket
+Closing: when the client may still be sending (the rest of an upload an early answer
+refused, what follows a head we refused, bytes waiting unread: a request pipelined
+behind the last answer), the connection lingers (`net.linger`) before it closes: our
+side is shut and what the client sends is read and dropped until the client has
+acknowledged everything sent, for at most `LINGER_SECONDS` / `LINGER_BYTES`. A client
+that sent nothing more is closed at once: it sends nothing before it has all of ours. Closed with the client's bytes unread, the socket
 would be reset, and the reset throws away what our kernel has not delivered yet: the
 tail of the last answer, for a client that reads slowly. An answer given before the
 request body was read (`stop_body`) carries `Connection: close`.
@@ -36,7 +37,7 @@ import trio
 
 from pact_ingress.net import deadlines
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
-from pact_ingress.net.linger import linger
+from pact_ingress.net.linger import linger, unread
 from pact_ingress.net.memory_tls import ServerStream
 from pact_ingress.proto.http1_server import (
     CONTINUE,
@@ -98,7 +99,9 @@ class H1Connection:
         self._idle: trio.CancelScope | None = None  # entered by `serve` once needed
         self._answered = False  # a request was answered on this connection
         self._broken = False  # an exchange broke the connection: it closes at once
-        self._upload = False  # the last answer came before its request body was read
+        #: The client may still be sending what we will not read: the rest of an upload
+        #: answered early, or whatever follows a head we refused.
+        self._talking = False
         self._now = deadlines.clock()
         self._sweeper: deadlines.Sweeper | None = None  # this run's, at the first wait
 
@@ -132,7 +135,7 @@ class H1Connection:
                 self._broken = True  # nothing more is sent: there is no answer to protect
                 return
             if exchange.stopped_early:
-                self._upload = True  # the rest of the upload is still coming
+                self._talking = True  # the rest of the upload is still coming
                 return
             if not exchange.reusable():
                 return
@@ -256,6 +259,7 @@ class H1Connection:
         head = response_head(error.status, [(b"content-type", b"text/plain; charset=utf-8"),
                                             (b"content-length", str(len(body)).encode())],
                              Framing.LENGTH, close=True)
+        self._talking = True  # what follows a refused head is never read
         try:
             await self.write(head + body)
         except ClientGone:
@@ -263,13 +267,16 @@ class H1Connection:
 
     async def _linger(self) -> None:
         """Before the close (see the module docstring): nothing when the client closed
-        first or the connection broke."""
+        first or the connection broke, nor when it sent nothing we have not read and is
+        not expected to (a polite client waiting for its answer, then our close: no
+        byte of its can meet the closed socket before it has all of ours)."""
         if self._broken or self.parser.closed:
             return
         sock = getattr(self._tls, "socket", None)
         if sock is not None:
-            await linger(sock, LINGER_SECONDS, LINGER_BYTES)
-        elif self._upload:
+            if self._talking or unread(sock.fileno()):
+                await linger(sock, LINGER_SECONDS, LINGER_BYTES)
+        elif self._talking:
             # no socket of ours to shut or ask: the rest of the upload is read (and
             # decrypted) for a moment, so that the close does not reset the answer away
             left = LINGER_BYTES
