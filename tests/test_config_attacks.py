@@ -231,21 +231,66 @@ def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
     assert "port must be 1..65535" in found[0], found
 
 
-@pytest.mark.parametrize(("value", "seconds"), [("0x10", 16.0), ("0b101", 5.0),
-                                               ("0o10", None)])
-def test_a_duration_in_another_base_is_read_as_yaml_reads_it(tmp_path: Path, value: str,
-                                                             seconds: float | None) -> None:
-    """YAML 1.1 reads 0x10 and 0b101 as integers, and a plain number is seconds: they are
-    read as the limits that take integers read them, where they were refused with
-    Python's own words ("could not convert string to float"). 0o10 is no YAML 1.1
-    integer: a bad duration."""
-    path = tmp_path / "limits.yaml"
-    path.write_text(BASE + f"limits:\n  idle_timeout: {value}\n")
-    if seconds is not None:
-        assert load_config(path).limits.idle_timeout == seconds
-    else:
-        found = limit_messages(tmp_path, "idle_timeout", value)
-        assert len(found) == 1 and "bad duration" in found[0], found
+@pytest.mark.parametrize(("key", "value", "plain"), [
+    ("max_connections", "010", "10"),  # YAML 1.1: octal, 8
+    ("max_connections", "0x10", "16"),
+    ("max_connections", "0b101", "5"),
+    ("max_connections", "1_000", "1000"),
+    ("max_connections", "1:30", "90"),  # base 60
+    ("max_connections", "0o10", "8"),  # YAML 1.2's octal: a string to YAML 1.1
+    ("idle_timeout", "010", "10"),
+    ("idle_timeout", "0x10", "16"),
+    ("idle_timeout", "1:30", "90"),
+    ("idle_timeout", "1:30.5", "90.5"),
+    ("idle_timeout", "1_0.5", "10.5"),
+    ("idle_timeout", "0o10", "8"),
+    ("max_body_bytes", "010", "10"),
+    ("max_body_bytes", "1_000", "1000"),
+])
+def test_a_number_in_a_yaml_11_spelling_is_refused_naming_it(tmp_path: Path, key: str,
+                                                              value: str, plain: str) -> None:
+    """PyYAML reads 010 as 8 and 1:30 as 90 (and 0x10, 0b101, 1_000 in ways a count or
+    a duration is never meant to be written): taken silently, `idle_timeout: 010` was
+    eight seconds. Refused at its line, naming the value and its plain spelling."""
+    found = limit_messages(tmp_path, key, value)
+    assert len(found) == 1 and f"write {plain}, not {value}" in found[0], found
+
+
+def test_numbers_in_plain_decimal_and_quoted_strings_load_as_written(tmp_path: Path) -> None:
+    """The refusal is of the spelling only: decimals (a float with a leading zero too)
+    load, and a quoted "010" stays the string it is where a string is expected, or is
+    read as decimal text where a duration or size is."""
+    path = tmp_path / "plain.yaml"
+    path.write_text(BASE + f"""limits:
+  max_connections: 10
+  idle_timeout: 010.5
+  clienthello_timeout: "010"
+  max_body_bytes: "010"
+tenants:
+  - name: "010"
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: passthrough, backend: "127.0.0.1:9000"}}
+""")
+    config = load_config(path)
+    assert config.limits.max_connections == 10
+    assert config.limits.idle_timeout == 10.5
+    assert config.limits.clienthello_timeout == 10.0
+    assert config.limits.max_body_bytes == 10
+    assert [t.name for t in config.tenants] == ["010"]
+
+
+def test_a_connector_count_in_a_yaml_11_spelling_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "connector.yaml"
+    path.write_text(f"""identity: {{key: node.key}}
+ingress: {{address: "127.0.0.1:443", tunnel_hostname: tunnel.example, pin: "{PIN_A}"}}
+forward: "127.0.0.1:8443"
+connections: 02
+""")
+    with pytest.raises(ConfigError) as info:
+        load_connector_config(path)
+    assert [m for m in info.value.messages if m.startswith(f"{path}:4: connections")
+            and "write 2, not 02" in m], info.value.messages
 
 
 def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
@@ -736,6 +781,8 @@ SHAPES: list[tuple[str, bytes | str, dict[str, str], str, int, str]] = [
      "got a boolean"),
     ("count-negative", BASE + "limits: {max_connections: -1}\n", {}, "main.yaml", 5,
      "at least 1"),
+    ("count-hex-no-digits", BASE + "limits: {max_connections: 0x_}\n", {}, "main.yaml", 5,
+     "no number"),  # PyYAML tags it an integer it cannot convert: was a traceback
 ]
 
 
