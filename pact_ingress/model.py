@@ -306,6 +306,11 @@ def normalize_hostname(text: str, *, wildcard: bool = False, validate: bool = Tr
     labels = host.split(".")
     if wildcard and labels[0] == "*" and len(labels) > 1:
         labels = labels[1:]
+        if len(labels) == 1 and labels[0]:
+            # `*.com` would take every unrouted name of a whole top-level domain (ACME
+            # validations of them included): a slip for `*.x.com`, not a wish
+            raise ValueError(f"{text!r}: a wildcard must name a domain of at least two "
+                             "labels, e.g. *.example.com")
     if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
         hint = " ('*' only as the whole first label)" if "*" in host else ""
         raise ValueError(f"{text!r} is not a valid host name{hint}")

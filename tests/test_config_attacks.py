@@ -765,6 +765,12 @@ SHAPES: list[tuple[str, bytes | str, dict[str, str], str, int, str]] = [
      "main.yaml", 9, "whole first label"),
     ("wildcard-alone", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*'"), {},
      "main.yaml", 9, "whole first label"),
+    # a wildcard over a top-level domain would take every name under it that is not
+    # routed elsewhere: a typo for `*.x.com`, never a wish
+    ("wildcard-one-label", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*.com'"), {},
+     "main.yaml", 9, "at least two labels"),
+    ("wildcard-one-label-dot", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*.Test.'"),
+     {}, "main.yaml", 9, "at least two labels"),
     ("unicode-host", BASE + "tenants:\n" + tenant_block("a", PIN_A, "bücher.example"), {},
      "main.yaml", 9, "punycode"),
     ("duration-inf", BASE + "limits: {idle_timeout: .inf}\n", {}, "main.yaml", 5,

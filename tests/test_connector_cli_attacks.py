@@ -178,6 +178,17 @@ def test_another_tenants_tunnel_pin_is_refused(main: Path) -> None:
     assert [t.name for t in load_config(main).tenants] == ["alina"]
 
 
+def test_a_wildcard_over_a_top_level_domain_is_a_usage_error(main: Path) -> None:
+    """`--host '*.test'` would route every unrouted name under a whole top-level domain
+    to one tenant: refused like the loader refuses it, and nothing is written."""
+    for host in ("*.test", "*.COM."):
+        with pytest.raises(PactIngressError) as info:
+            add_tenant(main, "bob", host, pin=PIN_B)
+        assert info.value.exit_code == 2 and "at least two labels" in str(info.value)
+    assert not (main.parent / "tenants.d").exists()
+    add_tenant(main, "bob", "*.bob.test", pin=PIN_B)  # two labels below the star: fine
+
+
 def test_directories_made_under_a_lax_umask_are_not_world_writable(main: Path,
                                                                      tmp_path: Path) -> None:
     """Under umask 000 (a service manager's or a container's) the directories the CLI

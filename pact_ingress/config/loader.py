@@ -47,7 +47,8 @@ Decisions worth knowing:
   unreachable through a terminating edge by construction.
 * ``seal``, ``mcp_path`` and ``cert`` belong to terminate routes, ``proxy_protocol`` to
   passthrough routes; giving one to the other kind of route is an error, not a no-op.
-* Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
+* Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed when the suffix
+  has two labels or more (``*.com`` would claim a whole top-level domain); IP literals
   and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
   its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443). It is one address or a
