@@ -223,6 +223,55 @@ def with_backend(tmp_path: Path, backend: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize(("host", "canonical"), [
+    ("0x7f000001", "127.0.0.1"),  # one hex number
+    ("0X7F000001", "127.0.0.1"),
+    ("2130706433", "127.0.0.1"),  # one decimal number
+    ("127.1", "127.0.0.1"),  # the last part fills the remaining bytes
+    ("0177.0.0.1", "127.0.0.1"),  # octal
+    ("127.0.0.01", "127.0.0.1"),
+    ("0x7f.0.0.1", "127.0.0.1"),
+    ("10.0x10.1", "10.16.0.1"),
+])
+def test_a_backend_in_a_legacy_ipv4_spelling_is_refused_with_the_address(
+        tmp_path: Path, host: str, canonical: str) -> None:
+    """The C resolver reads these as IPv4 addresses (inet_aton's old forms), so a backend
+    written so was dialled at an address nobody wrote down. A name of numbers only is no
+    host name: refused at its line, with the dotted quad it stands for."""
+    path = with_backend(tmp_path, f"{host}:9000")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:9: backend"), found
+    assert repr(host) in found[0] and f"write {canonical}" in found[0], found
+
+
+@pytest.mark.parametrize("backend", ["127.0.0.1:9000", "[::1]:9000", "[::ffff:127.0.0.1]:9000",
+                                     "localhost:9000", "deadbeef:9000", "x0.example:9000",
+                                     "0x7f.example:9000", "1.example:9000"])
+def test_canonical_addresses_and_real_host_names_stay_backends(tmp_path: Path,
+                                                               backend: str) -> None:
+    [route] = load_config(with_backend(tmp_path, backend)).routes()
+    assert str(route.backend) == backend
+
+
+def test_a_legacy_ipv4_spelling_is_refused_where_any_address_is_read(tmp_path: Path) -> None:
+    """Listen addresses and the connector's addresses go through the same reader."""
+    path = tmp_path / "listen.yaml"
+    path.write_text(BASE.replace("127.0.0.1:8443", "0x7f000001:8443"))
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:3: listen.tls"), found
+    assert "write 127.0.0.1" in found[0], found
+    connector = tmp_path / "connector.yaml"
+    connector.write_text(f"""identity: {{key: node.key}}
+ingress: {{address: "127.1", tunnel_hostname: tunnel.example, pin: "{PIN_A}"}}
+forward: "2130706433:8443"
+""")
+    with pytest.raises(ConfigError) as info:
+        load_connector_config(connector)
+    found = info.value.messages
+    assert [m for m in found if m.startswith(f"{connector}:2: ") and "write 127.0.0.1" in m]
+    assert [m for m in found if m.startswith(f"{connector}:3: ") and "write 127.0.0.1" in m]
+
+
 @pytest.mark.parametrize("port", ["０８０", "٨٠", "²"])
 def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
     path = with_backend(tmp_path, f"127.0.0.1:{port}")

@@ -49,7 +49,9 @@ Decisions worth knowing:
   passthrough routes; giving one to the other kind of route is an error, not a no-op.
 * Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed when the suffix
   has two labels or more (``*.com`` would claim a whole top-level domain); IP literals
-  and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
+  and non-ASCII names (use the ``xn--`` form) are refused. In an address, a name of
+  numbers only (``127.1``, ``0x7f000001``: old IPv4 spellings the resolver would dial)
+  is refused with the dotted quad to write. A wildcard may cover only
   its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443). It is one address or a
   list of them (several ingress instances; a name stands for all its A/AAAA records), and
@@ -122,6 +124,7 @@ from pact_ingress.model import (
     State,
     Tenant,
     is_ip_address,
+    legacy_ipv4,
     normalize_hostname,
 )
 from pact_ingress.proto.http_request import BadRequest, normalise_path
@@ -230,6 +233,10 @@ def parse_address(text: str, *, default_port: int | None = None) -> Address:
         if "%" in host:
             _check_zone(host, text)
     elif not is_ip_address(host):
+        if (address := legacy_ipv4(host)) is not None:
+            # the resolver would dial that address, which nobody wrote down
+            raise ValueError(f"{text!r}: {host!r} is an old spelling of the IPv4 address "
+                             f"{address}: write {address}")
         try:
             host = normalize_hostname(host)
         except ValueError:
