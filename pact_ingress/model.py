@@ -308,7 +308,7 @@ def legacy_ipv4(host: str) -> str | None:
     for part in parts:
         try:
             if part[:2].lower() == "0x":
-                values.append(int(part[2:], 16))  # a bare 0x too is refused
+                values.append(int(part, 16))  # takes the 0x; a bare 0x is refused
             else:
                 values.append(int(part, 8 if len(part) > 1 and part[0] == "0" else 10))
         except ValueError:  # 08: no octal digit
