@@ -16,6 +16,7 @@ ones through a real `serve` and SIGHUP.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -1042,6 +1043,55 @@ def test_reading_a_tsig_key_that_became_a_pipe_does_not_block(tmp_path: Path) ->
         thread.join(timeout=10)
         pytest.fail("read_tsig_key blocked on a named pipe")
     assert len(outcome) == 1 and isinstance(outcome[0], AcmeError), outcome
+
+
+#: Run in its own process: an audit hook, once added, stays for the process's life.
+DNS01_LOOKUPS = """
+import json, sys, threading
+from pathlib import Path
+
+lookups = []
+def hook(event, args):
+    if event == "socket.getaddrinfo" and args[0] == "localhost":
+        lookups.append(threading.current_thread() is threading.main_thread())
+sys.addaudithook(hook)
+
+import trio
+from pact_ingress.acme.dns01 import Dns01Solver
+from pact_ingress.model import Address, Dns01
+
+async def main():
+    # what the certificate manager does at start and at each reload, on trio's thread
+    solver = Dns01Solver(Dns01(Address("localhost", int(sys.argv[1])), "dns.test.",
+                               Path(sys.argv[2])))
+    made = list(lookups)
+    # an order runs in a worker thread: that is where the name may be looked up
+    await trio.to_thread.run_sync(solver.present, "x.dns.test", "made-in-a-thread")
+    await trio.to_thread.run_sync(solver.cleanup, "x.dns.test", "made-in-a-thread")
+    print(json.dumps({"while_made": made, "all": lookups}))
+
+trio.run(main)
+"""
+
+
+def test_a_dns01_server_name_is_not_looked_up_in_the_event_loop(tmp_path: Path) -> None:
+    """acme.dns01.server may be a name (nsupdate takes one too). Its lookup blocks: made
+    where the manager builds the solver, at start and at every reload, it held the event
+    loop and every connection with it for as long as the resolver took. The name is
+    looked up where the order runs, in its worker thread, and an order still works."""
+    from tests.acme_servers import Named
+
+    named = Named(tmp_path / "named", "dns.test.", hosts=("x",)).start()
+    try:
+        result = subprocess.run([sys.executable, "-c", DNS01_LOOKUPS, str(named.port),
+                                 str(named.key_file)], capture_output=True, text=True,
+                                timeout=60, check=False)
+    finally:
+        named.stop()
+    assert result.returncode == 0, result.stderr
+    lookups = json.loads(result.stdout)
+    assert lookups["while_made"] == [], lookups
+    assert lookups["all"] and not any(lookups["all"]), lookups  # only in worker threads
 
 
 @pytest.mark.parametrize("kind", ["dangling", "fifo", "garbage"])
