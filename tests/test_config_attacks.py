@@ -352,6 +352,55 @@ def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
                for m in found), found
 
 
+def with_listen(tmp_path: Path, tls: list[str], http: list[str] | None = None,
+                admin: str | None = None) -> Path:
+    """A config whose listen block has tls on line 3, then http, then admin."""
+    path = tmp_path / "listen.yaml"
+    lines = ["state_dir: state", "listen:", f"  tls: {tls!r}".replace("'", '"')]
+    if http is not None:
+        lines.append(f"  http: {http!r}".replace("'", '"'))
+    if admin is not None:
+        lines.append(f'  admin: "{admin}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("tls", "http", "admin", "lines"), [
+    (["localhost:8443", "127.0.0.1:8443"], None, None, (3, 3)),
+    (["127.0.0.1:8443"], ["localhost:8443"], None, (4, 3)),
+    (["localhost:8443"], ["0.0.0.0:8443"], None, (4, 3)),
+    (["[::]:8443"], None, "localhost:8443", (4, 3)),  # localhost is ::1 as well
+    (["0.0.0.0:8443"], ["127.0.0.1:8443"], None, (4, 3)),
+    (["127.0.0.1:8443"], ["127.0.0.1:8443"], None, (4, 3)),  # two kinds, one socket
+    (["127.0.0.1:8443"], None, "127.0.0.1:8443", (4, 3)),
+    (["[::1]:8443"], ["[0:0:0:0:0:0:0:1]:8443"], None, (4, 3)),  # one address, two spellings
+    (["LocalHost:8443"], ["localhost.:8443"], None, (4, 3)),
+])
+def test_listeners_that_cannot_both_bind_are_refused_naming_both_lines(
+        tmp_path: Path, tls: list[str], http: list[str] | None, admin: str | None,
+        lines: tuple[int, int]) -> None:
+    """Two listen addresses that take one socket were found only by serve's bind, as
+    "address in use" after the config was accepted (and never by check-config)."""
+    path = with_listen(tmp_path, tls, http, admin)
+    found = messages(path)
+    assert len(found) == 1, found
+    at, first = lines
+    assert found[0].startswith(f"{path}:{at}: listen address") and "overlaps" in found[0]
+    assert f"(line {first})" in found[0], found
+
+
+@pytest.mark.parametrize(("tls", "http", "admin"), [
+    (["127.0.0.2:8443", "127.0.0.3:8443"], None, None),  # several instances on one host
+    (["[::]:8443", "0.0.0.0:8443"], None, None),  # IPv6 listeners are v6-only
+    (["localhost:8443"], ["127.0.0.2:8443"], None),
+    (["0.0.0.0:8443"], ["[::1]:8443"], None),
+    (["localhost:8443"], ["localhost:8080"], "localhost:9180"),
+])
+def test_listeners_on_distinct_sockets_load(tmp_path: Path, tls: list[str],
+                                            http: list[str] | None, admin: str | None) -> None:
+    assert load_config(with_listen(tmp_path, tls, http, admin)).listen.tls
+
+
 # --- route values -------------------------------------------------------------------------
 
 

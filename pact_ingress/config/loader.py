@@ -1115,15 +1115,32 @@ def _check_overlaps(ctx: _Ctx, addresses: list[tuple[Address, Node]]) -> None:
                 break
 
 
+#: What a `localhost` listener binds: every address the name resolves to, 127.0.0.1 and,
+#: on most systems, ::1. Taken as both, so that a config is judged the same on every
+#: machine, and without a lookup (a reload must not wait for a resolver).
+_LOCALHOST = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+
+
 def _same_socket(a: str, b: str) -> bool:
-    """Same host, or one is the wildcard of the other's family (0.0.0.0 covers 127.0.0.1)."""
+    """Whether two listen hosts take one socket on a port: the same address (however it
+    is spelled), or one is the wildcard of the other's family (0.0.0.0 covers 127.0.0.1).
+    IPv6 listeners are v6-only, so [::] and 0.0.0.0 do not overlap; distinct loopback
+    addresses (127.0.0.2, 127.0.0.3) do not either. Other names are known only after a
+    lookup: only the same name is an overlap."""
     if a == b:
         return True
+    ips_a, ips_b = _listen_ips(a), _listen_ips(b)
+    return any(x == y or (x.version == y.version and (x.is_unspecified or y.is_unspecified))
+               for x in ips_a for y in ips_b)
+
+
+def _listen_ips(host: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+    if host == "localhost":
+        return _LOCALHOST
     try:
-        ip_a, ip_b = ipaddress.ip_address(a), ipaddress.ip_address(b)
+        return (ipaddress.ip_address(host),)
     except ValueError:
-        return False
-    return ip_a.version == ip_b.version and (ip_a.is_unspecified or ip_b.is_unspecified)
+        return ()
 
 
 def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | None:
