@@ -128,8 +128,9 @@ def remove_tenant(config_path: Path, name: str) -> Path:
         )
     try:
         os.unlink(tenant.source)
-    except OSError as exc:
-        raise UsageError(f"{tenant.source}: cannot remove: {exc.strerror}") from exc
+    except OSError as exc:  # the command was right, the file system refused: exit 1
+        raise PactIngressError(f"{tenant.source}: cannot remove: "
+                               f"{exc.strerror or exc}") from None
     return tenant.source
 
 

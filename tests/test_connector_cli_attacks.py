@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -176,6 +177,36 @@ def test_another_tenants_tunnel_pin_is_refused(main: Path) -> None:
     assert "alina" in err
     assert not (main.parent / "tenants.d" / "bob.yaml").exists()
     assert [t.name for t in load_config(main).tenants] == ["alina"]
+
+
+def as_ordinary_user() -> list[str]:
+    """A command prefix under which file modes hold: root writes into any directory, so as
+    root the process gives up the capabilities that let it (and the test fails, never
+    skips, without setpriv)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    return [shutil.which("setpriv") or "setpriv", f"--inh-caps={caps}",
+            f"--bounding-set={caps}"]
+
+
+def test_a_tenant_file_that_cannot_be_deleted_is_a_runtime_failure(main: Path) -> None:
+    """The command was right and the tenant exists; the file system said no (a read-only
+    tenants.d). That is exit 1, a runtime failure, not 2, which tells the operator the
+    command or the config is wrong."""
+    add_tenant(main, "bob", "bob.home.test", pin=PIN_B)
+    tenants_d = main.parent / "tenants.d"
+    tenants_d.chmod(0o555)
+    try:
+        result = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                 "tenant", "remove", "bob", "-c", str(main)],
+                                capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        tenants_d.chmod(0o755)
+    err = one_line_failure(result, 1)
+    assert "bob.yaml" in err and "cannot remove" in err, err
+    assert (tenants_d / "bob.yaml").exists()
+    one_line_failure(run("tenant", "remove", "zed", "-c", str(main)), 2)  # no such tenant
 
 
 def test_a_wildcard_over_a_top_level_domain_is_a_usage_error(main: Path) -> None:
