@@ -492,6 +492,59 @@ def test_connect_with_the_ingress_down_at_start_retries_then_stops_with_0(
     assert "Traceback" not in log.read_text()
 
 
+def test_a_read_only_key_directory_leaves_no_certificate_behind(tmp_path: Path,
+                                                                main: Path) -> None:
+    """A key in a read-only directory (a systemd credential, a read-only mount) with no
+    certificate beside it: the certificate made from it goes to a private temporary
+    file. `tenant add` needs only the key's fingerprint, and `connect` needs the file
+    while it runs; neither may leave one behind in the temporary directory, where every
+    start added another."""
+    private = tmp_path / "tmpdir"
+    private.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
+    env["TMPDIR"] = str(private)
+    state = main.parent / "state"
+    keygen(state / "identity.key").cert_path.unlink()
+    home = tmp_path / "home"
+    node = keygen(home / "node.key")
+    node.cert_path.unlink()
+    config = tmp_path / "connector.yaml"
+    config.write_text(CONNECTOR.format(key=node.key_path, port=free_port(), tunnel=TUNNEL,
+                                       pin=PIN_A, forward=free_port()))
+    log = tmp_path / "connect.log"
+    state.chmod(0o555)
+    home.chmod(0o555)
+    try:
+        added = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                "tenant", "add", "bob", "--host", "bob.home.test", "--pin",
+                                PIN_B, "-c", str(main)], env=env, capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert added.returncode == 0, added.stderr
+        assert list(private.iterdir()) == []
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([*as_ordinary_user(), sys.executable, "-m",
+                                     "pact_ingress", "connect", "-c", str(config)],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + WAIT
+                while "tunnel_reconnect" not in log.read_text():
+                    assert proc.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.05)
+                assert len(list(private.iterdir())) == 1  # the one it runs with
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=WAIT) == 0, log.read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        state.chmod(0o755)
+        home.chmod(0o755)
+    assert list(private.iterdir()) == []
+    assert not node.cert_path.exists() and not (state / "identity.crt").exists()
+
+
 def events(text: str, name: str) -> list[dict[str, object]]:
     out = []
     for line in text.splitlines():
