@@ -12,8 +12,10 @@ Key files are written atomically with mode 0600 and never logged.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
+import contextlib
 import datetime
 import hashlib
 import os
@@ -293,9 +295,30 @@ def _write_cert_somewhere(cert_path: Path, cert: x509.Certificate) -> Path:
     except OSError:
         runtime = Path(os.environ.get("RUNTIME_DIRECTORY", tempfile.gettempdir()))
         fd, tmp = tempfile.mkstemp(dir=runtime, prefix="pact-identity-", suffix=".crt")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(pem)
+        except BaseException:
+            _remove(tmp)
+            raise
+        # TLS contexts load it by path for as long as the process runs, and no longer:
+        # each start would otherwise leave one more behind
+        atexit.register(_remove, tmp)
         return Path(tmp)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def key_fingerprint(key_path: Path, *, create: bool = False) -> str:
+    """The fingerprint of the key at `key_path` (with `create`, made first when missing),
+    for a caller that needs the pin only: no certificate is made, so none is written."""
+    key_path = Path(key_path)
+    if create and not key_path.exists():
+        return keygen(key_path).fingerprint
+    return fingerprint(load_private_key(key_path).public_key())
 
 
 def fingerprint_file(path: Path) -> str:

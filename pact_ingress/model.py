@@ -286,6 +286,40 @@ class OnMail:
 
 
 _LABEL_RE = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?")
+#: A part of a numeric IPv4 spelling as the C library's inet_aton reads it.
+_NUMBER_PART_RE = re.compile(r"0x[0-9a-f]*|[0-9]+", re.ASCII | re.IGNORECASE)
+
+
+def is_numeric_name(host: str) -> bool:
+    """Whether `host` is made of numbers only (decimal, octal or 0x hex parts): no host
+    name, as the resolver reads such a name as an IPv4 address in one of inet_aton's old
+    forms (`127.1`, `0x7f000001`, `2130706433`, `0177.0.0.1`) or fails on it."""
+    return all(_NUMBER_PART_RE.fullmatch(part) for part in host.removesuffix(".").split("."))
+
+
+def legacy_ipv4(host: str) -> str | None:
+    """The dotted quad an inet_aton spelling stands for (`127.1` → `127.0.0.1`), or None
+    when `host` is no such spelling (a name, a canonical address, an impossible number).
+    Up to four parts; the last fills the bytes the others leave."""
+    parts = host.split(".")
+    if not 1 <= len(parts) <= 4 or not is_numeric_name(host):
+        return None
+    values = []
+    for part in parts:
+        try:
+            if part[:2].lower() == "0x":
+                values.append(int(part, 16))  # takes the 0x; a bare 0x is refused
+            else:
+                values.append(int(part, 8 if len(part) > 1 and part[0] == "0" else 10))
+        except ValueError:  # 08: no octal digit
+            return None
+    *leading, last = values
+    if any(v > 255 for v in leading) or last >= 256 ** (4 - len(leading)):
+        return None
+    number = last
+    for i, value in enumerate(leading):
+        number += value << (24 - 8 * i)
+    return str(ipaddress.IPv4Address(number))
 
 
 def normalize_hostname(text: str, *, wildcard: bool = False, validate: bool = True) -> str:
@@ -301,11 +335,17 @@ def normalize_hostname(text: str, *, wildcard: bool = False, validate: bool = Tr
         return host
     if not host.isascii():
         raise ValueError(f"{text!r} is not ASCII: use its punycode (xn--) form")
-    if is_ip_address(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit():
+    if (is_ip_address(host.strip("[]")) or host.rsplit(".", 1)[-1].isdigit()
+            or is_numeric_name(host)):
         raise ValueError(f"{text!r} is an IP address, not a host name")
     labels = host.split(".")
     if wildcard and labels[0] == "*" and len(labels) > 1:
         labels = labels[1:]
+        if len(labels) == 1 and labels[0]:
+            # `*.com` would take every unrouted name of a whole top-level domain (ACME
+            # validations of them included): a slip for `*.x.com`, not a wish
+            raise ValueError(f"{text!r}: a wildcard must name a domain of at least two "
+                             "labels, e.g. *.example.com")
     if len(host) > 253 or not all(len(x) <= 63 and _LABEL_RE.fullmatch(x) for x in labels):
         hint = " ('*' only as the whole first label)" if "*" in host else ""
         raise ValueError(f"{text!r} is not a valid host name{hint}")

@@ -48,7 +48,7 @@ from pact_ingress.config import (
     parse_address,
 )
 from pact_ingress.errors import PactIngressError, UsageError
-from pact_ingress.identity import load_identity, make_dirs, pin_problem
+from pact_ingress.identity import key_fingerprint, make_dirs, pin_problem
 
 TENANTS_DIR = "tenants.d"
 RELOAD_COMMANDS = (
@@ -128,8 +128,9 @@ def remove_tenant(config_path: Path, name: str) -> Path:
         )
     try:
         os.unlink(tenant.source)
-    except OSError as exc:
-        raise UsageError(f"{tenant.source}: cannot remove: {exc.strerror}") from exc
+    except OSError as exc:  # the command was right, the file system refused: exit 1
+        raise PactIngressError(f"{tenant.source}: cannot remove: "
+                               f"{exc.strerror or exc}") from None
     return tenant.source
 
 
@@ -158,7 +159,7 @@ def add_tenant(
             raise UsageError(f"{target} would not be loaded by the include globs of "
                              f"{config_path}")
         try:
-            ingress_pin = load_identity(config.identity_key, create=True).fingerprint
+            ingress_pin = key_fingerprint(config.identity_key, create=True)
         except OSError as exc:
             raise PactIngressError(f"{config.identity_key}: cannot create the ingress key: "
                                    f"{exc.strerror or exc}") from None

@@ -16,6 +16,7 @@ ones through a real `serve` and SIGHUP.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -223,6 +224,55 @@ def with_backend(tmp_path: Path, backend: str) -> Path:
     return path
 
 
+@pytest.mark.parametrize(("host", "canonical"), [
+    ("0x7f000001", "127.0.0.1"),  # one hex number
+    ("0X7F000001", "127.0.0.1"),
+    ("2130706433", "127.0.0.1"),  # one decimal number
+    ("127.1", "127.0.0.1"),  # the last part fills the remaining bytes
+    ("0177.0.0.1", "127.0.0.1"),  # octal
+    ("127.0.0.01", "127.0.0.1"),
+    ("0x7f.0.0.1", "127.0.0.1"),
+    ("10.0x10.1", "10.16.0.1"),
+])
+def test_a_backend_in_a_legacy_ipv4_spelling_is_refused_with_the_address(
+        tmp_path: Path, host: str, canonical: str) -> None:
+    """The C resolver reads these as IPv4 addresses (inet_aton's old forms), so a backend
+    written so was dialled at an address nobody wrote down. A name of numbers only is no
+    host name: refused at its line, with the dotted quad it stands for."""
+    path = with_backend(tmp_path, f"{host}:9000")
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:9: backend"), found
+    assert repr(host) in found[0] and f"write {canonical}" in found[0], found
+
+
+@pytest.mark.parametrize("backend", ["127.0.0.1:9000", "[::1]:9000", "[::ffff:127.0.0.1]:9000",
+                                     "localhost:9000", "deadbeef:9000", "x0.example:9000",
+                                     "0x7f.example:9000", "1.example:9000"])
+def test_canonical_addresses_and_real_host_names_stay_backends(tmp_path: Path,
+                                                               backend: str) -> None:
+    [route] = load_config(with_backend(tmp_path, backend)).routes()
+    assert str(route.backend) == backend
+
+
+def test_a_legacy_ipv4_spelling_is_refused_where_any_address_is_read(tmp_path: Path) -> None:
+    """Listen addresses and the connector's addresses go through the same reader."""
+    path = tmp_path / "listen.yaml"
+    path.write_text(BASE.replace("127.0.0.1:8443", "0x7f000001:8443"))
+    found = messages(path)
+    assert len(found) == 1 and found[0].startswith(f"{path}:3: listen.tls"), found
+    assert "write 127.0.0.1" in found[0], found
+    connector = tmp_path / "connector.yaml"
+    connector.write_text(f"""identity: {{key: node.key}}
+ingress: {{address: "127.1", tunnel_hostname: tunnel.example, pin: "{PIN_A}"}}
+forward: "2130706433:8443"
+""")
+    with pytest.raises(ConfigError) as info:
+        load_connector_config(connector)
+    found = info.value.messages
+    assert [m for m in found if m.startswith(f"{connector}:2: ") and "write 127.0.0.1" in m]
+    assert [m for m in found if m.startswith(f"{connector}:3: ") and "write 127.0.0.1" in m]
+
+
 @pytest.mark.parametrize("port", ["０８０", "٨٠", "²"])
 def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
     path = with_backend(tmp_path, f"127.0.0.1:{port}")
@@ -231,21 +281,66 @@ def test_a_port_is_ascii_digits(tmp_path: Path, port: str) -> None:
     assert "port must be 1..65535" in found[0], found
 
 
-@pytest.mark.parametrize(("value", "seconds"), [("0x10", 16.0), ("0b101", 5.0),
-                                               ("0o10", None)])
-def test_a_duration_in_another_base_is_read_as_yaml_reads_it(tmp_path: Path, value: str,
-                                                             seconds: float | None) -> None:
-    """YAML 1.1 reads 0x10 and 0b101 as integers, and a plain number is seconds: they are
-    read as the limits that take integers read them, where they were refused with
-    Python's own words ("could not convert string to float"). 0o10 is no YAML 1.1
-    integer: a bad duration."""
-    path = tmp_path / "limits.yaml"
-    path.write_text(BASE + f"limits:\n  idle_timeout: {value}\n")
-    if seconds is not None:
-        assert load_config(path).limits.idle_timeout == seconds
-    else:
-        found = limit_messages(tmp_path, "idle_timeout", value)
-        assert len(found) == 1 and "bad duration" in found[0], found
+@pytest.mark.parametrize(("key", "value", "plain"), [
+    ("max_connections", "010", "10"),  # YAML 1.1: octal, 8
+    ("max_connections", "0x10", "16"),
+    ("max_connections", "0b101", "5"),
+    ("max_connections", "1_000", "1000"),
+    ("max_connections", "1:30", "90"),  # base 60
+    ("max_connections", "0o10", "8"),  # YAML 1.2's octal: a string to YAML 1.1
+    ("idle_timeout", "010", "10"),
+    ("idle_timeout", "0x10", "16"),
+    ("idle_timeout", "1:30", "90"),
+    ("idle_timeout", "1:30.5", "90.5"),
+    ("idle_timeout", "1_0.5", "10.5"),
+    ("idle_timeout", "0o10", "8"),
+    ("max_body_bytes", "010", "10"),
+    ("max_body_bytes", "1_000", "1000"),
+])
+def test_a_number_in_a_yaml_11_spelling_is_refused_naming_it(tmp_path: Path, key: str,
+                                                              value: str, plain: str) -> None:
+    """PyYAML reads 010 as 8 and 1:30 as 90 (and 0x10, 0b101, 1_000 in ways a count or
+    a duration is never meant to be written): taken silently, `idle_timeout: 010` was
+    eight seconds. Refused at its line, naming the value and its plain spelling."""
+    found = limit_messages(tmp_path, key, value)
+    assert len(found) == 1 and f"write {plain}, not {value}" in found[0], found
+
+
+def test_numbers_in_plain_decimal_and_quoted_strings_load_as_written(tmp_path: Path) -> None:
+    """The refusal is of the spelling only: decimals (a float with a leading zero too)
+    load, and a quoted "010" stays the string it is where a string is expected, or is
+    read as decimal text where a duration or size is."""
+    path = tmp_path / "plain.yaml"
+    path.write_text(BASE + f"""limits:
+  max_connections: 10
+  idle_timeout: 010.5
+  clienthello_timeout: "010"
+  max_body_bytes: "010"
+tenants:
+  - name: "010"
+    pins: ["{PIN_A}"]
+    routes:
+      - {{host: a.example, mode: passthrough, backend: "127.0.0.1:9000"}}
+""")
+    config = load_config(path)
+    assert config.limits.max_connections == 10
+    assert config.limits.idle_timeout == 10.5
+    assert config.limits.clienthello_timeout == 10.0
+    assert config.limits.max_body_bytes == 10
+    assert [t.name for t in config.tenants] == ["010"]
+
+
+def test_a_connector_count_in_a_yaml_11_spelling_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "connector.yaml"
+    path.write_text(f"""identity: {{key: node.key}}
+ingress: {{address: "127.0.0.1:443", tunnel_hostname: tunnel.example, pin: "{PIN_A}"}}
+forward: "127.0.0.1:8443"
+connections: 02
+""")
+    with pytest.raises(ConfigError) as info:
+        load_connector_config(path)
+    assert [m for m in info.value.messages if m.startswith(f"{path}:4: connections")
+            and "write 2, not 02" in m], info.value.messages
 
 
 def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
@@ -255,6 +350,55 @@ def test_a_redis_database_number_is_ascii_digits(tmp_path: Path) -> None:
     found = messages(path)
     assert any(m.startswith(f"{path}:7: state.url") and "database number" in m
                for m in found), found
+
+
+def with_listen(tmp_path: Path, tls: list[str], http: list[str] | None = None,
+                admin: str | None = None) -> Path:
+    """A config whose listen block has tls on line 3, then http, then admin."""
+    path = tmp_path / "listen.yaml"
+    lines = ["state_dir: state", "listen:", f"  tls: {tls!r}".replace("'", '"')]
+    if http is not None:
+        lines.append(f"  http: {http!r}".replace("'", '"'))
+    if admin is not None:
+        lines.append(f'  admin: "{admin}"')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("tls", "http", "admin", "lines"), [
+    (["localhost:8443", "127.0.0.1:8443"], None, None, (3, 3)),
+    (["127.0.0.1:8443"], ["localhost:8443"], None, (4, 3)),
+    (["localhost:8443"], ["0.0.0.0:8443"], None, (4, 3)),
+    (["[::]:8443"], None, "localhost:8443", (4, 3)),  # localhost is ::1 as well
+    (["0.0.0.0:8443"], ["127.0.0.1:8443"], None, (4, 3)),
+    (["127.0.0.1:8443"], ["127.0.0.1:8443"], None, (4, 3)),  # two kinds, one socket
+    (["127.0.0.1:8443"], None, "127.0.0.1:8443", (4, 3)),
+    (["[::1]:8443"], ["[0:0:0:0:0:0:0:1]:8443"], None, (4, 3)),  # one address, two spellings
+    (["LocalHost:8443"], ["localhost.:8443"], None, (4, 3)),
+])
+def test_listeners_that_cannot_both_bind_are_refused_naming_both_lines(
+        tmp_path: Path, tls: list[str], http: list[str] | None, admin: str | None,
+        lines: tuple[int, int]) -> None:
+    """Two listen addresses that take one socket were found only by serve's bind, as
+    "address in use" after the config was accepted (and never by check-config)."""
+    path = with_listen(tmp_path, tls, http, admin)
+    found = messages(path)
+    assert len(found) == 1, found
+    at, first = lines
+    assert found[0].startswith(f"{path}:{at}: listen address") and "overlaps" in found[0]
+    assert f"(line {first})" in found[0], found
+
+
+@pytest.mark.parametrize(("tls", "http", "admin"), [
+    (["127.0.0.2:8443", "127.0.0.3:8443"], None, None),  # several instances on one host
+    (["[::]:8443", "0.0.0.0:8443"], None, None),  # IPv6 listeners are v6-only
+    (["localhost:8443"], ["127.0.0.2:8443"], None),
+    (["0.0.0.0:8443"], ["[::1]:8443"], None),
+    (["localhost:8443"], ["localhost:8080"], "localhost:9180"),
+])
+def test_listeners_on_distinct_sockets_load(tmp_path: Path, tls: list[str],
+                                            http: list[str] | None, admin: str | None) -> None:
+    assert load_config(with_listen(tmp_path, tls, http, admin)).listen.tls
 
 
 # --- route values -------------------------------------------------------------------------
@@ -720,6 +864,12 @@ SHAPES: list[tuple[str, bytes | str, dict[str, str], str, int, str]] = [
      "main.yaml", 9, "whole first label"),
     ("wildcard-alone", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*'"), {},
      "main.yaml", 9, "whole first label"),
+    # a wildcard over a top-level domain would take every name under it that is not
+    # routed elsewhere: a typo for `*.x.com`, never a wish
+    ("wildcard-one-label", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*.com'"), {},
+     "main.yaml", 9, "at least two labels"),
+    ("wildcard-one-label-dot", BASE + "tenants:\n" + tenant_block("a", PIN_A, "'*.Test.'"),
+     {}, "main.yaml", 9, "at least two labels"),
     ("unicode-host", BASE + "tenants:\n" + tenant_block("a", PIN_A, "bücher.example"), {},
      "main.yaml", 9, "punycode"),
     ("duration-inf", BASE + "limits: {idle_timeout: .inf}\n", {}, "main.yaml", 5,
@@ -736,6 +886,8 @@ SHAPES: list[tuple[str, bytes | str, dict[str, str], str, int, str]] = [
      "got a boolean"),
     ("count-negative", BASE + "limits: {max_connections: -1}\n", {}, "main.yaml", 5,
      "at least 1"),
+    ("count-hex-no-digits", BASE + "limits: {max_connections: 0x_}\n", {}, "main.yaml", 5,
+     "no number"),  # PyYAML tags it an integer it cannot convert: was a traceback
 ]
 
 
@@ -940,6 +1092,55 @@ def test_reading_a_tsig_key_that_became_a_pipe_does_not_block(tmp_path: Path) ->
         thread.join(timeout=10)
         pytest.fail("read_tsig_key blocked on a named pipe")
     assert len(outcome) == 1 and isinstance(outcome[0], AcmeError), outcome
+
+
+#: Run in its own process: an audit hook, once added, stays for the process's life.
+DNS01_LOOKUPS = """
+import json, sys, threading
+from pathlib import Path
+
+lookups = []
+def hook(event, args):
+    if event == "socket.getaddrinfo" and args[0] == "localhost":
+        lookups.append(threading.current_thread() is threading.main_thread())
+sys.addaudithook(hook)
+
+import trio
+from pact_ingress.acme.dns01 import Dns01Solver
+from pact_ingress.model import Address, Dns01
+
+async def main():
+    # what the certificate manager does at start and at each reload, on trio's thread
+    solver = Dns01Solver(Dns01(Address("localhost", int(sys.argv[1])), "dns.test.",
+                               Path(sys.argv[2])))
+    made = list(lookups)
+    # an order runs in a worker thread: that is where the name may be looked up
+    await trio.to_thread.run_sync(solver.present, "x.dns.test", "made-in-a-thread")
+    await trio.to_thread.run_sync(solver.cleanup, "x.dns.test", "made-in-a-thread")
+    print(json.dumps({"while_made": made, "all": lookups}))
+
+trio.run(main)
+"""
+
+
+def test_a_dns01_server_name_is_not_looked_up_in_the_event_loop(tmp_path: Path) -> None:
+    """acme.dns01.server may be a name (nsupdate takes one too). Its lookup blocks: made
+    where the manager builds the solver, at start and at every reload, it held the event
+    loop and every connection with it for as long as the resolver took. The name is
+    looked up where the order runs, in its worker thread, and an order still works."""
+    from tests.acme_servers import Named
+
+    named = Named(tmp_path / "named", "dns.test.", hosts=("x",)).start()
+    try:
+        result = subprocess.run([sys.executable, "-c", DNS01_LOOKUPS, str(named.port),
+                                 str(named.key_file)], capture_output=True, text=True,
+                                timeout=60, check=False)
+    finally:
+        named.stop()
+    assert result.returncode == 0, result.stderr
+    lookups = json.loads(result.stdout)
+    assert lookups["while_made"] == [], lookups
+    assert lookups["all"] and not any(lookups["all"]), lookups  # only in worker threads
 
 
 @pytest.mark.parametrize("kind", ["dangling", "fifo", "garbage"])

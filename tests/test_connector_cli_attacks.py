@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -176,6 +177,47 @@ def test_another_tenants_tunnel_pin_is_refused(main: Path) -> None:
     assert "alina" in err
     assert not (main.parent / "tenants.d" / "bob.yaml").exists()
     assert [t.name for t in load_config(main).tenants] == ["alina"]
+
+
+def as_ordinary_user() -> list[str]:
+    """A command prefix under which file modes hold: root writes into any directory, so as
+    root the process gives up the capabilities that let it (and the test fails, never
+    skips, without setpriv)."""
+    if os.geteuid() != 0:
+        return []
+    caps = "-dac_override,-dac_read_search"
+    return [shutil.which("setpriv") or "setpriv", f"--inh-caps={caps}",
+            f"--bounding-set={caps}"]
+
+
+def test_a_tenant_file_that_cannot_be_deleted_is_a_runtime_failure(main: Path) -> None:
+    """The command was right and the tenant exists; the file system said no (a read-only
+    tenants.d). That is exit 1, a runtime failure, not 2, which tells the operator the
+    command or the config is wrong."""
+    add_tenant(main, "bob", "bob.home.test", pin=PIN_B)
+    tenants_d = main.parent / "tenants.d"
+    tenants_d.chmod(0o555)
+    try:
+        result = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                 "tenant", "remove", "bob", "-c", str(main)],
+                                capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        tenants_d.chmod(0o755)
+    err = one_line_failure(result, 1)
+    assert "bob.yaml" in err and "cannot remove" in err, err
+    assert (tenants_d / "bob.yaml").exists()
+    one_line_failure(run("tenant", "remove", "zed", "-c", str(main)), 2)  # no such tenant
+
+
+def test_a_wildcard_over_a_top_level_domain_is_a_usage_error(main: Path) -> None:
+    """`--host '*.test'` would route every unrouted name under a whole top-level domain
+    to one tenant: refused like the loader refuses it, and nothing is written."""
+    for host in ("*.test", "*.COM."):
+        with pytest.raises(PactIngressError) as info:
+            add_tenant(main, "bob", host, pin=PIN_B)
+        assert info.value.exit_code == 2 and "at least two labels" in str(info.value)
+    assert not (main.parent / "tenants.d").exists()
+    add_tenant(main, "bob", "*.bob.test", pin=PIN_B)  # two labels below the star: fine
 
 
 def test_directories_made_under_a_lax_umask_are_not_world_writable(main: Path,
@@ -448,6 +490,59 @@ def test_connect_with_the_ingress_down_at_start_retries_then_stops_with_0(
               if "tunnel_reconnect" in line]
     assert delays[0] >= 0.25 and delays[-1] > delays[0], delays  # backs off, never spins
     assert "Traceback" not in log.read_text()
+
+
+def test_a_read_only_key_directory_leaves_no_certificate_behind(tmp_path: Path,
+                                                                main: Path) -> None:
+    """A key in a read-only directory (a systemd credential, a read-only mount) with no
+    certificate beside it: the certificate made from it goes to a private temporary
+    file. `tenant add` needs only the key's fingerprint, and `connect` needs the file
+    while it runs; neither may leave one behind in the temporary directory, where every
+    start added another."""
+    private = tmp_path / "tmpdir"
+    private.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RUNTIME_DIRECTORY"}
+    env["TMPDIR"] = str(private)
+    state = main.parent / "state"
+    keygen(state / "identity.key").cert_path.unlink()
+    home = tmp_path / "home"
+    node = keygen(home / "node.key")
+    node.cert_path.unlink()
+    config = tmp_path / "connector.yaml"
+    config.write_text(CONNECTOR.format(key=node.key_path, port=free_port(), tunnel=TUNNEL,
+                                       pin=PIN_A, forward=free_port()))
+    log = tmp_path / "connect.log"
+    state.chmod(0o555)
+    home.chmod(0o555)
+    try:
+        added = subprocess.run([*as_ordinary_user(), sys.executable, "-m", "pact_ingress",
+                                "tenant", "add", "bob", "--host", "bob.home.test", "--pin",
+                                PIN_B, "-c", str(main)], env=env, capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert added.returncode == 0, added.stderr
+        assert list(private.iterdir()) == []
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([*as_ordinary_user(), sys.executable, "-m",
+                                     "pact_ingress", "connect", "-c", str(config)],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + WAIT
+                while "tunnel_reconnect" not in log.read_text():
+                    assert proc.poll() is None, log.read_text()
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.05)
+                assert len(list(private.iterdir())) == 1  # the one it runs with
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=WAIT) == 0, log.read_text()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    finally:
+        state.chmod(0o755)
+        home.chmod(0o755)
+    assert list(private.iterdir()) == []
+    assert not node.cert_path.exists() and not (state / "identity.crt").exists()
 
 
 def events(text: str, name: str) -> list[dict[str, object]]:

@@ -96,7 +96,11 @@ class Dns01Solver:
 
     def __init__(self, cfg: Dns01, *, propagation_timeout: float = PROPAGATION_TIMEOUT) -> None:
         self.zone = dns.name.from_text(cfg.zone)
-        self.server = _resolve(cfg.server.host)
+        # A name is looked up when a record is sent, in the order's worker thread: the
+        # solver is made on the event loop's thread (at start and at every reload), where
+        # a lookup would hold every connection for as long as the resolver takes. Looked
+        # up per order, a server that moved is followed too.
+        self.server = cfg.server.host
         self.port = cfg.server.port
         self.key = read_tsig_key(cfg.tsig_key_file)
         self.propagation_timeout = propagation_timeout
@@ -106,14 +110,15 @@ class Dns01Solver:
         name = self._relative(host)
         upd = dns.update.UpdateMessage(self.zone, keyring=self.key.keyring())
         upd.add(name, CHALLENGE_TTL, "TXT", value)
-        self._send(upd, "add")
-        self._wait_visible(name.derelativize(self.zone), value)
+        address = _resolve(self.server)
+        self._send(address, upd, "add")
+        self._wait_visible(address, name.derelativize(self.zone), value)
 
     def cleanup(self, host: str, value: str) -> None:
         """Remove exactly our TXT value (other concurrent challenges' values stay)."""
         upd = dns.update.UpdateMessage(self.zone, keyring=self.key.keyring())
         upd.delete(self._relative(host), "TXT", value)
-        self._send(upd, "delete")
+        self._send(_resolve(self.server), upd, "delete")
 
     def _relative(self, host: str) -> dns.name.Name:
         name = dns.name.from_text(challenge_name(host))
@@ -122,9 +127,9 @@ class Dns01Solver:
                             reason="dns01_zone")
         return name.relativize(self.zone)
 
-    def _send(self, upd: dns.update.UpdateMessage, what: str) -> None:
+    def _send(self, address: str, upd: dns.update.UpdateMessage, what: str) -> None:
         try:
-            resp = dns.query.tcp(upd, self.server, port=self.port, timeout=QUERY_TIMEOUT)
+            resp = dns.query.tcp(upd, address, port=self.port, timeout=QUERY_TIMEOUT)
         except (OSError, dns.exception.DNSException) as exc:
             raise AcmeError(f"DNS update ({what}) to {self.server}:{self.port} failed: {exc}",
                             reason="dns01_update") from exc
@@ -132,20 +137,20 @@ class Dns01Solver:
             raise AcmeError(f"DNS update ({what}) refused: {dns.rcode.to_text(resp.rcode())}",
                             reason="dns01_update")
 
-    def _wait_visible(self, name: dns.name.Name, value: str) -> None:
+    def _wait_visible(self, address: str, name: dns.name.Name, value: str) -> None:
         deadline = time.monotonic() + self.propagation_timeout
         while True:
-            if value in self._txt_values(name):
+            if value in self._txt_values(address, name):
                 return
             if time.monotonic() >= deadline:
                 raise AcmeError(f"TXT {name} not visible on {self.server}:{self.port} after "
                                 f"{self.propagation_timeout:.0f}s", reason="dns01_propagation")
             time.sleep(PROPAGATION_POLL)
 
-    def _txt_values(self, name: dns.name.Name) -> set[str]:
+    def _txt_values(self, address: str, name: dns.name.Name) -> set[str]:
         q = dns.message.make_query(name, dns.rdatatype.TXT)
         try:
-            resp, _ = dns.query.udp_with_fallback(q, self.server, port=self.port,
+            resp, _ = dns.query.udp_with_fallback(q, address, port=self.port,
                                                   timeout=QUERY_TIMEOUT)
         except (OSError, dns.exception.DNSException):
             return set()
@@ -157,7 +162,8 @@ class Dns01Solver:
 
 
 def _resolve(host: str) -> str:
-    """An IP literal for the configured server (dnspython's query functions want one)."""
+    """An IP literal for the configured server (dnspython's query functions want one).
+    Blocks while a name is looked up: call it in the order's worker thread only."""
     try:
         return str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
     except OSError as exc:

@@ -20,6 +20,9 @@ because …"), so the walker is hand-written and small.
 Decisions worth knowing:
 
 * Durations: ``250ms``, ``10s``, ``5m``, ``1h``, or a plain number = seconds; > 0.
+* Numbers are plain decimal. YAML 1.1 also reads ``010`` (octal 8), ``0x10``, ``0b101``,
+  ``1_000`` and ``1:30`` (base 60, 90) as numbers; such a spelling of a count, size or
+  duration is refused with the plain one to write (`_odd_number`), never reinterpreted.
 * Sizes: a plain integer = bytes, or an integer with a unit: ``B``, binary ``KiB MiB GiB``
   (powers of 1024) or decimal ``kB MB GB`` (powers of 1000). Units are case-sensitive,
   so ``6mb`` (millibits?) is refused rather than guessed.
@@ -44,8 +47,11 @@ Decisions worth knowing:
   unreachable through a terminating edge by construction.
 * ``seal``, ``mcp_path`` and ``cert`` belong to terminate routes, ``proxy_protocol`` to
   passthrough routes; giving one to the other kind of route is an error, not a no-op.
-* Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed; IP literals
-  and non-ASCII names (use the ``xn--`` form) are refused. A wildcard may cover only
+* Hosts are lower-cased and lose a trailing dot; ``*.suffix`` is allowed when the suffix
+  has two labels or more (``*.com`` would claim a whole top-level domain); IP literals
+  and non-ASCII names (use the ``xn--`` form) are refused. In an address, a name of
+  numbers only (``127.1``, ``0x7f000001``: old IPv4 spellings the resolver would dial)
+  is refused with the dotted quad to write. A wildcard may cover only
   its own tenant's hosts, never another tenant's or the tunnel hostname.
 * Connector config: ``ingress.address`` may omit the port (443). It is one address or a
   list of them (several ingress instances; a name stands for all its A/AAAA records), and
@@ -118,6 +124,7 @@ from pact_ingress.model import (
     State,
     Tenant,
     is_ip_address,
+    legacy_ipv4,
     normalize_hostname,
 )
 from pact_ingress.proto.http_request import BadRequest, normalise_path
@@ -226,6 +233,10 @@ def parse_address(text: str, *, default_port: int | None = None) -> Address:
         if "%" in host:
             _check_zone(host, text)
     elif not is_ip_address(host):
+        if (address := legacy_ipv4(host)) is not None:
+            # the resolver would dial that address, which nobody wrote down
+            raise ValueError(f"{text!r}: {host!r} is an old spelling of the IPv4 address "
+                             f"{address}: write {address}")
         try:
             host = normalize_hostname(host)
         except ValueError:
@@ -442,7 +453,60 @@ def _choice(ctx: _Ctx, node: Node, what: str, allowed: tuple[str, ...]) -> str |
     return text
 
 
+#: How YAML 1.1 spells numbers that are not plain decimal (PyYAML's SafeLoader takes all
+#: but 0o10, which YAML 1.2 added): the sign, then the digits.
+_ODD_NUMBER_RES = (
+    (re.compile(r"0x([0-9a-fA-F_]+)", re.ASCII), "hex"),
+    (re.compile(r"0b([01_]+)", re.ASCII), "binary"),
+    (re.compile(r"0o([0-7_]+)", re.ASCII), "octal"),
+    (re.compile(r"([0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)", re.ASCII), "base 60"),
+    (re.compile(r"(0[0-9_]+)", re.ASCII), "leading zero"),
+    (re.compile(r"([0-9][0-9_]*_[0-9_]*(?:\.[0-9_]*)?|[0-9]+\.[0-9]*_[0-9_]*)", re.ASCII),
+     "underscore"),
+)
+
+
+def _odd_number(node: Node) -> str | None:
+    """Why a bare number is not taken as written, or None when it is plain decimal (or
+    no number at all). YAML 1.1 reads `010` as 8 and `1:30` as 90; `0x10`, `0b101` and
+    `1_000` are no way to write a port, a count or a duration either. Whatever the reader
+    meant, taking it silently is the wrong guess, so every such spelling is refused with
+    the plain one to write instead; quoted, a value is a string and no number."""
+    if not isinstance(node, ScalarNode) or node.style is not None:
+        return None
+    text = node.value
+    sign = text[0] if text[:1] in ("-", "+") else ""
+    for pattern, kind in _ODD_NUMBER_RES:
+        m = pattern.fullmatch(text[len(sign):])
+        if m is None:
+            continue
+        digits = m.group(1).replace("_", "")
+        if not digits:  # PyYAML takes `0x_` for an integer it then cannot convert
+            return f"{text!r} is no number"
+        if kind == "base 60":
+            whole, _, fraction = digits.partition(".")
+            value = 0
+            for part in whole.split(":"):
+                value = value * 60 + int(part)
+            plain = f"{value}.{fraction}".rstrip(".") if fraction else str(value)
+            return f"write {sign}{plain}, not {text} (YAML 1.1 reads {text} in base 60)"
+        if kind == "leading zero":
+            plain = str(int(digits))
+            if node.tag == _INT and int(digits, 8) != int(digits):
+                return (f"write {sign}{plain}, not {text} (YAML 1.1 reads a leading 0 as "
+                        f"octal: {text} would be {sign}{int(digits, 8)})")
+            return f"write {sign}{plain}, not {text} (numbers here are plain decimal)"
+        if kind == "underscore":
+            return f"write {sign}{digits}, not {text} (numbers here are plain decimal)"
+        plain = str(int(digits, {"hex": 16, "binary": 2, "octal": 8}[kind]))
+        return f"write {sign}{plain}, not {text} (numbers here are plain decimal, not {kind})"
+    return None
+
+
 def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT) -> int | None:
+    if (odd := _odd_number(node)) is not None:
+        ctx.at(node, f"{what}: {odd}")
+        return None
     if not isinstance(node, ScalarNode) or node.tag != _INT:
         ctx.at(node, f"{what} must be an integer, got {_kind(node)}")
         return None
@@ -456,9 +520,11 @@ def _integer(ctx: _Ctx, node: Node, what: str, lo: int = 1, hi: int = _NO_LIMIT)
 
 
 def _duration(ctx: _Ctx, node: Node, what: str) -> float | None:
+    if (odd := _odd_number(node)) is not None:
+        ctx.at(node, f"{what}: {odd}")
+        return None
     try:
         if isinstance(node, ScalarNode) and node.tag in (_INT, _FLOAT):
-            # an integer may be spelled 0x10 or 0b101, which only the int reader knows
             construct = (SafeConstructor().construct_yaml_int if node.tag == _INT
                          else SafeConstructor().construct_yaml_float)
             return _check_duration(float(construct(node)), node.value)
@@ -475,6 +541,9 @@ def _size(ctx: _Ctx, node: Node, what: str) -> int | None:
     if isinstance(node, ScalarNode) and node.tag == _INT:
         return _integer(ctx, node, what)
     if isinstance(node, ScalarNode) and node.tag == _STR:
+        if (odd := _odd_number(node)) is not None:
+            ctx.at(node, f"{what}: {odd}")
+            return None
         try:
             return parse_size(node.value)
         except ValueError as exc:
@@ -1046,15 +1115,32 @@ def _check_overlaps(ctx: _Ctx, addresses: list[tuple[Address, Node]]) -> None:
                 break
 
 
+#: What a `localhost` listener binds: every address the name resolves to, 127.0.0.1 and,
+#: on most systems, ::1. Taken as both, so that a config is judged the same on every
+#: machine, and without a lookup (a reload must not wait for a resolver).
+_LOCALHOST = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+
+
 def _same_socket(a: str, b: str) -> bool:
-    """Same host, or one is the wildcard of the other's family (0.0.0.0 covers 127.0.0.1)."""
+    """Whether two listen hosts take one socket on a port: the same address (however it
+    is spelled), or one is the wildcard of the other's family (0.0.0.0 covers 127.0.0.1).
+    IPv6 listeners are v6-only, so [::] and 0.0.0.0 do not overlap; distinct loopback
+    addresses (127.0.0.2, 127.0.0.3) do not either. Other names are known only after a
+    lookup: only the same name is an overlap."""
     if a == b:
         return True
+    ips_a, ips_b = _listen_ips(a), _listen_ips(b)
+    return any(x == y or (x.version == y.version and (x.is_unspecified or y.is_unspecified))
+               for x in ips_a for y in ips_b)
+
+
+def _listen_ips(host: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+    if host == "localhost":
+        return _LOCALHOST
     try:
-        ip_a, ip_b = ipaddress.ip_address(a), ipaddress.ip_address(b)
+        return (ipaddress.ip_address(host),)
     except ValueError:
-        return False
-    return ip_a.version == ip_b.version and (ip_a.is_unspecified or ip_b.is_unspecified)
+        return ()
 
 
 def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | None:

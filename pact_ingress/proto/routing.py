@@ -9,8 +9,8 @@ Semantics (chosen, not inherited from certificate matching):
   `x.a.example` and `y.x.a.example`, but never `a.example` itself. This differs from TLS
   certificate wildcards (RFC 6125 §6.4.3: exactly one label) on purpose: a route sends a
   whole subtree to one tenant's node, which then presents whatever certificates it has.
-* When several wildcards match, the longest suffix wins: with `*.example` and
-  `*.a.example`, `y.x.a.example` goes to `*.a.example`.
+* When several wildcards match, the longest suffix wins: with `*.a.example` and
+  `*.x.a.example`, `y.x.a.example` goes to `*.x.a.example`.
 * A host configured twice (after normalisation) is a ValueError; the config loader checks
   this too, with file:line, so this is the last line of defence.
 
