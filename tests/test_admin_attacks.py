@@ -337,13 +337,15 @@ def test_idle_and_half_sent_connections_do_not_lock_the_operator_out(served: Ser
 
 def test_a_connection_flood_and_slow_heads_leave_status_answering(served: Serve) -> None:
     """Twenty connections trickling a request head a byte at a time (slow loris, each
-    byte well within the read timeout), then 500 more opened at once and left idle (far
-    over the backlog: most wait for the kernel's SYN retries): the operator's `status`
-    (the CLI's own request, with its 5 s timeout) still answers, every time, while they
-    are held. (Idle connections are closed after the keep-alive timeout; a slow head is
-    bounded only per read and by the head size cap.)"""
+    byte well within the read timeout), ten more trickling the body of a large upload
+    (read to its end before any answer, token check included), then 500 more opened at
+    once and left idle (far over the backlog: most wait for the kernel's SYN retries):
+    the operator's `status` (the CLI's own request, with its 5 s timeout) still answers,
+    every time, while they are held. (Idle connections and unfinished heads are closed
+    at the keep-alive timeout, which runs until a whole head came; a body is bounded
+    only per read.)"""
     listen = Address(LOOPBACK, served.admin_port)
-    slow = [served.connect() for _ in range(20)]
+    slow = [served.connect() for _ in range(30)]
     flood: list[socket.socket] = []
     stop = threading.Event()
 
@@ -355,8 +357,11 @@ def test_a_connection_flood_and_slow_heads_leave_status_answering(served: Serve)
             if stop.wait(0.2):
                 return
 
-    for sock in slow:
+    for sock in slow[:20]:
         sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    for sock in slow[20:]:
+        sock.sendall(b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Length: 1000000\r\n\r\n")
     thread = threading.Thread(target=trickle, daemon=True)
     thread.start()
     try:
