@@ -17,7 +17,8 @@ still starting — before trio runs, or before its receiver is open — is noted
 picks the noted one up and stops the start-up cleanly: an operator, a supervisor or a
 script that stops a service which is not ready yet gets exit 0 and a line that says
 so, not a death by the signal. Noting is safe there because nothing `serve` does before
-its receiver is open can wait for long (the config is read without blocking).
+its receiver is open can wait for long (the files it reads are opened without
+blocking: `files.read_small`; the network waits come after).
 
 `run` is `trio.run` that calls `exiting()` as soon as the main task is done, before
 trio's teardown: that teardown closes the socket the signal handlers wake the loop

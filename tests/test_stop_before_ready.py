@@ -135,3 +135,26 @@ state:
             break
     notify.close()
     assert "STOPPING=1" in told and "READY=1" not in told, told
+
+
+def test_stop_signals_before_the_receiver_are_noted_not_fatal() -> None:
+    """Before `serve`'s receiver is open (before trio runs, or while it builds the
+    ingress), a stop signal is noted for the receiver to take, once; without noting
+    (every other process) it still kills."""
+    code = (
+        "import os, signal\n"
+        "from pact_ingress import stopping\n"
+        "stopping.guard(note_early=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print(stopping.take_early(), stopping.take_early(), flush=True)\n"
+        "stopping.guard()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('survived', flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=WAIT, env=env, check=False)
+    assert done.stdout.split("\n") == [f"[{int(signal.SIGTERM)}, {int(signal.SIGINT)}] []",
+                                       ""], (done.stdout, done.stderr)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)
