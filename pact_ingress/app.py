@@ -89,6 +89,9 @@ class Ingress:
             self.workers.on_state_fallback = self._worker_fell_back
         self.bound: dict[str, list[tuple[str, int]]] = {}
         self._stopping = False
+        self._ready = False  # READY said: a stop signal drains from now on
+        #: The stop signal that ended the start-up before READY (its name), if one did.
+        self.stopped_before_ready: str | None = None
         self._apply(config)
 
     def _apply(self, config: Config) -> None:
@@ -289,7 +292,21 @@ class Ingress:
 
     async def run(self, *, handle_signals: bool = True,
                   task_status: trio.TaskStatus[Ingress] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until SIGTERM/SIGINT (or `stop()`); `task_status.started(self)` when bound."""
+        """Serve until SIGTERM/SIGINT (or `stop()`); `task_status.started(self)` when bound.
+        A stop signal before READY ends the start-up instead (`stopped_before_ready`)."""
+        if not handle_signals:
+            await self._run(task_status)
+            return
+        # the signals are ours from the first moment, so that one coming while the
+        # workers, the state backend or the listeners are still starting stops the
+        # start-up cleanly instead of killing the process (see `stopping`)
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals, sigs, nursery.cancel_scope)
+                await self._run(task_status)
+                nursery.cancel_scope.cancel()  # served and drained: the signals' task too
+
+    async def _run(self, task_status: trio.TaskStatus[Ingress]) -> None:
         cfg = self.config
         listeners = await open_listeners([_addr(a) for a in cfg.listen.tls])
         self.bound["tls"] = [tuple(l.socket.getsockname()[:2]) for l in listeners]
@@ -327,8 +344,6 @@ class Ingress:
                     reload=self.reload, renew=self._renew, token=token,
                     allow_remote=token is not None, task_status=task_status))
                 self.bound["admin"] = [bound]
-            if handle_signals:
-                nursery.start_soon(self._signals)
             nursery.start_soon(sdnotify.watchdog_loop)
             nursery.start_soon(log.flush_forever)
             await nursery.start(self._serve_router, listeners)
@@ -336,6 +351,7 @@ class Ingress:
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
             if self.settle_gc:
                 gctune.settle()  # what lives now lives for the process: out of collections
+            self._ready = True
             sdnotify.ready()
             task_status.started(self)
             if _take_early_hup():  # a SIGHUP came while starting: its config may be newer
@@ -386,13 +402,32 @@ class Ingress:
             self.relay.drain()
         await self.tunnels.aclose()
 
-    async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as sigs:
-            async for signum in sigs:
-                if signum == signal.SIGHUP:
+    async def _signals(self, sigs: Any, starting: trio.CancelScope) -> None:
+        """SIGHUP reloads and SIGTERM/SIGINT drain once READY; before, a SIGHUP is noted
+        (the reload follows READY) and a stop signal cancels `starting`, the start-up
+        and everything it began, which the process exits 0 from. The stop signals noted
+        before this receiver was open come first."""
+        early = stopping.take_early()
+        if early:
+            self._stop_before_ready(early[0], starting)
+            return
+        async for signum in sigs:
+            if signum == signal.SIGHUP:
+                if self._ready:
                     await self.reload()
                 else:
-                    await self.stop()
+                    _note_early_hup(signum, None)
+            elif self._ready:
+                await self.stop()
+            else:
+                self._stop_before_ready(signum, starting)
+                return
+
+    def _stop_before_ready(self, signum: int, starting: trio.CancelScope) -> None:
+        self.stopped_before_ready = signal.Signals(signum).name
+        stopping.draining()  # more stop signals ask for the exit under way
+        sdnotify.stopping()
+        starting.cancel()
 
 
 #: A SIGHUP arrived before `serve` handled signals itself (see `main_serve`).
@@ -421,16 +456,20 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     usable core, 1 = this process alone (no children), see `net/workers.py`."""
     from pact_ingress.net.workers import default_workers
 
-    # SIGHUP's default action ends the process, and the handler of `_signals` is up only
-    # once the workers are: until then a reload is noted and done once serving
+    # SIGHUP's default action ends the process, and `Ingress.run`'s receiver is up only
+    # once trio runs: until then a reload is noted, and done once serving
     signal.signal(signal.SIGHUP, _note_early_hup)
-    stopping.guard()
+    stopping.guard(note_early=True)  # a stop before READY: exit 0 (`Ingress._signals`)
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI
     count = default_workers() if workers is None else workers
 
+    ingress: Ingress | None = None
+
     async def run() -> None:
-        await Ingress(config, workers=count, log_format=log_format, settle_gc=True).run()
+        nonlocal ingress
+        ingress = Ingress(config, workers=count, log_format=log_format, settle_gc=True)
+        await ingress.run()
 
     try:
         stopping.run(run)
@@ -440,7 +479,11 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
             raise
         raise fault from exc
     stopping.exiting()
-    log.info("stopped")
+    if ingress is not None and ingress.stopped_before_ready is not None:
+        log.info("stopped_before_ready", signal=ingress.stopped_before_ready,
+                 detail="a stop signal came while starting: nothing was served")
+    else:
+        log.info("stopped")
     return 0
 
 

@@ -11,6 +11,15 @@ as it always did before serving); once one began (`draining()`), it ignores the
 signal, since the exit it asks for is already under way; and once the event loop
 is done, `exiting()` ignores them for good.
 
+`serve` asks for more (`guard(note_early=True)`): a stop signal that comes while it is
+still starting — before trio runs, or before its receiver is open — is noted
+(`take_early`) instead of killing the process, and the receiver it opens first thing
+picks the noted one up and stops the start-up cleanly: an operator, a supervisor or a
+script that stops a service which is not ready yet gets exit 0 and a line that says
+so, not a death by the signal. Noting is safe there because nothing `serve` does before
+its receiver is open can wait for long (the files it reads are opened without
+blocking: `files.read_small`; the network waits come after).
+
 `run` is `trio.run` that calls `exiting()` as soon as the main task is done, before
 trio's teardown: that teardown closes the socket the signal handlers wake the loop
 through before it unhooks it, and a handled signal landing in between is written to a
@@ -30,19 +39,35 @@ T = TypeVar("T")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _draining = False
+#: The stop signals noted while starting (None: not noting, see `guard`).
+_early: list[int] | None = None
 
 
 def _handler(signum: int, frame: Any) -> None:
     if _draining:
         return
+    if _early is not None:
+        _early.append(signum)
+        return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
 
-def guard() -> None:
-    """Install the disposition above for the stop signals (main thread, before trio)."""
+def guard(*, note_early: bool = False) -> None:
+    """Install the disposition above for the stop signals (main thread, before trio);
+    `note_early`: note them until `take_early` instead of dying of them."""
+    global _early
+    _early = [] if note_early else None
     for signum in _SIGNALS:
         signal.signal(signum, _handler)
+
+
+def take_early() -> list[int]:
+    """The stop signals noted so far; noting ends here (call it with the process's own
+    receiver for them open: from then on that receiver gets them)."""
+    global _early
+    taken, _early = _early or [], None
+    return taken
 
 
 def draining() -> None:

@@ -218,8 +218,12 @@ class Worker:
             root.start_soon(log.flush_forever)
             if self.settle_gc:
                 gctune.settle()  # what lives now lives for the process: out of collections
-            await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
-            log.info("worker_ready", pid=os.getpid())
+            try:
+                await self.channel.send(Kind.READY, wp.encode_json({"pid": os.getpid()}))
+            except OSError:
+                pass  # main is gone (stopped while we started): the read below says so
+            else:
+                log.info("worker_ready", pid=os.getpid())
             try:
                 await self._read()
             except wp.ProtocolError as exc:

@@ -19,15 +19,18 @@ Every loop is bounded in count and time; nothing asserts timing.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import inspect
 import json
 import os
+import select
 import signal
 import socket
 import ssl
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +38,8 @@ from typing import Any
 
 import pytest
 
+from pact_ingress.admin.client import fetch_status
+from pact_ingress.config import Address
 from tests.netutil import free_port
 from tests.terminate_env import json_events
 
@@ -326,6 +331,58 @@ def test_idle_and_half_sent_connections_do_not_lock_the_operator_out(served: Ser
             assert status == 200 and body, path
     finally:
         for sock in held:
+            sock.close()
+    served.assert_clean()
+
+
+def test_a_connection_flood_and_slow_heads_leave_status_answering(served: Serve) -> None:
+    """Twenty connections trickling a request head a byte at a time (slow loris, each
+    byte well within the read timeout), ten more trickling the body of a large upload
+    (read to its end before any answer, token check included), then 500 more opened at
+    once and left idle (far over the backlog: most wait for the kernel's SYN retries):
+    the operator's `status` (the CLI's own request, with its 5 s timeout) still answers,
+    every time, while they are held. (Idle connections and unfinished heads are closed
+    at the keep-alive timeout, which runs until a whole head came; a body is bounded
+    only per read.)"""
+    listen = Address(LOOPBACK, served.admin_port)
+    slow = [served.connect() for _ in range(30)]
+    flood: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for _ in range(200):  # bounded: 40 s at most, stopped long before
+            for sock in slow:
+                with contextlib.suppress(OSError):
+                    sock.send(b"a")
+            if stop.wait(0.2):
+                return
+
+    for sock in slow[:20]:
+        sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    for sock in slow[20:]:
+        sock.sendall(b"POST /reload HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Length: 1000000\r\n\r\n")
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):
+            sock = socket.socket()
+            flood.append(sock)
+            sock.setblocking(False)
+            sock.connect_ex((LOOPBACK, served.admin_port))
+        for _ in range(3):
+            doc = fetch_status(listen)  # raises AdminError when it does not answer in time
+            assert doc.get("routes"), doc
+            time.sleep(0.2)
+        poller = select.poll()  # not select(): the descriptors may be past 1024
+        for sock in flood:
+            poller.register(sock, select.POLLOUT)
+        connected = [fd for fd, events in poller.poll(0) if events == select.POLLOUT]
+        assert len(connected) > 17, len(connected)  # the flood got past the backlog
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for sock in slow + flood:
             sock.close()
     served.assert_clean()
 

@@ -225,9 +225,10 @@ class H2Connection:
         the reset throws away what our kernel has not delivered yet: the GOAWAY and the
         answers still on their way (the client would never learn why, or lose the tail
         of its last answers: a slow reader still sends WINDOW_UPDATEs)."""
-        tls = self._tls
-        if tls is not None:
-            await linger(tls.socket, seconds, LINGER_BYTES)
+        # our TLS, or the relay's (its own TLS object, the same socket underneath)
+        sock = getattr(self.stream, "socket", None)
+        if sock is not None:
+            await linger(sock, seconds, LINGER_BYTES)
 
     async def _on_drain(self) -> None:
         """Take no new stream; say GOAWAY once the open ones have been answered. Not at

@@ -130,8 +130,7 @@ class RelayServer:
         self.service: Any = None
         self._ctx: tuple[tuple[Any, ...], SSL.Context] | None = None
         self._conns: set[_Conn] = set()
-        self._draining = False
-        self._drain_event = trio.Event()  # HTTP/2 connections send GOAWAY on it
+        self._drain_event = trio.Event()  # the HTTP legs close (HTTP/2: GOAWAY) on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
         self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)  # request bodies
@@ -234,7 +233,12 @@ class RelayServer:
                 if handshake.cancelled_caught:
                     return
                 bucket = client_bucket(client[0]) or client[0]
-                handle = partial(self._exchange, conn, _caller(tls), client, bucket)
+                handle = partial(self._exchange, _caller(tls), client, bucket)
+                # from here on a drain is the HTTP leg's to carry out: it closes the
+                # connection once its answers are sent and lingers before the close;
+                # cancelling it from outside would cut the linger short, and the
+                # close would reset the tail of the last answer away
+                conn.http = True
                 if tls.selected_alpn_protocol() == "h2":
                     await H2Connection(tls, idle_timeout=IDLE_TIMEOUT,
                                        write_timeout=WRITE_TIMEOUT,
@@ -244,7 +248,8 @@ class RelayServer:
                 else:
                     await H1Connection(tls, idle_timeout=IDLE_TIMEOUT,
                                        head_timeout=HEAD_TIMEOUT, write_timeout=WRITE_TIMEOUT,
-                                       idle_scopes=self._idle_scopes).serve(handle)
+                                       idle_scopes=self._idle_scopes,
+                                       draining=self._drain_event).serve(handle)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
             log.debug("relay_connection_ended", client_ip=client[0], error=repr(exc))
         except Exception as exc:
@@ -253,17 +258,13 @@ class RelayServer:
             self._conns.discard(conn)
             await trio.aclose_forcefully(tls)
 
-    async def _exchange(self, conn: _Conn, caller: tuple[str, PublicKey] | None,
+    async def _exchange(self, caller: tuple[str, PublicKey] | None,
                         client: tuple[str, int], bucket: str, ex: Exchange) -> None:
-        conn.busy += 1
         exchange = RelayExchange(self, caller, client, ex, bucket)
         try:
             await exchange.run()
         finally:
             exchange.release()
-            conn.busy -= 1
-            if self._draining and not conn.busy:
-                conn.scope.cancel()
 
     def _flooded(self, client: tuple[str, int], kind: Flood) -> None:
         self.stats.h2_floods.labels(route=self.host, kind=kind.value).inc()
@@ -271,11 +272,14 @@ class RelayServer:
 
     def drain(self) -> None:
         """Shutdown: close idle keep-alive connections now, busy ones after their
-        requests (the router's drain deadline bounds those)."""
-        self._draining = True
+        requests (the router's drain deadline bounds those), as the terminate engine
+        does: the HTTP legs see the drain event and their idle scopes cancelled, and
+        linger before they close. A connection still in its handshake ends now."""
         self._drain_event.set()
+        for scope in list(self._idle_scopes):
+            scope.cancel()
         for conn in list(self._conns):
-            if not conn.busy:
+            if not conn.http:
                 conn.scope.cancel()
 
     # --- the tools -----------------------------------------------------------------------
@@ -373,10 +377,10 @@ class RelayServer:
 
 
 class _Conn:
-    """One relay connection: requests in flight, and how to end it."""
+    """One relay connection: how a drain ends it before it speaks HTTP."""
 
     def __init__(self) -> None:
-        self.busy = 0
+        self.http = False  # handshaken: the HTTP leg carries out a drain itself
         self.scope = trio.CancelScope()
 
 

@@ -179,6 +179,12 @@ class RelayTLS(ServerStream):
         self._stream_below = stream
         self._closed = False
 
+    @property
+    def socket(self) -> socket.socket | None:
+        """The socket under the TLS, when there is one (the HTTP legs linger on it
+        before the close: `net.linger`)."""
+        return self._sock
+
     async def do_handshake(self) -> None:
         await self.handshake()
 
