@@ -67,11 +67,16 @@ def settings(*pairs: tuple[int, int]) -> bytes:
 class Raw:
     """One TLS connection speaking frames exactly as the test writes them."""
 
-    def __init__(self, env: Env, *, source: str = ATTACKER_IP, host: str = HOST,
-                 first: bytes | None = None, rcvbuf: int | None = None) -> None:
+    def __init__(self, env: Env | None, *, source: str = ATTACKER_IP, host: str = HOST,
+                 first: bytes | None = None, rcvbuf: int | None = None,
+                 sock: ssl.SSLSocket | None = None) -> None:
+        """To `env`'s edge, or over `sock` (a TLS socket already connected elsewhere)."""
         self.host = host
-        self.sock = tls_socket(env.serve.port, host, source=source, alpn=("h2",),
-                               rcvbuf=rcvbuf)
+        if sock is None:
+            assert env is not None
+            sock = tls_socket(env.serve.port, host, source=source, alpn=("h2",),
+                              rcvbuf=rcvbuf)
+        self.sock = sock
         assert self.sock.selected_alpn_protocol() == "h2"
         self.enc = hpack.Encoder()
         self.dec = hpack.Decoder()

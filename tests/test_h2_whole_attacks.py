@@ -75,7 +75,7 @@ class Wire(Raw):
     one the edge closed, reads in bursts of a chosen size, and checks every frame it
     parses against what this client allowed (frame size, windows)."""
 
-    def __init__(self, env: Env, *, burst: int = 65536, frame_size: int = 16384,
+    def __init__(self, env: Env | None, *, burst: int = 65536, frame_size: int = 16384,
                  **kw: object) -> None:
         self.tls_errors: list[str] = []
         self.send_errors: list[str] = []

@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import hpack
 import pytest
 
 from pact_ingress.identity import Identity
@@ -45,7 +44,6 @@ from tests.test_h2_attacks import (
     DATA,
     GOAWAY,
     NO_ERROR,
-    PREFACE,
     WINDOW_UPDATE,
     frame,
     settings,
@@ -208,22 +206,9 @@ class _RelayWire(Wire):
     is the slow reading, not flow control."""
 
     def __init__(self, port: int, ident: Identity) -> None:
-        self.tls_errors: list[str] = []
-        self.send_errors: list[str] = []
-        self.received = 0
-        self.burst = 4096
-        self.frame_size = 16384
-        self.oversized: list[tuple[int, int]] = []
-        self.host = RELAY_HOST
-        self.sock = _slow_socket(port, ident, ("h2",))
-        assert self.sock.selected_alpn_protocol() == "h2"
-        self.enc = hpack.Encoder()
-        self.dec = hpack.Decoder()
-        self.buf = b""
-        self.frames: list[tuple[int, int, int, bytes]] = []
-        self.eof = False
-        self.unacked: dict[int, int] = {}
-        self.send(PREFACE + settings((INITIAL_WINDOW_SIZE, MAX_WINDOW)))
+        super().__init__(None, burst=4096, host=RELAY_HOST,
+                         sock=_slow_socket(port, ident, ("h2",)),
+                         first=settings((INITIAL_WINDOW_SIZE, MAX_WINDOW)))
 
 
 def _h2_read_slowly(c: _RelayWire) -> None:

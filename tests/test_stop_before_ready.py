@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -24,22 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from tests.netutil import free_port
+from tests.terminate_env import json_events
 
 LOOPBACK = "127.0.0.1"
 WAIT = 20.0
-
-
-def _events(text: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            doc = json.loads(line)
-            if isinstance(doc, dict):
-                out.append(doc)
-    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -118,7 +107,7 @@ state:
         time.sleep(0.05)
     assert not any(_alive(p) for p in children), children
     text = log_path.read_text(errors="replace")
-    events = _events(text)
+    events = json_events(text)
     assert code == 0, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     names = [e.get("event") for e in events]

@@ -22,9 +22,10 @@ refused, what follows a head we refused, bytes waiting unread: a request pipelin
 behind the last answer), the connection lingers (`net.linger`) before it closes: our
 side is shut and what the client sends is read and dropped until the client has
 acknowledged everything sent, for at most `LINGER_SECONDS` / `LINGER_BYTES`. A client
-that sent nothing more is closed at once: it sends nothing before it has all of ours. Closed with the client's bytes unread, the socket
-would be reset, and the reset throws away what our kernel has not delivered yet: the
-tail of the last answer, for a client that reads slowly. An answer given before the
+that sent nothing more is closed at once: it sends nothing before it has all of ours.
+Closed with the client's bytes unread, the socket would be reset, and the reset throws
+away what our kernel has not delivered yet: the tail of the last answer, for a client
+that reads slowly. An answer given before the
 request body was read (`stop_body`) carries `Connection: close`.
 """
 
