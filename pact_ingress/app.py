@@ -153,7 +153,11 @@ class Ingress:
         """Load the config file again; keep the running one when the new one is bad.
 
         Never raises: the process serves every tenant, so one file that cannot be
-        applied must cost a log line, not the ingress."""
+        applied must cost a log line, not the ingress. Once a drain began (a SIGHUP
+        queued behind the SIGTERM, `POST /reload` while draining) systemd is not told:
+        READY after STOPPING would make a stopping service look running again."""
+        if self._stopping:
+            return self._reload()
         sdnotify.reloading()
         try:
             return self._reload()

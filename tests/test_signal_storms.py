@@ -1,0 +1,189 @@
+"""`pact-ingress serve` signalled like an operator or a supervisor having a bad day.
+
+Reloads and stop signals in the phases where they overlap: a SIGHUP while the process
+drains, stop signals while it is still starting (before the event loop runs, while
+its modules load, while it waits for its state backend). Whatever the order, the
+contract holds: exit 0, exactly one final log line (`stopped` or
+`stopped_before_ready`), no traceback, no worker left, the listener closed, and
+systemd told the truth — never READY after STOPPING, every RELOADING followed by READY.
+
+The windows are real waits the test holds: a passthrough connection whose backend (the
+test's listener) never closes keeps the drain going; a Redis that takes the first
+command and never answers keeps the start-up waiting.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.netutil import free_port
+from tests.terminate_env import json_events
+
+LOOPBACK = "127.0.0.1"
+WAIT = 20.0
+HELLO = (Path(__file__).parent / "vectors" / "clienthello" / "curl.bin").read_bytes()
+HELLO_HOST = "www.example.test"  # the SNI in HELLO
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+class Run:
+    """One `serve --workers N` process with a NOTIFY_SOCKET, its log and its config."""
+
+    def __init__(self, tmp: Path, workers: int, body: str) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.config = tmp / "ingress.yaml"
+        self.body = body
+        self.write()
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(tmp / "notify.sock"))
+        self.told: list[str] = []
+        self.log_path = tmp / "serve.log"
+        env = dict(os.environ, NOTIFY_SOCKET=str(tmp / "notify.sock"),
+                   PYTHONPATH=str(Path(__file__).parents[1]))
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
+                 "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=tmp)
+        self.kids: set[int] = set()
+
+    def write(self, extra: str = "") -> None:
+        self.config.write_text(f"state_dir: state\nlisten:\n  tls: [\"{LOOPBACK}:{self.port}\"]\n"
+                               f"{self.body}{extra}")
+
+    def wait_told(self, wanted: str) -> None:
+        deadline = time.monotonic() + WAIT
+        while wanted not in self.told and time.monotonic() < deadline:
+            self.notify.settimeout(max(0.01, deadline - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                self.told += self.notify.recv(4096).decode().split("\n")
+            if self.proc.poll() is not None:
+                break
+        assert wanted in self.told, (wanted, self.told, self.logs()[-3000:])
+
+    def wait_event(self, name: str) -> None:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if name in self.events():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"no {name} logged: {self.logs()[-3000:]}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list[str]:
+        return [str(e.get("event")) for e in json_events(self.logs())]
+
+    def note_kids(self) -> None:
+        with contextlib.suppress(OSError):
+            self.kids.update(_children(self.proc.pid))
+
+    def finish(self) -> tuple[int, list[str]]:
+        """Wait for the exit; its code and the final log lines. Asserts the rest of the
+        contract: no traceback, no worker left, the port free, the truth told."""
+        code = self.proc.wait(timeout=WAIT)
+        self.notify.setblocking(False)
+        for _ in range(100):  # bounded: what is still queued for the supervisor
+            try:
+                self.told += self.notify.recv(4096).decode().split("\n")
+            except BlockingIOError:
+                break
+        deadline = time.monotonic() + WAIT
+        while any(_alive(p) for p in self.kids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        text = self.logs()
+        assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+        assert not [p for p in self.kids if _alive(p)], (self.kids, text[-3000:])
+        told = [m for m in self.told if m in ("READY=1", "RELOADING=1", "STOPPING=1")]
+        assert "STOPPING=1" in told, told
+        assert "READY=1" not in told[told.index("STOPPING=1"):], told
+        for i, msg in enumerate(told):
+            assert msg != "RELOADING=1" or "READY=1" in told[i:], told
+        with socket.socket() as probe:
+            probe.bind((LOOPBACK, self.port))  # the listener is closed
+        finals = [e for e in self.events() if e in ("stopped", "stopped_before_ready")]
+        return code, finals
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.notify.close()
+
+
+def _redis_that_never_answers(tmp: Path) -> tuple[socket.socket, str]:
+    key = tmp / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)) + b"\n")
+    key.chmod(0o600)
+    redis = socket.create_server((LOOPBACK, 0))
+    redis.settimeout(WAIT)
+    return redis, (f"state:\n  backend: redis\n  url: redis://{LOOPBACK}:"
+                   f"{redis.getsockname()[1]}\n  encryption_key_file: state.key\n")
+
+
+def test_a_sighup_during_the_drain_tells_systemd_nothing_after_stopping(
+        tmp_path: Path) -> None:
+    """SIGTERM, then SIGHUP (a valid new config) while a passthrough connection keeps
+    the drain going: the drain ends and the process exits 0 with one `stopped` line,
+    and READY never follows STOPPING (systemd would take the stopping service for
+    running again)."""
+    backend = socket.create_server((LOOPBACK, 0))
+    backend.settimeout(WAIT)
+    routes = (f"tenants:\n  - name: t\n    pins: [\"sha256:{'A' * 43}\"]\n    routes:\n"
+              f"      - {{host: {HELLO_HOST}, mode: passthrough, "
+              f"backend: \"{LOOPBACK}:{backend.getsockname()[1]}\"}}\n")
+    run = Run(tmp_path, 1, routes)
+    client = held = None
+    try:
+        run.wait_told("READY=1")
+        client = socket.create_connection((LOOPBACK, run.port), timeout=WAIT)
+        client.sendall(HELLO)
+        held, _ = backend.accept()
+        held.settimeout(WAIT)
+        assert held.recv(65536), "the hello did not reach the backend"
+        run.proc.send_signal(signal.SIGTERM)
+        run.wait_told("STOPPING=1")
+        run.write(f"      - {{host: late.test, mode: passthrough, backend: \"{LOOPBACK}:1\"}}\n")
+        run.proc.send_signal(signal.SIGHUP)
+        run.wait_event("reloaded")
+        held.close()
+        client.close()
+        code, finals = run.finish()
+        assert code == 0, run.logs()[-3000:]
+        assert finals == ["stopped"], finals
+    finally:
+        for s in (client, held, backend):
+            if s is not None:
+                s.close()
+        run.close()
