@@ -358,7 +358,7 @@ class Ingress:
             self._ready = True
             sdnotify.ready()
             task_status.started(self)
-            if _take_early_hup():  # a SIGHUP came while starting: its config may be newer
+            if stopping.take_hup():  # a SIGHUP came while starting: its config may be newer
                 nursery.start_soon(self.reload)
 
     async def _run_relay(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -420,7 +420,7 @@ class Ingress:
                 if self._ready:
                     await self.reload()
                 else:
-                    _note_early_hup(signum, None)
+                    stopping.note_hup()
             elif self._ready:
                 await self.stop()
             else:
@@ -432,21 +432,6 @@ class Ingress:
         stopping.draining()  # more stop signals ask for the exit under way
         sdnotify.stopping()
         starting.cancel()
-
-
-#: A SIGHUP arrived before `serve` handled signals itself (see `main_serve`).
-_early_hup = False
-
-
-def _note_early_hup(signum: int, frame: Any) -> None:
-    global _early_hup
-    _early_hup = True
-
-
-def _take_early_hup() -> bool:
-    global _early_hup
-    taken, _early_hup = _early_hup, False
-    return taken
 
 
 def _reason(exc: BaseException) -> str:
@@ -461,8 +446,9 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     from pact_ingress.net.workers import default_workers
 
     # SIGHUP's default action ends the process, and `Ingress.run`'s receiver is up only
-    # once trio runs: until then a reload is noted, and done once serving
-    signal.signal(signal.SIGHUP, _note_early_hup)
+    # once trio runs: until then a reload is noted, and done once serving (the command
+    # line asked for both already, before importing this module; asking again is cheap)
+    stopping.hold_hup()
     stopping.guard(note_early=True)  # a stop before READY: exit 0 (`Ingress._signals`)
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.netutil import free_port
 from tests.terminate_env import json_events
 
@@ -186,4 +184,46 @@ def test_a_sighup_during_the_drain_tells_systemd_nothing_after_stopping(
         for s in (client, held, backend):
             if s is not None:
                 s.close()
+        run.close()
+
+
+def _caught(pid: int) -> set[int]:
+    """The signals `pid` has a handler for (SigCgt in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 64) if mask >> (n - 1) & 1}
+    return set()
+
+
+def test_signals_while_serve_loads_its_modules_are_noted_not_fatal(tmp_path: Path) -> None:
+    """`serve` spends most of a second loading its modules before `app` runs: a SIGHUP
+    or a SIGTERM then (systemd stopping a unit it just started, a script's reload)
+    must not be the default action's death. The handlers are there before the long
+    imports (the YAML and cryptography extensions are not loaded yet when SIGTERM is
+    first caught), and SIGHUP, SIGTERM, SIGTERM sent at that moment end the start-up:
+    exit 0, one `stopped_before_ready` line, no reload, STOPPING and never READY."""
+    run = Run(tmp_path, 1, "")
+    maps = None
+    try:
+        deadline = time.monotonic() + WAIT
+        for _ in range(100_000):  # bounded: until serve first catches SIGTERM
+            if time.monotonic() > deadline or run.proc.poll() is not None:
+                break
+            with contextlib.suppress(OSError):
+                if signal.SIGTERM in _caught(run.proc.pid):
+                    maps = Path(f"/proc/{run.proc.pid}/maps").read_text()
+                    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGTERM):
+                        run.proc.send_signal(sig)
+                    break
+        assert maps is not None, ("serve never caught SIGTERM", run.logs()[-3000:])
+        assert run.proc.poll() is None or run.proc.returncode == 0, run.logs()[-3000:]
+        loaded = [name for name in ("_yaml", "_rust.abi3") if name in maps]
+        assert not loaded, f"SIGTERM caught only after loading {loaded}"
+        code, finals = run.finish()
+        assert code == 0, (code, run.logs()[-3000:])
+        assert finals == ["stopped_before_ready"], finals
+        events = run.events()
+        assert "reloaded" not in events and "serving" not in events, events
+    finally:
         run.close()
