@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.netutil import free_port
 from tests.terminate_env import json_events
 
@@ -226,4 +228,50 @@ def test_signals_while_serve_loads_its_modules_are_noted_not_fatal(tmp_path: Pat
         events = run.events()
         assert "reloaded" not in events and "serving" not in events, events
     finally:
+        run.close()
+
+
+@pytest.mark.parametrize("storm", ["hup_term_term", "worker_killed_then_term"])
+def test_stop_signals_while_workers_start_leave_no_worker_behind(
+        tmp_path: Path, storm: str) -> None:
+    """Two workers held in their start-up by a Redis that never answers; then SIGHUP,
+    SIGTERM, SIGTERM to main, or a worker SIGKILLed (main respawns it) and SIGTERM.
+    The start-up ends: exit 0, one `stopped_before_ready` line, no reload, and at the
+    moment main is gone no worker runs on (one still starting reads its channel, and
+    so learns that main is gone, only after its own start-up: up to its Redis probe's
+    deadline as an orphan, writing after main's last line)."""
+    redis, state = _redis_that_never_answers(tmp_path)
+    run = Run(tmp_path, 2, state)
+    conn = None
+    try:
+        conn, _ = redis.accept()  # a worker's first probe: the start-up waits for it
+        conn.settimeout(WAIT)
+        assert conn.recv(4096), "the probe sent no command"
+        run.note_kids()
+        assert len(run.kids) == 2, run.kids
+        if storm == "worker_killed_then_term":
+            victim = min(run.kids)
+            os.kill(victim, signal.SIGKILL)
+            run.wait_event("worker_exited")
+            deadline = time.monotonic() + WAIT
+            while len(run.kids) < 3 and time.monotonic() < deadline:  # its replacement
+                run.note_kids()
+                time.sleep(0.01)
+            sigs = [signal.SIGTERM]
+        else:
+            sigs = [signal.SIGHUP, signal.SIGTERM, signal.SIGTERM]
+        for sig in sigs:
+            run.proc.send_signal(sig)
+        run.proc.wait(timeout=WAIT)
+        running = [p for p in run.kids if _alive(p)]
+        assert not running, ("workers outlive main", running)
+        code, finals = run.finish()
+        assert code == 0, (code, run.logs()[-3000:])
+        assert finals == ["stopped_before_ready"], finals
+        events = run.events()
+        assert "reloaded" not in events and "serving" not in events, events
+    finally:
+        if conn is not None:
+            conn.close()
+        redis.close()
         run.close()

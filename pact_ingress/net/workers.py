@@ -405,6 +405,15 @@ class WorkerPool:
                 await process.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            if process.returncode is None:
+                # cancelled: main's start-up or main itself ends. A worker still starting
+                # reads its channel (and sees main gone) only once its own start-up is
+                # over, a state probe's deadline later: it goes now, and with it reaped
+                # no worker outlives main or writes after its last line
+                process.kill()
+                with trio.move_on_after(EXIT_TIMEOUT) as reap:
+                    reap.shield = True
+                    await process.wait()
             channel.close()
             slot.channel = None
             self._lost(slot)
