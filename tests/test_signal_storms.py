@@ -55,7 +55,7 @@ def _children(pid: int) -> list[int]:
 class Run:
     """One `serve --workers N` process with a NOTIFY_SOCKET, its log and its config."""
 
-    def __init__(self, tmp: Path, workers: int, body: str) -> None:
+    def __init__(self, tmp: Path, workers: int, body: str, *, session: bool = False) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.config = tmp / "ingress.yaml"
@@ -71,7 +71,7 @@ class Run:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config),
                  "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=tmp)
+                cwd=tmp, start_new_session=session)  # session: a terminal's job of its own
         self.kids: set[int] = set()
 
     def write(self, extra: str = "") -> None:
@@ -274,4 +274,35 @@ def test_stop_signals_while_workers_start_leave_no_worker_behind(
         if conn is not None:
             conn.close()
         redis.close()
+        run.close()
+
+
+def test_a_terminals_ctrl_c_while_workers_start_is_no_traceback(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals its whole foreground process group. Sent while the
+    workers are still loading their modules (each already has Python's own SIGINT
+    handler, which raises KeyboardInterrupt wherever the import is), it must end
+    `serve` as any stop signal before READY does: exit 0, one `stopped_before_ready`
+    line, no traceback from any process, no worker left. Main tells its workers when
+    to stop; a terminal's signal is not theirs to take."""
+    run = Run(tmp_path, 2, "", session=True)
+    try:
+        deadline = time.monotonic() + WAIT
+        for _ in range(100_000):  # bounded: until both workers run Python code
+            if time.monotonic() > deadline or run.proc.poll() is not None:
+                break
+            with contextlib.suppress(OSError):
+                workers = [p for p in _children(run.proc.pid) if b"pact_ingress.worker"
+                           in Path(f"/proc/{p}/cmdline").read_bytes()]
+                if len(workers) == 2 and all(signal.SIGINT in _caught(p) for p in workers):
+                    run.note_kids()
+                    os.killpg(run.proc.pid, signal.SIGINT)
+                    break
+        else:
+            raise AssertionError("the workers never started")
+        assert len(run.kids) >= 2, (run.kids, run.logs()[-3000:])
+        run.proc.wait(timeout=WAIT)
+        code, finals = run.finish()
+        assert code == 0, (code, run.logs()[-3000:])
+        assert finals == ["stopped_before_ready"], finals
+    finally:
         run.close()

@@ -374,9 +374,12 @@ class WorkerPool:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             theirs.set_inheritable(True)
+            # a process group of its own: a terminal's Ctrl-C (sent to its whole
+            # foreground group) reaches main alone, which stops the workers itself; a
+            # worker still loading its modules would die of it with a traceback
             process = await trio.lowlevel.open_process(
                 self._argv(slot.index, theirs.fileno()), pass_fds=(theirs.fileno(),),
-                env=worker_env(), stdin=subprocess.DEVNULL)
+                env=worker_env(), stdin=subprocess.DEVNULL, process_group=0)
         except OSError as exc:
             mine.close()
             log.error("worker_spawn_failed", worker=slot.index, error=str(exc))
