@@ -351,6 +351,9 @@ class Ingress:
             nursery.start_soon(sdnotify.watchdog_loop)
             nursery.start_soon(log.flush_forever)
             await nursery.start(self._serve_router, listeners)
+            # a stop signal taken in the step that woke us has cancelled the start-up
+            # already: no `serving` line, no READY after its STOPPING
+            await trio.lowlevel.checkpoint_if_cancelled()
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
             if self.settle_gc:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -306,3 +307,64 @@ def test_a_terminals_ctrl_c_while_workers_start_is_no_traceback(tmp_path: Path) 
         assert finals == ["stopped_before_ready"], finals
     finally:
         run.close()
+
+
+async def test_a_stop_signal_as_serving_starts_is_never_followed_by_ready(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop signal lands in the very step in which the router says it serves: the
+    signal task and the start-up wake together, in an order trio picks at random. If
+    the signal task goes first it stops the start-up (STOPPING), and the start-up,
+    woken already, must not go on to say READY. In process, because only here the
+    signal can be put in that step (sent as the router reports started); a few rounds,
+    since each order comes half the time."""
+    import trio
+
+    from pact_ingress import stopping
+    from pact_ingress.app import Ingress
+    from pact_ingress.config import load_config
+
+    monkeypatch.setattr(stopping, "_draining", False)  # what `stop` sets stays here
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    # a SIGTERM left over when the receiver closes is sent again: ignored, not our death
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        for attempt in range(12):  # bounded: each round an order picked at random
+            config = tmp_path / f"ingress{attempt}.yaml"
+            config.write_text(f"state_dir: state\nlisten:\n  tls: [\"{LOOPBACK}:{free_port()}\"]\n")
+            ingress = Ingress(load_config(config))
+            serve = ingress.router.serve
+
+            async def signalled_serve(listeners: Any, task_status: Any, serve: Any = serve
+                                      ) -> None:
+                token = trio.lowlevel.current_trio_token()
+
+                class Status:
+                    def started(self, value: Any = None) -> None:
+                        # trio hands a signal to its receiver through the loop's
+                        # run_sync_soon queue: the report queued behind it wakes the
+                        # start-up in the very step that wakes the signal task
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        token.run_sync_soon(task_status.started, value)
+
+                await serve(listeners, task_status=Status())
+
+            ingress.router.serve = signalled_serve  # type: ignore[method-assign]
+            with trio.fail_after(WAIT):
+                await ingress.run()
+            told = []
+            for _ in range(100):  # bounded: this round's messages
+                try:
+                    told += notify.recv(4096).decode().split("\n")
+                except BlockingIOError:
+                    break
+            told = [m for m in told if m in ("READY=1", "STOPPING=1")]
+            assert "STOPPING=1" in told, (attempt, told)
+            assert "READY=1" not in told[told.index("STOPPING=1"):], (attempt, told)
+            if ingress.stopped_before_ready is not None:  # nothing was served
+                assert "READY=1" not in told, (attempt, told)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        notify.close()
