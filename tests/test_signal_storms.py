@@ -1,15 +1,18 @@
 """`pact-ingress serve` signalled like an operator or a supervisor having a bad day.
 
 Reloads and stop signals in the phases where they overlap: a SIGHUP while the process
-drains, stop signals while it is still starting (before the event loop runs, while
-its modules load, while it waits for its state backend). Whatever the order, the
+drains, stop signals while it is still starting (while its modules load, while its
+workers load theirs — a terminal's Ctrl-C —, while it waits for its state backend, in
+the very step it begins to serve), a worker killed meanwhile. Whatever the order, the
 contract holds: exit 0, exactly one final log line (`stopped` or
 `stopped_before_ready`), no traceback, no worker left, the listener closed, and
 systemd told the truth — never READY after STOPPING, every RELOADING followed by READY.
 
 The windows are real waits the test holds: a passthrough connection whose backend (the
 test's listener) never closes keeps the drain going; a Redis that takes the first
-command and never answers keeps the start-up waiting.
+command and never answers keeps the start-up waiting; the moment a process first
+catches a signal is read from /proc. Only the step in which serving begins is reached
+in process, by sending the signal from the router's start report.
 """
 
 from __future__ import annotations
