@@ -153,7 +153,11 @@ class Ingress:
         """Load the config file again; keep the running one when the new one is bad.
 
         Never raises: the process serves every tenant, so one file that cannot be
-        applied must cost a log line, not the ingress."""
+        applied must cost a log line, not the ingress. Once a drain began (a SIGHUP
+        queued behind the SIGTERM, `POST /reload` while draining) systemd is not told:
+        READY after STOPPING would make a stopping service look running again."""
+        if self._stopping:
+            return self._reload()
         sdnotify.reloading()
         try:
             return self._reload()
@@ -347,6 +351,9 @@ class Ingress:
             nursery.start_soon(sdnotify.watchdog_loop)
             nursery.start_soon(log.flush_forever)
             await nursery.start(self._serve_router, listeners)
+            # a stop signal taken in the step that woke us has cancelled the start-up
+            # already: no `serving` line, no READY after its STOPPING
+            await trio.lowlevel.checkpoint_if_cancelled()
             log.info("serving", tls=[str(a) for a in cfg.listen.tls],
                      identity=self.identity.fingerprint, routes=len(cfg.routes()))
             if self.settle_gc:
@@ -354,7 +361,7 @@ class Ingress:
             self._ready = True
             sdnotify.ready()
             task_status.started(self)
-            if _take_early_hup():  # a SIGHUP came while starting: its config may be newer
+            if stopping.take_hup():  # a SIGHUP came while starting: its config may be newer
                 nursery.start_soon(self.reload)
 
     async def _run_relay(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -416,7 +423,7 @@ class Ingress:
                 if self._ready:
                     await self.reload()
                 else:
-                    _note_early_hup(signum, None)
+                    stopping.note_hup()
             elif self._ready:
                 await self.stop()
             else:
@@ -428,21 +435,6 @@ class Ingress:
         stopping.draining()  # more stop signals ask for the exit under way
         sdnotify.stopping()
         starting.cancel()
-
-
-#: A SIGHUP arrived before `serve` handled signals itself (see `main_serve`).
-_early_hup = False
-
-
-def _note_early_hup(signum: int, frame: Any) -> None:
-    global _early_hup
-    _early_hup = True
-
-
-def _take_early_hup() -> bool:
-    global _early_hup
-    taken, _early_hup = _early_hup, False
-    return taken
 
 
 def _reason(exc: BaseException) -> str:
@@ -457,8 +449,9 @@ def main_serve(path: Path, *, log_format: str = "json", workers: int | None = No
     from pact_ingress.net.workers import default_workers
 
     # SIGHUP's default action ends the process, and `Ingress.run`'s receiver is up only
-    # once trio runs: until then a reload is noted, and done once serving
-    signal.signal(signal.SIGHUP, _note_early_hup)
+    # once trio runs: until then a reload is noted, and done once serving (the command
+    # line asked for both already, before importing this module; asking again is cheap)
+    stopping.hold_hup()
     stopping.guard(note_early=True)  # a stop before READY: exit 0 (`Ingress._signals`)
     setup_logs(log_format)
     config = load_config(path)  # ConfigError → exit 2 in the CLI

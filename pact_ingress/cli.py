@@ -54,6 +54,12 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pact_ingress import stopping
+
+    # loading what `serve` runs on takes most of a second: a reload or a stop signal that
+    # comes meanwhile is noted for the start-up, not the default action's death
+    stopping.hold_hup()
+    stopping.guard(note_early=True)
     from pact_ingress import app
 
     return app.main_serve(Path(args.config), log_format=args.log_format or "json",

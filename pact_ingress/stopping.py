@@ -18,7 +18,10 @@ picks the noted one up and stops the start-up cleanly: an operator, a supervisor
 script that stops a service which is not ready yet gets exit 0 and a line that says
 so, not a death by the signal. Noting is safe there because nothing `serve` does before
 its receiver is open can wait for long (the files it reads are opened without
-blocking: `files.read_small`; the network waits come after).
+blocking: `files.read_small`; the network waits come after). The command line asks for
+it before it imports what `serve` runs on (most of a second of module loading), and
+`hold_hup` notes a SIGHUP from then on too (its default action would end the process),
+for `take_hup` once serving: the config written before it may be newer.
 
 `run` is `trio.run` that calls `exiting()` as soon as the main task is done, before
 trio's teardown: that teardown closes the socket the signal handlers wake the loop
@@ -33,14 +36,14 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import trio
-
 T = TypeVar("T")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _draining = False
 #: The stop signals noted while starting (None: not noting, see `guard`).
 _early: list[int] | None = None
+#: A SIGHUP came while starting (see `hold_hup`).
+_hup = False
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -57,7 +60,8 @@ def guard(*, note_early: bool = False) -> None:
     """Install the disposition above for the stop signals (main thread, before trio);
     `note_early`: note them until `take_early` instead of dying of them."""
     global _early
-    _early = [] if note_early else None
+    # asked again (the command line asked first): what was noted stays noted
+    _early = (_early if _early is not None else []) if note_early else None
     for signum in _SIGNALS:
         signal.signal(signum, _handler)
 
@@ -67,6 +71,24 @@ def take_early() -> list[int]:
     receiver for them open: from then on that receiver gets them)."""
     global _early
     taken, _early = _early or [], None
+    return taken
+
+
+def hold_hup() -> None:
+    """Note a SIGHUP instead of dying of it, until `serve`'s receiver takes over."""
+    signal.signal(signal.SIGHUP, note_hup)
+
+
+def note_hup(signum: int = signal.SIGHUP, frame: Any = None) -> None:
+    """A SIGHUP came before READY: the reload follows READY (`take_hup`)."""
+    global _hup
+    _hup = True
+
+
+def take_hup() -> bool:
+    """Whether a SIGHUP was noted since the last call."""
+    global _hup
+    taken, _hup = _hup, False
     return taken
 
 
@@ -88,6 +110,8 @@ def exiting() -> None:
 def run(main: Callable[[], Awaitable[T]]) -> T:
     """`trio.run(main)`, with the stop signals and SIGHUP ignored from the moment `main`
     returns or raises (see the module doc)."""
+    import trio  # here: importing this module must cost nothing (see the module doc)
+
     async def body() -> T:
         try:
             return await main()

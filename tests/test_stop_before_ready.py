@@ -57,7 +57,7 @@ def test_sigterm_while_starting_stops_cleanly(tmp_path: Path) -> None:
     before its own, and a worker probes before it is), so main is still spawning them:
     exit 0, STOPPING and never READY told to the supervisor, one `stopped_before_ready`
     line naming the signal, nothing served, no traceback from any process, and no
-    worker left (each ends once its probe gives up and finds main gone)."""
+    worker left (main kills and reaps a worker still starting)."""
     workers = 2
     key = tmp_path / "state.key"
     key.write_bytes(base64.b64encode(os.urandom(32)) + b"\n")

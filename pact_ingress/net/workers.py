@@ -374,9 +374,12 @@ class WorkerPool:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             theirs.set_inheritable(True)
+            # a process group of its own: a terminal's Ctrl-C (sent to its whole
+            # foreground group) reaches main alone, which stops the workers itself; a
+            # worker still loading its modules would die of it with a traceback
             process = await trio.lowlevel.open_process(
                 self._argv(slot.index, theirs.fileno()), pass_fds=(theirs.fileno(),),
-                env=worker_env(), stdin=subprocess.DEVNULL)
+                env=worker_env(), stdin=subprocess.DEVNULL, process_group=0)
         except OSError as exc:
             mine.close()
             log.error("worker_spawn_failed", worker=slot.index, error=str(exc))
@@ -405,6 +408,15 @@ class WorkerPool:
                 await process.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            if process.returncode is None:
+                # cancelled: main's start-up or main itself ends. A worker still starting
+                # reads its channel (and sees main gone) only once its own start-up is
+                # over, a state probe's deadline later: it goes now, and with it reaped
+                # no worker outlives main or writes after its last line
+                process.kill()
+                with trio.move_on_after(EXIT_TIMEOUT) as reap:
+                    reap.shield = True
+                    await process.wait()
             channel.close()
             slot.channel = None
             self._lost(slot)
