@@ -110,6 +110,15 @@ class Run:
         with contextlib.suppress(OSError):
             self.kids.update(_children(self.proc.pid))
 
+    def stopped_before_ready(self) -> None:
+        """`finish`, and it ended as a start-up stopped: exit 0, the one line that says
+        so, nothing reloaded or served."""
+        code, finals = self.finish()
+        assert code == 0, (code, self.logs()[-3000:])
+        assert finals == ["stopped_before_ready"], finals
+        events = self.events()
+        assert "reloaded" not in events and "serving" not in events, events
+
     def finish(self) -> tuple[int, list[str]]:
         """Wait for the exit; its code and the final log lines. Asserts the rest of the
         contract: no traceback, no worker left, the port free, the truth told."""
@@ -226,11 +235,7 @@ def test_signals_while_serve_loads_its_modules_are_noted_not_fatal(tmp_path: Pat
         assert run.proc.poll() is None or run.proc.returncode == 0, run.logs()[-3000:]
         loaded = [name for name in ("_yaml", "_rust.abi3") if name in maps]
         assert not loaded, f"SIGTERM caught only after loading {loaded}"
-        code, finals = run.finish()
-        assert code == 0, (code, run.logs()[-3000:])
-        assert finals == ["stopped_before_ready"], finals
-        events = run.events()
-        assert "reloaded" not in events and "serving" not in events, events
+        run.stopped_before_ready()
     finally:
         run.close()
 
@@ -269,11 +274,7 @@ def test_stop_signals_while_workers_start_leave_no_worker_behind(
         run.proc.wait(timeout=WAIT)
         running = [p for p in run.kids if _alive(p)]
         assert not running, ("workers outlive main", running)
-        code, finals = run.finish()
-        assert code == 0, (code, run.logs()[-3000:])
-        assert finals == ["stopped_before_ready"], finals
-        events = run.events()
-        assert "reloaded" not in events and "serving" not in events, events
+        run.stopped_before_ready()
     finally:
         if conn is not None:
             conn.close()
