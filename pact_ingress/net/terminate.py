@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import _socket
 import bisect
-import collections
 import socket
 import ssl
 import time
@@ -588,7 +587,10 @@ def _observe_all(histogram: Any, values: list[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts = collections.Counter(bisect.bisect_left(bounds, value) for value in values)
+    counts: dict[int, int] = {}  # a Counter built from an iterable asks an ABC first
+    for value in values:
+        index = bisect.bisect_left(bounds, value)
+        counts[index] = counts.get(index, 0) + 1
     total.inc(sum(values))
     for index, count in counts.items():
         buckets[index].inc(count)
