@@ -45,9 +45,12 @@ def only_stricter_by_design(headers: list[tuple[bytes, bytes]]) -> bool:
     """Where we may refuse what h2 takes: non-token names, control characters, a
     `Cookie` before a pseudo-header (h2 moves cookies to the end before it checks the
     order; RFC 9113 §8.3 wants every pseudo-header first), a `:method` that is not a
-    token, `Content-Length` fields that differ, and a `Cookie` crumb with whitespace
-    around it (h2 checks the joined value, where it may sit inside)."""
+    token, `Content-Length` fields that differ, a `Cookie` crumb with whitespace
+    around it (h2 checks the joined value, where it may sit inside), and `:protocol`
+    (extended CONNECT, which the edge does not offer)."""
     names = [n for n, _ in headers]
+    if b":protocol" in names:
+        return True
     cookie_first = b"cookie" in names and any(
         n.startswith(b":") for n in names[names.index(b"cookie"):])
     methods = [v for n, v in headers if n == b":method"]
@@ -128,6 +131,7 @@ def test_split_returns_pseudo_and_fields_in_order() -> None:
     GOOD[:4] + [(b"te", b"gzip")],
     GOOD[:4] + [(b"host", b"b.example")],  # Host differs from :authority
     [(b":method", b"CONNECT"), (b":authority", b"a.example"), (b":path", b"/")],
+    [(b":method", b"GET"), (b":protocol", b"websocket"), *GOOD[1:4]],
     [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a"), (b":path", b"")],
 ])
 def test_malformed_blocks_refused(block: list[tuple[bytes, bytes]]) -> None:
@@ -144,6 +148,14 @@ def test_method_must_be_a_token(method: bytes) -> None:
         split_request([(b":method", method), *GOOD[1:]])
     for good in (b"GET", b"PROPFIND", b"get", b"M-SEARCH"):
         assert split_request([(b":method", good), *GOOD[1:]])[0][b":method"] == good
+
+
+def test_extended_connect_is_not_offered() -> None:
+    """h2 takes `:protocol` on a CONNECT; the edge never enabled the extension."""
+    block = [(b":method", b"CONNECT"), (b":protocol", b"websocket"), *GOOD[1:4]]
+    assert h2_accepts(block)
+    with pytest.raises(MalformedRequest):
+        split_request(block)
 
 
 def test_content_lengths_must_agree() -> None:

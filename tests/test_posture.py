@@ -149,6 +149,48 @@ def test_content_type_parameters_and_case_are_fine(ctype: str) -> None:
     assert isinstance(_check(_method("tools/list"), ctype=ctype), P.Forward)
 
 
+@pytest.mark.parametrize("ctype", [
+    "application/json; charset=utf-7", "application/json;charset=UTF-7",
+    'application/json; charset="utf-7"', "application/json; charset=utf-8; charset=utf-7",
+    "application/json; Charset=iso-8859-1", "application/json; charset=utf-16",
+    "application/json; charset*=utf-7''", "application/json; charset=",
+])
+def test_a_charset_other_than_utf8_is_refused(ctype: str) -> None:
+    """A node may decode the body with the declared charset (UTF-7 turns `+AHQ-ools/call`
+    into `tools/call`); the edge judges UTF-8 only."""
+    body = json.dumps(_call("send_message")).replace("tools/call", "+AHQ-ools/call")
+    _bad(_check(body.encode(), ctype=ctype), P.INVALID_REQUEST)
+
+
+@pytest.mark.parametrize("message", [
+    {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "Method": "tools/call"},
+    {"jsonrpc": "2.0", "id": 1, "result": {}, "METHOD": "tools/call"},
+    {"jsonrpc": "2.0", "id": 1, "method": "ping", "Params": {}},
+    {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "param\u017f": {}},
+    {"jsonrpc": "2.0", "id": 1, "result": {}, "\u212a": 1, "Id": 2},
+    _call("sealed_call", _envelope(), 1, params={"name": "sealed_call",
+                                                 "arguments": _envelope(), "Name": "x"}),
+    _call("sealed_call", _envelope(), 1, params={"name": "sealed_call",
+                                                 "arguments": _envelope(), "ARGUMENTS": {}}),
+], ids=["Method", "METHOD-response", "Params", "long-s", "Id", "Name", "ARGUMENTS"])
+def test_member_names_differing_from_json_rpc_ones_only_in_case_are_refused(
+        message: dict[str, Any]) -> None:
+    """Go's encoding/json reads `Method` (or `paramſ`) as the member the edge judged."""
+    decision = _check(message, OPTIONAL)
+    assert isinstance(decision, P.Refuse) and decision.http_status == 400, decision
+    assert json.loads(decision.body)["error"]["code"] == P.INVALID_REQUEST
+
+
+@BOTH
+def test_other_members_in_any_case_are_fine(policy: P.Policy) -> None:
+    message = {**_method("tools/list"), "Meta": 1, "_META": 2}
+    message["params"] = {"Cursor": "x", "NAME": "no tools/call here"}
+    assert isinstance(_check(message, policy), P.Forward)
+    call = _sealed()
+    call["params"]["_Meta"] = {"Progress": 1}
+    assert isinstance(_check(call, policy), P.Forward)
+
+
 @pytest.mark.parametrize("body", [
     b"", b"{", b"\xff\xfe", b"\xef\xbb\xbf{}", b'{"jsonrpc":"2.0","id":NaN,"method":"x"}',
     b'{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call"}',

@@ -8,9 +8,10 @@ no control character but HTAB (h2 refuses only NUL, CR and LF). Anything it refu
 malformed request, which RFC 9113 §8.1.1 makes a stream error (PROTOCOL_ERROR).
 
 The rules: pseudo-header fields first, each at most once, only the request ones
-(`:method`, `:scheme`, `:authority`, `:path`, `:protocol`); `:method` always; `:scheme`
-and `:path` (non-empty) except on a plain CONNECT, which must have neither; `:protocol`
-only with CONNECT; `:method` a token; no connection-specific field (`Connection`,
+(`:method`, `:scheme`, `:authority`, `:path`); `:method` always; `:scheme` and `:path`
+(non-empty) except on a plain CONNECT, which must have neither; no `:protocol` — the
+edge never sends SETTINGS_ENABLE_CONNECT_PROTOCOL, so extended CONNECT is not offered
+(RFC 8441 §4), as HTTP/1.1 upgrades and CONNECT are not; `:method` a token; no connection-specific field (`Connection`,
 `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as
 `trailers`; at least one of `:authority` and `Host`, equal when both, and at most one
 `Host`; `Content-Length` fields that agree; no value starting or ending with
@@ -102,15 +103,14 @@ def _check_pseudo(pseudo: dict[bytes, bytes], host: bytes | None) -> None:
         raise MalformedRequest("no :method")
     if not _METHOD.fullmatch(method):
         raise MalformedRequest(":method is not a token")
-    connect = method == b"CONNECT"
-    if connect and b":protocol" not in pseudo:
+    if b":protocol" in pseudo:
+        # it would reach the node as an HTTP/1.1 CONNECT with a body no one judged
+        raise MalformedRequest(":protocol, but extended CONNECT is not offered")
+    if method == b"CONNECT":
         if b":scheme" in pseudo or b":path" in pseudo:
             raise MalformedRequest("CONNECT with :scheme or :path")
-    else:
-        if b":scheme" not in pseudo or b":path" not in pseudo:
-            raise MalformedRequest("no :scheme or no :path")
-        if not connect and b":protocol" in pseudo:
-            raise MalformedRequest(":protocol without CONNECT")
+    elif b":scheme" not in pseudo or b":path" not in pseudo:
+        raise MalformedRequest("no :scheme or no :path")
     if b":path" in pseudo and not pseudo[b":path"]:
         raise MalformedRequest("empty :path")
     authority = pseudo.get(b":authority")

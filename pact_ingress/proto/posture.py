@@ -38,12 +38,15 @@ Decisions this module makes (and tests):
   calling agent. ``rate_limited`` is also 200 for JSON-RPC, with ``retry_after`` in
   ``structuredContent`` and a ``Retry-After`` header; a rate-limited non-JSON-RPC
   request gets a bare 429 with ``Retry-After``.
-* **400s.** Wrong or missing ``Content-Type`` (MCP requires ``application/json``;
-  parameters such as ``charset`` are ignored), a body that is not UTF-8 JSON
-  (``-32700``), or not JSON-RPC 2.0 (``-32600``) — answered as a JSON-RPC error with id
-  ``null`` (or the element's id when it had a valid one). Duplicate member names are a
-  parse error: the node's parser might keep the other duplicate, and a parser
-  differential is exactly how a check gets bypassed.
+* **400s.** Wrong or missing ``Content-Type`` (MCP requires ``application/json``; a
+  ``charset`` parameter, if any, must name UTF-8, since a node may decode the body with
+  it), a body that is not UTF-8 JSON (``-32700``), or not JSON-RPC 2.0 (``-32600``) —
+  answered as a JSON-RPC error with id ``null`` (or the element's id when it had a valid
+  one). Duplicate member names are a parse error: the node's parser might keep the other
+  duplicate, and a parser differential is exactly how a check gets bypassed. For the
+  same reason a member of a message (or of a ``tools/call``'s params) whose name differs
+  from a JSON-RPC one only in case is an invalid request: parsers that match names
+  case-insensitively read ``Method`` as ``method``.
 * **Batches** (JSON arrays, ≤ ``MAX_BATCH_ELEMENTS``) are checked element by element.
   If any element is refused the whole batch is refused — nothing of it is forwarded —
   and the answer is a batch with one entry per refused element (its own code) and one
@@ -239,10 +242,23 @@ def _in_scope(target: str, mcp_path: str) -> bool:
     return in_mcp_scope(path, mcp_path)
 
 
+#: The charset values a body may declare: every decoder reads these as UTF-8.
+_UTF8_NAMES = frozenset({"utf-8", "utf8"})
+
+
 def _check_content_type(content_type: str | None) -> None:
-    media = (content_type or "").split(";", 1)[0].strip().lower()
-    if media != JSON_CONTENT_TYPE:
+    media, *params = (content_type or "").split(";")
+    if media.strip().lower() != JSON_CONTENT_TYPE:
         raise _Invalid(INVALID_REQUEST, "Invalid Request: Content-Type must be application/json")
+    # The body is judged as UTF-8, but a node may decode it with the declared charset
+    # (the MCP TypeScript SDK does, through iconv-lite): under UTF-7 `+AHQ-ools/call` is
+    # `tools/call`. So any charset parameter, however spelt and however many, must name
+    # UTF-8; splitting on every ";" can only find more of them than a real parser would.
+    for param in params:
+        name, _, value = param.partition("=")
+        if (name.strip().lower().startswith("charset")
+                and value.strip().strip('"').lower() not in _UTF8_NAMES):
+            raise _Invalid(INVALID_REQUEST, "Invalid Request: the body must be UTF-8")
 
 
 # --- parsing -----------------------------------------------------------------------------
@@ -278,6 +294,23 @@ def _elements(message: Any) -> list[Any]:
     return message
 
 
+#: Member names the table reads: of a message, and of a tools/call's params.
+_RPC_MEMBERS = frozenset({"jsonrpc", "id", "method", "params", "result", "error"})
+_CALL_MEMBERS = frozenset({"name", "arguments"})
+
+
+def _exact_names(obj: dict[str, Any], names: frozenset[str], rpc_id: RpcId) -> None:
+    """Refuse a member spelt like one of `names` but for case. Go's encoding/json (older
+    MCP Go SDKs) matches member names case-insensitively, folding U+017F and U+212A onto
+    `s` and `k` too, the last match winning: to it `Method` or `paramſ` is the member the
+    edge judged, or replaces it."""
+    for key in obj:
+        if key not in names and key.casefold() in names:
+            raise _Invalid(INVALID_REQUEST,
+                           "Invalid Request: a member name differs from a JSON-RPC one "
+                           "only in case", rpc_id)
+
+
 def _valid_id(value: object) -> bool:
     return value is None or isinstance(value, str) or (
         isinstance(value, int) and not isinstance(value, bool)
@@ -291,6 +324,7 @@ def _jsonrpc_shape(message: Any) -> tuple[Literal["request", "notification", "re
     rpc_id = message.get("id")
     if not _valid_id(rpc_id):
         raise _Invalid(INVALID_REQUEST, "Invalid Request: id must be a string, integer or null")
+    _exact_names(message, _RPC_MEMBERS, rpc_id)
     if "method" in message:
         if not isinstance(message["method"], str):
             raise _Invalid(INVALID_REQUEST, "Invalid Request: method is not a string", rpc_id)
@@ -320,6 +354,8 @@ def _classify(message: Any, policy: Policy, now: float) -> _Element:
     if kind == "response" or message["method"] != "tools/call":
         return _Element(kind, rpc_id, _loggable(message.get("method", "response")))
     params = message.get("params")
+    if isinstance(params, dict):
+        _exact_names(params, _CALL_MEMBERS, rpc_id)
     tool = params.get("name") if isinstance(params, dict) else None
     label = f"tools/call {_loggable(tool) if isinstance(tool, str) else '?'}"
     if tool != SEALED_CALL:
