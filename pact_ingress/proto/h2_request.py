@@ -11,12 +11,12 @@ The rules: pseudo-header fields first, each at most once, only the request ones
 (`:method`, `:scheme`, `:authority`, `:path`); `:method` always; `:scheme` and `:path`
 (non-empty) except on a plain CONNECT, which must have neither; no `:protocol` — the
 edge never sends SETTINGS_ENABLE_CONNECT_PROTOCOL, so extended CONNECT is not offered
-(RFC 8441 §4), as HTTP/1.1 upgrades and CONNECT are not; `:method` a token; no connection-specific field (`Connection`,
-`Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `Upgrade`); `TE` only as
-`trailers`; at least one of `:authority` and `Host`, equal when both, and at most one
-`Host`; `Content-Length` fields that agree; no value starting or ending with
-whitespace. Split `Cookie` fields are joined into one (RFC 9113 §8.2.3), which h2 would
-otherwise do in yet another generator.
+(RFC 8441 §4), as HTTP/1.1 upgrades and CONNECT are not; `:method` a token; no
+connection-specific field (`Connection`, `Keep-Alive`, `Proxy-Connection`,
+`Transfer-Encoding`, `Upgrade`); `TE` only as `trailers`; at least one of `:authority`
+and `Host`, equal when both, and at most one `Host`; `Content-Length` fields that agree;
+no value starting or ending with whitespace. Split `Cookie` fields are joined into one
+(RFC 9113 §8.2.3), which h2 would otherwise do in yet another generator.
 
 The checks that look at every field are made once per block, not once per field: all
 names in one regular-expression match, all values in one search.

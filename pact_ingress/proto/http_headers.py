@@ -31,6 +31,7 @@ HOP_BY_HOP = frozenset(
 SPOOFABLE = frozenset({
     b"forwarded", b"via", b"x-real-ip", b"x-client-ip", b"client-ip", b"true-client-ip",
     b"x-cluster-client-ip", b"cf-connecting-ip", b"fastly-client-ip",
+    b"x-rewrite-url",  # like X-Original-URL: some frameworks route by it, not the target
 })
 SPOOFABLE_PREFIXES = (b"x-forwarded-", b"x-original-", b"x-pact-", b"proxy-")
 
