@@ -172,10 +172,15 @@ def test_a_charset_other_than_utf8_is_refused(ctype: str) -> None:
                                                  "arguments": _envelope(), "Name": "x"}),
     _call("sealed_call", _envelope(), 1, params={"name": "sealed_call",
                                                  "arguments": _envelope(), "ARGUMENTS": {}}),
-], ids=["Method", "METHOD-response", "Params", "long-s", "Id", "Name", "ARGUMENTS"])
+    {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "method\u0000x": "tools/call"},
+    _call("sealed_call", _envelope(), 1, params={"name": "sealed_call",
+                                                 "arguments": _envelope(), "name\u0000": "x"}),
+], ids=["Method", "METHOD-response", "Params", "long-s", "Id", "Name", "ARGUMENTS", "NUL",
+        "name-NUL"])
 def test_member_names_differing_from_json_rpc_ones_only_in_case_are_refused(
         message: dict[str, Any]) -> None:
-    """Go's encoding/json reads `Method` (or `paramſ`) as the member the edge judged."""
+    """Go's encoding/json reads `Method` (or `paramſ`) as the member the edge judged; a
+    parser that keeps names as C strings reads `method<NUL>x` as `method`."""
     decision = _check(message, OPTIONAL)
     assert isinstance(decision, P.Refuse) and decision.http_status == 400, decision
     assert json.loads(decision.body)["error"]["code"] == P.INVALID_REQUEST
