@@ -39,17 +39,19 @@ def _file_info(host: str, files: CertFiles) -> CertInfo:
 
 
 def inventory(config: Config) -> list[CertInfo]:
-    """Every terminate host of the config with what the store or its files hold."""
+    """Every host the ingress ends TLS for (terminate routes, then the relay host) with
+    what the store or its files hold: the relay's certificate expires like the others."""
     stored = {c.host: c for c in list_store(config.state_dir)}
+    sources = [(r.host, r.cert) for r in config.routes() if r.mode == "terminate"]
+    if config.relay is not None:
+        sources.append((config.relay.host, config.relay.cert))
     rows: list[CertInfo] = []
-    for route in config.routes():
-        if route.mode != "terminate":
-            continue
-        if isinstance(route.cert, CertFiles):
-            rows.append(_file_info(route.host, route.cert))
+    for host, cert in sources:
+        if isinstance(cert, CertFiles):
+            rows.append(_file_info(host, cert))
         else:
-            rows.append(stored.get(route.host) or CertInfo(
-                route.host, "acme", last_error="no certificate yet"))
+            rows.append(stored.get(host) or CertInfo(host, "acme",
+                                                     last_error="no certificate yet"))
     return rows
 
 
@@ -85,8 +87,11 @@ def main(config_path: Path, action: str, host: str | None) -> int:
 
     answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""),
                   token=read_admin_token(config))
-    for line in str(answer.get("message", "")).splitlines():
-        print(clean_text(line))  # the CA's words can reach it: no raw control characters
-    if not answer.get("ok"):
-        raise PactIngressError(f"renewal of {target} failed")
+    # the CA's words can reach the message: no raw control characters
+    lines = [clean_text(line) for line in str(answer.get("message", "")).splitlines()]
+    if not answer.get("ok"):  # why goes to stderr with the failure, in its one line
+        raise PactIngressError(f"renewal of {target} failed" +
+                               (f": {'; '.join(lines)}" if lines else ""))
+    for line in lines:
+        print(line)
     return 0

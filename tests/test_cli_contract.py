@@ -1,0 +1,111 @@
+"""The `certs` commands as an operator runs them: real subprocesses, a real `serve`.
+
+* `certs list` is the offline inventory of every certificate the ingress serves: the
+  relay host's certificate expires like any terminate route's, so it has a row too.
+* A `certs renew` the running instance refuses is one line on stderr that names why,
+  and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pact_ingress.identity import ensure_selfsigned_cert
+from tests.netutil import free_port
+from tests.terminate_env import json_events
+
+LOOPBACK = "127.0.0.1"
+WAIT = 20.0
+PIN = "sha256:" + "A" * 43
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    return env
+
+
+def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pact_ingress", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd, env=_env(), check=False)
+
+
+def write_config(tmp: Path, admin_port: int | None = None) -> Path:
+    """A terminate route and the relay host, each with its own self-signed files."""
+    for host in ("mcp.contract.test", "relay.contract.test"):
+        ensure_selfsigned_cert(host, tmp / f"{host}.crt", tmp / f"{host}.key")
+    admin = f'  admin: "{LOOPBACK}:{admin_port}"\n' if admin_port else ""
+    config = tmp / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["{LOOPBACK}:{free_port()}"]
+{admin}relay:
+  host: relay.contract.test
+  cert: {{cert: relay.contract.test.crt, key: relay.contract.test.key}}
+tenants:
+  - name: contract
+    pins: ["{PIN}"]
+    relay: true
+    routes:
+      - host: mcp.contract.test
+        mode: terminate
+        backend: "{LOOPBACK}:9"
+        cert: {{cert: mcp.contract.test.crt, key: mcp.contract.test.key}}
+""")
+    return config
+
+
+def test_certs_list_has_a_row_for_the_relay_host(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    result = run_cli(tmp_path, "certs", "list", "-c", str(config))
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert set(rows) == {"mcp.contract.test", "relay.contract.test"}, result.stdout
+    relay = rows["relay.contract.test"]
+    assert " file " in relay and "CN=relay.contract.test" in relay and "UTC" in relay
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Path]:
+    config = write_config(tmp_path, admin_port=free_port())
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w+b") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config),
+             "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + WAIT
+            while not any(e.get("event") == "serving"
+                          for e in json_events(log_path.read_text(errors="replace"))):
+                assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, "serve never logged serving"
+                time.sleep(0.05)
+            yield config
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_certs_renew_refused_is_one_stderr_line_naming_why(serve: Path) -> None:
+    result = run_cli(serve.parent, "certs", "renew", "mcp.contract.test", "-c", str(serve))
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pact-ingress:")]
+    assert len(errors) == 1, result.stderr
+    assert "mcp.contract.test" in errors[0] and "certificate files" in errors[0], errors
