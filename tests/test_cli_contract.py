@@ -4,6 +4,8 @@
   relay host's certificate expires like any terminate route's, so it has a row too.
 * A `certs renew` the running instance refuses is one line on stderr that names why,
   and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
+* The defaults the configuration reference promises are the numbers a config that
+  names none of them gets (elsewhere they are only compared with the model's own).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from pact_ingress.config import load_config
+from pact_ingress.config.loader import load_connector_config
 from pact_ingress.identity import ensure_selfsigned_cert
 from tests.netutil import free_port
 from tests.terminate_env import json_events
@@ -109,3 +113,49 @@ def test_certs_renew_refused_is_one_stderr_line_naming_why(serve: Path) -> None:
     errors = [line for line in result.stderr.splitlines() if line.startswith("pact-ingress:")]
     assert len(errors) == 1, result.stderr
     assert "mcp.contract.test" in errors[0] and "certificate files" in errors[0], errors
+
+
+def test_documented_defaults(tmp_path: Path) -> None:
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen: {{tls: ["{LOOPBACK}:8443"]}}
+tunnel: {{hostname: tunnel.contract.test}}
+acme: {{directory: "https://ca.contract.test/dir", agree_tos: true}}
+relay: {{host: relay.contract.test, cert: acme}}
+tenants:
+  - name: contract
+    pins: ["{PIN}"]
+    routes:
+      - {{host: pass.contract.test, mode: passthrough, backend: tunnel}}
+      - {{host: mcp.contract.test, mode: terminate, backend: tunnel}}
+""")
+    loaded = load_config(config)
+    limits = loaded.limits
+    assert (limits.clienthello_timeout, limits.idle_timeout) == (10.0, 300.0)
+    assert (limits.max_connections, limits.max_connections_per_ip) == (20000, 200)
+    assert (limits.calls_per_hour_per_ip_key, limits.calls_per_hour_per_ip) == (600, 3000)
+    assert limits.max_body_bytes == 6 * 1024 * 1024
+    assert limits.max_requests_in_flight_per_ip == 16
+    assert loaded.acme is not None and loaded.acme.challenges == ("tls-alpn-01", "http-01")
+    routes = {r.host: r for r in loaded.routes()}
+    assert (routes["pass.contract.test"].proxy_protocol,
+            routes["pass.contract.test"].client_cert) == ("off", "none")
+    term = routes["mcp.contract.test"]
+    assert (term.seal, term.mcp_path, term.cert) == ("required", "/mcp", "acme")
+    relay = loaded.relay
+    assert relay is not None and relay.cert == "acme"
+    assert (relay.store, relay.max_items, relay.max_bytes) == (
+        tmp_path / "state/relay.sqlite", 10_000, 256 * 1024 * 1024)
+    assert loaded.state.backend == "local"
+
+    connector = tmp_path / "connector.yaml"
+    connector.write_text(f"""\
+identity: {{key: node.key}}
+ingress: {{address: ingress.contract.test, tunnel_hostname: tunnel.contract.test,
+          pin: "{PIN}"}}
+forward: "{LOOPBACK}:8443"
+""")
+    home = load_connector_config(connector)
+    assert (home.ingress.port, home.connections, home.data_transport) == (443, 2, "auto")
+    assert home.on_mail is None
