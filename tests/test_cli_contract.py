@@ -4,6 +4,8 @@
   relay host's certificate expires like any terminate route's, so it has a row too.
 * A `certs renew` the running instance refuses is one line on stderr that names why,
   and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
+* `demo` whose loopback port is taken is one line on stderr and exit 1, as `serve` is:
+  the cause comes out of the demo's nursery wrapped in an exception group.
 * The defaults the configuration reference promises are the numbers a config that
   names none of them gets (elsewhere they are only compared with the model's own).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -159,3 +162,33 @@ forward: "{LOOPBACK}:8443"
     home = load_connector_config(connector)
     assert (home.ingress.port, home.connections, home.data_transport) == (443, 2, "auto")
     assert home.on_mail is None
+
+
+def _free_block(size: int) -> int:
+    """The first of `size` consecutive loopback ports that are free right now."""
+    for _ in range(50):  # bounded
+        first = free_port()
+        try:
+            for port in range(first, first + size):
+                with socket.socket() as s:
+                    s.bind((LOOPBACK, port))
+        except OSError:
+            continue
+        return first
+    raise AssertionError("no block of free loopback ports")
+
+
+@pytest.mark.parametrize("taken", [0, 2], ids=["ingress_port", "node_port"])
+def test_demo_on_a_taken_port_is_one_line(tmp_path: Path, taken: int) -> None:
+    from pact_ingress.demo import PORTS
+
+    first = _free_block(PORTS)
+    with socket.create_server((LOOPBACK, first + taken)):
+        result = subprocess.run(
+            [sys.executable, "-m", "pact_ingress", "demo", "--port", str(first)],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+            env={**_env(), "TMPDIR": str(tmp_path)}, check=False)  # its state dir lands here
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pact-ingress:")]
+    assert len(errors) == 1 and str(first + taken) in errors[0], result.stderr[-3000:]
