@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pact_ingress import __version__
-from pact_ingress.errors import UNPRINTABLE, ConfigError, PactIngressError
+from pact_ingress.errors import UNPRINTABLE, ConfigError, PactIngressError, UsageError
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -135,11 +135,16 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     import time
 
     from pact_ingress.config import load_config
+    from pact_ingress.identity import is_pin
     from pact_ingress.relay.store import inspect, purge_file
 
     cfg = load_config(Path(args.config))
     if cfg.relay is None:
         raise ConfigError(f"{args.config}: no relay block; there is no relay queue")
+    if args.recipient is not None and not is_pin(args.recipient):
+        # a mistyped pin would match no queue: "purged 0" would read as success
+        raise UsageError(f"--recipient {args.recipient!r} is not a pin (sha256: + 43 "
+                         "base64url characters)")
     if cfg.state.backend == "redis":
         raise PactIngressError(f"{args.config}: the relay queue is in Redis (state.backend: "
                                "redis); `relay` reads the embedded store only: use redis-cli")

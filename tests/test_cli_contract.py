@@ -6,6 +6,8 @@
   and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
 * `demo` whose loopback port is taken is one line on stderr and exit 1, as `serve` is:
   the cause comes out of the demo's nursery wrapped in an exception group.
+* `relay purge --recipient` with something that is not a pin is a usage error (2): it
+  would match no queue, and "purged 0" would read as done.
 * The defaults the configuration reference promises are the numbers a config that
   names none of them gets (elsewhere they are only compared with the model's own).
 """
@@ -192,3 +194,15 @@ def test_demo_on_a_taken_port_is_one_line(tmp_path: Path, taken: int) -> None:
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("pact-ingress:")]
     assert len(errors) == 1 and str(first + taken) in errors[0], result.stderr[-3000:]
+
+
+def test_relay_purge_of_a_mistyped_pin_is_a_usage_error(tmp_path: Path) -> None:
+    from pact_ingress.relay.store import _open
+
+    config = write_config(tmp_path)
+    _open(tmp_path / "state/relay.sqlite").close()  # an empty store, as serve leaves it
+    result = run_cli(tmp_path, "relay", "purge", "--all", "--recipient", PIN[:-1], "-c",
+                     str(config))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and PIN[:-1] in result.stderr, result.stderr
