@@ -18,7 +18,7 @@ from cryptography import x509
 from pact_ingress.acme.store import CertInfo, list_store
 from pact_ingress.admin.client import clean_text
 from pact_ingress.config import CertFiles, Config, load_config
-from pact_ingress.errors import ConfigError, PactIngressError
+from pact_ingress.errors import ConfigError, PactIngressError, UsageError
 
 
 def _when(ts: float | None) -> str:
@@ -73,7 +73,14 @@ def format_rows(rows: list[CertInfo]) -> str:
 def main(config_path: Path, action: str, host: str | None) -> int:
     config = load_config(config_path)
     if action == "list":
-        print(format_rows(inventory(config)))
+        rows = inventory(config)
+        if host is not None:  # one host's row; a name the config serves no TLS for is a slip
+            wanted = host.lower().removesuffix(".")
+            rows = [r for r in rows if r.host == wanted]
+            if not rows:
+                raise UsageError(f"{config_path}: no terminate route or relay host named "
+                                 f"{host!r}: it has no certificate")
+        print(format_rows(rows))
         return 0
     from pact_ingress.admin.client import post
 

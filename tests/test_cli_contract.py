@@ -2,6 +2,8 @@
 
 * `certs list` is the offline inventory of every certificate the ingress serves: the
   relay host's certificate expires like any terminate route's, so it has a row too.
+* `certs list HOST` lists that host alone; a HOST the ingress holds no certificate for
+  is a usage error (2), not ignored.
 * A `certs renew` the running instance refuses is one line on stderr that names why,
   and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
 * `demo` whose loopback port is taken is one line on stderr and exit 1, as `serve` is:
@@ -82,6 +84,17 @@ def test_certs_list_has_a_row_for_the_relay_host(tmp_path: Path) -> None:
     assert set(rows) == {"mcp.contract.test", "relay.contract.test"}, result.stdout
     relay = rows["relay.contract.test"]
     assert " file " in relay and "CN=relay.contract.test" in relay and "UTC" in relay
+
+
+def test_certs_list_of_one_host(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    result = run_cli(tmp_path, "certs", "list", "relay.contract.test", "-c", str(config))
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[1:]] == [
+        "relay.contract.test"], result.stdout
+    result = run_cli(tmp_path, "certs", "list", "other.contract.test", "-c", str(config))
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.count("\n") == 1 and "other.contract.test" in result.stderr
 
 
 @pytest.fixture
