@@ -99,7 +99,12 @@ def _cmd_tenant(args: argparse.Namespace) -> int:
                                    backend=args.backend)
         print(added.render())
     elif args.action == "list":
-        for t in tenants.list_tenants(cfg):
+        listed = tenants.list_tenants(cfg)
+        if args.name is not None:  # one tenant's line; a name that is not there is a slip
+            listed = [t for t in listed if t.name == args.name]
+            if not listed:
+                raise UsageError(f"no tenant named {args.name!r} in {cfg}")
+        for t in listed:
             hosts = ", ".join(f"{r.host} ({r.mode} → {r.backend})" for r in t.routes)
             print(f"{t.name}\tpins={','.join(t.pins)}\t{hosts}")
     else:

@@ -4,6 +4,7 @@
   relay host's certificate expires like any terminate route's, so it has a row too.
 * `certs list HOST` lists that host alone; a HOST the ingress holds no certificate for
   is a usage error (2), not ignored.
+* `tenant list NAME` likewise lists that tenant alone, and an unknown NAME is exit 2.
 * A `certs renew` the running instance refuses is one line on stderr that names why,
   and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
 * `demo` whose loopback port is taken is one line on stderr and exit 1, as `serve` is:
@@ -95,6 +96,18 @@ def test_certs_list_of_one_host(tmp_path: Path) -> None:
     result = run_cli(tmp_path, "certs", "list", "other.contract.test", "-c", str(config))
     assert result.returncode == 2 and result.stdout == "", result.stdout
     assert result.stderr.count("\n") == 1 and "other.contract.test" in result.stderr
+
+
+def test_tenant_list_of_one_tenant(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    with config.open("a") as f:
+        f.write(f"  - {{name: other, pins: ['sha256:{'B' * 42}A'], routes: []}}\n")
+    result = run_cli(tmp_path, "tenant", "list", "other", "-c", str(config))
+    assert result.returncode == 0, result.stderr
+    assert [line.split("\t")[0] for line in result.stdout.splitlines()] == ["other"]
+    result = run_cli(tmp_path, "tenant", "list", "nobody", "-c", str(config))
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.count("\n") == 1 and "nobody" in result.stderr
 
 
 @pytest.fixture
