@@ -18,8 +18,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time

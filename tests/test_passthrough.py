@@ -9,7 +9,6 @@ send a real captured ClientHello first.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import socket
 from pathlib import Path
