@@ -87,7 +87,7 @@ def main(config_path: Path, action: str, host: str | None) -> int:
     if config.listen.admin is None:
         raise ConfigError(f"{config_path}: listen.admin is not set; `certs renew` asks the "
                           "running instance through it")
-    target = host or "all terminate hosts"
+    target = host or "every host with cert: acme"
     print(f"renewing {target} through the running instance at {config.listen.admin} …",
           file=sys.stderr, flush=True)
     from pact_ingress.admin.token import read_admin_token

@@ -6,7 +6,9 @@
   is a usage error (2), not ignored.
 * `tenant list NAME` likewise lists that tenant alone, and an unknown NAME is exit 2.
 * A `certs renew` the running instance refuses is one line on stderr that names why,
-  and exit 1; nothing of it lands on stdout, where a script reads what was renewed.
+  and exit 1; nothing of it lands on stdout, where a script reads what was renewed. A
+  `certs renew` of every host where no host has `cert: acme` renews nothing and says so
+  the same way, rather than `renewed`.
 * `demo` whose loopback port is taken is one line on stderr and exit 1, as `serve` is:
   the cause comes out of the demo's nursery wrapped in an exception group.
 * `relay purge --recipient` with something that is not a pin is a usage error (2): it
@@ -232,3 +234,11 @@ def test_relay_purge_of_a_mistyped_pin_is_a_usage_error(tmp_path: Path) -> None:
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and PIN[:-1] in result.stderr, result.stderr
+
+
+def test_certs_renew_of_every_host_with_none_managed_says_so(serve: Path) -> None:
+    result = run_cli(serve.parent, "certs", "renew", "-c", str(serve))
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("pact-ingress:")]
+    assert len(errors) == 1 and "cert: acme" in errors[0], result.stderr
