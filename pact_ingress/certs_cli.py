@@ -18,7 +18,7 @@ from cryptography import x509
 from pact_ingress.acme.store import CertInfo, list_store
 from pact_ingress.admin.client import clean_text
 from pact_ingress.config import CertFiles, Config, load_config
-from pact_ingress.errors import ConfigError, PactIngressError
+from pact_ingress.errors import ConfigError, PactIngressError, UsageError
 
 
 def _when(ts: float | None) -> str:
@@ -39,17 +39,19 @@ def _file_info(host: str, files: CertFiles) -> CertInfo:
 
 
 def inventory(config: Config) -> list[CertInfo]:
-    """Every terminate host of the config with what the store or its files hold."""
+    """Every host the ingress ends TLS for (terminate routes, then the relay host) with
+    what the store or its files hold: the relay's certificate expires like the others."""
     stored = {c.host: c for c in list_store(config.state_dir)}
+    sources = [(r.host, r.cert) for r in config.routes() if r.mode == "terminate"]
+    if config.relay is not None:
+        sources.append((config.relay.host, config.relay.cert))
     rows: list[CertInfo] = []
-    for route in config.routes():
-        if route.mode != "terminate":
-            continue
-        if isinstance(route.cert, CertFiles):
-            rows.append(_file_info(route.host, route.cert))
+    for host, cert in sources:
+        if isinstance(cert, CertFiles):
+            rows.append(_file_info(host, cert))
         else:
-            rows.append(stored.get(route.host) or CertInfo(
-                route.host, "acme", last_error="no certificate yet"))
+            rows.append(stored.get(host) or CertInfo(host, "acme",
+                                                     last_error="no certificate yet"))
     return rows
 
 
@@ -71,22 +73,32 @@ def format_rows(rows: list[CertInfo]) -> str:
 def main(config_path: Path, action: str, host: str | None) -> int:
     config = load_config(config_path)
     if action == "list":
-        print(format_rows(inventory(config)))
+        rows = inventory(config)
+        if host is not None:  # one host's row; a name the config serves no TLS for is a slip
+            wanted = host.lower().removesuffix(".")
+            rows = [r for r in rows if r.host == wanted]
+            if not rows:
+                raise UsageError(f"{config_path}: no terminate route or relay host named "
+                                 f"{host!r}: it has no certificate")
+        print(format_rows(rows))
         return 0
     from pact_ingress.admin.client import post
 
     if config.listen.admin is None:
         raise ConfigError(f"{config_path}: listen.admin is not set; `certs renew` asks the "
                           "running instance through it")
-    target = host or "all terminate hosts"
+    target = host or "every host with cert: acme"
     print(f"renewing {target} through the running instance at {config.listen.admin} …",
           file=sys.stderr, flush=True)
     from pact_ingress.admin.token import read_admin_token
 
     answer = post(config.listen.admin, "/certs/renew" + (f"?host={quote(host)}" if host else ""),
                   token=read_admin_token(config))
-    for line in str(answer.get("message", "")).splitlines():
-        print(clean_text(line))  # the CA's words can reach it: no raw control characters
-    if not answer.get("ok"):
-        raise PactIngressError(f"renewal of {target} failed")
+    # the CA's words can reach the message: no raw control characters
+    lines = [clean_text(line) for line in str(answer.get("message", "")).splitlines()]
+    if not answer.get("ok"):  # why goes to stderr with the failure, in its one line
+        raise PactIngressError(f"renewal of {target} failed" +
+                               (f": {'; '.join(lines)}" if lines else ""))
+    for line in lines:
+        print(line)
     return 0

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pact_ingress import __version__
-from pact_ingress.errors import UNPRINTABLE, ConfigError, PactIngressError
+from pact_ingress.errors import UNPRINTABLE, ConfigError, PactIngressError, UsageError
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -99,7 +99,12 @@ def _cmd_tenant(args: argparse.Namespace) -> int:
                                    backend=args.backend)
         print(added.render())
     elif args.action == "list":
-        for t in tenants.list_tenants(cfg):
+        listed = tenants.list_tenants(cfg)
+        if args.name is not None:  # one tenant's line; a name that is not there is a slip
+            listed = [t for t in listed if t.name == args.name]
+            if not listed:
+                raise UsageError(f"no tenant named {args.name!r} in {cfg}")
+        for t in listed:
             hosts = ", ".join(f"{r.host} ({r.mode} → {r.backend})" for r in t.routes)
             print(f"{t.name}\tpins={','.join(t.pins)}\t{hosts}")
     else:
@@ -135,11 +140,16 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     import time
 
     from pact_ingress.config import load_config
+    from pact_ingress.identity import is_pin
     from pact_ingress.relay.store import inspect, purge_file
 
     cfg = load_config(Path(args.config))
     if cfg.relay is None:
         raise ConfigError(f"{args.config}: no relay block; there is no relay queue")
+    if args.recipient is not None and not is_pin(args.recipient):
+        # a mistyped pin would match no queue: "purged 0" would read as success
+        raise UsageError(f"--recipient {args.recipient!r} is not a pin (sha256: + 43 "
+                         "base64url characters)")
     if cfg.state.backend == "redis":
         raise PactIngressError(f"{args.config}: the relay queue is in Redis (state.backend: "
                                "redis); `relay` reads the embedded store only: use redis-cli")

@@ -8,6 +8,7 @@ send a real captured ClientHello first.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 from pathlib import Path
@@ -297,6 +298,19 @@ async def test_malformed_hello_closes(nursery: trio.Nursery, tmp_path: Path):
     await client.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     await expect_closed(client)
     assert h.rejections("clienthello_not_tls") == 1
+
+
+async def test_oversized_hello_closes(nursery: trio.Nursery, tmp_path: Path):
+    h = await start_router(nursery, make_config(tmp_path, [route(HELLO_SNI, "t", 9)]))
+    client = await trio.open_tcp_stream("127.0.0.1", h.port)
+    # a ClientHello that announces 20 KiB: over the 16 KiB a hello may take, so the
+    # router gives up before the rest arrives
+    body = b"\x01" + (20 * 1024).to_bytes(3, "big") + b"\x03\x03" + bytes(16384 - 6)
+    await client.send_all(b"\x16\x03\x01" + (16384).to_bytes(2, "big") + body)
+    with contextlib.suppress(trio.BrokenResourceError):
+        await client.send_all(b"\x16\x03\x01" + (4100).to_bytes(2, "big") + bytes(4100))
+    await expect_closed(client)
+    assert h.rejections("clienthello_too_large") == 1
 
 
 async def test_idle_timeout_ends_relay(nursery: trio.Nursery, tmp_path: Path,

@@ -643,6 +643,9 @@ class CertManager:
                 "is not a terminate route with cert: acme in the config"
             raise AcmeError(f"{host} {why}", reason="not_managed")
         targets = [host] if host is not None else sorted(self._hosts)
+        if not targets:  # nothing ordered must not read as "renewed"
+            raise AcmeError("no host has cert: acme in the running config: nothing to renew",
+                            reason="not_managed")
         failures: list[str] = []
         async with trio.open_nursery() as nursery:
             for name in targets:

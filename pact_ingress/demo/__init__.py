@@ -45,7 +45,7 @@ from pact_ingress.config import load_config, load_connector_config
 from pact_ingress.demo.control import DemoControl
 from pact_ingress.demo.node import serve_demo_node
 from pact_ingress.demo.wire import post
-from pact_ingress.errors import PactIngressError
+from pact_ingress.errors import ListenError, PactIngressError
 from pact_ingress.identity import fingerprint_file, keygen, load_identity
 from pact_ingress.logs import log
 from pact_ingress.logs import setup as setup_logs
@@ -218,8 +218,14 @@ def main(*, log_format: str = "text", base_port: int = 8443) -> int:
     state = Path(tempfile.mkdtemp(prefix="pact-ingress-demo-"))
     try:
         trio.run(run_demo, state, base_port)
-    except OSError as exc:
+    except (OSError, ListenError, BaseExceptionGroup) as exc:
+        # a bind that fails inside the demo's nursery arrives wrapped in its group
+        cause: BaseException = exc
+        while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+            cause = cause.exceptions[0]
+        if not isinstance(cause, (OSError, ListenError)):
+            raise
         taken = ", ".join(str(base_port + i) for i in range(PORTS))
-        raise PactIngressError(f"demo cannot start: {exc} (is one of ports {taken} taken? "
-                               f"try --port)") from exc
+        raise PactIngressError(f"demo cannot start: {cause} (is one of ports {taken} taken? "
+                               f"try --port)") from None
     return 0
