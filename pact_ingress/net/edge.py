@@ -668,6 +668,10 @@ class Edge:
         if n < len(head):  # the rest when the backend takes more (no copy of it)
             conn.head = (head if type(head) is memoryview else memoryview(head))[n:]
             conn.head_progress(self.now, False)
+            # a short write is a write that blocked: the kernel (TCP_NOTSENT_LOWAT, a
+            # small window) says so without an EAGAIN, and the backend may send nothing
+            # until it has the whole hello, so only its writable edge can move the rest
+            self._want_out(conn, BACKEND)
             return
         steps = conn.head_progress(self.now, True)
         conn.head = None
