@@ -364,6 +364,13 @@ class Edge:
                 if conn.state is S_CLOSED:
                     break
                 self._step(conn, step)
+            if mask & _ERROR and side == CLIENT and conn.state is not S_CLOSED \
+                    and conn.state is not S_HELLO:
+                # The client's reset came in the edge that completed its hello: the read
+                # took the hello, queued ahead of the reset, and routed it; no later edge
+                # reports the reset, and a direction that stops before reading the client
+                # to its end would never see it. Past HELLO a reset ends the connection.
+                self._finish(conn, "reset")
         except Exception as exc:  # one connection's bug must not stop the engine
             self._crashed(conn, exc)
 
