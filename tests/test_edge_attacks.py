@@ -6,7 +6,9 @@ fd table) is back where it was. Waits are bounded polls; nothing asserts timing.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import select
 import signal
 import socket
@@ -215,15 +217,14 @@ def test_the_per_ip_cap_stays_exact_after_aborts_at_every_stage(
             pass
         reset(c)
 
-    for wave in range(1):
-        threads = [threading.Thread(target=aborts, args=(i % 8,)) for i in range(48)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(WAIT)
-        eventually(lambda: settled(admin), f"open_connections back to 0 after wave {wave}")
-        cap_is_exact(tls, admin, source)
-        eventually(lambda: settled(admin), "open_connections back to 0")
+    threads = [threading.Thread(target=aborts, args=(i % 8,)) for i in range(48)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    eventually(lambda: settled(admin), "open_connections back to 0 after the aborts")
+    cap_is_exact(tls, admin, source)
+    eventually(lambda: settled(admin), "open_connections back to 0")
     HOLD.release()  # its side of the connections whose clients aborted
     eventually(lambda: open_fds(pid) <= before + 8, f"fds back near {before}")
     assert s.proc.poll() is None
@@ -280,3 +281,78 @@ def test_a_reset_that_came_with_the_hello_ends_the_connection(
     eventually(lambda: settled(admin), "the reset connection ended")
     HOLD.release()
     eventually(lambda: open_fds(pid) <= fds + 2, f"fds back near {fds}")
+
+
+def tagged(conn: socket.socket) -> None:
+    """Says who it is, then echoes."""
+    conn.sendall(b"new:")
+    echo(conn)
+
+
+def test_a_reload_moving_a_route_leaves_connections_mid_splice_where_they_were(
+        served: tuple[Served, int, int]):
+    """A SIGHUP that points a route at another backend while a bulk transfer splices
+    through it (pipes in use both ways): the open connection stays with its backend
+    and loses nothing; a new one reaches the new backend; then the counts and fds are
+    back where they were."""
+    s, tls, admin = served
+    pid = s.proc.pid
+    eventually(lambda: settled(admin), "idle")
+    fds = open_fds(pid)
+    old_text = s.config.read_text()
+    route = re.search(rf'host: {re.escape(ECHO_SNI)}, .*?backend: "127\.0\.0\.1:(\d+)"',
+                      old_text)
+    assert route is not None
+    new = Backend(tagged)
+    size, block = 24 << 20, os.urandom(1 << 20)
+    sent, got = hashlib.sha256(), hashlib.sha256()
+    halfway = threading.Event()
+    reloads = sum(e.get("event") == "reloaded" for e in s.log_events())
+    try:
+        c = dial(tls, "127.0.0.5")
+        c.sendall(HELLO)
+        assert recv_exact(c, len(HELLO)) == HELLO
+
+        def writer() -> None:
+            for i in range(size >> 20):
+                if i == (size >> 21):
+                    halfway.wait(WAIT)
+                chunk = block[i:] + block[:i]
+                sent.update(chunk)
+                c.sendall(chunk)
+            c.shutdown(socket.SHUT_WR)
+
+        w = threading.Thread(target=writer)
+        w.start()
+        n = 0
+        while chunk := c.recv(1 << 20):
+            got.update(chunk)
+            n += len(chunk)
+            if not halfway.is_set() and n >= size >> 2:  # mid-splice: move the route
+                s.config.write_text(old_text.replace(
+                    route.group(0), route.group(0).replace(route.group(1), str(new.port))))
+                s.proc.send_signal(signal.SIGHUP)
+                eventually(lambda: sum(e.get("event") == "reloaded"
+                                       for e in s.log_events()) > reloads, "the reload")
+                with dial(tls, "127.0.0.5") as fresh:
+                    fresh.sendall(HELLO)
+                    assert recv_exact(fresh, 4 + len(HELLO)) == b"new:" + HELLO
+                halfway.set()
+        w.join(WAIT)
+        c.close()
+        assert n == size and got.hexdigest() == sent.hexdigest()
+    finally:
+        halfway.set()
+        s.config.write_text(old_text)
+        s.proc.send_signal(signal.SIGHUP)
+        new.close()
+    eventually(lambda: sum(e.get("event") == "reloaded" for e in s.log_events()) > reloads + 1
+               and echoed_plain(tls), "the route back where it was")
+    eventually(lambda: settled(admin), "open_connections back to 0")
+    eventually(lambda: open_fds(pid) <= fds + 4, f"fds back near {fds}")
+
+
+def echoed_plain(tls: int) -> bool:
+    with dial(tls, "127.0.0.5") as c:
+        c.sendall(HELLO)
+        return recv_exact(c, len(HELLO)) == HELLO
