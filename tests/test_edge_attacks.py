@@ -356,3 +356,30 @@ def echoed_plain(tls: int) -> bool:
     with dial(tls, "127.0.0.5") as c:
         c.sendall(HELLO)
         return recv_exact(c, len(HELLO)) == HELLO
+
+
+def test_a_client_reset_while_its_backend_connect_is_pending_ends_it_as_reset(
+        served: tuple[Served, int, int]):
+    """A hello taken in the read right after accept is routed at once; when the
+    backend's connect then hangs, a client that resets must end the connection now, as
+    a reset: not held for the connect timeout and then counted as a backend that is
+    down (and answered with an alert nobody reads)."""
+    s, tls, admin = served
+    pid = s.proc.pid
+    eventually(lambda: settled(admin), "idle")
+
+    def outcome(name: str) -> float:
+        return metric(admin, "pact_ingress_connections_total", route=STUCK_SNI,
+                      mode="passthrough", outcome=name)
+
+    resets, downs = outcome("reset"), outcome("backend_down")
+    os.kill(pid, signal.SIGSTOP)  # the hello is queued before the engine accepts
+    try:
+        c = dial(tls, "127.0.0.4")
+        c.sendall(hello_for(STUCK_SNI))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    eventually(lambda: metric(admin, "pact_ingress_open_connections") == 1, "routed")
+    reset(c)
+    eventually(lambda: outcome("reset") == resets + 1, "the connection ended as a reset")
+    assert settled(admin) and outcome("backend_down") == downs
