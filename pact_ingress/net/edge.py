@@ -582,6 +582,13 @@ class Edge:
             head = encode_v2(conn.client, local) + head
         conn.head = head
         conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
+        if not conn.creg:  # (a hello whole in the read after accept)
+            # Watched from now on, not only once the head is sent: a client that resets
+            # while the connect hangs ends the connection at once. Registering reports
+            # what is ready already, so no edge is lost either way.
+            self.fds[conn.cfd] = (conn, CLIENT)
+            self.ep.register(conn.cfd, REGISTER)
+            conn.creg = True
         self._dial(conn)
 
     def _hand_off(self, conn: _Conn, hello: ClientHello | str | None) -> None:
@@ -687,10 +694,6 @@ class Edge:
         tally = self.tally
         counter = conn.counters[0]
         tally[counter] = tally.get(counter, 0) + conn.hello_len
-        if not conn.creg:  # registering reports what is ready now: no edge is lost
-            self.fds[conn.cfd] = (conn, CLIENT)
-            self.ep.register(conn.cfd, REGISTER)
-            conn.creg = True
         if conn.hup & (1 << CLIENT) and PUMP_UP not in steps:
             steps += (PUMP_UP,)  # its EOF arrived with the hello: no edge will come
         for step in steps:
