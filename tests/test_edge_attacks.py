@@ -1,8 +1,14 @@
-"""The passthrough engine (`net/edge.py`) attacked through a real `serve` on loopback:
-a head the backend's kernel takes only in part, a backend that never reads, the per-IP
-cap counted exactly after clients aborted at every stage, and a route moved by a reload
-while connections splice. After each, the process's own truth (open connections, its
-fd table) is back where it was. Waits are bounded polls; nothing asserts timing."""
+"""The passthrough engine (`net/edge.py`) attacked through a real `serve` on loopback
+(main and its default workers; passthrough is main's): a head the backend's kernel
+takes only in part, a backend that never reads, a client's reset that arrives with its
+hello or while the backend connect hangs, the per-IP cap counted exactly after clients
+aborted at every stage while another address is served, and a route moved by a reload
+while a connection splices. After each, the process's own truth (open connections, its
+fd table) is back where it was.
+
+Where several arrivals must reach the engine as one edge, the process is held with
+SIGSTOP while the client sends, and let go with SIGCONT. Waits are bounded polls;
+nothing asserts timing."""
 
 from __future__ import annotations
 
@@ -12,10 +18,10 @@ import re
 import select
 import signal
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +128,7 @@ tenants:
         yield s, tls, admin
     finally:
         s.stop()
+        HOLD.go.set()
         for b in (plain, narrow, hold):
             b.close()
         for f in fillers:
@@ -150,7 +157,7 @@ def test_a_head_the_backend_takes_in_part_is_sent_whole(served: tuple[Served, in
 
 
 def rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
@@ -185,6 +192,9 @@ def cap_is_exact(tls: int, admin: int, source: str) -> None:
 
 def test_the_per_ip_cap_stays_exact_after_aborts_at_every_stage(
         served: tuple[Served, int, int]):
+    """Clients of one address abort at every stage of a connection (mid-hello, while
+    the backend connect hangs, at the alert, mid-splice, half-closed, toward a backend
+    that never reads): afterwards that address again gets exactly PER_IP connections."""
     s, tls, admin = served
     pid = s.proc.pid
     source = "127.0.0.8"
