@@ -364,6 +364,13 @@ class Edge:
                 if conn.state is S_CLOSED:
                     break
                 self._step(conn, step)
+            if mask & _ERROR and side == CLIENT and conn.state is not S_CLOSED \
+                    and conn.state is not S_HELLO:
+                # The client's reset came in the edge that completed its hello: the read
+                # took the hello, queued ahead of the reset, and routed it; no later edge
+                # reports the reset, and a direction that stops before reading the client
+                # to its end would never see it. Past HELLO a reset ends the connection.
+                self._finish(conn, "reset")
         except Exception as exc:  # one connection's bug must not stop the engine
             self._crashed(conn, exc)
 
@@ -575,6 +582,13 @@ class Edge:
             head = encode_v2(conn.client, local) + head
         conn.head = head
         conn.routed(self.now, CONNECT_TIMEOUT, HEAD_TIMEOUT, route.limits.idle_timeout, more)
+        if not conn.creg:  # (a hello whole in the read after accept)
+            # Watched from now on, not only once the head is sent: a client that resets
+            # while the connect hangs ends the connection at once. Registering reports
+            # what is ready already, so no edge is lost either way.
+            self.fds[conn.cfd] = (conn, CLIENT)
+            self.ep.register(conn.cfd, REGISTER)
+            conn.creg = True
         self._dial(conn)
 
     def _hand_off(self, conn: _Conn, hello: ClientHello | str | None) -> None:
@@ -668,6 +682,10 @@ class Edge:
         if n < len(head):  # the rest when the backend takes more (no copy of it)
             conn.head = (head if type(head) is memoryview else memoryview(head))[n:]
             conn.head_progress(self.now, False)
+            # a short write is a write that blocked: the kernel (TCP_NOTSENT_LOWAT, a
+            # small window) says so without an EAGAIN, and the backend may send nothing
+            # until it has the whole hello, so only its writable edge can move the rest
+            self._want_out(conn, BACKEND)
             return
         steps = conn.head_progress(self.now, True)
         conn.head = None
@@ -676,10 +694,6 @@ class Edge:
         tally = self.tally
         counter = conn.counters[0]
         tally[counter] = tally.get(counter, 0) + conn.hello_len
-        if not conn.creg:  # registering reports what is ready now: no edge is lost
-            self.fds[conn.cfd] = (conn, CLIENT)
-            self.ep.register(conn.cfd, REGISTER)
-            conn.creg = True
         if conn.hup & (1 << CLIENT) and PUMP_UP not in steps:
             steps += (PUMP_UP,)  # its EOF arrived with the hello: no edge will come
         for step in steps:
