@@ -143,6 +143,27 @@ def test_scopes_and_per_call_budgets_are_separate() -> None:
     assert limiter.check("192.0.2.1", KEY_A, T0) is ALLOWED  # default scope, default budget
 
 
+@pytest.mark.parametrize("before, after", [(2, 1000), (600, 3000), (1000, 100), (3, 2)])
+def test_a_changed_budget_starts_from_a_full_bucket(before: int, after: int) -> None:
+    """A reload that changes a budget: what was spent under the old one is not carried
+    over as time (at a small old rate that was most of an hour, so raising the limit did
+    not free a throttled client): the new budget starts full. A budget changed back finds
+    its bucket as it was left, until that expires."""
+    limiter = RateLimiter()
+    old = Budget(per_ip_key_per_hour=before, per_ip_per_hour=before)
+    new = Budget(per_ip_key_per_hour=after, per_ip_per_hour=after)
+    ip = "192.0.2.9"
+    spent = _admitted_with(limiter, ip, old, T0, burst_for(before) + 1)
+    assert spent == burst_for(before)  # throttled under the old budget
+    assert _admitted_with(limiter, ip, new, T0 + 1, burst_for(after) + 1) == burst_for(after)
+    assert isinstance(limiter.check(ip, KEY_A, T0 + 1, budget=old), Limited)  # old spent
+
+
+def _admitted_with(limiter: RateLimiter, ip: str, budget: Budget, now: float, n: int) -> int:
+    return sum(isinstance(limiter.check(ip, KEY_A, now, budget=budget), Allowed)
+               for _ in range(n))
+
+
 def test_budget_validation_and_from_limits() -> None:
     assert Budget.from_limits(Limits(calls_per_hour_per_ip_key=60)) == Budget(60, 3000)
     for bad in (0, -1, True, 1.5):

@@ -112,6 +112,17 @@ async def test_redis_clock_burst_then_refusal_and_expiry(shared: RedisState) -> 
     assert 5 * 360_000 - 5_000 < ttl <= 5 * 360_000  # gone when the bucket is full again
 
 
+async def test_a_changed_budget_starts_full_in_redis_too(shared: RedisState) -> None:
+    """The cluster's buckets are named by their rate as the embedded ones are: a client
+    throttled at 2 calls/hour is served once a reload raised the budget."""
+    small, big = Budget(2, 2), Budget(1000, 1000)
+    check = shared.limiter.check_calls
+    got = [await check("198.51.100.8", [None], 0.0, budget=small, scope="raise.example")
+           for _ in range(3)]
+    assert got[:2] == [ALLOWED] * 2 and isinstance(got[2], Limited), got
+    assert await check("198.51.100.8", [None], 0.0, budget=big, scope="raise.example") is ALLOWED
+
+
 async def test_two_instances_charge_one_budget(nursery: trio.Nursery, redis: RedisServer) -> None:
     a, b = await _running(nursery, redis), await _running(nursery, redis)
     budget = Budget(per_ip_key_per_hour=3, per_ip_per_hour=1000)  # pair burst 3

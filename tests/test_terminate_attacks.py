@@ -852,3 +852,28 @@ def test_access_log_line_per_request(env: Env) -> None:
     assert got["/mcp/logged-refused"]["method"] == "POST"
     logs = env.serve.logs()
     assert "QSECRET7" not in logs and secret_body not in logs
+
+
+def test_raising_a_budget_by_reload_frees_a_throttled_client(fresh: list[Env],
+                                                             tmp_path: Path) -> None:
+    """An operator raises a small call budget to let a throttled client back in: the
+    next call after the reload is served. (What the client spent was carried over as
+    time measured in the old rate's intervals: at 2 calls an hour that kept it refused
+    for most of an hour whatever the new budget.)"""
+    small = {"calls_per_hour_per_ip": 2, "calls_per_hour_per_ip_key": 2}
+    env = Env.start(tmp_path, limits=small)
+    fresh.append(env)
+
+    def call(n: int) -> str | None:
+        resp = exchange(env.serve.port, request_bytes("POST", "/mcp", OPT_HOST,
+                                                      body=unsealed_call_body(rpc_id=n)),
+                        host=OPT_HOST)
+        assert resp.status in (200, 429), resp.status_line
+        return refusal_code(resp.body)
+
+    assert [call(n) for n in range(3)] == [None, None, "rate_limited"]
+    assert len(env.node.unsealed_calls()) == 2
+    big = {"calls_per_hour_per_ip": 1000, "calls_per_hour_per_ip_key": 1000}
+    assert env.serve.reload(limits=big) == "reloaded"
+    assert [call(n) for n in range(3, 6)] == [None, None, None]
+    assert len(env.node.unsealed_calls()) == 5

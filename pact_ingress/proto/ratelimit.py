@@ -37,7 +37,12 @@ of being refused forever.
 
 Per-route limits: one limiter serves the whole process; each call names its ``scope``
 (the route's host) and the route's ``Budget``. Buckets of different scopes never mix,
-and all of them share one memory cap.
+and all of them share one memory cap. A bucket is also named by its hourly rate, so a
+reload that changes a budget starts it from a full bucket: ``tat`` is what was spent
+measured in the old rate's time, and carried over to a new rate it would mean another
+amount (at 2 calls/hour a throttled client's ``tat`` is most of an hour ahead, which at
+1,000/hour would keep it refused long after the limit was raised to free it). The old
+buckets expire as any idle one does.
 
 Memory: entries sit in an insertion-ordered dict, moved to the end when used. Each
 check first looks at the ``SWEEP_PER_CHECK`` coldest entries and drops the expired ones,
@@ -78,7 +83,8 @@ _EPSILON = 1e-6
 #: IPv6 clients are budgeted per /64 (see the module docstring).
 IPV6_PREFIX = 64
 
-BucketId = tuple[str, str, str | None, str | None]
+#: (kind, scope, client, caller key, hourly rate): see "Per-route limits" above.
+BucketId = tuple[str, str, str | None, str | None, int]
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,7 @@ class RateLimiter:
         ceiling's bucket alone, at cost 1."""
         ceiling = budget.per_ip_per_hour
         interval, burst = SECONDS_PER_HOUR / ceiling, burst_for(ceiling)
-        bucket: BucketId = ("ip", scope, ip, None)
+        bucket: BucketId = ("ip", scope, ip, None, ceiling)
         self._sweep(now)
         wait = self._wait(bucket, 1, interval, burst, now)
         if wait > _EPSILON:
@@ -234,14 +240,15 @@ class RateLimiter:
         demands: dict[BucketId, tuple[int, float, int]] = {}
         for key, count in per_key.items():
             if key is not None and count > 0:
-                demands[("pair", scope, ip, key)] = (count, pair_interval, pair_burst)
+                demands[("pair", scope, ip, key, budget.per_ip_key_per_hour)] = (
+                    count, pair_interval, pair_burst)
         # The IP ceiling counts every call from a known IP; without an IP, only keyless
         # calls fall to the shared anonymous bucket (keyed calls have their key budget).
         ceiling_cost = sum(per_key.values()) if ip is not None else per_key.get(None, 0)
         ceiling_cost -= prepaid
         if ceiling_cost > 0:
             ceiling = budget.per_ip_per_hour
-            demands[("ip", scope, ip, None)] = (
+            demands[("ip", scope, ip, None, ceiling)] = (
                 ceiling_cost, SECONDS_PER_HOUR / ceiling, burst_for(ceiling),
             )
         return demands
