@@ -99,8 +99,9 @@ ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUF
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
-#: How long a backend may take to accept the first bytes (PROXY header + ClientHello,
-#: at most ~16 KiB: any live TCP peer's receive window takes that at once).
+#: How long a backend may take to take the whole head (PROXY header + ClientHello, at
+#: most ~16 KiB: any live TCP peer's receive window takes that at once) once it took
+#: its first bytes; progress does not extend it.
 HEAD_TIMEOUT = 10.0
 #: How long a handshake with the ACME TLS-ALPN-01 challenge cert may take.
 CHALLENGE_TIMEOUT = 10.0
