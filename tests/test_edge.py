@@ -8,6 +8,7 @@ polls of the process's own state."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -99,43 +100,55 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, i
     tls, admin = free_port(), free_port()
     backends = [Backend(echo), Backend(half_closer)]
     refused = free_port()  # nothing listens there
-    # listening, never accepting, its queue filled by the test's own connects: a connect
-    # to it stays in progress (the kernel drops SYNs to a full queue)
+    with stuck_port() as stuck:
+        s = Served(tmp, passthrough_config(tls, admin, PER_IP, {
+            ECHO_SNI: backends[0].port, HALF_SNI: backends[1].port, DOWN_SNI: refused,
+            STUCK_SNI: stuck}))
+        try:
+            s.wait_notify("READY=1")
+            yield s, tls, admin
+        finally:
+            s.stop()
+            for b in backends:
+                b.close()
+
+
+@contextlib.contextmanager
+def stuck_port() -> Iterator[int]:
+    """A port a connect to stays in progress at: listening, never accepting, its queue
+    filled by our own connects (the kernel drops SYNs to a full queue)."""
     stuck = socket.create_server(("127.0.0.1", 0), backlog=0)
     fillers = []
-    for _ in range(4):
-        f = socket.socket()
-        f.setblocking(False)
-        f.connect_ex(stuck.getsockname())
-        fillers.append(f)
-    text = f"""\
+    try:
+        for _ in range(4):
+            f = socket.socket()
+            fillers.append(f)
+            f.setblocking(False)
+            f.connect_ex(stuck.getsockname())
+        yield stuck.getsockname()[1]
+    finally:
+        for f in fillers:
+            f.close()
+        stuck.close()
+
+
+def passthrough_config(tls: int, admin: int, per_ip: int, routes: dict[str, int]) -> str:
+    """One tenant's passthrough routes (SNI → loopback port), with a per-IP cap."""
+    lines = "".join(f'      - {{host: {sni}, mode: passthrough, backend: "127.0.0.1:{port}"}}\n'
+                    for sni, port in routes.items())
+    return f"""\
 state_dir: state
 listen:
   tls: ["127.0.0.1:{tls}"]
   admin: "127.0.0.1:{admin}"
 limits:
-  max_connections_per_ip: {PER_IP}
+  max_connections_per_ip: {per_ip}
   clienthello_timeout: 5s
 tenants:
   - name: edge
     pins: ["sha256:{'A' * 43}"]
     routes:
-      - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[0].port}"}}
-      - {{host: {HALF_SNI}, mode: passthrough, backend: "127.0.0.1:{backends[1].port}"}}
-      - {{host: {DOWN_SNI}, mode: passthrough, backend: "127.0.0.1:{refused}"}}
-      - {{host: {STUCK_SNI}, mode: passthrough, backend: "127.0.0.1:{stuck.getsockname()[1]}"}}
-"""
-    s = Served(tmp, text)
-    try:
-        s.wait_notify("READY=1")
-        yield s, tls, admin
-    finally:
-        s.stop()
-        for b in backends:
-            b.close()
-        for f in fillers:
-            f.close()
-        stuck.close()
+{lines}"""
 
 
 def metrics(admin: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -34,7 +34,9 @@ from tests.test_edge import (
     hello_for,
     metric,
     open_fds,
+    passthrough_config,
     reset,
+    stuck_port,
 )
 from tests.test_serve import HELLO, WAIT, Served, free_port, recv_exact
 
@@ -96,44 +98,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, i
     # inherited by the sockets they accept: a window of a few hundred bytes at first
     narrow.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
     hold.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
-    # listening, never accepting, its queue filled by our own connects: a connect to it
-    # stays in progress (the kernel drops SYNs to a full queue)
-    stuck = socket.create_server(("127.0.0.1", 0), backlog=0)
-    fillers = []
-    for _ in range(4):
-        f = socket.socket()
-        f.setblocking(False)
-        f.connect_ex(stuck.getsockname())
-        fillers.append(f)
-    text = f"""\
-state_dir: state
-listen:
-  tls: ["127.0.0.1:{tls}"]
-  admin: "127.0.0.1:{admin}"
-limits:
-  max_connections_per_ip: {PER_IP}
-  clienthello_timeout: 5s
-tenants:
-  - name: edge
-    pins: ["sha256:{'A' * 43}"]
-    routes:
-      - {{host: {ECHO_SNI}, mode: passthrough, backend: "127.0.0.1:{plain.port}"}}
-      - {{host: {NARROW_SNI}, mode: passthrough, backend: "127.0.0.1:{narrow.port}"}}
-      - {{host: {HOLD_SNI}, mode: passthrough, backend: "127.0.0.1:{hold.port}"}}
-      - {{host: {STUCK_SNI}, mode: passthrough, backend: "127.0.0.1:{stuck.getsockname()[1]}"}}
-"""
-    s = Served(tmp, text)
-    try:
-        s.wait_notify("READY=1")
-        yield s, tls, admin
-    finally:
-        s.stop()
-        HOLD.go.set()
-        for b in (plain, narrow, hold):
-            b.close()
-        for f in fillers:
-            f.close()
-        stuck.close()
+    with stuck_port() as stuck:
+        s = Served(tmp, passthrough_config(tls, admin, PER_IP, {
+            ECHO_SNI: plain.port, NARROW_SNI: narrow.port, HOLD_SNI: hold.port,
+            STUCK_SNI: stuck}))
+        try:
+            s.wait_notify("READY=1")
+            yield s, tls, admin
+        finally:
+            s.stop()
+            HOLD.go.set()
+            for b in (plain, narrow, hold):
+                b.close()
 
 
 def settled(admin: int) -> bool:
