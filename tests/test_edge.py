@@ -18,6 +18,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,17 +102,27 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, i
     tls, admin = free_port(), free_port()
     backends = [Backend(echo), Backend(half_closer)]
     refused = free_port()  # nothing listens there
+    try:
+        with edge_served(tmp, tls, admin, PER_IP, {
+                ECHO_SNI: backends[0].port, HALF_SNI: backends[1].port,
+                DOWN_SNI: refused}) as s:
+            yield s, tls, admin
+    finally:
+        for b in backends:
+            b.close()
+
+
+@contextlib.contextmanager
+def edge_served(tmp: Path, tls: int, admin: int, per_ip: int,
+                routes: dict[str, int]) -> Iterator[Served]:
+    """`serve` READY with these passthrough routes and `STUCK_SNI` to a `stuck_port`."""
     with stuck_port() as stuck:
-        s = Served(tmp, passthrough_config(tls, admin, PER_IP, {
-            ECHO_SNI: backends[0].port, HALF_SNI: backends[1].port, DOWN_SNI: refused,
-            STUCK_SNI: stuck}))
+        s = Served(tmp, passthrough_config(tls, admin, per_ip, {**routes, STUCK_SNI: stuck}))
         try:
             s.wait_notify("READY=1")
-            yield s, tls, admin
+            yield s
         finally:
             s.stop()
-            for b in backends:
-                b.close()
 
 
 @contextlib.contextmanager
@@ -326,6 +338,25 @@ def test_half_close_both_ways(served: tuple[Served, int, int]):
         assert HALF_SEEN == [hashlib.sha256(late).hexdigest()]
 
 
+def bulk_writer(c: socket.socket, block: bytes, size: int, sent: Any,
+                pause: threading.Event | None = None) -> threading.Thread:
+    """A started thread that sends `size` bytes on `c` — 1 MiB `block` rotated by one
+    byte more each time, so no two chunks are alike — into the `sent` hash, then
+    half-closes; with `pause`, it waits for that event halfway."""
+    def writer() -> None:
+        for i in range(size >> 20):
+            if pause is not None and i == size >> 21:
+                pause.wait(WAIT)
+            chunk = block[i:] + block[:i]
+            sent.update(chunk)
+            c.sendall(chunk)
+        c.shutdown(socket.SHUT_WR)
+
+    w = threading.Thread(target=writer)
+    w.start()
+    return w
+
+
 def test_bulk_both_ways_intact(served: tuple[Served, int, int]):
     _, tls, _ = served
     size = 48 << 20
@@ -337,15 +368,7 @@ def test_bulk_both_ways_intact(served: tuple[Served, int, int]):
         with dial(tls) as c:
             c.sendall(HELLO)
 
-            def writer() -> None:
-                for i in range(size >> 20):
-                    chunk = block[i:] + block[:i]
-                    sent.update(chunk)
-                    c.sendall(chunk)
-                c.shutdown(socket.SHUT_WR)
-
-            w = threading.Thread(target=writer)
-            w.start()
+            w = bulk_writer(c, block, size, sent)
             got = hashlib.sha256()
             assert recv_exact(c, len(HELLO)) == HELLO
             n = 0

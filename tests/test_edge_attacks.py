@@ -27,16 +27,17 @@ import pytest
 
 from tests.test_attacks4 import ext, hello, sni_ext
 from tests.test_edge import (
+    STUCK_SNI,
     Backend,
+    bulk_writer,
     dial,
     echo,
+    edge_served,
     eventually,
     hello_for,
     metric,
     open_fds,
-    passthrough_config,
     reset,
-    stuck_port,
 )
 from tests.test_serve import HELLO, WAIT, Served, free_port, recv_exact
 
@@ -45,8 +46,6 @@ ECHO_SNI = "www.example.test"  # the captured hello's name
 NARROW_SNI = "narrow.example.test"
 #: A route whose backend takes the connection and never reads from it.
 HOLD_SNI = "hld.example.test"
-#: A route whose backend's accept queue is full: its connect stays in progress.
-STUCK_SNI = "stk.example.test"
 #: The per-IP cap of the served config.
 PER_IP = 6
 
@@ -98,18 +97,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, i
     # inherited by the sockets they accept: a window of a few hundred bytes at first
     narrow.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
     hold.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
-    with stuck_port() as stuck:
-        s = Served(tmp, passthrough_config(tls, admin, PER_IP, {
-            ECHO_SNI: plain.port, NARROW_SNI: narrow.port, HOLD_SNI: hold.port,
-            STUCK_SNI: stuck}))
-        try:
-            s.wait_notify("READY=1")
+    try:
+        with edge_served(tmp, tls, admin, PER_IP, {
+                ECHO_SNI: plain.port, NARROW_SNI: narrow.port, HOLD_SNI: hold.port}) as s:
             yield s, tls, admin
-        finally:
-            s.stop()
-            HOLD.go.set()
-            for b in (plain, narrow, hold):
-                b.close()
+    finally:
+        HOLD.go.set()
+        for b in (plain, narrow, hold):
+            b.close()
 
 
 def settled(admin: int) -> bool:
@@ -299,17 +294,7 @@ def test_a_reload_moving_a_route_leaves_connections_mid_splice_where_they_were(
         c.sendall(HELLO)
         assert recv_exact(c, len(HELLO)) == HELLO
 
-        def writer() -> None:
-            for i in range(size >> 20):
-                if i == (size >> 21):
-                    halfway.wait(WAIT)
-                chunk = block[i:] + block[:i]
-                sent.update(chunk)
-                c.sendall(chunk)
-            c.shutdown(socket.SHUT_WR)
-
-        w = threading.Thread(target=writer)
-        w.start()
+        w = bulk_writer(c, block, size, sent, pause=halfway)
         n = 0
         while chunk := c.recv(1 << 20):
             got.update(chunk)
