@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h11
+import pytest
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
@@ -613,6 +614,24 @@ class ServeEnv:
     def stop(self) -> None:
         self.serve.stop()
         self.node.stop()
+
+
+def module_fixtures(name: str) -> tuple[Any, Any]:
+    """A module's `shared` (one serve + node with default limits, for the whole module)
+    and `env` (`shared`, still up, its node's record cleared) fixtures:
+    `shared, env = module_fixtures("name")`."""
+
+    @pytest.fixture(scope="module")
+    def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
+        env = ServeEnv.start(tmp_path_factory.mktemp(name))
+        yield env
+        env.stop()
+
+    @pytest.fixture
+    def env(shared: ServeEnv) -> ServeEnv:
+        return shared.fresh()
+
+    return shared, env
 
 
 # --- clients -----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,6 +39,7 @@ from tests.terminate_env import (
     exchange,
     forget,
     gzip_bytes,
+    module_fixtures,
     read_response,
     request_bytes,
     rpc,
@@ -51,17 +51,7 @@ from tests.terminate_env import (
     ServeEnv as Env,
 )
 
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    env = Env.start(tmp_path_factory.mktemp("differentials"))
-    yield env
-    env.stop()
-
-
-@pytest.fixture
-def env(shared: Env) -> Env:
-    return shared.fresh()
+shared, env = module_fixtures("differentials")
 
 
 # --- how a node may read what it got -----------------------------------------------------

@@ -56,6 +56,7 @@ from tests.terminate_env import (
     exchange,
     forget,
     gzip_bytes,
+    module_fixtures,
     read_response,
     refusal_code,
     request_bytes,
@@ -74,17 +75,8 @@ from tests.tools import require
 BYSTANDER_WAIT = 12.0
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    """One serve + node for the cheap request-level tests (default limits)."""
-    env = Env.start(tmp_path_factory.mktemp("attacks"))
-    yield env
-    env.stop()
-
-
-@pytest.fixture
-def env(shared: Env) -> Env:
-    return shared.fresh()
+#: One serve + node for the cheap request-level tests (default limits).
+shared, env = module_fixtures("attacks")
 
 
 @pytest.fixture

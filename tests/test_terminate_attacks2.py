@@ -12,7 +12,6 @@ assertions on invariants only (what the client got, what the node received, /sta
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,6 +22,7 @@ from tests.terminate_env import (
     RawResponse,
     exchange,
     forget,
+    module_fixtures,
     read_response,
     rpc,
     tls_socket,
@@ -32,17 +32,7 @@ from tests.terminate_env import (
     ServeEnv as Env,
 )
 
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    env = Env.start(tmp_path_factory.mktemp("attacks2"))
-    yield env
-    env.stop()
-
-
-@pytest.fixture
-def env(shared: Env) -> Env:
-    return shared.fresh()
+shared, env = module_fixtures("attacks2")
 
 
 # === chunked trailers are not bounded ========================================
