@@ -79,6 +79,15 @@ def _fold_keys(value: Any) -> Any:
     return value
 
 
+def _c_keys(value: Any) -> Any:
+    """A C parser's reading: member names end at a NUL, the last one wins."""
+    if isinstance(value, dict):
+        return {key.partition("\0")[0]: _c_keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_c_keys(v) for v in value]
+    return value
+
+
 def _texts(req: NodeRequest) -> list[str]:
     texts = []
     try:
@@ -101,7 +110,7 @@ def _readings(req: NodeRequest) -> list[Any]:
             doc = json.loads(text.lstrip("\ufeff"))  # a repeated member: the last wins
         except ValueError:
             continue
-        readings += [doc, _fold_keys(doc)]
+        readings += [doc, _fold_keys(doc), _c_keys(doc)]
     return readings
 
 
@@ -242,6 +251,10 @@ def _fold_bodies(env: Env) -> dict[str, bytes]:
             '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"sealed_call",'
             '"arguments":' + json.dumps(cover["arguments"]) + ',"Name":"send_message",'
             '"Arguments":{"msg_id":"m-1","text":"unsealed"}}}'),
+        # a reader that keeps names as C strings: "method\0x" is "method" there
+        "NUL-cut-method": (
+            '{"jsonrpc":"2.0","id":1,"method":"tools/list","method\\u0000x":"tools/call",'
+            '"params":' + json.dumps(SEND) + "}"),
         "batch-with-a-folded-element": (
             '[{"jsonrpc":"2.0","id":1,"method":"tools/list"},'
             '{"jsonrpc":"2.0","id":2,"method":"ping","MetHod":"tools/call","params":'
@@ -251,7 +264,7 @@ def _fold_bodies(env: Env) -> dict[str, bytes]:
 
 
 FOLD_CASES = ["Method-after-method", "METHOD-in-a-response", "long-s-params",
-              "Name-and-Arguments", "batch-with-a-folded-element"]
+              "Name-and-Arguments", "NUL-cut-method", "batch-with-a-folded-element"]
 
 
 @BOTH
