@@ -494,3 +494,65 @@ def test_h2_extended_connect_is_not_offered(env: Env, path: str) -> None:
     got = [(r.method, r.target) for r in env.node.requests()]
     assert got == [], f"extended CONNECT reached the node: {got}"
     assert res is not None and (_defined(res.status, res.body, res.reset) or res.goaway), res
+
+
+# === content on GET and HEAD ========================================================
+
+
+SMUGGLED = request_bytes("POST", "/mcp", HOST, body=UNSEALED)
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+@pytest.mark.parametrize("framing", ["length", "chunked", "h2-data", "h2-length"])
+def test_content_on_get_and_head_is_refused(env: Env, method: str, framing: str) -> None:
+    """Off the MCP path, a GET or HEAD whose content is a whole unsealed request: a node
+    that ignores content there would read it as its next request on the pooled
+    connection, one the posture never judged. Refused (400, or the stream reset), and
+    the node gets nothing — whatever the framing."""
+    if framing.startswith("h2"):
+        conn = H2Conn(env.serve.port, HOST)
+        try:
+            if framing == "h2-length":
+                sid = conn.open_stream(method, "/other", length=len(SMUGGLED), first=SMUGGLED)
+            else:
+                sid = conn.conn.get_next_available_stream_id()
+                conn._results[sid] = H2Result(None, [], b"")
+                conn.conn.send_headers(sid, [
+                    (b":method", method.encode()), (b":scheme", b"https"),
+                    (b":authority", HOST.encode()), (b":path", b"/other")])
+                conn.conn.send_data(sid, SMUGGLED, end_stream=True)
+                conn.sock.sendall(conn.conn.data_to_send())
+            res = conn.wait(sid)
+        finally:
+            conn.close()
+        assert res.status == 400 or res.reset is not None, res
+    else:
+        frame = (f"Content-Length: {len(SMUGGLED)}\r\n\r\n".encode() + SMUGGLED
+                 if framing == "length" else
+                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                 % (len(SMUGGLED), SMUGGLED))
+        answer = exchange(env.serve.port, f"{method} /other HTTP/1.1\r\nHost: {HOST}\r\n"
+                          .encode() + frame)
+        assert answer.status == 400, answer.status_line
+    assert env.node.requests() == []
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_an_h2_get_ended_by_an_empty_data_frame_is_served(env: Env, method: str) -> None:
+    """Some HTTP/2 clients end a GET's stream with an empty DATA frame, not on its
+    HEADERS: no content came, so it is served."""
+    conn = H2Conn(env.serve.port, HOST)
+    try:
+        sid = conn.conn.get_next_available_stream_id()
+        conn._results[sid] = H2Result(None, [], b"")
+        conn.conn.send_headers(sid, [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", HOST.encode()), (b":path", b"/other")])
+        conn.sock.sendall(conn.conn.data_to_send())
+        conn.conn.send_data(sid, b"", end_stream=True)
+        conn.sock.sendall(conn.conn.data_to_send())
+        res = conn.wait(sid)
+    finally:
+        conn.close()
+    assert res.status == 200, res
+    assert [(r.method, r.path, r.body) for r in env.node.requests()] == [(method, "/other", b"")]

@@ -428,6 +428,15 @@ class Terminator:
             body = read
         elif ex.body_done:
             body = b""
+        elif method in _NO_CONTENT:
+            # Content there means nothing, and a node that ignores it reads it as the
+            # next request on the pooled connection: one the posture never judged. What
+            # looked like a body may be none (an HTTP/2 client that ends the stream with
+            # an empty DATA frame): only content that is there is refused.
+            if not await _nothing_more(ex, body_deadline):
+                return await self._answer(ex, conn, _Answer.text(
+                    400, f"a {method} request carries no content here"))
+            body = b""
         else:
             body = _stream_body(ex, limits.max_body_bytes, body_deadline, limits.idle_timeout)
         return await self._forward(ex, conn, route, tenant, client, host, target, body)
@@ -609,6 +618,18 @@ def _server_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext) -> ServerTLS | tri
 async def _cancel_when_gone(ex: Exchange, scope: trio.CancelScope) -> None:
     await ex.wait_gone()
     scope.cancel()
+
+
+#: Methods whose request content has no meaning (RFC 9110 §9.3.1, §9.3.2).
+_NO_CONTENT = frozenset({"GET", "HEAD"})
+
+
+async def _nothing_more(ex: Exchange, deadline: float) -> bool:
+    """The request turned out to carry no content: no declared length above zero, and
+    its stream ended without a byte (a deadline passed, or the client left: ClientGone)."""
+    if ex.content_length:
+        return False
+    return not await ex.receive(deadline)
 
 
 async def _stream_body(ex: Exchange, cap: int, deadline: float,
