@@ -396,7 +396,7 @@ class RecordingNode:
 # --- the serve process -------------------------------------------------------------------
 
 
-def _hostport(host: str, port: int) -> str:
+def hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -433,7 +433,7 @@ class Serve:
     backend_host: str = LOOPBACK
 
     def __post_init__(self) -> None:
-        self.port, self.admin_port = free_port(), free_port()
+        self.port, self.admin_port = free_port(self.listen_host), free_port(self.listen_host)
         self.config = self.tmp / "ingress.yaml"
         self.config.write_text(self.render())
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -459,7 +459,7 @@ class Serve:
             routes += f"""\
       - host: {host}
         mode: terminate
-        backend: "{_hostport(self.backend_host, self.node.port)}"
+        backend: "{hostport(self.backend_host, self.node.port)}"
         seal: {posture}
         mcp_path: /mcp
         cert: {{cert: certs/{host}.crt, key: certs/{host}.key}}
@@ -468,8 +468,8 @@ class Serve:
 identity: {{key: ingress.key}}
 state_dir: state
 listen:
-  tls: ["{_hostport(self.listen_host, self.port)}"]
-  admin: "{_hostport(self.listen_host, self.admin_port)}"
+  tls: ["{hostport(self.listen_host, self.port)}"]
+  admin: "{hostport(self.listen_host, self.admin_port)}"
 {"limits:" + chr(10) + limits if limits else ""}tenants:
   - name: attack
     pins: ["{self.node_fp}"]
@@ -538,7 +538,7 @@ listen:
     # -- admin ------------------------------------------------------------------------
 
     def _admin(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://{_hostport(self.listen_host, self.admin_port)}{path}",
+        with urllib.request.urlopen(f"http://{hostport(self.listen_host, self.admin_port)}{path}",
                                     timeout=10) as r:
             return bytes(r.read())
 
