@@ -78,7 +78,7 @@ class Instance:
 identity: {{key: ingress.key}}
 state_dir: state
 listen:
-  tls: ["{address}:{port}"]
+  tls: ["{Address(address, port)}"]
   admin: "{self.admin}"
 tunnel: {{hostname: {TUNNEL_HOST}}}
 {extra}tenants:
@@ -132,7 +132,8 @@ class Connect:
     """One `connect` process towards `addresses`, accepting `pins`."""
 
     def __init__(self, tmp: Path, node: Identity, node_port: int, addresses: list[str],
-                 pins: list[str], connections: int = 1) -> None:
+                 pins: list[str], connections: int = 1, forward_host: str = "127.0.0.1"
+                 ) -> None:
         self.config = tmp / "connector.yaml"
         listed = ", ".join(f'"{a}"' for a in addresses)
         pinned = ", ".join(f'"{p}"' for p in pins)
@@ -142,7 +143,7 @@ ingress:
   address: [{listed}]
   tunnel_hostname: {TUNNEL_HOST}
   pin: [{pinned}]
-forward: "127.0.0.1:{node_port}"
+forward: "{Address(forward_host, node_port)}"
 connections: {connections}
 """)
         self.log_path = tmp / "connector.log"

@@ -181,7 +181,8 @@ def free_port_on(*addresses: str, udp: bool = False) -> int:
         try:
             for address in addresses:
                 for kind in kinds:
-                    with socket.socket(socket.AF_INET, kind) as s:
+                    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+                    with socket.socket(family, kind) as s:
                         s.bind((address, port))
         except OSError:
             continue

@@ -35,6 +35,7 @@ from tests.terminate_env import (
     RawResponse,
     forget,
     free_port,
+    hostport,
     json_events,
     read_response,
     request_bytes,
@@ -205,7 +206,7 @@ class RelayServe:
 identity: {{key: ingress.key}}
 state_dir: state
 listen:
-  tls: ["{self.address}:{self.port}"]
+  tls: ["{hostport(self.address, self.port)}"]
   admin: "{LOOPBACK}:{self.admin_port}"
 {tunnel}relay:
   host: {RELAY_HOST}

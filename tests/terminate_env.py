@@ -185,7 +185,8 @@ class RecordingNode:
     required and must be that identity's (the ingress's) self-signed cert.
     """
 
-    def __init__(self, identity: Identity, *, client_ca: Identity | None = None) -> None:
+    def __init__(self, identity: Identity, *, client_ca: Identity | None = None,
+                 host: str = LOOPBACK) -> None:
         self.identity = identity
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(identity.cert_path, identity.key_path)
@@ -194,7 +195,8 @@ class RecordingNode:
             ctx.verify_mode = ssl.CERT_REQUIRED
             ctx.load_verify_locations(cafile=str(client_ca.cert_path))
         self._ctx = ctx
-        self._listener = socket.create_server((LOOPBACK, 0), backlog=1024)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family, backlog=1024)
         self.port = int(self._listener.getsockname()[1])
         self._lock = threading.Lock()
         self._requests: list[NodeRequest] = []
@@ -395,6 +397,10 @@ class RecordingNode:
 # --- the serve process -------------------------------------------------------------------
 
 
+def hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def json_events(text: str) -> list[dict[str, Any]]:
     """The JSON objects among a process's log lines (any other line is skipped)."""
     out = []
@@ -422,9 +428,13 @@ class Serve:
     opt_seal: str = "optional"
     extra_routes: str = ""
     workers: int | None = None  # `serve --workers N`; None: the default (one per core)
+    #: Where the TLS and admin listeners bind, and how the routes name the node (an IPv6
+    #: literal is written in brackets; a name such as `localhost` as is).
+    listen_host: str = LOOPBACK
+    backend_host: str = LOOPBACK
 
     def __post_init__(self) -> None:
-        self.port, self.admin_port = free_port(), free_port()
+        self.port, self.admin_port = free_port(self.listen_host), free_port(self.listen_host)
         self.config = self.tmp / "ingress.yaml"
         self.config.write_text(self.render())
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -450,7 +460,7 @@ class Serve:
             routes += f"""\
       - host: {host}
         mode: terminate
-        backend: "{LOOPBACK}:{self.node.port}"
+        backend: "{hostport(self.backend_host, self.node.port)}"
         seal: {posture}
         mcp_path: /mcp
         cert: {{cert: certs/{host}.crt, key: certs/{host}.key}}
@@ -459,8 +469,8 @@ class Serve:
 identity: {{key: ingress.key}}
 state_dir: state
 listen:
-  tls: ["{LOOPBACK}:{self.port}"]
-  admin: "{LOOPBACK}:{self.admin_port}"
+  tls: ["{hostport(self.listen_host, self.port)}"]
+  admin: "{hostport(self.listen_host, self.admin_port)}"
 {"limits:" + chr(10) + limits if limits else ""}tenants:
   - name: attack
     pins: ["{self.node_fp}"]
@@ -529,7 +539,7 @@ listen:
     # -- admin ------------------------------------------------------------------------
 
     def _admin(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.admin_port}{path}",
+        with urllib.request.urlopen(f"http://{hostport(self.listen_host, self.admin_port)}{path}",
                                     timeout=10) as r:
             return bytes(r.read())
 
@@ -648,14 +658,16 @@ def client_context(alpn: Iterable[str] = ("http/1.1",)) -> ssl.SSLContext:
 def tls_socket(port: int, host: str = HOST, *, source: str = LOOPBACK,
                alpn: Iterable[str] = ("http/1.1",), rcvbuf: int | None = None,
                timeout: float = WAIT) -> ssl.SSLSocket:
-    """A TLS connection to the edge on loopback from `source`, with SNI `host`."""
-    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A TLS connection to the edge on loopback from `source`, with SNI `host` (from ::1
+    to ::1 when `source` is an IPv6 address)."""
+    v6 = ":" in source
+    raw = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf is not None:
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     raw.settimeout(timeout)
     try:
         raw.bind((source, 0))
-        raw.connect((LOOPBACK, port))
+        raw.connect(("::1" if v6 else LOOPBACK, port))
         return client_context(alpn).wrap_socket(raw, server_hostname=host)
     except BaseException:
         raw.close()

@@ -225,6 +225,22 @@ def test_tsig_key_file_and_challenge_names(tmp_path: Path) -> None:
     assert challenge_name("a.example") == "_acme-challenge.a.example."
 
 
+def test_a_dns01_failure_names_an_ipv6_server_in_brackets(tmp_path: Path) -> None:
+    """An IPv6 server written as ::1:53 reads as a port-less address (the config itself
+    refuses that spelling): messages name it as the config does, [::1]:53."""
+    from pact_ingress.acme.dns01 import Dns01Solver
+    from pact_ingress.model import Address, Dns01
+    from tests.netutil import free_port
+
+    f = tmp_path / "k"
+    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
+    port = free_port("::1")  # nothing listens there: the update is refused
+    solver = Dns01Solver(Dns01(Address("::1", port), "dns.test.", f))
+    with pytest.raises(AcmeError) as info:
+        solver.present("x.dns.test", "value")
+    assert f"to [::1]:{port} failed" in str(info.value), info.value
+
+
 # ------------------------------------------------------------------------------ manager
 def _acme_config(tmp: Path, hosts: list[str], files: dict[str, CertFiles] | None = None
                  ) -> Config:

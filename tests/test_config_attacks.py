@@ -389,6 +389,26 @@ def test_listeners_that_cannot_both_bind_are_refused_naming_both_lines(
     assert f"(line {first})" in found[0], found
 
 
+@pytest.mark.parametrize(("tls", "http", "admin", "line", "v4"), [
+    (["[::ffff:127.0.0.1]:8443"], None, None, 3, "127.0.0.1:8443"),
+    (["127.0.0.1:8443"], ["[::ffff:7f00:2]:8080"], None, 4, "127.0.0.2:8080"),
+    (["[::]:8443"], None, "[0:0:0:0:0:ffff:127.0.0.1]:9180", 4, "127.0.0.1:9180"),
+])
+def test_an_ipv4_mapped_listen_address_is_refused_with_its_ipv4_spelling(
+        tmp_path: Path, tls: list[str], http: list[str] | None, admin: str | None,
+        line: int, v4: str) -> None:
+    """IPv6 listeners are v6-only, and the kernel refuses to bind one to an IPv4-mapped
+    address: such a config passed check-config and serve then died with "cannot listen
+    on ...: invalid argument", naming no line and no way out."""
+    path = with_listen(tmp_path, tls, http, admin)
+    found = messages(path)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"{path}:{line}: listen.") and "IPv4-mapped" in found[0], found
+    assert f"write {v4}" in found[0], found
+    # the same through the command line: one FILE:LINE line, no traceback
+    assert refused(path) == found
+
+
 @pytest.mark.parametrize(("tls", "http", "admin"), [
     (["127.0.0.2:8443", "127.0.0.3:8443"], None, None),  # several instances on one host
     (["[::]:8443", "0.0.0.0:8443"], None, None),  # IPv6 listeners are v6-only

@@ -164,6 +164,15 @@ def test_request_header_hygiene() -> None:
     assert forwarded_value("192.0.2.7", HOST) == b"for=192.0.2.7;proto=https;host=mcp.alina.test"
 
 
+@pytest.mark.parametrize("zone", ["eth0", "7", "wlan\u00e9"])
+def test_forwarded_names_a_link_local_client_without_its_zone(zone: str) -> None:
+    """A zone names an interface of the edge host: meaningless to the node, outside RFC
+    7239's grammar for a node (`"[" IPv6address "]"`), and an interface name need not be
+    ASCII (the header was then not built at all)."""
+    assert forwarded_value(f"fe80::1%{zone}", HOST) == (
+        b'for="[fe80::1]";proto=https;host=mcp.alina.test')
+
+
 def test_response_header_hygiene() -> None:
     dirty = [(b"Connection", b"close, X-Node-Hop"), (b"x-node-hop", b"1"), (b"keep-alive", b"5"),
              (b"transfer-encoding", b"chunked"), (b"upgrade", b"h2c"), (b"proxy-authenticate", b"x"),

@@ -102,6 +102,7 @@ class Dns01Solver:
         # up per order, a server that moved is followed too.
         self.server = cfg.server.host
         self.port = cfg.server.port
+        self.shown = str(cfg.server)  # as the config writes it ([v6]:port) in messages
         self.key = read_tsig_key(cfg.tsig_key_file)
         self.propagation_timeout = propagation_timeout
 
@@ -131,7 +132,7 @@ class Dns01Solver:
         try:
             resp = dns.query.tcp(upd, address, port=self.port, timeout=QUERY_TIMEOUT)
         except (OSError, dns.exception.DNSException) as exc:
-            raise AcmeError(f"DNS update ({what}) to {self.server}:{self.port} failed: {exc}",
+            raise AcmeError(f"DNS update ({what}) to {self.shown} failed: {exc}",
                             reason="dns01_update") from exc
         if resp.rcode() != dns.rcode.NOERROR:
             raise AcmeError(f"DNS update ({what}) refused: {dns.rcode.to_text(resp.rcode())}",
@@ -143,7 +144,7 @@ class Dns01Solver:
             if value in self._txt_values(address, name):
                 return
             if time.monotonic() >= deadline:
-                raise AcmeError(f"TXT {name} not visible on {self.server}:{self.port} after "
+                raise AcmeError(f"TXT {name} not visible on {self.shown} after "
                                 f"{self.propagation_timeout:.0f}s", reason="dns01_propagation")
             time.sleep(PROPAGATION_POLL)
 

@@ -1100,8 +1100,22 @@ def _addresses(ctx: _Ctx, fields: _Fields, name: str) -> list[tuple[Address, Nod
     if node is None:
         return []
     what = f"listen.{name}"
-    found = [(_address(ctx, n, what), n) for _, n in _strings(ctx, node, what)]
+    found = [(_listen_address(ctx, n, what), n) for _, n in _strings(ctx, node, what)]
     return [(a, n) for a, n in found if a is not None]
+
+
+def _listen_address(ctx: _Ctx, node: Node, what: str) -> Address | None:
+    """A listen address; an IPv4-mapped one is refused here, as bind would refuse it:
+    IPv6 listeners are v6-only, and the kernel binds no such socket to a mapped address."""
+    address = _address(ctx, node, what)
+    if address is None or ":" not in address.host:
+        return address
+    mapped = ipaddress.IPv6Address(address.host.partition("%")[0]).ipv4_mapped
+    if mapped is None:
+        return address
+    ctx.at(node, f"{what}: {str(address)!r} is an IPv4-mapped address, which an IPv6 "
+           f"listener (v6-only) cannot bind: write {mapped}:{address.port}")
+    return None
 
 
 def _check_overlaps(ctx: _Ctx, addresses: list[tuple[Address, Node]]) -> None:
@@ -1150,7 +1164,7 @@ def _admin(ctx: _Ctx, node: Node, has_token: bool = False) -> Address | Path | N
             ctx.at(node, "listen.admin: 'unix:' needs a socket path, e.g. unix:/run/x.sock")
             return None
         return _admin_socket(ctx, node, _resolve(ctx.base, text[5:].strip()))
-    address = _address(ctx, node, "listen.admin") if text is not None else None
+    address = _listen_address(ctx, node, "listen.admin") if text is not None else None
     if address is not None and not _is_loopback(address.host) and not has_token:
         ctx.at(node, f"listen.admin {str(address)!r} is not a loopback address: the admin "
                "endpoint can reload the ingress; use 127.0.0.1, [::1], localhost or "

@@ -208,7 +208,8 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
         raise ListenError.binding(str(address), exc) from exc
     slots = _Slots()
     bound = listeners[0].socket.getsockname()[:2]
-    log.info("http_listening", address=f"{bound[0]}:{bound[1]}")
+    # as the config writes it (IPv6 in brackets): "::1:8080" is no address one could use
+    log.info("http_listening", address=str(Address(str(bound[0]), int(bound[1]))))
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(_accept_loop, listener, answers, slots, nursery)

@@ -70,7 +70,12 @@ def _host_value(host: str) -> bytes:
 def forwarded_value(client_ip: str, host: str) -> bytes:
     """RFC 7239 `Forwarded` element for this hop (IPv6 quoted and bracketed). The same
     few (client, host) pairs recur on every request, so their values are remembered."""
-    node = f'"[{client_ip}]"' if ":" in client_ip else client_ip
+    if ":" in client_ip:
+        # without its zone (fe80::1%eth0): an interface of this host, nothing the node
+        # could use, and no part of RFC 7239's "[" IPv6address "]"
+        node = f'"[{client_ip.partition("%")[0]}]"'
+    else:
+        node = client_ip
     return f"for={node};proto=https;host={host}".encode("ascii")
 
 
