@@ -550,6 +550,7 @@ class Terminator:
             await ex.respond_whole(response.status, headers, whole)
             return
         await ex.respond(response.status, headers)
+        finished = False  # stays so when the watch saw the client go and cut the pump short
         if ex.needs_watch(headers):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
