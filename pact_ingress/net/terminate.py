@@ -354,6 +354,10 @@ class Terminator:
         held = [0]  # body bytes this exchange holds in `buffers`
         client = conn.client
         started = conn.now()
+        # counted however the exchange ends: an HTTP/2 stream the client resets, or whose
+        # connection breaks, is cancelled rather than told, and a request the node may
+        # have executed by then must still show in the counts and the log
+        status = CLIENT_CLOSED
         try:
             status = await self._story(conn, ex, client, held, started)
         except ClientGone:
@@ -361,11 +365,11 @@ class Terminator:
         finally:
             if held[0]:
                 self.buffers.give(client, held[0])
-        answered = self._answered  # counted here, in the metric at the next collection
-        key = (conn.route_host, status)
-        answered[key] = answered.get(key, 0) + 1
-        log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
-                    round((conn.now() - started) * 1000, 1))
+            answered = self._answered  # counted here, in the metric at the next collection
+            key = (conn.route_host, status)
+            answered[key] = answered.get(key, 0) + 1
+            log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
+                        round((conn.now() - started) * 1000, 1))
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int],
                      now: float) -> int:
