@@ -331,3 +331,23 @@ def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None
     reached = collections.Counter(r.path for r in node.requests())
     paths = collections.Counter(e["path"] for e in events if e.get("event") == "request")
     assert {p: n for p, n in reached.items() if paths[p] < n} == {}, paths
+
+
+def test_a_node_breaking_mid_answer_is_counted_as_the_nodes_failure(tmp_path: Path) -> None:
+    """The client stayed; the node broke. The count and the log line say 502 (the node's
+    failure), not 499 (a client that left), on HTTP/1.1 and HTTP/2 alike."""
+    env = ServeEnv.start(tmp_path, workers=1)
+    try:
+        node_breaks_mid_response(env, SOURCES[0])
+        eventually(lambda: env.serve.open_connections() == 0, "closed")
+
+        def logged() -> list[int]:
+            return [e["status"] for e in env.serve.log_events()
+                    if e.get("event") == "request" and e.get("path") == "/stream"]
+        eventually(lambda: len(logged()) >= 2, "both requests logged")
+        assert logged() == [502, 502], logged()
+        text = env.serve.metrics()
+        assert summed(text, "pact_ingress_http_requests_total", status="502") == 2
+        assert summed(text, "pact_ingress_http_requests_total", status="499") == 0
+    finally:
+        env.stop()
