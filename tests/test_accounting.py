@@ -1,8 +1,8 @@
 """Accounting after a hostile workload: clients that abort at every stage of a terminate
 connection (mid-ClientHello, mid-handshake, mid-head, mid-body on HTTP/1.1 and HTTP/2,
 while the node answers, mid-response, pipelined, RST_STREAM storms, TCP resets,
-100-continue then gone), and a node that breaks mid-response, with one process and with
-two workers. Afterwards every gauge, count, cap and fd must be back to the truth, and the
+100-continue then gone), passthrough clients gone mid-splice, and a node that breaks
+mid-response, with one process and with two workers. Afterwards every gauge, count, cap and fd must be back to the truth, and the
 same numbers must show in /status, /metrics and the log lines.
 
 Real `serve` processes and real sockets on loopback (tests/terminate_env.py). Every
@@ -39,12 +39,15 @@ from tests.terminate_env import (
     rpc,
     tls_socket,
 )
+from tests.test_serve import EchoBackend
 
 #: Caps small enough to probe exactly: N allowed, N+1 refused.
 PER_IP = 4
 IN_FLIGHT = 4
 SOURCES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 UPLOAD = b"u" * 50_000
+#: A passthrough route of the same instance, to an echo backend.
+PT_HOST = "pt.attack.test"
 
 
 def eventually(check: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
@@ -84,9 +87,9 @@ def dial(port: int, source: str) -> socket.socket:
     return s
 
 
-def client_hello() -> bytes:
+def client_hello(sni: str = OPT_HOST) -> bytes:
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = client_context().wrap_bio(inc, out, server_hostname=OPT_HOST)
+    obj = client_context().wrap_bio(inc, out, server_hostname=sni)
     try:
         obj.do_handshake()
     except ssl.SSLWantReadError:
@@ -101,8 +104,12 @@ def h2_headers(method: str, path: str) -> list[tuple[bytes, bytes]]:
 
 def hostile(port: int, source: str) -> None:
     """One round of clients that go away at every stage; each ends abruptly or plainly."""
-    hello = client_hello()
+    hello, pt_hello = client_hello(), client_hello(PT_HOST)
     for end in (forget, reset):
+        s = dial(port, source)  # passthrough: gone mid-splice, bytes in flight both ways
+        s.sendall(pt_hello + b"p" * 100_000)
+        s.recv(1000)
+        end(s)  # type: ignore[operator]
         for cut in (5, len(hello) // 2, len(hello) - 1):  # mid-ClientHello
             s = dial(port, source)
             s.sendall(hello[:cut])
@@ -145,7 +152,7 @@ def hostile(port: int, source: str) -> None:
         s.sendall(request_bytes("GET", "/stream?n=3&interval=0.5", OPT_HOST))
         end(s)
         s = tls_socket(port, OPT_HOST, source=source)  # mid-response: SSE
-        s.sendall(request_bytes("GET", "/stream?n=40&interval=0.05", OPT_HOST))
+        s.sendall(request_bytes("GET", "/stream?n=20&interval=0.05", OPT_HOST))
         read_response(s, head_only=True)
         end(s)
         s = tls_socket(port, OPT_HOST, source=source, rcvbuf=4096)  # mid-response: large
@@ -228,10 +235,16 @@ def node_breaks_mid_response(env: ServeEnv, source: str) -> None:
 
 @pytest.fixture(params=[1, 2], ids=["one-process", "two-workers"])
 def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServeEnv]:
-    e = ServeEnv.start(tmp_path, workers=request.param, limits={
-        "max_connections_per_ip": PER_IP, "max_requests_in_flight_per_ip": IN_FLIGHT})
-    yield e
-    e.stop()
+    echo = EchoBackend()
+    try:
+        e = ServeEnv.start(tmp_path, workers=request.param, limits={
+            "max_connections_per_ip": PER_IP, "max_requests_in_flight_per_ip": IN_FLIGHT},
+            extra_routes=f"      - {{host: {PT_HOST}, mode: passthrough, "
+                         f"backend: \"{LOOPBACK}:{echo.port}\"}}\n")
+        yield e
+        e.stop()
+    finally:
+        echo.stop()
 
 
 def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None:
@@ -275,7 +288,7 @@ def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None
         held = [tls_socket(port, OPT_HOST, source=ip) for _ in range(PER_IP)]
         try:
             for s in held:
-                s.sendall(request_bytes("GET", "/stream?n=2&interval=0.5", OPT_HOST))
+                s.sendall(request_bytes("GET", "/stream?n=2&interval=0.2", OPT_HOST))
             assert [read_response(s, head_only=True).status for s in held] == [200] * PER_IP
             with pytest.raises((OSError, ssl.SSLError)):
                 extra = tls_socket(port, OPT_HOST, source=ip, timeout=5)
@@ -294,11 +307,11 @@ def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None
             for _ in range(IN_FLIGHT + 1):
                 sid = h.conn.get_next_available_stream_id()
                 h._results[sid] = H2Result(None, [], b"")
-                h.conn.send_headers(sid, h2_headers("GET", "/stream?n=2&interval=0.3"),
+                h.conn.send_headers(sid, h2_headers("GET", "/stream?n=2&interval=0.2"),
                                     end_stream=True)
                 h.sock.sendall(h.conn.data_to_send())
                 if len(sids) < IN_FLIGHT:  # each in flight before the next is asked
-                    h._pump(until=lambda s=sid: h._results[s].status is not None,
+                    h._pump(until=lambda s=sid, c=h: c._results[s].status is not None,
                             timeout=WAIT)
                 sids.append(sid)
             statuses = sorted(h.wait(sid).status or 0 for sid in sids)
@@ -307,7 +320,11 @@ def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None
             h.close()
     eventually(settled, "open connections back to 0 after the probes")
 
-    # the same numbers in /status, /metrics and the log lines
+    # the same numbers in /status, /metrics and the log lines (access lines are written
+    # in batches: waited for, boundedly)
+    total = summed(serve.metrics(), "pact_ingress_http_requests_total")
+    eventually(lambda: sum(e.get("event") == "request" for e in serve.log_events()) >= total,
+               f"{total} access lines")
     status, text = serve.status(), serve.metrics()
     events = serve.log_events()
     logged = collections.Counter(str(e["status"]) for e in events if e.get("event") == "request")
@@ -323,6 +340,12 @@ def test_hostile_workload_leaves_every_count_as_the_truth(env: ServeEnv) -> None
                  if n == "pact_ingress_rejections_total"}
     assert {k: float(v) for k, v in rejected.items()} == {k: v for k, v in by_reason.items() if v}
     assert status["counters"]["rejections_total"] == sum(rejected.values())
+    closed = collections.Counter((e["route"], e["outcome"]) for e in events
+                                 if e.get("event") == "conn_close")
+    conns = {(dict(ls)["route"], dict(ls)["outcome"]): v for (n, ls), v in samples(text).items()
+             if n == "pact_ingress_connections_total"}
+    assert {k: float(v) for k, v in closed.items()} == {k: v for k, v in conns.items() if v}
+    assert sum(n for (route, _), n in closed.items() if route == PT_HOST) == 2 * len(SOURCES)
     assert rejected["max_connections_per_ip"] == len(SOURCES)  # one refusal per probe
     # no exchange ended in an internal error (its request would go uncounted)
     assert [e for e in events if e.get("event") in (
