@@ -98,6 +98,8 @@ from pact_ingress.stats import Stats
 RETRY_AFTER_OFFLINE = 5
 #: HTTP status recorded when the client went away before we could answer (nginx's 499).
 CLIENT_CLOSED = 499
+#: HTTP status recorded when the node broke off an answer the client was being sent.
+NODE_BROKE_OFF = 502
 #: The whole request body must arrive within this (a 6 MiB MCP body at 128 KiB/s).
 BODY_TIMEOUT = 60.0
 #: Each write of the response must be taken by the client within this.
@@ -125,6 +127,12 @@ _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 class _BodyTooLarge(Exception):
     """A streamed request body crossed max_body_bytes."""
+
+
+class _NodeBrokeOff(ClientGone):
+    """The node's answer broke off after its head went to the client: the client's leg is
+    already failed (`Exchange.abort`), so the exchange ends as for a gone client, but the
+    failure is the node's and is counted so."""
 
 
 @dataclass(frozen=True)
@@ -354,18 +362,24 @@ class Terminator:
         held = [0]  # body bytes this exchange holds in `buffers`
         client = conn.client
         started = conn.now()
+        # counted however the exchange ends: an HTTP/2 stream the client resets, or whose
+        # connection breaks, is cancelled rather than told, and a request the node may
+        # have executed by then must still show in the counts and the log
+        status = CLIENT_CLOSED
         try:
             status = await self._story(conn, ex, client, held, started)
+        except _NodeBrokeOff:
+            status = NODE_BROKE_OFF
         except ClientGone:
             status = CLIENT_CLOSED
         finally:
             if held[0]:
                 self.buffers.give(client, held[0])
-        answered = self._answered  # counted here, in the metric at the next collection
-        key = (conn.route_host, status)
-        answered[key] = answered.get(key, 0) + 1
-        log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
-                    round((conn.now() - started) * 1000, 1))
+            answered = self._answered  # counted here, in the metric at the next collection
+            key = (conn.route_host, status)
+            answered[key] = answered.get(key, 0) + 1
+            log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
+                        round((conn.now() - started) * 1000, 1))
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int],
                      now: float) -> int:
@@ -559,19 +573,23 @@ class Terminator:
             await ex.respond_whole(response.status, headers, whole)
             return
         await ex.respond(response.status, headers)
+        broken: str | None = "client"  # stays so when the watch saw the client go
         if ex.needs_watch(headers):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
-                finished = await _pump(ex, route, response)
+                broken = await _pump(ex, route, response)
                 nursery.cancel_scope.cancel()
         else:
-            finished = await _pump(ex, route, response)
-        if not finished:
+            broken = await _pump(ex, route, response)
+        if broken == "node":
+            raise _NodeBrokeOff("the node broke off its answer")
+        if broken is not None:
             raise ClientGone("the response did not complete")
 
 
-async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> bool:
-    """The response body to the client; True when it was delivered whole."""
+async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> str | None:
+    """The response body to the client; None when it was delivered whole, else who
+    broke it off ("node" or "client")."""
     try:
         async for chunk in response.body:
             await ex.send(chunk)
@@ -579,10 +597,10 @@ async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> bool:
     except UpstreamError as exc:
         log.warning("upstream_body_failed", route=route.host, error=str(exc))
         await ex.abort()
-        return False
+        return "node"
     except ClientGone:
-        return False
-    return True
+        return "client"
+    return None
 
 
 def _observe_all(histogram: Any, values: list[float]) -> None:
