@@ -57,7 +57,7 @@ class Stats:
         r.register(_BeforeCollect(self._syncs))  # type: ignore[arg-type]
         p = "pact_ingress_"
         self.connections = Counter(
-            p + "connections", "Closed client connections by route, mode and outcome",
+            p + "connections", "Closed passthrough connections by route, mode and outcome",
             ["route", "mode", "outcome"], registry=r)
         self.open_connections = Gauge(
             p + "open_connections", "Client connections currently open", registry=r)
