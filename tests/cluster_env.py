@@ -26,6 +26,7 @@ from typing import IO, Any
 from pact_ingress.admin.client import fetch_status
 from pact_ingress.identity import Identity, keygen
 from pact_ingress.model import Address
+from tests.netutil import START_WAIT
 from tests.terminate_env import RecordingNode, free_port
 
 TUNNEL_HOST = "tunnel.cluster.test"
@@ -35,7 +36,7 @@ WAIT = 30.0
 
 
 def serve_until_ready(directory: Path, config: Path, args: Iterable[str], log: IO[bytes],
-                      wait: float = WAIT) -> tuple[subprocess.Popen[bytes], bool]:
+                      wait: float = START_WAIT) -> tuple[subprocess.Popen[bytes], bool]:
     """`pact-ingress serve -c config *args`, its output to `log`; returned with whether it
     said READY=1 on its notify socket (in `directory`) within `wait` seconds."""
     notify_path = directory / "notify.sock"

@@ -18,6 +18,11 @@ import trio
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
 from pact_ingress.identity import Identity, fingerprint_of_cert_der
 
+#: How long a `serve` may take to say READY: a start-up loads modules and spawns worker
+#: processes, which a busy machine slows far more than it slows a request. A bound on a
+#: wait, not a target.
+START_WAIT = 60.0
+
 #: Bounded waits in tests: anything slower than this is a failure, not a hang.
 TEST_TIMEOUT = 20.0
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, keygen, spki_der
+from tests.netutil import START_WAIT
 from tests.terminate_env import (
     WAIT,
     H2Conn,
@@ -235,7 +236,7 @@ listen:
             raise
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + WAIT
+        deadline = time.monotonic() + START_WAIT
         while time.monotonic() < deadline:
             self.notify.settimeout(max(0.05, deadline - time.monotonic()))
             try:

@@ -65,7 +65,7 @@ import pytest
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
-from tests.netutil import free_port
+from tests.netutil import START_WAIT, free_port
 
 LOOPBACK = "127.0.0.1"
 #: The attacker's and the bystander's source addresses (Linux routes all 127/8 to lo).
@@ -448,7 +448,7 @@ class Serve:
             [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config), *workers],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
-            self.wait_notify("READY=1")
+            self.wait_notify("READY=1", timeout=START_WAIT)
         except BaseException:
             self.stop()
             raise

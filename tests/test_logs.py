@@ -159,7 +159,7 @@ _NEAR = st.one_of(st.sampled_from([0.0, 1e-9, 1e-7, 2.4e-7, 1e-4, 4.9e-4, 5e-4, 
                  st.integers(-10**6, 10**13).map(lambda n: n / 2000)),  # ties at .0005
        st.lists(st.tuples(st.sampled_from([1, -1]), _NEAR), min_size=1, max_size=8),
        st.sampled_from([0, 1, -1]))
-@settings(max_examples=3000)
+@settings(max_examples=1000)
 def test_a_kept_millisecond_is_repr_of_round(x: float, steps: list[tuple[int, float]],
                                              ulps: int) -> None:
     """Floats next to the last one (within a millisecond or two, a few ulps, across a
