@@ -556,3 +556,16 @@ def test_an_h2_get_ended_by_an_empty_data_frame_is_served(env: Env, method: str)
         conn.close()
     assert res.status == 200, res
     assert [(r.method, r.path, r.body) for r in env.node.requests()] == [(method, "/other", b"")]
+
+
+def test_an_h2_get_declaring_no_content_is_answered_before_its_stream_ends(env: Env) -> None:
+    """`content-length: 0` on a GET whose HEADERS leave the stream open: nothing may
+    follow, so it is answered at once rather than after the body deadline (a minute)."""
+    conn = H2Conn(env.serve.port, HOST)
+    try:
+        sid = conn.open_stream("GET", "/other", length=0)
+        res = conn.wait(sid, timeout=10)
+    finally:
+        conn.close()
+    assert res.status == 200, res
+    assert [(r.method, r.path, r.body) for r in env.node.requests()] == [("GET", "/other", b"")]

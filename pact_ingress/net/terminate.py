@@ -643,10 +643,12 @@ _NO_CONTENT = frozenset({"GET", "HEAD"})
 
 
 async def _nothing_more(ex: Exchange, deadline: float) -> bool:
-    """The request turned out to carry no content: no declared length above zero, and
-    its stream ended without a byte (a deadline passed, or the client left: ClientGone)."""
-    if ex.content_length:
-        return False
+    """The request carries no content: a declared length of zero (any byte beyond it
+    breaks the stream's framing, which the HTTP/2 layer refuses), or no declared length
+    and a stream that ended without a byte (a deadline passed, or the client left:
+    ClientGone)."""
+    if ex.content_length is not None:
+        return ex.content_length == 0
     return not await ex.receive(deadline)
 
 
