@@ -626,6 +626,24 @@ class ServeEnv:
         self.node.stop()
 
 
+def wait_settled(count: Callable[[], int], want: int, timeout: float = WAIT,
+                 settled: float = 1.0) -> int:
+    """Until `count()` reaches `want`, or stops growing for `settled` seconds after it
+    first moved (what an attack lets through may stop short of what it asked for: the
+    edge's caps hold the rest back); bounded by `timeout`. Returns the last count."""
+    deadline = time.monotonic() + timeout
+    seen, since = -1, time.monotonic()
+    while True:
+        done = count()
+        if done >= want or time.monotonic() >= deadline:
+            return done
+        if done != seen:
+            seen, since = done, time.monotonic()
+        elif done and time.monotonic() - since >= settled:
+            return done
+        time.sleep(0.05)
+
+
 def module_fixtures(name: str) -> tuple[Any, Any]:
     """A module's `shared` (one serve + node with default limits, for the whole module)
     and `env` (`shared`, still up, its node's record cleared) fixtures:

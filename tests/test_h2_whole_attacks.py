@@ -36,7 +36,7 @@ import httpx
 import pytest
 
 from tests import test_h2_attacks
-from tests.terminate_env import BYSTANDER_IP, HOST, LOOPBACK, WAIT
+from tests.terminate_env import BYSTANDER_IP, HOST, LOOPBACK, WAIT, wait_settled
 from tests.terminate_env import ServeEnv as Env
 from tests.test_h2_attacks import (
     ACK,
@@ -172,23 +172,12 @@ def big_ok(c: Wire, sid: int, n: int) -> None:
     assert body == b"x" * n, (sid, len(body))
 
 
-def _wait_node(env: Env, marker: str, count: int, timeout: float = WAIT,
-               settled: float = 1.0) -> None:
+def _wait_node(env: Env, marker: str, count: int, timeout: float = WAIT) -> None:
     """Until the node has answered `count` requests whose target holds `marker`, or as
     many as it will while the client reads nothing: the edge stops taking answers once
-    it holds what the connection can (behind a large answer, about ten), so the count
-    may stop short; `settled` seconds without a new one say it has."""
-    deadline = time.monotonic() + timeout
-    seen, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        done = len([r for r in env.node.requests() if marker in r.target and r.complete])
-        if done >= count:
-            return
-        if done != seen:
-            seen, since = done, time.monotonic()
-        elif done and time.monotonic() - since >= settled:
-            return
-        time.sleep(0.05)
+    it holds what the connection can (behind a large answer, about ten)."""
+    wait_settled(lambda: len([r for r in env.node.requests()
+                              if marker in r.target and r.complete]), count, timeout)
 
 
 def _wide_open(**kw: object) -> dict[str, object]:

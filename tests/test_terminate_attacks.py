@@ -64,6 +64,7 @@ from tests.terminate_env import (
     sealed_call_body,
     tls_socket,
     unsealed_call_body,
+    wait_settled,
 )
 from tests.terminate_env import (
     ServeEnv as Env,
@@ -440,7 +441,7 @@ def test_one_ip_cannot_take_the_route_down(fresh: list[Env], tmp_path: Path,
         trickler.start()
     try:
         # let the attack settle: the node sees what the edge let through (bounded wait)
-        env.node.wait_for(lambda: len(env.node.requests()) >= 100, 10)
+        wait_settled(lambda: len(env.node.requests()), 100, 10)
         held = len(env.node.requests())
         try:
             status, took = _bystander_get(env.serve)
