@@ -1,0 +1,183 @@
+"""Key rotation and revocation as an operator runs them and as a holder of a revoked key
+would exploit them: pins spelled oddly in the config, a node key rotated with two pins
+under traffic and then revoked while the edge still holds pooled connections to it, and
+a connector that pins only an old ingress identity.
+
+Real `serve` and `connect` processes on loopback (the rigs of tests/terminate_env.py and
+tests/test_tunnel_attacks.py); every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from pact_ingress.config.loader import load_config, load_connector_config
+from pact_ingress.errors import ConfigError
+from pact_ingress.identity import keygen
+from tests.terminate_env import (
+    LOOPBACK,
+    HOST,
+    RecordingNode,
+    ServeEnv,
+    exchange,
+    json_events,
+    request_bytes,
+)
+from tests.test_tunnel_attacks import Connect, World, wait_for
+
+GOOD = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
+
+#: Ways an operator's copy of GOOD can go wrong; none may be taken for any pin.
+ODD_SPELLINGS = [
+    GOOD.upper(),  # the whole thing upper-cased
+    "SHA256:" + GOOD[7:],  # the prefix only
+    " " + GOOD,  # quoted with a leading blank
+    GOOD + " ",
+    GOOD + "=",  # base64 padding kept
+    "sha256: " + GOOD[7:],
+    "sha256:" + GOOD[7:].replace("-", "+").replace("_", "/"),  # standard alphabet
+    "sha384:" + GOOD[7:],  # another hash's prefix
+    "sha256:" + GOOD[7:-1] + "Z",  # padding bits set
+    "sha256:" + GOOD[7:] + "A",  # one character too many
+    "*",
+    "sha256:*",
+]
+
+
+@pytest.mark.parametrize("spelling", ODD_SPELLINGS)
+def test_an_oddly_spelled_pin_is_refused_at_its_file_and_line(tmp_path: Path,
+                                                              spelling: str) -> None:
+    """In a tenant file picked up by the include glob, in the connector's ingress.pin
+    list: the config is refused, naming that file and the pin's line, never loaded with a
+    pin that matches nothing (or everything)."""
+    (tmp_path / "tenants.d").mkdir()
+    tenant = tmp_path / "tenants.d" / "alina.yaml"
+    tenant.write_text(f'name: alina\npins:\n  - "{GOOD[:-1]}A"\n  - "{spelling}"\n'
+                      "routes: []\n")
+    main = tmp_path / "ingress.yaml"
+    main.write_text('identity: {key: ingress.key}\nstate_dir: state\n'
+                    'listen: {tls: ["127.0.0.1:8443"]}\ninclude: tenants.d/*.yaml\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(main)
+    text = str(info.value)
+    assert re.search(re.escape(str(tenant)) + r":4\b.*pin ", text), text
+
+    key = keygen(tmp_path / "node.key")
+    connector = tmp_path / "connector.yaml"
+    connector.write_text(f"""\
+identity: {{key: {key.key_path}}}
+ingress:
+  address: "127.0.0.1:443"
+  tunnel_hostname: tunnel.example
+  pin:
+    - "{GOOD}"
+    - "{spelling}"
+forward: "127.0.0.1:8443"
+""")
+    with pytest.raises(ConfigError) as info:
+        load_connector_config(connector)
+    text = str(info.value)
+    assert re.search(re.escape(str(connector)) + r":7\b.*ingress\.pin", text), text
+
+
+# --- a terminate route's node key, rotated and revoked -----------------------------------
+
+#: Sources hash to workers by address; sixteen of them reach both of two workers but
+#: for a chance of 2 in 65 536.
+SOURCES = [f"127.0.0.{i}" for i in range(2, 18)]
+
+
+def _pins_config(env: ServeEnv, pins: list[str], node: RecordingNode) -> str:
+    env.serve.node = node
+    text = env.serve.render()
+    return text.replace(f'pins: ["{env.serve.node_fp}"]',
+                        "pins: [" + ", ".join(f'"{p}"' for p in pins) + "]")
+
+
+def _round(env: ServeEnv) -> list[int]:
+    """One GET from every source, each on a fresh client connection (the edge's
+    upstream pool, per process, is what carries them to the node)."""
+    return [exchange(env.serve.port, request_bytes("GET", "/whole/probe", HOST),
+                     source=s).status for s in SOURCES]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_node_key_rotation_serves_throughout_and_revocation_skips_the_pool(
+        tmp_path: Path, workers: int) -> None:
+    """pins [OLD] → [OLD, NEW] → the node switches to NEW → [NEW]: every request of every
+    step is served. Then the revoked key is back at the node's address while the edge
+    holds pooled connections to it: no request reaches it, in any process, and each is
+    answered 502 with an `upstream_tls_failed` line."""
+    env = ServeEnv.start(tmp_path, workers=workers)
+    old_node = env.node
+    new_key = keygen(tmp_path / "node-new.key", common_name="node new")
+    new_node = RecordingNode(new_key, client_ca=env.ids.ingress)
+    old, new = env.ids.node.fingerprint, new_key.fingerprint
+    try:
+        steps = [([old], old_node), ([old, new], old_node), ([old, new], new_node),
+                 ([new], new_node)]
+        for pins, node in steps:
+            assert env.serve.reload(_pins_config(env, pins, node)) == "reloaded"
+            for _ in range(2):  # the second round goes over the pooled connections
+                assert set(_round(env)) == {200}, (pins, env.serve.logs()[-2000:])
+
+        # Revoke: warm pools to the OLD node under [OLD], then [NEW] alone, same address.
+        assert env.serve.reload(_pins_config(env, [old], old_node)) == "reloaded"
+        assert set(_round(env)) == {200}
+        reached = len(old_node.requests())
+        assert env.serve.reload(_pins_config(env, [new], old_node)) == "reloaded"
+        before = len([e for e in env.serve.log_events()
+                      if e.get("event") == "upstream_tls_failed"])
+        assert set(_round(env)) == {502}, env.serve.logs()[-2000:]
+        assert len(old_node.requests()) == reached, "a request reached the revoked key"
+        failed = [e for e in env.serve.log_events()
+                  if e.get("event") == "upstream_tls_failed"][before:]
+        assert len(failed) >= 1 and all(e["seen"] == old for e in failed), failed
+        assert all(e["expected"] == [new] for e in failed), failed
+    finally:
+        env.stop()
+        new_node.stop()
+
+
+# --- the ingress's own identity, rotated under a connector -------------------------------
+
+
+def test_connector_pinning_only_the_old_ingress_key_backs_off_then_two_pins_connect(
+        tmp_path: Path) -> None:
+    """The ingress serves a key the connector does not pin: each refusal is one
+    `ingress_pin_mismatch` line naming what it expected and saw, and the attempts back
+    off (bounded over a window, not a tight loop). With the old and the new pin listed,
+    the same connector comes up."""
+    w = World(tmp_path)
+    old_ingress = keygen(tmp_path / "ingress-old.key", common_name="ingress old")
+    try:
+        w.start_serve()
+        directory = tmp_path / "connect-alina"
+        directory.mkdir()
+        c = Connect(directory, w.alina_key, old_ingress.fingerprint, w.port,
+                    w.alina_node.port, connections=2)
+        w.connectors["alina"] = c
+        window = 4.0
+        time.sleep(window)
+        lines = [e for e in json_events(c.logs()) if e.get("event") == "ingress_pin_mismatch"]
+        # two slots, backoff from 0.5 s doubling: about 3 attempts per slot in 4 s
+        assert 2 <= len(lines) <= 12, len(lines)
+        assert all(e["seen"] == w.ingress.fingerprint
+                   and e["expected"] == [old_ingress.fingerprint] for e in lines), lines
+        assert "alina" not in w.tunnels() or w.tunnels()["alina"][0] == 0
+        assert c.proc is not None and c.proc.poll() is None  # it keeps trying
+
+        c.kill()
+        text = c.config.read_text().replace(
+            f'pin: "{old_ingress.fingerprint}"',
+            f'pin: ["{old_ingress.fingerprint}", "{w.ingress.fingerprint}"]')
+        c.config.write_text(text)
+        c.start()
+        wait_for(lambda: w.tunnels().get("alina", (0, 0))[0] == 2,
+                 "the connector with both ingress pins up")
+    finally:
+        w.close()
