@@ -10,14 +10,17 @@ tests/test_tunnel_attacks.py); every loop is bounded in count and time.
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pact_ingress.config.loader import load_config, load_connector_config
 from pact_ingress.errors import ConfigError
 from pact_ingress.identity import keygen
+from tests.relay_env import RelayCaller, RelayServe, code_of, envelope, relay_identities
 from tests.terminate_env import (
     LOOPBACK,
     HOST,
@@ -181,3 +184,73 @@ def test_connector_pinning_only_the_old_ingress_key_backs_off_then_two_pins_conn
                  "the connector with both ingress pins up")
     finally:
         w.close()
+
+
+# --- a relay recipient's key revoked, then its whole tenant ------------------------------
+
+
+def _relay_reload(serve: Any, text: str) -> None:
+    serve.config.write_text(text)
+    before = len([e for e in serve.log_events() if e.get("event") == "reloaded"])
+    assert serve.proc is not None
+    serve.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: len([e for e in serve.log_events() if e.get("event") == "reloaded"])
+             > before, "the reload applied")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
+        tmp_path: Path, workers: int) -> None:
+    """A relay tenant with pins [OLD, NEW]; OLD holds keep-alive connections from many
+    addresses (so through every worker) with mail queued. After [NEW] alone is reloaded,
+    every request of OLD on those same connections — fetch, ack, its allow-list — and
+    every call addressed to OLD is `permission_denied`, each logged, while NEW is served.
+    Then the whole tenant goes: NEW is refused the same way."""
+    ids = relay_identities(tmp_path)
+    old, new, sender = ids.other, ids.recipient, ids.sender
+    serve = RelayServe(tmp_path, recipients=[old, new], workers=workers)
+    callers: list[RelayCaller] = []
+    try:
+        for who in (old, new):
+            assert RelayCaller(serve.port, who).allowlist_set(
+                [sender.fingerprint]).status == 200
+        send = RelayCaller(serve.port, sender)
+        result, _ = send.tool("relay_call", envelope(sender, old, msg_id="to-old"))
+        assert result["structuredContent"]["status"] == "queued", result
+        callers = [RelayCaller(serve.port, old, source=s) for s in SOURCES[:8]]
+        for c in callers:  # each connection is up and served before the revocation
+            result, _ = c.tool("fetch_queued", {})
+            assert len(result["structuredContent"]["items"]) == 1, result
+        item = result["structuredContent"]["items"][0]["id"]
+
+        _relay_reload(serve, serve.render().replace(f'"{old.fingerprint}", ', ""))
+        for c in callers:
+            sock = c.sock
+            for name, args in (("fetch_queued", {}), ("ack", {"ids": [item]})):
+                result, _ = c.tool(name, args)
+                assert code_of(result) == "permission_denied", (name, result)
+            assert c.allowlist_get().status != 200
+            assert c.allowlist_set([sender.fingerprint]).status != 200
+            assert c.sock is sock  # answered on the connection opened before the reload
+        result, _ = send.tool("relay_call", envelope(sender, old, msg_id="to-old-2"))
+        assert code_of(result) == "permission_denied", result
+        refused = [e for e in serve.log_events() if e.get("event") == "relay_fetch_queued"
+                   and e.get("caller") == old.fingerprint
+                   and e.get("outcome") == "permission_denied"]
+        assert len(refused) == len(callers), refused
+        served = RelayCaller(serve.port, new)
+        result, _ = send.tool("relay_call", envelope(sender, new, msg_id="to-new"))
+        assert result["structuredContent"]["status"] == "queued", result
+        result, _ = served.tool("fetch_queued", {})
+        assert len(result["structuredContent"]["items"]) == 1, result
+
+        text = serve.render()
+        _relay_reload(serve, text[:text.index("tenants:")] + "tenants: []\n")
+        result, _ = served.tool("fetch_queued", {})
+        assert code_of(result) == "permission_denied", result
+        result, _ = send.tool("relay_call", envelope(sender, new, msg_id="to-new-2"))
+        assert code_of(result) == "permission_denied", result
+    finally:
+        for c in callers:
+            c.close()
+        serve.stop()
