@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from tests.terminate_env import (
     json_events,
     request_bytes,
 )
-from tests.test_tunnel_attacks import Connect, World, wait_for
+from tests.test_tunnel_attacks import TM, Connect, World, get_status, reload, wait_for
 
 GOOD = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
 
@@ -149,29 +150,39 @@ def test_node_key_rotation_serves_throughout_and_revocation_skips_the_pool(
 # --- the ingress's own identity, rotated under a connector -------------------------------
 
 
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """serve --workers 2 with alina (passthrough) and bob (terminate) behind their
+    connectors; the tests below leave alina as they found it."""
+    w = World(tmp_path_factory.mktemp("key-rotation"))
+    try:
+        w.start_serve()
+        w.start_connectors()
+        yield w
+    finally:
+        w.close()
+
+
 def test_connector_pinning_only_the_old_ingress_key_backs_off_then_two_pins_connect(
-        tmp_path: Path) -> None:
+        world: World, tmp_path: Path) -> None:
     """The ingress serves a key the connector does not pin: each refusal is one
     `ingress_pin_mismatch` line naming what it expected and saw, and the attempts back
     off (bounded over a window, not a tight loop). With the old and the new pin listed,
     the same connector comes up."""
-    w = World(tmp_path)
+    w = world
     old_ingress = keygen(tmp_path / "ingress-old.key", common_name="ingress old")
+    live = w.tunnels()["alina"][0]
+    c = Connect(tmp_path, w.alina_key, old_ingress.fingerprint, w.port, w.alina_node.port,
+                connections=2)
     try:
-        w.start_serve()
-        directory = tmp_path / "connect-alina"
-        directory.mkdir()
-        c = Connect(directory, w.alina_key, old_ingress.fingerprint, w.port,
-                    w.alina_node.port, connections=2)
-        w.connectors["alina"] = c
-        window = 4.0
+        window = 3.0
         time.sleep(window)
         lines = [e for e in json_events(c.logs()) if e.get("event") == "ingress_pin_mismatch"]
-        # two slots, backoff from 0.5 s doubling: about 3 attempts per slot in 4 s
+        # two slots, backoff from 0.5 s doubling: about 3 attempts per slot in 3 s
         assert 2 <= len(lines) <= 12, len(lines)
         assert all(e["seen"] == w.ingress.fingerprint
                    and e["expected"] == [old_ingress.fingerprint] for e in lines), lines
-        assert "alina" not in w.tunnels() or w.tunnels()["alina"][0] == 0
+        assert w.tunnels()["alina"][0] == live
         assert c.proc is not None and c.proc.poll() is None  # it keeps trying
 
         c.kill()
@@ -180,10 +191,11 @@ def test_connector_pinning_only_the_old_ingress_key_backs_off_then_two_pins_conn
             f'pin: ["{old_ingress.fingerprint}", "{w.ingress.fingerprint}"]')
         c.config.write_text(text)
         c.start()
-        wait_for(lambda: w.tunnels().get("alina", (0, 0))[0] == 2,
+        wait_for(lambda: w.tunnels()["alina"][0] == live + 2,
                  "the connector with both ingress pins up")
     finally:
-        w.close()
+        c.close()
+    wait_for(lambda: w.tunnels()["alina"][0] == live, "alina as she was")
 
 
 # --- a relay recipient's key revoked, then its whole tenant ------------------------------
@@ -254,3 +266,76 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
         for c in callers:
             c.close()
         serve.stop()
+
+
+# --- a tunnel connector's key rotated, the old one revoked while still connected ----------
+
+
+def _bob_pins(w: World, pins: list[str]) -> None:
+    text = w.config.read_text()
+    start = text.index("  - name: bob\n    pins: [")
+    end = text.index("]", start)
+    w.config.write_text(text[:start] + "  - name: bob\n    pins: ["
+                        + ", ".join(f'"{p}"' for p in pins) + text[end:])
+    reload(w)
+
+
+def _failures(w: World, rounds: int = 2) -> list[tuple[str, int | None]]:
+    """GETs to bob's terminate route over the tunnel from every source; the ones not
+    answered 200."""
+    out = []
+    for _ in range(rounds):
+        for s in SOURCES[:8]:
+            status = get_status(w.port, TM, source=s, path=f"/ping?r={time.monotonic_ns()}")
+            if status != 200:
+                out.append((s, status))
+    return out
+
+
+def test_tunnel_key_rotation_has_no_outage_and_the_revoked_connector_is_cut_and_backs_off(
+        world: World, tmp_path: Path) -> None:
+    """bob (terminate over the tunnel, served by two workers) rotates: [OLD, NEW], the
+    new connector and node come up beside the old, then OLD is removed while its connector
+    is still connected. No request fails at any step; the old connector is cut with
+    KEY_UNPINNED, then refused as an unknown key, backing off; nothing reaches the old
+    node after the revocation; the new key alone carries bob."""
+    w = world
+    new_key = keygen(tmp_path / "bob-new.key", common_name="bob node new")
+    new_node = RecordingNode(new_key, client_ca=w.ingress)
+    old = w.bob_key.fingerprint
+    try:
+        assert _failures(w) == []
+        _bob_pins(w, [old, new_key.fingerprint])
+        assert _failures(w) == []
+        directory = tmp_path / "connect-bob-new"
+        directory.mkdir()
+        fresh = Connect(directory, new_key, w.ingress.fingerprint, w.port, new_node.port)
+        try:
+            wait_for(lambda: w.tunnels().get("bob", (0, 0))[0] == 4, "both bob connectors up")
+            assert _failures(w) == []
+            _bob_pins(w, [new_key.fingerprint])
+            reached = len(w.bob_node.requests())
+            assert _failures(w, rounds=3) == [], w.logs()[-3000:]
+            assert len(w.bob_node.requests()) == reached, "the revoked node got requests"
+            assert w.tunnels()["bob"][0] == 2
+
+            revoked = w.connectors["bob"]
+            wait_for(lambda: any(e.get("code") == "UNKNOWN_KEY" for e in json_events(
+                revoked.logs()) if e.get("event") == "tunnel_key_refused"),
+                "the old connector refused as unknown")
+            first = [e.get("code") for e in json_events(revoked.logs())
+                     if e.get("event") == "tunnel_key_refused"]
+            assert first[0] == "KEY_UNPINNED", first
+            start = len(first)
+            time.sleep(2.0)
+            later = [e for e in json_events(revoked.logs())
+                     if e.get("event") == "tunnel_key_refused"][start:]
+            assert len(later) <= 8, len(later)  # two slots backing off, not a tight loop
+            refused = [e for e in w.events("tunnel_refused")
+                       if e.get("reason") == "unknown_key" and e.get("fingerprint") == old]
+            assert refused
+            assert len(w.bob_node.requests()) == reached
+        finally:
+            fresh.close()
+    finally:
+        new_node.stop()
