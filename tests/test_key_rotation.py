@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import signal
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +29,13 @@ from tests.terminate_env import (
     RecordingNode,
     ServeEnv,
     exchange,
+    forget,
     json_events,
+    read_response,
+    refusal_code,
     request_bytes,
+    sealed_call_body,
+    tls_socket,
 )
 from tests.test_tunnel_attacks import TM, Connect, World, get_status, reload, wait_for
 
@@ -115,19 +121,40 @@ def test_node_key_rotation_serves_throughout_and_revocation_skips_the_pool(
     """pins [OLD] → [OLD, NEW] → the node switches to NEW → [NEW]: every request of every
     step is served. Then the revoked key is back at the node's address while the edge
     holds pooled connections to it: no request reaches it, in any process, and each is
-    answered 502 with an `upstream_tls_failed` line."""
+    answered 502 with an `upstream_tls_failed` line. A sealed call addressed to the
+    removed key is refused at the edge on connections opened before the removal."""
     env = ServeEnv.start(tmp_path, workers=workers)
     old_node = env.node
     new_key = keygen(tmp_path / "node-new.key", common_name="node new")
     new_node = RecordingNode(new_key, client_ca=env.ids.ingress)
     old, new = env.ids.node.fingerprint, new_key.fingerprint
     try:
+        kept: list[ssl.SSLSocket] = []
         steps = [([old], old_node), ([old, new], old_node), ([old, new], new_node),
                  ([new], new_node)]
         for pins, node in steps:
             assert env.serve.reload(_pins_config(env, pins, node)) == "reloaded"
             for _ in range(2):  # the second round goes over the pooled connections
                 assert set(_round(env)) == {200}, (pins, env.serve.logs()[-2000:])
+            if node is new_node and len(pins) == 2:  # callers' keep-alive connections,
+                # open across the next reload
+                kept = [tls_socket(env.serve.port, HOST, source=s) for s in SOURCES]
+                resp = exchange(env.serve.port, request_bytes(
+                    "POST", "/mcp", HOST, body=sealed_call_body(env.ids, msg_id="to-old")))
+                assert resp.status == 200 and refusal_code(resp.body) is None, resp.body
+        # A sealed call addressed to the removed key, on connections opened while it was
+        # pinned, is refused at the edge in every process: the node never sees it.
+        seen = len(new_node.requests())
+        try:
+            for i, sock in enumerate(kept):
+                sock.sendall(request_bytes("POST", "/mcp", HOST, body=sealed_call_body(
+                    env.ids, msg_id=f"to-old-{i}")))
+                resp = read_response(sock)
+                assert refusal_code(resp.body) == "envelope_invalid", (resp.status, resp.body)
+        finally:
+            for sock in kept:
+                forget(sock)
+        assert len(new_node.requests()) == seen
 
         # Revoke: warm pools to the OLD node under [OLD], then [NEW] alone, same address.
         assert env.serve.reload(_pins_config(env, [old], old_node)) == "reloaded"
