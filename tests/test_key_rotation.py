@@ -9,6 +9,7 @@ tests/test_tunnel_attacks.py); every loop is bounded in count and time.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import ssl
@@ -37,6 +38,8 @@ from tests.terminate_env import (
     sealed_call_body,
     tls_socket,
 )
+from tests.test_reload_attacks import UNLIMITED
+from tests.test_workers import by_worker, poll, worker_pids
 from tests.test_tunnel_attacks import TM, Connect, World, get_status, reload, wait_for
 
 GOOD = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
@@ -366,3 +369,31 @@ def test_tunnel_key_rotation_has_no_outage_and_the_revoked_connector_is_cut_and_
             fresh.close()
     finally:
         new_node.stop()
+
+
+# --- the ingress's key file replaced in place before the restart that would apply it -----
+
+
+def test_a_worker_respawned_after_the_key_file_changed_keeps_the_running_identity(
+        tmp_path: Path) -> None:
+    """An operator prepares the ingress key rotation by writing the new key over the
+    configured path (`keygen -o identity.key --force`), meaning to restart later. Until
+    then the running identity is the one every process presents: a worker that dies and
+    is replaced must present it to the node too, not the file's new key (whose
+    fingerprint no node pins yet, so that worker's clients would all get 502)."""
+    env = ServeEnv.start(tmp_path, workers=2, limits=UNLIMITED)
+    try:
+        running = env.ids.ingress.fingerprint
+        before = worker_pids(env.serve)
+        keygen(env.ids.ingress.key_path, common_name="ingress next")  # same path
+        os.kill(before[0], signal.SIGKILL)
+        poll(lambda: (w := env.serve.status()["workers"][0])["pid"] != before[0]
+             and w["state"] == "ready", "worker 0 replaced")
+        env.node.clear()
+        statuses = [exchange(env.serve.port, request_bytes("GET", "/whole/x", HOST),
+                             source=ip).status for ip in by_worker()[0][:4]]
+        assert statuses == [200] * len(statuses), env.serve.logs()[-2000:]
+        assert {r.peer for r in env.node.requests()} == {running}
+        assert env.serve.status()["identity"] == running
+    finally:
+        env.stop()
