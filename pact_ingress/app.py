@@ -82,9 +82,9 @@ class Ingress:
         if workers > 1:
             from pact_ingress.net.workers import WorkerPool
 
-            self.workers = WorkerPool(workers, config=config, stats=self.stats,
-                                      backends=self.backends, certs=self.certs,
-                                      log_format=log_format)
+            self.workers = WorkerPool(workers, config=config, identity=self.identity,
+                                      stats=self.stats, backends=self.backends,
+                                      certs=self.certs, log_format=log_format)
             self.router.handoff = self.workers
             self.workers.on_state_fallback = self._worker_fell_back
         self.bound: dict[str, list[tuple[str, int]]] = {}

@@ -25,7 +25,6 @@ from pact_ingress.errors import ConfigError
 from pact_ingress.identity import keygen
 from tests.relay_env import RelayCaller, RelayServe, code_of, envelope, relay_identities
 from tests.terminate_env import (
-    LOOPBACK,
     HOST,
     RecordingNode,
     ServeEnv,
@@ -39,8 +38,8 @@ from tests.terminate_env import (
     tls_socket,
 )
 from tests.test_reload_attacks import UNLIMITED
-from tests.test_workers import by_worker, poll, worker_pids
 from tests.test_tunnel_attacks import TM, Connect, World, get_status, reload, wait_for
+from tests.test_workers import by_worker, poll, worker_pids
 
 GOOD = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
 
