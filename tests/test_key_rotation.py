@@ -379,12 +379,18 @@ def test_a_worker_respawned_after_the_key_file_changed_keeps_the_running_identit
     configured path (`keygen -o identity.key --force`), meaning to restart later. Until
     then the running identity is the one every process presents: a worker that dies and
     is replaced must present it to the node too, not the file's new key (whose
-    fingerprint no node pins yet, so that worker's clients would all get 502)."""
+    fingerprint no node pins yet, so that worker's clients would all get 502). A reload
+    in between warns that the key changes only on restart."""
     env = ServeEnv.start(tmp_path, workers=2, limits=UNLIMITED)
     try:
         running = env.ids.ingress.fingerprint
         before = worker_pids(env.serve)
         keygen(env.ids.ingress.key_path, common_name="ingress next")  # same path
+        # a reload meanwhile says the key is not applied, as for a key at another path
+        assert env.serve.reload() == "reloaded"
+        warned = [e for e in env.serve.log_events()
+                  if e.get("event") == "reload_identity_unchanged"]
+        assert len(warned) == 1, env.serve.logs()[-2000:]
         os.kill(before[0], signal.SIGKILL)
         poll(lambda: (w := env.serve.status()["workers"][0])["pid"] != before[0]
              and w["state"] == "ready", "worker 0 replaced")
