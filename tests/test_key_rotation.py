@@ -9,6 +9,7 @@ tests/test_tunnel_attacks.py); every loop is bounded in count and time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,7 +24,15 @@ import pytest
 from pact_ingress.config.loader import load_config, load_connector_config
 from pact_ingress.errors import ConfigError
 from pact_ingress.identity import keygen
-from tests.relay_env import RelayCaller, RelayServe, code_of, envelope, relay_identities
+from tests.relay_env import (
+    RelayCaller,
+    RelayH2,
+    RelayServe,
+    code_of,
+    envelope,
+    relay_identities,
+    tool_body,
+)
 from tests.terminate_env import (
     HOST,
     RecordingNode,
@@ -242,8 +251,8 @@ def _relay_reload(serve: Any, text: str) -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
         tmp_path: Path, workers: int) -> None:
-    """A relay tenant with pins [OLD, NEW]; OLD holds keep-alive connections from many
-    addresses (so through every worker) with mail queued. After [NEW] alone is reloaded,
+    """A relay tenant with pins [OLD, NEW]; OLD holds keep-alive HTTP/1.1 connections from
+    many addresses (so through every worker) and an HTTP/2 one, with mail queued. After [NEW] alone is reloaded,
     every request of OLD on those same connections — fetch, ack, its allow-list — and
     every call addressed to OLD is `permission_denied`, each logged, while NEW is served.
     Then the whole tenant goes: NEW is refused the same way."""
@@ -251,6 +260,7 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
     old, new, sender = ids.other, ids.recipient, ids.sender
     serve = RelayServe(tmp_path, recipients=[old, new], workers=workers)
     callers: list[RelayCaller] = []
+    h2_conns: list[RelayH2] = []
     try:
         for who in (old, new):
             assert RelayCaller(serve.port, who).allowlist_set(
@@ -263,8 +273,14 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
             result, _ = c.tool("fetch_queued", {})
             assert len(result["structuredContent"]["items"]) == 1, result
         item = result["structuredContent"]["items"][0]["id"]
+        h2 = RelayH2(serve.port, old)  # and one HTTP/2 connection
+        h2_conns.append(h2)
+        res = h2.request("POST", "/relay/mcp", body=tool_body("fetch_queued", {}))
+        assert len(json.loads(res.body)["result"]["structuredContent"]["items"]) == 1
 
         _relay_reload(serve, serve.render().replace(f'"{old.fingerprint}", ', ""))
+        res = h2.request("POST", "/relay/mcp", body=tool_body("fetch_queued", {}))
+        assert code_of(json.loads(res.body)["result"]) == "permission_denied", res.body
         for c in callers:
             sock = c.sock
             for name, args in (("fetch_queued", {}), ("ack", {"ids": [item]})):
@@ -278,7 +294,7 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
         refused = [e for e in serve.log_events() if e.get("event") == "relay_fetch_queued"
                    and e.get("caller") == old.fingerprint
                    and e.get("outcome") == "permission_denied"]
-        assert len(refused) == len(callers), refused
+        assert len(refused) == len(callers) + 1, refused
         served = RelayCaller(serve.port, new)
         result, _ = send.tool("relay_call", envelope(sender, new, msg_id="to-new"))
         assert result["structuredContent"]["status"] == "queued", result
@@ -294,6 +310,8 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
     finally:
         for c in callers:
             c.close()
+        for h in h2_conns:
+            h.close()
         serve.stop()
 
 
