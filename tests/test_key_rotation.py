@@ -47,7 +47,15 @@ from tests.terminate_env import (
     tls_socket,
 )
 from tests.test_reload_attacks import UNLIMITED
-from tests.test_tunnel_attacks import TM, Connect, World, get_status, reload, wait_for
+from tests.test_tunnel_attacks import (
+    TM,
+    Connect,
+    World,
+    get_status,
+    node_connections,
+    reload,
+    wait_for,
+)
 from tests.test_workers import by_worker, poll, worker_pids
 
 GOOD = "sha256:VMQn-nYYNbmhJNvkkNZO4_43tC4046AWxSTgnb8G3eY"
@@ -132,7 +140,8 @@ def test_node_key_rotation_serves_throughout_and_revocation_skips_the_pool(
     """pins [OLD] → [OLD, NEW] → the node switches to NEW → [NEW]: every request of every
     step is served. Then the revoked key is back at the node's address while the edge
     holds pooled connections to it: no request reaches it, in any process, and each is
-    answered 502 with an `upstream_tls_failed` line. A sealed call addressed to the
+    answered 502 with an `upstream_tls_failed` line; the pooled connections to it close
+    with the reload itself. A sealed call addressed to the
     removed key is refused at the edge on connections opened before the removal."""
     env = ServeEnv.start(tmp_path, workers=workers)
     old_node = env.node
@@ -171,7 +180,12 @@ def test_node_key_rotation_serves_throughout_and_revocation_skips_the_pool(
         assert env.serve.reload(_pins_config(env, [old], old_node)) == "reloaded"
         assert set(_round(env)) == {200}
         reached = len(old_node.requests())
+        assert node_connections(old_node) > 0  # pooled, idle
         assert env.serve.reload(_pins_config(env, [new], old_node)) == "reloaded"
+        # the pooled connections to the revoked key close with the reload, not with
+        # some later request that happens to pass through their process
+        wait_for(lambda: node_connections(old_node) == 0,
+                 "the revoked node's pooled connections closed", timeout=5.0)
         before = len([e for e in env.serve.log_events()
                       if e.get("event") == "upstream_tls_failed"])
         assert set(_round(env)) == {502}, env.serve.logs()[-2000:]
