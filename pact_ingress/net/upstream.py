@@ -37,9 +37,9 @@ connection per in-flight request is cheap.
   close shows up as a stale connection (below) instead. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
-  gets a fresh pool; the old one is retired: its idle connections close at once, and a running
-  request's connection closes when that request ends, so a reload never cuts a running
-  SSE stream.
+  gets a fresh pool; the old one is retired: its idle connections close at once, and a
+  running request's connection closes when that request ends, so a reload never cuts a
+  running SSE stream.
 * **Stale connections**: a pooled connection the node closed while idle fails on first
   use, before any response byte, or answers a `408` it wrote while idle. A replayable
   request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
