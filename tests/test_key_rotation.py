@@ -24,6 +24,7 @@ import pytest
 from pact_ingress.config.loader import load_config, load_connector_config
 from pact_ingress.errors import ConfigError
 from pact_ingress.identity import keygen
+from pact_ingress.proto import workers as wp
 from tests.relay_env import (
     RelayCaller,
     RelayH2,
@@ -115,9 +116,9 @@ forward: "127.0.0.1:8443"
 
 # --- a terminate route's node key, rotated and revoked -----------------------------------
 
-#: Sources hash to workers by address; sixteen of them reach both of two workers but
-#: for a chance of 2 in 65 536.
-SOURCES = [f"127.0.0.{i}" for i in range(2, 18)]
+#: Client addresses, four for each of two workers (a client's worker is a hash of it).
+SOURCES = [ip for w in (0, 1) for ip in [f"127.0.0.{i}" for i in range(2, 60)
+                                         if wp.worker_for(f"127.0.0.{i}", 2) == w][:4]]
 
 
 def _pins_config(env: ServeEnv, pins: list[str], node: RecordingNode) -> str:
@@ -282,7 +283,7 @@ def test_a_revoked_relay_recipient_is_refused_on_its_open_connections(
         send = RelayCaller(serve.port, sender)
         result, _ = send.tool("relay_call", envelope(sender, old, msg_id="to-old"))
         assert result["structuredContent"]["status"] == "queued", result
-        callers = [RelayCaller(serve.port, old, source=s) for s in SOURCES[:8]]
+        callers = [RelayCaller(serve.port, old, source=s) for s in SOURCES]
         for c in callers:  # each connection is up and served before the revocation
             result, _ = c.tool("fetch_queued", {})
             assert len(result["structuredContent"]["items"]) == 1, result
@@ -346,7 +347,7 @@ def _failures(w: World, rounds: int = 2) -> list[tuple[str, int | None]]:
     answered 200."""
     out = []
     for _ in range(rounds):
-        for s in SOURCES[:8]:
+        for s in SOURCES:
             status = get_status(w.port, TM, source=s, path=f"/ping?r={time.monotonic_ns()}")
             if status != 200:
                 out.append((s, status))
