@@ -20,8 +20,8 @@ import trio
 
 from pact_ingress import __version__, gctune, sdnotify, stopping
 from pact_ingress.config import Address, CertFiles, Config, load_config, load_connector_config
-from pact_ingress.errors import ConfigError, PactIngressError
-from pact_ingress.identity import ensure_selfsigned_cert, load_identity
+from pact_ingress.errors import ConfigError, IdentityError, PactIngressError
+from pact_ingress.identity import ensure_selfsigned_cert, key_fingerprint, load_identity
 from pact_ingress.logs import log
 from pact_ingress.logs import setup as setup_logs
 from pact_ingress.net.backends import Backends, Resolver
@@ -82,9 +82,9 @@ class Ingress:
         if workers > 1:
             from pact_ingress.net.workers import WorkerPool
 
-            self.workers = WorkerPool(workers, config=config, stats=self.stats,
-                                      backends=self.backends, certs=self.certs,
-                                      log_format=log_format)
+            self.workers = WorkerPool(workers, config=config, identity=self.identity,
+                                      stats=self.stats, backends=self.backends,
+                                      certs=self.certs, log_format=log_format)
             self.router.handoff = self.workers
             self.workers.on_state_fallback = self._worker_fell_back
         self.bound: dict[str, list[tuple[str, int]]] = {}
@@ -179,7 +179,7 @@ class Ingress:
         if new.state != old.state:
             log.warning("reload_state_unchanged",
                         detail="the state backend (state:) changes only on restart")
-        if new.identity_key != old.identity_key:
+        if new.identity_key != old.identity_key or self._key_file_changed(new.identity_key):
             log.warning("reload_identity_unchanged",
                         detail="the identity key (identity.key) changes only on restart")
         try:
@@ -190,6 +190,14 @@ class Ingress:
         self.stats.reloads.labels("ok").inc()
         log.info("reloaded", tenants=len(new.tenants), routes=len(new.routes()))
         return True, f"reloaded: {len(new.tenants)} tenants, {len(new.routes())} routes"
+
+    def _key_file_changed(self, path: Path) -> bool:
+        """Does the key file now hold another key than the running one? (A rotation
+        prepared in place: the operator should hear it is not applied by a reload.)"""
+        try:
+            return key_fingerprint(path) != self.identity.fingerprint
+        except (OSError, IdentityError):
+            return False  # unreadable or gone: the restart will say so
 
     def _refused(self, messages: list[str]) -> tuple[bool, str]:
         self.stats.reloads.labels("error").inc()

@@ -284,6 +284,33 @@ def load_identity(key_path: Path, *, create: bool = False) -> Identity:
     return Identity(key_path, cert_path, key, cert, fp)
 
 
+def identity_pems(identity: Identity) -> tuple[bytes, bytes]:
+    """The key and certificate of a loaded identity, PEM (for `identity_in_memory`)."""
+    return key_pem(identity.key), identity.cert.public_bytes(serialization.Encoding.PEM)
+
+
+def identity_in_memory(key_data: bytes, cert_data: bytes) -> Identity:
+    """An identity from PEM bytes that no file change can alter afterwards.
+
+    The stdlib's ssl loads a key only from a path, so key and certificate go to one
+    anonymous memory file (Linux memfd, kept open for the process's life) whose
+    /proc/self/fd path serves as both `key_path` and `cert_path`.
+    """
+    key = serialization.load_pem_private_key(key_data, password=None)
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, ed25519.Ed25519PrivateKey)):
+        raise IdentityError("only ECDSA P-256 and Ed25519 identities are supported")
+    cert = x509.load_pem_x509_certificate(cert_data)
+    fp = fingerprint(key.public_key())
+    if fingerprint(cert.public_key()) != fp:  # type: ignore[arg-type]
+        raise IdentityError("the certificate is not the key's")
+    fd = os.memfd_create("pact-identity", os.MFD_CLOEXEC)
+    view = memoryview(cert_data + key_data)
+    while view:
+        view = view[os.write(fd, view):]
+    path = Path(f"/proc/self/fd/{fd}")
+    return Identity(path, path, key, cert, fp)
+
+
 def _write_cert_somewhere(cert_path: Path, cert: x509.Certificate) -> Path:
     """Write the cert beside the key; when that directory is read-only (a systemd
     credential passed with LoadCredential=, a read-only mount) use a private runtime

@@ -157,12 +157,13 @@ class Worker:
 
     # -- start ----------------------------------------------------------------------
 
-    def _build(self, config: Config) -> None:
-        from pact_ingress.identity import load_identity
+    def _build(self, config: Config, pems: tuple[bytes, bytes]) -> None:
+        from pact_ingress.identity import identity_in_memory
         from pact_ingress.net.terminate import Terminator
         from pact_ingress.state import LocalLimiter, open_state
 
-        identity = load_identity(config.identity_key, create=False)
+        # main's running identity, not the key file's content now (see WorkerPool)
+        identity = identity_in_memory(*pems)
         if config.state.backend == "redis":  # budgets shared with other instances
             self.state = open_state(config.state, self.stats)
             self.state.announce = False  # main logs the instance's switches
@@ -203,7 +204,7 @@ class Worker:
         if first is None or first[0].kind is not Kind.CONFIG:
             log.error("worker_no_config", detail="the first message from main is the config")
             return 1
-        self._build(pickle.loads(first[0].payload))
+        self._build(*pickle.loads(first[0].payload))
         code = 0
         async with trio.open_nursery() as root:
             self._root = root

@@ -37,9 +37,9 @@ connection per in-flight request is cheap.
   close shows up as a stale connection (below) instead. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
-  gets a fresh pool; the old one is retired: its idle connections close, and a running
-  request's connection closes when that request ends, so a reload never cuts a running
-  SSE stream.
+  gets a fresh pool; the old one is retired: its idle connections close at once, and a
+  running request's connection closes when that request ends, so a reload never cuts a
+  running SSE stream.
 * **Stale connections**: a pooled connection the node closed while idle fails on first
   use, before any response byte, or answers a `408` it wrote while idle. A replayable
   request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
@@ -77,6 +77,7 @@ import trio
 
 from pact_ingress.errors import BackendError
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
+from pact_ingress.logs import log
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.deadlines import clock
@@ -425,10 +426,22 @@ class Upstream:
         """Keep pools for these (route, pins); retire the rest (closed when idle)."""
         self._keys.clear()
         keep = {self._key(r, p) for r, p in live}
+        idle = False
         for key in [k for k in self._pools if k not in keep]:
             entry = self._pools.pop(key)
             entry.retired = True
             self._retired.append(entry)
+            idle = idle or bool(entry.idle)
+        if idle:
+            # Now, not when a later request happens to end in this process: a pin
+            # removed is a key revoked, and its node keeps no connection from us.
+            trio.lowlevel.spawn_system_task(self._reap_quietly, name="upstream.reap")
+
+    async def _reap_quietly(self) -> None:
+        try:
+            await self._reap()
+        except Exception as exc:  # noqa: BLE001 - a failing system task ends the run
+            log.warning("upstream_reap_failed", error=repr(exc))
 
     def _pool_for(self, route: Route, pins: tuple[str, ...]) -> _Pool:
         known = self._keys.get(id(route))

@@ -73,6 +73,7 @@ from typing import Any
 import trio
 
 from pact_ingress.errors import BackendError
+from pact_ingress.identity import Identity, identity_pems
 from pact_ingress.logs import log
 from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import Backends
@@ -273,16 +274,20 @@ class _Slot:
 class WorkerPool:
     """Main's side: spawns and supervises the workers, hands connections to them."""
 
-    def __init__(self, count: int, *, config: Config, stats: Stats, backends: Backends,
-                 certs: Any, log_format: str,
+    def __init__(self, count: int, *, config: Config, identity: Identity, stats: Stats,
+                 backends: Backends, certs: Any, log_format: str,
                  argv: Callable[[int, int], list[str]] | None = None) -> None:
         if count < 2:
             raise ValueError("a pool has at least two workers (one means no pool)")
         self.count = count
         self.config = config
-        # read by a worker once, as it starts; main read them at its own start and a
-        # reload changes neither there, so no worker (a replacement too) reads others
+        # main read them at its own start and a reload changes neither there, so every
+        # worker (a replacement too) is given those (the state block it reads as it starts)
         self._at_start = {"identity_key": config.identity_key, "state": config.state}
+        # The identity main runs with, handed to each worker with its first config: the
+        # key file may have been replaced since (a rotation prepared for the next
+        # restart), and a replacement worker reading it would present a key no node pins.
+        self._identity = identity_pems(identity)
         self.stats = stats
         self.backends = backends
         self.certs = certs
@@ -397,8 +402,8 @@ class WorkerPool:
                 try:
                     # through the same queue as a reload's: one may come while this one
                     # is still on its way (the new process is not reading yet)
-                    self._send_config(slot, channel, wp.encode(Kind.CONFIG,
-                                                               pickle.dumps(self.config)))
+                    self._send_config(slot, channel, wp.encode(Kind.CONFIG, pickle.dumps(
+                        (self.config, self._identity))))
                     if slot.config_pending is not None:  # whole before anything else
                         await slot.config_pending.wait()
                     if self.relay_service is not None:  # before any relay connection
