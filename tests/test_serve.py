@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -61,7 +62,8 @@ class EchoBackend:
 
 
 class Served:
-    def __init__(self, tmp: Path, config_text: str) -> None:
+    def __init__(self, tmp: Path, config_text: str, *, nofile: int | None = None) -> None:
+        """`nofile`: the serve's RLIMIT_NOFILE (soft and hard), to run it out of fds."""
         self.tmp = tmp
         self.config = tmp / "ingress.yaml"
         self.config.write_text(config_text)
@@ -72,7 +74,9 @@ class Served:
         env = dict(os.environ, NOTIFY_SOCKET=str(tmp / "notify.sock"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(
+                resource.RLIMIT_NOFILE, (nofile, nofile)))
 
     def wait_notify(self, wanted: str) -> list[str]:
         seen: list[str] = []
