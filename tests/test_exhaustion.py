@@ -25,7 +25,7 @@ from tests.test_edge import (
     open_fds,
     passthrough_config,
 )
-from tests.test_serve import HELLO, Served, free_port, recv_exact
+from tests.test_serve import HELLO, WAIT, Served, free_port, recv_exact
 
 #: The serve's fd limit: what it opens to start (~16) plus a few dozen connections.
 NOFILE = 64
@@ -108,4 +108,35 @@ def test_passthrough_out_of_fds_answers_backs_off_once_and_recovers(tmp_path: Pa
 def without_admin_accept(text: str) -> str:
     """The log but for what trio's accept loop under the admin endpoint writes when its
     accept fails (`test_admin_out_of_fds_logs_once` is about that)."""
-    return text
+    return "\n".join(line for line in text.splitlines()
+                     if not line.startswith(ADMIN_ACCEPT) and not line.startswith(" ")
+                     and line not in ("Traceback (most recent call last):",
+                                      "OSError: [Errno 24] Too many open files"))
+
+
+#: The line trio's `serve_listeners` (hypercorn's accept loop) writes per failed accept.
+ADMIN_ACCEPT = "accept returned EMFILE"
+
+
+def test_admin_out_of_fds_logs_once_and_answers_after(tmp_path: Path):
+    with starved_serve(tmp_path) as (s, tls, admin):
+        pid = s.proc.pid
+        idle = []
+        for _ in range(MOST):  # silent clients take every fd
+            idle.append(dial(tls))
+            if open_fds(pid) >= NOFILE:
+                break
+        eventually(lambda: open_fds(pid) >= NOFILE, "every fd taken")
+        waiting = socket.create_connection(("127.0.0.1", admin), timeout=WAIT)
+        waiting.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        eventually(lambda: ADMIN_ACCEPT in s.logs(), "the admin accept failed")
+        time.sleep(1.0)  # a shortage of several back-offs
+        for c in idle:
+            c.close()
+        eventually(lambda: open_fds(pid) < NOFILE - 8, "fds given back")
+        assert waiting.recv(12) == b"HTTP/1.1 200"  # answered once accepted
+        waiting.close()
+        assert metric(admin, "pact_ingress_open_connections") == 0
+        text = s.logs()
+        assert "Traceback" not in text
+        assert text.count(ADMIN_ACCEPT) + len(events(s, "admin_accept_failed")) <= 1
