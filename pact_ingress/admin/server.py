@@ -32,6 +32,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -89,6 +90,30 @@ _LOOPBACK_HOSTNAMES = frozenset({"localhost", "localhost.localdomain"})
 
 _HTTP_LOG = logging.getLogger("pact_ingress.admin.http")
 _HTTP_LOG.setLevel(logging.WARNING)  # hypercorn's "Running on …" banner is not for us
+
+
+class _AcceptEpisodes(logging.Filter):
+    """hypercorn accepts with trio's `serve_listeners`, which logs every accept that
+    fails for want of fds, traceback and all, at each 100 ms back-off for as long as the
+    shortage lasts. One JSON line per episode instead; that loop reports no success to
+    end one, so a failure `gap` seconds after the previous one starts the next."""
+
+    def __init__(self, gap: float = 2.0) -> None:
+        super().__init__()
+        self.gap = gap
+        self.last = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("accept returned"):
+            return True
+        if record.created - self.last > self.gap:
+            error = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            log.error("admin_accept_failed", error=str(error), backoff_s=0.1)
+        self.last = record.created
+        return False
+
+
+_ACCEPT_EPISODES = _AcceptEpisodes()
 
 Headers = list[tuple[bytes, bytes]]
 ExtraHeaders = Sequence[tuple[bytes, bytes]]
@@ -429,6 +454,7 @@ async def serve_admin(
     app = AdminApp(stats=stats, status=status, reload=reload, renew=renew, token=token,
                    check_host=isinstance(bound, Address), metrics=metrics)
     config = _hypercorn_config()
+    logging.getLogger("trio.serve_listeners").addFilter(_ACCEPT_EPISODES)  # idempotent
     try:
         sock.listen(ADMIN_BACKLOG)
         sock.setblocking(False)
