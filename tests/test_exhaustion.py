@@ -141,3 +141,56 @@ def test_admin_out_of_fds_logs_once_and_answers_after(tmp_path: Path):
         text = s.logs()
         assert "Traceback" not in text
         assert text.count(ADMIN_ACCEPT) + len(events(s, "admin_accept_failed")) <= 1
+
+
+def test_admin_with_its_last_fd_answers_503_not_a_bare_500(tmp_path: Path):
+    """Accepting the admin request takes the last fd; whatever the answer then needs
+    (the workers' metrics, /proc) finds none: a defined 503 with Retry-After, a line
+    naming the error, and the next request once fds are back is answered in full."""
+    with starved_serve(tmp_path) as (s, tls, admin):
+        pid = s.proc.pid
+        for path in ("/metrics", "/status"):
+            idle: list[socket.socket] = []
+            for _ in range(MOST):
+                if open_fds(pid) >= NOFILE - 1:
+                    break
+                idle.append(dial(tls))
+                # one at a time, each seen accepted: none left in the backlog to take
+                # the last fd after the admin request
+                eventually(lambda: backlog(tls) == 0, "the client accepted")
+            eventually(lambda: open_fds(pid) >= NOFILE - 1, "all fds but one taken")
+            with socket.create_connection(("127.0.0.1", admin), timeout=WAIT) as c:
+                c.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+                head = recv_head(c)
+            for c in idle:
+                c.close()
+            eventually(lambda: open_fds(pid) < NOFILE - 8, "fds given back")
+            assert head.startswith(b"HTTP/1.1 503 "), head
+            assert b"\r\nretry-after: " in head.lower(), head
+        assert metric(admin, "pact_ingress_open_connections") == 0
+        failed = [e for e in s.log_events() if e.get("event") in (
+            "admin_metrics_failed", "admin_status_failed")]
+        assert {e["event"] for e in failed} == {"admin_metrics_failed", "admin_status_failed"}
+        assert all("Too many open files" in e["error"] for e in failed)
+        assert not events(s, "Error in ASGI Framework")
+        assert "Traceback" not in s.logs()
+
+
+def backlog(port: int) -> int:
+    """Connections waiting in the accept queue of the loopback listener on `port`."""
+    with open("/proc/net/tcp") as table:
+        for row in table.read().splitlines()[1:]:
+            fields = row.split()
+            if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # LISTEN
+                return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def recv_head(c: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data and len(data) < 65536:
+        chunk = c.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
