@@ -241,6 +241,9 @@ def _error(status: int, message: str, extra: ExtraHeaders = ()) -> Response:
     return _response(status, body, "application/json", extra)
 
 
+#: For an answer that a shortage (of fds) prevented: worth asking again shortly.
+_RETRY_SOON: Headers = [(b"retry-after", b"1")]
+
 _PAGE_HEADERS: Headers = [
     (b"content-security-policy",
      b"default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"),
@@ -332,9 +335,13 @@ class AdminApp:
     # -- GET handlers --
 
     async def get_metrics(self) -> Response:
-        if self.metrics is not None:
-            return _response(200, await self.metrics(), CONTENT_TYPE_LATEST)
-        return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+        try:
+            if self.metrics is not None:
+                return _response(200, await self.metrics(), CONTENT_TYPE_LATEST)
+            return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+        except OSError as exc:  # out of fds: the workers' metrics, /proc cannot be read
+            log.error("admin_metrics_failed", error=repr(exc))
+            return _error(503, f"metrics unavailable: {exc!r}", _RETRY_SOON)
 
     async def _status_doc(self) -> dict[str, Any] | Response:
         try:
@@ -344,6 +351,8 @@ class AdminApp:
             return doc
         except Exception as exc:
             log.error("admin_status_failed", error=repr(exc))
+            if isinstance(exc, OSError):  # out of fds, most likely: it passes
+                return _error(503, f"status unavailable: {exc!r}", _RETRY_SOON)
             return _error(500, f"status unavailable: {exc!r}")
 
     async def get_status(self) -> Response:
