@@ -43,6 +43,7 @@ import gzip
 import hashlib
 import json
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -53,6 +54,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -428,6 +430,7 @@ class Serve:
     opt_seal: str = "optional"
     extra_routes: str = ""
     workers: int | None = None  # `serve --workers N`; None: the default (one per core)
+    nofile: int | None = None  # the serve's RLIMIT_NOFILE (soft and hard), to run it out
     #: Where the TLS and admin listeners bind, and how the routes name the node (an IPv6
     #: literal is written in brackets; a name such as `localhost` as is).
     listen_host: str = LOOPBACK
@@ -446,7 +449,9 @@ class Serve:
         workers = [] if self.workers is None else ["--workers", str(self.workers)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config), *workers],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=None if self.nofile is None else partial(
+                resource.setrlimit, resource.RLIMIT_NOFILE, (self.nofile, self.nofile)))
         try:
             self.wait_notify("READY=1", timeout=START_WAIT)
         except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.test_edge import (
     open_fds,
     passthrough_config,
 )
+from tests.terminate_env import ServeEnv, json_events, read_response, request_bytes, tls_socket
 from tests.test_serve import HELLO, WAIT, Served, free_port, recv_exact
 
 #: The serve's fd limit: what it opens to start (~16) plus a few dozen connections.
@@ -194,3 +196,33 @@ def recv_head(c: socket.socket) -> bytes:
             break
         data += chunk
     return data
+
+
+def test_worker_out_of_fds_keeps_its_connections(tmp_path: Path):
+    """Terminate connections handed to a worker until it has no fd left for the next
+    one: that handoff's fd cannot be installed (the kernel truncates it away), which
+    must cost that one connection, never the worker with every connection it holds."""
+    env = ServeEnv.start(tmp_path, workers=2, nofile=NOFILE)
+    try:
+        s = env.serve
+        conns: list[ssl.SSLSocket] = []
+        for _ in range(2 * MOST):
+            try:
+                conns.append(tls_socket(s.port, timeout=5))
+            except OSError:  # this one's fd was lost: the worker is full
+                break
+        else:
+            raise AssertionError("the workers never ran out of fds")
+        for c in conns[:8]:  # the ones held from before are unharmed
+            c.sendall(request_bytes("GET", "/health"))
+            assert read_response(c).status > 0
+        for c in conns:
+            c.close()
+        with tls_socket(s.port) as c:  # and new ones are served once they left
+            c.sendall(request_bytes("GET", "/health"))
+            assert read_response(c).status > 0
+        names = [e.get("event") for e in json_events(s.logs())]
+        assert "worker_channel_broken" not in names and "worker_exited" not in names
+        assert "Traceback" not in s.logs()
+    finally:
+        env.stop()
