@@ -221,8 +221,13 @@ def test_worker_out_of_fds_keeps_its_connections(tmp_path: Path):
         with tls_socket(s.port) as c:  # and new ones are served once they left
             c.sendall(request_bytes("GET", "/health"))
             assert read_response(c).status > 0
+        eventually(lambda: metric(s.admin_port, "pact_ingress_open_connections") == 0,
+                   "open_connections back to 0")
+        assert metric(s.admin_port, "pact_ingress_rejections_total",
+                      reason="handoff_EMFILE") >= 1
         names = [e.get("event") for e in json_events(s.logs())]
         assert "worker_channel_broken" not in names and "worker_exited" not in names
+        assert names.count("handoff_failed") == 1  # the shortage, logged once
         assert "Traceback" not in s.logs()
     finally:
         env.stop()

@@ -107,15 +107,19 @@ class AcceptEpisode:
     would flood the log for as long as the shortage lasts (every 100 ms per listener);
     the rejection counter still counts every failure."""
 
-    def __init__(self, event: str = "accept_failed") -> None:
+    def __init__(self, event: str = "accept_failed", backoff: bool = True) -> None:
         self.event = event
+        self.backoff = backoff  # whether the caller waits `ACCEPT_BACKOFF` after each
         self.failures = 0
         self.since = 0.0
 
     def failed(self, error: str, now: float) -> None:
         if not self.failures:
             self.since = now
-            log.error(self.event, error=error, backoff_s=ACCEPT_BACKOFF)
+            if self.backoff:
+                log.error(self.event, error=error, backoff_s=ACCEPT_BACKOFF)
+            else:
+                log.error(self.event, error=error)
         self.failures += 1
 
     def accepted(self, now: float) -> None:
