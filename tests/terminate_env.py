@@ -43,7 +43,6 @@ import gzip
 import hashlib
 import json
 import os
-import resource
 import signal
 import socket
 import ssl
@@ -54,7 +53,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -67,7 +65,7 @@ import pytest
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
-from tests.netutil import START_WAIT, free_port
+from tests.netutil import START_WAIT, free_port, limited
 
 LOOPBACK = "127.0.0.1"
 #: The attacker's and the bystander's source addresses (Linux routes all 127/8 to lo).
@@ -448,10 +446,9 @@ class Serve:
         env = dict(os.environ, NOTIFY_SOCKET=str(self.tmp / "notify.sock"))
         workers = [] if self.workers is None else ["--workers", str(self.workers)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config), *workers],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            preexec_fn=None if self.nofile is None else partial(
-                resource.setrlimit, resource.RLIMIT_NOFILE, (self.nofile, self.nofile)))
+            [*limited(self.nofile), sys.executable, "-m", "pact_ingress", "serve",
+             "-c", str(self.config), *workers],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self.wait_notify("READY=1", timeout=START_WAIT)
         except BaseException:

@@ -2,7 +2,10 @@
 take every fd it has. A backend connect that finds no fd left answers the client with
 the alert and is counted; accept(2) failing with EMFILE backs off and is logged once per
 episode (not once per back-off: a shortage lasting minutes would flood the log);
-connections already open are unharmed, and once the clients leave new ones are served.
+connections already open are unharmed, and once the clients leave new ones are served;
+the admin endpoint answers a defined 503 when it has no fd for its answer; a worker with
+no fd left for a handed-over connection loses that one, never the others. And the
+terminate body-buffer share of one address, filled by large MCP bodies at once.
 No timing asserts: waits are bounded polls of the process's own state and log."""
 
 from __future__ import annotations
@@ -10,10 +13,22 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.terminate_env import (
+    OPT_HOST,
+    ServeEnv,
+    exchange,
+    forget,
+    json_events,
+    read_response,
+    request_bytes,
+    rpc,
+    tls_socket,
+)
 from tests.test_edge import (
     ALERT_80,
     DOWN_SNI,
@@ -26,7 +41,6 @@ from tests.test_edge import (
     open_fds,
     passthrough_config,
 )
-from tests.terminate_env import ServeEnv, json_events, read_response, request_bytes, tls_socket
 from tests.test_serve import HELLO, WAIT, Served, free_port, recv_exact
 
 #: The serve's fd limit: what it opens to start (~16) plus a few dozen connections.
@@ -82,7 +96,7 @@ def test_passthrough_out_of_fds_answers_backs_off_once_and_recovers(tmp_path: Pa
         # the shortage lasts several back-offs (held a while: the admin endpoint shares
         # the shortage, so nothing here can be asked how many), each counted, the
         # episode logged once
-        time.sleep(1.0)
+        time.sleep(0.5)
         for c in idle:
             c.close()
         for c in held[:3]:  # open connections are unharmed
@@ -133,7 +147,7 @@ def test_admin_out_of_fds_logs_once_and_answers_after(tmp_path: Path):
         waiting.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         eventually(lambda: ADMIN_ACCEPT in s.logs() or events(s, "admin_accept_failed"),
                    "the admin accept failed")
-        time.sleep(1.0)  # a shortage of several back-offs
+        time.sleep(0.5)  # a shortage of several back-offs
         for c in idle:
             c.close()
         eventually(lambda: open_fds(pid) < NOFILE - 8, "fds given back")
@@ -231,3 +245,49 @@ def test_worker_out_of_fds_keeps_its_connections(tmp_path: Path):
         assert "Traceback" not in s.logs()
     finally:
         env.stop()
+
+
+def test_body_buffer_cap_per_client_refuses_then_returns_every_byte(tmp_path: Path):
+    """One address uploading MCP bodies near the size cap at once, each held just short
+    of its end: beyond its buffer share the next is refused (429 + Retry-After) before
+    the node sees it; another address is served meanwhile; the held ones, completed,
+    are all answered (parsed off the event loop, one at a time); and the share comes
+    back whole: the same address can then buffer as much again."""
+    env = ServeEnv.start(tmp_path, workers=1)
+    try:
+        s = env.serve
+        body = rpc("tools/list", {"pad": "p" * (5 * 1024 * 1024)})  # 3 fit in 18 MiB, not 4
+        head = request_bytes("POST", "/mcp", OPT_HOST, body=body)[: -len(body)]
+
+        def held() -> ssl.SSLSocket:
+            c = tls_socket(s.port, OPT_HOST)
+            c.sendall(head + body[:-1])  # all but the last byte: buffered, not judged
+            return c
+
+        for attempt in range(2):  # the second round finds the share returned
+            holding = [held() for _ in range(3)]
+            over = tls_socket(s.port, OPT_HOST)
+            sender = threading.Thread(target=_send_quietly, args=(over, head + body))
+            sender.start()
+            refused = read_response(over)
+            sender.join(WAIT)
+            forget(over)
+            assert refused.status == 429, (attempt, refused.status)
+            assert any(k.lower() == "retry-after" for k, _ in refused.headers), refused
+            bystander = exchange(s.port, request_bytes("POST", "/mcp", OPT_HOST,
+                                                       body=rpc("tools/list")),
+                                 host=OPT_HOST, source="127.0.0.2")
+            assert bystander.status == 200, bystander.status
+            for c in holding:
+                c.sendall(body[-1:])
+            for c in holding:  # every held body answered by the node
+                assert read_response(c).status == 200
+                forget(c)
+        assert "Traceback" not in s.logs()
+    finally:
+        env.stop()
+
+
+def _send_quietly(c: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        c.sendall(data)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pact_ingress.admin.client import fetch_status, request
 from pact_ingress.config import Address
 from pact_ingress.identity import keygen
-from tests.netutil import START_WAIT, free_port
+from tests.netutil import START_WAIT, free_port, limited
 
 HELLO_DIR = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (HELLO_DIR / "curl.bin").read_bytes()  # SNI www.example.test
@@ -73,10 +72,9 @@ class Served:
         self.log = open(tmp / "serve.log", "w+b")
         env = dict(os.environ, NOTIFY_SOCKET=str(tmp / "notify.sock"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            preexec_fn=None if nofile is None else lambda: resource.setrlimit(
-                resource.RLIMIT_NOFILE, (nofile, nofile)))
+            [*limited(nofile), sys.executable, "-m", "pact_ingress", "serve",
+             "-c", str(self.config)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_notify(self, wanted: str) -> list[str]:
         seen: list[str] = []
