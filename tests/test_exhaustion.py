@@ -222,14 +222,17 @@ def test_worker_out_of_fds_keeps_its_connections(tmp_path: Path):
         conns: list[ssl.SSLSocket] = []
         for _ in range(2 * MOST):
             try:
-                conns.append(tls_socket(s.port, timeout=5))
+                conns.append(tls_socket(s.port, OPT_HOST, timeout=5))
             except OSError:  # this one's fd was lost: the worker is full
                 break
         else:
             raise AssertionError("the workers never ran out of fds")
-        for c in conns[:8]:  # the ones held from before are unharmed
-            c.sendall(request_bytes("GET", "/health"))
-            assert read_response(c).status > 0
+        mcp = request_bytes("POST", "/mcp", OPT_HOST, body=rpc("tools/list"))
+        for c in conns[:8]:  # the ones held from before are unharmed: each answered,
+            c.sendall(mcp)  # by the node or, no fd left to reach it, a 503 to retry
+            answer = read_response(c)
+            assert answer.status == 200 or (answer.status == 503 and any(
+                k.lower() == "retry-after" for k, _ in answer.headers)), answer.status
         for c in conns:
             c.close()
         with tls_socket(s.port) as c:  # and new ones are served once they left
