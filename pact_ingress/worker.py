@@ -59,6 +59,7 @@ from pact_ingress.logs import setup as setup_logs
 from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.replay import ReplayStream
+from pact_ingress.net.router import AcceptEpisode
 from pact_ingress.net.runners import Runners
 from pact_ingress.net.workers import Channel
 from pact_ingress.proto import tls_alert
@@ -152,6 +153,8 @@ class Worker:
         self._idle = trio.Event()
         self._draining = False
         self._closed_send, self._closed_recv = trio.open_memory_channel[int](math.inf)
+        #: Handoffs whose fd this worker had no room for (`_handoff_lost`).
+        self._lost = AcceptEpisode("handoff_failed", backoff=False)
         self._root: trio.Nursery | None = None
         self._runners = Runners(None)
 
@@ -248,6 +251,11 @@ class Worker:
                 return
             msg, fds = got
             if msg.kind is Kind.HANDOFF:
+                if not fds and self.channel.fds_lost:
+                    self._handoff_lost(wp.decode_handoff(msg.payload))
+                    continue
+                if self._lost.failures:
+                    self._lost.accepted(trio.current_time())
                 if len(fds) != 1:
                     for fd in fds:
                         os.close(fd)
@@ -276,6 +284,14 @@ class Worker:
                 self._root.start_soon(self._state_taken, msg.id)
             else:
                 raise wp.ProtocolError(f"{msg.kind.name} is not main's message")
+
+    def _handoff_lost(self, h: wp.Handoff) -> None:
+        """A connection main handed over whose fd this worker had no room for: the
+        kernel closed it in passing, unanswered. Counted, logged once per shortage, and
+        reported closed so that main's count of it ends."""
+        self.stats.rejections.labels("handoff_EMFILE").inc()
+        self._lost.failed("EMFILE", trio.current_time())
+        self._closed_send.send_nowait(h.conn_id)
 
     async def _state_taken(self, state_id: int) -> None:
         try:

@@ -198,3 +198,9 @@ def free_port_on(*addresses: str, udp: bool = False) -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now (see `free_port_on`)."""
     return free_port_on(host)
+
+
+def limited(nofile: int | None) -> list[str]:
+    """The command prefix that runs a command under RLIMIT_NOFILE `nofile` (prlimit(1)
+    execs it: the pid stays the command's; not preexec_fn, unsafe in a threaded test)."""
+    return [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]

@@ -65,7 +65,7 @@ import pytest
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
-from tests.netutil import START_WAIT, free_port
+from tests.netutil import START_WAIT, free_port, limited
 
 LOOPBACK = "127.0.0.1"
 #: The attacker's and the bystander's source addresses (Linux routes all 127/8 to lo).
@@ -428,6 +428,7 @@ class Serve:
     opt_seal: str = "optional"
     extra_routes: str = ""
     workers: int | None = None  # `serve --workers N`; None: the default (one per core)
+    nofile: int | None = None  # the serve's RLIMIT_NOFILE (soft and hard), to run it out
     #: Where the TLS and admin listeners bind, and how the routes name the node (an IPv6
     #: literal is written in brackets; a name such as `localhost` as is).
     listen_host: str = LOOPBACK
@@ -445,7 +446,8 @@ class Serve:
         env = dict(os.environ, NOTIFY_SOCKET=str(self.tmp / "notify.sock"))
         workers = [] if self.workers is None else ["--workers", str(self.workers)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config), *workers],
+            [*limited(self.nofile), sys.executable, "-m", "pact_ingress", "serve",
+             "-c", str(self.config), *workers],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self.wait_notify("READY=1", timeout=START_WAIT)

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pact_ingress.admin.client import fetch_status, request
 from pact_ingress.config import Address
 from pact_ingress.identity import keygen
-from tests.netutil import START_WAIT, free_port
+from tests.netutil import START_WAIT, free_port, limited
 
 HELLO_DIR = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (HELLO_DIR / "curl.bin").read_bytes()  # SNI www.example.test
@@ -61,7 +61,8 @@ class EchoBackend:
 
 
 class Served:
-    def __init__(self, tmp: Path, config_text: str) -> None:
+    def __init__(self, tmp: Path, config_text: str, *, nofile: int | None = None) -> None:
+        """`nofile`: the serve's RLIMIT_NOFILE (soft and hard), to run it out of fds."""
         self.tmp = tmp
         self.config = tmp / "ingress.yaml"
         self.config.write_text(config_text)
@@ -71,7 +72,8 @@ class Served:
         self.log = open(tmp / "serve.log", "w+b")
         env = dict(os.environ, NOTIFY_SOCKET=str(tmp / "notify.sock"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(self.config)],
+            [*limited(nofile), sys.executable, "-m", "pact_ingress", "serve",
+             "-c", str(self.config)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_notify(self, wanted: str) -> list[str]:

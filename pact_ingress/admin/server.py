@@ -32,6 +32,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -89,6 +90,30 @@ _LOOPBACK_HOSTNAMES = frozenset({"localhost", "localhost.localdomain"})
 
 _HTTP_LOG = logging.getLogger("pact_ingress.admin.http")
 _HTTP_LOG.setLevel(logging.WARNING)  # hypercorn's "Running on …" banner is not for us
+
+
+class _AcceptEpisodes(logging.Filter):
+    """hypercorn accepts with trio's `serve_listeners`, which logs every accept that
+    fails for want of fds, traceback and all, at each 100 ms back-off for as long as the
+    shortage lasts. One JSON line per episode instead; that loop reports no success to
+    end one, so a failure `gap` seconds after the previous one starts the next."""
+
+    def __init__(self, gap: float = 2.0) -> None:
+        super().__init__()
+        self.gap = gap
+        self.last = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("accept returned"):
+            return True
+        if record.created - self.last > self.gap:
+            error = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            log.error("admin_accept_failed", error=str(error), backoff_s=0.1)
+        self.last = record.created
+        return False
+
+
+_ACCEPT_EPISODES = _AcceptEpisodes()
 
 Headers = list[tuple[bytes, bytes]]
 ExtraHeaders = Sequence[tuple[bytes, bytes]]
@@ -216,6 +241,9 @@ def _error(status: int, message: str, extra: ExtraHeaders = ()) -> Response:
     return _response(status, body, "application/json", extra)
 
 
+#: For an answer that a shortage (of fds) prevented: worth asking again shortly.
+_RETRY_SOON: Headers = [(b"retry-after", b"1")]
+
 _PAGE_HEADERS: Headers = [
     (b"content-security-policy",
      b"default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'"),
@@ -307,9 +335,13 @@ class AdminApp:
     # -- GET handlers --
 
     async def get_metrics(self) -> Response:
-        if self.metrics is not None:
-            return _response(200, await self.metrics(), CONTENT_TYPE_LATEST)
-        return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+        try:
+            if self.metrics is not None:
+                return _response(200, await self.metrics(), CONTENT_TYPE_LATEST)
+            return _response(200, generate_latest(self.stats.registry), CONTENT_TYPE_LATEST)
+        except OSError as exc:  # out of fds: the workers' metrics, /proc cannot be read
+            log.error("admin_metrics_failed", error=repr(exc))
+            return _error(503, f"metrics unavailable: {exc!r}", _RETRY_SOON)
 
     async def _status_doc(self) -> dict[str, Any] | Response:
         try:
@@ -319,6 +351,8 @@ class AdminApp:
             return doc
         except Exception as exc:
             log.error("admin_status_failed", error=repr(exc))
+            if isinstance(exc, OSError):  # out of fds, most likely: it passes
+                return _error(503, f"status unavailable: {exc!r}", _RETRY_SOON)
             return _error(500, f"status unavailable: {exc!r}")
 
     async def get_status(self) -> Response:
@@ -429,6 +463,7 @@ async def serve_admin(
     app = AdminApp(stats=stats, status=status, reload=reload, renew=renew, token=token,
                    check_host=isinstance(bound, Address), metrics=metrics)
     config = _hypercorn_config()
+    logging.getLogger("trio.serve_listeners").addFilter(_ACCEPT_EPISODES)  # idempotent
     try:
         sock.listen(ADMIN_BACKLOG)
         sock.setblocking(False)

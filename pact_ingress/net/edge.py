@@ -448,10 +448,12 @@ class Edge:
                     raise
                 name = errno.errorcode[exc.errno]
                 self.stats.rejections.labels("accept_" + name).inc()
-                log.error("accept_failed", error=name, backoff_s=ACCEPT_BACKOFF)
+                router.accept_episode.failed(name, self.now)
                 self.accept_paused_until = self.now + ACCEPT_BACKOFF
                 self.owed.append(raw)
                 return
+            if router.accept_episode.failures:
+                router.accept_episode.accepted(self.now)
             ip = addr[0]
             who = client_of(ip) if ":" in ip else ip
             if (counts.total >= most

@@ -18,6 +18,7 @@ is tested without sockets; `handle_http` is the I/O around it.
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,7 +30,7 @@ from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Address
 from pact_ingress.net.linger import linger
-from pact_ingress.net.router import client_of
+from pact_ingress.net.router import ACCEPT_BACKOFF, AcceptEpisode, client_of
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
 MAX_HEAD_BYTES = 8 * 1024
@@ -210,22 +211,26 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
     bound = listeners[0].socket.getsockname()[:2]
     # as the config writes it (IPv6 in brackets): "::1:8080" is no address one could use
     log.info("http_listening", address=str(Address(str(bound[0]), int(bound[1]))))
+    episode = AcceptEpisode("http_accept_error")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
-            nursery.start_soon(_accept_loop, listener, answers, slots, nursery)
+            nursery.start_soon(_accept_loop, listener, answers, slots, nursery, episode)
         task_status.started((str(bound[0]), int(bound[1])))
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       slots: _Slots, nursery: trio.Nursery) -> None:
+                       slots: _Slots, nursery: trio.Nursery, episode: AcceptEpisode) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:
                 stream = await listener.accept()
             except OSError as exc:  # EMFILE and friends: back off, keep listening
-                log.warning("http_accept_error", error=str(exc))
-                await trio.sleep(0.1)
+                episode.failed(errno.errorcode.get(exc.errno or 0, str(exc)),
+                               trio.current_time())
+                await trio.sleep(ACCEPT_BACKOFF)
                 continue
+            if episode.failures:
+                episode.accepted(trio.current_time())
             try:
                 who = client_of(str(stream.socket.getpeername()[0]))
             except OSError:  # the peer is already gone

@@ -99,6 +99,36 @@ ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUF
 #: Back-off after such an error: long enough to let connections close, short enough
 #: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
 ACCEPT_BACKOFF = 0.1
+
+
+class AcceptEpisode:
+    """Accept failures for want of resources, logged once per episode: a line when
+    accepts start failing and one when an accept succeeds again. A line per back-off
+    would flood the log for as long as the shortage lasts (every 100 ms per listener);
+    the rejection counter still counts every failure."""
+
+    def __init__(self, event: str = "accept_failed", backoff: bool = True) -> None:
+        self.event = event
+        self.backoff = backoff  # whether the caller waits `ACCEPT_BACKOFF` after each
+        self.failures = 0
+        self.since = 0.0
+
+    def failed(self, error: str, now: float) -> None:
+        if not self.failures:
+            self.since = now
+            if self.backoff:
+                log.error(self.event, error=error, backoff_s=ACCEPT_BACKOFF)
+            else:
+                log.error(self.event, error=error)
+        self.failures += 1
+
+    def accepted(self, now: float) -> None:
+        """After an accept that worked (callers check `failures` first: it is the hot path)."""
+        log.info("accept_resumed", failures=self.failures,
+                 duration_s=round(now - self.since, 3))
+        self.failures = 0
+
+
 #: How long a backend may take to take the whole head (PROXY header + ClientHello, at
 #: most ~16 KiB: any live TCP peer's receive window takes that at once) once it took
 #: its first bytes; progress does not extend it.
@@ -250,6 +280,8 @@ class Router:
         self._handlers: trio.Nursery | None = None
         self._runners: Runners = Runners(None)  # handler tasks for handed-over connections
         self._edge: Any = None  # the epoll engine (net/edge.py) while serving
+        #: One for the process's every listener, engine's or task's: fds run out for all.
+        self.accept_episode = AcceptEpisode()
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
         self.update(config)
@@ -380,13 +412,15 @@ class Router:
             except OSError as exc:
                 await self._accept_failed(exc)
                 continue
+            if self.accept_episode.failures:
+                self.accept_episode.accepted(trio.current_time())
             self._admit(stream.socket, _peer(stream.socket), handlers)
 
     async def _accept_failed(self, exc: OSError) -> None:
         if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
             raise exc
         self.stats.rejections.labels("accept_" + errno.errorcode[exc.errno]).inc()
-        log.error("accept_failed", error=errno.errorcode[exc.errno], backoff_s=ACCEPT_BACKOFF)
+        self.accept_episode.failed(errno.errorcode[exc.errno], trio.current_time())
         await trio.sleep(ACCEPT_BACKOFF)
 
     def _admit(self, sock: trio.socket.SocketType, client: tuple[str, int],

@@ -115,6 +115,9 @@ class Channel:
         self.sock = trio.socket.from_stdlib_socket(sock)
         self._reasm = wp.Reassembler()
         self._ids = itertools.count(1)
+        #: The last message received came with fds the kernel could not install in this
+        #: process (out of fds: MSG_CTRUNC): they are gone, the message is whole.
+        self.fds_lost = False
         # trio lets one task at a time wait for an fd to be writable; handoffs, a reload's
         # config and stats questions all wait on a full channel together, so they queue
         self._writers = trio.Lock()
@@ -184,10 +187,14 @@ class Channel:
                 for fd in fds:
                     os.close(fd)
                 return None
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            if flags & socket.MSG_TRUNC:
                 for fd in fds:
                     os.close(fd)
                 raise wp.ProtocolError("truncated frame")
+            # Control data cut short with the frame whole: this process had no fd left
+            # for what came with it (the kernel closed those). That costs the message's
+            # connection, answered as lost by whoever reads it, never the channel.
+            self.fds_lost = bool(flags & socket.MSG_CTRUNC)
             try:
                 msg = self._reasm.feed(data)
             except wp.ProtocolError:
@@ -491,6 +498,10 @@ class WorkerPool:
                 if self._draining:
                     self._nursery_soon(self._send_drain, slot)
         elif msg.kind is Kind.STREAM_OPEN:
+            if not fds and channel.fds_lost:  # main out of fds: that stream fails
+                self.stats.rejections.labels("stream_fd_lost").inc()
+                self._nursery_soon(_answer, channel, msg.id, "edge out of file descriptors")
+                return
             if len(fds) != 1:
                 raise wp.ProtocolError("STREAM_OPEN without exactly one fd")
             self._nursery_soon(self._open_stream, channel, msg.id,
