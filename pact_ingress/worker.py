@@ -154,7 +154,7 @@ class Worker:
         self._draining = False
         self._closed_send, self._closed_recv = trio.open_memory_channel[int](math.inf)
         #: Handoffs whose fd this worker had no room for (`_handoff_lost`).
-        self._lost = AcceptEpisode("handoff_failed", backoff=False)
+        self._lost = AcceptEpisode("handoff_failed", backoff=False, resumed="handoff_resumed")
         self._root: trio.Nursery | None = None
         self._runners = Runners(None)
 

@@ -438,6 +438,7 @@ class Edge:
         pending = counts.pending
         clients = counts.clients
         hello_timeout = limits.clienthello_timeout
+        episode = router.accept_episode
         for _ in range(ACCEPT_BATCH):
             try:
                 fd, addr = raw._accept()  # the fd alone: `accept()` wraps it in Python
@@ -448,12 +449,12 @@ class Edge:
                     raise
                 name = errno.errorcode[exc.errno]
                 self.stats.rejections.labels("accept_" + name).inc()
-                router.accept_episode.failed(name, self.now)
+                episode.failed(name, self.now)
                 self.accept_paused_until = self.now + ACCEPT_BACKOFF
                 self.owed.append(raw)
                 return
-            if router.accept_episode.failures:
-                router.accept_episode.accepted(self.now)
+            if episode.failures:
+                episode.accepted(self.now)
             ip = addr[0]
             who = client_of(ip) if ":" in ip else ip
             if (counts.total >= most

@@ -107,8 +107,10 @@ class AcceptEpisode:
     would flood the log for as long as the shortage lasts (every 100 ms per listener);
     the rejection counter still counts every failure."""
 
-    def __init__(self, event: str = "accept_failed", backoff: bool = True) -> None:
+    def __init__(self, event: str = "accept_failed", backoff: bool = True,
+                 resumed: str = "accept_resumed") -> None:
         self.event = event
+        self.resumed = resumed  # the line that ends an episode
         self.backoff = backoff  # whether the caller waits `ACCEPT_BACKOFF` after each
         self.failures = 0
         self.since = 0.0
@@ -124,7 +126,7 @@ class AcceptEpisode:
 
     def accepted(self, now: float) -> None:
         """After an accept that worked (callers check `failures` first: it is the hot path)."""
-        log.info("accept_resumed", failures=self.failures,
+        log.info(self.resumed, failures=self.failures,
                  duration_s=round(now - self.since, 3))
         self.failures = 0
 
