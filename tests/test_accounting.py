@@ -2,8 +2,9 @@
 connection (mid-ClientHello, mid-handshake, mid-head, mid-body on HTTP/1.1 and HTTP/2,
 while the node answers, mid-response, pipelined, RST_STREAM storms, TCP resets,
 100-continue then gone), passthrough clients gone mid-splice, and a node that breaks
-mid-response, with one process and with two workers. Afterwards every gauge, count, cap and fd must be back to the truth, and the
-same numbers must show in /status, /metrics and the log lines.
+mid-response, with one process and with two workers. Afterwards every gauge, count, cap
+and fd must be back to the truth, and the same numbers must show in /status, /metrics
+and the log lines.
 
 Real `serve` processes and real sockets on loopback (tests/terminate_env.py). Every
 wait is a bounded poll of the process's own state; nothing asserts timing.
@@ -17,9 +18,8 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,6 +40,7 @@ from tests.terminate_env import (
     tls_socket,
 )
 from tests.test_serve import EchoBackend
+from tests.test_workers import poll as eventually
 
 #: Caps small enough to probe exactly: N allowed, N+1 refused.
 PER_IP = 4
@@ -48,16 +49,6 @@ SOURCES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 UPLOAD = b"u" * 50_000
 #: A passthrough route of the same instance, to an echo backend.
 PT_HOST = "pt.attack.test"
-
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

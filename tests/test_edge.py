@@ -50,8 +50,10 @@ STUCK_SNI = "stk.example.test"
 class Backend:
     """A threaded raw TCP server in the test process: `handler(conn)` per connection."""
 
-    def __init__(self, handler: Callable[[socket.socket], None]) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    def __init__(self, handler: Callable[[socket.socket], None],
+                 host: str = "127.0.0.1") -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.server = socket.create_server((host, 0), family=family, backlog=1024)
         self.port = self.server.getsockname()[1]
         self.handler = handler
         threading.Thread(target=self._serve, daemon=True).start()

@@ -20,7 +20,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +48,7 @@ from tests.terminate_env import (
     rpc,
     tls_socket,
 )
+from tests.test_edge import Backend
 from tests.test_serve import HELLO, Served
 
 if not socket.has_ipv6:  # a requirement of this file, not a reason to pass
@@ -58,27 +58,16 @@ V4_SNI, V6_SNI = "www.example.test", "six.example.test"  # same length: HELLO's 
 PER_IP = 3
 
 
-class ProxiedBackend:
+class ProxiedBackend(Backend):
     """A raw TCP backend on `host` behind a `proxy_protocol: v2` route: per connection it
     reads the header and the hello, records them, answers `ok` and holds the connection
     until the client closes it."""
 
     def __init__(self, host: str) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.server = socket.create_server((host, 0), family=family, backlog=64)
-        self.port = int(self.server.getsockname()[1])
         self.seen: list[bytes] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(self._take, host)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _take(self, conn: socket.socket) -> None:
         conn.settimeout(WAIT)
         buf = b""
         try:
@@ -94,13 +83,8 @@ class ProxiedBackend:
             conn.sendall(b"ok")
             while conn.recv(65536):
                 pass
-        except (OSError, ValueError):
+        except ValueError:
             pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.server.close()
 
 
 def dial(address: tuple[str, int], sni: str) -> socket.socket:
