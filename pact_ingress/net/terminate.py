@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import _socket
 import bisect
+import enum
 import socket
 import ssl
 import time
@@ -127,6 +128,13 @@ _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 class _BodyTooLarge(Exception):
     """A streamed request body crossed max_body_bytes."""
+
+
+class _BrokenOff(enum.Enum):
+    """Who cut a response short while it was relayed."""
+
+    NODE = "node"
+    CLIENT = "client"
 
 
 class _NodeBrokeOff(ClientGone):
@@ -573,7 +581,7 @@ class Terminator:
             await ex.respond_whole(response.status, headers, whole)
             return
         await ex.respond(response.status, headers)
-        broken: str | None = "client"  # stays so when the watch saw the client go
+        broken: _BrokenOff | None = _BrokenOff.CLIENT  # stays so if the watch saw it go
         if ex.needs_watch(headers):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_when_gone, ex, nursery.cancel_scope)
@@ -581,15 +589,16 @@ class Terminator:
                 nursery.cancel_scope.cancel()
         else:
             broken = await _pump(ex, route, response)
-        if broken == "node":
+        if broken is _BrokenOff.NODE:
             raise _NodeBrokeOff("the node broke off its answer")
         if broken is not None:
             raise ClientGone("the response did not complete")
 
 
-async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> str | None:
+async def _pump(ex: Exchange, route: Route, response: UpstreamResponse
+                ) -> _BrokenOff | None:
     """The response body to the client; None when it was delivered whole, else who
-    broke it off ("node" or "client")."""
+    broke it off."""
     try:
         async for chunk in response.body:
             await ex.send(chunk)
@@ -597,9 +606,9 @@ async def _pump(ex: Exchange, route: Route, response: UpstreamResponse) -> str |
     except UpstreamError as exc:
         log.warning("upstream_body_failed", route=route.host, error=str(exc))
         await ex.abort()
-        return "node"
+        return _BrokenOff.NODE
     except ClientGone:
-        return "client"
+        return _BrokenOff.CLIENT
     return None
 
 
