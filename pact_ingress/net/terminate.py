@@ -79,6 +79,7 @@ from pact_ingress.proto import posture
 from pact_ingress.proto.h2_guard import Flood
 from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
 from pact_ingress.proto.http_request import (
+    NO_CONTENT_METHODS,
     BadRequest,
     Scope,
     Target,
@@ -450,11 +451,9 @@ class Terminator:
             body = read
         elif ex.body_done:
             body = b""
-        elif method in _NO_CONTENT:
-            # Content there means nothing, and a node that ignores it reads it as the
-            # next request on the pooled connection: one the posture never judged. What
-            # looked like a body may be none (an HTTP/2 client that ends the stream with
-            # an empty DATA frame): only content that is there is refused.
+        elif method in NO_CONTENT_METHODS:
+            # (see proto.http_request) what looked like a body may be none, an HTTP/2
+            # stream ended by an empty DATA frame: only content that is there is refused
             if not await _nothing_more(ex, body_deadline):
                 return await self._answer(ex, conn, _Answer.text(
                     400, f"a {method} request carries no content here"))
@@ -645,10 +644,6 @@ def _server_tls(stream: trio.abc.Stream, ctx: ssl.SSLContext) -> ServerTLS | tri
 async def _cancel_when_gone(ex: Exchange, scope: trio.CancelScope) -> None:
     await ex.wait_gone()
     scope.cancel()
-
-
-#: Methods whose request content has no meaning (RFC 9110 §9.3.1, §9.3.2).
-_NO_CONTENT = frozenset({"GET", "HEAD"})
 
 
 async def _nothing_more(ex: Exchange, deadline: float) -> bool:

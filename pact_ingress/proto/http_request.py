@@ -35,6 +35,12 @@ route's ``mcp_path`` or lies below it. :func:`judge_scope` then sorts a request 
   outside scope on a sealed route (403: a node may dispatch on the body, not the path),
   or a compressed body in scope (415: the node would inflate what the edge judged raw).
 
+Anywhere, a method of :data:`NO_CONTENT_METHODS` that carries content is refused (400):
+its content means nothing, and a node that ignores it would read it as its next request
+on a pooled connection, one no posture judged. Whether content came is known only once
+the stream shows it (an HTTP/2 stream may end with an empty DATA frame), so the caller
+decides that, after this sorting.
+
 HTTP/1.1 framing (``Content-Length`` with ``Transfer-Encoding``, folded lines, duplicate
 lengths) is refused by the parser itself (``proto.http1_server``, llhttp), before any of
 this runs.
@@ -253,6 +259,8 @@ class Scope(enum.Enum):
 
 #: Methods that carry no body and may reach the MCP endpoint (SSE stream, session end).
 _BODILESS_MCP_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+#: Methods whose request content has no meaning (RFC 9110 §9.3.1, §9.3.2).
+NO_CONTENT_METHODS = frozenset({"GET", "HEAD"})
 
 
 def is_json_type(content_type: bytes | None) -> bool:
