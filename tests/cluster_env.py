@@ -26,7 +26,7 @@ from typing import IO, Any
 from pact_ingress.admin.client import fetch_status
 from pact_ingress.identity import Identity, keygen
 from pact_ingress.model import Address
-from tests.netutil import START_WAIT
+from tests.netutil import START_WAIT, wait_told
 from tests.terminate_env import RecordingNode, free_port
 
 TUNNEL_HOST = "tunnel.cluster.test"
@@ -48,19 +48,10 @@ def serve_until_ready(directory: Path, config: Path, args: Iterable[str], log: I
     proc = subprocess.Popen(
         [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config), *args],
         stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + wait
     try:
-        while time.monotonic() < deadline:
-            notify.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                msg = notify.recv(4096).decode()
-            except TimeoutError:
-                break
-            if "READY=1" in msg.split("\n"):
-                return proc, True
+        return proc, wait_told(notify, "READY=1", proc, wait)[0]
     finally:
         notify.close()
-    return proc, False
 
 class Instance:
     """One `serve` process; `start()` waits for READY, `kill()` is kill -9."""

@@ -9,6 +9,8 @@ import hashlib
 import random
 import socket
 import ssl
+import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -173,16 +175,24 @@ def _listen_ports() -> range:
 
 
 LISTEN_PORTS = _listen_ports()
+#: Ports this process handed out already: free a moment ago is not free for a second
+#: caller that asks before the first binds (a config's TLS and admin ports, picked one
+#: after the other, came out equal about once in a few thousand picks).
+_HANDED: set[int] = set()
 
 
 def free_port_on(*addresses: str, udp: bool = False) -> int:
     """A TCP (and with `udp` also UDP) port free on every one of `addresses` right now,
     picked at random outside the ephemeral range (a port free on 127.0.0.1 may still be
-    held on 127.0.0.2, so every address is tried)."""
+    held on 127.0.0.2, so every address is tried), never one handed out before."""
     addresses = addresses or ("127.0.0.1",)
     kinds = (socket.SOCK_STREAM, socket.SOCK_DGRAM) if udp else (socket.SOCK_STREAM,)
+    if len(_HANDED) > len(LISTEN_PORTS) // 2:  # bounded: the oldest are long bound or gone
+        _HANDED.clear()
     for _ in range(200):  # bounded
         port = random.choice(LISTEN_PORTS)
+        if port in _HANDED:
+            continue
         try:
             for address in addresses:
                 for kind in kinds:
@@ -191,6 +201,7 @@ def free_port_on(*addresses: str, udp: bool = False) -> int:
                         s.bind((address, port))
         except OSError:
             continue
+        _HANDED.add(port)
         return port
     raise RuntimeError(f"no port free on all of {addresses}")
 
@@ -198,6 +209,27 @@ def free_port_on(*addresses: str, udp: bool = False) -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` right now (see `free_port_on`)."""
     return free_port_on(host)
+
+
+def wait_told(notify: socket.socket, wanted: str, proc: subprocess.Popen[bytes],
+              timeout: float) -> tuple[bool, list[str]]:
+    """Messages a process sends to its sd_notify socket, until one holds the line
+    `wanted` (True), the process has exited (a config it refused: no use waiting on), or
+    `timeout` passed (False); with the messages seen."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        notify.settimeout(min(0.25, max(0.05, deadline - time.monotonic())))
+        try:
+            msg = notify.recv(4096).decode()
+        except TimeoutError:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(msg)
+        if wanted in msg.split("\n"):
+            return True, seen
+    return False, seen
 
 
 def limited(nofile: int | None) -> list[str]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, keygen, spki_der
-from tests.netutil import START_WAIT
+from tests.netutil import START_WAIT, wait_told
 from tests.terminate_env import (
     WAIT,
     H2Conn,
@@ -236,15 +236,8 @@ listen:
             raise
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_WAIT
-        while time.monotonic() < deadline:
-            self.notify.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                msg = self.notify.recv(4096).decode()
-            except TimeoutError:
-                break
-            if "READY=1" in msg.split("\n"):
-                return
+        if wait_told(self.notify, "READY=1", self.proc, START_WAIT)[0]:
+            return
         raise AssertionError(f"serve not READY; log tail:\n{self.logs()[-3000:]}")
 
     def logs(self) -> str:

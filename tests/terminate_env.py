@@ -65,7 +65,7 @@ import pytest
 
 from pact_ingress.envelope import seal
 from pact_ingress.identity import Identity, b64url, fingerprint_of_cert_der, keygen, spki_der
-from tests.netutil import START_WAIT, free_port, limited
+from tests.netutil import START_WAIT, free_port, limited, wait_told
 
 LOOPBACK = "127.0.0.1"
 #: The attacker's and the bystander's source addresses (Linux routes all 127/8 to lo).
@@ -482,19 +482,9 @@ listen:
     # -- process ----------------------------------------------------------------------
 
     def wait_notify(self, wanted: str, timeout: float = WAIT) -> list[str]:
-        seen: list[str] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.notify.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                msg = self.notify.recv(4096).decode()
-            except TimeoutError:
-                break
-            seen.append(msg)
-            if wanted in msg.split("\n"):
-                return seen
-            if self.proc.poll() is not None:
-                break
+        told, seen = wait_told(self.notify, wanted, self.proc, timeout)
+        if told:
+            return seen
         raise AssertionError(f"no {wanted} from serve (exit={self.proc.poll()}); got {seen};"
                              f" log tail:\n{self.logs()[-3000:]}")
 

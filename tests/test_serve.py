@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pact_ingress.admin.client import fetch_status, request
 from pact_ingress.config import Address
 from pact_ingress.identity import keygen
-from tests.netutil import START_WAIT, free_port, limited
+from tests.netutil import START_WAIT, free_port, limited, wait_told
 
 HELLO_DIR = Path(__file__).parent / "vectors" / "clienthello"
 HELLO = (HELLO_DIR / "curl.bin").read_bytes()  # SNI www.example.test
@@ -77,17 +77,10 @@ class Served:
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_notify(self, wanted: str) -> list[str]:
-        seen: list[str] = []
-        deadline = time.monotonic() + (START_WAIT if wanted == "READY=1" else WAIT)
-        while time.monotonic() < deadline:
-            self.notify.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                msg = self.notify.recv(4096).decode()
-            except TimeoutError:
-                break
-            seen.append(msg)
-            if wanted in msg.split("\n"):
-                return seen
+        told, seen = wait_told(self.notify, wanted, self.proc,
+                               START_WAIT if wanted == "READY=1" else WAIT)
+        if told:
+            return seen
         raise AssertionError(f"no {wanted} from serve; got {seen}; log:\n{self.logs()}")
 
     def logs(self) -> str:
