@@ -301,7 +301,7 @@ _CALL_MEMBERS = frozenset({"name", "arguments"})
 
 def _exact_names(obj: dict[str, Any], names: frozenset[str], rpc_id: RpcId) -> None:
     """Refuse a member spelt like one of `names` but for case, or but for what follows a
-    NUL. Go's encoding/json (older MCP Go SDKs) matches member names case-insensitively,
+    NUL. Go's encoding/json (as any Go node may use) matches member names case-insensitively,
     folding U+017F and U+212A onto `s` and `k` too, the last match winning: to it
     `Method` or `paramſ` is the member the edge judged, or replaces it. A parser that
     keeps names as C strings reads `method<NUL>x` as `method` the same way."""
