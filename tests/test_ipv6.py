@@ -20,7 +20,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from tests.terminate_env import (
     rpc,
     tls_socket,
 )
-from tests.test_edge import Backend
+from tests.test_edge import Backend, eventually
 from tests.test_serve import HELLO, Served
 
 if not socket.has_ipv6:  # a requirement of this file, not a reason to pass
@@ -93,15 +92,6 @@ def dial(address: tuple[str, int], sni: str) -> socket.socket:
     s.connect(address)
     s.sendall(HELLO.replace(V4_SNI.encode(), sni.encode()))
     return s
-
-
-def eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + WAIT
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never: {what}")
 
 
 @pytest.fixture(scope="module")
