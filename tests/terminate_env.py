@@ -912,6 +912,17 @@ class H2Conn:
             piece, view = view[:window], view[window:]
             self.conn.send_data(sid, bytes(piece), end_stream=not view)
 
+    def open_bare(self, method: str, path: str) -> int:
+        """HEADERS with no `content-length`, the stream left open: the caller sends what
+        follows (`conn.send_data`, then `sock.sendall(conn.data_to_send())`); `wait`
+        reads its answer."""
+        sid = self.conn.get_next_available_stream_id()
+        self._results[sid] = H2Result(None, [], b"")
+        self.conn.send_headers(sid, [
+            (b":method", method.encode()), (b":scheme", b"https"),
+            (b":authority", self.host.encode()), (b":path", path.encode())])
+        return sid
+
     def open_stream(self, method: str, path: str, *, length: int, first: bytes = b"") -> int:
         """HEADERS announcing a `length`-byte body, then only `first` of it: the stream
         stays open for the caller to feed (`conn.send_data`) or leave hanging; `wait`

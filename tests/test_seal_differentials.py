@@ -515,11 +515,7 @@ def test_content_on_get_and_head_is_refused(env: Env, method: str, framing: str)
             if framing == "h2-length":
                 sid = conn.open_stream(method, "/other", length=len(SMUGGLED), first=SMUGGLED)
             else:
-                sid = conn.conn.get_next_available_stream_id()
-                conn._results[sid] = H2Result(None, [], b"")
-                conn.conn.send_headers(sid, [
-                    (b":method", method.encode()), (b":scheme", b"https"),
-                    (b":authority", HOST.encode()), (b":path", b"/other")])
+                sid = conn.open_bare(method, "/other")
                 conn.conn.send_data(sid, SMUGGLED, end_stream=True)
                 conn.sock.sendall(conn.conn.data_to_send())
             res = conn.wait(sid)
@@ -543,11 +539,7 @@ def test_an_h2_get_ended_by_an_empty_data_frame_is_served(env: Env, method: str)
     HEADERS: no content came, so it is served."""
     conn = H2Conn(env.serve.port, HOST)
     try:
-        sid = conn.conn.get_next_available_stream_id()
-        conn._results[sid] = H2Result(None, [], b"")
-        conn.conn.send_headers(sid, [
-            (b":method", method.encode()), (b":scheme", b"https"),
-            (b":authority", HOST.encode()), (b":path", b"/other")])
+        sid = conn.open_bare(method, "/other")
         conn.sock.sendall(conn.conn.data_to_send())
         conn.conn.send_data(sid, b"", end_stream=True)
         conn.sock.sendall(conn.conn.data_to_send())
