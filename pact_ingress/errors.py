@@ -73,6 +73,11 @@ class BackendError(PactIngressError):
     """A backend (address or tunnel) could not be reached or failed mid-way."""
 
 
+class EdgeShortage(BackendError):
+    """No connection to the backend for want of this process's own resources (no fd
+    left, no kernel memory): the edge is busy, the backend may well be up."""
+
+
 class AcmeError(PactIngressError):
     """An ACME account, order or store operation failed. `reason` is a short metric label."""
 

@@ -59,8 +59,8 @@ from pact_ingress.logs import setup as setup_logs
 from pact_ingress.model import Config, Route
 from pact_ingress.net.backends import Backends, Resolver
 from pact_ingress.net.replay import ReplayStream
-from pact_ingress.net.router import AcceptEpisode
 from pact_ingress.net.runners import Runners
+from pact_ingress.net.shortage import ShortageEpisode
 from pact_ingress.net.workers import Channel
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto import workers as wp
@@ -154,7 +154,7 @@ class Worker:
         self._draining = False
         self._closed_send, self._closed_recv = trio.open_memory_channel[int](math.inf)
         #: Handoffs whose fd this worker had no room for (`_handoff_lost`).
-        self._lost = AcceptEpisode("handoff_failed", backoff=False, resumed="handoff_resumed")
+        self._lost = ShortageEpisode("handoff_failed", backoff=False, resumed="handoff_resumed")
         self._root: trio.Nursery | None = None
         self._runners = Runners(None)
 

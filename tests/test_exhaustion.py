@@ -4,7 +4,9 @@ the alert and is counted; accept(2) failing with EMFILE backs off and is logged 
 episode (not once per back-off: a shortage lasting minutes would flood the log);
 connections already open are unharmed, and once the clients leave new ones are served;
 the admin endpoint answers a defined 503 when it has no fd for its answer; a worker with
-no fd left for a handed-over connection loses that one, never the others. And the
+no fd left for a handed-over connection loses that one, never the others; a terminate
+request whose node connection finds no fd is told the edge is busy, not that the node
+is offline. And the
 terminate body-buffer share of one address, filled by large MCP bodies at once.
 No timing asserts: waits are bounded polls of the process's own state and log."""
 
@@ -294,3 +296,43 @@ def test_body_buffer_cap_per_client_refuses_then_returns_every_byte(tmp_path: Pa
 def _send_quietly(c: socket.socket, data: bytes) -> None:
     with contextlib.suppress(OSError):
         c.sendall(data)
+
+
+def test_terminate_out_of_fds_for_the_node_says_the_edge_is_busy(tmp_path: Path):
+    """A terminate request whose node connection finds no fd left: the shortage is the
+    edge's own, so the client is told the edge is busy (503 + Retry-After), not that its
+    home node is offline, and the operator reads one line per shortage naming it, not a
+    `node_unreachable` per request; once fds are back the same route is served."""
+    env = ServeEnv.start(tmp_path, workers=1, nofile=NOFILE)
+    try:
+        s = env.serve
+        mcp = request_bytes("POST", "/mcp", OPT_HOST, body=rpc("tools/list"))
+        conns: list[ssl.SSLSocket] = []
+        for _ in range(MOST):  # idle TLS connections until accept(2) fails
+            try:
+                conns.append(tls_socket(s.port, OPT_HOST, timeout=2))
+            except OSError:
+                break
+        else:
+            raise AssertionError("serve never ran out of fds")
+        eventually(lambda: open_fds(s.proc.pid) >= NOFILE, "every fd taken")
+        answers = []
+        for c in conns[:3]:  # each needs a node connection the edge has no fd for
+            c.sendall(mcp)
+            answers.append(read_response(c))
+        for answer in answers:
+            assert answer.status == 503, answer.status
+            assert any(k.lower() == "retry-after" for k, _ in answer.headers), answer
+            assert b"offline" not in answer.body, answer.body
+        for c in conns:
+            c.close()
+        eventually(lambda: open_fds(s.proc.pid) < NOFILE - 8, "fds given back")
+        served = exchange(s.port, mcp, host=OPT_HOST)
+        assert served.status == 200, served.status
+        names = [e.get("event") for e in json_events(s.logs())]
+        assert "node_unreachable" not in names, names
+        assert names.count("upstream_no_fds") == 1, names
+        assert names.count("upstream_fds_back") == 1, names
+        assert "Traceback" not in without_admin_accept(s.logs())
+    finally:
+        env.stop()

@@ -22,9 +22,10 @@ from typing import Protocol
 
 import trio
 
-from pact_ingress.errors import BackendError
+from pact_ingress.errors import BackendError, EdgeShortage
 from pact_ingress.logs import log
 from pact_ingress.model import Address, Route, is_ip_address
+from pact_ingress.net.shortage import CAPACITY_ERRNOS
 
 #: How long a resolved answer is used before it is refreshed. Home-node addresses change
 #: rarely (dynamic DNS updates within minutes); 60 s bounds staleness cheaply.
@@ -169,7 +170,11 @@ class Backends:
         for ip in addrs:
             try:
                 return await _connect((ip, address.port))
-            except (OSError, trio.TooSlowError) as exc:
+            except OSError as exc:
+                if exc.errno in CAPACITY_ERRNOS:  # ours: the next address fares no better
+                    raise EdgeShortage(f"no connection to backend {address}: {exc}") from exc
+                last = exc
+            except trio.TooSlowError as exc:
                 last = exc
         raise BackendError(f"backend {address} unreachable: {last}")
 

@@ -77,8 +77,6 @@ from pact_ingress.logs import log, members, ms_repr
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
-    ACCEPT_BACKOFF,
-    ACCEPT_CAPACITY_ERRNOS,
     ACME_ALPN,
     HEAD_TIMEOUT,
     PEEK_HEADROOM,
@@ -87,6 +85,7 @@ from pact_ingress.net.router import (
     Tally,
     client_of,
 )
+from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
@@ -445,7 +444,7 @@ class Edge:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                if exc.errno not in CAPACITY_ERRNOS:
                     raise
                 name = errno.errorcode[exc.errno]
                 self.stats.rejections.labels("accept_" + name).inc()

@@ -30,7 +30,8 @@ from pact_ingress.errors import ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Address
 from pact_ingress.net.linger import linger
-from pact_ingress.net.router import ACCEPT_BACKOFF, AcceptEpisode, client_of
+from pact_ingress.net.router import client_of
+from pact_ingress.net.shortage import ACCEPT_BACKOFF, ShortageEpisode
 
 #: Largest request head we accept (request line + headers); ACME validators send ~300 B.
 MAX_HEAD_BYTES = 8 * 1024
@@ -211,7 +212,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
     bound = listeners[0].socket.getsockname()[:2]
     # as the config writes it (IPv6 in brackets): "::1:8080" is no address one could use
     log.info("http_listening", address=str(Address(str(bound[0]), int(bound[1]))))
-    episode = AcceptEpisode("http_accept_error")
+    episode = ShortageEpisode("http_accept_error")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(_accept_loop, listener, answers, slots, nursery, episode)
@@ -219,7 +220,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       slots: _Slots, nursery: trio.Nursery, episode: AcceptEpisode) -> None:
+                       slots: _Slots, nursery: trio.Nursery, episode: ShortageEpisode) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:

@@ -81,6 +81,7 @@ from pact_ingress.model import Config, Route, normalize_hostname
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.runners import Runners
+from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS, ShortageEpisode
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
@@ -94,41 +95,6 @@ from pact_ingress.stats import Stats
 #: Bytes asked of the socket per read while peeking. A typical ClientHello is 250–600
 #: bytes, a post-quantum one ~1.9 KB; 4 KiB reads need one or two calls in practice.
 PEEK_READ = 4096
-#: Errors from accept() that mean "out of resources for now", not "listener broken".
-ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-#: Back-off after such an error: long enough to let connections close, short enough
-#: that service resumes quickly (trio's serve_listeners uses the same 100 ms).
-ACCEPT_BACKOFF = 0.1
-
-
-class AcceptEpisode:
-    """Accept failures for want of resources, logged once per episode: a line when
-    accepts start failing and one when an accept succeeds again. A line per back-off
-    would flood the log for as long as the shortage lasts (every 100 ms per listener);
-    the rejection counter still counts every failure."""
-
-    def __init__(self, event: str = "accept_failed", backoff: bool = True,
-                 resumed: str = "accept_resumed") -> None:
-        self.event = event
-        self.resumed = resumed  # the line that ends an episode
-        self.backoff = backoff  # whether the caller waits `ACCEPT_BACKOFF` after each
-        self.failures = 0
-        self.since = 0.0
-
-    def failed(self, error: str, now: float) -> None:
-        if not self.failures:
-            self.since = now
-            if self.backoff:
-                log.error(self.event, error=error, backoff_s=ACCEPT_BACKOFF)
-            else:
-                log.error(self.event, error=error)
-        self.failures += 1
-
-    def accepted(self, now: float) -> None:
-        """After an accept that worked (callers check `failures` first: it is the hot path)."""
-        log.info(self.resumed, failures=self.failures,
-                 duration_s=round(now - self.since, 3))
-        self.failures = 0
 
 
 #: How long a backend may take to take the whole head (PROXY header + ClientHello, at
@@ -283,7 +249,7 @@ class Router:
         self._runners: Runners = Runners(None)  # handler tasks for handed-over connections
         self._edge: Any = None  # the epoll engine (net/edge.py) while serving
         #: One for the process's every listener, engine's or task's: fds run out for all.
-        self.accept_episode = AcceptEpisode()
+        self.accept_episode = ShortageEpisode()
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
         self.update(config)
@@ -419,7 +385,7 @@ class Router:
             self._admit(stream.socket, _peer(stream.socket), handlers)
 
     async def _accept_failed(self, exc: OSError) -> None:
-        if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+        if exc.errno not in CAPACITY_ERRNOS:
             raise exc
         self.stats.rejections.labels("accept_" + errno.errorcode[exc.errno]).inc()
         self.accept_episode.failed(errno.errorcode[exc.errno], trio.current_time())

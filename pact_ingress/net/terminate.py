@@ -33,8 +33,8 @@ the same story on each, whichever the version:
    `max_requests_in_flight_per_ip` requests toward the node at once (429 beyond), so one
    IP cannot take a route's upstream pool from everyone else.
 8. **Upstream** (`net.upstream`): pinned mTLS, pooled; typed failures → 503 +
-   Retry-After (node offline), 502 (pin or TLS failure, broken HTTP), 504 (no response
-   headers in time).
+   Retry-After (node offline, or the edge out of fds to reach it), 502 (pin or TLS
+   failure, broken HTTP), 504 (no response headers in time).
 9. **Response** streams back chunk by chunk (SSE works), each chunk bounded by the
    client write deadline; a client that goes away cancels the upstream request; a node
    that breaks mid-body makes the client see a failure (HTTP/1.1 connection dropped,
@@ -70,6 +70,7 @@ from pact_ingress.net.upstream import (
     DEFAULT_HEADER_TIMEOUT,
     NodeUnreachable,
     Upstream,
+    UpstreamBusy,
     UpstreamError,
     UpstreamResponse,
     UpstreamTimeout,
@@ -678,6 +679,8 @@ def _busy(refused: Refused) -> _Answer:
 
 
 def _upstream_answer(route: Route, exc: UpstreamError) -> _Answer:
+    if isinstance(exc, UpstreamBusy):  # logged once per shortage by the pool
+        return _busy(Refused.TOTAL)
     if isinstance(exc, NodeUnreachable):
         log.warning("node_unreachable", route=route.host, error=str(exc))
         return _Answer.text(503, "the home node is offline",

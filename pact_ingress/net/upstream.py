@@ -75,13 +75,14 @@ from dataclasses import dataclass, field
 
 import trio
 
-from pact_ingress.errors import BackendError
+from pact_ingress.errors import BackendError, EdgeShortage
 from pact_ingress.identity import Identity, PinMismatch, check_pin, pinned_client_context
 from pact_ingress.logs import log
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.deadlines import clock
 from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
+from pact_ingress.net.shortage import ShortageEpisode
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
 #: Time to response headers once the request body has been sent (→ 504 to the caller).
@@ -119,6 +120,13 @@ class UpstreamError(BackendError):
 
 class NodeUnreachable(UpstreamError):
     """The backend could not be reached (address down, tunnel not connected)."""
+
+    status = 503
+
+
+class UpstreamBusy(UpstreamError):
+    """The edge had no fd (or kernel memory) for a connection to the node: its own
+    shortage, which a client should retry shortly; the node may well be up."""
 
     status = 503
 
@@ -322,8 +330,13 @@ class _Pool:
                 stream = await up.backends.connect(self.route)
         except trio.TooSlowError as exc:
             raise NodeUnreachable(f"backend {self.route.backend} did not answer") from exc
+        except EdgeShortage as exc:
+            up.shortage.failed(str(exc), trio.current_time())
+            raise UpstreamBusy(str(exc)) from exc
         except BackendError as exc:
             raise NodeUnreachable(str(exc)) from exc
+        if up.shortage.failures:
+            up.shortage.accepted(trio.current_time())
         conn = _Conn(stream, up.context, sni, self.sessions.get(sni))
         try:
             with trio.fail_after(up.connect_timeout):
@@ -414,6 +427,9 @@ class Upstream:
         self.header_timeout = header_timeout
         self.connect_timeout = connect_timeout
         self.context = pinned_client_context(identity, alpn=ALPN)
+        #: node connections that found no fd: one line when that starts, one when it ends
+        self.shortage = ShortageEpisode("upstream_no_fds", backoff=False,
+                                        resumed="upstream_fds_back")
         self._pools: dict[PoolKey, _Pool] = {}
         self._retired: list[_Pool] = []
         self._keys: dict[int, tuple[Route, tuple[str, ...], PoolKey]] = {}
