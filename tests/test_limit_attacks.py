@@ -1,0 +1,354 @@
+"""Hostile clients against the call budgets, end to end through a real `serve`.
+
+A module-wide `serve` runs with tiny budgets (10 calls an hour per IP and per (IP, key):
+a burst of 5, then one call every 6 minutes), so within a test's few seconds the budget
+promise of `proto.ratelimit` — over any window of W seconds at most B + W/T calls pass —
+means: at most 5 calls from one client address reach the node, whatever the client does.
+What reached the node is counted by the recording node itself. Each test takes its own
+client addresses (127.0.N.x), so the tests do not spend each other's buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from pact_ingress.model import RedisSettings
+from pact_ingress.proto.ratelimit import ALLOWED, Budget, Limited
+from pact_ingress.state.redis import RedisState
+from pact_ingress.stats import Stats
+from tests.redis_server import RedisServer
+
+from tests.terminate_env import (
+    HOST,
+    OPT_HOST,
+    H2Conn,
+    H2Result,
+    ServeEnv,
+    exchange,
+    forget,
+    read_response,
+    refusal_code,
+    request_bytes,
+    rpc,
+    tls_socket,
+)
+
+#: 10 calls/hour → burst 5, emission interval 360 s: no refill during a test.
+RATE = 10
+BURST = 5
+LIMITS = {"calls_per_hour_per_ip": RATE, "calls_per_hour_per_ip_key": RATE}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
+    env = ServeEnv.start(tmp_path_factory.mktemp("limits"), limits=LIMITS)
+    yield env
+    env.stop()
+
+
+@pytest.fixture
+def env(shared: ServeEnv) -> ServeEnv:
+    return shared.fresh()
+
+
+def reached(env: ServeEnv, source: str) -> int:
+    """Requests from `source` the node received (the edge names the client in
+    `Forwarded: for=…`)."""
+    return sum(1 for r in env.node.requests()
+               if any(f"for={source}" in v or f'for="{source}' in v
+                      for v in r.header_values("forwarded")))
+
+
+def calls_reached(env: ServeEnv, source: str) -> int:
+    """JSON-RPC elements (each a call) from `source` the node received; 1 per non-RPC
+    request."""
+    total = 0
+    for r in env.node.requests():
+        if any(f"for={source}" in v or f'for="{source}' in v
+               for v in r.header_values("forwarded")):
+            total += max(1, len(r.rpc_elements()))
+    return total
+
+
+def get(env: ServeEnv, source: str, path: str = "/whole", *, host: str = HOST,
+        headers: tuple[tuple[str, str], ...] = ()) -> int:
+    resp = exchange(env.serve.port, request_bytes("GET", path, host, headers=headers),
+                    host=host, source=source)
+    return resp.status
+
+
+def read_all(sock: ssl.SSLSocket, count: int) -> list[int]:
+    """Up to `count` pipelined answers' statuses, until the edge closes."""
+    out: list[int] = []
+    for _ in range(count):
+        try:
+            out.append(read_response(sock).status)
+        except (OSError, ConnectionError):
+            break
+    return out
+
+
+def h2_burst(port: int, source: str, n: int, path: str = "/whole") -> list[H2Result]:
+    """`n` GET streams opened in one write on one HTTP/2 connection, all answered."""
+    conn = H2Conn(port, HOST, source=source)
+    try:
+        sids = []
+        for _ in range(n):
+            sid = conn.conn.get_next_available_stream_id()
+            conn._results[sid] = H2Result(None, [], b"")
+            conn.conn.send_headers(sid, [
+                (b":method", b"GET"), (b":scheme", b"https"),
+                (b":authority", HOST.encode()), (b":path", path.encode())], end_stream=True)
+            sids.append(sid)
+        conn.sock.sendall(conn.conn.data_to_send())
+        conn._pump(until=lambda: all(s in conn._done for s in sids), timeout=20)
+        return [conn._results.pop(s) for s in sids]
+    finally:
+        conn.close()
+
+
+# --- 1. the burst is the ceiling, whatever the framing -------------------------------
+
+
+def test_http1_keepalive_pipelining_and_many_connections_share_one_burst(
+        env: ServeEnv) -> None:
+    source = "127.0.1.2"
+    statuses: list[int] = []
+    # keep-alive: one after another on one connection
+    sock = tls_socket(env.serve.port, HOST, source=source)
+    try:
+        for _ in range(3):
+            sock.sendall(request_bytes("GET", "/whole", HOST))
+            statuses.append(read_response(sock).status)
+    finally:
+        forget(sock)
+    # pipelining: eight requests in one write
+    sock = tls_socket(env.serve.port, HOST, source=source)
+    try:
+        sock.sendall(b"".join(request_bytes("GET", f"/whole?p={i}", HOST) for i in range(8)))
+        statuses += read_all(sock, 8)
+    finally:
+        forget(sock)
+    # many connections
+    statuses += [get(env, source) for _ in range(6)]
+    assert statuses.count(200) == BURST, statuses
+    assert set(statuses) == {200, 429}, statuses
+    assert reached(env, source) == BURST
+
+
+def test_http2_streams_opened_at_once_share_one_burst(env: ServeEnv) -> None:
+    """Forty streams in one write on one connection, and again on a second: the checks
+    run concurrently, yet no more than the burst reaches the node."""
+    source = "127.0.2.2"
+    results = h2_burst(env.serve.port, source, 40) + h2_burst(env.serve.port, source, 40)
+    statuses = [r.status for r in results]
+    assert statuses.count(200) == BURST, statuses
+    assert set(statuses) == {200, 429}, statuses
+    assert reached(env, source) == BURST
+
+
+# --- JSON-RPC batches: each element is a call --------------------------------------------
+
+
+def batch(n: int, start: int = 0) -> bytes:
+    return json.dumps([json.loads(rpc("tools/list", rpc_id=start + i))
+                       for i in range(n)]).encode()
+
+
+def post_mcp(env: ServeEnv, source: str, body: bytes, host: str = OPT_HOST):
+    return exchange(env.serve.port, request_bytes("POST", "/mcp", host, body=body),
+                    host=host, source=source)
+
+
+def test_batch_elements_each_spend_a_call(env: ServeEnv) -> None:
+    source = "127.0.3.2"
+    first = post_mcp(env, source, batch(3))
+    assert first.status == 200 and refusal_code(first.body) is None, first.body
+    second = post_mcp(env, source, batch(3, 10))  # 3 + 3 > burst: refused whole
+    assert refusal_code(second.body) == "rate_limited", second.body
+    assert [e.get("id") for e in json.loads(second.body)] == [10, 11, 12]
+    # the refused batch spent its head's unit (refusals are metered): 3 + 1 spent
+    assert refusal_code(post_mcp(env, source, batch(2, 20)).body) == "rate_limited"
+    # ...and so did that one: the bucket is empty
+    assert post_mcp(env, source, rpc("tools/list")).code == "rate_limited"
+    assert calls_reached(env, source) == 3
+
+
+def test_a_batch_larger_than_the_burst_is_admitted_from_a_full_bucket(env: ServeEnv) -> None:
+    """proto.ratelimit: a batch costing more than B "is admitted when the bucket is full
+    and leaves the bucket in debt, so the caller pays afterwards instead of being
+    refused forever". The edge prepays one IP unit at the request head; that unit must
+    not turn a full bucket into one that refuses the batch for ever."""
+    source = "127.0.4.2"
+    big = post_mcp(env, source, batch(BURST + 2))
+    assert big.status == 200 and refusal_code(big.body) is None, big.body
+    assert calls_reached(env, source) == BURST + 2
+    # ...and the debt is paid afterwards: nothing more passes now
+    assert post_mcp(env, source, rpc("tools/list")).code == "rate_limited"
+    assert get(env, source) == 429
+    assert calls_reached(env, source) == BURST + 2
+
+
+# --- refusals and aborted requests spend the unit; nothing more reaches the node ---------
+
+
+def test_refused_and_aborted_requests_spend_budget_and_reach_nothing(env: ServeEnv) -> None:
+    source = "127.0.5.2"
+    # refused by the posture (unsealed tools/call on a seal: required route)
+    unsealed = rpc("tools/call", {"name": "send_message", "arguments": {"text": "x"}})
+    assert post_mcp(env, source, unsealed, host=HOST).code == "seal_required"
+    # refused: JSON outside mcp_path
+    assert exchange(env.serve.port, request_bytes("POST", "/other", HOST, body=b"{}"),
+                    source=source).status == 403
+    # aborted midway: a declared body never finished
+    for _ in range(2):
+        sock = tls_socket(env.serve.port, HOST, source=source)
+        head = request_bytes("POST", "/mcp", HOST, body=b"x" * 100)
+        sock.sendall(head[:-60])
+        time.sleep(0.05)
+        forget(sock)
+    # four units spent: one call left
+    assert get(env, source) == 200
+    assert get(env, source) == 429
+    assert reached(env, source) == 1
+
+
+# --- 3. the client address is the socket's -----------------------------------------------
+
+
+def test_forged_client_address_headers_buy_no_fresh_budget(env: ServeEnv) -> None:
+    source = "127.0.6.2"
+    statuses = []
+    for i in range(12):
+        forged = f"10.{i}.0.1"
+        statuses.append(get(env, source, headers=(
+            ("X-Forwarded-For", forged), ("Forwarded", f"for={forged}"),
+            ("X-Real-IP", forged), ("True-Client-IP", forged), ("X_Forwarded_For", forged))))
+    assert statuses.count(200) == BURST, statuses
+    assert reached(env, source) == BURST
+    for r in env.node.requests():
+        assert r.header_values("forwarded") == [
+            f"for={source};proto=https;host={HOST}"] or all(
+            "10." not in v for v in r.header_values("forwarded")), r.headers
+        assert not r.header_values("x-forwarded-for") and not r.header_values("x-real-ip")
+
+
+def test_a_proxy_protocol_header_is_not_read_when_not_configured(env: ServeEnv) -> None:
+    source = "127.0.7.2"
+    for i in range(3):
+        raw = socket.create_connection(("127.0.0.1", env.serve.port), timeout=5,
+                                       source_address=(source, 0))
+        try:
+            raw.sendall(f"PROXY TCP4 10.9.{i}.1 127.0.0.1 4000 443\r\n".encode())
+            raw.settimeout(5)
+            try:
+                while raw.recv(4096):
+                    pass
+            except OSError:
+                pass
+        finally:
+            raw.close()
+    statuses = [get(env, source) for _ in range(BURST + 2)]
+    assert statuses.count(200) == BURST, statuses
+    assert reached(env, source) == BURST
+
+
+# --- 4. a flood does not starve a bystander ----------------------------------------------
+
+
+def test_a_flooding_address_leaves_a_bystanders_budget_whole(env: ServeEnv) -> None:
+    attacker, bystander = "127.0.8.2", "127.0.8.3"
+    flood = h2_burst(env.serve.port, attacker, 60)
+    assert [r.status for r in flood].count(200) == BURST
+    statuses = [get(env, bystander) for _ in range(BURST)]
+    assert statuses == [200] * BURST
+    assert reached(env, bystander) == BURST
+
+
+# --- 5. the 429 answers and the counters -------------------------------------------------
+
+
+def refusals_rate_limited(env: ServeEnv) -> float:
+    total = 0.0
+    for line in env.serve.metrics().splitlines():
+        if line.startswith("pact_ingress_refusals_total{") and 'code="rate_limited"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_rate_limited_answers_on_both_versions_and_counters(env: ServeEnv) -> None:
+    source = "127.0.9.2"
+    before = refusals_rate_limited(env)
+    assert [get(env, source) for _ in range(BURST)] == [200] * BURST
+    # HTTP/1.1, not JSON-RPC: plain 429 with Retry-After
+    plain = exchange(env.serve.port, request_bytes("GET", "/whole", HOST), source=source)
+    assert plain.status == 429
+    assert int(plain.header("retry-after") or 0) >= 1
+    # HTTP/1.1, JSON-RPC: a rate_limited tool error with retry_after, id null
+    # (its own route, its own bucket: spend it first)
+    for _ in range(BURST):
+        post_mcp(env, source, rpc("tools/list"), host=OPT_HOST)
+    mcp = post_mcp(env, source, rpc("tools/list", rpc_id=7), host=OPT_HOST)
+    assert mcp.status == 200, mcp.status_line
+    doc = json.loads(mcp.body)
+    assert doc["id"] is None
+    assert doc["result"]["structuredContent"]["code"] == "rate_limited"
+    retry = doc["result"]["structuredContent"]["retry_after"]
+    assert isinstance(retry, int) and retry >= 1
+    assert mcp.header("retry-after") == str(retry)
+    # HTTP/2: the same answers
+    h2 = h2_burst(env.serve.port, source, 3)
+    assert all(r.status == 429 and int(dict(r.headers)["retry-after"]) >= 1 for r in h2), h2
+    conn = H2Conn(env.serve.port, OPT_HOST, source=source)
+    try:
+        r = conn.request("POST", "/mcp", body=rpc("tools/list", rpc_id=8))
+    finally:
+        conn.close()
+    assert r.status == 200 and r.code == "rate_limited", r
+    assert dict(r.headers)["retry-after"] == str(
+        json.loads(r.body)["result"]["structuredContent"]["retry_after"])
+    # every refusal counted once; nothing was forwarded and no in-flight slot is held
+    refused = 1 + 1 + 3 + 1
+    deadline = time.monotonic() + 10
+    while refusals_rate_limited(env) - before < refused and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert refusals_rate_limited(env) - before == refused
+    assert reached(env, source) == 2 * BURST
+    assert env.serve.wait_open_connections(0) == 0
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+async def test_shared_budget_admits_a_batch_larger_than_the_burst_too(
+        redis: RedisServer) -> None:
+    """The same promise kept in Redis: the head's prepaid unit, then a batch over the
+    burst from a full bucket, is admitted once and leaves a debt."""
+    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=0.5,
+                             encryption_key_file=Path("/nonexistent"))
+    state = RedisState(settings, Stats(), probe_interval=0.05)
+    budget = Budget(RATE, RATE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: state.run(task_status=task_status))
+        assert state.healthy, state.last_error
+        limiter = state.limiter
+        head = await limiter.decide("192.0.2.9", [None], budget=budget, scope="batch.test")
+        assert head == ALLOWED
+        big = await limiter.decide("192.0.2.9", [None] * (BURST + 2), budget=budget,
+                                   scope="batch.test", prepaid=1)
+        assert big == ALLOWED
+        after = await limiter.decide("192.0.2.9", [None], budget=budget, scope="batch.test")
+        assert isinstance(after, Limited)
+        nursery.cancel_scope.cancel()
