@@ -193,7 +193,7 @@ def test_a_batch_larger_than_the_burst_is_admitted_from_a_full_bucket(env: Serve
     assert calls_reached(env, source) == BURST + 2
     # ...and the debt is paid afterwards: nothing more passes now
     assert post_mcp(env, source, rpc("tools/list")).code == "rate_limited"
-    assert get(env, source) == 429
+    assert get(env, source, host=OPT_HOST) == 429
     assert calls_reached(env, source) == BURST + 2
 
 

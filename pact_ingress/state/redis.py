@@ -116,8 +116,8 @@ if TYPE_CHECKING:
     from pact_ingress.state.acme import RedisAcmeStore
 
 #: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
-#: float slack; then per bucket: cost, emission interval, burst. Returns 'ok' (every
-#: bucket charged) or the worst wait in seconds (nothing charged). Numbers cross as
+#: float slack; then per bucket: cost, emission interval, burst, fit (see `_demands`).
+#: Returns 'ok' (every bucket charged) or the worst wait in seconds (nothing charged). Numbers cross as
 #: '%.17g' text, which round-trips a double exactly, so the arithmetic is bit for bit
 #: the pure limiter's (same operations, same order).
 GCRA_SCRIPT = """
@@ -134,17 +134,17 @@ local eps = tonumber(ARGV[2])
 local starts = {}
 local worst = nil
 for i, key in ipairs(KEYS) do
-  local at = 2 + (i - 1) * 3
-  local cost, interval, burst = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
-                                tonumber(ARGV[at + 3])
+  local at = 2 + (i - 1) * 4
+  local interval, burst, fit = tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]),
+                               tonumber(ARGV[at + 4])
   local start = math.max(tonumber(redis.call('GET', key)) or now, now)
   starts[i] = start
-  local wait = start + math.min(cost, burst) * interval - burst * interval - now
+  local wait = start + fit * interval - burst * interval - now
   if worst == nil or wait > worst then worst = wait end
 end
 if worst > eps then return string.format('%.17g', worst) end
 for i, key in ipairs(KEYS) do
-  local at = 2 + (i - 1) * 3
+  local at = 2 + (i - 1) * 4
   local tat = starts[i] + tonumber(ARGV[at + 1]) * tonumber(ARGV[at + 2])
   if own_clock then
     redis.call('SET', key, string.format('%.17g', tat), 'PX', math.ceil((tat - now) * 1000))
@@ -385,9 +385,9 @@ class RedisLimiter:
             return ALLOWED
         names: list[str] = []
         args: list[str] = ["" if now is None else repr(float(now)), repr(_EPSILON)]
-        for bucket, (cost, interval, burst) in demands.items():
+        for bucket, (cost, interval, burst, fit) in demands.items():
             names.append(self._name(scope, client, bucket))
-            args += [str(cost), repr(interval), str(burst)]
+            args += [str(cost), repr(interval), str(burst), str(fit)]
         turns = self._turns
         try:
             turns.acquire_nowait()  # the usual case: a turn is free, no scope to enter
