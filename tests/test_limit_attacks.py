@@ -10,6 +10,7 @@ client addresses (127.0.N.x), so the tests do not spend each other's buckets.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import ssl
@@ -21,7 +22,9 @@ import pytest
 import trio
 
 from pact_ingress.model import RedisSettings
-from pact_ingress.proto.ratelimit import ALLOWED, Budget, Limited
+from pact_ingress.identity import keygen
+from pact_ingress.proto.ratelimit import ALLOWED, Budget, Limited, RateLimiter
+from pact_ingress.proto.workers import worker_for
 from pact_ingress.state.redis import RedisState
 from pact_ingress.stats import Stats
 from tests.redis_server import RedisServer
@@ -38,6 +41,7 @@ from tests.terminate_env import (
     refusal_code,
     request_bytes,
     rpc,
+    sealed_call_body,
     tls_socket,
 )
 
@@ -352,3 +356,101 @@ async def test_shared_budget_admits_a_batch_larger_than_the_burst_too(
         after = await limiter.decide("192.0.2.9", [None], budget=budget, scope="batch.test")
         assert isinstance(after, Limited)
         nursery.cancel_scope.cancel()
+
+
+# --- caller keys: minting new ones never escapes the IP ceiling --------------------------
+
+
+def test_minting_caller_keys_never_escapes_the_ip_ceiling(env: ServeEnv) -> None:
+    source = "127.0.11.2"
+    answers = []
+    for i in range(BURST + 3):
+        ids = dataclasses.replace(env.ids, caller=keygen(
+            env.tmp / f"mint{i}.key", ed25519_key=True, common_name=f"mint{i}"))
+        body = sealed_call_body(ids, msg_id=f"mint-{i}", rpc_id=i)
+        answers.append(post_mcp(env, source, body, host=HOST).code)
+    assert answers == [None] * BURST + ["rate_limited"] * 3, answers
+    assert calls_reached(env, source) == BURST
+
+
+def test_one_caller_key_is_held_to_its_pair_budget_across_addresses(env: ServeEnv) -> None:
+    """The (IP, key) budget is per address, the ceiling per address too: one key from
+    two addresses gets a budget at each, never more than the burst at either."""
+    answers = {}
+    for source in ("127.0.12.2", "127.0.12.3"):
+        answers[source] = [post_mcp(env, source, sealed_call_body(
+            env.ids, msg_id=f"pair-{source}-{i}", rpc_id=i), host=HOST).code
+            for i in range(BURST + 1)]
+        assert answers[source] == [None] * BURST + ["rate_limited"], answers
+        assert calls_reached(env, source) == BURST
+
+
+# --- 6. a reload changing a budget -------------------------------------------------------
+
+
+def test_a_budget_changed_back_by_reload_finds_its_buckets_as_left(tmp_path: Path) -> None:
+    """README: a new budget starts each client from a full bucket; a budget changed back
+    finds its buckets as they were left (so flipping a budget to and fro does not
+    refill a throttled client)."""
+    env = ServeEnv.start(tmp_path, limits=LIMITS)
+    try:
+        source = "127.0.13.2"
+        assert [get(env, source) for _ in range(BURST + 1)] == [200] * BURST + [429]
+        assert env.serve.reload(limits={**LIMITS, "calls_per_hour_per_ip": 20}) == "reloaded"
+        # 20/hour: burst 5, a new bucket
+        assert [get(env, source) for _ in range(BURST + 1)] == [200] * BURST + [429]
+        assert env.serve.reload(limits=LIMITS) == "reloaded"
+        assert get(env, source) == 429
+        assert reached(env, source) == 2 * BURST
+    finally:
+        env.stop()
+
+
+# --- 2. worker processes: the budget is the instance's, not each worker's ---------------
+
+
+def test_with_two_workers_each_address_has_one_budget(tmp_path: Path) -> None:
+    env = ServeEnv.start(tmp_path, limits=LIMITS, workers=2)
+    try:
+        workers = env.serve.status().get("workers", [])
+        assert len(workers) == 2 and all(w["state"] == "ready" for w in workers), workers
+        # one address each worker serves, and one of them seen over many connections
+        # and both HTTP versions
+        sources: dict[int, str] = {}
+        for i in range(2, 60):
+            sources.setdefault(worker_for(f"127.0.14.{i}", 2), f"127.0.14.{i}")
+        assert len(sources) == 2
+        for source in sources.values():
+            statuses = [get(env, source) for _ in range(4)]
+            statuses += [r.status for r in h2_burst(env.serve.port, source, 10)]
+            assert statuses.count(200) == BURST, (source, statuses)
+            assert reached(env, source) == BURST
+    finally:
+        env.stop()
+
+
+# --- 4. a flood of fresh entries cannot evict a throttled client's debt -------------------
+
+
+def test_a_table_full_of_fresh_entries_keeps_a_knocking_clients_debt() -> None:
+    """The table's cap is 100 000 entries, more than a test can fill through TLS; the
+    LRU is the pure limiter's, so it is driven here with a cap of 16: a throttled client
+    keeps knocking while a flood from fresh addresses and freshly minted keys overflows
+    the table. The knocking client's ceiling stays hot and keeps refusing it; a
+    bystander is served its whole burst."""
+    limiter = RateLimiter(RATE, RATE, max_entries=16)
+    budget = Budget(RATE, RATE)
+    now = 1000.0
+    attacker = "192.0.2.66"
+    passed = sum(limiter.check_calls(attacker, [f"k{i}"], now, budget=budget) == ALLOWED
+                 for i in range(BURST + 1))
+    assert passed == BURST
+    for i in range(400):
+        now += 0.01
+        flood = f"198.51.{i // 250}.{i % 250}"
+        assert limiter.check_calls(flood, [f"m{i}"], now, budget=budget) == ALLOWED
+        knock = limiter.check_calls(attacker, [f"n{i}"], now, budget=budget)
+        assert isinstance(knock, Limited), i
+        assert len(limiter) <= 16
+    assert all(limiter.check_calls("192.0.2.77", [None], now, budget=budget) == ALLOWED
+               for _ in range(BURST))
