@@ -14,6 +14,7 @@ import dataclasses
 import json
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,9 @@ from pact_ingress.proto.workers import worker_for
 from pact_ingress.state.redis import RedisState
 from pact_ingress.stats import Stats
 from tests.redis_server import RedisServer
+from tests.test_cluster_limits import BURST as CLUSTER_BURST
+from tests.test_cluster_limits import HOST as CLUSTER_HOST
+from tests.test_cluster_limits import Instance, cluster  # noqa: F401 (a fixture)
 
 from tests.terminate_env import (
     HOST,
@@ -454,3 +458,54 @@ def test_a_table_full_of_fresh_entries_keeps_a_knocking_clients_debt() -> None:
         assert len(limiter) <= 16
     assert all(limiter.check_calls("192.0.2.77", [None], now, budget=budget) == ALLOWED
                for _ in range(BURST))
+
+
+# --- with Redis: two instances, concurrent streams at both, one budget --------------------
+
+
+def _h2_burst_at(instance: Instance, source: str, n: int) -> list[int | None]:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    raw = socket.create_connection((instance.address, instance.tls_port), timeout=20,
+                                   source_address=(source, 0))
+    conn = H2Conn.__new__(H2Conn)
+    conn._start(context.wrap_socket(raw, server_hostname=CLUSTER_HOST), CLUSTER_HOST)
+    try:
+        sids = []
+        for _ in range(n):
+            sid = conn.conn.get_next_available_stream_id()
+            conn._results[sid] = H2Result(None, [], b"")
+            conn.conn.send_headers(sid, [
+                (b":method", b"GET"), (b":scheme", b"https"),
+                (b":authority", CLUSTER_HOST.encode()), (b":path", b"/")], end_stream=True)
+            sids.append(sid)
+        conn.sock.sendall(conn.conn.data_to_send())
+        conn._pump(until=lambda: all(s in conn._done for s in sids), timeout=20)
+        return [conn._results.pop(s).status for s in sids]
+    finally:
+        conn.close()
+
+
+def test_streams_at_two_instances_at_once_share_one_redis_budget(
+        cluster: tuple[RedisServer, list[Instance]]) -> None:
+    """Thirty streams opened at once on each of two instances (each with its worker
+    processes) from one address: the decisions race in Redis, and one burst passes in
+    all (503: charged and passed, the node is offline)."""
+    _, instances = cluster
+    source = "127.0.15.2"
+    results: dict[int, list[int | None]] = {}
+
+    def run(i: int) -> None:
+        results[i] = _h2_burst_at(instances[i], source, 30)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    statuses = results[0] + results[1]
+    assert len(statuses) == 60, results
+    assert set(statuses) <= {429, 503}, statuses
+    assert statuses.count(503) == CLUSTER_BURST, statuses
