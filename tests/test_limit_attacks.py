@@ -210,6 +210,23 @@ def test_a_batch_larger_than_the_burst_is_admitted_from_a_full_bucket(env: Serve
     assert calls_reached(env, source) == BURST + 2
 
 
+def test_a_refused_batch_is_told_when_it_would_fit(env: ServeEnv) -> None:
+    """A batch refused after its head's unit was charged: `retry_after` must be when
+    the same batch would pass, and a retry pays a head unit again (the refused one's
+    stays spent). 3 calls spent, one free unit: the head takes it, the other two
+    elements do not fit; the same batch sent again needs all three of its units,
+    two intervals (720 s) away, not one."""
+    source = "127.0.17.2"
+    for i in range(3):
+        assert post_mcp(env, source, rpc("tools/list", rpc_id=i)).code is None
+    refused = post_mcp(env, source, batch(3, 10))
+    assert refused.code == "rate_limited"
+    retry = json.loads(refused.body)[0]["result"]["structuredContent"]["retry_after"]
+    interval = 3600 // RATE
+    assert retry > 1.5 * interval, retry
+    assert refused.header("retry-after") == str(retry)
+
+
 # --- refusals and aborted requests spend the unit; nothing more reaches the node ---------
 
 
@@ -595,3 +612,58 @@ def test_with_two_workers_a_stalled_worker_does_not_buy_a_second_budget(
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
+
+
+def _follow_retry_after(decide) -> list[str]:  # type: ignore[no-untyped-def]
+    """A client that sends a 3-element batch (a head unit, then the rest) from an
+    address with 3 of its 5 calls spent, and whenever refused comes back exactly
+    `retry_after` seconds later; the outcomes of its attempts."""
+    out = []
+    now = 1_000_000.0
+    for _ in range(3):
+        assert decide([None], now, 0) == ALLOWED
+        now += 1
+    for _ in range(4):
+        decision = decide([None], now, 0)
+        if decision == ALLOWED:
+            decision = decide([None] * 3, now, 1)
+        out.append("ok" if decision == ALLOWED else f"retry {decision.retry_after}")
+        if decision == ALLOWED:
+            break
+        now += decision.retry_after
+    return out
+
+
+def test_a_client_following_retry_after_is_served() -> None:
+    limiter = RateLimiter(RATE, RATE)
+    budget = Budget(RATE, RATE)
+    outcomes = _follow_retry_after(lambda keys, now, prepaid: limiter.check_calls(
+        "192.0.2.40", keys, now, budget=budget, prepaid=prepaid))
+    assert outcomes[-1] == "ok", outcomes
+    assert len(outcomes) == 2, outcomes
+
+
+async def test_a_client_following_retry_after_is_served_by_the_shared_budget(
+        redis: RedisServer) -> None:
+    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=0.5,
+                             encryption_key_file=Path("/nonexistent"))
+    state = RedisState(settings, Stats(), probe_interval=0.05)
+    budget = Budget(RATE, RATE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: state.run(task_status=task_status))
+        answers: list[object] = []
+
+        async def decide_async(keys, now, prepaid) -> None:  # type: ignore[no-untyped-def]
+            answers.append(await state.limiter.decide(
+                "192.0.2.41", keys, budget=budget, scope="follow.test",
+                prepaid=prepaid, now=now))
+
+        def decide(keys, now, prepaid):  # type: ignore[no-untyped-def]
+            # the script's decision on an explicit clock, from the client's thread
+            trio.from_thread.run(decide_async, keys, now, prepaid)
+            return answers[-1]
+
+        outcomes = await trio.to_thread.run_sync(_follow_retry_after, decide)
+        nursery.cancel_scope.cancel()
+    assert outcomes[-1] == "ok", outcomes
+    assert len(outcomes) == 2, outcomes
