@@ -210,6 +210,32 @@ def test_a_batch_larger_than_the_burst_is_admitted_from_a_full_bucket(env: Serve
     assert calls_reached(env, source) == BURST + 2
 
 
+def test_over_budget_is_answered_without_reading_the_body(env: ServeEnv) -> None:
+    """README: a client over its IP ceiling is answered at the head, the body neither
+    read nor parsed: a 10 MB upload announced and never sent is answered at once."""
+    source = "127.0.18.2"
+    for i in range(BURST):
+        assert post_mcp(env, source, rpc("tools/list", rpc_id=i)).code is None
+    head = request_bytes("POST", "/mcp", OPT_HOST, body=b"x" * 10)
+    head = head.replace(b"Content-Length: 10", b"Content-Length: 10000000")[:-10]
+    sock = tls_socket(env.serve.port, OPT_HOST, source=source)
+    try:
+        sock.sendall(head)
+        resp = read_response(sock)
+    finally:
+        forget(sock)
+    assert resp.status == 200 and resp.code == "rate_limited", resp
+    assert (resp.header("connection") or "").lower() == "close"
+    conn = H2Conn(env.serve.port, OPT_HOST, source=source)
+    try:
+        sid = conn.open_stream("POST", "/mcp", length=10_000_000)
+        result = conn.wait(sid)
+    finally:
+        conn.close()
+    assert result.status == 200 and result.code == "rate_limited", result
+    assert calls_reached(env, source) == BURST
+
+
 def test_a_refused_batch_is_told_when_it_would_fit(env: ServeEnv) -> None:
     """A batch refused after its head's unit was charged: `retry_after` must be when
     the same batch would pass, and a retry pays a head unit again (the refused one's
