@@ -117,9 +117,9 @@ if TYPE_CHECKING:
 
 #: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
 #: float slack; then per bucket: cost, emission interval, burst, prepaid (`_demands`).
-#: Returns 'ok' (every bucket charged) or the retry wait in seconds (nothing charged). Numbers cross as
-#: '%.17g' text, which round-trips a double exactly, so the arithmetic is bit for bit
-#: the pure limiter's (same operations, same order).
+#: Returns 'ok' (every bucket charged) or the retry wait in seconds (nothing charged).
+#: Numbers cross as '%.17g' text, which round-trips a double exactly, so the arithmetic
+#: is bit for bit the pure limiter's (same operations, same order).
 GCRA_SCRIPT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local now
