@@ -33,7 +33,10 @@ figure is the sustained rate, a full bucket adds at most a tenth on top.
 
 A batch costing more than ``B`` would never fit; it is admitted when the bucket is full
 and leaves the bucket in debt (``tat`` far ahead), so the caller pays afterwards instead
-of being refused forever.
+of being refused forever. Units the request prepaid (the edge's one IP unit at the head)
+count towards that fill: a bucket that was full before them admits the rest. A refusal's
+``retry_after`` counts them again: the refused request's prepaid units stay spent, and
+its retry prepays anew, so the wait is until the bucket holds the whole request.
 
 Per-route limits: one limiter serves the whole process; each call names its ``scope``
 (the route's host) and the route's ``Budget``. Buckets of different scopes never mix,
@@ -204,11 +207,14 @@ class RateLimiter:
         self._sweep(now)
         if not demands:
             return ALLOWED
-        worst = max(self._wait(bucket, *demand, now) for bucket, demand in demands.items())
-        if worst > _EPSILON:
+        waits = [(self._wait(bucket, *demand, now), demand[3] * demand[1])
+                 for bucket, demand in demands.items()]
+        if max(wait for wait, _ in waits) > _EPSILON:
             self._touch(demands)
+            # (see the module docstring: a retry prepays its units again)
+            worst = max(wait + again for wait, again in waits)
             return Limited(max(1, math.ceil(worst - _EPSILON)))
-        for bucket, (cost, interval, _) in demands.items():
+        for bucket, (cost, interval, _, _) in demands.items():
             self._charge(bucket, max(self._tat.get(bucket, now), now) + cost * interval)
         return ALLOWED
 
@@ -222,7 +228,7 @@ class RateLimiter:
         interval, burst = SECONDS_PER_HOUR / ceiling, burst_for(ceiling)
         bucket: BucketId = ("ip", scope, ip, None, ceiling)
         self._sweep(now)
-        wait = self._wait(bucket, 1, interval, burst, now)
+        wait = self._wait(bucket, 1, interval, burst, 0, now)
         if wait > _EPSILON:
             self._touch((bucket,))
             return Limited(max(1, math.ceil(wait - _EPSILON)))
@@ -233,15 +239,16 @@ class RateLimiter:
     def _demands(
         ip: str | None, per_key: Counter[str | None], budget: Budget, scope: str,
         prepaid: int = 0,
-    ) -> dict[BucketId, tuple[int, float, int]]:
-        """bucket → (cost, emission interval, burst) for this request."""
+    ) -> dict[BucketId, tuple[int, float, int, int]]:
+        """bucket → (cost, emission interval, burst, prepaid) for this request: `cost`
+        still to charge, after the `prepaid` units this request already charged there."""
         pair_interval = SECONDS_PER_HOUR / budget.per_ip_key_per_hour
         pair_burst = burst_for(budget.per_ip_key_per_hour)
-        demands: dict[BucketId, tuple[int, float, int]] = {}
+        demands: dict[BucketId, tuple[int, float, int, int]] = {}
         for key, count in per_key.items():
             if key is not None and count > 0:
                 demands[("pair", scope, ip, key, budget.per_ip_key_per_hour)] = (
-                    count, pair_interval, pair_burst)
+                    count, pair_interval, pair_burst, 0)
         # The IP ceiling counts every call from a known IP; without an IP, only keyless
         # calls fall to the shared anonymous bucket (keyed calls have their key budget).
         ceiling_cost = sum(per_key.values()) if ip is not None else per_key.get(None, 0)
@@ -249,14 +256,17 @@ class RateLimiter:
         if ceiling_cost > 0:
             ceiling = budget.per_ip_per_hour
             demands[("ip", scope, ip, None, ceiling)] = (
-                ceiling_cost, SECONDS_PER_HOUR / ceiling, burst_for(ceiling),
+                ceiling_cost, SECONDS_PER_HOUR / ceiling, burst_for(ceiling), prepaid,
             )
         return demands
 
-    def _wait(self, bucket: BucketId, cost: int, interval: float, burst: int, now: float) -> float:
-        """Seconds until `bucket` admits `cost` (≤ 0 when it admits now)."""
+    def _wait(self, bucket: BucketId, cost: int, interval: float, burst: int, prepaid: int,
+              now: float) -> float:
+        """Seconds until `bucket` admits `cost` (≤ 0 when it admits now). Over the burst
+        it admits from a full bucket, the request's `prepaid` units counted in."""
         start = max(self._tat.get(bucket, now), now)
-        return start + min(cost, burst) * interval - burst * interval - now
+        fit = min(cost, max(0, burst - prepaid))
+        return start + fit * interval - burst * interval - now
 
     def _touch(self, buckets: Iterable[BucketId]) -> None:
         """Mark buckets as recently used without charging them: a client that keeps

@@ -116,10 +116,10 @@ if TYPE_CHECKING:
     from pact_ingress.state.acme import RedisAcmeStore
 
 #: KEYS: the buckets. ARGV[1]: now in seconds, '' for Redis's own clock; ARGV[2]: the
-#: float slack; then per bucket: cost, emission interval, burst. Returns 'ok' (every
-#: bucket charged) or the worst wait in seconds (nothing charged). Numbers cross as
-#: '%.17g' text, which round-trips a double exactly, so the arithmetic is bit for bit
-#: the pure limiter's (same operations, same order).
+#: float slack; then per bucket: cost, emission interval, burst, prepaid (`_demands`).
+#: Returns 'ok' (every bucket charged) or the retry wait in seconds (nothing charged).
+#: Numbers cross as '%.17g' text, which round-trips a double exactly, so the arithmetic
+#: is bit for bit the pure limiter's (same operations, same order).
 GCRA_SCRIPT = """
 if redis.replicate_commands then redis.replicate_commands() end
 local now
@@ -133,18 +133,22 @@ end
 local eps = tonumber(ARGV[2])
 local starts = {}
 local worst = nil
+local retry = nil
 for i, key in ipairs(KEYS) do
-  local at = 2 + (i - 1) * 3
-  local cost, interval, burst = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
-                                tonumber(ARGV[at + 3])
+  local at = 2 + (i - 1) * 4
+  local cost, interval, burst, prepaid = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]),
+                                         tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4])
   local start = math.max(tonumber(redis.call('GET', key)) or now, now)
   starts[i] = start
-  local wait = start + math.min(cost, burst) * interval - burst * interval - now
+  local fit = math.min(cost, math.max(0, burst - prepaid))
+  local wait = start + fit * interval - burst * interval - now
   if worst == nil or wait > worst then worst = wait end
+  local again = wait + prepaid * interval
+  if retry == nil or again > retry then retry = again end
 end
-if worst > eps then return string.format('%.17g', worst) end
+if worst > eps then return string.format('%.17g', retry) end
 for i, key in ipairs(KEYS) do
-  local at = 2 + (i - 1) * 3
+  local at = 2 + (i - 1) * 4
   local tat = starts[i] + tonumber(ARGV[at + 1]) * tonumber(ARGV[at + 2])
   if own_clock then
     redis.call('SET', key, string.format('%.17g', tat), 'PX', math.ceil((tat - now) * 1000))
@@ -385,9 +389,9 @@ class RedisLimiter:
             return ALLOWED
         names: list[str] = []
         args: list[str] = ["" if now is None else repr(float(now)), repr(_EPSILON)]
-        for bucket, (cost, interval, burst) in demands.items():
+        for bucket, (cost, interval, burst, prepaid_here) in demands.items():
             names.append(self._name(scope, client, bucket))
-            args += [str(cost), repr(interval), str(burst)]
+            args += [str(cost), repr(interval), str(burst), str(prepaid_here)]
         turns = self._turns
         try:
             turns.acquire_nowait()  # the usual case: a turn is free, no scope to enter
