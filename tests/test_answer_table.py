@@ -1,0 +1,430 @@
+"""The README's answer tables, row by row, against one real `serve` over real sockets.
+
+Each test pins the detail a row promises (the status and, where the row says so, the
+`Retry-After` value, the close, the JSON-RPC code, the alert number) on both HTTP versions
+where the row applies, for the rows no other test pins end to end. One serve and one
+recording node are shared by the module; each test comes from a source address of its own
+where a per-client budget could carry over.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.netutil import free_port
+from tests.terminate_env import (
+    HOST,
+    OPT_HOST,
+    WAIT,
+    H2Conn,
+    Serve,
+    ServeEnv,
+    client_context,
+    closed_by_peer,
+    forget,
+    make_identities,
+    read_response,
+    RecordingNode,
+    request_bytes,
+    rpc,
+    tls_socket,
+    unsealed_call_body,
+)
+
+#: A terminate route whose certificate comes from ACME, from a CA that never answers: it
+#: has no certificate for as long as the module runs.
+ACME_HOST = "pending.answers.test"
+MAX_BODY = 64 * 1024
+IN_FLIGHT = 2
+NO_ERROR = 0
+ALERT_INTERNAL_ERROR = 80
+
+
+@dataclass
+class AcmeServe(Serve):
+    """The rig's serve plus an ACME-certificate route whose order cannot complete."""
+
+    acme_port: int = 0
+
+    def render(self) -> str:
+        dead = self.acme_port
+        self.extra_routes = f"""\
+      - host: {ACME_HOST}
+        mode: terminate
+        backend: "127.0.0.1:{self.node.port}"
+        mcp_path: /mcp
+        cert: acme
+acme:
+  directory: https://127.0.0.1:{dead}/dir
+  email: ops@answers.test
+  agree_tos: yes
+  challenges: [tls-alpn-01]
+"""
+        return super().render()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
+    tmp = tmp_path_factory.mktemp("answers")
+    ids = make_identities(tmp)
+    node = RecordingNode(ids.node, client_ca=ids.ingress)
+    try:
+        serve = AcmeServe(tmp, node, ids.node.fingerprint,
+                          limits={"max_body_bytes": MAX_BODY,
+                                  "max_requests_in_flight_per_ip": IN_FLIGHT},
+                          acme_port=free_port())
+    except BaseException:
+        node.stop()
+        raise
+    e = ServeEnv(serve, node, ids, tmp)
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def fresh(env: ServeEnv) -> ServeEnv:
+    return env.fresh()
+
+
+_SOURCES = iter(f"127.0.{b}.{c}" for b in range(40, 60) for c in range(2, 250))
+
+
+def source() -> str:
+    """A loopback address no other test of this module has used: a clean per-IP budget."""
+    return next(_SOURCES)
+
+
+def h1(env: ServeEnv, raw: bytes, *, host: str = HOST, src: str | None = None,
+       close: bool = False) -> tuple[Any, bool]:
+    """One request on a fresh HTTP/1.1 connection: (the answer or None, and with `close`
+    whether the edge closed the connection after it)."""
+    sock = tls_socket(env.serve.port, host, source=src or source())
+    try:
+        sock.sendall(raw)
+        try:
+            resp = read_response(sock)
+        except ConnectionError:
+            return None, True
+        return resp, close and closed_by_peer(sock)
+    finally:
+        forget(sock)
+
+
+def h2(env: ServeEnv, method: str, path: str, *, host: str = HOST, src: str | None = None,
+       **kw: Any) -> Any:
+    conn = H2Conn(env.serve.port, host, source=src or source())
+    try:
+        return conn.request(method, path, **kw)
+    finally:
+        conn.close()
+
+
+def header(headers: list[tuple[str, str]], name: str) -> str | None:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+# --- target and head: 400 / 414 / 431 ------------------------------------------------------
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_target_over_8_kib_is_414(fresh: ServeEnv, http2: bool) -> None:
+    target = "/x" + "a" * (8 * 1024 + 16)
+    if http2:
+        status = h2(fresh, "GET", target).status
+    else:
+        resp, _ = h1(fresh, request_bytes("GET", target))
+        status = resp.status
+    assert status == 414, status
+    assert fresh.node.requests() == []
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_head_over_16_kib_is_431(fresh: ServeEnv, http2: bool) -> None:
+    padding = [(f"x-pad-{i}", "p" * 1000) for i in range(20)]  # ~20 KiB of fields
+    if http2:
+        status = h2(fresh, "GET", "/plain", headers=padding).status
+    else:
+        resp, _ = h1(fresh, request_bytes("GET", "/plain", headers=padding))
+        status = resp.status
+    assert status == 431, status
+    assert fresh.node.requests() == []
+
+
+TARGETS_400 = {
+    "asterisk": "*",
+    "fragment": "/plain#frag",
+    "userinfo": f"https://user@{HOST}/plain",
+    "not-ascii": "/pl\xe9in",
+    "bad-path-char": "/pl{ain}",
+}
+
+
+@pytest.mark.parametrize("case", list(TARGETS_400))
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_unreadable_targets_are_400(fresh: ServeEnv, http2: bool, case: str) -> None:
+    target = TARGETS_400[case]
+    if http2:
+        result = h2(fresh, "OPTIONS" if case == "asterisk" else "GET", target)
+        # a :path the RFC itself rules out may also end as a malformed request
+        assert result.status == 400 or result.reset == 1, (result.status, result.reset)
+    else:
+        raw = request_bytes("OPTIONS" if case == "asterisk" else "GET", "@@", HOST)
+        resp, _ = h1(fresh, raw.replace(b"@@", target.encode("latin-1")))
+        assert resp is not None and resp.status == 400, resp and resp.status_line
+    assert fresh.node.requests() == []
+
+
+def test_authority_form_connect_is_501_and_close(fresh: ServeEnv) -> None:
+    resp, closed = h1(fresh, close=True, raw=f"CONNECT {HOST}:443 HTTP/1.1\r\nHost: {HOST}:443\r\n\r\n"
+                      .encode())
+    assert resp is not None and resp.status == 501, resp and resp.status_line
+    assert closed
+    assert fresh.node.requests() == []
+
+
+# --- HTTP/1.1 framing: refused and closed ----------------------------------------------------
+
+FRAMING = {
+    "te-gzip": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
+                b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
+    "upgrade": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nConnection: upgrade\r\n"
+                b"Upgrade: websocket\r\n\r\n", 501),
+    "expect-other": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nExpect: 200-ok\r\n\r\n", 417),
+    "two-hosts": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nHost: %s\r\n\r\n", 400),
+    "bare-lf": (b"GET /plain HTTP/1.1\nHost: %s\n\n", 400),
+    "space-before-colon": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nX-A : b\r\n\r\n", 400),
+    "folded-field": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nX-A: b\r\n c\r\n\r\n", 400),
+}
+
+
+@pytest.mark.parametrize("case", list(FRAMING))
+def test_h1_framing_refusals_close_the_connection(fresh: ServeEnv, case: str) -> None:
+    raw, want = FRAMING[case]
+    raw = raw.replace(b"%s", HOST.encode())
+    resp, closed = h1(fresh, raw, close=True)
+    assert resp is not None and resp.status == want, resp and resp.status_line
+    assert closed, "connection kept open after a refused head"
+    assert fresh.node.requests() == []
+
+
+# --- scope: 405 / 415 / 403 / 400 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_mcp_path_other_method_or_body_is_405(fresh: ServeEnv, http2: bool) -> None:
+    cases = [("PUT", rpc("tools/list")), ("PATCH", rpc("tools/list")),
+             ("DELETE", rpc("tools/list")), ("OPTIONS", rpc("tools/list"))]
+    for method, body in cases:
+        if http2:
+            status = h2(fresh, method, "/mcp", body=body).status
+        else:
+            resp, _ = h1(fresh, request_bytes(method, "/mcp", body=body))
+            status = resp.status
+        assert status == 405, (method, status)
+    assert fresh.node.requests() == []
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_get_or_head_with_content_is_400(fresh: ServeEnv, http2: bool) -> None:
+    for method in ("GET", "HEAD"):
+        if http2:
+            status = h2(fresh, method, "/plain", body=b"abc", content_type="text/plain").status
+        else:
+            resp, _ = h1(fresh, request_bytes(method, "/plain", body=b"abc",
+                                              content_type="text/plain"))
+            status = resp.status
+        assert status == 400, (method, status)
+    assert fresh.node.requests() == []
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_content_encoding_twice_is_400(fresh: ServeEnv, http2: bool) -> None:
+    headers = [("content-encoding", "identity"), ("content-encoding", "identity")]
+    if http2:
+        status = h2(fresh, "POST", "/mcp", body=rpc("tools/list"), headers=headers).status
+    else:
+        resp, _ = h1(fresh, request_bytes("POST", "/mcp", body=rpc("tools/list"),
+                                          headers=headers))
+        status = resp.status
+    assert status == 400, status
+    assert fresh.node.requests() == []
+
+
+# --- Host: 421 / 400 --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_host_not_the_sni_is_421_and_disagreeing_names_400(fresh: ServeEnv,
+                                                             http2: bool) -> None:
+    if http2:
+        other = h2(fresh, "GET", "/plain", authority=OPT_HOST).status
+        both = h2(fresh, "GET", f"https://{OPT_HOST}/plain", headers=[("host", HOST)]).status
+    else:
+        other = h1(fresh, request_bytes("GET", "/plain", OPT_HOST))[0].status
+        both = h1(fresh, request_bytes("GET", f"https://{OPT_HOST}/plain", HOST))[0].status
+    assert other == 421, other
+    # on HTTP/2 a Host unlike :authority is a malformed request (reset) or 400
+    assert both in (400, 421) if http2 else both == 400, both
+    assert fresh.node.requests() == []
+
+
+# --- budgets: 413 early with its close, 429 with Retry-After: 1 --------------------------------
+
+
+def test_h1_body_over_the_cap_is_413_with_connection_close(fresh: ServeEnv) -> None:
+    body = b"x" * (MAX_BODY + 1)
+    resp, closed = h1(fresh, request_bytes("POST", "/upload", body=body,
+                                           content_type="application/octet-stream"), close=True)
+    assert resp is not None and resp.status == 413, resp and resp.status_line
+    assert (resp.header("connection") or "").lower() == "close", resp.headers
+    assert closed
+    assert fresh.node.requests() == []
+
+
+def test_h2_body_over_the_cap_is_413_then_rst_stream_no_error(fresh: ServeEnv) -> None:
+    conn = H2Conn(fresh.serve.port, HOST, source=source())
+    try:
+        sid = conn.open_stream("POST", "/upload", length=MAX_BODY + 1, first=b"x" * 1000)
+        result = conn.wait(sid)
+        assert result.status == 413, result
+        assert result.reset == NO_ERROR, result.reset
+        assert not result.goaway
+        # the connection stays usable for the next request
+        assert conn.request("GET", "/plain").status == 200
+    finally:
+        conn.close()
+
+
+def _held_h1(env: ServeEnv, src: str) -> ssl.SSLSocket:
+    """A request the node answers slowly (a chunk a second): in flight until read out."""
+    sock = tls_socket(env.serve.port, HOST, source=src)
+    sock.sendall(request_bytes("GET", "/stream?n=3&interval=1"))
+    head = read_response(sock, head_only=True)
+    assert head.status == 200, head.status_line
+    return sock
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_requests_in_flight_over_the_cap_are_429_retry_after_1(fresh: ServeEnv,
+                                                               http2: bool) -> None:
+    src = source()
+    held = [_held_h1(fresh, src) for _ in range(IN_FLIGHT)]
+    try:
+        if http2:
+            result = h2(fresh, "GET", "/plain", src=src)
+            status, retry = result.status, header(result.headers, "retry-after")
+        else:
+            resp, _ = h1(fresh, request_bytes("GET", "/plain"), src=src)
+            status, retry = resp.status, resp.header("retry-after")
+        assert status == 429, status
+        assert retry == "1", retry
+    finally:
+        for sock in held:
+            forget(sock)
+
+
+# --- MCP: the refusal shape and the JSON-RPC error codes ----------------------------------------
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+@pytest.mark.parametrize("rpc_id", [7, "7"], ids=["int-id", "str-id"])
+def test_seal_required_refusal_shape(fresh: ServeEnv, http2: bool, rpc_id: Any) -> None:
+    body = unsealed_call_body(rpc_id=rpc_id)
+    if http2:
+        result = h2(fresh, "POST", "/mcp", body=body)
+        status, ctype, raw = result.status, header(result.headers, "content-type"), result.body
+    else:
+        resp, _ = h1(fresh, request_bytes("POST", "/mcp", body=body))
+        status, ctype, raw = resp.status, resp.header("content-type"), resp.body
+    assert status == 200, status
+    assert (ctype or "").split(";")[0].strip() == "application/json", ctype
+    reply = json.loads(raw)
+    assert reply["jsonrpc"] == "2.0"
+    assert reply["id"] == rpc_id and type(reply["id"]) is type(rpc_id), reply["id"]
+    result_doc = reply["result"]
+    assert result_doc["isError"] is True
+    assert result_doc["structuredContent"] == {"code": "seal_required"}
+    assert result_doc["content"][0]["type"] == "text"
+    assert result_doc["content"][0]["text"].startswith("seal_required: ")
+    assert fresh.node.requests() == []
+
+
+RPC_ERRORS = {
+    "not-json": (b"{not json", "application/json", -32700),
+    "duplicate-member": (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "x"}',
+                         "application/json", -32700),
+    "nan": (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"a": NaN}}',
+            "application/json", -32700),
+    "wrong-content-type": (rpc("ping"), "text/plain", -32600),
+    "charset-utf7": (rpc("ping"), "application/json; charset=utf-7", -32600),
+    "not-jsonrpc-2": (b'{"jsonrpc": "1.0", "id": 1, "method": "ping"}', "application/json",
+                      -32600),
+    "bad-id-type": (b'{"jsonrpc": "2.0", "id": [1], "method": "ping"}', "application/json",
+                    -32600),
+    "empty-batch": (b"[]", "application/json", -32600),
+    "member-case": (b'{"jsonrpc": "2.0", "id": 1, "Method": "tools/call", "method": "ping"}',
+                    "application/json", -32600),
+}
+
+
+@pytest.mark.parametrize("case", list(RPC_ERRORS))
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_bad_json_rpc_is_400_with_the_specs_code(fresh: ServeEnv, http2: bool,
+                                                  case: str) -> None:
+    body, ctype, code = RPC_ERRORS[case]
+    if http2:
+        result = h2(fresh, "POST", "/mcp", body=body, content_type=ctype)
+        status, raw = result.status, result.body
+    else:
+        resp, _ = h1(fresh, request_bytes("POST", "/mcp", body=body, content_type=ctype))
+        status, raw = resp.status, resp.body
+    assert status == 400, status
+    reply = json.loads(raw)
+    assert reply["error"]["code"] == code, reply
+    assert reply["id"] is None, reply
+    assert fresh.node.requests() == []
+
+
+# --- before routing: a terminate host with no certificate yet ----------------------------------
+
+
+def _alert_for(port: int, sni: str) -> bytes:
+    """The first bytes the edge answers a real ClientHello for `sni` with."""
+    ctx = client_context(("h2", "http/1.1"))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=sni)
+    with pytest.raises(ssl.SSLWantReadError):
+        tls.do_handshake()
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(outgoing.read())
+        got = b""
+        while len(got) < 7:
+            chunk = sock.recv(64)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def test_terminate_host_without_a_certificate_yet_gets_alert_80(fresh: ServeEnv) -> None:
+    got = _alert_for(fresh.serve.port, ACME_HOST)
+    # a fatal alert record: level 2, description 80 (internal_error)
+    assert got[:1] == b"\x15" and got[5:7] == bytes([2, ALERT_INTERNAL_ERROR]), got.hex()
+    # the neighbouring host with its certificate is served meanwhile
+    resp, _ = h1(fresh, request_bytes("GET", "/plain"))
+    assert resp.status == 200
