@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h2.events as h2_events
 import pytest
 
 from tests.netutil import free_port
@@ -29,6 +30,7 @@ from tests.terminate_env import (
     OPT_HOST,
     WAIT,
     H2Conn,
+    H2Result,
     Serve,
     ServeEnv,
     client_context,
@@ -49,6 +51,7 @@ ACME_HOST = "pending.answers.test"
 MAX_BODY = 64 * 1024
 IN_FLIGHT = 2
 NO_ERROR = 0
+ENHANCE_YOUR_CALM = 0xB
 ALERT_INTERNAL_ERROR = 80
 
 
@@ -153,15 +156,43 @@ def test_a_target_over_8_kib_is_414(fresh: ServeEnv, http2: bool) -> None:
     assert fresh.node.requests() == []
 
 
-@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
-def test_a_head_over_16_kib_is_431(fresh: ServeEnv, http2: bool) -> None:
-    padding = [(f"x-pad-{i}", "p" * 1000) for i in range(20)]  # ~20 KiB of fields
-    if http2:
-        status = h2(fresh, "GET", "/plain", headers=padding).status
-    else:
-        resp, _ = h1(fresh, request_bytes("GET", "/plain", headers=padding))
-        status = resp.status
-    assert status == 431, status
+#: ~20 KiB of header fields
+PADDING = [(f"x-pad-{i}", "p" * 1000) for i in range(20)]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["alone", "pipelined"])
+def test_a_head_over_16_kib_is_431_and_close(fresh: ServeEnv, pipelined: bool) -> None:
+    """The head arrives whole in one write (one read at the edge): the cap must hold
+    for it as for a head that trickles in."""
+    raw = request_bytes("GET", "/plain", headers=PADDING) + (SMUGGLED if pipelined else b"")
+    resp, closed = h1(fresh, raw, close=True)
+    assert resp is not None and resp.status == 431, resp and resp.status_line
+    assert closed
+    assert fresh.node.requests() == []
+
+
+class _H2Goaway(H2Conn):
+    """The rig's HTTP/2 client, keeping the GOAWAY's error code."""
+
+    goaway_code: int | None = None
+
+    def _event(self, ev: Any) -> None:
+        if isinstance(ev, h2_events.ConnectionTerminated):
+            self.goaway_code = int(ev.error_code)
+        super()._event(ev)
+
+
+def test_h2_header_list_over_16_kib_is_goaway_enhance_your_calm(fresh: ServeEnv) -> None:
+    """Over the SETTINGS_MAX_HEADER_LIST_SIZE the edge advertised, HPACK decoding stops
+    mid-block, so the connection's header-compression state is lost: a connection error
+    (RFC 9113 §10.5.1, §4.3), not a 431 on the stream."""
+    conn = _H2Goaway(fresh.serve.port, HOST, source=source())
+    try:
+        result = conn.request("GET", "/plain", headers=PADDING)
+        assert result.status is None and result.goaway, result
+        assert conn.goaway_code == ENHANCE_YOUR_CALM, conn.goaway_code
+    finally:
+        conn.close()
     assert fresh.node.requests() == []
 
 
@@ -190,14 +221,17 @@ def test_unreadable_targets_are_400(fresh: ServeEnv, http2: bool, case: str) -> 
 
 
 def test_authority_form_connect_is_501_and_close(fresh: ServeEnv) -> None:
-    resp, closed = h1(fresh, close=True, raw=f"CONNECT {HOST}:443 HTTP/1.1\r\nHost: {HOST}:443\r\n\r\n"
-                      .encode())
+    raw = f"CONNECT {HOST}:443 HTTP/1.1\r\nHost: {HOST}:443\r\n\r\n".encode()
+    resp, closed = h1(fresh, raw + SMUGGLED, close=True)
     assert resp is not None and resp.status == 501, resp and resp.status_line
     assert closed
     assert fresh.node.requests() == []
 
 
 # --- HTTP/1.1 framing: refused and closed ----------------------------------------------------
+
+#: A request pipelined behind a refused head: it must never reach the node either.
+SMUGGLED = f"GET /smuggled HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
 
 FRAMING = {
     "te-gzip": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
@@ -216,7 +250,7 @@ FRAMING = {
 def test_h1_framing_refusals_close_the_connection(fresh: ServeEnv, case: str) -> None:
     raw, want = FRAMING[case]
     raw = raw.replace(b"%s", HOST.encode())
-    resp, closed = h1(fresh, raw, close=True)
+    resp, closed = h1(fresh, raw + SMUGGLED, close=True)
     assert resp is not None and resp.status == want, resp and resp.status_line
     assert closed, "connection kept open after a refused head"
     assert fresh.node.requests() == []
@@ -396,7 +430,8 @@ def test_bad_json_rpc_is_400_with_the_specs_code(fresh: ServeEnv, http2: bool,
     assert status == 400, status
     reply = json.loads(raw)
     assert reply["error"]["code"] == code, reply
-    assert reply["id"] is None, reply
+    # null, or the request's own id where it could be read as one
+    assert reply["id"] is None or (case == "member-case" and reply["id"] == 1), reply
     assert fresh.node.requests() == []
 
 
@@ -428,3 +463,20 @@ def test_terminate_host_without_a_certificate_yet_gets_alert_80(fresh: ServeEnv)
     # the neighbouring host with its certificate is served meanwhile
     resp, _ = h1(fresh, request_bytes("GET", "/plain"))
     assert resp.status == 200
+
+
+def test_h2_connect_authority_form_is_400(fresh: ServeEnv) -> None:
+    """HTTP/2 has no parser-level CONNECT refusal: the authority-form target is what the
+    edge refuses (HTTP/1.1's parser answers it 501 first, above)."""
+    conn = H2Conn(fresh.serve.port, HOST, source=source())
+    try:
+        sid = conn.conn.get_next_available_stream_id()
+        conn._results[sid] = H2Result(None, [], b"")
+        conn.conn.send_headers(sid, [(b":method", b"CONNECT"),
+                                     (b":authority", f"{HOST}:443".encode())], end_stream=True)
+        conn.sock.sendall(conn.conn.data_to_send())
+        result = conn.wait(sid)
+        assert result.status == 400, (result.status, result.reset)
+    finally:
+        conn.close()
+    assert fresh.node.requests() == []
