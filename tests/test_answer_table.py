@@ -50,6 +50,10 @@ from tests.terminate_env import (
 ACME_HOST = "pending.answers.test"
 MAX_BODY = 64 * 1024
 IN_FLIGHT = 2
+#: Calls per hour per IP: a burst of 5 (the floor), so a sixth request in a row is refused;
+#: every test here comes from a fresh address and asks far fewer.
+IP_RATE = 10
+IP_BURST = 5
 NO_ERROR = 0
 ENHANCE_YOUR_CALM = 0xB
 ALERT_INTERNAL_ERROR = 80
@@ -86,7 +90,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
     try:
         serve = AcmeServe(tmp, node, ids.node.fingerprint,
                           limits={"max_body_bytes": MAX_BODY,
-                                  "max_requests_in_flight_per_ip": IN_FLIGHT},
+                                  "max_requests_in_flight_per_ip": IN_FLIGHT,
+                                  "calls_per_hour_per_ip": IP_RATE},
                           acme_port=free_port())
     except BaseException:
         node.stop()
@@ -480,3 +485,73 @@ def test_h2_connect_authority_form_is_400(fresh: ServeEnv) -> None:
     finally:
         conn.close()
     assert fresh.node.requests() == []
+
+
+# --- MCP: batches, notifications, rate_limited ---------------------------------------------
+
+
+def _post(env: ServeEnv, http2: bool, body: bytes, *, path: str = "/mcp",
+          src: str | None = None, content_type: str = "application/json"
+          ) -> tuple[int | None, list[tuple[str, str]], bytes]:
+    if http2:
+        r = h2(env, "POST", path, body=body, src=src, content_type=content_type)
+        return r.status, r.headers, r.body
+    resp, _ = h1(env, request_bytes("POST", path, body=body, content_type=content_type),
+                 src=src)
+    return resp.status, resp.headers, resp.body
+
+
+def _tool_error_code(reply: dict[str, Any]) -> str:
+    assert reply["result"]["isError"] is True, reply
+    return str(reply["result"]["structuredContent"]["code"])
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_batch_with_a_refused_call_is_answered_per_element_and_not_forwarded(
+        fresh: ServeEnv, http2: bool) -> None:
+    batch = json.dumps([json.loads(rpc("tools/list", rpc_id="a")),
+                        json.loads(unsealed_call_body(rpc_id=2)),
+                        json.loads(rpc("notifications/initialized", rpc_id=None))]).encode()
+    status, _, raw = _post(fresh, http2, batch)
+    assert status == 200, status
+    replies = json.loads(raw)
+    assert isinstance(replies, list) and [r["id"] for r in replies] == ["a", 2], replies
+    assert _tool_error_code(replies[0]) == "bad_request"
+    assert "another call in the same batch was refused" in (
+        replies[0]["result"]["content"][0]["text"])
+    assert _tool_error_code(replies[1]) == "seal_required"
+    assert fresh.node.requests() == []
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_refused_notification_is_answered_with_a_null_id(fresh: ServeEnv,
+                                                           http2: bool) -> None:
+    call = json.loads(unsealed_call_body())
+    del call["id"]
+    status, _, raw = _post(fresh, http2, json.dumps(call).encode())
+    assert status == 200, status
+    reply = json.loads(raw)
+    assert reply["id"] is None and _tool_error_code(reply) == "seal_required", reply
+    assert fresh.node.requests() == []
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_over_the_ip_budget_mcp_gets_rate_limited_and_other_paths_a_plain_429(
+        fresh: ServeEnv, http2: bool) -> None:
+    src = source()
+    for n in range(IP_BURST):
+        status, _, raw = _post(fresh, http2, rpc("tools/list", rpc_id=n), src=src)
+        assert status == 200 and "error" not in json.loads(raw), (n, status, raw[:200])
+    status, headers, raw = _post(fresh, http2, rpc("tools/list", rpc_id=9), src=src)
+    assert status == 200, status
+    reply = json.loads(raw)
+    # judged at the head, before the body was read: no id known
+    assert reply["id"] is None and _tool_error_code(reply) == "rate_limited", reply
+    retry = reply["result"]["structuredContent"]["retry_after"]
+    assert isinstance(retry, int) and retry >= 1, retry
+    assert header(headers, "retry-after") == str(retry), headers
+    status, headers, _ = _post(fresh, http2, b"x", path="/upload", src=src,
+                               content_type="application/octet-stream")
+    assert status == 429, status
+    assert int(header(headers, "retry-after") or "0") >= 1, headers
+    assert len(fresh.node.requests()) == IP_BURST
