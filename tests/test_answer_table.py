@@ -24,7 +24,19 @@ from typing import Any
 import h2.events as h2_events
 import pytest
 
+from pact_ingress.identity import b64url_decode
 from tests.netutil import free_port
+from tests.relay_env import (
+    RELAY_HOST,
+    RelayCaller,
+    RelayH2,
+    RelayIdentities,
+    RelayServe,
+    envelope,
+    relay_identities,
+    relay_socket,
+    tool_body,
+)
 from tests.terminate_env import (
     HOST,
     OPT_HOST,
@@ -555,3 +567,109 @@ def test_over_the_ip_budget_mcp_gets_rate_limited_and_other_paths_a_plain_429(
     assert status == 429, status
     assert int(header(headers, "retry-after") or "0") >= 1, headers
     assert len(fresh.node.requests()) == IP_BURST
+
+
+# --- the relay host: its JSON-RPC 400s, and refused heads queue nothing ---------------------
+
+
+@dataclass
+class RelayEnv:
+    serve: RelayServe
+    ids: RelayIdentities
+
+    def queued(self) -> list[str]:
+        recipient = RelayCaller(self.serve.port, self.ids.recipient)
+        try:
+            page = recipient.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        finally:
+            recipient.close()
+        return [json.loads(b64url_decode(i["envelope"]["protected"]))["msg_id"]
+                for i in page["items"]]
+
+    def call_body(self, msg_id: str) -> bytes:
+        return tool_body("relay_call", envelope(self.ids.sender, self.ids.recipient,
+                                                msg_id=msg_id))
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RelayEnv]:
+    tmp = tmp_path_factory.mktemp("relay-answers")
+    ids = relay_identities(tmp)
+    serve = RelayServe(tmp, recipients=[ids.recipient])
+    try:
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        recipient.close()
+        yield RelayEnv(serve, ids)
+    finally:
+        serve.stop()
+
+
+RELAY_RPC_ERRORS = {
+    "bom": (b"\xef\xbb\xbf" + rpc("ping"), -32700),
+    "nan": (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"a": NaN}}', -32700),
+    "infinity": (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"a": Infinity}}',
+                 -32700),
+    "member-twice": (b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "method": "ping"}',
+                     -32700),
+    "not-utf8": (b'{"jsonrpc": "2.0", "id": 1, "method": "p\xffng"}', -32700),
+    "batch": (b"[" + rpc("ping") + b"]", -32600),
+    "id-list": (b'{"jsonrpc": "2.0", "id": [1], "method": "ping"}', -32600),
+    "id-float": (b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', -32600),
+    "id-object": (b'{"jsonrpc": "2.0", "id": {}, "method": "ping"}', -32600),
+}
+
+
+@pytest.mark.parametrize("case", list(RELAY_RPC_ERRORS))
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_relay_bad_json_rpc_is_400_with_the_specs_code_and_a_null_id(
+        relay: RelayEnv, http2: bool, case: str) -> None:
+    body, code = RELAY_RPC_ERRORS[case]
+    if http2:
+        conn = RelayH2(relay.serve.port, relay.ids.sender, validate=False)
+        try:
+            res = conn.request("POST", "/relay/mcp", body=body)
+            status, raw = res.status, res.body
+        finally:
+            conn.close()
+    else:
+        caller = RelayCaller(relay.serve.port, relay.ids.sender)
+        try:
+            resp = caller.request("POST", "/relay/mcp", body)
+            status, raw = resp.status, resp.body
+        finally:
+            caller.close()
+    assert status == 400, status
+    reply = json.loads(raw)
+    assert reply["error"]["code"] == code and reply["id"] is None, reply
+
+
+RELAY_REFUSED_HEADS = {
+    "two-hosts": (b"Host: %s\r\nHost: %s\r\nContent-Type: application/json\r\n", 400),
+    "te-gzip": (b"Host: %s\r\nTransfer-Encoding: gzip\r\n", 501),
+    "expect-other": (b"Host: %s\r\nExpect: 200-ok\r\n", 417),
+}
+
+
+@pytest.mark.parametrize("case", list(RELAY_REFUSED_HEADS))
+def test_relay_refused_heads_queue_nothing(relay: RelayEnv, case: str) -> None:
+    """The relay host runs the terminate engine's HTTP/1.1 parser: a head it refuses is
+    answered and the connection closed; neither that call nor one behind it is queued."""
+    fields, want = RELAY_REFUSED_HEADS[case]
+    body = relay.call_body(f"refused-{case}")
+    head = (b"POST /relay/mcp HTTP/1.1\r\n" + fields.replace(b"%s", RELAY_HOST.encode())
+            + b"Content-Length: %d\r\n\r\n" % len(body))
+    if b"Transfer-Encoding" in head:
+        head = head.replace(b"Content-Length: %d\r\n" % len(body), b"")
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    behind = request_bytes("POST", "/relay/mcp", RELAY_HOST,
+                           body=relay.call_body(f"behind-{case}"))
+    sock = relay_socket(relay.serve.port, relay.ids.sender)
+    try:
+        sock.sendall(head + body + behind)
+        resp = read_response(sock)
+        assert resp.status == want, resp.status_line
+        assert closed_by_peer(sock)
+    finally:
+        forget(sock)
+    assert not [m for m in relay.queued() if m.endswith(case)], relay.queued()
