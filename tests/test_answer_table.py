@@ -60,6 +60,11 @@ from tests.terminate_env import (
 #: A terminate route whose certificate comes from ACME, from a CA that never answers: it
 #: has no certificate for as long as the module runs.
 ACME_HOST = "pending.answers.test"
+#: Routes whose node is never there: an address nobody listens on, a tunnel never dialled.
+DOWN_HOST = "down.answers.test"
+TUNNEL_DOWN_HOST = "tunnel-down.answers.test"
+PT_DOWN_HOST = "pt-down.answers.test"
+PT_TUNNEL_HOST = "pt-tunnel.answers.test"
 MAX_BODY = 64 * 1024
 IN_FLIGHT = 2
 #: Calls per hour per IP: a burst of 5 (the floor), so a sixth request in a row is refused;
@@ -76,6 +81,7 @@ class AcmeServe(Serve):
     """The rig's serve plus an ACME-certificate route whose order cannot complete."""
 
     acme_port: int = 0
+    dead_port: int = 0
 
     def render(self) -> str:
         dead = self.acme_port
@@ -85,6 +91,17 @@ class AcmeServe(Serve):
         backend: "127.0.0.1:{self.node.port}"
         mcp_path: /mcp
         cert: acme
+      - host: {DOWN_HOST}
+        mode: terminate
+        backend: "127.0.0.1:{self.dead_port}"
+        cert: {{cert: certs/{DOWN_HOST}.crt, key: certs/{DOWN_HOST}.key}}
+      - host: {TUNNEL_DOWN_HOST}
+        mode: terminate
+        backend: tunnel
+        cert: {{cert: certs/{TUNNEL_DOWN_HOST}.crt, key: certs/{TUNNEL_DOWN_HOST}.key}}
+      - {{host: {PT_DOWN_HOST}, mode: passthrough, backend: "127.0.0.1:{self.dead_port}"}}
+      - {{host: {PT_TUNNEL_HOST}, mode: passthrough, backend: tunnel}}
+tunnel: {{hostname: tunnel.answers.test}}
 acme:
   directory: https://127.0.0.1:{dead}/dir
   email: ops@answers.test
@@ -104,7 +121,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
                           limits={"max_body_bytes": MAX_BODY,
                                   "max_requests_in_flight_per_ip": IN_FLIGHT,
                                   "calls_per_hour_per_ip": IP_RATE},
-                          acme_port=free_port())
+                          acme_port=free_port(), dead_port=free_port())
     except BaseException:
         node.stop()
         raise
@@ -473,6 +490,26 @@ def _alert_for(port: int, sni: str) -> bytes:
     return got
 
 
+@pytest.mark.parametrize("host", [PT_DOWN_HOST, PT_TUNNEL_HOST], ids=["address", "tunnel"])
+def test_passthrough_with_its_backend_down_gets_alert_80(fresh: ServeEnv, host: str) -> None:
+    got = _alert_for(fresh.serve.port, host)
+    assert got[:1] == b"\x15" and got[5:7] == bytes([2, ALERT_INTERNAL_ERROR]), got.hex()
+
+
+@pytest.mark.parametrize("host", [DOWN_HOST, TUNNEL_DOWN_HOST], ids=["address", "tunnel"])
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_terminate_with_its_node_offline_is_503_with_retry_after(fresh: ServeEnv,
+                                                                 http2: bool, host: str) -> None:
+    if http2:
+        r = h2(fresh, "GET", "/plain", host=host)
+        status, retry = r.status, header(r.headers, "retry-after")
+    else:
+        resp, _ = h1(fresh, request_bytes("GET", "/plain", host), host=host)
+        status, retry = resp.status, resp.header("retry-after")
+    assert status == 503, status
+    assert retry is not None and int(retry) >= 1, retry
+
+
 def test_terminate_host_without_a_certificate_yet_gets_alert_80(fresh: ServeEnv) -> None:
     got = _alert_for(fresh.serve.port, ACME_HOST)
     # a fatal alert record: level 2, description 80 (internal_error)
@@ -673,3 +710,49 @@ def test_relay_refused_heads_queue_nothing(relay: RelayEnv, case: str) -> None:
     finally:
         forget(sock)
     assert not [m for m in relay.queued() if m.endswith(case)], relay.queued()
+
+
+# --- the admin endpoint of the same serve --------------------------------------------------
+
+
+def _admin(env: ServeEnv, method: str, path: str, headers: dict[str, str] | None = None
+           ) -> tuple[int, dict[str, str]]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", env.serve.admin_port, timeout=WAIT)
+    try:
+        conn.request(method, path, body=b"" if method == "POST" else None,
+                     headers=headers or {})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path", ["/reload", "/certs/renew"])
+@pytest.mark.parametrize("headers", [{"Origin": "https://evil.example"},
+                                     {"Origin": "null"},
+                                     {"Sec-Fetch-Site": "cross-site"},
+                                     {"Sec-Fetch-Site": "same-origin"}],
+                         ids=["origin", "origin-null", "cross-site", "same-origin"])
+def test_admin_refuses_browser_posts_with_403(fresh: ServeEnv, path: str,
+                                              headers: dict[str, str]) -> None:
+    before = len([e for e in fresh.serve.log_events() if e.get("event") == "reloaded"])
+    status, _ = _admin(fresh, "POST", path, headers)
+    assert status == 403, status
+    assert len([e for e in fresh.serve.log_events() if e.get("event") == "reloaded"]) == before
+
+
+def test_admin_refuses_a_rebound_host_with_421(fresh: ServeEnv) -> None:
+    for host in ("evil.example", f"evil.example:{fresh.serve.admin_port}", "192.0.2.2"):
+        assert _admin(fresh, "GET", "/status", {"Host": host})[0] == 421, host
+    assert _admin(fresh, "GET", "/status")[0] == 200
+
+
+def test_admin_status_page_headers(fresh: ServeEnv) -> None:
+    status, headers = _admin(fresh, "GET", "/")
+    assert status == 200
+    assert headers["content-security-policy"].startswith("default-src 'none'"), headers
+    assert headers["x-frame-options"] == "DENY", headers
+    assert headers["referrer-policy"] == "no-referrer", headers
