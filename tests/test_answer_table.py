@@ -9,16 +9,12 @@ where a per-client budget could carry over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import h2.events as h2_events
@@ -43,14 +39,15 @@ from tests.terminate_env import (
     WAIT,
     H2Conn,
     H2Result,
+    RecordingNode,
     Serve,
     ServeEnv,
     client_context,
     closed_by_peer,
     forget,
+    hostport,
     make_identities,
     read_response,
-    RecordingNode,
     request_bytes,
     rpc,
     tls_socket,
@@ -82,6 +79,7 @@ class AcmeServe(Serve):
 
     acme_port: int = 0
     dead_port: int = 0
+    http_port: int = 0
 
     def render(self) -> str:
         dead = self.acme_port
@@ -108,7 +106,9 @@ acme:
   agree_tos: yes
   challenges: [tls-alpn-01]
 """
-        return super().render()
+        text = super().render()
+        tls_line = f'  tls: ["{hostport(self.listen_host, self.port)}"]\n'
+        return text.replace(tls_line, tls_line + f'  http: ["127.0.0.1:{self.http_port}"]\n')
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
                           limits={"max_body_bytes": MAX_BODY,
                                   "max_requests_in_flight_per_ip": IN_FLIGHT,
                                   "calls_per_hour_per_ip": IP_RATE},
-                          acme_port=free_port(), dead_port=free_port())
+                          acme_port=free_port(), dead_port=free_port(),
+                          http_port=free_port())
     except BaseException:
         node.stop()
         raise
@@ -268,10 +269,10 @@ def test_authority_form_connect_is_501_and_close(fresh: ServeEnv) -> None:
 SMUGGLED = f"GET /smuggled HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
 
 FRAMING = {
-    "te-gzip": (b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
-                b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501),
-    "upgrade": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nConnection: upgrade\r\n"
-                b"Upgrade: websocket\r\n\r\n", 501),
+    "te-gzip": ((b"POST /upload HTTP/1.1\r\nHost: %s\r\nContent-Type: text/plain\r\n"
+                b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"), 501),
+    "upgrade": ((b"GET /plain HTTP/1.1\r\nHost: %s\r\nConnection: upgrade\r\n"
+                b"Upgrade: websocket\r\n\r\n"), 501),
     "expect-other": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nExpect: 200-ok\r\n\r\n", 417),
     "two-hosts": (b"GET /plain HTTP/1.1\r\nHost: %s\r\nHost: %s\r\n\r\n", 400),
     "bare-lf": (b"GET /plain HTTP/1.1\nHost: %s\n\n", 400),
@@ -756,3 +757,65 @@ def test_admin_status_page_headers(fresh: ServeEnv) -> None:
     assert headers["content-security-policy"].startswith("default-src 'none'"), headers
     assert headers["x-frame-options"] == "DENY", headers
     assert headers["referrer-policy"] == "no-referrer", headers
+
+
+# --- port 80 ---------------------------------------------------------------------------------
+
+PORT80_PER_CLIENT = 32
+
+
+def _port80(env: ServeEnv, raw: bytes, src: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", env.serve.http_port), timeout=WAIT,
+                                  source_address=(src, 0)) as sock:
+        sock.sendall(raw)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        return got
+
+
+def test_port80_redirects_with_308_to_https_on_the_same_name(fresh: ServeEnv) -> None:
+    got = _port80(fresh, f"GET /a/b?c=1 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode(), source())
+    head = got.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    assert head.startswith("http/1.1 308 "), head
+    assert f"\r\nlocation: https://{HOST}/a/b?c=1" in head, head
+
+
+def test_port80_connections_over_the_per_client_cap_are_closed_at_accept(
+        fresh: ServeEnv) -> None:
+    src = source()
+    held = []
+    try:
+        for _ in range(PORT80_PER_CLIENT):
+            held.append(socket.create_connection(("127.0.0.1", fresh.serve.http_port),
+                                                 timeout=WAIT, source_address=(src, 0)))
+        # one more from the same address: closed before its request is read
+        request = f"GET / HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode()
+        got = b""
+        with connect_from(src, fresh.serve.http_port) as extra:
+            with contextlib.suppress(OSError):
+                extra.sendall(request)
+            try:
+                got = extra.recv(65536)
+            except ConnectionResetError:
+                got = b""
+        assert got == b"", got[:100]
+        # another address is served meanwhile, and so is one of the held ones
+        assert _port80(fresh, request, source()).startswith(b"HTTP/1.1 308 ")
+        held[0].sendall(request)
+        assert held[0].recv(65536).startswith(b"HTTP/1.1 308 ")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@contextlib.contextmanager
+def connect_from(src: str, port: int) -> Iterator[socket.socket]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT, source_address=(src, 0))
+    try:
+        yield sock
+    finally:
+        sock.close()
