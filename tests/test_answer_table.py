@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import socket
 import ssl
 from collections.abc import Iterator
@@ -67,6 +68,9 @@ IN_FLIGHT = 2
 #: Calls per hour per IP: a burst of 5 (the floor), so a sixth request in a row is refused;
 #: every test here comes from a fresh address and asks far fewer.
 IP_RATE = 10
+#: Short, so a stalled body is given up within the test; every other test here is busy
+#: for far less than this between bytes.
+IDLE_S = 2
 IP_BURST = 5
 NO_ERROR = 0
 ENHANCE_YOUR_CALM = 0xB
@@ -120,7 +124,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
         serve = AcmeServe(tmp, node, ids.node.fingerprint,
                           limits={"max_body_bytes": MAX_BODY,
                                   "max_requests_in_flight_per_ip": IN_FLIGHT,
-                                  "calls_per_hour_per_ip": IP_RATE},
+                                  "calls_per_hour_per_ip": IP_RATE,
+                                  "idle_timeout": f"{IDLE_S}s"},
                           acme_port=free_port(), dead_port=free_port(),
                           http_port=free_port())
     except BaseException:
@@ -819,3 +824,62 @@ def connect_from(src: str, port: int) -> Iterator[socket.socket]:
         yield sock
     finally:
         sock.close()
+
+
+# --- a body that stops coming ------------------------------------------------------------------
+
+
+def _requests_499(env: ServeEnv) -> float:
+    total = 0.0
+    for line in env.serve.metrics().splitlines():
+        if line.startswith("pact_ingress_http_requests_total{") and 'status="499"' in line \
+                and f'route="{HOST}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("path", ["/upload", "/mcp"], ids=["streamed", "buffered"])
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+def test_a_body_idle_for_idle_timeout_is_dropped_and_counted_499(fresh: ServeEnv,
+                                                                 http2: bool, path: str) -> None:
+    """A body that stops coming is given up after idle_timeout (not only at the 60 s
+    whole-body deadline): no answer, the connection (HTTP/1.1) or the stream (HTTP/2)
+    dropped, the request counted as 499. A streamed body and a buffered MCP body alike."""
+    ctype = "application/json" if path == "/mcp" else "application/octet-stream"
+    before = _requests_499(fresh)
+    bound = IDLE_S * 3 + 3  # idle_timeout, checked about once a second, with room
+    if http2:
+        conn = H2Conn(fresh.serve.port, HOST, source=source())
+        try:
+            sid = conn.conn.get_next_available_stream_id()
+            conn._results[sid] = H2Result(None, [], b"")
+            conn.conn.send_headers(sid, [
+                (b":method", b"POST"), (b":scheme", b"https"),
+                (b":authority", HOST.encode()), (b":path", path.encode()),
+                (b"content-type", ctype.encode()), (b"content-length", b"1000")])
+            conn.conn.send_data(sid, b"{" + b" " * 9)
+            conn.sock.sendall(conn.conn.data_to_send())
+            result = conn.wait(sid, timeout=bound)
+        finally:
+            conn.close()
+        assert result.status is None and (result.reset is not None or result.goaway), result
+    else:
+        sock = tls_socket(fresh.serve.port, HOST, source=source())
+        try:
+            sock.sendall(request_bytes("POST", path, body=b"{" + b" " * 999,
+                                       content_type=ctype)[:-990])
+            sock.settimeout(bound)
+            got = b""
+            try:
+                while chunk := sock.recv(65536):
+                    got += chunk
+            except (ConnectionError, ssl.SSLError):
+                pass
+        finally:
+            forget(sock)
+        assert got == b"", got[:200]
+    deadline = time.monotonic() + WAIT
+    while _requests_499(fresh) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests_499(fresh) == before + 1
+    assert not [r for r in fresh.node.requests() if r.path == "/mcp"]
