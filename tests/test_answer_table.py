@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
