@@ -365,6 +365,11 @@ MALFORMED = {
     "colon in a name": [*_BASE, (b"x:a", b"1")],
     "content-length not digits": [*_BASE, (b"content-length", b"+0")],
     "content-lengths differ": [*_BASE, (b"content-length", b"0"), (b"content-length", b"5")],
+    "no method": _BASE[1:],
+    "extended connect": [(b":method", b"CONNECT"), *_BASE[1:], (b":protocol", b"websocket")],
+    "control byte in a value": [*_BASE, (b"x-a", b"1\x012")],
+    "tab after a value": [*_BASE, (b"x-a", b"1\t")],
+    "non-token name": [*_BASE, (b"x(a)", b"1")],
 }
 
 

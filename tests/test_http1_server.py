@@ -94,6 +94,34 @@ def test_ambiguous_or_oversized_heads_are_refused(raw: bytes, status: int) -> No
     assert info.value.status == status
 
 
+REFUSED_HEADS = [
+    b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+    b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\nExpect: 200-ok\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+    b"CONNECT h:443 HTTP/1.1\r\nHost: h:443\r\n\r\n",
+    b"GET / HTTP/1.1\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\n" + b"X: a\r\n" * 101 + b"\r\n",
+    # whole in one read: the head completes inside one feed
+    b"GET / HTTP/1.1\r\nHost: h\r\nX: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: h\r\n"
+    + b"".join(b"X%d: %s\r\n" % (i, b"a" * 1000) for i in range(20)) + b"\r\n",
+]
+
+
+@pytest.mark.parametrize("refused", REFUSED_HEADS,
+                         ids=["two-hosts", "te-gzip", "expect", "upgrade", "connect", "no-host",
+                              "fields", "big-field", "big-head"])
+def test_a_refused_head_yields_no_event_and_nothing_behind_it(refused: bytes) -> None:
+    """The caller serves the events parsed before an error first: a refused head must
+    not be among them, nor a request pipelined behind it; one before it still is."""
+    parser = H1ServerParser()
+    with pytest.raises(ParseError):
+        parser.feed(b"GET /first HTTP/1.1\r\nHost: h\r\n\r\n" + refused
+                    + b"GET /smuggled HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert _summary(_events(parser)) == [("GET", b"/first", True), b""]
+
+
 def test_close_mid_request_is_an_error_and_between_requests_is_not() -> None:
     parser = H1ServerParser()
     parser.feed(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")

@@ -493,3 +493,50 @@ async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
         assert third.status == 400 and json.loads(third.body)["error"]["code"] == -32700
         assert len(ingress.relay.buffers) == 0  # nothing held once every request ended
         await ingress.stop(deadline=1)
+
+
+async def test_bodies_in_flight_over_the_process_share_are_unavailable(
+        tmp_path: Path, ids: RelayIdentities) -> None:
+    """Past the process's share of body bytes (another address holding most of it), a
+    body within its own address's share is refused `unavailable` (503), not
+    `rate_limited`: the shortage is the relay's, not this client's."""
+    import trio
+
+    from pact_ingress.proto.shares import Shares
+
+    ingress, port = in_process(tmp_path, ids)
+    buffers = ingress.relay.buffers = Shares(100_000, 150_000)  # small, to cross it
+    size = 80_000
+
+    def h2_from(source: str) -> RelayH2:
+        conn = RelayH2.__new__(RelayH2)
+        conn._start(relay_socket(port, ids.sender, alpn=("h2",), source=source), RELAY_HOST,
+                    validate=False)
+        return conn
+
+    def exercise() -> Any:
+        holder, other = h2_from("127.0.0.2"), h2_from("127.0.0.3")
+        try:
+            held = holder.open_stream("POST", "/relay/mcp", length=size, first=b"x" * 10)
+            deadline = time.monotonic() + WAIT  # the holder's share taken before the other
+            while buffers.of("127.0.0.2") < size and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert buffers.of("127.0.0.2") >= size, "the first body was never held"
+            refused = other.request("POST", "/relay/mcp", body=b"y" * size)
+            holder.send_body(held, b"x" * (size - 10))
+            holder.sock.sendall(holder.conn.data_to_send())
+            holder.wait(held)
+            return refused
+        finally:
+            holder.close()
+            other.close()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
+                                                           task_status=task_status))
+        refused = await trio.to_thread.run_sync(exercise)
+        assert refused.status == 503, refused
+        result = json.loads(refused.body)["result"]
+        assert code_of(result) == "unavailable", result
+        assert len(ingress.relay.buffers) == 0
+        await ingress.stop(deadline=1)

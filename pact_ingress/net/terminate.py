@@ -474,7 +474,10 @@ class Terminator:
             held[0] += ex.content_length
         parts: list[bytes] = []
         size = 0
-        while chunk := await ex.receive(deadline):
+        idle = route.limits.idle_timeout
+        # a body that stops coming holds its buffer share: given up when idle too, as a
+        # streamed body is, not only at the whole-body deadline
+        while chunk := await ex.receive(min(deadline, trio.current_time() + idle)):
             size += len(chunk)
             if size > cap:
                 return self._too_large(route)

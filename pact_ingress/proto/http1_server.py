@@ -22,7 +22,9 @@ responses:
 * Trailer fields of a chunked request are dropped: nothing downstream reads them.
 
 Errors raise `ParseError` with the HTTP status to answer; after one, the connection is
-closed (no event follows).
+closed (no event follows). A refused head yields no event at all, and parsing stops at it:
+the caller serves the events queued before an error first, so neither the refused request
+nor one pipelined behind it may be among them.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class H1ServerParser:
         self._events: collections.deque[Request | Data | EndOfMessage] = collections.deque()
         self._phase = _Phase.IDLE
         self._head_bytes = 0
+        self._head_size = 0  # of the current head as parsed, whatever the reads were
         self._target = bytearray()
         self._fields: Headers = []
         self._broken: ParseError | None = None
@@ -157,6 +160,7 @@ class H1ServerParser:
 
     def on_message_begin(self) -> None:
         self._phase = _Phase.HEAD
+        self._head_size = 0
         self._target.clear()
         self._fields = []
         self._trailer_fields = 0
@@ -165,6 +169,15 @@ class H1ServerParser:
 
     def on_url(self, url: bytes) -> None:
         self._target += url
+        self._count_head(len(url))
+
+    def _count_head(self, n: int) -> None:
+        # a head that arrives whole in one read completes inside one feed, so the cap
+        # after each feed never sees it: count it as it is parsed too
+        self._head_size += n
+        if self._head_size > MAX_HEAD_BYTES:
+            self._fail(431, "request head too large")
+            raise self._broken  # type: ignore[misc]  # stops llhttp at this message
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._phase is not _Phase.HEAD:  # a trailer field: counted, then dropped
@@ -175,6 +188,7 @@ class H1ServerParser:
         if len(self._fields) >= MAX_FIELDS:
             self._fail(431, "too many header fields")
             return
+        self._count_head(len(name) + len(value) + 4)
         self._fields.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -204,6 +218,12 @@ class H1ServerParser:
             self._fail(417, "only 100-continue is understood")
         elif not hosts and version != "1.0":
             self._fail(400, "no Host field")
+        elif parser.should_upgrade():
+            self._fail(501, "protocol upgrades and CONNECT are not offered here")
+        if self._broken is not None:
+            # a refused head yields no event, and llhttp stops here: nothing of it, and
+            # nothing pipelined behind it, may be served before the refusal
+            raise self._broken
         method = parser.get_method()
         name = _METHODS.get(method)
         if name is None:
