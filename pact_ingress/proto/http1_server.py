@@ -167,17 +167,19 @@ class H1ServerParser:
         self._body_bytes = 0
         self._body_phase_bytes = 0
 
+    # A head that arrives whole in one read completes inside one feed, so the cap after
+    # each feed never sees it: the head is counted as it is parsed too (inline, as the
+    # callbacks run for every field of every request).
+
     def on_url(self, url: bytes) -> None:
         self._target += url
-        self._count_head(len(url))
-
-    def _count_head(self, n: int) -> None:
-        # a head that arrives whole in one read completes inside one feed, so the cap
-        # after each feed never sees it: count it as it is parsed too
-        self._head_size += n
+        self._head_size += len(url)
         if self._head_size > MAX_HEAD_BYTES:
-            self._fail(431, "request head too large")
-            raise self._broken  # type: ignore[misc]  # stops llhttp at this message
+            self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        self._fail(431, "request head too large")
+        raise self._broken  # type: ignore[misc]  # stops llhttp at this message
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._phase is not _Phase.HEAD:  # a trailer field: counted, then dropped
@@ -188,7 +190,9 @@ class H1ServerParser:
         if len(self._fields) >= MAX_FIELDS:
             self._fail(431, "too many header fields")
             return
-        self._count_head(len(name) + len(value) + 4)
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
+        if self._head_size > MAX_HEAD_BYTES:
+            self._head_too_large()
         self._fields.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
