@@ -1,0 +1,481 @@
+"""Memory and buffers of a real `serve` process under hostile clients.
+
+Every attack here runs against one `pact-ingress serve --workers 1` (one process, so its
+VmRSS is the whole instance) over real sockets on loopback, bounded in count and time.
+Each test reads the process's resident set before the attack and after it (once it has
+settled: sampled until two readings a moment apart agree), and asserts that the growth
+stays under a bound worked out from the caps the edge advertises or enforces, written
+next to each test. Python keeps freed memory in its own arenas, so "after" is close to
+the high-water mark of the attack: the bounds are about what an attack can make the
+process hold, not about what it gives back. Afterwards a measuring client from another
+address is still served and the counters come back to the truth (no connection left
+counted, no tunnel stream, no relay item beyond the caps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.terminate_env import (
+    ATTACKER_IP,
+    BYSTANDER_IP,
+    HOST,
+    LOOPBACK,
+    OPT_HOST,
+    WAIT,
+    ServeEnv,
+    closed_by_peer,
+    exchange,
+    forget,
+    read_response,
+    request_bytes,
+    rpc,
+    tls_socket,
+)
+from tests.test_h2_attacks import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    WINDOW_UPDATE,
+    Raw,
+    frame,
+    settings,
+    u32,
+)
+
+KIB = 1024
+MIB = 1024 * KIB
+#: What the process may grow by on top of each test's own budget: allocator slack,
+#: import-on-first-use of code paths the warm-up did not take, prometheus label sets.
+SLACK_KIB = 16 * KIB
+
+#: The caps these bounds are derived from, as the README states them (written here so a
+#: change to the code's values does not silently loosen a test).
+H2_MAX_STREAMS = 100  # SETTINGS_MAX_CONCURRENT_STREAMS
+H2_MAX_HEADER_LIST = 16 * KIB  # SETTINGS_MAX_HEADER_LIST_SIZE
+H2_CONN_WINDOW = 65535  # the connection receive window: never raised by the edge
+H2_OUTBOX = 64 * KIB  # FLUSH_BYTES: queued frames before whoever queues more waits
+READ_BUF = 64 * KIB  # a TLS read (client side and upstream side)
+PER_CLIENT_BUFFER = 18 * MIB  # MCP bodies buffered for one client address
+#: A terminate TLS connection's own cost (socket, OpenSSL SSL object and its BIOs, the
+#: HTTP leg's task and state): a generous figure, well above the idle bench's measure.
+PER_CONNECTION = 128 * KIB
+
+LIMITS = {"calls_per_hour_per_ip_key": 10**6, "calls_per_hour_per_ip": 10**6}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
+    env = ServeEnv.start(tmp_path_factory.mktemp("memory"), workers=1, limits=LIMITS)
+    try:
+        for _ in range(20):  # warm up the code paths every test takes
+            assert _measure(env) == 200
+        yield env
+    finally:
+        env.stop()
+
+
+@pytest.fixture
+def env(shared: ServeEnv) -> Iterator[ServeEnv]:
+    env = shared.fresh()
+    yield env
+    # after every attack: the measuring client is served, no connection is left counted
+    assert _measure(env) == 200
+    assert env.serve.wait_open_connections(0) == 0
+    assert "Traceback" not in env.serve.logs()
+
+
+def _measure(env: ServeEnv) -> int:
+    """The measuring client: one HTTP/1.1 request and one HTTP/2 request from the
+    bystander's address; the HTTP/1.1 status if both got 200."""
+    r = exchange(env.serve.port, request_bytes("GET", "/measure", HOST), source=BYSTANDER_IP)
+    c = Raw(env, source=BYSTANDER_IP)
+    try:
+        c.send(c.headers(1, "/measure2"))
+        status2 = c.answer(1)[0]
+    finally:
+        c.close()
+    assert status2 == 200, status2
+    return r.status
+
+
+def settled_rss(env: ServeEnv, timeout: float = 5.0) -> int:
+    """VmRSS (KiB) once two readings 0.3 s apart differ by less than 256 KiB."""
+    deadline = time.monotonic() + timeout
+    last = env.serve.rss_kib()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = env.serve.rss_kib()
+        if abs(now - last) < 256:
+            return now
+        last = now
+    return last
+
+
+def _report(name: str, before: int, during: int | None, after: int, bound: int) -> None:
+    print(f"\n[mem] {name}: RSS before {before / 1024:.1f} MiB, "
+          + (f"during {during / 1024:.1f} MiB, " if during is not None else "")
+          + f"after {after / 1024:.1f} MiB, bound +{bound / 1024:.1f} MiB")
+
+
+def _check(name: str, before: int, during: int | None, after: int, bound_kib: int) -> None:
+    _report(name, before, during, after, bound_kib)
+    peak = max(after, during or 0)
+    assert peak - before < bound_kib, (
+        f"{name}: grew by {(peak - before) / 1024:.1f} MiB, bound {bound_kib / 1024:.1f} MiB")
+
+
+def _drain(c: Raw, rounds: int = 64) -> None:
+    """Read what the edge has sent so far: reads until one finds nothing (bounded)."""
+    for _ in range(rounds):
+        before = (len(c.frames), len(c.buf))
+        if not c.read(0.005) or (len(c.frames), len(c.buf)) == before:
+            return
+
+
+def _h2(env: ServeEnv, source: str = ATTACKER_IP, first: bytes | None = None,
+        host: str = HOST) -> Raw:
+    return Raw(env, source=source, first=first, host=host)
+
+
+# === HTTP/2 =============================================================================
+
+
+def _fat_fields(tag: int, budget: int = H2_MAX_HEADER_LIST - 1024) -> list[tuple[bytes, bytes]]:
+    """Regular fields filling `budget` of the header list (each field counts its name,
+    its value and 32), distinct per `tag` so nothing is shared between streams."""
+    out = []
+    used = 0
+    i = 0
+    while True:
+        name = f"x-fat-{i}".encode()
+        value = (f"{tag:08d}-{i:04d}-".encode() * 100)[:960]
+        size = len(name) + len(value) + 32
+        if used + size > budget:
+            return out
+        out.append((name, value))
+        used += size
+        i += 1
+
+
+def test_h2_full_header_lists_on_streams_never_finished(env: ServeEnv) -> None:
+    """Four connections, each opening the 100 streams it may with a header list just
+    under SETTINGS_MAX_HEADER_LIST_SIZE, none ever ending (no END_STREAM, no DATA).
+
+    Bound: what such a stream can make the edge hold is its decoded header list (≤ 16 KiB
+    of names and values) and the request built from it; take three copies of that to cover
+    the decoded list, the checked request and the upstream head (some streams reach the
+    node: 16 in flight per address), plus a connection's own cost:
+    4 × (100 × 3 × 16 KiB + 128 KiB) ≈ 19.3 MiB, plus slack."""
+    conns = 4
+    bound = conns * (H2_MAX_STREAMS * 3 * H2_MAX_HEADER_LIST + PER_CONNECTION) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    clients = []
+    try:
+        for n in range(conns):
+            c = _h2(env)
+            clients.append(c)
+            # literal fields without indexing: every block is decoded in full
+            c.enc.header_table_size = 0
+            batch = []
+            for sid in range(1, 2 * H2_MAX_STREAMS, 2):
+                extra = _fat_fields(n * 1000 + sid)
+                block = c.enc.encode([(b":method", b"GET"), (b":scheme", b"https"),
+                                      (b":authority", HOST.encode()),
+                                      (b":path", f"/held/{n}/{sid}".encode())] + extra,
+                                     huffman=False)
+                batch.append(frame(HEADERS, END_HEADERS, sid, block))
+            c.send(*batch)
+        for c in clients:  # the edge took every stream (no GOAWAY, no reset for a limit)
+            c.read(0.5)
+        during = settled_rss(env)
+        for c in clients:
+            assert not c.eof and not any(f[0] == 7 for f in c.frames), c.frames[-3:]
+    finally:
+        for c in clients:
+            c.close()
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    _check("h2 full header lists x 400 open streams", before, during, after, bound)
+
+
+def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
+    """One connection sends 2000 requests whose every field is new and indexed (the
+    dynamic table is rewritten by each block), each block cut into a CONTINUATION chain
+    of 60 frames (under the 64-frame cap), and answered.
+
+    Bound: the decoder's table is SETTINGS_HEADER_TABLE_SIZE (4 KiB, the default, never
+    raised); a header block in assembly is at most 64 KiB; the blocks remembered for
+    all-indexed repeats are at most 32; nothing of this grows with the request count:
+    2 MiB for all of it, plus slack."""
+    bound = 2 * 1024 + SLACK_KIB
+    before = settled_rss(env)
+    c = _h2(env)
+    try:
+        answered = 0
+        sid = 1
+        for rnd in range(20):  # bounded: 20 rounds of 100 streams
+            out = []
+            for _ in range(100):
+                block = c.enc.encode([
+                    (b":method", b"GET"), (b":scheme", b"https"),
+                    (b":authority", HOST.encode()), (b":path", f"/churn/{sid}".encode()),
+                    (f"x-churn-{sid}".encode(), f"{rnd}-{sid}-".encode() * 40)])
+                size = -(-len(block) // 60)
+                pieces = [block[i * size:(i + 1) * size] for i in range(60)]
+                out.append(frame(HEADERS, 0, sid, pieces[0]))
+                for k, piece in enumerate(pieces[1:], 1):
+                    flags = END_HEADERS if k == 59 else 0
+                    out.append(frame(CONTINUATION, flags, sid, piece))
+                sid += 2
+            first_sid = sid - 200
+            c.send(*out)
+            # HEADERS without END_STREAM: end each stream with an empty DATA
+            c.send(*(frame(DATA, END_STREAM, s, b"") for s in range(first_sid, sid, 2)))
+            assert c.until(lambda: all(c.ended(s) or c.resets(s)
+                                       for s in range(first_sid, sid, 2)), WAIT), rnd
+            answered += sum(1 for s in range(first_sid, sid, 2) if c.ended(s))
+            c.frames.clear()
+        assert answered == 2000, answered
+    finally:
+        c.close()
+    after = settled_rss(env)
+    _check("h2 hpack churn + continuation chains x 2000", before, None, after, bound)
+
+
+def test_h2_request_bodies_are_held_to_the_connection_window(env: ServeEnv) -> None:
+    """Eight connections from one address each open 100 uploads of 5 MiB (to the MCP
+    path, whose bodies the edge reads whole before forwarding, and to a plain path) and
+    push DATA as fast as the windows allow for 3 s, never finishing.
+
+    Bound: the edge never raises the connection window above 65535, so what it holds
+    unread is at most that per connection; what it has taken of MCP bodies is held to the
+    client's buffer share (18 MiB); what it takes of plain bodies goes to the node.
+    8 × (64 KiB + 128 KiB) + 18 MiB + the node link's buffers (16 in flight × 2 × 64 KiB)
+    ≈ 21.5 MiB, plus slack."""
+    conns = 8
+    bound = (conns * (H2_CONN_WINDOW + PER_CONNECTION) + PER_CLIENT_BUFFER
+             + 16 * 2 * READ_BUF) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    clients = []
+    length = 5 * MIB
+    sent = 0
+    try:
+        for n in range(conns):
+            c = _h2(env, host=OPT_HOST)
+            clients.append(c)
+            batch = []
+            for sid in range(1, 2 * H2_MAX_STREAMS, 2):
+                path = "/mcp" if sid % 4 == 1 else f"/upload/{n}/{sid}"
+                ctype = b"application/json" if path == "/mcp" else b"application/octet-stream"
+                batch.append(frame(HEADERS, END_HEADERS, sid, c.block(path, "POST", [
+                    (b"content-type", ctype), (b"content-length", str(length).encode())])))
+            c.send(*batch)
+        deadline = time.monotonic() + 3
+        chunk = b"[" + b" " * 16382 + b"]"
+        # the client's own idea of the windows: the edge's WINDOW_UPDATEs raise them
+        windows = [{0: H2_CONN_WINDOW} for _ in clients]
+        while time.monotonic() < deadline:
+            for c, win in zip(clients, windows, strict=True):
+                _drain(c)
+                for kind, _f, fsid, payload in c.frames:
+                    if kind == WINDOW_UPDATE:
+                        win[fsid] = win.get(fsid, H2_CONN_WINDOW) + int.from_bytes(payload, "big")
+                c.frames = [f for f in c.frames if f[0] != WINDOW_UPDATE]
+                for sid in range(1, 2 * H2_MAX_STREAMS, 2):
+                    room = min(win[0], win.get(sid, H2_CONN_WINDOW), len(chunk))
+                    if room <= 0 or c.resets(sid) or c.ended(sid):
+                        continue
+                    c.send(frame(DATA, 0, sid, chunk[:room]))
+                    win[0] -= room
+                    win[sid] = win.get(sid, H2_CONN_WINDOW) - room
+                    sent += room
+        during = settled_rss(env)
+    finally:
+        for c in clients:
+            c.close()
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    print(f"\n[mem] h2 uploads: {sent / MIB:.1f} MiB of DATA sent in 3 s")
+    _check("h2 uploads pushed to the windows", before, during, after, bound)
+
+
+def test_h2_client_that_never_reads_a_big_answer(env: ServeEnv) -> None:
+    """Two kinds of client that do not take a 64 MiB answer, 16 streams each (the
+    in-flight share of one address): one keeps the flow-control windows shut (never a
+    WINDOW_UPDATE), the other opens them to the maximum and then does not read its
+    socket at all. The edge must stop reading from the node, not buffer the answers.
+
+    Bound: per stream, what is read from the node and not yet sent (a 64 KiB read) plus
+    the upstream TLS buffers (64 KiB), per connection the writer's outbox (64 KiB), a
+    TLS record or two, and the connection's own cost: 2 × (16 × 2 × 64 KiB + 64 KiB +
+    128 KiB) ≈ 4.4 MiB, against 2 GiB offered; plus slack."""
+    bound = 2 * (16 * 2 * READ_BUF + H2_OUTBOX + PER_CONNECTION) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    size = 64 * MIB
+    shut = _h2(env)
+    wide = Raw(env, source="127.0.0.4", first=settings((4, 2**31 - 1)), rcvbuf=4096)
+    try:
+        wide.send(frame(WINDOW_UPDATE, 0, 0, u32(2**31 - 1 - H2_CONN_WINDOW)))
+        for c in (shut, wide):
+            c.send(*(c.headers(sid, f"/big?bytes={size}") for sid in range(1, 33, 2)))
+        # `shut` reads (frames, not DATA credit: Raw would send WINDOW_UPDATEs, so it is
+        # only read here enough to see the heads); `wide` is never read
+        shut.unacked.clear()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            shut.sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError, OSError):
+                shut.sock.recv(65536)  # dropped: no window given back
+        during = settled_rss(env)
+        assert env.node.active_streams > 0  # the node is still held, writing
+    finally:
+        shut.close()
+        wide.close()
+    assert env.serve.wait_open_connections(0) == 0
+    assert env.node.wait_for(lambda: env.node.active_streams == 0), env.node.active_streams
+    after = settled_rss(env)
+    _check("h2 client not reading 32 x 64 MiB answers", before, during, after, bound)
+
+
+# === HTTP/1.1 ===========================================================================
+
+#: Bytes of pipelined requests the HTTP/1.1 leg reads ahead while a response streams.
+H1_READ_AHEAD = 64 * KIB
+#: What one parsed request costs in memory, at most, per byte of its head on the wire: a
+#: head of ~70 bytes becomes a request object, its target and header list (~1.5 KiB).
+H1_PARSED_PER_WIRE_BYTE = 24
+
+
+def _pump_send(sock: ssl.SSLSocket, data: bytes, seconds: float) -> list[int]:
+    """Send `data` from a thread for at most `seconds` (a socket timeout bounds each
+    wait); returns a list that will hold the byte count sent."""
+    sent = [0]
+
+    def run() -> None:
+        view = memoryview(data)
+        deadline = time.monotonic() + seconds
+        sock.settimeout(0.5)
+        while view and time.monotonic() < deadline:
+            try:
+                n = sock.send(view[:16384])
+            except TimeoutError:
+                continue
+            except (OSError, ValueError):
+                return
+            sent[0] += n
+            view = view[n:]
+
+    threading.Thread(target=run, daemon=True).start()
+    return sent
+
+
+def test_h1_pipelined_requests_behind_streaming_answers(env: ServeEnv) -> None:
+    """One connection pipelines 16 MiB of small requests for streamed (chunked) answers
+    while reading the answers as they come. While an answer streams the edge reads
+    ahead to notice the client leaving; what it has read ahead and not served yet must
+    stay within the read-ahead bound however many answers it streams.
+
+    Bound: 64 KiB of pipelined heads parsed into requests (24 bytes of memory per wire
+    byte: ~1.5 MiB), a read buffer and the connection: ~1.7 MiB, plus slack. Against:
+    the whole 16 MiB offered, parsed, would be hundreds of MiB."""
+    bound = (H1_READ_AHEAD * H1_PARSED_PER_WIRE_BYTE + READ_BUF + PER_CONNECTION) // KIB \
+        + SLACK_KIB
+    before = settled_rss(env)
+    one = request_bytes("GET", "/stream?n=1&interval=0", HOST)
+    data = one * (16 * MIB // len(one))
+    s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP)
+    try:
+        sent = _pump_send(s, data, 5.0)
+        got = 0
+        deadline = time.monotonic() + 5
+        s.settimeout(0.2)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += len(chunk)
+        during = settled_rss(env)
+    finally:
+        forget(s)
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    print(f"\n[mem] h1 pipelining: {sent[0] / MIB:.1f} MiB of requests sent, "
+          f"{got / MIB:.1f} MiB of answers read")
+    _check("h1 pipelined requests behind streamed answers", before, during, after, bound)
+
+
+def test_h1_pipelined_big_answers_never_read(env: ServeEnv) -> None:
+    """Eight connections each pipeline 200 requests for a 64 MiB answer and read none.
+
+    Bound: per connection the answer being relayed holds a read from the node (64 KiB),
+    the upstream TLS buffers (64 KiB) and what the client's TLS stream has not sent (a
+    64 KiB write); the pipelined heads read ahead (64 KiB, parsed: ~1.5 MiB); and the
+    connection: 8 × (3 × 64 KiB + 1.5 MiB + 128 KiB) ≈ 14.5 MiB, against 100 GiB asked."""
+    conns = 8
+    bound = conns * (3 * READ_BUF + H1_READ_AHEAD * H1_PARSED_PER_WIRE_BYTE
+                     + PER_CONNECTION) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    socks = []
+    try:
+        for _ in range(conns):
+            s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP, rcvbuf=4096)
+            socks.append(s)
+            _pump_send(s, request_bytes("GET", f"/big?bytes={64 * MIB}", HOST) * 200, 2.0)
+        time.sleep(3)
+        during = settled_rss(env)
+        assert env.node.active_streams > 0
+    finally:
+        for s in socks:
+            forget(s)
+    assert env.serve.wait_open_connections(0) == 0
+    assert env.node.wait_for(lambda: env.node.active_streams == 0), env.node.active_streams
+    after = settled_rss(env)
+    _check("h1 8 x pipelined 64 MiB answers never read", before, during, after, bound)
+
+
+def test_h1_slow_reader_of_big_answers(env: ServeEnv) -> None:
+    """Eight connections each ask for a 64 MiB answer and read it at 16 KiB per 50 ms
+    through a 4 KiB receive buffer for 3 s: the edge must pace its reads from the node
+    by what the client takes.
+
+    Bound: per connection a node read, the upstream TLS buffers and a client write
+    (3 × 64 KiB) and the connection: 8 × 320 KiB = 2.5 MiB, plus slack."""
+    conns = 8
+    bound = conns * (3 * READ_BUF + PER_CONNECTION) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    socks = []
+    got = 0
+    try:
+        for _ in range(conns):
+            s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP, rcvbuf=4096)
+            s.sendall(request_bytes("GET", f"/big?bytes={64 * MIB}", HOST))
+            s.settimeout(0.05)
+            socks.append(s)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for s in socks:
+                with contextlib.suppress(TimeoutError):
+                    got += len(s.recv(16384))
+            time.sleep(0.05)
+        during = settled_rss(env)
+        assert env.node.active_streams > 0
+    finally:
+        for s in socks:
+            forget(s)
+    assert env.serve.wait_open_connections(0) == 0
+    assert env.node.wait_for(lambda: env.node.active_streams == 0), env.node.active_streams
+    after = settled_rss(env)
+    print(f"\n[mem] h1 slow readers took {got / MIB:.1f} MiB")
+    _check("h1 8 slow readers of 64 MiB answers", before, during, after, bound)
