@@ -90,6 +90,10 @@ class H1Connection:
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
+        # bytes read ahead while answers streamed, not yet reached by the request loop:
+        # one budget for the connection, not one per answer, or a client pipelining
+        # behind streamed answers has every answer read another share into the queue
+        self.read_ahead = 0
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
         # set by a drain: a keep-alive connection that becomes idle after it began
         # closes too (the drain cancelled only the scopes of those idle at that moment);
@@ -177,6 +181,7 @@ class H1Connection:
                 return self._exchange(event)
             if event is not NEED_DATA:
                 return None  # leftovers of a body nobody read: the connection is done
+            self.read_ahead = 0  # all that was read ahead is served
             if self.deferred is not None:
                 await self._refuse_head(self.deferred)
                 return None
@@ -420,8 +425,8 @@ class H1Exchange(Exchange):
     async def wait_gone(self) -> None:
         if not self.body_done:
             await trio.sleep_forever()  # the body reader notices a close itself
-        read_ahead = 0
-        while read_ahead < MAX_PIPELINED_BYTES and self.c.deferred is None:
+        c = self.c
+        while c.read_ahead < MAX_PIPELINED_BYTES and c.deferred is None:
             try:
                 data = await self.c.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -429,7 +434,7 @@ class H1Exchange(Exchange):
             if not data:
                 self.broken = True
                 return
-            read_ahead += len(data)
+            c.read_ahead += len(data)
             try:
                 self.c.parser.feed(data)
             except ParseError as exc:
