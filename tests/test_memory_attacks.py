@@ -74,15 +74,31 @@ PER_CONNECTION = 128 * KIB
 LIMITS = {"calls_per_hour_per_ip_key": 10**6, "calls_per_hour_per_ip": 10**6}
 
 
+#: A terminate route whose node accepts no connection (the edge's connect waits in the
+#: listener's backlog): a request there never has its body taken by the node.
+TARPIT_HOST = "tarpit.memory.test"
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
-    env = ServeEnv.start(tmp_path_factory.mktemp("memory"), workers=1, limits=LIMITS)
-    try:
-        for _ in range(20):  # warm up the code paths every test takes
-            assert _measure(env) == 200
-        yield env
-    finally:
-        env.stop()
+    with socket.create_server((LOOPBACK, 0), backlog=64) as tarpit:
+        route = f"""\
+      - host: {TARPIT_HOST}
+        mode: terminate
+        backend: "{LOOPBACK}:{tarpit.getsockname()[1]}"
+        seal: optional
+        mcp_path: /mcp
+        cert: {{cert: certs/{TARPIT_HOST}.crt, key: certs/{TARPIT_HOST}.key}}
+        limits: {{max_body_bytes: 1GiB}}
+"""
+        env = ServeEnv.start(tmp_path_factory.mktemp("memory"), workers=1, limits=LIMITS,
+                             extra_routes=route)
+        try:
+            for _ in range(20):  # warm up the code paths every test takes
+                assert _measure(env) == 200
+            yield env
+        finally:
+            env.stop()
 
 
 @pytest.fixture
@@ -479,3 +495,153 @@ def test_h1_slow_reader_of_big_answers(env: ServeEnv) -> None:
     after = settled_rss(env)
     print(f"\n[mem] h1 slow readers took {got / MIB:.1f} MiB")
     _check("h1 8 slow readers of 64 MiB answers", before, during, after, bound)
+
+
+def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) -> None:
+    """Eight HTTP/1.1 connections and one HTTP/2 connection upload 256 MiB each (the
+    route allows 1 GiB) to a node whose listener never accepts, for 3 s.
+
+    Bound: a body streams to the node only as the node takes it, so per connection the
+    edge holds a read (64 KiB) and, on HTTP/2, at most the connection window; plus the
+    connection: 9 × (64 KiB + 64 KiB + 128 KiB) ≈ 2.3 MiB, plus slack."""
+    conns = 8
+    bound = (conns + 1) * (READ_BUF + H2_CONN_WINDOW + PER_CONNECTION) // KIB + SLACK_KIB
+    before = settled_rss(env)
+    size = 256 * MIB
+    body = b"\0" * (4 * MIB)
+    socks = []
+    sent = []
+    c = _h2(env, host=TARPIT_HOST)
+    try:
+        for _ in range(conns):
+            s = tls_socket(env.serve.port, TARPIT_HOST, source=ATTACKER_IP)
+            s.sendall(request_bytes("POST", "/upload", TARPIT_HOST,
+                                    content_type="application/octet-stream")
+                      .replace(b"Content-Length: 0", f"Content-Length: {size}".encode()))
+            socks.append(s)
+            sent.append(_pump_send(s, body * (size // len(body)), 3.0))
+        c.send(frame(HEADERS, END_HEADERS, 1, c.block("/upload", "POST", [
+            (b"content-type", b"application/octet-stream"),
+            (b"content-length", str(size).encode())])))
+        # the whole window, and then some more the edge must refuse to take unasked
+        c.send(*(frame(DATA, 0, 1, b"\0" * 16384) for _ in range(3)),
+               frame(DATA, 0, 1, b"\0" * 16383))
+        time.sleep(3)
+        _drain(c)
+        during = settled_rss(env)
+        # nothing was given back: the node took nothing
+        assert not any(f[0] == WINDOW_UPDATE for f in c.frames), c.frames
+    finally:
+        c.close()
+        for s in socks:
+            forget(s)
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    print(f"\n[mem] uploads toward a tarpit: {sum(x[0] for x in sent) / MIB:.1f} MiB "
+          f"taken by the kernel from {conns} HTTP/1.1 clients")
+    _check("uploads toward a node that takes nothing", before, during, after, bound)
+
+
+# === TLS ================================================================================
+
+
+def _client_hello(host: str = HOST, alpn: tuple[str, ...] = ("http/1.1",)) -> bytes:
+    """The bytes of a real ClientHello (stdlib TLS client, memory BIOs)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(list(alpn))
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname=host)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return outgoing.read()
+
+
+def _raw(source: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(WAIT)
+    s.bind((source, 0))
+    s.connect((LOOPBACK, port))
+    return s
+
+
+#: Connections one address may hold, and the extra ones it gets to show a ClientHello
+#: when at that cap (README: `max_connections_per_ip`).
+PER_IP_CAP = 200
+PER_IP_GRACE = 16
+
+
+def test_tls_half_handshakes_at_the_per_ip_cap_from_four_addresses(env: ServeEnv) -> None:
+    """From four loopback addresses, each opens 230 connections (beyond its cap of 200
+    plus 16): half send a whole ClientHello and then nothing (the edge answers with its
+    flight and waits for the client's Finished), half send 3 bytes of a record header.
+
+    Bound: the edge holds at most 216 connections per address; a handshake in progress
+    costs its socket, an OpenSSL object with its buffers and a parked task, well under
+    the 128 KiB counted per connection: 4 × 216 × 128 KiB = 108 MiB. The measured figure
+    is far below; the bound is what the caps allow, not what this run used."""
+    addrs = [f"127.0.9.{i}" for i in range(1, 5)]
+    per = 230
+    bound = len(addrs) * (PER_IP_CAP + PER_IP_GRACE) * PER_CONNECTION // KIB + SLACK_KIB
+    hello = _client_hello()
+    before = settled_rss(env)
+    socks: list[socket.socket] = []
+    try:
+        for addr in addrs:
+            for i in range(per):
+                try:
+                    s = _raw(addr, env.serve.port)
+                except OSError:
+                    continue
+                socks.append(s)
+                with contextlib.suppress(OSError):
+                    s.sendall(hello if i % 2 == 0 else hello[:3])
+        time.sleep(1)
+        open_now = env.serve.open_connections()
+        during = settled_rss(env)
+        assert open_now <= len(addrs) * (PER_IP_CAP + PER_IP_GRACE), open_now
+        # a measuring client still gets in meanwhile (its own address, its own share)
+        assert _measure(env) == 200
+    finally:
+        for s in socks:
+            s.close()
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    print(f"\n[mem] half handshakes: {len(socks)} connections made, {open_now} held open")
+    _check("TLS half handshakes at the per-IP cap x 4 addresses", before, during, after, bound)
+
+
+def test_tls_oversized_client_hello_records(env: ServeEnv) -> None:
+    """Fifty connections each send a handshake record header announcing a 16 MiB
+    ClientHello, then 1 MiB of it in maximal records (and one in records over the
+    maximal size): each is refused at the ClientHello cap and closed.
+
+    Bound: the ClientHello parser holds at most 16 KiB (`MAX_CLIENT_HELLO`) per
+    connection: 50 × (16 KiB + 128 KiB) ≈ 7 MiB, plus slack."""
+    conns = 50
+    bound = conns * (16 * KIB + PER_CONNECTION) // KIB + SLACK_KIB
+    # handshake type 1, length 0xFFFFFF, then filler, cut into 16 KiB records
+    payload = b"\x01\xff\xff\xff" + b"\x03\x03" + b"A" * (MIB - 6)
+    records = b"".join(b"\x16\x03\x01" + (16384).to_bytes(2, "big") + payload[i:i + 16384]
+                       for i in range(0, len(payload), 16384))
+    oversized = b"\x16\x03\x01\xff\xff" + b"B" * 65535
+    before = settled_rss(env)
+    closed = 0
+    socks = []
+    try:
+        for i in range(conns):
+            s = _raw(ATTACKER_IP, env.serve.port)
+            socks.append(s)
+            _pump_send(s, oversized if i == 0 else records, 2.0)
+        for s in socks:
+            if closed_by_peer(s, 5.0):
+                closed += 1
+        during = settled_rss(env)
+    finally:
+        for s in socks:
+            s.close()
+    assert closed == conns, closed
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    _check("TLS oversized ClientHello x 50", before, during, after, bound)
