@@ -645,3 +645,172 @@ def test_tls_oversized_client_hello_records(env: ServeEnv) -> None:
     assert env.serve.wait_open_connections(0) == 0
     after = settled_rss(env)
     _check("TLS oversized ClientHello x 50", before, during, after, bound)
+
+
+# === the relay and the tunnel ==========================================================
+
+
+def test_relay_flood_to_an_offline_node_whose_tunnel_never_reads(tmp_path: Path) -> None:
+    """A relay recipient whose connector holds a control link open and never reads it
+    (4 KiB receive buffer), while two senders flood its queue with ~1 MiB sealed calls
+    past its byte cap (24 MiB) and 100 callers knock on its tunnel route.
+
+    What must hold: the queue stops at its cap, every call beyond it is answered
+    `rate_limited` with retry_after 60 (the defined error), the counters say what the
+    store holds, and memory is bounded.
+
+    Bound: the queue is durable on disk (SQLite), so RAM holds per call in progress its
+    body and the parsed and canonical envelope (4 × 1.1 MiB, two senders at once), the
+    store's page caches (2 MiB per connection, a writer and a reader), a control link's
+    TLS buffers for the silent connector and the waiting passthrough callers
+    (100 × 128 KiB): ≈ 9 + 4 + 12.5 MiB, plus slack. Against: 24 MiB queued in RAM, on
+    top of what the flood itself costs, would cross it."""
+    from tests.relay_env import RelayCaller, RelayServe, envelope, relay_identities
+    from tests.test_relay_workers import HIGH_LIMITS, queued
+
+    envelope_size = MIB
+    cap = 24 * MIB
+    bound = (2 * 4 * (envelope_size + 64 * KIB) + 2 * 2 * MIB
+             + 100 * PER_CONNECTION) // KIB + SLACK_KIB
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1, tunnel=True,
+                       max_bytes=str(cap), extra=HIGH_LIMITS)
+    env = _Proc(serve.proc)
+    socks: list[socket.socket] = []
+    try:
+        owner = RelayCaller(serve.port, ids.recipient)
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        now = int(time.time())
+        first = envelope(ids.sender, ids.recipient, msg_id="warm", ts=now, text="w")
+        assert queued(RelayCaller(serve.port, ids.sender).tool("relay_call", first)[0], "warm")
+        before = settled_rss(env)  # type: ignore[arg-type]
+        # the silent connector: HELLO, then never a read
+        from tests.test_tunnel_attacks import hello
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols(["pact-tunnel/1"])
+        ctx.load_cert_chain(ids.recipient.cert_path, ids.recipient.key_path)
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.settimeout(WAIT)
+        raw.connect((LOOPBACK, serve.port))
+        silent = ctx.wrap_socket(raw, server_hostname="tunnel.test")
+        socks.append(silent)
+        silent.sendall(hello())
+        # callers knocking on the tunnel route (passthrough): they wait for a stream
+        knock = _client_hello("home.test")
+        for i in range(100):
+            with contextlib.suppress(OSError):
+                k = _raw(f"127.0.8.{1 + i % 50}", serve.port)
+                socks.append(k)
+                k.sendall(knock)
+        text = "x" * envelope_size
+        answers: dict[str, str] = {}
+        lock = threading.Lock()
+
+        def sender(k: int) -> None:
+            caller = RelayCaller(serve.port, ids.sender, source=f"127.0.7.{k + 1}")
+            try:
+                for i in range(20):  # 40 calls of ~1 MiB at a 24 MiB queue
+                    m = f"flood-{k}-{i}"
+                    e = envelope(ids.sender, ids.recipient, msg_id=m, ts=now, text=text)
+                    result, resp = caller.tool("relay_call", e)
+                    sc = result.get("structuredContent") or {}
+                    code = "queued" if queued(result, m) else (
+                        f"{sc.get('code')}:{sc.get('retry_after')}:{resp.status}")
+                    with lock:
+                        answers[m] = code
+            finally:
+                caller.close()
+
+        threads = [threading.Thread(target=sender, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        during = settled_rss(env)  # type: ignore[arg-type]
+        ok = [m for m, a in answers.items() if a == "queued"]
+        refused = {a for a in answers.values() if a != "queued"}
+        assert len(answers) == 40, len(answers)
+        assert refused == {"rate_limited:60:429"} or refused == {"rate_limited:60:200"}, refused
+        queues = serve.status()["relay"]["queues"]
+        items, size = sum(q["items"] for q in queues), sum(q["bytes"] for q in queues)
+        assert items == len(ok) + 1 and size <= cap, (items, size, len(ok))
+        assert len(ok) >= 10  # the cap, not something else, stopped the flood
+    finally:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+    try:
+        after = settled_rss(env)  # type: ignore[arg-type]
+        _check("relay flood + silent tunnel peer", before, during, after, bound)
+        # a measuring client: the owner fetches a page and the queue still answers
+        page = RelayCaller(serve.port, ids.recipient).tool("fetch_queued", {"limit": 2})[0]
+        assert page["structuredContent"]["items"], page
+        assert "Traceback" not in serve.logs()
+    finally:
+        serve.stop()
+
+
+class _Proc:
+    """`settled_rss` for a process that is not a `Serve` (one process, no workers)."""
+
+    def __init__(self, proc: object) -> None:
+        self.serve = self
+        self.proc = proc
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():  # type: ignore[attr-defined]
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise KeyError("VmRSS")
+
+
+# === the admin endpoint =================================================================
+
+
+def test_admin_large_and_slow_bodies(env: ServeEnv) -> None:
+    """The admin endpoint (loopback) gets eight 32 MiB bodies and thirty bodies that
+    trickle a byte every 100 ms: no admin endpoint takes a body, so each is read and
+    dropped, answered 413 over 64 KiB.
+
+    Bound: hypercorn holds one read (64 KiB) per connection and the head (16 KiB):
+    38 × (80 KiB + 128 KiB) ≈ 7.7 MiB, plus slack."""
+    conns_big, conns_slow = 8, 30
+    bound = (conns_big + conns_slow) * (80 * KIB + PER_CONNECTION) // KIB + SLACK_KIB
+    port = env.serve.admin_port
+    before = settled_rss(env)
+    socks = []
+    statuses = []
+    try:
+        for _ in range(conns_slow):
+            s = socket.create_connection((LOOPBACK, port), timeout=WAIT)
+            s.sendall(b"POST /reload HTTP/1.1\r\nHost: admin\r\nContent-Length: 1000000\r\n\r\n")
+            socks.append(s)
+        big = []
+        for _ in range(conns_big):
+            s = socket.create_connection((LOOPBACK, port), timeout=WAIT)
+            s.sendall(b"POST /reload HTTP/1.1\r\nHost: admin\r\n"
+                      + f"Content-Length: {32 * MIB}\r\n\r\n".encode())
+            big.append((s, _pump_send(s, b"z" * (32 * MIB), 3.0)))
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.send(b"a")
+            time.sleep(0.1)
+        during = settled_rss(env)
+        for s, _sent in big:
+            s.settimeout(5)
+            with contextlib.suppress(OSError):
+                statuses.append(s.recv(100).split(b" ")[1:2])
+            s.close()
+    finally:
+        for s in socks:
+            s.close()
+    after = settled_rss(env)
+    print(f"\n[mem] admin: big bodies answered {statuses}")
+    _check("admin large and slow bodies", before, during, after, bound)
+    assert env.serve.status()["counters"]  # the admin endpoint still answers
