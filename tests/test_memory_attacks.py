@@ -226,7 +226,7 @@ def test_h2_full_header_lists_on_streams_never_finished(env: ServeEnv) -> None:
 
 
 def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
-    """One connection sends 2000 requests whose every field is new and indexed (the
+    """One connection sends 1000 requests whose every field is new and indexed (the
     dynamic table is rewritten by each block), each block cut into a CONTINUATION chain
     of 60 frames (under the 64-frame cap), and answered.
 
@@ -240,7 +240,7 @@ def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
     try:
         answered = 0
         sid = 1
-        for rnd in range(20):  # bounded: 20 rounds of 100 streams
+        for rnd in range(10):  # bounded: 10 rounds of 100 streams
             out = []
             for _ in range(100):
                 block = c.enc.encode([
@@ -262,17 +262,17 @@ def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
                                        for s in range(first_sid, sid, 2)), WAIT), rnd
             answered += sum(1 for s in range(first_sid, sid, 2) if c.ended(s))
             c.frames.clear()
-        assert answered == 2000, answered
+        assert answered == 1000, answered
     finally:
         c.close()
     after = settled_rss(env)
-    _check("h2 hpack churn + continuation chains x 2000", before, None, after, bound)
+    _check("h2 hpack churn + continuation chains x 1000", before, None, after, bound)
 
 
 def test_h2_request_bodies_are_held_to_the_connection_window(env: ServeEnv) -> None:
     """Eight connections from one address each open 100 uploads of 5 MiB (to the MCP
     path, whose bodies the edge reads whole before forwarding, and to a plain path) and
-    push DATA as fast as the windows allow for 3 s, never finishing.
+    push DATA as fast as the windows allow for 2 s, never finishing.
 
     Bound: the edge never raises the connection window above 65535, so what it holds
     unread is at most that per connection; what it has taken of MCP bodies is held to the
@@ -297,7 +297,7 @@ def test_h2_request_bodies_are_held_to_the_connection_window(env: ServeEnv) -> N
                 batch.append(frame(HEADERS, END_HEADERS, sid, c.block(path, "POST", [
                     (b"content-type", ctype), (b"content-length", str(length).encode())])))
             c.send(*batch)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 2
         chunk = b"[" + b" " * 16382 + b"]"
         # the client's own idea of the windows: the edge's WINDOW_UPDATEs raise them
         windows = [{0: H2_CONN_WINDOW} for _ in clients]
@@ -322,7 +322,7 @@ def test_h2_request_bodies_are_held_to_the_connection_window(env: ServeEnv) -> N
             c.close()
     assert env.serve.wait_open_connections(0) == 0
     after = settled_rss(env)
-    print(f"\n[mem] h2 uploads: {sent / MIB:.1f} MiB of DATA sent in 3 s")
+    print(f"\n[mem] h2 uploads: {sent / MIB:.1f} MiB of DATA sent in 2 s")
     _check("h2 uploads pushed to the windows", before, during, after, bound)
 
 
@@ -348,7 +348,7 @@ def test_h2_client_that_never_reads_a_big_answer(env: ServeEnv) -> None:
         # `shut` reads (frames, not DATA credit: Raw would send WINDOW_UPDATEs, so it is
         # only read here enough to see the heads); `wide` is never read
         shut.unacked.clear()
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             shut.sock.settimeout(0.2)
             with contextlib.suppress(TimeoutError, OSError):
@@ -411,13 +411,17 @@ def test_h1_pipelined_requests_behind_streaming_answers(env: ServeEnv) -> None:
     one = request_bytes("GET", "/stream?n=1&interval=0", HOST)
     data = one * (16 * MIB // len(one))
     s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP)
+    view = memoryview(data)
+    got = 0
     try:
-        sent = _pump_send(s, data, 5.0)
-        got = 0
-        deadline = time.monotonic() + 5
-        s.settimeout(0.2)
+        # one thread takes turns sending and reading (a TLS socket is not for two)
+        s.settimeout(0.02)
+        deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, ssl.SSLWantWriteError):
+                if view:
+                    view = view[s.send(view[:16384]):]
+            with contextlib.suppress(TimeoutError, ssl.SSLWantReadError):
                 chunk = s.recv(65536)
                 if not chunk:
                     break
@@ -425,10 +429,11 @@ def test_h1_pipelined_requests_behind_streaming_answers(env: ServeEnv) -> None:
         during = settled_rss(env)
     finally:
         forget(s)
+    assert got > 0, "no answer came back: the connection stopped serving"
     assert env.serve.wait_open_connections(0) == 0
     after = settled_rss(env)
-    print(f"\n[mem] h1 pipelining: {sent[0] / MIB:.1f} MiB of requests sent, "
-          f"{got / MIB:.1f} MiB of answers read")
+    print(f"\n[mem] h1 pipelining: {(len(data) - len(view)) / MIB:.1f} MiB of requests "
+          f"sent, {got / MIB:.2f} MiB of answers read")
     _check("h1 pipelined requests behind streamed answers", before, during, after, bound)
 
 
@@ -449,7 +454,7 @@ def test_h1_pipelined_big_answers_never_read(env: ServeEnv) -> None:
             s = tls_socket(env.serve.port, HOST, source=ATTACKER_IP, rcvbuf=4096)
             socks.append(s)
             _pump_send(s, request_bytes("GET", f"/big?bytes={64 * MIB}", HOST) * 200, 2.0)
-        time.sleep(3)
+        time.sleep(2)
         during = settled_rss(env)
         assert env.node.active_streams > 0
     finally:
@@ -463,7 +468,7 @@ def test_h1_pipelined_big_answers_never_read(env: ServeEnv) -> None:
 
 def test_h1_slow_reader_of_big_answers(env: ServeEnv) -> None:
     """Eight connections each ask for a 64 MiB answer and read it at 16 KiB per 50 ms
-    through a 4 KiB receive buffer for 3 s: the edge must pace its reads from the node
+    through a 4 KiB receive buffer for 2 s: the edge must pace its reads from the node
     by what the client takes.
 
     Bound: per connection a node read, the upstream TLS buffers and a client write
@@ -479,7 +484,7 @@ def test_h1_slow_reader_of_big_answers(env: ServeEnv) -> None:
             s.sendall(request_bytes("GET", f"/big?bytes={64 * MIB}", HOST))
             s.settimeout(0.05)
             socks.append(s)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             for s in socks:
                 with contextlib.suppress(TimeoutError):
@@ -499,7 +504,7 @@ def test_h1_slow_reader_of_big_answers(env: ServeEnv) -> None:
 
 def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) -> None:
     """Eight HTTP/1.1 connections and one HTTP/2 connection upload 256 MiB each (the
-    route allows 1 GiB) to a node whose listener never accepts, for 3 s.
+    route allows 1 GiB) to a node whose listener never accepts, for 2 s.
 
     Bound: a body streams to the node only as the node takes it, so per connection the
     edge holds a read (64 KiB) and, on HTTP/2, at most the connection window; plus the
@@ -519,14 +524,14 @@ def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) ->
                                     content_type="application/octet-stream")
                       .replace(b"Content-Length: 0", f"Content-Length: {size}".encode()))
             socks.append(s)
-            sent.append(_pump_send(s, body * (size // len(body)), 3.0))
+            sent.append(_pump_send(s, body * (size // len(body)), 2.0))
         c.send(frame(HEADERS, END_HEADERS, 1, c.block("/upload", "POST", [
             (b"content-type", b"application/octet-stream"),
             (b"content-length", str(size).encode())])))
         # the whole window, and then some more the edge must refuse to take unasked
         c.send(*(frame(DATA, 0, 1, b"\0" * 16384) for _ in range(3)),
                frame(DATA, 0, 1, b"\0" * 16383))
-        time.sleep(3)
+        time.sleep(2)
         _drain(c)
         during = settled_rss(env)
         # nothing was given back: the node took nothing
@@ -773,7 +778,7 @@ class _Proc:
 
 def test_admin_large_and_slow_bodies(env: ServeEnv) -> None:
     """The admin endpoint (loopback) gets eight 32 MiB bodies and thirty bodies that
-    trickle a byte every 100 ms: no admin endpoint takes a body, so each is read and
+    trickle a byte every 100 ms for 2 s: no admin endpoint takes a body, so each is read and
     dropped, answered 413 over 64 KiB.
 
     Bound: hypercorn holds one read (64 KiB) per connection and the head (16 KiB):
@@ -794,8 +799,8 @@ def test_admin_large_and_slow_bodies(env: ServeEnv) -> None:
             s = socket.create_connection((LOOPBACK, port), timeout=WAIT)
             s.sendall(b"POST /reload HTTP/1.1\r\nHost: admin\r\n"
                       + f"Content-Length: {32 * MIB}\r\n\r\n".encode())
-            big.append((s, _pump_send(s, b"z" * (32 * MIB), 3.0)))
-        deadline = time.monotonic() + 3
+            big.append((s, _pump_send(s, b"z" * (32 * MIB), 2.0)))
+        deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
             for s in socks:
                 with contextlib.suppress(OSError):
