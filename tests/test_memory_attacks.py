@@ -108,7 +108,23 @@ def env(shared: ServeEnv) -> Iterator[ServeEnv]:
     # after every attack: the measuring client is served, no connection is left counted
     assert _measure(env) == 200
     assert env.serve.wait_open_connections(0) == 0
+    _attacker_share_is_whole(env)
     assert "Traceback" not in env.serve.logs()
+
+
+def _attacker_share_is_whole(env: ServeEnv) -> None:
+    """The attacker's address holds nothing any more: all of its in-flight share
+    (`max_requests_in_flight_per_ip`, 16) is there for 16 overlapping requests, and
+    nothing is left at the node."""
+    assert env.node.wait_for(lambda: env.node.active_streams == 0), env.node.active_streams
+    c = _h2(env)
+    try:
+        sids = range(1, 33, 2)
+        c.send(*(c.headers(sid, "/stream?n=2&interval=0.3") for sid in sids))
+        statuses = [c.answer(sid)[0] for sid in sids]
+    finally:
+        c.close()
+    assert statuses == [200] * 16, statuses
 
 
 def _measure(env: ServeEnv) -> int:
@@ -416,7 +432,7 @@ def test_h1_pipelined_requests_behind_streaming_answers(env: ServeEnv) -> None:
     try:
         # one thread takes turns sending and reading (a TLS socket is not for two)
         s.settimeout(0.02)
-        deadline = time.monotonic() + 4
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             with contextlib.suppress(TimeoutError, ssl.SSLWantWriteError):
                 if view:
@@ -687,7 +703,10 @@ def test_relay_flood_to_an_offline_node_whose_tunnel_never_reads(tmp_path: Path)
         assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
         now = int(time.time())
         first = envelope(ids.sender, ids.recipient, msg_id="warm", ts=now, text="w")
-        assert queued(RelayCaller(serve.port, ids.sender).tool("relay_call", first)[0], "warm")
+        warm = RelayCaller(serve.port, ids.sender)
+        assert queued(warm.tool("relay_call", first)[0], "warm")
+        warm.close()
+        owner.close()
         before = settled_rss(env)  # type: ignore[arg-type]
         # the silent connector: HELLO, then never a read
         from tests.test_tunnel_attacks import hello
@@ -749,10 +768,20 @@ def test_relay_flood_to_an_offline_node_whose_tunnel_never_reads(tmp_path: Path)
             with contextlib.suppress(OSError):
                 s.close()
     try:
+        # every connection let go: the silent connector's link, the knocking callers
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            counters = serve.status()["counters"]
+            if counters.get("open_connections") == 0 and counters.get("tunnels") == 0:
+                break
+            time.sleep(0.2)
+        assert counters.get("open_connections") == 0 and counters.get("tunnels") == 0, counters
         after = settled_rss(env)  # type: ignore[arg-type]
         _check("relay flood + silent tunnel peer", before, during, after, bound)
         # a measuring client: the owner fetches a page and the queue still answers
-        page = RelayCaller(serve.port, ids.recipient).tool("fetch_queued", {"limit": 2})[0]
+        owner = RelayCaller(serve.port, ids.recipient)
+        page = owner.tool("fetch_queued", {"limit": 2})[0]
+        owner.close()
         assert page["structuredContent"]["items"], page
         assert "Traceback" not in serve.logs()
     finally:
