@@ -886,3 +886,44 @@ def test_mcp_body_parse_amplification(env: ServeEnv) -> None:
     after = settled_rss(env)
     assert r.status == 200, r.status  # forwarded: the node answers tools/list
     _check("MCP body of 2M empty objects (peak)", before, peak, after, bound)
+
+
+def test_relay_bodies_refused_after_a_thread_check_leave_nothing_behind(
+        tmp_path: Path) -> None:
+    """Large relay calls are parsed and checked in a worker thread. A caller sends two
+    3 MiB calls whose arguments are a million empty objects (refused envelope_invalid
+    once parsed) and three 12 MiB bodies that are not JSON (refused -32700 by the
+    parser): once each is answered, nothing of it may stay in memory.
+
+    Bound on what stays (RSS after, settled): no part of a refused call is kept, so only
+    allocator slack; the peak of parsing is another matter (see the parse amplification
+    test) and is not asserted here. Against: a refused call's parsed tree (~80 MiB for
+    3 MiB of empty objects) or its body and text (~24 MiB each) kept until a full
+    collection."""
+    from tests.relay_env import RelayCaller, RelayServe, relay_identities
+    from tests.test_relay_workers import HIGH_LIMITS
+
+    bound = SLACK_KIB
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1, extra=HIGH_LIMITS)
+    env = _Proc(serve.proc)
+    try:
+        caller = RelayCaller(serve.port, ids.sender, source=ATTACKER_IP)
+        assert caller.request("POST", "/relay/mcp", rpc("ping")).status == 200
+        before = settled_rss(env)  # type: ignore[arg-type]
+        head = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"relay_call",'
+        tree = head + b'"arguments":{"x":[' + b"{}," * MIB + b'0]}}}'
+        broken = head + b'"arguments":{"x":[' + b"0," * (6 * MIB)  # never closed
+        codes = []
+        for body in (tree, tree, broken, broken, broken):
+            resp = caller.request("POST", "/relay/mcp", body)
+            codes.append((resp.status, resp.body[:300]))
+        caller.close()
+        after = settled_rss(env)  # type: ignore[arg-type]
+        assert [c[0] for c in codes] == [200, 200, 400, 400, 400], codes
+        assert all(b"envelope_invalid" in c[1] for c in codes[:2]), codes
+        _check("relay bodies refused after a thread check (retained)", before, None, after,
+               bound)
+        assert "Traceback" not in serve.logs()
+    finally:
+        serve.stop()
