@@ -13,9 +13,10 @@ within `head_timeout` (else 408); body reads take the deadline the engine gives;
 write must be taken by the client within `write_timeout`.
 
 Pipelining: while a response streams, the connection keeps reading (up to
-`MAX_PIPELINED_BYTES`, parsed and queued as events for later) so that a client that
-pipelined its next request and then went away is noticed at once, and its exchange ends
-instead of waiting for a read nobody will ever satisfy.
+`MAX_PIPELINED_BYTES` not yet served, for the connection, however many answers stream
+before the request loop reaches them; parsed and queued as events for later) so that a
+client that pipelined its next request and then went away is noticed at once, and its
+exchange ends instead of waiting for a read nobody will ever satisfy.
 
 Closing: when the client may still be sending (the rest of an upload an early answer
 refused, what follows a head we refused, bytes waiting unread: a request pipelined
