@@ -35,7 +35,6 @@ from tests.terminate_env import (
     closed_by_peer,
     exchange,
     forget,
-    read_response,
     request_bytes,
     rpc,
     tls_socket,
@@ -274,8 +273,9 @@ def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
             c.send(*out)
             # HEADERS without END_STREAM: end each stream with an empty DATA
             c.send(*(frame(DATA, END_STREAM, s, b"") for s in range(first_sid, sid, 2)))
-            assert c.until(lambda: all(c.ended(s) or c.resets(s)
-                                       for s in range(first_sid, sid, 2)), WAIT), rnd
+            opened = range(first_sid, sid, 2)
+            assert c.until(lambda opened=opened: all(c.ended(s) or c.resets(s)
+                                                     for s in opened), WAIT), rnd
             answered += sum(1 for s in range(first_sid, sid, 2) if c.ended(s))
             c.frames.clear()
         assert answered == 1000, answered
