@@ -13,9 +13,10 @@ within `head_timeout` (else 408); body reads take the deadline the engine gives;
 write must be taken by the client within `write_timeout`.
 
 Pipelining: while a response streams, the connection keeps reading (up to
-`MAX_PIPELINED_BYTES`, parsed and queued as events for later) so that a client that
-pipelined its next request and then went away is noticed at once, and its exchange ends
-instead of waiting for a read nobody will ever satisfy.
+`MAX_PIPELINED_BYTES` not yet served, for the connection, however many answers stream
+before the request loop reaches them; parsed and queued as events for later) so that a
+client that pipelined its next request and then went away is noticed at once, and its
+exchange ends instead of waiting for a read nobody will ever satisfy.
 
 Closing: when the client may still be sending (the rest of an upload an early answer
 refused, what follows a head we refused, bytes waiting unread: a request pipelined
@@ -90,6 +91,10 @@ class H1Connection:
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
         self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
+        # bytes read ahead while answers streamed, not yet reached by the request loop:
+        # one budget for the connection, not one per answer, or a client pipelining
+        # behind streamed answers has every answer read another share into the queue
+        self.read_ahead = 0
         self._idle_scopes = idle_scopes  # cancelled by a drain: idle connections close
         # set by a drain: a keep-alive connection that becomes idle after it began
         # closes too (the drain cancelled only the scopes of those idle at that moment);
@@ -177,6 +182,7 @@ class H1Connection:
                 return self._exchange(event)
             if event is not NEED_DATA:
                 return None  # leftovers of a body nobody read: the connection is done
+            self.read_ahead = 0  # all that was read ahead is served
             if self.deferred is not None:
                 await self._refuse_head(self.deferred)
                 return None
@@ -420,8 +426,8 @@ class H1Exchange(Exchange):
     async def wait_gone(self) -> None:
         if not self.body_done:
             await trio.sleep_forever()  # the body reader notices a close itself
-        read_ahead = 0
-        while read_ahead < MAX_PIPELINED_BYTES and self.c.deferred is None:
+        c = self.c
+        while c.read_ahead < MAX_PIPELINED_BYTES and c.deferred is None:
             try:
                 data = await self.c.stream.receive_some(READ_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -429,7 +435,7 @@ class H1Exchange(Exchange):
             if not data:
                 self.broken = True
                 return
-            read_ahead += len(data)
+            c.read_ahead += len(data)
             try:
                 self.c.parser.feed(data)
             except ParseError as exc:

@@ -33,7 +33,8 @@ Nothing here queues anything before step 3 has found a caller key.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -47,6 +48,8 @@ from pact_ingress.proto.ratelimit import Limited, client_bucket
 from pact_ingress.proto.relay import Refusal
 from pact_ingress.proto.shares import Refused
 from pact_ingress.relay.store import StoreUnavailable
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from pact_ingress.relay.server import RelayServer
@@ -293,8 +296,7 @@ class RelayExchange:
         time), so a large call does not stall every other connection."""
         if len(body) <= INLINE_CHECK_BYTES:
             return rules.loads(body)
-        return await trio.to_thread.run_sync(rules.loads, body,
-                                             limiter=self.server.large_slot)
+        return await in_thread(rules.loads, body, limiter=self.server.large_slot)
 
     async def _dispatch(self, rpc_id: Any, method: str, params: dict[str, Any]
                         ) -> dict[str, Any] | bytes:
@@ -373,6 +375,34 @@ class RelayExchange:
             scope=server.host)
         if isinstance(decision, Limited):
             raise Refusal(rules.RATE_LIMITED, "over the call budget", decision.retry_after)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+    """`trio.to_thread.run_sync(fn, *args)`, with what `fn` raises raised from here
+    without the thread's frames.
+
+    An exception's traceback holds its frames, and each frame its callers' (`f_back`),
+    up to the thread's own frames, which then hold the exception itself on its way back:
+    a reference cycle that keeps the call's body or parsed document (megabytes here)
+    alive until a full collection, so a caller whose large calls are all refused would
+    pile them up. The exception crosses back bare (no traceback, no chained context:
+    it is an answer, such as a refusal, not a bug) and this frame lets go of it."""
+    value, error = await trio.to_thread.run_sync(_catching, fn, args, limiter=limiter)
+    if error is None:
+        return value  # type: ignore[return-value]
+    try:
+        raise error
+    finally:
+        del error
+
+
+def _catching(fn: Callable[..., T], args: tuple[Any, ...]
+              ) -> tuple[T | None, Exception | None]:
+    try:
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - raised again by `in_thread`
+        exc.__context__ = exc.__cause__ = None
+        return None, exc.with_traceback(None)
 
 
 def _valid_id(rpc_id: Any) -> bool:

@@ -79,6 +79,7 @@ from pact_ingress.relay.http import (
     MAX_BUFFERED_PER_CLIENT,
     MAX_BUFFERED_TOTAL,
     RelayExchange,
+    in_thread,
 )
 from pact_ingress.relay.store import (
     MsgIdTaken,
@@ -316,7 +317,7 @@ class RelayServer:
         else:
             # a pure function of values nobody touches meanwhile (the allow-lists are
             # the store's snapshot, `seen` is this call's own)
-            accepted = await trio.to_thread.run_sync(check, limiter=self.large_slot)
+            accepted = await in_thread(check, limiter=self.large_slot)
         header = accepted.header
         if len(accepted.envelope) > self.relay.max_bytes:
             # no fetch or ack can ever make room for it: `rate_limited` would have the

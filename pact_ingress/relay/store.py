@@ -229,10 +229,17 @@ class SqliteStore:
             await done.wait()
         if not done.is_set():
             raise StoreUnavailable(f"relay store did not answer within {JOB_TIMEOUT:g} s")
-        if job.error is not None:
-            if allow_broken and isinstance(job.error, StoreUnavailable):
+        error, job.error = job.error, None
+        if error is not None:
+            if allow_broken and isinstance(error, StoreUnavailable):
                 return None
-            raise job.error
+            # raised from here, its traceback holds this frame: with `job` or `error`
+            # still pointing at it, that is a cycle keeping the call's envelope alive
+            # until a full collection, and a flood of refused calls piles them up
+            try:
+                raise error
+            finally:
+                del error
         return job.result
 
     def _put(self, job: _Job) -> None:
@@ -455,14 +462,16 @@ class SqliteStore:
                 job.result = job.fn(conn)
             except (QueueFull, MsgIdTaken, sqlite3.IntegrityError,
                     sqlite3.ProgrammingError) as exc:
-                job.error = exc
+                # an answer, not a bug: without the writer's frames (which hold `job`,
+                # and with it this error: a cycle carrying the envelope)
+                job.error = exc.with_traceback(None)
             return
         conn.execute("SAVEPOINT job")
         try:
             job.result = job.fn(conn)
         except (QueueFull, MsgIdTaken, sqlite3.IntegrityError,
                     sqlite3.ProgrammingError) as exc:
-            job.error = exc
+            job.error = exc.with_traceback(None)
             conn.execute("ROLLBACK TO job")
         conn.execute("RELEASE job")
 
