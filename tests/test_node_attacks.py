@@ -1,0 +1,453 @@
+"""A hostile or broken home node, through a real `pact-ingress serve` on loopback.
+
+The node here is scripted at the byte level (stdlib ssl, pinned mTLS as the edge
+demands): each request's path names what it answers, so one node can send a second
+response after the first, lie about lengths, flood interim heads, name hop-by-hop
+fields, or never end a trailer. Many clients of one route share the edge's pool to
+that node, so what is asserted is:
+
+* no client ever gets bytes the node wrote for another request (each normal answer
+  carries its own request's target, so a desync shows as a foreign target);
+* every client gets a defined answer (the node's intact, or 502/504), on HTTP/1.1 and
+  HTTP/2 alike, and its connection slot is given back (`/status`);
+* what the edge must not pass on (hop-by-hop fields, HTTP/2 connection-specific fields)
+  never reaches a client;
+* the edge's memory stays bounded whatever the node sends (`VmHWM` of the serve
+  process, which serves everything itself here: `--workers 1`).
+
+Every wait is bounded; nothing asserts timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+
+from pact_ingress.identity import Identity
+from tests.terminate_env import (
+    LOOPBACK,
+    OPT_HOST,
+    WAIT,
+    H2Conn,
+    H2Result,
+    Serve,
+    forget,
+    make_identities,
+    read_response,
+    request_bytes,
+    tls_socket,
+)
+
+# --- the scripted node -----------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    method: str
+    target: str
+    body: bytes
+
+    @property
+    def path(self) -> str:
+        return urlsplit(self.target).path
+
+    @property
+    def query(self) -> dict[str, str]:
+        return {k: v[0] for k, v in parse_qs(urlsplit(self.target).query).items()}
+
+
+def answer(target: str, status: int = 200, extra: bytes = b"") -> bytes:
+    """A well-formed response carrying its request's target."""
+    body = json.dumps({"target": target}).encode()
+    return (b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n"
+            % (status, extra, len(body)) + body)
+
+
+class Conn:
+    """One node-side connection: the TLS socket and a read buffer."""
+
+    def __init__(self, tls: ssl.SSLSocket) -> None:
+        self.tls, self.buf = tls, b""
+
+    def _fill(self) -> None:
+        data = self.tls.recv(65536)
+        if not data:
+            raise EOFError()
+        self.buf += data
+
+    def read_request(self) -> Req:
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":")
+                                                                  for ln in lines[1:])}
+        body = b""
+        if "content-length" in fields:
+            n = int(fields["content-length"])
+            while len(self.buf) < n:
+                self._fill()
+            body, self.buf = self.buf[:n], self.buf[n:]
+        elif fields.get("transfer-encoding") == "chunked":
+            while True:
+                while b"\r\n" not in self.buf:
+                    self._fill()
+                line, self.buf = self.buf.split(b"\r\n", 1)
+                size = int(line.split(b";")[0], 16)
+                while len(self.buf) < size + 2:
+                    self._fill()
+                body += self.buf[:size]
+                self.buf = self.buf[size + 2:]
+                if size == 0:
+                    break
+        return Req(method, target, body)
+
+    def send(self, *records: bytes) -> None:
+        """Each piece in its own TLS record, all of them in one TCP segment where they
+        fit (corked): the edge reads them together."""
+        self.tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        try:
+            for record in records:
+                self.tls.sendall(record)
+        finally:
+            self.tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+
+
+#: What a scripted answer returns: keep serving the connection (True) or close it.
+Script = Callable[["Conn", Req], bool]
+
+
+class ScriptNode:
+    """A pinned-mTLS HTTP/1.1 node whose answer to each request is `scripts[path]`
+    (anything else: `answer(target)`). Thread per connection; records requests and
+    counts connections open on its side."""
+
+    def __init__(self, identity: Identity, client_ca: Identity,
+                 scripts: dict[str, Script]) -> None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(identity.cert_path, identity.key_path)
+        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(client_ca.cert_path))
+        self._ctx = ctx
+        self.scripts = scripts
+        self._listener = socket.create_server((LOOPBACK, 0), backlog=256)
+        self.port = int(self._listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self.requests: list[Req] = []
+        self.open = 0
+        self._socks: set[socket.socket] = set()
+        self._stopped = False
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._stopped:
+            try:
+                raw, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        raw.settimeout(30)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self.open += 1
+            self._socks.add(raw)
+        try:
+            conn = Conn(self._ctx.wrap_socket(raw, server_side=True))
+            while not self._stopped:
+                req = conn.read_request()
+                with self._lock:
+                    self.requests.append(req)
+                script = self.scripts.get(req.path)
+                if script is None:
+                    conn.send(answer(req.target))
+                elif not script(conn, req):
+                    return
+        except (OSError, ssl.SSLError, EOFError, ValueError):
+            return
+        finally:
+            with self._lock:
+                self.open -= 1
+                self._socks.discard(raw)
+            with contextlib.suppress(OSError):
+                raw.close()
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return self.open
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            socks = list(self._socks)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+# --- scripts -------------------------------------------------------------------------------
+
+
+def _second_response_same_read(conn: Conn, req: Req) -> bool:
+    """The answer, then (own TLS record, same segment) a second response to nothing."""
+    conn.send(answer(req.target), answer("/stolen"))
+    return True
+
+
+def _second_response_later(conn: Conn, req: Req) -> bool:
+    """The answer, then a moment later a second response to a request never sent."""
+    conn.send(answer(req.target))
+    time.sleep(0.1)
+    conn.send(answer("/stolen"))
+    return True
+
+
+def _body_longer_than_length(conn: Conn, req: Req) -> bool:
+    """Content-Length shorter than what follows: the rest written a moment later (a
+    node counting characters, not bytes), shaped like a response."""
+    body = json.dumps({"target": req.target}).encode()
+    conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.05)
+    conn.send(answer("/stolen"))
+    return True
+
+
+def _head_with_body(conn: Conn, req: Req) -> bool:
+    """A response to HEAD that carries a body anyway (a response-shaped one)."""
+    body = answer("/stolen")
+    conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    return True
+
+
+def _fixed(data: bytes, keep: bool = True) -> Script:
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(data)
+        return keep
+    return script
+
+
+def _fixed_then_answer(data: bytes) -> Script:
+    """`data`, then (same segment) a well-formed answer to this request."""
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(data, answer(req.target))
+        return True
+    return script
+
+
+BROKEN: dict[str, bytes] = {
+    "cl_and_te": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"0\r\n\r\n",
+    "two_lengths": b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+    "obs_fold": b"HTTP/1.1 200 OK\r\nx-a: 1\r\n folded\r\ncontent-length: 2\r\n\r\nok",
+    "bare_lf": b"HTTP/1.1 200 OK\nx-a: 1\ncontent-length: 2\n\nok",
+    "bare_cr": b"HTTP/1.1 200 OK\r\nx-a: 1\rx-b: 2\r\ncontent-length: 2\r\n\r\nok",
+    "nul_value": b"HTTP/1.1 200 OK\r\nx-a: a\x00b\r\ncontent-length: 2\r\n\r\nok",
+    "nul_name": b"HTTP/1.1 200 OK\r\nx-\x00a: 1\r\ncontent-length: 2\r\n\r\nok",
+    "space_name": b"HTTP/1.1 200 OK\r\nx a: 1\r\ncontent-length: 2\r\n\r\nok",
+    "bad_chunk": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+    "chunk_overflow": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                      b"10000000000000005\r\nhello\r\n0\r\n\r\n",
+    "negative_length": b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nok",
+    "upgrade_101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+                   b"connection: upgrade\r\n\r\n" + answer("/stolen"),
+    "interim_flood": b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" * 50 + answer("/stolen"),
+    "bad_status": b"HTTP/1.1 2000 OK\r\ncontent-length: 2\r\n\r\nok",
+    "garbage": b"SSH-2.0-OpenSSH_9.6\r\n",
+    "short_body_close": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly some",
+}
+
+
+def scripts() -> dict[str, Script]:
+    out: dict[str, Script] = {
+        "/dup-same-read": _second_response_same_read,
+        "/dup-later": _second_response_later,
+        "/long-body": _body_longer_than_length,
+        "/head-body": _head_with_body,
+        # interim heads within the edge's bound, then the answer: relayed intact
+        "/few-interim": _fixed_then_answer(b"HTTP/1.1 100 Continue\r\n\r\n"
+                                           b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"),
+        # a response to HTTP/1.0 framing: close-delimited, then closed
+        "/http10": lambda c, r: (c.send(b"HTTP/1.0 200 OK\r\n\r\n" + json.dumps(
+            {"target": r.target}).encode()), False)[1],
+    }
+    for name, data in BROKEN.items():
+        out[f"/broken-{name}"] = _fixed(data, keep=name != "short_body_close")
+    return out
+
+
+# --- the rig -------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    serve: Serve
+    node: ScriptNode
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    tmp = tmp_path_factory.mktemp("node_attacks")
+    ids = make_identities(tmp)
+    node = ScriptNode(ids.node, ids.ingress, scripts())
+    try:
+        serve = Serve(tmp, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
+                      limits={"idle_timeout": 3})
+    except BaseException:
+        node.stop()
+        raise
+    yield Rig(serve, node, tmp)
+    serve.stop()
+    node.stop()
+
+
+def h1(port: int, method: str, target: str, *, sock: ssl.SSLSocket | None = None,
+       body: bytes = b"") -> tuple[int, bytes]:
+    """One request (on `sock` when given, else a fresh connection): (status, body); a
+    connection the edge drops mid-answer gives (0, b"")."""
+    own = sock is None
+    sock = sock or tls_socket(port, OPT_HOST)
+    try:
+        sock.sendall(request_bytes(method, target, OPT_HOST, body=body,
+                                   content_type="application/x-www-form-urlencoded"))
+        resp = read_response(sock)
+        return resp.status, resp.body
+    except (ConnectionError, ssl.SSLError, ValueError):
+        return 0, b""
+    finally:
+        if own:
+            forget(sock)
+
+
+def own_answer(target: str, status: int, body: bytes) -> bool:
+    """A 200 that carries its own request's target."""
+    return status == 200 and bool(json.loads(body)["target"] == target)
+
+
+def settled(rig: Rig) -> None:
+    """Every client connection of a test is given back, and the edge holds no node
+    connection it is not pooling (at most the idle ones, each usable)."""
+    assert rig.serve.wait_open_connections(0) == 0
+    assert rig.serve.alive()
+
+
+# --- 1. no response ever answers another request ---------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_second_response_read_with_the_first_never_answers_the_next_request(
+        rig: Rig, method: str) -> None:
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        for i in range(4):
+            target = f"/dup-same-read?i={i}&m={method}"
+            status, body = h1(rig.serve.port, method, target, sock=sock)
+            assert own_answer(target, status, body), (target, status, body[:200])
+            target = f"/plain?i={i}&m={method}"
+            status, body = h1(rig.serve.port, method, target, sock=sock)
+            assert own_answer(target, status, body), (target, status, body[:200])
+    finally:
+        forget(sock)
+    settled(rig)
+
+
+@pytest.mark.parametrize("path", ["/dup-later", "/long-body"])
+def test_bytes_the_node_writes_after_an_answer_never_answer_the_next_request(
+        rig: Rig, path: str) -> None:
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        for i in range(3):
+            target = f"{path}?i={i}"
+            status, body = h1(rig.serve.port, "GET", target, sock=sock)
+            assert own_answer(target, status, body), (target, status, body[:200])
+            time.sleep(0.3)  # the node's extra bytes reach the edge's idle connection
+            for j in range(2):
+                target = f"/plain?i={i}&j={j}"
+                status, body = h1(rig.serve.port, "GET", target, sock=sock)
+                assert own_answer(target, status, body), (target, status, body[:200])
+    finally:
+        forget(sock)
+    settled(rig)
+
+
+def test_a_body_on_a_head_response_never_answers_the_next_request(rig: Rig) -> None:
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        for i in range(3):
+            sock.sendall(request_bytes("HEAD", f"/head-body?i={i}", OPT_HOST))
+            assert read_response(sock, head_only=True).status == 200
+            target = f"/plain?i={i}"
+            status, body = h1(rig.serve.port, "GET", target, sock=sock)
+            assert own_answer(target, status, body), (target, status, body[:200])
+    finally:
+        forget(sock)
+    settled(rig)
+
+
+# --- 2. broken answers: a defined answer, slots given back, nothing left behind ------------
+
+
+def h2_client(port: int) -> H2Conn:
+    """An HTTP/2 client that checks what it receives as a real client would."""
+    client = H2Conn.__new__(H2Conn)
+    client._start(tls_socket(port, OPT_HOST, alpn=("h2",)), OPT_HOST, validate=True)
+    return client
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_broken_answer_is_a_502_on_both_legs_and_desyncs_nothing(rig: Rig, name: str) -> None:
+    port = rig.serve.port
+    target = f"/broken-{name}?v=1"
+    status, body = h1(port, "GET", target)
+    assert status in (0, 502), (name, status, body[:200])
+    client = h2_client(port)
+    try:
+        res = client.request("GET", target, content_type=None)
+        # a 502, or an answer begun and then reset: never a body that looks complete
+        assert res.status == 502 or res.reset is not None, (name, res)
+        # the same connection, and the pool, still answer their own requests
+        for i in range(3):
+            res = client.request("GET", f"/plain?after={name}&i={i}", content_type=None)
+            assert res.status == 200 and own_answer(f"/plain?after={name}&i={i}", 200,
+                                                    res.body), (name, res)
+    finally:
+        client.close()
+    for i in range(3):
+        status, body = h1(port, "GET", f"/plain?h1={name}&i={i}")
+        assert own_answer(f"/plain?h1={name}&i={i}", status, body) and status == 200
+    settled(rig)
+
+
+@pytest.mark.parametrize("path", ["/few-interim", "/http10"])
+def test_odd_but_valid_answers_arrive_intact_on_both_legs(rig: Rig, path: str) -> None:
+    port = rig.serve.port
+    target = f"{path}?v=1"
+    status, body = h1(port, "GET", target)
+    assert status == 200 and own_answer(target, status, body)
+    client = h2_client(port)
+    try:
+        res = client.request("GET", target, content_type=None)
+        assert res.status == 200 and own_answer(target, 200, res.body), res
+    finally:
+        client.close()
+    settled(rig)
