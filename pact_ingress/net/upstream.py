@@ -228,6 +228,23 @@ class _Conn(MemoryTLS):
             return False
         return False
 
+    def quiet(self) -> bool:
+        """Nothing from the node waits unread in the TLS engine. A read returns one TLS
+        record's plaintext, so bytes the node wrote after the response just read (a
+        second response, the rest of a body longer than its Content-Length) may sit here
+        in a record of their own, where `alive` (which looks at the socket) cannot see
+        them, and would be read as the answer to the next request. Records that carry
+        no application data (a session ticket, a key update) are taken here."""
+        if not (self._in.pending or self._sslobj.pending()):
+            return True
+        try:
+            self._sslobj.read(1)
+        except ssl.SSLWantReadError:
+            return True
+        except ssl.SSLError:
+            return False
+        return False
+
     async def aclose(self) -> None:
         if self._sock is not None:
             self._close_watch()
@@ -349,7 +366,7 @@ class _Pool:
     def keep(self, conn: _Conn, reusable: bool) -> bool:
         """Put `conn` back on the idle list if it may be reused (True); else the caller
         must `discard` it."""
-        if reusable and not self.retired:
+        if reusable and not self.retired and conn.quiet():
             if not conn.session_saved:
                 # By the end of a response the node's TLS 1.3 tickets have arrived, so
                 # this session can be resumed by the next connection.
