@@ -451,3 +451,92 @@ def test_odd_but_valid_answers_arrive_intact_on_both_legs(rig: Rig, path: str) -
     finally:
         client.close()
     settled(rig)
+
+
+# --- 3. what the node may not say to a client -----------------------------------------------
+
+HOP_HEAD = (b"HTTP/1.1 200 OK\r\n"
+            b"Connection: X-Secret, X-Other\r\n"
+            b"X-Secret: hop\r\nX-Other: hop\r\n"
+            b"Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nUpgrade: h2c\r\n"
+            b"TE: trailers\r\nProxy-Authenticate: Basic\r\nTrailer: X-T\r\n"
+            b"X-Kept: end-to-end\r\nTransfer-Encoding: chunked\r\n\r\n")
+#: Fields no client may see from the edge (HTTP/2 forbids the first ones outright).
+NEVER = {"connection", "keep-alive", "proxy-connection", "upgrade", "te",
+         "transfer-encoding", "x-secret", "x-other", "proxy-authenticate"}
+
+
+def _hop_fields(conn: Conn, req: Req) -> bool:
+    body = json.dumps({"target": req.target}).encode()
+    conn.send(HOP_HEAD + b"%x\r\n%b\r\n0\r\nX-T: trailer\r\n\r\n" % (len(body), body))
+    return True
+
+
+def _no_content_with_length(status: int, length: int) -> Script:
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\nx-kept: 1\r\n\r\n"
+                  % (status, length))
+        return True
+    return script
+
+
+def nghttp(port: int, target: str, *extra: str) -> tuple[int, str]:
+    """The nghttp2 client (a real HTTP/2 client's checks) for `target`: exit code, and
+    its verbose trace of what it received."""
+    proc = subprocess.run(
+        ["nghttp", "-v", "-y", "-n", "-H", f":authority: {OPT_HOST}", *extra,
+         f"https://{LOOPBACK}:{port}{target}"],
+        capture_output=True, timeout=WAIT, text=True, errors="replace")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def hop_rig(rig: Rig) -> Rig:
+    rig.node.scripts["/hop"] = _hop_fields
+    rig.node.scripts["/204cl"] = _no_content_with_length(204, 5)
+    rig.node.scripts["/204cl0"] = _no_content_with_length(204, 0)
+    rig.node.scripts["/304cl"] = _no_content_with_length(304, 5)
+    return rig
+
+
+def test_hop_by_hop_fields_of_the_node_reach_no_client(hop_rig: Rig) -> None:
+    port = hop_rig.serve.port
+    sock = tls_socket(port, OPT_HOST)
+    try:
+        sock.sendall(request_bytes("GET", "/hop?v=1", OPT_HOST))
+        resp = read_response(sock)
+        assert own_answer("/hop?v=1", resp.status, resp.body)
+        names = {k for k, _ in resp.headers}
+        # the edge frames the client's leg itself: its own chunked, nothing of the node's
+        assert resp.header("transfer-encoding") in (None, "chunked")
+        assert not (names - {"transfer-encoding"}) & NEVER, resp.headers
+        assert resp.header("x-kept") == "end-to-end"
+    finally:
+        forget(sock)
+    client = h2_client(port)  # h2 refuses connection-specific fields as a client must
+    try:
+        res = client.request("GET", "/hop?v=2", content_type=None)
+        assert res.status == 200 and own_answer("/hop?v=2", 200, res.body), res
+        assert not {k for k, _ in res.headers} & NEVER, res.headers
+    finally:
+        client.close()
+    code, trace = nghttp(port, "/hop?v=3")
+    assert code == 0, trace[-2000:]
+    settled(hop_rig)
+
+
+@pytest.mark.parametrize("path", ["/204cl", "/204cl0", "/304cl"])
+def test_a_no_content_answer_with_a_length_is_valid_http2(hop_rig: Rig, path: str) -> None:
+    """RFC 9110 §8.6: no Content-Length in a 204; a 304's describes the selected
+    representation. nghttp2 resets a 204 stream whose length is not 0 (a protocol error
+    to a real client), so the edge must not pass such a length on."""
+    port = hop_rig.serve.port
+    status, _ = h1(port, "GET", f"{path}?v=1")
+    assert status == int(path[1:4])
+    code, trace = nghttp(port, f"{path}?v=2")
+    assert code == 0 and f":status: {path[1:4]}" in trace, trace[-2000:]
+    assert "RST_STREAM" not in trace and "PROTOCOL_ERROR" not in trace, trace[-2000:]
+    # the pooled connection answers the next request with its own answer
+    status, body = h1(port, "GET", "/plain?after=nocontent")
+    assert own_answer("/plain?after=nocontent", status, body)
+    settled(hop_rig)
