@@ -540,3 +540,68 @@ def test_a_no_content_answer_with_a_length_is_valid_http2(hop_rig: Rig, path: st
     status, body = h1(port, "GET", "/plain?after=nocontent")
     assert own_answer("/plain?after=nocontent", status, body)
     settled(hop_rig)
+
+
+# --- 4. the edge's memory, whatever the node sends -------------------------------------------
+
+MIB = 1 << 20
+PIECE = b"a" * 65536
+
+
+def _stream_out(conn: Conn, total: int) -> None:
+    while total > 0:
+        conn.tls.sendall(PIECE[:min(total, len(PIECE))])
+        total -= len(PIECE)
+
+
+def _endless(conn: Conn, req: Req) -> bool:
+    """A head, a chunk-size line or a trailer that never ends (`what`), after `body`
+    bytes of chunked body: the node writes `size` bytes of it, then closes."""
+    q = req.query
+    what, body, size = q["what"], int(q.get("body", "0")), int(q["size"])
+    if what == "head":
+        conn.tls.sendall(b"HTTP/1.1 200 OK\r\nx-a: ")
+        _stream_out(conn, size)
+        return False
+    conn.tls.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    while body > 0:
+        n = min(body, len(PIECE))
+        conn.tls.sendall(b"%x\r\n%b\r\n" % (n, PIECE[:n]))
+        body -= n
+    conn.tls.sendall(b"5;ext=" if what == "chunk_line" else b"0\r\nx-t: ")
+    _stream_out(conn, size)
+    return False
+
+
+def peak_reset(serve: Serve) -> None:
+    """Start the serve process's peak RSS (`VmHWM`) again from its current RSS."""
+    Path(f"/proc/{serve.proc.pid}/clear_refs").write_text("5")
+
+
+def peak_kib(serve: Serve) -> int:
+    for line in Path(f"/proc/{serve.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise KeyError("VmHWM")
+
+
+@pytest.mark.parametrize("what,body", [("head", 0), ("chunk_line", 0), ("chunk_line", 8),
+                                       ("trailer", 0), ("trailer", 8)])
+def test_what_never_ends_costs_the_edge_a_bounded_amount_of_memory(
+        rig: Rig, what: str, body: int) -> None:
+    """The node writes 16 MiB of one head field, one chunk-size line or one trailer,
+    after `body` MiB of chunked body the client reads: the edge gives up on it within
+    its bounds (a few times 64 KiB), never holding what the node sends."""
+    rig.node.scripts["/endless"] = _endless
+    port = rig.serve.port
+    h1(port, "GET", "/plain?warm=1")  # the pool's connection and its TLS are made
+    peak_reset(rig.serve)
+    before = peak_kib(rig.serve)
+    target = f"/endless?what={what}&body={body * MIB}&size={16 * MIB}"
+    status, _ = h1(port, "GET", target)
+    assert status in (0, 502), status  # 0: the answer had begun, then the edge cut it
+    grown = peak_kib(rig.serve) - before
+    assert grown < 6 * 1024, (what, body, f"peak RSS grew {grown} KiB")
+    status, resp = h1(port, "GET", "/plain?after=endless")
+    assert own_answer("/plain?after=endless", status, resp)
+    settled(rig)
