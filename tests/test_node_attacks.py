@@ -620,3 +620,62 @@ def test_what_never_ends_costs_the_edge_a_bounded_amount_of_memory(
     status, resp = h1(port, "GET", "/plain?after=endless")
     assert own_answer("/plain?after=endless", status, resp)
     settled(rig)
+
+
+class Huge:
+    """`/huge?size=N`: a Content-Length answer of N bytes, written as fast as the edge
+    takes it; `sent` counts what the node managed to hand to its kernel."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __call__(self, conn: Conn, req: Req) -> bool:
+        size = int(req.query["size"])
+        conn.tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        self.sent = 0
+        while self.sent < size:
+            n = min(size - self.sent, len(PIECE))
+            conn.tls.sendall(PIECE[:n])
+            self.sent += n
+        return True
+
+
+@pytest.mark.parametrize("leg", ["h1", "h2"])
+def test_a_huge_answer_to_a_client_that_does_not_read_is_not_buffered(rig: Rig, leg: str) -> None:
+    """64 MiB for a client that stops reading after the head: the edge reads from the
+    node only as fast as the client takes it (the node is held up, the edge's memory is
+    not), and when the client leaves, the node connection is closed, not pooled."""
+    huge = rig.node.scripts["/huge"] = Huge()
+    port = rig.serve.port
+    h1(port, "GET", "/plain?warm=1")
+    peak_reset(rig.serve)
+    before = peak_kib(rig.serve)
+    size = 64 * MIB
+    if leg == "h1":
+        sock = tls_socket(port, OPT_HOST, rcvbuf=65536)
+        sock.sendall(request_bytes("GET", f"/huge?size={size}", OPT_HOST))
+        assert read_response(sock, head_only=True).status == 200
+    else:
+        client = H2Conn(port, OPT_HOST)
+        sid = client.open_bare("GET", f"/huge?size={size}")
+        client.conn.end_stream(sid)
+        client.sock.sendall(client.conn.data_to_send())
+    deadline = time.monotonic() + 1.0  # the node fills what buffers there are, then waits
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    grown = peak_kib(rig.serve) - before
+    assert huge.sent < size // 2, huge.sent
+    assert grown < 8 * 1024, (leg, f"peak RSS grew {grown} KiB")
+    during = rig.node.open_connections()
+    if leg == "h1":
+        forget(sock)
+    else:
+        client.sock.close()
+    # the abandoned answer's node connection is closed, never pooled for another request
+    deadline = time.monotonic() + WAIT
+    while rig.node.open_connections() >= during and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rig.node.open_connections() == during - 1
+    status, body = h1(port, "GET", "/plain?after=huge")
+    assert own_answer("/plain?after=huge", status, body)
+    settled(rig)
