@@ -274,7 +274,16 @@ BROKEN: dict[str, bytes] = {
     "bad_status": b"HTTP/1.1 2000 OK\r\ncontent-length: 2\r\n\r\nok",
     "garbage": b"SSH-2.0-OpenSSH_9.6\r\n",
     "short_body_close": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly some",
+    # a transfer coding the edge does not undo: relayed, its bytes would pass for the
+    # content itself (the coding is hop-by-hop, so no client would be told of it)
+    "te_gzip": b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+               b"a\r\n\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\r\n0\r\n\r\n",
+    # not chunked last: delimited by the close (RFC 9112 §6.3), here at once
+    "te_chunked_identity": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, identity\r\n\r\n"
+                           b"2\r\nok\r\n0\r\n\r\n",
 }
+#: Answers after which the node closes the connection.
+CLOSING = {"short_body_close", "te_chunked_identity"}
 
 
 def scripts() -> dict[str, Script]:
@@ -291,7 +300,7 @@ def scripts() -> dict[str, Script]:
             {"target": r.target}).encode()), False)[1],
     }
     for name, data in BROKEN.items():
-        out[f"/broken-{name}"] = _fixed(data, keep=name != "short_body_close")
+        out[f"/broken-{name}"] = _fixed(data, keep=name not in CLOSING)
     return out
 
 
