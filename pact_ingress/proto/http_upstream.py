@@ -169,12 +169,21 @@ class ResponseParser:
         version = self._parser.get_http_version()
         self.version = f"HTTP/{version}"
         connection = b""
+        codings = b""
         framed = status in (204, 304)
         for name, value in self.headers:
             if name == b"connection":
                 connection += b"," + value.lower()
-            elif name in (b"content-length", b"transfer-encoding"):
+            elif name == b"content-length":
                 framed = True
+            elif name == b"transfer-encoding":
+                framed = True
+                codings += b"," + value.lower()
+        if codings and [c for c in (t.strip() for t in codings.split(b",")) if c] != [
+                b"chunked"]:
+            # the edge takes off chunked only; any other coding is hop-by-hop (the
+            # client would not be told of it) and its bytes would pass for the content
+            raise ResponseError("a transfer coding other than chunked")
         if version != "1.1" or b"close" in [t.strip() for t in connection.split(b",")]:
             self.keep_alive = False
         if self._head_only:
