@@ -61,6 +61,7 @@ class Req:
     method: str
     target: str
     body: bytes
+    fields: dict[str, str]
 
     @property
     def path(self) -> str:
@@ -90,7 +91,7 @@ class Conn:
             raise EOFError()
         self.buf += data
 
-    def read_request(self) -> Req:
+    def read_head(self) -> Req:
         while b"\r\n\r\n" not in self.buf:
             self._fill()
         head, self.buf = self.buf.split(b"\r\n\r\n", 1)
@@ -98,6 +99,10 @@ class Conn:
         method, target, _ = lines[0].split(" ", 2)
         fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":")
                                                                   for ln in lines[1:])}
+        return Req(method, target, b"", fields)
+
+    def read_body(self, req: Req) -> None:
+        fields = req.fields
         body = b""
         if "content-length" in fields:
             n = int(fields["content-length"])
@@ -116,7 +121,7 @@ class Conn:
                 self.buf = self.buf[size + 2:]
                 if size == 0:
                     break
-        return Req(method, target, body)
+        req.body = body
 
     def send(self, *records: bytes) -> None:
         """Each piece in its own TLS record, all of them in one TCP segment where they
@@ -173,10 +178,12 @@ class ScriptNode:
         try:
             conn = Conn(self._ctx.wrap_socket(raw, server_side=True))
             while not self._stopped:
-                req = conn.read_request()
+                req = conn.read_head()
+                script = self.scripts.get(req.path)
+                if not getattr(script, "early", False):  # else: answers before the body
+                    conn.read_body(req)
                 with self._lock:
                     self.requests.append(req)
-                script = self.scripts.get(req.path)
                 if script is None:
                     conn.send(answer(req.target))
                 elif not script(conn, req):
@@ -687,4 +694,76 @@ def test_a_huge_answer_to_a_client_that_does_not_read_is_not_buffered(rig: Rig, 
     assert rig.node.open_connections() == during - 1
     status, body = h1(port, "GET", "/plain?after=huge")
     assert own_answer("/plain?after=huge", status, body)
+    settled(rig)
+
+
+# --- 5. an answer before the request body was read -------------------------------------------
+
+
+def _early(then: str) -> Script:
+    """Answers as soon as the head is in, then: "close" (the body unread), "drain" (reads
+    the body and serves the connection on) or "stall" (neither reads nor closes)."""
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(answer(req.target, 413 if then == "close" else 200,
+                         b"connection: close\r\n" if then == "close" else b""))
+        if then == "drain":
+            conn.read_body(req)
+            return True
+        if then == "stall":
+            time.sleep(8)
+        return False
+    script.early = True  # type: ignore[attr-defined]
+    return script
+
+
+UPLOAD = 4 * MIB
+
+
+def upload_h1(port: int, target: str) -> tuple[int, bytes]:
+    sock = tls_socket(port, OPT_HOST)
+    data = request_bytes("POST", target, OPT_HOST, body=b"u" * UPLOAD,
+                         content_type="application/octet-stream")
+
+    def send() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sock.sendall(data)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        resp = read_response(sock)
+        return resp.status, resp.body
+    except (ConnectionError, ssl.SSLError):
+        return 0, b""
+    finally:
+        forget(sock)
+        sender.join(WAIT)
+
+
+@pytest.mark.parametrize("then,leg", [("close", "h1"), ("close", "h2"), ("drain", "h1"),
+                                      ("drain", "h2"), ("stall", "h1")])
+def test_an_answer_before_the_body_was_read_is_defined_and_desyncs_nothing(
+        rig: Rig, then: str, leg: str) -> None:
+    path = f"/early-{then}"
+    rig.node.scripts[path] = _early(then)
+    port = rig.serve.port
+    target = f"{path}?leg={leg}"
+    if leg == "h1":
+        status, body = upload_h1(port, target)
+    else:
+        client = H2Conn(port, OPT_HOST)
+        try:
+            # less: the test's HTTP/2 client takes its time per window
+            res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
+                                 content_type="application/octet-stream")
+        finally:
+            client.close()
+        status, body = res.status or 0, res.body
+    if then == "drain":  # the node read the whole body: its answer, intact
+        assert own_answer(target, status, body), (status, body[:200])
+    else:  # the node's early answer, or the edge's for a link that broke or stalled
+        assert status in (413, 502, 504), (status, body[:200])
+    for i in range(2):
+        status, body = h1(port, "GET", f"/plain?after={then}&i={i}")
+        assert own_answer(f"/plain?after={then}&i={i}", status, body)
     settled(rig)
