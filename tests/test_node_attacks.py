@@ -275,6 +275,8 @@ BROKEN: dict[str, bytes] = {
     "chunk_overflow": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
                       b"10000000000000005\r\nhello\r\n0\r\n\r\n",
     "negative_length": b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nok",
+    "length_overflow": b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999999\r\n\r\nok",
+    "many_fields": b"HTTP/1.1 200 OK\r\n" + b"x-a: 1\r\n" * 200 + b"content-length: 2\r\n\r\nok",
     "upgrade_101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
                    b"connection: upgrade\r\n\r\n" + answer("/stolen"),
     "interim_flood": b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" * 50 + answer("/stolen"),
@@ -303,6 +305,9 @@ def scripts() -> dict[str, Script]:
         "/few-interim": _fixed_then_answer(b"HTTP/1.1 100 Continue\r\n\r\n"
                                            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"),
         # a response to HTTP/1.0 framing: close-delimited, then closed
+        # one field of 40 KB: more than an HTTP/2 frame, so HEADERS and CONTINUATION
+        "/big-field": lambda c, r: c.send(answer(r.target, extra=b"x-big: %b\r\n"
+                                                 % (b"b" * 40000))) or True,
         "/http10": lambda c, r: (c.send(b"HTTP/1.0 200 OK\r\n\r\n" + json.dumps(
             {"target": r.target}).encode()), False)[1],
     }
@@ -454,7 +459,7 @@ def test_a_broken_answer_is_a_502_on_both_legs_and_desyncs_nothing(rig: Rig, nam
     settled(rig)
 
 
-@pytest.mark.parametrize("path", ["/few-interim", "/http10"])
+@pytest.mark.parametrize("path", ["/few-interim", "/big-field", "/http10"])
 def test_odd_but_valid_answers_arrive_intact_on_both_legs(rig: Rig, path: str) -> None:
     port = rig.serve.port
     target = f"{path}?v=1"
@@ -466,6 +471,8 @@ def test_odd_but_valid_answers_arrive_intact_on_both_legs(rig: Rig, path: str) -
         assert res.status == 200 and own_answer(target, 200, res.body), res
     finally:
         client.close()
+    code, trace = nghttp(port, target)
+    assert code == 0 and ":status: 200" in trace, trace[-2000:]
     settled(rig)
 
 
@@ -766,4 +773,76 @@ def test_an_answer_before_the_body_was_read_is_defined_and_desyncs_nothing(
     for i in range(2):
         status, body = h1(port, "GET", f"/plain?after={then}&i={i}")
         assert own_answer(f"/plain?after={then}&i={i}", status, body)
+    settled(rig)
+
+
+# --- 6. many clients on one pool, the node misbehaving between their answers -----------------
+
+
+def test_clients_sharing_the_pool_each_get_their_own_answer(rig: Rig) -> None:
+    """Four HTTP/1.1 clients and one HTTP/2 client with four streams at a time share the
+    route's pool while the node slips second responses, broken answers and bodies on
+    HEAD answers between the good ones: every 200 carries its own request's target."""
+    port = rig.serve.port
+    paths = ["/plain", "/dup-same-read", "/plain", "/broken-cl_and_te", "/plain",
+             "/broken-interim_flood"]
+    wrong: list[Any] = []
+    answered = [0]
+    lock = threading.Lock()
+
+    def note(target: str, status: int, body: bytes) -> None:
+        good = own_answer(target, status, body) if status == 200 else status in (0, 502)
+        with lock:
+            answered[0] += 1
+            if not good or ("/broken" in target and status == 200):
+                wrong.append((target, status, body[:100]))
+
+    def h1_client(c: int) -> None:
+        sock = tls_socket(port, OPT_HOST)
+        try:
+            for i in range(12):
+                path = paths[(c + i) % len(paths)]
+                method = "POST" if i % 3 == 2 else "GET"
+                target = f"{path}?c={c}&i={i}"
+                if path == "/dup-same-read" and i % 4 == 1:
+                    sock.sendall(request_bytes("HEAD", f"/head-body?c={c}&i={i}", OPT_HOST))
+                    with lock:
+                        answered[0] += 1
+                        if read_response(sock, head_only=True).status != 200:
+                            wrong.append(("HEAD", c, i))
+                    continue
+                status, body = h1(port, method, target, sock=sock)
+                note(target, status, body)
+                if status in (0, 502) and "/broken" in target:
+                    forget(sock)  # an answer cut short closes the connection
+                    sock = tls_socket(port, OPT_HOST)
+        finally:
+            forget(sock)
+
+    def h2_client() -> None:
+        client = H2Conn(port, OPT_HOST)
+        try:
+            for r in range(3):
+                sids = {}
+                for s in range(4):
+                    target = f"{paths[(r + s) % len(paths)]}?h2={r}.{s}"
+                    sid = client.open_bare("GET", target)
+                    client.conn.end_stream(sid)
+                    sids[sid] = target
+                client.sock.sendall(client.conn.data_to_send())
+                for sid, target in sids.items():
+                    res: H2Result = client.wait(sid)
+                    note(target, 0 if res.reset is not None else res.status or 0, res.body)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=h1_client, args=(c,)) for c in range(4)]
+    threads.append(threading.Thread(target=h2_client))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 2)
+    assert not any(t.is_alive() for t in threads)
+    assert answered[0] == 4 * 12 + 3 * 4
+    assert not wrong, wrong
     settled(rig)
