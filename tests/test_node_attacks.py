@@ -333,7 +333,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     node = ScriptNode(ids.node, ids.ingress, scripts())
     try:
         serve = Serve(tmp, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
-                      limits={"idle_timeout": 3})
+                      limits={"idle_timeout": 3, "calls_per_hour_per_ip": 1000000,
+                              "max_requests_in_flight_per_ip": 100})
     except BaseException:
         node.stop()
         raise
