@@ -280,6 +280,12 @@ BROKEN: dict[str, bytes] = {
     "upgrade_101": b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
                    b"connection: upgrade\r\n\r\n" + answer("/stolen"),
     "interim_flood": b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" * 50 + answer("/stolen"),
+    # a 1xx has no content (RFC 9110 §15.2), but llhttp reads one for 104-199 by its
+    # framing fields: those bytes must not become part of the final answer's body
+    "interim_with_body": b"HTTP/1.1 150 X\r\ncontent-length: 2\r\n\r\nok"
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi",
+    "interim_chunked": b"HTTP/1.1 199 X\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+                       b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi",
     "bad_status": b"HTTP/1.1 2000 OK\r\ncontent-length: 2\r\n\r\nok",
     "garbage": b"SSH-2.0-OpenSSH_9.6\r\n",
     "short_body_close": b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly some",
@@ -407,6 +413,34 @@ def test_bytes_the_node_writes_after_an_answer_never_answer_the_next_request(
                 target = f"/plain?i={i}&j={j}"
                 status, body = h1(rig.serve.port, "GET", target, sock=sock)
                 assert own_answer(target, status, body), (target, status, body[:200])
+    finally:
+        forget(sock)
+    settled(rig)
+
+
+def _interim_body(conn: Conn, req: Req) -> bool:
+    """An interim response with a body as long as the final one's, the final's body a
+    whole response: were the interim's bytes relayed in front, the client would read
+    them as the body its head announced, and the final body as its next answer."""
+    smuggled = answer("/stolen")
+    filler = b"f" * len(smuggled)
+    conn.send(b"HTTP/1.1 150 X\r\ncontent-length: %d\r\n\r\n%b" % (len(filler), filler)
+              + b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(smuggled),
+                                                                      smuggled))
+    return True
+
+
+def test_an_interim_body_never_splits_the_client_connection(rig: Rig) -> None:
+    rig.node.scripts["/interim-body"] = _interim_body
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        status, _ = h1(rig.serve.port, "GET", "/interim-body?v=1", sock=sock)
+        if status == 200:  # relayed: the connection must still be in step
+            target = "/plain?after=interim"
+            status, body = h1(rig.serve.port, "GET", target, sock=sock)
+            assert own_answer(target, status, body), (status, body[:200])
+        else:
+            assert status in (0, 502), status
     finally:
         forget(sock)
     settled(rig)
