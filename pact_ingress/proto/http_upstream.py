@@ -197,6 +197,10 @@ class ResponseParser:
             self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
+        if self._in_interim:
+            # a 1xx has no content; llhttp reads one by the framing fields of any but
+            # 100-103, and those bytes must never join the final response's body
+            raise ResponseError("an interim response with content")
         self._progress = True
         self._pieces.append(body)
 
