@@ -142,7 +142,10 @@ class ResponseParser:
 
     def on_message_begin(self) -> None:
         if self.done:
+            # another message after the response: nothing of it is parsed (its body
+            # would join this one's), and nothing may follow on this connection
             self.keep_alive = False
+            raise ResponseError("bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
