@@ -154,6 +154,9 @@ class ScriptNode:
         self._lock = threading.Lock()
         self.requests: list[Req] = []
         self.open = 0
+        #: Connections the edge closed (or reset) after the node answered this path
+        #: and waited for another request on it.
+        self.closed_after: dict[str, int] = {}
         self._socks: set[socket.socket] = set()
         self._stopped = False
         threading.Thread(target=self._accept_loop, daemon=True).start()
@@ -174,8 +177,15 @@ class ScriptNode:
             self._socks.add(raw)
         try:
             conn = Conn(self._ctx.wrap_socket(raw, server_side=True))
+            last = None
             while not self._stopped:
-                req = conn.read_head()
+                try:
+                    req = conn.read_head()
+                except (OSError, EOFError):
+                    if last is not None:
+                        with self._lock:
+                            self.closed_after[last] = self.closed_after.get(last, 0) + 1
+                    raise
                 script = self.scripts.get(req.path)
                 if not getattr(script, "early", False):  # else: answers before the body
                     conn.read_body(req)
@@ -185,6 +195,7 @@ class ScriptNode:
                     conn.send(answer(req.target))
                 elif not script(conn, req):
                     return
+                last = req.path
         except (OSError, ssl.SSLError, EOFError, ValueError):
             return
         finally:
@@ -197,6 +208,15 @@ class ScriptNode:
     def open_connections(self) -> int:
         with self._lock:
             return self.open
+
+    def wait_closed_after(self, path: str, count: int) -> bool:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.closed_after.get(path, 0) >= count:
+                    return True
+            time.sleep(0.02)
+        return False
 
     def stop(self) -> None:
         self._stopped = True
@@ -314,10 +334,10 @@ def scripts() -> dict[str, Script]:
         # interim heads within the edge's bound, then the answer: relayed intact
         "/few-interim": _fixed_then_answer(b"HTTP/1.1 100 Continue\r\n\r\n"
                                            b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"),
-        # a response to HTTP/1.0 framing: close-delimited, then closed
         # one field of 40 KB: more than an HTTP/2 frame, so HEADERS and CONTINUATION
         "/big-field": lambda c, r: c.send(answer(r.target, extra=b"x-big: %b\r\n"
                                                  % (b"b" * 40000))) or True,
+        # a response to HTTP/1.0 framing: close-delimited, then closed
         "/http10": lambda c, r: (c.send(b"HTTP/1.0 200 OK\r\n\r\n" + json.dumps(
             {"target": r.target}).encode()), False)[1],
     }
@@ -380,8 +400,7 @@ def own_answer(target: str, status: int, body: bytes) -> bool:
 
 
 def settled(rig: Rig) -> None:
-    """Every client connection of a test is given back, and the edge holds no node
-    connection it is not pooling (at most the idle ones, each usable)."""
+    """Every client connection of the test is given back; the edge still serves."""
     assert rig.serve.wait_open_connections(0) == 0
     assert rig.serve.alive()
 
@@ -395,6 +414,7 @@ def test_a_second_response_read_with_the_first_never_answers_the_next_request(
         rig: Rig, method: str, path: str) -> None:
     """Neither through the pool nor on the client's own connection: its bytes are not
     relayed as part of the first answer either."""
+    closed = rig.node.closed_after.get(path, 0)
     sock = tls_socket(rig.serve.port, OPT_HOST)
     try:
         for i in range(4):
@@ -406,6 +426,7 @@ def test_a_second_response_read_with_the_first_never_answers_the_next_request(
             assert own_answer(target, status, body), (target, status, body[:200])
     finally:
         forget(sock)
+    assert rig.node.wait_closed_after(path, closed + 4)  # each such connection closed
     settled(rig)
 
 
@@ -456,7 +477,33 @@ def test_an_interim_body_never_splits_the_client_connection(rig: Rig) -> None:
     settled(rig)
 
 
+@pytest.mark.parametrize("status", [204, 304])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_body_on_a_no_content_answer_never_answers_the_next_request(
+        rig: Rig, status: int, split: bool) -> None:
+    """A 204 or 304 followed by a response-shaped body, in the same TLS record or the
+    next one: the client gets the 204/304, and the bytes after it answer nothing."""
+    path = f"/nobody-{status}-{split}"
+    head = b"HTTP/1.1 %d X\r\ncontent-length: 30\r\n\r\n" % status
+    rig.node.scripts[path] = lambda c, r: (
+        c.send(head, answer("/stolen")) if split else c.send(head + answer("/stolen"))) or True
+    closed = rig.node.closed_after.get(path, 0)
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        for i in range(3):
+            sock.sendall(request_bytes("GET", f"{path}?i={i}", OPT_HOST))
+            assert read_response(sock).status == status
+            target = f"/plain?i={i}"
+            got, body = h1(rig.serve.port, "GET", target, sock=sock)
+            assert own_answer(target, got, body), (target, got, body[:200])
+    finally:
+        forget(sock)
+    assert rig.node.wait_closed_after(path, closed + 3)
+    settled(rig)
+
+
 def test_a_body_on_a_head_response_never_answers_the_next_request(rig: Rig) -> None:
+    closed = rig.node.closed_after.get("/head-body", 0)
     sock = tls_socket(rig.serve.port, OPT_HOST)
     try:
         for i in range(3):
@@ -467,6 +514,7 @@ def test_a_body_on_a_head_response_never_answers_the_next_request(rig: Rig) -> N
             assert own_answer(target, status, body), (target, status, body[:200])
     finally:
         forget(sock)
+    assert rig.node.wait_closed_after("/head-body", closed + 3)
     settled(rig)
 
 
@@ -486,6 +534,8 @@ def test_a_broken_answer_is_a_502_on_both_legs_and_desyncs_nothing(rig: Rig, nam
     target = f"/broken-{name}?v=1"
     status, body = h1(port, "GET", target)
     assert status in (0, 502), (name, status, body[:200])
+    if name not in CLOSING:  # the edge closes the node's connection, never pools it
+        assert rig.node.wait_closed_after(f"/broken-{name}", 1)
     client = h2_client(port)
     try:
         res = client.request("GET", target, content_type=None)
