@@ -960,3 +960,52 @@ def test_clients_sharing_the_pool_each_get_their_own_answer(rig: Rig) -> None:
     assert answered[0] == 4 * 12 + 3 * 4
     assert not wrong, wrong
     settled(rig)
+
+
+# --- 7. a node that stops in the middle of an answer -----------------------------------------
+
+
+def _stall_mid_body(conn: Conn, req: Req) -> bool:
+    """The head and part of the body, then nothing (the connection left open)."""
+    conn.send(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+    time.sleep(10)
+    return False
+
+
+def test_a_node_that_stops_mid_body_is_cut_off_on_both_legs(rig: Rig) -> None:
+    """After the route's idle timeout (3 s here) without a byte, the HTTP/1.1 client's
+    connection is dropped and the HTTP/2 client's stream reset: neither is left waiting,
+    nor given a short body that looks complete."""
+    rig.node.scripts["/stall-body"] = _stall_mid_body
+    port = rig.serve.port
+    results: dict[str, Any] = {}
+
+    def h1_leg() -> None:
+        sock = tls_socket(port, OPT_HOST)
+        try:
+            sock.sendall(request_bytes("GET", "/stall-body?leg=h1", OPT_HOST))
+            got = b""
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                while data := sock.recv(65536):
+                    got += data
+            results["h1"] = got
+        finally:
+            forget(sock)
+
+    def h2_leg() -> None:
+        client = H2Conn(port, OPT_HOST)
+        try:
+            results["h2"] = client.request("GET", "/stall-body?leg=h2", content_type=None)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=h1_leg), threading.Thread(target=h2_leg)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    got = results["h1"]  # the head and what came of the body, then the close
+    assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"\r\n\r\npartial"), got
+    res = results["h2"]
+    assert res.status == 200 and res.reset is not None and res.body == b"partial", res
+    settled(rig)
