@@ -1009,3 +1009,24 @@ def test_a_node_that_stops_mid_body_is_cut_off_on_both_legs(rig: Rig) -> None:
     res = results["h2"]
     assert res.status == 200 and res.reset is not None and res.body == b"partial", res
     settled(rig)
+
+
+def test_a_node_that_closes_after_its_head_gets_the_client_a_502(rig: Rig) -> None:
+    """Nothing of the answer reached an HTTP/1.1 client yet (a head with a length waits
+    for the first body bytes): the client is told 502, not left with a silent close it
+    may take for a dead keep-alive connection and send its request again."""
+    rig.node.scripts["/head-then-close"] = _fixed(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n", keep=False)
+    sock = tls_socket(rig.serve.port, OPT_HOST)
+    try:
+        status, _ = h1(rig.serve.port, "GET", "/head-then-close?v=1", sock=sock)
+        assert status == 502
+    finally:
+        forget(sock)
+    client = h2_client(rig.serve.port)
+    try:  # HTTP/2 sends the head at once: then the stream is reset
+        res = client.request("GET", "/head-then-close?v=2", content_type=None)
+        assert res.status == 502 or (res.status == 200 and res.reset is not None), res
+    finally:
+        client.close()
+    settled(rig)
