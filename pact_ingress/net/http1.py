@@ -72,6 +72,9 @@ LINGER_BYTES = 256 * 1024
 #: refused early is read, and decrypted, for this long at most instead: enough for a
 #: polite client's in-flight window to land before the close.
 DRAIN_SECONDS = 1.0
+#: The answer to a client whose answer the node broke off before any of it was sent.
+BROKE_OFF = b"the home node broke off its answer\n"
+_TEXT = (b"content-type", b"text/plain; charset=utf-8")
 #: Requests served back to back without the connection ever waiting (a client that
 #: pipelines, answered at the edge) before it yields to the other connections once.
 FAIR_SHARE = 16
@@ -408,6 +411,21 @@ class H1Exchange(Exchange):
             await self._write(data)
 
     async def abort(self) -> None:
+        if self._pending:
+            # nothing of the answer went out yet (a head with a length waits for the
+            # first body bytes): the client can still be told, rather than see a silent
+            # close it may take for a dead keep-alive connection and send again on
+            self._pending = b""
+            self._close = True
+            self._complete = True
+            self._framing = Framing.LENGTH
+            head = response_head(502, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
+                                 Framing.LENGTH, close=True)
+            try:
+                await self._write(head + BROKE_OFF)
+            except ClientGone:
+                pass  # (`_write` marked the connection broken)
+            return
         self.broken = True  # the connection is dropped: the client sees a truncated body
 
     async def _write(self, data: bytes) -> None:

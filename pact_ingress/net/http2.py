@@ -143,6 +143,10 @@ def response_block(status: int, headers: Headers) -> Headers:
         name = name.lower()
         if name in _CONNECTION_SPECIFIC or name[:1] == b":":
             continue
+        if status == 204 and name == b"content-length":
+            # a node may send one (RFC 9110 §8.6 says it must not); nghttp2 resets a 204
+            # stream whose length is not 0, and there is no content to measure anyway
+            continue
         block.append((name, value.strip(_OWS)))
     return block
 

@@ -38,7 +38,8 @@ the same story on each, whichever the version:
 9. **Response** streams back chunk by chunk (SSE works), each chunk bounded by the
    client write deadline; a client that goes away cancels the upstream request; a node
    that breaks mid-body makes the client see a failure (HTTP/1.1 connection dropped,
-   HTTP/2 stream reset), never a short body that looks complete.
+   HTTP/2 stream reset; an HTTP/1.1 client sent nothing of the answer yet gets a 502),
+   never a short body that looks complete.
 """
 
 from __future__ import annotations

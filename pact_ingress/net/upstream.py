@@ -31,17 +31,21 @@ connection per in-flight request is cheap.
   running a full handshake (the pin is still checked: a resumed session carries the
   node's certificate).
 * **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
-  first out, expire after `KEEPALIVE_EXPIRY`, and are checked for a close by the node
-  (readable with no request outstanding) before reuse — unless the request can be
-  resent (see below) and the connection was used within `LIVENESS_BEAT`: then a
-  close shows up as a stale connection (below) instead. At most
+  first out, expire after `KEEPALIVE_EXPIRY`, and are checked before every reuse
+  (one non-blocking read): a connection the node closed, or wrote to with no request
+  outstanding, is closed instead. Not even a connection used a moment ago skips it:
+  bytes the node wrote after its answer (a second response, the tail of a body longer
+  than its Content-Length) would otherwise be read as the answer to the next request,
+  and that request's own answer as the answer to the one after, a desync that lasts as
+  long as requests keep the connection busy. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
   gets a fresh pool; the old one is retired: its idle connections close at once, and a
   running request's connection closes when that request ends, so a reload never cuts a
   running SSE stream.
-* **Stale connections**: a pooled connection the node closed while idle fails on first
-  use, before any response byte, or answers a `408` it wrote while idle. A replayable
+* **Stale connections**: a pooled connection the node closed just as it was reused (after
+  the check) fails on first use, before any response byte, or answers a `408` it wrote
+  while idle. A replayable
   request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
   body — is then sent once more on a fresh connection; any other (a POST such as every
   MCP call, a streamed body) is never sent twice: 502.
@@ -95,12 +99,6 @@ CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS_PER_ROUTE = 100
 #: Idle pooled connections are closed after this; home nodes drop idle peers too.
 KEEPALIVE_EXPIRY = 60.0
-#: A pooled connection used this recently is sent a replayable request without first
-#: being checked for a close by the node (a syscall per request): a node that closes an
-#: idle connection does so after seconds, and the rare one that closed it sooner costs
-#: one resend on a fresh connection (the stale retry). A request that may not be resent
-#: (a streamed body, a method that is not idempotent) always gets the check.
-LIVENESS_BEAT = 1.0
 #: Methods whose request may be sent to the node a second time (RFC 9110 §9.2.2).
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 #: Pool keys remembered per route object (a route's key is the same on every request).
@@ -179,6 +177,7 @@ class _Conn(MemoryTLS):
         self.sni = sni
         self.idle_since = 0.0
         self.session_saved = False
+        self.dead = False  # `alive` said no: it says so again without a syscall
         self._sock: trio.socket.SocketType | None = None
         raw: socket.socket | None = None
         if isinstance(stream, trio.SocketStream):
@@ -215,11 +214,13 @@ class _Conn(MemoryTLS):
         stream nothing can be checked without blocking; the stale retry covers it.
         """
         raw = self._raw
-        if raw is None:
-            return True
+        if raw is None or self.dead:
+            return not self.dead
+        self.dead = True
         try:
             data = raw.recv(READ_SIZE)
         except BlockingIOError:
+            self.dead = False
             return True
         except OSError:
             return False
@@ -230,6 +231,24 @@ class _Conn(MemoryTLS):
         self._in.write(data)
         try:
             self._ssl.read(1)
+        except ssl.SSLWantReadError:
+            self.dead = False
+            return True
+        except ssl.SSLError:
+            return False
+        return False
+
+    def quiet(self) -> bool:
+        """Nothing from the node waits unread in the TLS engine. A read returns one TLS
+        record's plaintext, so bytes the node wrote after the response just read (a
+        second response, the rest of a body longer than its Content-Length) may sit here
+        in a record of their own, where `alive` (which looks at the socket) cannot see
+        them, and would be read as the answer to the next request. Records that carry
+        no application data (a session ticket, a key update) are taken here."""
+        if not (self._in.pending or self._sslobj.pending()):
+            return True
+        try:
+            self._sslobj.read(1)
         except ssl.SSLWantReadError:
             return True
         except ssl.SSLError:
@@ -269,11 +288,9 @@ class _Pool:
         """The idle connections (for tests and status)."""
         return list(self.idle)
 
-    async def acquire(self, sni: str, deadline: float, *, fresh: bool,
-                      replayable: bool = False) -> tuple[_Conn, bool]:
+    async def acquire(self, sni: str, deadline: float, *, fresh: bool) -> tuple[_Conn, bool]:
         """A connection for `sni` and whether it was reused; waits for a slot until
-        `deadline` (→ UpstreamTimeout). `replayable`: the request can be sent again on
-        a fresh connection should this one turn out stale."""
+        `deadline` (→ UpstreamTimeout)."""
         while True:
             idle = self.idle
             if idle:
@@ -281,7 +298,7 @@ class _Pool:
                 if idle[0].idle_since + KEEPALIVE_EXPIRY < now:
                     await self._expire()
             if not fresh and (conn := self._idle_for(sni)) is not None:
-                if (replayable and conn.idle_since + LIVENESS_BEAT > now) or conn.alive():
+                if conn.alive():
                     return conn, True
                 await self.discard(conn)
                 continue  # closed by the node while idle: try the next one
@@ -304,14 +321,14 @@ class _Pool:
 
     def take_recent(self, sni: str, now: float) -> _Conn | None:
         """`acquire`'s usual case for a replayable request, without awaiting: the most
-        recently used idle connection, when it is for `sni` and within the beat; None
-        sends the caller to `acquire`."""
+        recently used idle connection, when it is for `sni`, not expired and alive; None
+        sends the caller to `acquire` (which closes it if it is dead)."""
         idle = self.idle
         if not idle:
             return None
         conn = idle[-1]
-        if (conn.sni != sni or conn.idle_since + LIVENESS_BEAT <= now
-                or idle[0].idle_since + KEEPALIVE_EXPIRY < now):
+        if (conn.sni != sni or idle[0].idle_since + KEEPALIVE_EXPIRY < now
+                or not conn.alive()):
             return None
         return idle.pop()
 
@@ -362,7 +379,7 @@ class _Pool:
     def keep(self, conn: _Conn, reusable: bool) -> bool:
         """Put `conn` back on the idle list if it may be reused (True); else the caller
         must `discard` it."""
-        if reusable and not self.retired:
+        if reusable and not self.retired and conn.quiet():
             if not conn.session_saved:
                 # By the end of a response the node's TLS 1.3 tickets have arrived, so
                 # this session can be resumed by the next connection.
@@ -527,17 +544,17 @@ class Upstream:
             if conn is not None:
                 reused = True
             else:
-                conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh,
-                                                   replayable=replayable)
+                conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh)
             try:
                 parser = await self._send(conn, method, head, body, chunked, idle_timeout,
                                           entry.now)
                 if parser.status != 408 or not (reused and replayable):
                     return conn, parser
                 # A 408 on a reused connection is the node timing out the idle connection:
-                # it may write that before closing, and within LIVENESS_BEAT nothing read
-                # it before our request went out, so it is no answer to this request (408
-                # says the node took none). Like a silent close: resend once, fresh.
+                # it may write that before closing, and when it crossed our check before
+                # reuse nothing read it before our request went out, so it is no answer
+                # to this request (408 says the node took none). Like a silent close:
+                # resend once, fresh.
                 with trio.CancelScope(shield=True):
                     await entry.release(conn, False)
                 fresh = True

@@ -9,7 +9,8 @@ llhttp is strict by default (CL together with TE, duplicate CL, obs-fold, bare L
 bad chunk sizes are errors) and parses in C, where h11's pure-Python state machine cost
 several times as much per response. What llhttp cannot be told — that a response to HEAD
 has no body whatever its Content-Length says — and the bounds llhttp does not keep (head
-size, header count, number of interim responses) are kept here.
+size, header count, number of interim responses, the size of one chunk-size line or of
+the trailers) are kept here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ import httptools
 #: is complete: generous for any real node, small enough that a node cannot make the
 #: edge hold megabytes per connection before a single body byte.
 MAX_HEAD_BYTES = 64 * 1024
+#: Bytes the node may send after the head without any of them being body or a complete
+#: chunk-size line: one chunk-size line (extensions included) or the trailer section
+#: must fit. httptools gathers a trailer field's value in one growing bytes object, so
+#: without this bound a node could make the edge hold (and copy over and over) a value
+#: of any size.
+MAX_FRAMING_BYTES = MAX_HEAD_BYTES
 #: Header fields in one response, trailers included.
 MAX_HEADERS = 128
 #: Interim (1xx) responses skipped before the final one; a node looping on 103 Early
@@ -76,8 +83,8 @@ class ResponseParser:
         self._in_interim = False
         self._close_delimited = False
         self._header_count = 0
-        self._head_end = 0
-        self._body_bytes = 0
+        self._progress_at = 0  # `received` after the last feed that moved the body on
+        self._progress = False  # a callback of this feed moved it on
 
     # -- feeding --------------------------------------------------------------------------
 
@@ -89,13 +96,14 @@ class ResponseParser:
             return
         if not self.head_done and self.received > MAX_HEAD_BYTES:
             raise ResponseError(f"response head over {MAX_HEAD_BYTES} bytes")
-        if self.head_done and (self.received - self._head_end - self._body_bytes
-                               > MAX_HEAD_BYTES + self._body_bytes):
-            # chunk framing and trailers beyond any real node's: llhttp would go on
-            # accumulating a trailer value of any size
+        if self.head_done and self.received - self._progress_at > MAX_FRAMING_BYTES:
+            # a chunk-size line or trailers beyond any real node's (see MAX_FRAMING_BYTES)
             raise ResponseError("chunk framing or trailers of the response too large")
         try:
             self._parser.feed_data(data)
+            if self._progress:
+                self._progress = False
+                self._progress_at = self.received
         except _HeadOnly:
             pass
         except httptools.HttpParserUpgrade as exc:
@@ -134,7 +142,10 @@ class ResponseParser:
 
     def on_message_begin(self) -> None:
         if self.done:
+            # another message after the response: nothing of it is parsed (its body
+            # would join this one's), and nothing may follow on this connection
             self.keep_alive = False
+            raise ResponseError("bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -157,16 +168,25 @@ class ResponseParser:
             return
         self.status = status
         self.head_done = True
-        self._head_end = self.received  # at most: where in the fed bytes the head ended
+        self._progress = True
         version = self._parser.get_http_version()
         self.version = f"HTTP/{version}"
         connection = b""
+        codings = b""
         framed = status in (204, 304)
         for name, value in self.headers:
             if name == b"connection":
                 connection += b"," + value.lower()
-            elif name in (b"content-length", b"transfer-encoding"):
+            elif name == b"content-length":
                 framed = True
+            elif name == b"transfer-encoding":
+                framed = True
+                codings += b"," + value.lower()
+        if codings and [c for c in (t.strip() for t in codings.split(b",")) if c] != [
+                b"chunked"]:
+            # the edge takes off chunked only; any other coding is hop-by-hop (the
+            # client would not be told of it) and its bytes would pass for the content
+            raise ResponseError("a transfer coding other than chunked")
         if version != "1.1" or b"close" in [t.strip() for t in connection.split(b",")]:
             self.keep_alive = False
         if self._head_only:
@@ -180,8 +200,18 @@ class ResponseParser:
             self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
+        if self._in_interim:
+            # a 1xx has no content; llhttp reads one by the framing fields of any but
+            # 100-103, and those bytes must never join the final response's body
+            raise ResponseError("an interim response with content")
+        self._progress = True
         self._pieces.append(body)
+
+    def on_chunk_header(self) -> None:
+        self._progress = True
+
+    def on_chunk_complete(self) -> None:
+        self._progress = True
 
     def on_message_complete(self) -> None:
         if self._in_interim:
