@@ -43,6 +43,7 @@ import gzip
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import ssl
@@ -780,6 +781,39 @@ def read_response(sock: socket.socket, *, head_only: bool = False) -> RawRespons
             pass
         resp.body, reader.buf = reader.buf, b""
     return resp
+
+
+class Uploading:
+    """A socket face for `read_response` whose `recv` goes on sending `data` while it
+    waits for the answer, in the one thread: an `SSLSocket` written by one thread while
+    another reads it can send a record the edge takes for a broken connection (OpenSSL's
+    objects are not for two threads at once), which looked like the edge dropping an
+    early answer about once in eight runs. Sending stops when the edge takes no more."""
+
+    def __init__(self, sock: ssl.SSLSocket, data: bytes) -> None:
+        self.sock, self.rest = sock, memoryview(data)
+        sock.setblocking(False)
+
+    def recv(self, size: int) -> bytes:
+        sock, deadline = self.sock, time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            if not sock.pending():
+                readable, writable, _ = select.select(
+                    [sock], [sock] if self.rest else [], [], 0.5)
+                if not readable:
+                    if writable:
+                        try:
+                            self.rest = self.rest[sock.send(self.rest[:65536]):]
+                        except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                            pass
+                        except OSError:  # the edge takes no more of it
+                            self.rest = self.rest[:0]
+                    continue
+            try:
+                return sock.recv(size)
+            except ssl.SSLWantReadError:
+                continue
+        raise TimeoutError("no answer while uploading")
 
 
 def _chunked_body(reader: _Reader) -> bytes:

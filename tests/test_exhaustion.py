@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from tests.terminate_env import (
     OPT_HOST,
     ServeEnv,
+    Uploading,
     exchange,
     forget,
     json_events,
@@ -272,10 +272,7 @@ def test_body_buffer_cap_per_client_refuses_then_returns_every_byte(tmp_path: Pa
         for attempt in range(2):  # the second round finds the share returned
             holding = [held() for _ in range(3)]
             over = tls_socket(s.port, OPT_HOST)
-            sender = threading.Thread(target=_send_quietly, args=(over, head + body))
-            sender.start()
-            refused = read_response(over)
-            sender.join(WAIT)
+            refused = read_response(Uploading(over, head + body))  # type: ignore[arg-type]
             forget(over)
             assert refused.status == 429, (attempt, refused.status)
             assert refused.header("retry-after") == "1", refused.headers
@@ -291,11 +288,6 @@ def test_body_buffer_cap_per_client_refuses_then_returns_every_byte(tmp_path: Pa
         assert "Traceback" not in s.logs()
     finally:
         env.stop()
-
-
-def _send_quietly(c: socket.socket, data: bytes) -> None:
-    with contextlib.suppress(OSError):
-        c.sendall(data)
 
 
 def test_terminate_out_of_fds_for_the_node_says_the_edge_is_busy(tmp_path: Path):

@@ -43,6 +43,7 @@ from tests.terminate_env import (
     H2Conn,
     H2Result,
     Serve,
+    Uploading,
     forget,
     make_identities,
     read_response,
@@ -837,21 +838,13 @@ def upload_h1(port: int, target: str) -> tuple[int, bytes]:
     sock = tls_socket(port, OPT_HOST)
     data = request_bytes("POST", target, OPT_HOST, body=b"u" * UPLOAD,
                          content_type="application/octet-stream")
-
-    def send() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            sock.sendall(data)
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
     try:
-        resp = read_response(sock)
+        resp = read_response(Uploading(sock, data))  # type: ignore[arg-type]
         return resp.status, resp.body
     except (ConnectionError, ssl.SSLError):
         return 0, b""
     finally:
         forget(sock)
-        sender.join(WAIT)
 
 
 @pytest.mark.parametrize("then,leg", [("close", "h1"), ("close", "h2"), ("drain", "h1"),
