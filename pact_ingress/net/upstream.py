@@ -71,6 +71,7 @@ can stay open for as long as bytes keep flowing.
 from __future__ import annotations
 
 import math
+import select
 import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
@@ -191,6 +192,9 @@ class _Conn(MemoryTLS):
             context.wrap_bio(incoming, outgoing, server_hostname=sni or None, session=session),
             incoming, outgoing, raw=raw, stream=None if raw is not None else stream)
         self._hubbed = raw is not None  # `aclose` closes the Watch before the socket
+        if raw is not None:  # `alive`'s look at the socket (poll(2): no fd of its own)
+            self._poll = select.poll()
+            self._poll.register(raw, select.POLLIN)
 
     def _broken(self, why: str) -> Exception:
         return _Broken(f"the link to the node failed: {why}")
@@ -216,6 +220,8 @@ class _Conn(MemoryTLS):
         raw = self._raw
         if raw is None or self.dead:
             return not self.dead
+        if not self._poll.poll(0):  # the usual answer, without a failed read's exception
+            return True
         self.dead = True
         try:
             data = raw.recv(READ_SIZE)
