@@ -46,7 +46,8 @@ Decisions this module makes (and tests):
   request (``-32600``, id ``null``) judged before it is parsed: what a parse builds
   grows with the number of values, not with the bytes the body budgets count, and the
   edge does not forward what it has not judged (so not ``-32700``: the body may well be
-  JSON, and no id is known since nothing was read). Duplicate member names are a parse error: the node's parser might keep the other
+  JSON, and no id is known since nothing was read). Duplicate member names are a parse
+  error: the node's parser might keep the other
   duplicate, and a parser differential is exactly how a check gets bypassed. For the
   same reason a member of a message (or of a ``tools/call``'s params) whose name differs
   from a JSON-RPC one only in case is an invalid request: parsers that match names
