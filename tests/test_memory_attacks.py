@@ -15,6 +15,7 @@ counted, no tunnel stream, no relay item beyond the caps).
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import ssl
 import threading
@@ -66,6 +67,7 @@ H2_CONN_WINDOW = 65535  # the connection receive window: never raised by the edg
 H2_OUTBOX = 64 * KIB  # FLUSH_BYTES: queued frames before whoever queues more waits
 READ_BUF = 64 * KIB  # a TLS read (client side and upstream side)
 PER_CLIENT_BUFFER = 18 * MIB  # MCP bodies buffered for one client address
+MAX_JSON_VALUES = 256 * KIB  # counted values an MCP body may hold (terminate and relay)
 #: A terminate TLS connection's own cost (socket, OpenSSL SSL object and its BIOs, the
 #: HTTP leg's task and state): a generous figure, well above the idle bench's measure.
 PER_CONNECTION = 128 * KIB
@@ -795,11 +797,17 @@ class _Proc:
         self.serve = self
         self.proc = proc
 
-    def rss_kib(self) -> int:
+    def pids(self) -> list[int]:
+        return [self.proc.pid]  # type: ignore[attr-defined]
+
+    def proc_status(self, field_name: str) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():  # type: ignore[attr-defined]
-            if line.startswith("VmRSS:"):
+            if line.startswith(field_name + ":"):
                 return int(line.split()[1])
-        raise KeyError("VmRSS")
+        raise KeyError(field_name)
+
+    def rss_kib(self) -> int:
+        return self.proc_status("VmRSS")
 
 
 # === the admin endpoint =================================================================
@@ -860,47 +868,126 @@ def _reset_peak(env: ServeEnv) -> None:
             Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the body budget counts bytes, not what parsing them builds: a 6 MiB MCP body of "
-    "empty objects becomes ~2 million dicts (~160 MiB at the peak, ~27x) in the posture "
-    "check's json.loads; bounding it needs a cap on JSON values (a new refusal in the "
-    "posture contract) or a parse that does not build the tree"))
+def _over_the_cap_body(size: int) -> bytes:
+    """A tools/list of `size` bytes whose params are an array of empty objects: ~2
+    counted values per 3 bytes, far over `MAX_JSON_VALUES` (a parse would have built two
+    million objects of a 6 MiB body, four million of a 12 MiB one)."""
+    head = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":['
+    inner = b"{},"
+    return head + inner * ((size - len(head) - 4) // len(inner)) + b"0]}}"
+
+
+def _at_the_cap_body(size: int) -> bytes:
+    """A tools/list of `size` bytes holding exactly `MAX_JSON_VALUES` counted values in
+    the dearest shape measured (one object of distinct keys with 2-character string
+    values, ~143 bytes each once parsed), the rest one long string."""
+    head = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":['
+    frame = head.count(b",") + head.count(b":") + head.count(b"{") + head.count(b"[") + 1
+    members = (MAX_JSON_VALUES - frame) // 2
+    core = b"{" + b",".join(b'"%x":"ab"' % i for i in range(members)) + b"},"
+    body = head + core + b'"' + b"a" * (size - len(head) - len(core) - 5) + b'"]}}'
+    counted = sum(body.count(c) for c in (b",", b":", b"{", b"["))
+    assert len(body) == size and MAX_JSON_VALUES - 1 <= counted <= MAX_JSON_VALUES, counted
+    return body
+
+
 def test_mcp_body_parse_amplification(env: ServeEnv) -> None:
     """One client posts an MCP body just under `max_body_bytes` (6 MiB): an array of two
     million empty objects. The edge reads it whole (counted against the client's 18 MiB
-    share) and parses it (one parse at a time per process) before judging it.
+    share) and, before parsing, counts what it may hold: over `MAX_JSON_VALUES`, it is
+    refused -32600 unparsed (parsing it peaked at ~155 MiB) and never reaches the node.
 
-    Bound: the body (6 MiB) in three forms at once (the bytes, their decoded text, the
-    joined parts) and a parsed tree of at most 4× the text: 6 MiB × (3 + 4) = 42 MiB
-    above the RSS before, at the peak (VmHWM, reset before the attack), plus slack."""
-    bound = 6 * 7 * 1024 + SLACK_KIB
-    inner = b"{},"
-    n = (6 * MIB - 200) // len(inner)
-    body = (b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":['
-            + inner * n + b'0]}}')
+    Bound: the body (6 MiB) in the forms reading it makes (the parts, the joined bytes)
+    and one more for slack in the answer path: 6 MiB × 3 above the RSS before, at the
+    peak (VmHWM, reset before the attack), plus slack."""
+    bound = 6 * 3 * 1024 + SLACK_KIB
+    body = _over_the_cap_body(6 * MIB - 100)
     before = settled_rss(env)
     _reset_peak(env)
     r = exchange(env.serve.port, request_bytes("POST", "/mcp", OPT_HOST, body=body),
                  host=OPT_HOST, source=ATTACKER_IP)
     peak = env.serve.proc_status("VmHWM")
     after = settled_rss(env)
-    assert r.status == 200, r.status  # forwarded: the node answers tools/list
-    _check("MCP body of 2M empty objects (peak)", before, peak, after, bound)
+    assert r.status == 400, r.status
+    answer = json.loads(r.body)
+    assert answer["id"] is None and answer["error"]["code"] == -32600, answer
+    assert not env.node.requests()
+    _check("MCP body of 2M empty objects, refused unparsed (peak)", before, peak, after, bound)
+
+
+def test_mcp_body_at_the_value_cap(env: ServeEnv) -> None:
+    """The dearest body the cap lets through: `MAX_JSON_VALUES` counted values of the
+    shape that costs most once parsed, filled up to 6 MiB by one string. It is parsed,
+    judged and forwarded (the node answers the tools/list).
+
+    Bound: one parse at a time per process stays under 64 MiB (the cap's derivation,
+    proto/posture.py: ~36 MiB measured for this body), plus the body in three forms (the
+    parts, the joined bytes, the copy on its way to the node): 64 + 3 × 6 MiB, plus
+    slack."""
+    bound = (64 + 6 * 3) * 1024 + SLACK_KIB
+    body = _at_the_cap_body(6 * MIB - 100)
+    before = settled_rss(env)
+    _reset_peak(env)
+    r = exchange(env.serve.port, request_bytes("POST", "/mcp", OPT_HOST, body=body),
+                 host=OPT_HOST, source=ATTACKER_IP)
+    peak = env.serve.proc_status("VmHWM")
+    after = settled_rss(env)
+    assert r.status == 200, (r.status, r.body[:300])
+    [seen] = env.node.requests()
+    assert len(seen.body) == len(body)
+    _check("MCP body at the JSON value cap, forwarded (peak)", before, peak, after, bound)
+
+
+def test_relay_body_parse_amplification(tmp_path: Path) -> None:
+    """The relay host reads JSON with the same reader: a 12 MiB /relay/mcp body of four
+    million empty objects (parsing it peaked at ~314 MiB) is refused -32600 unparsed.
+
+    Bound: the body (12 MiB) as the parts, the joined bytes and slack: 12 MiB × 3 above
+    the RSS before, at the peak, plus slack."""
+    from tests.relay_env import RelayCaller, RelayServe, relay_identities
+    from tests.test_relay_workers import HIGH_LIMITS
+
+    bound = 12 * 3 * 1024 + SLACK_KIB
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1, extra=HIGH_LIMITS)
+    proc = _Proc(serve.proc)
+    try:
+        caller = RelayCaller(serve.port, ids.sender, source=ATTACKER_IP)
+        assert caller.request("POST", "/relay/mcp", rpc("ping")).status == 200
+        before = settled_rss(proc)  # type: ignore[arg-type]
+        _reset_peak(proc)  # type: ignore[arg-type]
+        resp = caller.request("POST", "/relay/mcp", _over_the_cap_body(12 * MIB))
+        peak = proc.proc_status("VmHWM")
+        after = settled_rss(proc)  # type: ignore[arg-type]
+        assert resp.status == 400, resp.status
+        answer = json.loads(resp.body)
+        assert answer["id"] is None and answer["error"]["code"] == -32600, answer
+        assert caller.request("POST", "/relay/mcp", rpc("ping")).status == 200
+        caller.close()
+        _check("relay body of 4M empty objects, refused unparsed (peak)", before, peak,
+               after, bound)
+        assert "Traceback" not in serve.logs()
+    finally:
+        serve.stop()
 
 
 def test_relay_bodies_refused_after_a_thread_check_leave_nothing_behind(
         tmp_path: Path) -> None:
-    """Large relay calls are parsed and checked in a worker thread. A caller sends, three
-    rounds over, a 3 MiB call whose arguments are a million empty objects (refused
-    envelope_invalid once parsed) and a 12 MiB body that is not JSON (refused -32700 by
-    the parser): once each is answered, nothing of it may stay in memory.
+    """Large relay calls are parsed and checked in a worker thread. A caller sends, four
+    rounds over, a call whose arguments are the dearest tree the JSON value cap lets
+    through (one object of ~130 000 distinct members: refused envelope_invalid once
+    parsed) and a 12 MiB body that is not JSON (an unclosed string, refused -32700 by the
+    parser): once each is answered, nothing of it may stay in memory.
 
-    Bounds: the first round may leave what the allocator keeps of its largest buffers
-    (the 12 MiB body, its decoded text, the joined parts: 36 MiB) plus slack, whatever
-    the parse's peak was (the parse amplification test's matter); each later round must
-    add nothing beyond slack: 16 MiB from the end of the first round to the end of the
-    third. Against: a refused call's parsed tree (~80 MiB for 3 MiB of empty objects) and
-    its body and text (~36 MiB for 12 MiB) kept per call until a full collection."""
+    Bounds: the first two rounds may leave what the allocator keeps of their largest
+    buffers (the 12 MiB body, its decoded text, the joined parts: 36 MiB) and of the
+    tree (under the cap's 64 MiB), plus slack: glibc raises its mmap threshold when the
+    first round frees its large blocks, so the second round's come from the heap and
+    stay there (with MALLOC_MMAP_THRESHOLD_ fixed, the first round's end is the
+    plateau). Each later round must add nothing beyond slack: 16 MiB from the end of the
+    second round to the end of the fourth. Against: a refused call's parsed tree
+    (~36 MiB) and its body and text (~36 MiB for 12 MiB) kept per call until a full
+    collection, which two rounds would double."""
     from tests.relay_env import RelayCaller, RelayServe, relay_identities
     from tests.test_relay_workers import HIGH_LIMITS
 
@@ -913,10 +1000,13 @@ def test_relay_bodies_refused_after_a_thread_check_leave_nothing_behind(
         assert caller.request("POST", "/relay/mcp", rpc("ping")).status == 200
         before = settled_rss(env)  # type: ignore[arg-type]
         head = b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"relay_call",'
-        tree = head + b'"arguments":{"x":[' + b"{}," * MIB + b'0]}}}'
-        broken = head + b'"arguments":{"x":[' + b"0," * (6 * MIB)  # never closed
+        opening = head + b'"arguments":{'
+        members = (MAX_JSON_VALUES - sum(opening.count(c) for c in b",:{[") + 1) // 2
+        tree = opening + b",".join(b'"%x":"ab"' % i for i in range(members)) + b"}}}"
+        assert MAX_JSON_VALUES - 1 <= sum(tree.count(c) for c in b",:{[") <= MAX_JSON_VALUES
+        broken = head + b'"arguments":{"x":"' + b"a" * (12 * MIB)  # never closed
         ends = []
-        for _ in range(3):
+        for _ in range(4):
             codes = []
             for body in (tree, broken):
                 resp = caller.request("POST", "/relay/mcp", body)
@@ -927,10 +1017,10 @@ def test_relay_bodies_refused_after_a_thread_check_leave_nothing_behind(
         caller.close()
         print(f"\n[mem] relay refused bodies: RSS at the end of each round "
               f"{[round(e / 1024, 1) for e in ends]} MiB")
-        _check("relay bodies refused after a thread check (round 1)", before, None,
-               ends[0], 3 * 12 * 1024 + SLACK_KIB)
-        _check("relay bodies refused after a thread check (rounds 2-3)", ends[0], None,
-               ends[2], bound)
+        _check("relay bodies refused after a thread check (rounds 1-2)", before, None,
+               ends[1], (3 * 12 + 64) * 1024 + SLACK_KIB)
+        _check("relay bodies refused after a thread check (rounds 3-4)", ends[1], None,
+               ends[3], bound)
         assert "Traceback" not in serve.logs()
     finally:
         serve.stop()

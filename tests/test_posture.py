@@ -3,6 +3,7 @@ table, both postures, batches, notifications, odd JSON, and the rate-limited ref
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -224,6 +225,101 @@ def test_body_not_json_is_a_parse_error(body: bytes) -> None:
 ])
 def test_body_not_json_rpc_is_an_invalid_request(body: Any, rpc_id: Any) -> None:
     _bad(_check(body), P.INVALID_REQUEST, rpc_id)
+
+
+# --- the JSON value cap: judged before parsing --------------------------------------------
+
+#: A tools/list whose params carry a filler: its own counted characters, outside the filler.
+_HEAD = b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"x":'
+_TAIL = b"}}"
+_FRAME = P.value_count(_HEAD + _TAIL)
+
+
+def _filler(kind: str, n: int) -> bytes:
+    """A JSON value that `value_count` counts exactly `n` times (n ≥ 2)."""
+    if kind == "numbers":  # [0,0,...]: `[` and n-1 commas
+        return b"[" + b",".join([b"1000"] * n) + b"]"
+    if kind == "members":  # {"0":0,...}: `{`, one colon per member, commas between
+        m = n // 2
+        obj = b"{" + b",".join(b'"%x":0' % i for i in range(m)) + b"}"
+        return obj if n % 2 == 0 else b"[" + obj + b"]"
+    if kind == "objects":  # [{},{},...]: `[`, then `{` and a comma per object
+        return b"[" + b",".join([b"{}"] * (n // 2)) + (b",0]" if n % 2 else b"]")
+    if kind == "in-a-string":  # "…,,,…": over-counted, never parsed as values
+        return b'"' + b"," * n + b'"'
+    raise AssertionError(kind)
+
+
+def _capped(kind: str, n: int) -> bytes:
+    body = _HEAD + _filler(kind, n - _FRAME) + _TAIL
+    assert P.value_count(body) == n
+    return body
+
+
+def test_value_count_counts_a_separator_per_value_after_the_first_and_each_container() -> None:
+    assert P.value_count(b"0") == 0
+    assert P.value_count(b"[1,2,3]") == 3
+    assert P.value_count(b'{"a":1,"b":[]}') == 5
+    assert P.value_count(b'"a,b:c{d[e"') == 4  # inside a string too: too high, never low
+
+
+@pytest.mark.parametrize("kind", ["numbers", "members", "objects", "in-a-string"])
+def test_a_body_at_the_value_cap_is_judged_one_over_is_refused_unparsed(kind: str) -> None:
+    at = _capped(kind, P.MAX_JSON_VALUES)
+    assert isinstance(_check(at, OPTIONAL), P.Forward)
+    over = _capped(kind, P.MAX_JSON_VALUES + 1)
+    _bad(_check(over, OPTIONAL), P.INVALID_REQUEST)
+    refusal, reply = _refused(_check(over, OPTIONAL))
+    assert str(P.MAX_JSON_VALUES) in reply["error"]["message"]
+    assert refusal.rpc_ids == (None,)
+
+
+def test_the_value_cap_is_judged_before_parsing() -> None:
+    """Over the cap and not even JSON: the count answers (-32600), the parser never runs
+    (it would say -32700); the same body under the cap is a parse error."""
+    broken = b"[" + b"0," * P.MAX_JSON_VALUES  # never closed
+    _bad(_check(broken, OPTIONAL), P.INVALID_REQUEST)
+    with pytest.raises(P.TooManyValues):
+        P.loads(broken)
+    _bad(_check(b"[" + b"0," * (P.MAX_JSON_VALUES - 1), OPTIONAL), P.PARSE_ERROR)
+
+
+def test_the_relay_reads_json_with_the_same_reader_and_cap() -> None:
+    from pact_ingress.proto import relay as R
+
+    over = _capped("numbers", P.MAX_JSON_VALUES + 1)
+    with pytest.raises(P.TooManyValues):
+        R.loads(over)
+    assert R.loads(_capped("numbers", P.MAX_JSON_VALUES))["method"] == "tools/list"
+    senders = b'{"senders":[' + b",".join([b'"x"'] * P.MAX_JSON_VALUES) + b"]}"
+    with pytest.raises(R.Refusal) as refused:
+        R.parse_allowlist(senders)
+    assert refused.value.code == R.BAD_REQUEST
+
+
+def test_large_real_calls_pass_the_value_cap() -> None:
+    """What real calls look like stays far below the cap: a 10 MiB base64 argument (no
+    counted character in it), a sealed call carrying 3 MiB, and 5 000 structured records."""
+    blob = base64.b64encode(bytes(range(256)) * (10 * 1024 * 1024 // 4 * 3 // 256)).decode()
+    media = _call("send_message", {"text": "hi, there: see {attached}", "media": blob})
+    assert len(json.dumps(media)) > 10 * 1024 * 1024
+    assert isinstance(_check(media, OPTIONAL), P.Forward)
+    _tool_error(json.loads(_refused(_check(media, REQUIRED))[0].body), "seal_required", 1)
+
+    sealed = _call("sealed_call", E.seal(
+        {"method": "tools/call", "params": {"name": "send_message",
+                                            "arguments": {"media": blob[:3 * 1024 * 1024]}}},
+        sender_key=SENDER, recipient_public_key=NODE.public_key(), msg_id="big",
+        ts=T0, exp=T0 + 600))
+    forward = _check(sealed, REQUIRED)
+    assert isinstance(forward, P.Forward) and forward.caller_keys == (SENDER_FP,)
+
+    records = [{"id": i, "name": f"item {i}", "tags": ["a", "b"], "price": i * 1.5,
+                "ok": True, "note": "short, plain text", "meta": {"x": 1, "y": 2}}
+               for i in range(5000)]
+    listing = _call("import_items", {"items": records})
+    assert P.value_count(json.dumps(listing).encode()) < P.MAX_JSON_VALUES // 2
+    assert isinstance(_check(listing, OPTIONAL), P.Forward)
 
 
 # --- the table, row by row ---------------------------------------------------------------

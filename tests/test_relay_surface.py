@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from pact_ingress.identity import Identity, b64url_decode
+from pact_ingress.proto.posture import MAX_JSON_VALUES, value_count
 from tests.relay_env import (
     RELAY_HOST,
     RelayCaller,
@@ -172,6 +173,45 @@ def test_garbage_json_on_both_versions(serve: RelayServe, ids: RelayIdentities) 
         caller.close()
         conn.close()
     assert queued(serve, ids) == []
+
+
+def _padded(body: bytes, count: int) -> bytes:
+    """`body` (one JSON-RPC object) with a last member `pad` ([0,0,…]) that brings its
+    `value_count` to exactly `count`."""
+    zeros = count - value_count(body[:-1] + b',"pad":[0]}') + 1
+    padded = body[:-1] + b',"pad":[' + b",".join([b"0"] * zeros) + b"]}"
+    assert value_count(padded) == count
+    return padded
+
+
+def test_nothing_over_the_json_value_cap_is_queued_on_both_versions(
+        serve: RelayServe, ids: RelayIdentities) -> None:
+    """The relay reads JSON as the terminate edge does: a relay_call padded to exactly
+    `MAX_JSON_VALUES` counted values is queued; one value over, it is refused -32600
+    (id null, not parsed) and nothing of it is queued, on either HTTP version."""
+    caller = RelayCaller(serve.port, ids.sender)
+    conn = raw_h2(serve.port, ids.sender)
+    try:
+        for version in ("h1", "h2"):
+            for count, name in ((MAX_JSON_VALUES, "at"), (MAX_JSON_VALUES + 1, "over")):
+                body = _padded(call_body(ids, f"{name}-{version}"), count)
+                if version == "h1":
+                    resp = caller.request("POST", "/relay/mcp", body)
+                    status, answer = resp.status, json.loads(resp.body)
+                else:
+                    res = conn.request("POST", "/relay/mcp", body=body)
+                    status, answer = res.status, json.loads(res.body)
+                if name == "at":
+                    assert status == 200, answer
+                    assert answer["result"]["structuredContent"]["status"] == "queued"
+                else:
+                    assert status == 400, answer
+                    assert answer["id"] is None and answer["error"]["code"] == -32600
+                    assert str(MAX_JSON_VALUES) in answer["error"]["message"]
+    finally:
+        caller.close()
+        conn.close()
+    assert sorted(queued(serve, ids)) == ["at-h1", "at-h2"]
 
 
 # --- pipelining ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from pact_ingress.proto.posture import MAX_JSON_VALUES, value_count
 from tests.terminate_env import (
     HOST,
     OPT_HOST,
@@ -564,3 +565,36 @@ def test_an_h2_get_declaring_no_content_is_answered_before_its_stream_ends(env: 
         conn.close()
     assert res.status == 200, res
     assert [(r.method, r.path, r.body) for r in env.node.requests()] == [("GET", "/other", b"")]
+
+
+# === the JSON value cap: judged before parsing, on both HTTP versions ====================
+
+
+def _padded(body: bytes, count: int) -> bytes:
+    """`body` (one JSON-RPC object) with a last member `pad` ([0,0,…]) that brings its
+    `value_count` to exactly `count`: its `,` `:` `[`, then one comma per zero after
+    the first."""
+    base = body[:-1] + b',"pad":[0]}'
+    zeros = count - value_count(base) + 1
+    padded = body[:-1] + b',"pad":[' + b",".join([b"0"] * zeros) + b"]}"
+    assert value_count(padded) == count
+    return padded
+
+
+@BOTH
+def test_nothing_over_the_json_value_cap_reaches_the_node(env: Env, http2: bool) -> None:
+    """A sealed call padded to exactly `MAX_JSON_VALUES` counted values is judged and
+    forwarded; the same call one value over is refused -32600 (id null: it was not
+    parsed) and the node sees nothing of it."""
+    at = _padded(sealed_call_body(env.ids, msg_id=f"cap-{http2}"), MAX_JSON_VALUES)
+    status, body, reset = _post(env, at, http2=http2)
+    assert (status, reset) == (200, None), (status, body[:300])
+    assert [r.body for r in env.node.requests()] == [at]
+    env.node.clear()
+    over = _padded(sealed_call_body(env.ids, msg_id=f"over-{http2}"), MAX_JSON_VALUES + 1)
+    status, body, reset = _post(env, over, http2=http2)
+    assert (status, reset) == (400, None), (status, body[:300])
+    answer = json.loads(body)
+    assert answer["id"] is None and answer["error"]["code"] == -32600, answer
+    assert str(MAX_JSON_VALUES) in answer["error"]["message"]
+    assert env.node.requests() == []

@@ -42,7 +42,12 @@ Decisions this module makes (and tests):
   ``charset`` parameter, if any, must name UTF-8, since a node may decode the body with
   it), a body that is not UTF-8 JSON (``-32700``), or not JSON-RPC 2.0 (``-32600``) —
   answered as a JSON-RPC error with id ``null`` (or the element's id when it had a valid
-  one). Duplicate member names are a parse error: the node's parser might keep the other
+  one). A body that may hold more than ``MAX_JSON_VALUES`` JSON values is an invalid
+  request (``-32600``, id ``null``) judged before it is parsed: what a parse builds
+  grows with the number of values, not with the bytes the body budgets count, and the
+  edge does not forward what it has not judged (so not ``-32700``: the body may well be
+  JSON, and no id is known since nothing was read). Duplicate member names are a parse
+  error: the node's parser might keep the other
   duplicate, and a parser differential is exactly how a check gets bypassed. For the
   same reason a member of a message (or of a ``tools/call``'s params) whose name differs
   from a JSON-RPC one only in case is an invalid request: parsers that match names
@@ -80,6 +85,19 @@ RpcId = str | int | None
 #: handful of messages at most. 100 bounds the per-request work (one header check per
 #: element) far above any real batch; the body cap (max_body_bytes) bounds the rest.
 MAX_BATCH_ELEMENTS = 100
+
+#: The most JSON values a body to an MCP endpoint may hold (`value_count`, counted before
+#: parsing; over it: -32600 Invalid Request, id null). Byte budgets alone do not bound a
+#: parse: CPython builds a 64-byte dict for every 2-byte `{}`, so 6 MiB of them peaked at
+#: ~155 MiB. Measured on CPython 3.11 (the decoder here, peak RSS of one parse in a fresh
+#: process, decoded text included), a body at this cap peaks at ~10 MiB for empty objects
+#: or arrays, ~13 MiB for numbers, ~21 MiB for short strings and ~36 MiB for the dearest
+#: shape found (one object of distinct keys with 2-character string values, ~143 bytes
+#: per counted value); filled up to the relay's 12 MiB with one long string, ~57 MiB. So
+#: a parse stays under ~64 MiB whatever the body, while real calls pass with room to
+#: spare: a sealed call's envelope is base64 (no counted character at all), a 10 MiB
+#: base64 argument counts ~14, and 12 000 records of 7 members (~21 each) ~252 000.
+MAX_JSON_VALUES = 256 * 1024
 
 SEALED_CALL = "sealed_call"
 JSON_CONTENT_TYPE = "application/json"
@@ -275,11 +293,45 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+#: NaN and Infinity are not JSON (echoed back, they would make an answer no JSON either);
+#: a member named twice has no one reading (the node's parser may keep the other one).
+_decode = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_no_constants).decode
+
+
+class TooManyValues(ValueError):
+    """The body may hold more than `MAX_JSON_VALUES` JSON values: refused unparsed.
+
+    A ValueError, so a caller that only knows "not JSON" still refuses it."""
+
+
+def value_count(body: bytes) -> int:
+    """An upper bound on what parsing `body` builds, counted at C speed without parsing.
+
+    Every JSON value after the first is preceded by a `,` (the next element or member)
+    or a `:` (a member's value), and the containers, the dearest values to build, count
+    once more for their `{` or `[`. The same characters inside strings are counted too:
+    the count can only be too high, which refuses a body, never too low, which would
+    let one be parsed."""
+    return body.count(b",") + body.count(b":") + body.count(b"{") + body.count(b"[")
+
+
+def loads(body: bytes) -> Any:
+    """A request body as JSON, as every MCP endpoint of the edge reads one (the terminate
+    posture here, the relay host through `proto.relay.loads`): UTF-8, no NaN or
+    Infinity, no member named twice, at most `MAX_JSON_VALUES` values by `value_count`.
+
+    Raises `TooManyValues` before anything is decoded or parsed when the count is over
+    the cap; ValueError (UnicodeError, JSONDecodeError) or RecursionError otherwise."""
+    if value_count(body) > MAX_JSON_VALUES:
+        raise TooManyValues(f"more than {MAX_JSON_VALUES} JSON values")
+    return _decode(body.decode("utf-8"))
+
+
 def _parse(body: bytes) -> Any:
     try:
-        return json.loads(
-            body.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constants
-        )
+        return loads(body)
+    except TooManyValues as exc:
+        raise _Invalid(INVALID_REQUEST, f"Invalid Request: {exc}") from None
     except (ValueError, RecursionError) as exc:  # UnicodeError, JSONDecodeError included
         raise _Invalid(PARSE_ERROR, "Parse error") from exc
 

@@ -50,6 +50,8 @@ from pact_ingress.envelope import (
     verify_decoded,
 )
 from pact_ingress.identity import PublicKey, is_pin
+from pact_ingress.proto import posture
+from pact_ingress.proto.posture import MAX_JSON_VALUES, TooManyValues
 
 #: Largest envelope (its four members as compact JSON) the relay queues. PACT's largest
 #: inline payload is 5 MiB of media (§12); base64 in the call, sealed, then base64url on
@@ -180,33 +182,22 @@ def ack_ids(arguments: object) -> list[int]:
                    and 0 < i < 2**63})
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError("duplicate member name")
-    return obj
-
-
-#: NaN and Infinity are not JSON (echoed back, they would make an answer no JSON
-#: either); a member named twice has no one reading.
-_decode = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_no_duplicates).decode
-
-
 def loads(body: bytes) -> Any:
-    """A request body as JSON, read as the terminate edge reads one (`proto.posture`),
-    so a caller meets one reading of JSON on every host: UTF-8, no NaN / Infinity, no
-    member named twice; ValueError (or RecursionError) otherwise."""
-    return _decode(body.decode("utf-8"))
+    """A request body as JSON, read by the terminate edge's own reader
+    (`proto.posture.loads`), so a caller meets one reading of JSON on every host: UTF-8,
+    no NaN / Infinity, no member named twice, at most `MAX_JSON_VALUES` values counted
+    before parsing (`TooManyValues`, a ValueError); ValueError (or RecursionError)
+    otherwise."""
+    return posture.loads(body)
 
 
 def parse_allowlist(body: bytes) -> tuple[str, ...]:
     """The sender list of an allow-list POST, validated whole (all or nothing)."""
     try:
         doc = loads(body)
+    except TooManyValues:
+        raise Refusal(BAD_REQUEST, f"body may hold more than {MAX_JSON_VALUES} JSON values"
+                      ) from None
     except (ValueError, RecursionError):
         raise Refusal(BAD_REQUEST, "body is not JSON") from None
     if not isinstance(doc, dict) or set(doc) != {"senders"} or not isinstance(

@@ -20,7 +20,9 @@ the HTTP version:
    client that misses the deadline or leaves is dropped without an answer
    (`net.http_exchange.ClientGone`): nothing was queued.
 3. **JSON-RPC** at ``/relay/mcp``: parse (in a worker thread over
-   `INLINE_CHECK_BYTES`), shape, notification (202), identity — a connection without a
+   `INLINE_CHECK_BYTES`; a body that may hold more than `proto.posture.MAX_JSON_VALUES`
+   values is refused -32600 before it is parsed, as on terminate routes), shape,
+   notification (202), identity — a connection without a
    client certificate gets ``identity_required`` (401) for every request that would
    act —, then dispatch to the tools on `RelayServer`.
 4. **Answer**: JSON, ``Content-Length``, ``Cache-Control: no-store``. An answer
@@ -256,6 +258,9 @@ class RelayExchange:
         self.size = len(body)
         try:
             message = await self._parse(body)
+        except rules.TooManyValues as exc:  # refused unparsed, as the terminate edge does
+            await self._json(400, _rpc(None, error=(-32600, f"Invalid Request: {exc}")))
+            return
         except (ValueError, RecursionError):
             await self._json(400, _rpc(None, error=(-32700, "Parse error")))
             return
