@@ -1,0 +1,317 @@
+"""Terminate mode against the clients people really run — curl, nghttp, h2load, Node's
+`http2` and `https`, httpx — on the cases the other client tests leave out: bodies on
+both sides of the flow-control window (65,535 / 65,536 bytes, 1 MiB, 16 MiB), uploads
+with `Expect: 100-continue` or no length at all, a hundred streams at once, clients that
+cancel mid-answer, event streams that must arrive unbuffered, trailers, header casing and
+headers near the 16 KiB cap, and a connection asked for a host it does not serve although
+the certificate covers both.
+
+What must hold whatever the client: every body that reached the node has the SHA-256 the
+client sent; what the client got is what the node answered; the edge's counters and the
+per-IP share of the node (`max_requests_in_flight_per_ip`) come back to the truth once
+clients have gone, however they went. A missing client fails the test: these are the
+clients the edge is promised to work with.
+
+One serve for the module (tests/terminate_env.py); every client run is bounded by a
+timeout; every address is loopback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import random
+import select
+import shutil
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
+
+from pact_ingress.identity import generate_key, key_pem
+from tests.terminate_env import HOST, LOOPBACK, OPT_HOST, WAIT, ServeEnv
+
+#: Sizes around the HTTP/2 default window (65,535) and far past it.
+WINDOW_EDGE = (65_535, 65_536)
+MIB = 1024 * 1024
+BIG = 16 * MIB
+#: The per-IP share of the node: a slot that leaks shows as a 429 in a burst this size.
+IN_FLIGHT = 20
+#: Bound of any one client run.
+CLIENT_WAIT = 40.0
+NODE_CLIENT = Path(__file__).with_name("interop_client.js")
+OCTETS = {"content-type": "application/octet-stream"}
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"client not installed: {name}")
+    return path
+
+
+def _shared_cert(tmp: Path) -> None:
+    """One certificate and key for both routes, naming both hosts: a browser would reuse
+    a connection to one for the other (RFC 9113 §9.1.1), and the edge must send it away."""
+    key = generate_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName(HOST), x509.DNSName(OPT_HOST)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp / "certs").mkdir()
+    for host in (HOST, OPT_HOST):
+        (tmp / "certs" / f"{host}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp / "certs" / f"{host}.key").write_bytes(key_pem(key))
+        (tmp / "certs" / f"{host}.key").chmod(0o600)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
+    tmp = tmp_path_factory.mktemp("interop")
+    _shared_cert(tmp)
+    env = ServeEnv.start(tmp, limits={
+        "max_body_bytes": 20 * MIB, "max_requests_in_flight_per_ip": IN_FLIGHT,
+        "calls_per_hour_per_ip": 1_000_000, "calls_per_hour_per_ip_key": 1_000_000})
+    yield env
+    env.stop()
+
+
+@pytest.fixture
+def env(shared: ServeEnv) -> ServeEnv:
+    return shared.fresh()
+
+
+@pytest.fixture(scope="module")
+def bodies(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Random bodies by size (random: a byte repeated would hide a shifted window)."""
+    tmp = tmp_path_factory.mktemp("bodies")
+    rng = random.Random(20261201)
+    out = {}
+    for size in (*WINDOW_EDGE, MIB, BIG):
+        out[size] = tmp / f"body-{size}"
+        out[size].write_bytes(rng.randbytes(size))
+    return out
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha(path: Path) -> str:
+    return sha(path.read_bytes())
+
+
+def node_digests(env: ServeEnv) -> list[tuple[int, str]]:
+    return sorted((len(r.body), sha(r.body)) for r in env.node.requests() if r.complete)
+
+
+def wait_node(env: ServeEnv, count: int) -> list[tuple[int, str]]:
+    env.node.wait_for(lambda: len(node_digests(env)) >= count, 10)
+    return node_digests(env)
+
+
+def node_answer(text: str | bytes, path: Path) -> None:
+    """The client got the node's own receipt for `path`: its size and SHA-256."""
+    doc = json.loads(text)
+    assert (doc["bytes"], doc["sha256"]) == (path.stat().st_size, file_sha(path)), doc
+
+
+def settled(env: ServeEnv) -> None:
+    """The truth once every client has gone: nothing open at the edge, nothing still
+    being answered at the node."""
+    assert env.node.wait_for(lambda: env.node.active_streams == 0, WAIT), (
+        f"{env.node.active_streams} answers still being written to the edge")
+    assert env.serve.wait_open_connections(0) == 0, env.serve.status()["counters"]
+
+
+def node_client(env: ServeEnv, proto: str, ops: list[dict[str, Any]], *,
+                parallel: bool = False) -> list[dict[str, Any]]:
+    plan = json.dumps({"port": env.serve.port, "proto": proto, "ops": ops,
+                       "parallel": parallel})
+    proc = subprocess.run([tool("node"), str(NODE_CLIENT), plan], capture_output=True,
+                          text=True, timeout=CLIENT_WAIT, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (proc.stdout[-1000:], proc.stderr[-1000:])
+    return list(json.loads(lines[-1][len("RESULT "):]))
+
+
+def curl(env: ServeEnv, *args: str, timeout: float = CLIENT_WAIT,
+         stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [tool("curl"), "-sk", "--connect-to", f"::{LOOPBACK}:{env.serve.port}",
+         "-m", str(int(timeout) - 5), *args],
+        capture_output=True, timeout=timeout, check=False, input=stdin)
+
+
+def burst_served(env: ServeEnv) -> None:
+    """`IN_FLIGHT` long answers at once from this IP all come back 200: every share of
+    the node taken before was given back (one leaked share would make one of these 429)."""
+    ops = [{"sni": OPT_HOST, "path": f"/stream?n=3&interval=0.2&b={i}"} for i in range(IN_FLIGHT)]
+    got = node_client(env, "h2", ops, parallel=True)
+    assert [r["status"] for r in got] == [200] * IN_FLIGHT, [
+        (r["status"], r.get("text")) for r in got]
+    settled(env)
+
+
+# --- bodies across the flow-control windows ------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--http2", "--http2-prior-knowledge", "--http1.1"])
+def test_curl_bodies_across_windows(env: ServeEnv, bodies: dict[int, Path], flag: str) -> None:
+    """Over TLS, `--http2-prior-knowledge` means ALPN h2 only: served as HTTP/2 like
+    `--http2`. The 16 MiB upload goes once (HTTP/2: 256 windows); downloads all sizes."""
+    version = "1.1" if flag == "--http1.1" else "2"
+    sizes = [*WINDOW_EDGE, MIB] + ([BIG] if flag == "--http2" else [])
+    for size in sizes:
+        res = curl(env, flag, "-H", "content-type: application/octet-stream",
+                   "--data-binary", f"@{bodies[size]}", "-w", "\n%{http_version} %{http_code}",
+                   f"https://{OPT_HOST}/up/{size}")
+        text, _, tail = res.stdout.rpartition(b"\n")
+        assert tail.decode() == f"{version} 200", (size, res.stdout[-300:], res.returncode)
+        node_answer(text, bodies[size])
+    assert wait_node(env, len(sizes)) == sorted(
+        (size, file_sha(bodies[size])) for size in sizes)
+    for size in (*WINDOW_EDGE, MIB, BIG):
+        res = curl(env, flag, "-w", "\n%{http_version} %{http_code}",
+                   f"https://{OPT_HOST}/big?bytes={size}")
+        body, _, tail = res.stdout.rpartition(b"\n")
+        assert tail.decode() == f"{version} 200", (size, tail, res.returncode)
+        assert len(body) == size and body == b"x" * size, (size, len(body))
+    settled(env)
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_bodies_across_windows(env: ServeEnv, bodies: dict[int, Path], proto: str) -> None:
+    sizes = [*WINDOW_EDGE, MIB]
+    ops = [{"sni": OPT_HOST, "method": "POST", "path": f"/up/{s}", "file": str(bodies[s]),
+            "headers": OCTETS} for s in sizes]
+    ops += [{"sni": OPT_HOST, "path": f"/big?bytes={s}"} for s in (*WINDOW_EDGE, MIB, BIG)]
+    got = node_client(env, proto, ops)
+    for size, res in zip(sizes, got, strict=False):
+        assert res["status"] == 200 and res["error"] is None, res
+        node_answer(res["text"], bodies[size])
+    for size, res in zip((*WINDOW_EDGE, MIB, BIG), got[len(sizes):], strict=True):
+        assert (res["status"], res["error"], res["bytes"]) == (200, None, size), res
+        assert res["sha256"] == sha(b"x" * size), size
+    assert wait_node(env, len(ops)) == sorted(
+        [(s, file_sha(bodies[s])) for s in sizes] + [(0, sha(b""))] * 4)
+    settled(env)
+
+
+def test_nghttp_bodies_across_windows(env: ServeEnv, bodies: dict[int, Path]) -> None:
+    nghttp = tool("nghttp")
+    sizes = [*WINDOW_EDGE, MIB]
+    for size in sizes:
+        proc = subprocess.run(
+            [nghttp, "-d", str(bodies[size]), "-H", f":authority: {OPT_HOST}",
+             "-H", "content-type: application/octet-stream",
+             f"https://{LOOPBACK}:{env.serve.port}/up/{size}"],
+            capture_output=True, timeout=CLIENT_WAIT, check=False)
+        node_answer(proc.stdout, bodies[size])
+    assert wait_node(env, len(sizes)) == sorted((s, file_sha(bodies[s])) for s in sizes)
+    for size in (*WINDOW_EDGE, BIG):
+        proc = subprocess.run(
+            [nghttp, "-H", f":authority: {OPT_HOST}",
+             f"https://{LOOPBACK}:{env.serve.port}/big?bytes={size}"],
+            capture_output=True, timeout=CLIENT_WAIT, check=False)
+        assert proc.stdout == b"x" * size, (size, len(proc.stdout), proc.stderr[-300:])
+    settled(env)
+
+
+def test_httpx_h2_bodies_at_the_window_edge(env: ServeEnv, bodies: dict[int, Path]) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    url = f"https://{LOOPBACK}:{env.serve.port}"
+    ext = {"sni_hostname": OPT_HOST}
+    with httpx.Client(http1=False, http2=True, verify=ctx, timeout=WAIT) as client:
+        for size in WINDOW_EDGE:
+            res = client.post(f"{url}/up/{size}", content=bodies[size].read_bytes(),
+                              headers={"host": OPT_HOST, **OCTETS}, extensions=ext)
+            assert res.http_version == "HTTP/2" and res.status_code == 200, res
+            node_answer(res.content, bodies[size])
+            big = client.get(f"{url}/big?bytes={size}", headers={"host": OPT_HOST},
+                             extensions=ext)
+            assert big.content == b"x" * size, (size, len(big.content))
+    assert wait_node(env, 4) == sorted(
+        [(s, file_sha(bodies[s])) for s in WINDOW_EDGE] + [(0, sha(b""))] * 2)
+
+
+# --- uploads that announce themselves, or their length not at all --------------------------
+
+
+def test_curl_expect_100_continue(env: ServeEnv, bodies: dict[int, Path], tmp_path: Path) -> None:
+    """HTTP/1.1 `Expect: 100-continue`: a body within the cap gets its 100 and arrives
+    whole; one declared over the cap is refused (413) before curl sends a byte of it."""
+    res = curl(env, "--http1.1", "-v", "-H", "Expect: 100-continue", "-H",
+               "content-type: application/octet-stream", "--data-binary", f"@{bodies[MIB]}",
+               f"https://{OPT_HOST}/up/expect")
+    interim = [ln for ln in res.stderr.decode(errors="replace").splitlines()
+               if ln.startswith("< HTTP/1.1 ")]
+    assert interim == ["< HTTP/1.1 100 Continue", "< HTTP/1.1 200 OK"], interim
+    node_answer(res.stdout, bodies[MIB])
+    assert wait_node(env, 1) == [(MIB, file_sha(bodies[MIB]))]
+    env.node.clear()
+    over = tmp_path / "over"
+    with over.open("wb") as f:
+        f.truncate(20 * MIB + 1)
+    res = curl(env, "--http1.1", "-H", "Expect: 100-continue", "-H",
+               "content-type: application/octet-stream", "--data-binary", f"@{over}",
+               "-w", "\n%{http_code} %{size_upload}", f"https://{OPT_HOST}/up/over")
+    assert res.stdout.rpartition(b"\n")[2] == b"413 0", res.stdout[-200:]
+    assert env.node.requests() == []
+    settled(env)
+
+
+@pytest.mark.parametrize("flag", ["--http1.1", "--http2"])
+def test_curl_upload_without_length(env: ServeEnv, bodies: dict[int, Path], flag: str) -> None:
+    """`curl -T -`: chunked on HTTP/1.1, DATA with no content-length on HTTP/2."""
+    res = curl(env, flag, "-X", "POST", "-T", "-", "-H", "content-type: application/octet-stream",
+               f"https://{OPT_HOST}/up/stdin", stdin=bodies[MIB].read_bytes())
+    node_answer(res.stdout, bodies[MIB])
+    assert wait_node(env, 1) == [(MIB, file_sha(bodies[MIB]))]
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_upload_without_length(env: ServeEnv, bodies: dict[int, Path], proto: str) -> None:
+    ops = [{"sni": OPT_HOST, "method": "POST", "path": f"/up/chunked/{s}",
+            "file": str(bodies[s]), "chunked": True, "headers": OCTETS}
+           for s in (*WINDOW_EDGE, MIB)]
+    for size, res in zip((*WINDOW_EDGE, MIB), node_client(env, proto, ops), strict=True):
+        assert res["status"] == 200 and res["error"] is None, res
+        node_answer(res["text"], bodies[size])
+    assert wait_node(env, 3) == sorted((s, file_sha(bodies[s])) for s in (*WINDOW_EDGE, MIB))
+
+
+# --- trailers, casing, large headers ---------------------------------------------------
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_request_trailers(env: ServeEnv, bodies: dict[int, Path], proto: str) -> None:
+    """Trailers after the body (HTTP/2 HEADERS after DATA; HTTP/1.1 chunked trailer
+    section): the body arrives whole, and the connection serves the next request."""
+    ops = [{"sni": OPT_HOST, "method": "POST", "path": f"/up/trailers/{s}",
+            "file": str(bodies[s]), "chunked": True, "headers": OCTETS,
+            "trailers": {"x-checksum": "abc", "X-Trailer-Case": "KeEp"}}
+           for s in (WINDOW_EDGE[1], MIB)]
+    ops.append({"sni": OPT_HOST, "path": "/after-trailers"})
+    got = node_client(env, proto, ops)
+    for size, res in zip((WINDOW_EDGE[1], MIB), got, strict=False):
+        assert res["status"] == 200 and res["error"] is None, res
+        node_answer(res["text"], bodies[size])
+    assert got[-1]["status"] == 200, got[-1]
+    assert wait_node(env, 3) == sorted(
+        [(s, file_sha(bodies[s])) for s in (WINDOW_EDGE[1], MIB)] + [(0, sha(b""))])
