@@ -315,3 +315,184 @@ def test_node_request_trailers(env: ServeEnv, bodies: dict[int, Path], proto: st
     assert got[-1]["status"] == 200, got[-1]
     assert wait_node(env, 3) == sorted(
         [(s, file_sha(bodies[s])) for s in (WINDOW_EDGE[1], MIB)] + [(0, sha(b""))])
+
+
+@pytest.mark.parametrize("client", ["curl-h1", "curl-h2", "node-h1", "node-h2"])
+def test_header_casing_and_headers_near_the_cap(env: ServeEnv, client: str) -> None:
+    """A mixed-case field name reaches the node with its value untouched; a 14 KiB field
+    (the head just under the 16 KiB cap) arrives whole; a 20 KiB one is refused and never
+    reaches the node, and the client's next request is served."""
+    near, over = "n" * (14 * 1024), "o" * (20 * 1024)
+    sent = []
+    for tag, big in (("near", near), ("over", over), ("after", "")):
+        hdrs = {"X-MiXeD-CaSe": f"VaLuE-{tag}", **({"X-Big": big} if big else {})}
+        if client.startswith("curl"):
+            flag = "--http1.1" if client == "curl-h1" else "--http2"
+            args = [a for k, v in hdrs.items() for a in ("-H", f"{k}: {v}")]
+            res = curl(env, flag, *args, "-w", "\n%{http_code}", f"https://{OPT_HOST}/h/{tag}")
+            status = int(res.stdout.rpartition(b"\n")[2] or 0)
+        else:
+            got = node_client(env, client[-2:], [{"sni": OPT_HOST, "path": f"/h/{tag}",
+                                                  "headers": hdrs}])
+            status = got[0]["status"] or 0
+        sent.append((tag, status))
+    assert sent[0] == ("near", 200) and sent[2] == ("after", 200), sent
+    assert sent[1][1] != 200, sent  # refused (431), or the client would not send it
+    seen = {r.target: r for r in env.node.requests()}
+    assert set(seen) == {"/h/near", "/h/after"}, list(seen)
+    assert seen["/h/near"].header_values("x-mixed-case") == ["VaLuE-near"]
+    assert seen["/h/near"].header_values("x-big") == [near]
+    assert seen["/h/after"].header_values("x-mixed-case") == ["VaLuE-after"]
+
+
+# --- many streams, and clients that cancel -------------------------------------------------
+
+
+def test_h2load_hundred_streams_then_truth(env: ServeEnv) -> None:
+    """100 concurrent streams per connection against a share of `IN_FLIGHT`: each answer
+    is the node's (2xx) or the share refusal (429); the node saw exactly the 2xx ones;
+    afterwards nothing is held and a full share is served."""
+    total = 400
+    proc = subprocess.run(
+        [tool("h2load"), "-n", str(total), "-c", "2", "-m", "100",
+         f"--connect-to={LOOPBACK}:{env.serve.port}", f"https://{OPT_HOST}/whole/many"],
+        capture_output=True, text=True, timeout=CLIENT_WAIT, check=False)
+    out = proc.stdout
+    # h2load counts a 4xx as "failed": what matters is that every stream got an answer
+    assert f"{total} done" in out and "0 errored, 0 timeout" in out, out[-800:]
+    codes = out.split("status codes:")[1].split("\n")[0]
+    ok, _, rest = codes.strip().partition(" 2xx, ")
+    assert rest.startswith("0 3xx, ") and rest.split(", ")[2] == "0 5xx", codes
+    refused = int(rest.split(", ")[1].split()[0])
+    assert int(ok) + refused == total and int(ok) >= IN_FLIGHT, codes
+    assert env.node.wait_for(lambda: len(env.node.requests()) >= int(ok), 10)
+    assert len(env.node.requests()) == int(ok), (len(env.node.requests()), codes)
+    settled(env)
+    burst_served(env)
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_cancel_mid_response_frees_shares(env: ServeEnv, proto: str) -> None:
+    """`IN_FLIGHT` long event streams, each cancelled by the client at its first bytes
+    (HTTP/2: RST_STREAM(CANCEL); HTTP/1.1: the socket destroyed): the node's answers are
+    abandoned, and every share comes back."""
+    ops = [{"sni": OPT_HOST, "path": f"/stream?n=400&interval=0.05&c={i}", "cancel": "first"}
+           for i in range(IN_FLIGHT)]
+    got = node_client(env, proto, ops, parallel=True)
+    assert [r["status"] for r in got] == [200] * IN_FLIGHT, got
+    assert all(r["bytes"] < 400 * 18 for r in got), [r["bytes"] for r in got]
+    settled(env)
+    burst_served(env)
+
+
+def test_curl_max_time_mid_response_frees_shares(env: ServeEnv) -> None:
+    """curl giving up (`--max-time`) in the middle of long answers, on both versions."""
+    procs = [subprocess.Popen(
+        [tool("curl"), "-sk", flag, "-m", "1", "--connect-to", f"::{LOOPBACK}:{env.serve.port}",
+         f"https://{OPT_HOST}/stream?n=400&interval=0.05&m={i}"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        for i in range(IN_FLIGHT // 2) for flag in ("--http1.1", "--http2")]
+    for p in procs:
+        out, _ = p.communicate(timeout=CLIENT_WAIT)
+        assert p.returncode == 28 and out.startswith(b"id: 0\n"), (p.returncode, out[:60])
+    settled(env)
+    burst_served(env)
+
+
+# --- event streams arrive as they are written --------------------------------------------
+
+
+def _first_line_while_node_writes(env: ServeEnv, argv: list[str], marker: bytes) -> bytes:
+    """Run a client printing an event stream; when its first line `marker` shows, the
+    node must still be writing the answer (one event of several). Returns all output."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + CLIENT_WAIT
+        buf = b""
+        while marker not in buf:
+            assert time.monotonic() < deadline, buf
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                chunk = proc.stdout.read1(4096)
+                assert chunk, (buf, proc.stderr.read() if proc.stderr else b"")
+                buf += chunk
+        writing = env.node.active_streams
+        out, _ = proc.communicate(timeout=CLIENT_WAIT)
+        assert writing == 1, "the first event reached the client only after the node ended"
+        return buf + out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+N_EVENTS = 6
+EVENTS = b"".join(f"id: {i}\ndata: tick\n\n".encode() for i in range(N_EVENTS))
+
+
+@pytest.mark.parametrize("flag", ["--http1.1", "--http2"])
+def test_curl_event_stream_unbuffered(env: ServeEnv, flag: str) -> None:
+    out = _first_line_while_node_writes(env, [
+        tool("curl"), "-skN", flag, "-m", "30", "--connect-to", f"::{LOOPBACK}:{env.serve.port}",
+        "-H", "accept: text/event-stream",
+        f"https://{OPT_HOST}/stream?n={N_EVENTS}&interval=0.3"], b"id: 0\n")
+    assert out == EVENTS, out
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_event_stream_unbuffered(env: ServeEnv, proto: str) -> None:
+    plan = json.dumps({"port": env.serve.port, "proto": proto, "ops": [
+        {"sni": OPT_HOST, "path": f"/stream?n={N_EVENTS}&interval=0.3", "announce": True,
+         "headers": {"accept": "text/event-stream"}}]})
+    out = _first_line_while_node_writes(env, [tool("node"), str(NODE_CLIENT), plan], b"FIRST 0")
+    res = json.loads(out.split(b"RESULT ")[1])[0]
+    assert (res["status"], res["text"]) == (200, EVENTS.decode()), res
+
+
+# --- one certificate for two hosts: the connection for one is not the other's ------------
+
+
+def _peer_names(env: ServeEnv) -> list[str]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    import socket
+
+    with socket.create_connection((LOOPBACK, env.serve.port), timeout=WAIT) as raw, \
+            ctx.wrap_socket(raw, server_hostname=HOST) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    san = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName)
+    return sorted(san.value.get_values_for_type(x509.DNSName))
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_other_host_on_a_shared_certificate_is_421(env: ServeEnv, proto: str) -> None:
+    """The certificate for `HOST` also names `OPT_HOST`, so a coalescing client may send
+    `OPT_HOST`'s request on `HOST`'s connection: the edge answers 421 without asking the
+    node, the client goes to a connection of its own for it and is served; the first
+    connection keeps serving its own host."""
+    assert _peer_names(env) == sorted([HOST, OPT_HOST])
+    got = node_client(env, proto, [
+        {"sni": HOST, "authority": OPT_HOST, "path": "/coalesced", "recover": True},
+        {"sni": HOST, "path": "/own"}])
+    assert got[0]["status"] == 421 and got[0]["retry"]["status"] == 200, got
+    assert got[1]["status"] == 200, got
+    assert sorted(r.target for r in env.node.requests()) == ["/coalesced", "/own"]
+    settled(env)
+
+
+@pytest.mark.parametrize("flag", ["--http2", "--http1.1"])
+def test_curl_other_host_on_a_shared_certificate_is_421(env: ServeEnv, flag: str) -> None:
+    """curl opens a connection per host name (it does not coalesce): made to send
+    `OPT_HOST` on `HOST`'s connection (SNI from the URL, Host from -H) it gets the 421;
+    the same curl run then reaches both hosts by their own names."""
+    res = curl(env, flag, "-H", f"Host: {OPT_HOST}", "-w", "\ncode=%{http_code}\n",
+               f"https://{HOST}/coalesced", "--next", "-sk", flag, "--connect-to",
+               f"::{LOOPBACK}:{env.serve.port}", "-w", "\ncode=%{http_code}\n",
+               f"https://{OPT_HOST}/own")
+    codes = [ln[5:] for ln in res.stdout.split(b"\n") if ln.startswith(b"code=")]
+    assert codes == [b"421", b"200"], res.stdout[-400:]
+    assert [r.target for r in env.node.requests()] == ["/own"]
