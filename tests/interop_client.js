@@ -1,7 +1,8 @@
 // One real Node client run: argv[2] is a JSON plan {port, proto: "h2"|"h1", parallel, ops}.
 // Each op: {sni, authority, method, path, file, headers, trailers, chunked, cancel, announce,
-// recover}. Prints "FIRST i" on an op's first response bytes (when `announce`) and a last
-// line "RESULT <json>" with, per op: status, bytes, sha256, error, and the retry's answer
+// recover, local (source address)}; plan.deadline (ms) bounds the whole run. Prints
+// "FIRST i" on an op's first response bytes (when `announce`) and a last line
+// "RESULT <json>" with, per op: status, bytes, sha256, error, and the retry's answer
 // when the edge said 421 and `recover` asked the client to go to the right host.
 const http2 = require('http2'), https = require('https'), tls = require('tls');
 const fs = require('fs'), crypto = require('crypto');
@@ -9,14 +10,16 @@ const plan = JSON.parse(process.argv[2]);
 const sessions = {};
 const agents = {};
 
-function session(sni) {
-  if (!sessions[sni] || sessions[sni].closed || sessions[sni].destroyed) {
-    sessions[sni] = http2.connect(`https://${sni}:${plan.port}`, {
+function session(sni, local) {
+  const key = `${sni} ${local || ''}`;  // one connection per name and source address
+  if (!sessions[key] || sessions[key].closed || sessions[key].destroyed) {
+    sessions[key] = http2.connect(`https://${sni}:${plan.port}`, {
       createConnection: () => tls.connect({host: '127.0.0.1', port: plan.port, servername: sni,
-                                           ALPNProtocols: ['h2'], rejectUnauthorized: false})});
-    sessions[sni].on('error', () => {});
+                                           localAddress: local, ALPNProtocols: ['h2'],
+                                           rejectUnauthorized: false})});
+    sessions[key].on('error', () => {});
   }
-  return sessions[sni];
+  return sessions[key];
 }
 
 function body(op) {
@@ -47,7 +50,7 @@ function one(op, i) {
     };
     const data = body(op);
     if (plan.proto === 'h2') {
-      const s = session(op.sni);
+      const s = session(op.sni, op.local);
       const hdrs = Object.assign({':method': op.method || 'GET', ':path': op.path,
                                   ':authority': op.authority || op.sni}, op.headers || {});
       if (data && !op.chunked) hdrs['content-length'] = String(data.length);
@@ -100,4 +103,4 @@ async function run(op, i) {
   for (const s of Object.values(sessions)) s.close();
   for (const a of Object.values(agents)) a.destroy();
 })();
-setTimeout(() => { process.stdout.write('TIMEOUT\n'); process.exit(3); }, 30000).unref();
+setTimeout(() => { process.stdout.write('TIMEOUT\n'); process.exit(3); }, plan.deadline || 30000).unref();

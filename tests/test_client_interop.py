@@ -510,3 +510,39 @@ def test_node_h2_oversized_head_costs_only_its_own_stream(env: ServeEnv) -> None
     assert (got[1]["status"], got[1]["error"]) == (431, None), got[1]
     assert [r.target for r in env.node.requests()] == [f"/stream?n={N_EVENTS}&interval=0.2"]
     settled(env)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "HTTP/2 uploads deadlock while the route's upstream pool is full: DATA for a stream "
+    "still waiting for a node connection stays unacknowledged, and once such streams "
+    "hold the whole 65,535-byte connection window the streams that do hold node "
+    "connections can get no more of their bodies, so neither side moves until the "
+    "30 s header timeout answers 504. Needs a flow-control design change (a connection "
+    "window larger than a stream's, or no window held by a stream that waits), which "
+    "moves the per-connection memory bound"))
+def test_h2load_uploads_past_the_upstream_pool_do_not_deadlock(
+        tmp_path: Path, bodies: dict[int, Path]) -> None:
+    """More uploads in flight than the route's upstream pool holds (100): one client
+    here, its share raised to its 200 streams (a setting the config accepts; at the
+    default share of 16, seven busy addresses fill the pool as well). h2load spreads
+    DATA over all its streams, as a browser uploading several files does, so the streams
+    still waiting for the pool take their part of the connection window."""
+    env = ServeEnv.start(tmp_path, workers=1, limits={
+        "max_requests_in_flight_per_ip": 200, "calls_per_hour_per_ip": 1_000_000,
+        "calls_per_hour_per_ip_key": 1_000_000})
+    try:
+        try:
+            proc = subprocess.run(
+                [tool("h2load"), "-n", "300", "-c", "2", "-m", "100",
+                 "-d", str(bodies[WINDOW_EDGE[1]]), "-H", "content-type: application/octet-stream",
+                 f"--connect-to={LOOPBACK}:{env.serve.port}", f"https://{OPT_HOST}/up"],
+                capture_output=True, text=True, timeout=10, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail("uploads still unanswered after 10 s (they end in 504 at 30 s)")
+        codes = proc.stdout.split("status codes:")[1].split("\n")[0]
+        assert "300 done" in proc.stdout and " 0 5xx" in codes, proc.stdout[-600:]
+        ok = int(codes.split()[0])
+        assert env.node.wait_for(lambda: len(node_digests(env)) >= ok, 10)
+        assert node_digests(env) == [(65_536, file_sha(bodies[WINDOW_EDGE[1]]))] * ok
+    finally:
+        env.stop()
