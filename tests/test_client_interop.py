@@ -546,3 +546,35 @@ def test_h2load_uploads_past_the_upstream_pool_do_not_deadlock(
         assert node_digests(env) == [(65_536, file_sha(bodies[WINDOW_EDGE[1]]))] * ok
     finally:
         env.stop()
+
+
+def test_uploads_without_length_over_the_cap(tmp_path: Path, bodies: dict[int, Path]) -> None:
+    """A body with no declared length (chunked; HTTP/2 DATA with no content-length) is
+    counted as it streams to the node: one exactly at `max_body_bytes` arrives whole;
+    one a byte over is answered 413 and what reached the node of it never ends as a
+    complete request (a node must not take a cut body for the whole)."""
+    env = ServeEnv.start(tmp_path, workers=1, limits={"max_body_bytes": MIB})
+    try:
+        over = tmp_path / "over"
+        over.write_bytes(bodies[MIB].read_bytes() + b"!")
+        for flag in ("--http1.1", "--http2"):
+            for path, want in ((bodies[MIB], b"200"), (over, b"413")):
+                res = curl(env, flag, "-X", "POST", "-T", "-", "-H",
+                           "content-type: application/octet-stream", "-w", "\ncode=%{http_code}",
+                           f"https://{OPT_HOST}/up/{flag}/{path.name}", stdin=path.read_bytes())
+                assert res.stdout.rpartition(b"\ncode=")[2] == want, (flag, res.stdout[-200:])
+        for proto in ("h2", "h1"):
+            got = node_client(env, proto, [
+                {"sni": OPT_HOST, "method": "POST", "path": f"/up/{proto}/{p.name}",
+                 "file": str(p), "chunked": True, "headers": OCTETS}
+                for p in (bodies[MIB], over)])
+            assert [r["status"] for r in got] == [200, 413], got
+        assert env.node.wait_for(lambda: env.node.active_streams == 0, WAIT)
+        time.sleep(0.5)  # a cut body that the node would still complete has had its chance
+        complete = [(r.target, len(r.body)) for r in env.node.requests() if r.complete]
+        assert sorted(complete) == sorted((f"/up/{tag}/{bodies[MIB].name}", MIB)
+                                          for tag in ("--http1.1", "--http2", "h2", "h1"))
+        assert all(sha(r.body) == file_sha(bodies[MIB])
+                   for r in env.node.requests() if r.complete)
+    finally:
+        env.stop()
