@@ -38,7 +38,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import NameOID
 
 from pact_ingress.identity import generate_key, key_pem
-from tests.terminate_env import HOST, LOOPBACK, OPT_HOST, WAIT, ServeEnv
+from tests.terminate_env import (
+    HOST,
+    LOOPBACK,
+    OPT_HOST,
+    WAIT,
+    ServeEnv,
+    refusal_code,
+    sealed_call_body,
+    unsealed_call_body,
+)
 
 #: Sizes around the HTTP/2 default window (65,535) and far past it.
 WINDOW_EDGE = (65_535, 65_536)
@@ -578,3 +587,27 @@ def test_uploads_without_length_over_the_cap(tmp_path: Path, bodies: dict[int, P
                    for r in env.node.requests() if r.complete)
     finally:
         env.stop()
+
+
+@pytest.mark.parametrize("proto", ["h2", "h1"])
+def test_node_sealed_call_with_trailers_and_no_length(env: ServeEnv, tmp_path: Path,
+                                                      proto: str) -> None:
+    """At the MCP endpoint (the body judged whole before it goes on): a sealed call sent
+    with no length and trailers after it is executed, its body byte for byte; an
+    unsealed one sent the same way never reaches the node."""
+    sealed = tmp_path / "sealed.json"
+    sealed.write_bytes(sealed_call_body(env.ids, msg_id=f"trl-{proto}-{time.monotonic_ns()}"))
+    unsealed = tmp_path / "unsealed.json"
+    unsealed.write_bytes(unsealed_call_body("trailers hide nothing"))
+    ops = [{"sni": HOST, "method": "POST", "path": "/mcp", "file": str(p), "chunked": True,
+            "trailers": {"x-after": "1"}, "headers": {
+                "content-type": "application/json",
+                "accept": "application/json, text/event-stream"}}
+           for p in (sealed, unsealed)]
+    got = node_client(env, proto, ops)
+    assert got[0]["status"] == 200 and refusal_code(got[0]["text"].encode()) is None, got[0]
+    assert json.loads(got[0]["text"])["result"]["structuredContent"] == {
+        "executed": "sealed_call"}, got[0]
+    assert refusal_code(got[1]["text"].encode()) == "seal_required", got[1]
+    assert wait_node(env, 1) == [(sealed.stat().st_size, file_sha(sealed))]
+    assert env.node.unsealed_calls() == []
