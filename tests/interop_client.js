@@ -1,5 +1,6 @@
 // One real Node client run: argv[2] is a JSON plan {port, proto: "h2"|"h1", parallel, ops}.
-// Each op: {sni, authority, method, path, file, headers, trailers, chunked, cancel, announce,
+// Each op: {sni, authority, method, path, file, headers, trailers, chunked,
+// cancel ('first': at the first answer bytes; 'upload': half-way through the body), announce,
 // recover, local (source address)}; plan.deadline (ms) bounds the whole run. Prints
 // "FIRST i" on an op's first response bytes (when `announce`) and a last line
 // "RESULT <json>" with, per op: status, bytes, sha256, error, and the retry's answer
@@ -54,13 +55,20 @@ function one(op, i) {
       const hdrs = Object.assign({':method': op.method || 'GET', ':path': op.path,
                                   ':authority': op.authority || op.sni}, op.headers || {});
       if (data && !op.chunked) hdrs['content-length'] = String(data.length);
-      const req = s.request(hdrs, {endStream: !data, waitForTrailers: !!op.trailers});
+      const abort = new AbortController();
+      const req = s.request(hdrs, {endStream: !data, waitForTrailers: !!op.trailers,
+                                   signal: abort.signal});
       if (op.trailers) req.on('wantTrailers', () => req.sendTrailers(op.trailers));
       req.on('response', (h) => { out.status = h[':status']; out.headers = h; });
       req.on('data', (c) => onData(c, () => req.close(http2.constants.NGHTTP2_CANCEL)));
       req.on('error', (e) => { out.error = String(e.code || e); });
       req.on('close', () => { out.rst = req.rstCode; finish(); });
-      if (data) req.end(data);
+      if (data && op.cancel === 'upload') {  // half the body, then the stream cancelled
+        req.write(data.subarray(0, data.length >> 1));
+        // RST_STREAM(CANCEL) alone: `req.close(CANCEL)` ends the body first (an empty
+        // DATA with END_STREAM, then the reset), which makes the half body a whole one
+        setTimeout(() => abort.abort(), 300);
+      } else if (data) req.end(data);
     } else {
       const hdrs = Object.assign({Host: op.authority || op.sni}, op.headers || {});
       if (data && !op.chunked) hdrs['Content-Length'] = String(data.length);
@@ -76,6 +84,11 @@ function one(op, i) {
         res.on('close', () => { if (!res.complete && !out.error) out.error = 'aborted'; finish(); });
       });
       req.on('error', (e) => { out.error = String(e.code || e); finish(); });
+      if (data && op.cancel === 'upload') {  // half the body, then the connection gone
+        req.write(data.subarray(0, data.length >> 1));
+        setTimeout(() => req.destroy(), 300);
+        return;
+      }
       if (data) {
         if (op.chunked) {  // several writes, no length: chunked transfer coding
           for (let o = 0; o < data.length; o += 100000) req.write(data.subarray(o, o + 100000));
