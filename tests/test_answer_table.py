@@ -222,13 +222,27 @@ class _H2Goaway(H2Conn):
         super()._event(ev)
 
 
-def test_h2_header_list_over_16_kib_is_goaway_enhance_your_calm(fresh: ServeEnv) -> None:
-    """Over the SETTINGS_MAX_HEADER_LIST_SIZE the edge advertised, HPACK decoding stops
-    mid-block, so the connection's header-compression state is lost: a connection error
-    (RFC 9113 §10.5.1, §4.3), not a 431 on the stream."""
+def test_h2_header_list_over_16_kib_is_431_on_its_stream(fresh: ServeEnv) -> None:
+    """Over the SETTINGS_MAX_HEADER_LIST_SIZE the edge advertised, as over the HTTP/1.1
+    head cap: 431 (RFC 9113 §10.5.1). The block is decoded whole, so the connection's
+    header-compression state holds and the connection serves the next request."""
     conn = _H2Goaway(fresh.serve.port, HOST, source=source())
     try:
         result = conn.request("GET", "/plain", headers=PADDING)
+        assert result.status == 431 and not result.goaway, result
+        assert conn.request("GET", "/plain").status == 200
+        assert conn.goaway_code is None, conn.goaway_code
+    finally:
+        conn.close()
+    assert [r.target for r in fresh.node.requests()] == ["/plain"]
+
+
+def test_h2_header_list_far_over_the_cap_is_goaway_enhance_your_calm(fresh: ServeEnv) -> None:
+    """Past four times the cap HPACK decoding stops mid-block, so the connection's
+    header-compression state is lost: a connection error (RFC 9113 §4.3)."""
+    conn = _H2Goaway(fresh.serve.port, HOST, source=source())
+    try:
+        result = conn.request("GET", "/plain", headers=PADDING * 4)
         assert result.status is None and result.goaway, result
         assert conn.goaway_code == ENHANCE_YOUR_CALM, conn.goaway_code
     finally:

@@ -331,15 +331,45 @@ def test_headers_depending_on_their_own_stream_reset_it() -> None:
     assert [type(e) for e in events] == [hs.RequestReceived]
 
 
-def test_header_list_too_large_ends_the_connection() -> None:
-    client, server = _pair()
-    block = hpack.Encoder().encode(REQUEST + [(b"x-%d" % i, b"v" * 1000) for i in range(20)])
-    wire = _frame(hs.HEADERS, hs.END_HEADERS, 1, block[:16384])
-    if len(block) > 16384:
-        wire = _frame(hs.HEADERS, 0, 1, block[:16384]) + _frame(
-            hs.CONTINUATION, hs.END_HEADERS, 1, block[16384:])
+def _block_frames(sid: int, block: bytes, flags: int = 0) -> bytes:
+    """`block` as HEADERS and as many CONTINUATIONs as the default frame size needs."""
+    pieces = [block[i:i + 16384] for i in range(0, len(block), 16384)] or [b""]
+    wire = _frame(hs.HEADERS, flags | (hs.END_HEADERS if len(pieces) == 1 else 0), sid,
+                  pieces[0])
+    for i, piece in enumerate(pieces[1:], 2):
+        wire += _frame(hs.CONTINUATION, hs.END_HEADERS if i == len(pieces) else 0, sid, piece)
+    return wire
+
+
+def test_header_list_over_the_cap_is_431_on_its_stream() -> None:
+    """Over SETTINGS_MAX_HEADER_LIST_SIZE (a big cookie): that request is answered 431 and
+    its body dropped; the block was decoded whole, so the table is still the client's and
+    the next request on the connection (indexing the same fields) is read right."""
+    _, server = _pair()
+    fat = [(b"x-%d" % i, b"v%d" % i * 500) for i in range(20)]
+    encoder = hpack.Encoder()
+    wire = _block_frames(1, encoder.encode(REQUEST + fat))
+    events = server.receive_data(wire)
+    assert [(type(e), e.stream_id) for e in events] == [(hs.StreamReset, 1)]
+    kinds = _frames(server.data_to_send())
+    assert kinds == [(hs.HEADERS, 1), (hs.RST_STREAM, 1)], kinds
+    # DATA the client had already sent for it is dropped
+    events = server.receive_data(_frame(hs.DATA, hs.END_STREAM, 1, b"late"))
+    assert not [e for e in events if isinstance(e, hs.RequestReceived)]
+    small = REQUEST + [(b"x-19", b"v19" * 500)]  # in the table since the oversized block
+    block = encoder.encode(small)
+    assert len(block) < 100, len(block)  # sent as an index into the table
+    events = server.receive_data(_block_frames(3, block, hs.END_STREAM))
+    got = [e for e in events if isinstance(e, hs.RequestReceived)]
+    assert len(got) == 1 and got[0].headers == small, events
+    assert not server.closed
+
+
+def test_header_list_far_over_the_cap_ends_the_connection() -> None:
+    _, server = _pair()
+    big = REQUEST + [(b"x-%d" % i, random.randbytes(1500).hex().encode()) for i in range(24)]
     with pytest.raises(hs.ConnectionError_) as caught:
-        server.receive_data(wire)
+        server.receive_data(_block_frames(1, hpack.Encoder().encode(big)))
     assert caught.value.code == ErrorCode.ENHANCE_YOUR_CALM
 
 

@@ -74,6 +74,9 @@ MAX_WINDOW = 2**31 - 1
 #: A compressed header block may take this many bytes, or this many CONTINUATION frames,
 #: before the connection is ended; both far beyond a block whose header list fits the cap.
 MAX_BLOCK_BYTES = 64 * 1024
+#: A header list up to this many times `max_header_list_size` is refused on its stream
+#: (431); beyond, the connection ends (ENHANCE_YOUR_CALM).
+OVERSIZED_LISTS = 4
 MAX_CONTINUATIONS = 64
 #: Decoded header blocks remembered per connection (see `_decode`).
 DECODED_CACHE = 32
@@ -269,9 +272,14 @@ class H2Server:
         self._preface = True  # the client preface is still expected
         self._settings_seen = False
         # receiving
-        self._decoder = hpack.Decoder(max_header_list_size=max_header_list_size)
-        # blocks decoded lately: the header list and its Content-Length
-        self._decoded: dict[bytes, tuple[list[tuple[bytes, bytes]], int | None]] = {}
+        # A list over `max_header_list_size` is still decoded whole, up to
+        # `OVERSIZED_LISTS` times it, so the table stays the client's and only that
+        # request is lost (431); past that the decoder stops mid-block and the
+        # connection ends.
+        self._decoder = hpack.Decoder(
+            max_header_list_size=max_header_list_size * OVERSIZED_LISTS)
+        # blocks decoded lately: the header list, its Content-Length, whether over the cap
+        self._decoded: dict[bytes, tuple[list[tuple[bytes, bytes]], int | None, bool]] = {}
         self._recv_initial = initial_window
         self._conn_recv_window = DEFAULT_WINDOW  # the connection window is 65535 until updated
         self._conn_recv_processed = 0
@@ -447,12 +455,14 @@ class H2Server:
             block, self._block = b"".join(self._block), None
             self._header_block(self._block_stream, self._block_flags, block, events)
 
-    def _decode(self, block: bytes) -> tuple[list[tuple[bytes, bytes]], int | None]:
+    def _decode(self, block: bytes) -> tuple[list[tuple[bytes, bytes]], int | None, bool]:
         """The header list of `block`. A block made only of indexed fields leaves the
         dynamic table as it was, so while the table does not change the same bytes mean
         the same list: a client repeating a request sends the same few bytes each time,
         and they are decoded once. Any other block may change the table and forgets
-        what was remembered. Also the block's Content-Length, if any."""
+        what was remembered. Also the block's Content-Length, if any, and whether the
+        list is over `max_header_list_size` (counted as SETTINGS_MAX_HEADER_LIST_SIZE
+        is: each field's name and value plus 32)."""
         known = self._decoded.get(block)
         if known is not None:
             return known
@@ -462,7 +472,8 @@ class H2Server:
             self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header list too large")
         except (hpack.HPACKError, IndexError, ValueError, TypeError):
             self._fail(ErrorCode.COMPRESSION_ERROR, "header block cannot be decoded")
-        known = headers, _content_length(headers)
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        known = headers, _content_length(headers), size > self.max_header_list_size
         if _all_indexed(block):
             if len(self._decoded) >= DECODED_CACHE:
                 self._decoded.clear()
@@ -472,10 +483,13 @@ class H2Server:
         return known
 
     def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
-        headers, content_length = self._decode(block)
+        headers, content_length, oversized = self._decode(block)
         ended = bool(flags & END_STREAM)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers
+            if oversized:
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+                return
             if flags & SELF_DEPENDENT:
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
                 return
@@ -513,6 +527,18 @@ class H2Server:
         stream = Stream(sid, self._send_initial, self._recv_initial)
         stream.content_length = content_length
         self.streams[sid] = stream
+        if oversized:
+            # answered here, as HTTP/1.1 answers a head over its cap: the request is
+            # refused and the connection's other streams go on; the body that may follow
+            # is dropped (RST_STREAM(NO_ERROR) after the complete answer, §8.1)
+            stream.remote_open = not ended
+            self.send_headers(sid, [(b":status", b"431"), (b"content-length", b"0")],
+                              end_stream=True)
+            if not ended:
+                self.reset_stream(sid, ErrorCode.NO_ERROR)
+            # reported, so the caller's flood meters see the refusals a client provokes
+            events.append(StreamReset(sid, ErrorCode.NO_ERROR, False))
+            return
         if ended:
             stream.remote_open = False
             if stream.content_length:
