@@ -179,6 +179,34 @@ class NodeRequest:
         return b"tools/call" in self.body
 
 
+def close_node(listener: socket.socket, lock: threading.Lock,
+               socks: set[socket.socket]) -> None:
+    """A test node's stop: no more accepts, every connection it holds shut and closed
+    (its serving threads then end on their next read)."""
+    with contextlib.suppress(OSError):
+        listener.close()
+    with lock:
+        held = list(socks)
+    for s in held:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            s.close()
+
+
+def tarpit_route(host: str, port: int, limits: str = "") -> str:
+    """`extra_routes` YAML for a terminate route whose node accepts no connection (a
+    listener at `port` that never calls accept: the edge's connect waits in its
+    backlog), so a request there never has its body taken by the node."""
+    line = f"        limits: {limits}\n" if limits else ""
+    return (f"      - host: {host}\n"
+            "        mode: terminate\n"
+            f'        backend: "{LOOPBACK}:{port}"\n'
+            "        seal: optional\n"
+            "        mcp_path: /mcp\n"
+            f"        cert: {{cert: certs/{host}.crt, key: certs/{host}.key}}\n" + line)
+
+
 class RecordingNode:
     """A pinned-mTLS HTTP/1.1 home node on loopback that records every request.
 
@@ -233,15 +261,7 @@ class RecordingNode:
 
     def stop(self) -> None:
         self._stopped = True
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            with contextlib.suppress(OSError):
-                s.close()
+        close_node(self._listener, self._lock, self._socks)
 
     # -- serving ----------------------------------------------------------------------
 

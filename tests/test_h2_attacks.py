@@ -37,6 +37,7 @@ from tests.terminate_env import (
     HOST,
     LOOPBACK,
     WAIT,
+    tarpit_route,
     tls_socket,
 )
 from tests.terminate_env import (
@@ -231,14 +232,7 @@ TARPIT_HOST = "tarpit.attack.test"
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with socket.create_server((LOOPBACK, 0), backlog=64) as tarpit:
-        route = f"""\
-      - host: {TARPIT_HOST}
-        mode: terminate
-        backend: "{LOOPBACK}:{tarpit.getsockname()[1]}"
-        seal: optional
-        mcp_path: /mcp
-        cert: {{cert: certs/{TARPIT_HOST}.crt, key: certs/{TARPIT_HOST}.key}}
-"""
+        route = tarpit_route(TARPIT_HOST, tarpit.getsockname()[1])
         env = Env.start(tmp_path_factory.mktemp("h2attacks"), limits=LIMITS,
                         extra_routes=route)
         env.tarpit = tarpit  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ from tests.terminate_env import (
     forget,
     request_bytes,
     rpc,
+    tarpit_route,
     tls_socket,
 )
 from tests.test_h2_attacks import (
@@ -83,15 +84,7 @@ TARPIT_HOST = "tarpit.memory.test"
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
     with socket.create_server((LOOPBACK, 0), backlog=64) as tarpit:
-        route = f"""\
-      - host: {TARPIT_HOST}
-        mode: terminate
-        backend: "{LOOPBACK}:{tarpit.getsockname()[1]}"
-        seal: optional
-        mcp_path: /mcp
-        cert: {{cert: certs/{TARPIT_HOST}.crt, key: certs/{TARPIT_HOST}.key}}
-        limits: {{max_body_bytes: 1GiB}}
-"""
+        route = tarpit_route(TARPIT_HOST, tarpit.getsockname()[1], "{max_body_bytes: 1GiB}")
         env = ServeEnv.start(tmp_path_factory.mktemp("memory"), workers=1, limits=LIMITS,
                              extra_routes=route)
         try:

@@ -44,6 +44,7 @@ from tests.terminate_env import (
     H2Result,
     Serve,
     Uploading,
+    close_node,
     forget,
     make_identities,
     read_response,
@@ -221,13 +222,7 @@ class ScriptNode:
 
     def stop(self) -> None:
         self._stopped = True
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            socks = list(self._socks)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+        close_node(self._listener, self._lock, self._socks)
 
 
 # --- scripts -------------------------------------------------------------------------------
