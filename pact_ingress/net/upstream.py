@@ -32,7 +32,7 @@ connection per in-flight request is cheap.
   node's certificate).
 * **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
   first out, expire after `KEEPALIVE_EXPIRY`, and are checked before every reuse
-  (one non-blocking read): a connection the node closed, or wrote to with no request
+  (a `poll(2)`, and a read when it says something came): a connection the node closed, or wrote to with no request
   outstanding, is closed instead. Not even a connection used a moment ago skips it:
   bytes the node wrote after its answer (a second response, the tail of a body longer
   than its Content-Length) would otherwise be read as the answer to the next request,
