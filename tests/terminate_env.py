@@ -992,6 +992,21 @@ class H2Conn:
         self.sock.sendall(self.conn.data_to_send())
         return sid
 
+    def burst(self, n: int, path: str = "/", timeout: float = WAIT) -> list[H2Result]:
+        """`n` GET streams opened in one write, then all their answers, in order."""
+        sids = []
+        for _ in range(n):
+            sid = self.conn.get_next_available_stream_id()
+            self._results[sid] = H2Result(None, [], b"")
+            self.conn.send_headers(sid, [
+                (b":method", b"GET"), (b":scheme", b"https"),
+                (b":authority", self.host.encode()), (b":path", path.encode())],
+                end_stream=True)
+            sids.append(sid)
+        self.sock.sendall(self.conn.data_to_send())
+        self._pump(until=lambda: all(s in self._done for s in sids), timeout=timeout)
+        return [self._results.pop(s) for s in sids]
+
     def wait(self, sid: int, timeout: float = WAIT) -> H2Result:
         """The answer of stream `sid` (opened by `open_stream`), once it ended."""
         self._pump(until=lambda: sid in self._done, timeout=timeout)

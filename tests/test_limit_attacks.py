@@ -113,17 +113,7 @@ def h2_burst(port: int, source: str, n: int, path: str = "/whole") -> list[H2Res
     """`n` GET streams opened in one write on one HTTP/2 connection, all answered."""
     conn = H2Conn(port, HOST, source=source)
     try:
-        sids = []
-        for _ in range(n):
-            sid = conn.conn.get_next_available_stream_id()
-            conn._results[sid] = H2Result(None, [], b"")
-            conn.conn.send_headers(sid, [
-                (b":method", b"GET"), (b":scheme", b"https"),
-                (b":authority", HOST.encode()), (b":path", path.encode())], end_stream=True)
-            sids.append(sid)
-        conn.sock.sendall(conn.conn.data_to_send())
-        conn._pump(until=lambda: all(s in conn._done for s in sids), timeout=20)
-        return [conn._results.pop(s) for s in sids]
+        return conn.burst(n, path, timeout=20)
     finally:
         conn.close()
 
@@ -528,17 +518,7 @@ def _h2_burst_at(instance: Instance, source: str, n: int) -> list[int | None]:
     conn = H2Conn.__new__(H2Conn)
     conn._start(context.wrap_socket(raw, server_hostname=CLUSTER_HOST), CLUSTER_HOST)
     try:
-        sids = []
-        for _ in range(n):
-            sid = conn.conn.get_next_available_stream_id()
-            conn._results[sid] = H2Result(None, [], b"")
-            conn.conn.send_headers(sid, [
-                (b":method", b"GET"), (b":scheme", b"https"),
-                (b":authority", CLUSTER_HOST.encode()), (b":path", b"/")], end_stream=True)
-            sids.append(sid)
-        conn.sock.sendall(conn.conn.data_to_send())
-        conn._pump(until=lambda: all(s in conn._done for s in sids), timeout=20)
-        return [conn._results.pop(s).status for s in sids]
+        return [result.status for result in conn.burst(n, "/", timeout=20)]
     finally:
         conn.close()
 
