@@ -590,7 +590,8 @@ def test_data_past_the_stream_window(env: Env) -> None:
 
 def test_not_a_preface(env: Env) -> None:
     """HTTP/1.1 on a connection that chose h2, or a preface one byte wrong: the edge
-    closes the connection (a GOAWAY first, if anything), and nothing reaches the node."""
+    closes the connection (its preface and a GOAWAY first, if anything), and nothing
+    reaches the node."""
     for first in (b"GET /conn-err HTTP/1.1\r\nHost: x\r\n\r\n",
                   PREFACE[:-1] + b"\r" + settings()):
         sock = tls_socket(env.serve.port, HOST, source=ATTACKER_IP, alpn=("h2",))
@@ -614,7 +615,9 @@ def test_not_a_preface(env: Env) -> None:
             length = int.from_bytes(got[:3], "big")
             kinds.append(got[3])
             got = got[9 + length:]
-        assert set(kinds) <= {SETTINGS, GOAWAY}, kinds
+        # our preface (SETTINGS, and the WINDOW_UPDATE raising the connection window)
+        # may have left before the bad bytes were read: nothing else
+        assert set(kinds) <= {SETTINGS, WINDOW_UPDATE, GOAWAY}, kinds
     assert _reached(env, "/conn-err") == 0
 
 

@@ -116,7 +116,8 @@ CONNECTION_WINDOW = MAX_CONCURRENT_STREAMS * STREAM_WINDOW
 #: DATA payloads shorter than this are appended to the stream's last short run (up to
 #: `RUN_BYTES`) rather than queued as objects of their own: a frame's payload can be one
 #: byte, and a queue entry per byte would cost a hundred times the window in objects.
-#: So a stream's queue has at most 2 × 65,535 / 1,024 + 1 = 129 entries.
+#: So a stream's queue has at most 130 entries: up to 63 payloads of 1 KiB or more, a
+#: run before each of them and one after, and 3 runs that filled up.
 SHORT_DATA = 1024
 RUN_BYTES = 16 * 1024
 #: Bytes asked of the TLS stream per read.
@@ -613,16 +614,15 @@ class H2Exchange(Exchange):
 
     def feed(self, data: bytes, flow_length: int) -> None:
         chunks = self._chunks
-        if len(data) < SHORT_DATA:
-            # short payloads gather in one bytearray (see `SHORT_DATA`)
-            run = chunks[-1] if chunks else None
-            if run is not None and type(run[0]) is bytearray and len(run[0]) < RUN_BYTES:
-                run[0].extend(data)
-                chunks[-1] = (run[0], run[1] + flow_length)
+        if len(data) >= SHORT_DATA:
+            chunks.append((data, flow_length))
+        else:  # short payloads gather in one bytearray (see `SHORT_DATA`)
+            run, owed = chunks[-1] if chunks else (b"", 0)
+            if isinstance(run, bytearray) and len(run) < RUN_BYTES:
+                run += data
+                chunks[-1] = (run, owed + flow_length)
             else:
                 chunks.append((bytearray(data), flow_length))
-        else:
-            chunks.append((data, flow_length))
         self._unacked += flow_length
         self._wake()
 
