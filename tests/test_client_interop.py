@@ -521,21 +521,15 @@ def test_node_h2_oversized_head_costs_only_its_own_stream(env: ServeEnv) -> None
     settled(env)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "HTTP/2 uploads deadlock while the route's upstream pool is full: DATA for a stream "
-    "still waiting for a node connection stays unacknowledged, and once such streams "
-    "hold the whole 65,535-byte connection window the streams that do hold node "
-    "connections can get no more of their bodies, so neither side moves until the "
-    "30 s header timeout answers 504. Needs a flow-control design change (a connection "
-    "window larger than a stream's, or no window held by a stream that waits), which "
-    "moves the per-connection memory bound"))
 def test_h2load_uploads_past_the_upstream_pool_do_not_deadlock(
         tmp_path: Path, bodies: dict[int, Path]) -> None:
     """More uploads in flight than the route's upstream pool holds (100): one client
     here, its share raised to its 200 streams (a setting the config accepts; at the
     default share of 16, seven busy addresses fill the pool as well). h2load spreads
     DATA over all its streams, as a browser uploading several files does, so the streams
-    still waiting for the pool take their part of the connection window."""
+    still waiting for the pool take their part of the connection window: with a
+    connection window no larger than a stream's, they held all of it and the streams
+    that had a node connection got no more of their bodies until the 504 at 30 s."""
     env = ServeEnv.start(tmp_path, workers=1, limits={
         "max_requests_in_flight_per_ip": 200, "calls_per_hour_per_ip": 1_000_000,
         "calls_per_hour_per_ip_key": 1_000_000})

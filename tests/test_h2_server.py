@@ -208,6 +208,50 @@ def test_receive_window_is_enforced_and_given_back_as_acknowledged() -> None:
     assert all(e.delta == taken for e in updates)
 
 
+def test_connection_window_raised_at_the_start_holds_every_stream_window() -> None:
+    """A connection window of three streams' windows, raised by one WINDOW_UPDATE after
+    SETTINGS (h2, the independent client, must see it): three streams each fill their own
+    window with nothing acknowledged, and none is short of connection window; a byte
+    past a stream's window is still a FLOW_CONTROL_ERROR, and so is one past the
+    connection's. Acknowledging gives back both windows as before."""
+    client = _client()
+    server = H2Server(connection_window=3 * hs.DEFAULT_WINDOW)
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    events = client.receive_data(server.data_to_send())
+    raised = [e for e in events if isinstance(e, h2.events.WindowUpdated)]
+    assert [(e.stream_id, e.delta) for e in raised] == [(0, 2 * hs.DEFAULT_WINDOW)]
+    server.receive_data(client.data_to_send())  # the SETTINGS ACK
+    assert client.outbound_flow_control_window == 3 * hs.DEFAULT_WINDOW
+    for sid in (1, 3, 5):
+        client.send_headers(sid, REQUEST)
+    server.receive_data(client.data_to_send())
+    taken = dict.fromkeys((1, 3, 5), 0)
+    for sid in (1, 3, 5):
+        while window := client.local_flow_control_window(sid):
+            client.send_data(sid, b"d" * min(window, 16384))
+            taken[sid] += sum(e.flow_length for e in server.receive_data(client.data_to_send())
+                              if isinstance(e, hs.DataReceived))
+    assert taken == dict.fromkeys((1, 3, 5), hs.DEFAULT_WINDOW)
+    assert server.data_to_send() == b""  # nothing taken, nothing given back
+    past_stream = _copy(server)  # stream 1's window is spent
+    with pytest.raises(hs.ConnectionError_) as caught:
+        past_stream.receive_data(_frame(hs.DATA, 0, 1, b"x"))
+    assert caught.value.code == ErrorCode.FLOW_CONTROL_ERROR
+    past_connection = _copy(server)  # a fourth stream has its window, the connection not
+    client.send_headers(7, REQUEST)
+    past_connection.receive_data(client.data_to_send())
+    with pytest.raises(hs.ConnectionError_) as caught:
+        past_connection.receive_data(_frame(hs.DATA, 0, 7, b"x"))
+    assert caught.value.code == ErrorCode.FLOW_CONTROL_ERROR
+    server.acknowledge(hs.DEFAULT_WINDOW, 3)
+    updates = [(e.stream_id, e.delta) for e in client.receive_data(server.data_to_send())
+               if isinstance(e, h2.events.WindowUpdated)]
+    assert sorted(updates) == [(0, hs.DEFAULT_WINDOW), (3, hs.DEFAULT_WINDOW)]
+    with pytest.raises(ValueError):
+        H2Server(connection_window=hs.DEFAULT_WINDOW - 1)
+
+
 def _copy(server: H2Server) -> H2Server:
     import copy
     return copy.deepcopy(server)

@@ -46,7 +46,11 @@ from tests.test_h2_attacks import (
     DATA,
     END_HEADERS,
     END_STREAM,
+    FLOW_CONTROL_ERROR,
+    GOAWAY,
     HEADERS,
+    PING,
+    RST_STREAM,
     WINDOW_UPDATE,
     Raw,
     frame,
@@ -64,7 +68,16 @@ SLACK_KIB = 16 * KIB
 #: change to the code's values does not silently loosen a test).
 H2_MAX_STREAMS = 100  # SETTINGS_MAX_CONCURRENT_STREAMS
 H2_MAX_HEADER_LIST = 16 * KIB  # SETTINGS_MAX_HEADER_LIST_SIZE
-H2_CONN_WINDOW = 65535  # the connection receive window: never raised by the edge
+H2_CONN_WINDOW = 65535  # the connection receive window every client starts with
+H2_STREAM_WINDOW = 65535  # SETTINGS_INITIAL_WINDOW_SIZE: a stream's receive window
+#: The connection receive window the edge raises it to at once (one WINDOW_UPDATE):
+#: every stream's window, so streams that wait cannot hold all of it.
+H2_CONN_WINDOW_RAISED = H2_MAX_STREAMS * H2_STREAM_WINDOW
+#: Queue entries an HTTP/2 stream's unread body may take (payloads under 1 KiB gather in
+#: runs of up to 16 KiB: 63 payloads of 1 KiB or more, 64 runs around them, 3 full
+#: runs), and a generous figure for each entry's objects.
+H2_STREAM_ENTRIES = 130
+H2_ENTRY = 256
 H2_OUTBOX = 64 * KIB  # FLUSH_BYTES: queued frames before whoever queues more waits
 READ_BUF = 64 * KIB  # a TLS read (client side and upstream side)
 PER_CLIENT_BUFFER = 18 * MIB  # MCP bodies buffered for one client address
@@ -79,12 +92,17 @@ LIMITS = {"calls_per_hour_per_ip_key": 10**6, "calls_per_hour_per_ip": 10**6}
 #: A terminate route whose node accepts no connection (the edge's connect waits in the
 #: listener's backlog): a request there never has its body taken by the node.
 TARPIT_HOST = "tarpit.memory.test"
+#: The same node, on a route whose in-flight share holds a whole connection's streams:
+#: every upload there waits for the node instead of being refused (429).
+WIDE_TARPIT_HOST = "wide.tarpit.memory.test"
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeEnv]:
     with socket.create_server((LOOPBACK, 0), backlog=64) as tarpit:
         route = tarpit_route(TARPIT_HOST, tarpit.getsockname()[1], "{max_body_bytes: 1GiB}")
+        route += tarpit_route(WIDE_TARPIT_HOST, tarpit.getsockname()[1],
+                              "{max_body_bytes: 1GiB, max_requests_in_flight_per_ip: 400}")
         env = ServeEnv.start(tmp_path_factory.mktemp("memory"), workers=1, limits=LIMITS,
                              extra_routes=route)
         try:
@@ -280,19 +298,21 @@ def test_h2_hpack_table_churn_and_continuation_chains(env: ServeEnv) -> None:
     _check("h2 hpack churn + continuation chains x 1000", before, None, after, bound)
 
 
-def test_h2_request_bodies_are_held_to_the_connection_window(env: ServeEnv) -> None:
+def test_h2_request_bodies_are_held_to_the_windows(env: ServeEnv) -> None:
     """Eight connections from one address each open 100 uploads of 5 MiB (to the MCP
     path, whose bodies the edge reads whole before forwarding, and to a plain path) and
     push DATA as fast as the windows allow for 2 s, never finishing.
 
-    Bound: the edge never raises the connection window above 65535, so what it holds
-    unread is at most that per connection; what it has taken of MCP bodies is held to the
-    client's buffer share (18 MiB); what it takes of plain bodies goes to the node.
-    8 × (64 KiB + 128 KiB) + 18 MiB + the node link's buffers (16 in flight × 2 × 64 KiB)
-    ≈ 21.5 MiB, plus slack."""
+    Bound: the edge acknowledges DATA only as it takes it, so a stream holds at most its
+    window unread (64 KiB). A stream refused (beyond the in-flight share of 16, or the
+    buffer share) has what it was sent acknowledged and dropped with the refusal, at
+    once; the streams left waiting with their DATA unread are the 16 of the in-flight
+    share. What the edge has taken of MCP bodies is held to the client's buffer share
+    (18 MiB); what it takes of plain bodies goes to the node. 8 × 128 KiB + 18 MiB +
+    16 × (64 KiB + the node link's buffers, 2 × 64 KiB) ≈ 22 MiB, plus slack."""
     conns = 8
-    bound = (conns * (H2_CONN_WINDOW + PER_CONNECTION) + PER_CLIENT_BUFFER
-             + 16 * 2 * READ_BUF) // KIB + SLACK_KIB
+    bound = (conns * PER_CONNECTION + PER_CLIENT_BUFFER
+             + 16 * (H2_STREAM_WINDOW + 2 * READ_BUF)) // KIB + SLACK_KIB
     before = settled_rss(env)
     clients = []
     length = 5 * MIB
@@ -518,10 +538,10 @@ def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) ->
     route allows 1 GiB) to a node whose listener never accepts, for 2 s.
 
     Bound: a body streams to the node only as the node takes it, so per connection the
-    edge holds a read (64 KiB) and, on HTTP/2, at most the connection window; plus the
-    connection: 9 × (64 KiB + 64 KiB + 128 KiB) ≈ 2.3 MiB, plus slack."""
+    edge holds a read (64 KiB) and, on HTTP/2, at most the stream's window (one stream
+    here); plus the connection: 9 × (64 KiB + 64 KiB + 128 KiB) ≈ 2.3 MiB, plus slack."""
     conns = 8
-    bound = (conns + 1) * (READ_BUF + H2_CONN_WINDOW + PER_CONNECTION) // KIB + SLACK_KIB
+    bound = (conns + 1) * (READ_BUF + H2_STREAM_WINDOW + PER_CONNECTION) // KIB + SLACK_KIB
     before = settled_rss(env)
     size = 256 * MIB
     body = b"\0" * (4 * MIB)
@@ -545,8 +565,9 @@ def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) ->
         time.sleep(2)
         _drain(c)
         during = settled_rss(env)
-        # nothing was given back: the node took nothing
-        assert not any(f[0] == WINDOW_UPDATE for f in c.frames), c.frames
+        # nothing was given back, the node took nothing: the one WINDOW_UPDATE is the
+        # connection's, raised at the start
+        assert _window_updates(c) == [(0, H2_CONN_WINDOW_RAISED - H2_CONN_WINDOW)], c.frames
     finally:
         c.close()
         for s in socks:
@@ -556,6 +577,113 @@ def test_bodies_streamed_toward_a_node_that_does_not_take_them(env: ServeEnv) ->
     print(f"\n[mem] uploads toward a tarpit: {sum(x[0] for x in sent) / MIB:.1f} MiB "
           f"taken by the kernel from {conns} HTTP/1.1 clients")
     _check("uploads toward a node that takes nothing", before, during, after, bound)
+
+
+def _window_updates(c: Raw) -> list[tuple[int, int]]:
+    """(stream, increment) of every WINDOW_UPDATE the edge sent, in order."""
+    return [(sid, int.from_bytes(payload, "big")) for kind, _f, sid, payload in c.frames
+            if kind == WINDOW_UPDATE]
+
+
+def _wide_uploads(c: Raw) -> range:
+    """Open the connection's 100 streams, each an upload of 1 MiB (declared) to the wide
+    tarpit, once the edge's raised connection window has arrived; their ids."""
+    assert c.until(lambda: (0, H2_CONN_WINDOW_RAISED - H2_CONN_WINDOW)
+                   in _window_updates(c)), c.frames
+    sids = range(1, 2 * H2_MAX_STREAMS, 2)
+    c.send(*(frame(HEADERS, END_HEADERS, sid, c.block(f"/wide/{sid}", "POST", [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(MIB).encode())])) for sid in sids))
+    return sids
+
+
+def _fill_windows(c: Raw, sids: range, sent: dict[int, int]) -> None:
+    """The rest of each stream's window in 16 KiB DATA frames, then a PING; returns once
+    its answer came (frames are handled in order: every DATA was handled before it)."""
+    for sid in sids:
+        while (room := min(H2_STREAM_WINDOW - sent[sid], 16 * KIB)) > 0:
+            c.send(frame(DATA, 0, sid, bytes(room)))
+            sent[sid] += room
+    c.send(frame(PING, 0, 0, b"measured"))
+    assert c.until(lambda: any(f[0] == PING and f[3] == b"measured" for f in c.frames),
+                   4 * WAIT), c.frames[-3:]
+
+
+def test_h2_uploads_to_a_node_that_takes_nothing_stop_at_the_windows(env: ServeEnv) -> None:
+    """One connection opens its 100 streams, each an upload to a route whose node takes
+    nothing and whose in-flight share lets every stream wait for the node (none is
+    refused, so nothing is acknowledged for a refusal), and sends DATA as the windows
+    allow.
+
+    The windows: 65,535 bytes per stream, and for the connection 100 of them, raised at
+    once. Nothing is taken, so nothing is given back: every stream's window fills (a
+    stream that waits stops its own upload, and no stream is short of connection
+    window), the client's sends stop at exactly 100 × 65,535 bytes, and one byte more
+    is a FLOW_CONTROL_ERROR.
+
+    Bound: what the edge holds unread is at most the raised connection window; each
+    stream's request waits for a connection toward the node; plus the connection itself:
+    6.25 MiB + 100 × 64 KiB + 128 KiB ≈ 12.6 MiB, plus slack."""
+    bound = (H2_CONN_WINDOW_RAISED + H2_MAX_STREAMS * READ_BUF + PER_CONNECTION) // KIB \
+        + SLACK_KIB
+    before = settled_rss(env)
+    c = _h2(env, host=WIDE_TARPIT_HOST)
+    try:
+        sids = _wide_uploads(c)
+        sent = dict.fromkeys(sids, 0)
+        _fill_windows(c, sids, sent)
+        during = settled_rss(env)
+        assert sum(sent.values()) == H2_CONN_WINDOW_RAISED
+        answered = [f[:3] for f in c.frames if f[0] in (HEADERS, RST_STREAM, GOAWAY)]
+        assert not answered, answered[:3]
+        # nothing given back: the windows stay spent, so the client can send no more
+        assert _window_updates(c) == [(0, H2_CONN_WINDOW_RAISED - H2_CONN_WINDOW)], (
+            [f[:3] for f in c.frames])
+        c.send(frame(DATA, 0, 1, b"x"))
+        assert c.goaway() == FLOW_CONTROL_ERROR, c.frames[-3:]
+    finally:
+        c.close()
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    _check("h2 100 uploads filling the windows toward a tarpit", before, during, after, bound)
+
+
+def test_h2_one_byte_data_frames_filling_the_windows(env: ServeEnv) -> None:
+    """As above, but the first 6,000 bytes of each stream's window come as one-byte DATA
+    frames (the most frames a window takes): 600,000 frames.
+
+    Bound: the same window, now in at most 130 queue entries per stream (short payloads
+    are gathered, not held an object each: 600,000 of them took ~45 MiB more):
+    6.25 MiB + 100 × (130 × 256 B + 64 KiB) + 128 KiB ≈ 16 MiB, plus slack.
+
+    The node's connect and handshake time out after 10 s each (503 / 502 on those
+    streams, their data acknowledged and dropped): on a host too busy to take the
+    frames in that time, those answers are all the stream may get."""
+    bound = (H2_CONN_WINDOW_RAISED + H2_MAX_STREAMS * (H2_STREAM_ENTRIES * H2_ENTRY + READ_BUF)
+             + PER_CONNECTION) // KIB + SLACK_KIB
+    tiny = 6000
+    before = settled_rss(env)
+    c = _h2(env, host=WIDE_TARPIT_HOST)
+    try:
+        sids = _wide_uploads(c)
+        sent = dict.fromkeys(sids, 0)
+        for sid in sids:
+            c.send(frame(DATA, 0, sid, b"x") * tiny)
+            sent[sid] += tiny
+        _fill_windows(c, sids, sent)
+        during = settled_rss(env)
+        assert sum(sent.values()) == H2_CONN_WINDOW_RAISED
+        assert not any(f[0] == GOAWAY for f in c.frames), c.frames[-3:]
+        answered = {f[2] for f in c.frames if f[0] == HEADERS}
+        for sid in answered:
+            assert c.answer(sid)[0] in (502, 503), (sid, c.answer(sid))
+        # a stream still waiting was given nothing back
+        assert not [(sid, n) for sid, n in _window_updates(c) if sid and sid not in answered]
+    finally:
+        c.close()
+    assert env.serve.wait_open_connections(0) == 0
+    after = settled_rss(env)
+    _check("h2 600,000 one-byte DATA frames toward a tarpit", before, during, after, bound)
 
 
 # === TLS ================================================================================

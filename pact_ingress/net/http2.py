@@ -16,9 +16,15 @@ cancels it, and the worker ends with that exchange.
 
 Request bodies are flow controlled end to end: DATA is queued on its stream and
 acknowledged to the state machine (so WINDOW_UPDATE goes out when one is due: once half
-a window has been taken) only when the engine *takes* it, so a stream
-buffers at most one window (`INITIAL_WINDOW_SIZE`) and the connection at most the
-connection window, whatever the client sends. DATA for a stream that was answered early
+a window has been taken) only when the engine *takes* it, so a stream buffers at most
+its window (`STREAM_WINDOW`, 65,535 bytes) whatever the client sends: a stream whose node
+is slow, or that waits for a node connection, stops its own upload and no other. The
+connection window is raised at the start to every stream's window at once
+(`CONNECTION_WINDOW`), so streams that wait can never hold the whole of it and starve
+the streams that could go on (with the protocol's 65,535, one waiting stream's full
+window did), and it bounds what the connection buffers: 6,553,500 bytes of request
+data not yet taken. Short DATA payloads are gathered into runs, so what is buffered
+costs its bytes and not an object per frame. DATA for a stream that was answered early
 or ended is acknowledged at once, so the connection window never leaks.
 
 Writes: only the writer task ever waits on the socket. Everyone else (the reader
@@ -96,6 +102,24 @@ from pact_ingress.proto.http_request import header
 MAX_CONCURRENT_STREAMS = 100
 #: Largest header list accepted, as for HTTP/1.1 heads.
 MAX_HEADER_LIST_SIZE = 16 * 1024
+#: A stream's receive window (SETTINGS_INITIAL_WINDOW_SIZE, the protocol's default): the
+#: most of its request body a stream can have waiting here before the engine takes it.
+STREAM_WINDOW = h2.DEFAULT_WINDOW
+#: The connection's receive window, raised from 65535 at the start: every stream's whole
+#: window at once. DATA is acknowledged only when the engine takes it, so a stream whose
+#: body waits (for a node connection, for a node that reads slowly) holds its own window;
+#: with a connection window no larger than a stream's, a few waiting streams would hold
+#: all of it and the streams whose nodes are ready could get none of their bodies. This
+#: is also the connection's bound on request data received and not yet taken:
+#: 100 × 65,535 = 6,553,500 bytes.
+CONNECTION_WINDOW = MAX_CONCURRENT_STREAMS * STREAM_WINDOW
+#: DATA payloads shorter than this are appended to the stream's last short run (up to
+#: `RUN_BYTES`) rather than queued as objects of their own: a frame's payload can be one
+#: byte, and a queue entry per byte would cost a hundred times the window in objects.
+#: So a stream's queue has at most 130 entries: up to 63 payloads of 1 KiB or more, a
+#: run before each of them and one after, and 3 runs that filled up.
+SHORT_DATA = 1024
+RUN_BYTES = 16 * 1024
 #: Bytes asked of the TLS stream per read.
 READ_SIZE = 64 * 1024
 #: Plaintext of a full TLS record: a read returns at most this much.
@@ -159,7 +183,9 @@ class H2Connection:
         # our own TLS: a stream worker may send a finished answer itself (`_send_now`)
         self._tls = stream if isinstance(stream, ServerTLS) else None
         self.conn = h2.H2Server(max_concurrent_streams=MAX_CONCURRENT_STREAMS,
-                                max_header_list_size=MAX_HEADER_LIST_SIZE)
+                                max_header_list_size=MAX_HEADER_LIST_SIZE,
+                                initial_window=STREAM_WINDOW,
+                                connection_window=CONNECTION_WINDOW)
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.streams: dict[int, H2Exchange] = {}
@@ -571,7 +597,8 @@ class H2Exchange(Exchange):
         self.stream_id = stream_id
         self.scope: trio.CancelScope | None = None  # the worker's, while it runs this
         self.stopped = False  # answered before the body was read: DATA is dropped
-        self._chunks: collections.deque[tuple[bytes, int]] = collections.deque()
+        # body bytes not taken yet, each with the flow-controlled bytes it owes back
+        self._chunks: collections.deque[tuple[bytes | bytearray, int]] = collections.deque()
         self._arrived: trio.Event | None = None  # while the engine waits for body bytes
         self._ended = self.body_done
         self._reset = False  # the client reset the stream
@@ -586,7 +613,16 @@ class H2Exchange(Exchange):
             self._arrived = None
 
     def feed(self, data: bytes, flow_length: int) -> None:
-        self._chunks.append((data, flow_length))
+        chunks = self._chunks
+        if len(data) >= SHORT_DATA:
+            chunks.append((data, flow_length))
+        else:  # short payloads gather in one bytearray (see `SHORT_DATA`)
+            run, owed = chunks[-1] if chunks else (b"", 0)
+            if isinstance(run, bytearray) and len(run) < RUN_BYTES:
+                run += data
+                chunks[-1] = (run, owed + flow_length)
+            else:
+                chunks.append((bytearray(data), flow_length))
         self._unacked += flow_length
         self._wake()
 
@@ -621,7 +657,7 @@ class H2Exchange(Exchange):
                 self.c.conn.acknowledge(flow_length, self.stream_id)
                 self.c.kick()  # a WINDOW_UPDATE, when one is due
                 if data:
-                    return data
+                    return data if type(data) is bytes else bytes(data)
                 continue
             if self._reset:
                 raise ClientGone("client reset the stream")

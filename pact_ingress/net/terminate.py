@@ -109,7 +109,10 @@ BODY_TIMEOUT = 60.0
 #: Each write of the response must be taken by the client within this.
 CLIENT_WRITE_TIMEOUT = 30.0
 #: Request-body bytes the edge buffers (MCP bodies are read whole to be judged): per
-#: client, three maximal bodies at once; per process, what a small VPS can spare.
+#: client, three maximal bodies at once; per process, what a small VPS can spare. Bytes
+#: not taken yet are not counted here: they are bounded by flow control instead (HTTP/2:
+#: a stream's window, 64 KiB, and the connection's, 100 of them, `net.http2`; HTTP/1.1:
+#: one read), and a refused request's are dropped with the refusal.
 MAX_BUFFERED_PER_CLIENT = 18 * 1024 * 1024
 MAX_BUFFERED_TOTAL = 256 * 1024 * 1024
 #: Bodies larger than this are parsed in a worker thread (one at a time), so a large

@@ -28,10 +28,12 @@ What is enforced, and how it fails:
   ENHANCE_YOUR_CALM); a block that cannot be decoded is a COMPRESSION_ERROR. Every block
   is decoded, even one for a stream that is refused, so the decoder's table stays right;
 - flow control both ways: DATA beyond the connection or stream window we advertised is a
-  FLOW_CONTROL_ERROR; our windows are given back (WINDOW_UPDATE) only as the application
-  acknowledges data, once half a window is consumed; the client's windows (initial size
-  from its SETTINGS, changes applied to every open stream, overflow checks) bound what
-  `send_data` may send;
+  FLOW_CONTROL_ERROR; the connection window may start larger than the protocol's 65535
+  (`connection_window`: one WINDOW_UPDATE after our SETTINGS), so that streams whose
+  data waits cannot hold all of it; our windows are given back (WINDOW_UPDATE) only as
+  the application acknowledges data, once half a (default-sized) window is consumed; the
+  client's windows (initial size from its SETTINGS, changes applied to every open
+  stream, overflow checks) bound what `send_data` may send;
 - streams: at most `max_concurrent_streams` open, more are refused (REFUSED_STREAM);
   `Content-Length` against the DATA received (PROTOCOL_ERROR on the stream); trailers
   must end the stream and carry no pseudo-header; frames on a closed stream are ignored
@@ -260,7 +262,10 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 class H2Server:
     def __init__(self, *, max_concurrent_streams: int = 100,
                  max_header_list_size: int = 16 * 1024,
-                 initial_window: int = DEFAULT_WINDOW) -> None:
+                 initial_window: int = DEFAULT_WINDOW,
+                 connection_window: int = DEFAULT_WINDOW) -> None:
+        if not DEFAULT_WINDOW <= connection_window <= MAX_WINDOW:
+            raise ValueError("the connection window starts at 65535 and can only grow")
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = max_header_list_size
         self.streams: dict[int, Stream] = {}  # open in at least one direction
@@ -281,7 +286,11 @@ class H2Server:
         # blocks decoded lately: the header list, its Content-Length, whether over the cap
         self._decoded: dict[bytes, tuple[list[tuple[bytes, bytes]], int | None, bool]] = {}
         self._recv_initial = initial_window
-        self._conn_recv_window = DEFAULT_WINDOW  # the connection window is 65535 until updated
+        # the connection window is 65535 until our first WINDOW_UPDATE raises it to
+        # `connection_window` (`initiate_connection`); DATA up to the raised figure is
+        # taken from then on (a client cannot send beyond 65535 before it sees it)
+        self._conn_recv_window = DEFAULT_WINDOW
+        self._conn_recv_target = connection_window
         self._conn_recv_processed = 0
         self._block: list[bytes] | None = None  # header block fragments being gathered
         self._block_stream = 0
@@ -306,6 +315,11 @@ class H2Server:
             (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
         ))
         self._write(_frame(SETTINGS, 0, 0, payload))
+        raise_by = self._conn_recv_target - self._conn_recv_window
+        if raise_by > 0:
+            # no setting carries the connection window: only a WINDOW_UPDATE raises it
+            self._conn_recv_window += raise_by
+            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(raise_by)))
 
     def data_to_send(self) -> bytes:
         data = bytes(self.out)
