@@ -138,9 +138,12 @@ YIELD_EVERY = 8
 MAX_IDLE_WORKERS = 8
 #: After a GOAWAY for an error, how long and how much of what the client still sends is
 #: read and dropped before closing (`H2Connection._linger`): long enough for a client
-#: to read what was sent to it, little enough that a flooder gains nothing by it.
+#: to read what was sent to it, little enough that a flooder gains nothing by it. The
+#: bytes cover what the windows we granted let a client have in flight (an upload on
+#: every stream does not know of the error yet) and room for its other frames: closing
+#: with any of it unread would reset the connection and could take the GOAWAY with it.
 LINGER_SECONDS = 1.0
-LINGER_BYTES = 256 * 1024
+LINGER_BYTES = CONNECTION_WINDOW + 256 * 1024
 #: After the drain's GOAWAY(NO_ERROR) or an idle close, the same, for longer: a client
 #: still reading the last answers keeps sending WINDOW_UPDATEs, and a reset would throw
 #: away what it has not read yet. It ends as soon as the client has acknowledged it all,
