@@ -881,6 +881,48 @@ def test_an_answer_before_the_body_was_read_is_defined_and_desyncs_nothing(
     settled(rig)
 
 
+@pytest.mark.parametrize("leg", ["h1", "h2"])
+def test_an_early_answer_the_node_closes_after_is_relayed_whole(rig: Rig, leg: str) -> None:
+    """The node answers 413 with `Connection: close` as soon as the head is in, then
+    closes with the body unread (RFC 9112 §9.3 lets a server do so). Its answer is whole
+    in the edge's receive buffer when the edge's next body write fails: that answer is
+    the client's, not a 502 for the link the node closed. HTTP/1.1 says it closes, and
+    HTTP/2 ends the stream (the rest of the upload is then refused with
+    RST_STREAM(NO_ERROR)); the connection still serves what follows."""
+    path = "/early-close-relayed"
+    rig.node.scripts[path] = _early("close")
+    port = rig.serve.port
+    client = H2Conn(port, OPT_HOST) if leg == "h2" else None
+    try:
+        for i in range(3):
+            target = f"{path}?leg={leg}&i={i}"
+            if client is None:
+                sock = tls_socket(port, OPT_HOST)
+                data = request_bytes("POST", target, OPT_HOST, body=b"u" * UPLOAD,
+                                     content_type="application/octet-stream")
+                try:
+                    resp = read_response(Uploading(sock, data))  # type: ignore[arg-type]
+                finally:
+                    forget(sock)
+                assert resp.status == 413, (i, resp.status, resp.body[:200])
+                assert resp.header("connection") == "close", resp.headers
+                body = resp.body
+            else:
+                res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
+                                     content_type="application/octet-stream")
+                assert res.status == 413 and res.reset in (None, 0), (i, res)
+                body = res.body
+            assert json.loads(body) == {"target": target}, body[:200]
+        if client is not None:  # the stream ended, the connection did not
+            res = client.request("GET", "/plain?after=early-h2", content_type=None)
+            assert own_answer("/plain?after=early-h2", res.status or 0, res.body), res
+    finally:
+        if client is not None:
+            client.close()
+    assert answers_logged(rig.serve, path, (413,)) == {413}
+    settled(rig)
+
+
 # --- 6. many clients on one pool, the node misbehaving between their answers -----------------
 
 

@@ -580,6 +580,8 @@ class Terminator:
 
     async def _relay(self, ex: Exchange, route: Route, response: UpstreamResponse) -> None:
         headers = clean_response_headers(response.headers)
+        if response.early:  # the node answered before it took the body, and closed
+            ex.stop_body()
         whole = response.take_whole()
         if whole is not None:  # the whole answer is here: one write, no pump
             await ex.respond_whole(response.status, headers, whole)
