@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import h2.settings
 import pytest
 
 from pact_ingress.identity import Identity
@@ -564,6 +565,50 @@ def test_odd_but_valid_answers_arrive_intact_on_both_legs(rig: Rig, path: str) -
         client.close()
     code, trace = nghttp(port, target)
     assert code == 0 and ":status: 200" in trace, trace[-2000:]
+    settled(rig)
+
+
+def test_a_node_head_over_the_edges_cap_is_a_502_on_both_legs(rig: Rig) -> None:
+    """One field of 70 KB: over the 64 KiB the edge takes of a node's head, whichever
+    leg the client came on (the cap is the node leg's own), and nothing of it is sent."""
+    rig.node.scripts["/over-cap-head"] = lambda c, r: c.send(answer(
+        r.target, extra=b"x-big: %b\r\n" % (b"b" * 70000))) or True
+    status, body = h1(rig.serve.port, "GET", "/over-cap-head?v=1")
+    assert status == 502, (status, body[:200])
+    client = h2_client(rig.serve.port)
+    try:
+        res = client.request("GET", "/over-cap-head?v=2", content_type=None)
+        assert res.status == 502 and "x-big" not in dict(res.headers), res.status
+        res = client.request("GET", "/plain?after=over-cap", content_type=None)
+        assert own_answer("/plain?after=over-cap", res.status or 0, res.body), res
+    finally:
+        client.close()
+    settled(rig)
+
+
+def test_a_node_head_over_what_the_h2_client_takes_is_a_502_on_its_stream(rig: Rig) -> None:
+    """An HTTP/2 client that advertised SETTINGS_MAX_HEADER_LIST_SIZE of 8 KiB is not
+    sent the node's 40 KB head (under the edge's own cap: an HTTP/1.1 client gets it
+    whole): that stream is answered 502, and the connection's next stream is served."""
+    port = rig.serve.port
+    status, body = h1(port, "GET", "/big-field?leg=h1")
+    assert own_answer("/big-field?leg=h1", status, body)
+    client = h2_client(port)
+    try:
+        client.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 8192})
+        client.sock.sendall(client.conn.data_to_send())
+        res = client.request("GET", "/plain?before=big", content_type=None)
+        assert own_answer("/plain?before=big", res.status or 0, res.body), res
+        # the edge has acknowledged the setting (before that answer); the test's own
+        # decoder takes any size from here on, so that what the edge sends is seen
+        client.conn.decoder.max_header_list_size = 1 << 20
+        res = client.request("GET", "/big-field?leg=h2", content_type=None)
+        assert res.status == 502 and "x-big" not in dict(res.headers), (res.status, len(
+            str(res.headers)))
+        res = client.request("GET", "/plain?after=big", content_type=None)
+        assert own_answer("/plain?after=big", res.status or 0, res.body), res
+    finally:
+        client.close()
     settled(rig)
 
 
