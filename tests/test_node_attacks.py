@@ -50,6 +50,7 @@ from tests.terminate_env import (
     make_identities,
     read_response,
     request_bytes,
+    tarpit_route,
     tls_socket,
 )
 
@@ -353,21 +354,29 @@ class Rig:
     tmp: Path
 
 
+#: A route whose node never completes a TLS handshake (`tarpit_route`).
+TARPIT_HOST = "tarpit.attack.test"
+
+
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     tmp = tmp_path_factory.mktemp("node_attacks")
     ids = make_identities(tmp)
     node = ScriptNode(ids.node, ids.ingress, scripts())
+    tarpit = socket.create_server((LOOPBACK, 0), backlog=64)
     try:
         serve = Serve(tmp, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
                       limits={"idle_timeout": 3, "calls_per_hour_per_ip": 1000000,
-                              "max_requests_in_flight_per_ip": 100})
+                              "max_requests_in_flight_per_ip": 100},
+                      extra_routes=tarpit_route(TARPIT_HOST, tarpit.getsockname()[1]))
     except BaseException:
         node.stop()
+        tarpit.close()
         raise
     yield Rig(serve, node, tmp)
     serve.stop()
     node.stop()
+    tarpit.close()
 
 
 def h1(port: int, method: str, target: str, *, sock: ssl.SSLSocket | None = None,
@@ -965,6 +974,26 @@ def test_an_early_answer_the_node_closes_after_is_relayed_whole(rig: Rig, leg: s
         if client is not None:
             client.close()
     assert answers_logged(rig.serve, path, (413,)) == {413}
+    settled(rig)
+
+
+def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(rig: Rig) -> None:
+    """An HTTP/1.1 client sends a request to a route whose node never completes the TLS
+    handshake, then closes: the edge gives up on the node at once, not at its 10 s
+    connect timeout, and the connection is no longer counted (HTTP/2 gets this from its
+    reader; HTTP/1.1 must look for the close while it waits on the node)."""
+    assert rig.serve.wait_open_connections(0) == 0
+    sock = tls_socket(rig.serve.port, TARPIT_HOST)
+    try:
+        sock.sendall(request_bytes("GET", "/hangs", TARPIT_HOST))
+        assert rig.serve.wait_open_connections(1) == 1
+        time.sleep(0.3)  # the edge is in its handshake with the node by now
+    finally:
+        forget(sock)
+    # well under the connect timeout, and past it it would reach 0 anyway
+    assert rig.serve.wait_open_connections(0, timeout=5.0) == 0
+    status, body = h1(rig.serve.port, "GET", "/plain?after=tarpit")
+    assert own_answer("/plain?after=tarpit", status, body)
     settled(rig)
 
 

@@ -564,6 +564,7 @@ class Terminator:
             async with self.upstream.request(
                 route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
                 headers=out, body=body, idle_timeout=route.limits.idle_timeout,
+                gone=ex.wait_gone if ex.gone_unnoticed else None,
             ) as response:
                 times = self._header_times
                 times.append((route.host, conn.now() - started))
