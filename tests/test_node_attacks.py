@@ -37,6 +37,7 @@ import h2.settings
 import pytest
 
 from pact_ingress.identity import Identity
+from tests.netutil import free_port
 from tests.terminate_env import (
     LOOPBACK,
     OPT_HOST,
@@ -356,6 +357,8 @@ class Rig:
 
 #: A route whose node never completes a TLS handshake (`tarpit_route`).
 TARPIT_HOST = "tarpit.attack.test"
+#: A route whose node's port refuses connections (nothing listens there).
+REFUSED_HOST = "refused.attack.test"
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +371,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         serve = Serve(tmp, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
                       limits={"idle_timeout": 3, "calls_per_hour_per_ip": 1000000,
                               "max_requests_in_flight_per_ip": 100},
-                      extra_routes=tarpit_route(TARPIT_HOST, tarpit.getsockname()[1]))
+                      extra_routes=tarpit_route(TARPIT_HOST, tarpit.getsockname()[1])
+                      + tarpit_route(REFUSED_HOST, free_port()))
     except BaseException:
         node.stop()
         tarpit.close()
@@ -994,6 +998,27 @@ def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(rig: Rig)
     assert rig.serve.wait_open_connections(0, timeout=5.0) == 0
     status, body = h1(rig.serve.port, "GET", "/plain?after=tarpit")
     assert own_answer("/plain?after=tarpit", status, body)
+    settled(rig)
+
+
+def test_a_node_that_refuses_connections_is_a_503_on_both_legs(rig: Rig) -> None:
+    """A new node connection that fails (nothing listens on the node's port) is the
+    defined `503` with `Retry-After`, on an HTTP/1.1 connection (whose client's close is
+    watched while the edge connects) as on HTTP/2."""
+    for i in range(2):
+        sock = tls_socket(rig.serve.port, REFUSED_HOST)
+        try:
+            sock.sendall(request_bytes("GET", f"/refused?i={i}", REFUSED_HOST))
+            resp = read_response(sock)
+        finally:
+            forget(sock)
+        assert resp.status == 503 and resp.header("retry-after"), (resp.status, resp.body)
+    client = H2Conn(rig.serve.port, REFUSED_HOST)
+    try:
+        res = client.request("GET", "/refused?leg=h2", content_type=None)
+        assert res.status == 503, res
+    finally:
+        client.close()
     settled(rig)
 
 

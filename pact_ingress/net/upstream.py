@@ -366,10 +366,16 @@ class _Pool:
         the node) for the whole connect timeout after nobody waits for the answer. The
         watch costs a task, paid only here, where a connect and a handshake cost more."""
         conn: _Conn | None = None
+        failed: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_when, gone, nursery.cancel_scope)
-            conn = await self._connect(sni)
+            try:
+                conn = await self._connect(sni)
+            except Exception as exc:  # raised below as itself, not inside a group
+                failed = exc
             nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         if conn is None:
             raise ClientGone("the client left while the edge connected to the node")
         return conn
