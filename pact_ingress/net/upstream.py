@@ -371,7 +371,7 @@ class _Pool:
             nursery.start_soon(_cancel_when, gone, nursery.cancel_scope)
             try:
                 conn = await self._connect(sni)
-            except Exception as exc:  # raised below as itself, not inside a group
+            except Exception as exc:  # noqa: BLE001 - raised below as itself, not in a group
                 failed = exc
             nursery.cancel_scope.cancel()
         if failed is not None:
