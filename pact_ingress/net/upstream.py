@@ -49,6 +49,11 @@ connection per in-flight request is cheap.
   request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
   body — is then sent once more on a fresh connection; any other (a POST such as every
   MCP call, a streamed body) is never sent twice: 502.
+* **Early answers**: a node may answer before it has read the whole request body and
+  close (RFC 9112 §9.3: a `413` with `Connection: close`). Its close fails our next
+  write; the answer is then read from what the kernel holds, and when a final head came
+  it is the response (`UpstreamResponse.early`: the caller stops the client's upload),
+  not a 502 for the failed write. The connection is never reused.
 * **Connection reuse**: only after a response read to its end with keep-alive. A
   response abandoned before its end (the client left, a 502 mid-body) closes its
   connection; what the node still sends for it can never be read as the next response.
@@ -60,8 +65,10 @@ with neither header gets one here (Content-Length for bytes, chunked for a strea
 Failures are typed for the front to answer: `NodeUnreachable` → 503,
 `UpstreamTLSError`/`UpstreamProtocolError` → 502, `UpstreamTimeout` → 504.
 
-Time: connecting and the handshake are bounded by `connect_timeout` each; each write of
-the request by the route's `idle_timeout`; the wait for response headers by
+Time: connecting and the handshake are bounded by `connect_timeout` each, and given up
+at once when the caller's `gone` says its client left (an HTTP/1.1 client leg, which
+nothing else watches while it waits on the node); each write of the request by the
+route's `idle_timeout`; the wait for response headers by
 `header_timeout`, counted from the moment the request body has been fully handed over (a
 slow upload is bounded by the per-read idle timeout instead, not by the header budget).
 After the headers, each read of the body is bounded by `idle_timeout`, so SSE streams
