@@ -572,8 +572,6 @@ def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
 
 
 class H2Exchange(Exchange):
-    gone_unnoticed = False  # a reset or a close cancels the exchange's scope
-
     def __init__(self, connection: H2Connection, stream_id: int, method: str, target: bytes,
                  headers: Headers, authority: bytes | None, content_length: int | None,
                  body_done: bool) -> None:

@@ -53,11 +53,6 @@ class Exchange(abc.ABC):
     content_length: int | None  # declared, when it was
     body_done: bool  # nothing (more) of the request body will arrive
 
-    #: Nothing notices the client leaving while the exchange waits on the node unless
-    #: `wait_gone` is watched (HTTP/1.1: one task serves the connection and does not
-    #: read it meanwhile; HTTP/2's reader sees a reset or a close and cancels the stream).
-    gone_unnoticed = True
-
     @property
     def has_body(self) -> bool:
         """A declared length decides; without one, whether more may still arrive."""

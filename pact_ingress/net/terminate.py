@@ -36,10 +36,9 @@ the same story on each, whichever the version:
    Retry-After (node offline, or the edge out of fds to reach it), 502 (pin or TLS
    failure, broken HTTP), 504 (no response headers in time).
 9. **Response** streams back chunk by chunk (SSE works), each chunk bounded by the
-   client write deadline; a client that goes away cancels the upstream request (an
-   HTTP/1.1 client's close is watched while a new node connection is made, and while a
-   stream without a length is relayed); a node that answered before it took the whole
-   body has the client's upload stopped as for the edge's own early answers; a node
+   client write deadline; a client that goes away cancels the upstream request; a node
+   that answered before it took the whole body has the client's upload stopped as for
+   the edge's own early answers; a node
    that breaks mid-body makes the client see a failure (HTTP/1.1 connection dropped,
    HTTP/2 stream reset; an HTTP/1.1 client sent nothing of the answer yet gets a 502),
    never a short body that looks complete.
@@ -567,7 +566,6 @@ class Terminator:
             async with self.upstream.request(
                 route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
                 headers=out, body=body, idle_timeout=route.limits.idle_timeout,
-                gone=ex.wait_gone if ex.gone_unnoticed else None,
             ) as response:
                 times = self._header_times
                 times.append((route.host, conn.now() - started))

@@ -65,10 +65,8 @@ with neither header gets one here (Content-Length for bytes, chunked for a strea
 Failures are typed for the front to answer: `NodeUnreachable` → 503,
 `UpstreamTLSError`/`UpstreamProtocolError` → 502, `UpstreamTimeout` → 504.
 
-Time: connecting and the handshake are bounded by `connect_timeout` each, and given up
-at once when the caller's `gone` says its client left (an HTTP/1.1 client leg, which
-nothing else watches while it waits on the node); each write of the request by the
-route's `idle_timeout`; the wait for response headers by
+Time: connecting and the handshake are bounded by `connect_timeout` each; each write of
+the request by the route's `idle_timeout`; the wait for response headers by
 `header_timeout`, counted from the moment the request body has been fully handed over (a
 slow upload is bounded by the per-read idle timeout instead, not by the header budget).
 After the headers, each read of the body is bounded by `idle_timeout`, so SSE streams
@@ -81,7 +79,7 @@ import math
 import select
 import socket
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
@@ -93,7 +91,6 @@ from pact_ingress.logs import log
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.deadlines import clock
-from pact_ingress.net.http_exchange import ClientGone
 from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
 from pact_ingress.net.shortage import ShortageEpisode
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
@@ -281,12 +278,6 @@ class _Conn(MemoryTLS):
 
 # --- pools ------------------------------------------------------------------------------------
 
-
-async def _cancel_when(gone: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
-    await gone()
-    scope.cancel()
-
-
 PoolKey = tuple[str, str, tuple[str, ...]]
 
 
@@ -310,12 +301,9 @@ class _Pool:
         """The idle connections (for tests and status)."""
         return list(self.idle)
 
-    async def acquire(self, sni: str, deadline: float, *, fresh: bool,
-                      gone: Callable[[], Awaitable[None]] | None = None
-                      ) -> tuple[_Conn, bool]:
+    async def acquire(self, sni: str, deadline: float, *, fresh: bool) -> tuple[_Conn, bool]:
         """A connection for `sni` and whether it was reused; waits for a slot until
-        `deadline` (→ UpstreamTimeout). A new connection is given up when `gone`
-        returns (→ ClientGone)."""
+        `deadline` (→ UpstreamTimeout)."""
         while True:
             idle = self.idle
             if idle:
@@ -330,9 +318,7 @@ class _Pool:
             if self.open < MAX_CONNECTIONS_PER_ROUTE:
                 self.open += 1
                 try:
-                    if gone is None:
-                        return await self._connect(sni), False
-                    return await self._connect_watched(sni, gone), False
+                    return await self._connect(sni), False
                 except BaseException:
                     self.open -= 1
                     self._freed.unpark()
@@ -366,26 +352,6 @@ class _Pool:
             if idle[i].sni == sni:
                 return idle.pop(i)
         return None
-
-    async def _connect_watched(self, sni: str, gone: Callable[[], Awaitable[None]]) -> _Conn:
-        """`_connect`, given up when the client leaves: a node that hangs in its
-        handshake would otherwise hold the exchange (its connection slot, its share of
-        the node) for the whole connect timeout after nobody waits for the answer. The
-        watch costs a task, paid only here, where a connect and a handshake cost more."""
-        conn: _Conn | None = None
-        failed: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_when, gone, nursery.cancel_scope)
-            try:
-                conn = await self._connect(sni)
-            except Exception as exc:  # noqa: BLE001 - raised below as itself, not in a group
-                failed = exc
-            nursery.cancel_scope.cancel()
-        if failed is not None:
-            raise failed
-        if conn is None:
-            raise ClientGone("the client left while the edge connected to the node")
-        return conn
 
     async def _connect(self, sni: str) -> _Conn:
         up = self.upstream
@@ -558,7 +524,6 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncIterable[bytes],
         idle_timeout: float,
-        gone: Callable[[], Awaitable[None]] | None = None,
     ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send one request to `route`'s node; `async with` it: entered once response
         headers arrived.
@@ -567,13 +532,9 @@ class Upstream:
         Raises an `UpstreamError` subclass on entering; after that, a broken body ends
         the body iterator with `UpstreamProtocolError`, an idle one with
         `UpstreamTimeout`. Leaving gives the connection back to the pool (or closes it).
-
-        `gone`: returns once the client is known to have left, for a client leg where
-        nothing else would notice; a new connection to the node (connect and handshake,
-        up to `connect_timeout` each) is then given up at once (`ClientGone`).
         """
         return _Request(self, self._pool_for(route, pins), method, host, target, headers,
-                        body, idle_timeout, gone)
+                        body, idle_timeout)
 
     async def _exchange(
         self,
@@ -584,7 +545,6 @@ class Upstream:
         headers: list[tuple[bytes, bytes]],
         body: bytes | AsyncIterable[bytes],
         idle_timeout: float,
-        gone: Callable[[], Awaitable[None]] | None,
     ) -> tuple[_Conn, ResponseParser]:
         """Send the request and read the response head, retrying once when the pooled
         connection it went out on turns out to have been closed by the node."""
@@ -600,8 +560,7 @@ class Upstream:
             if conn is not None:
                 reused = True
             else:
-                conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh,
-                                                   gone=gone)
+                conn, reused = await entry.acquire(host, pool_deadline, fresh=fresh)
             try:
                 parser = await self._send(conn, method, head, body, chunked, idle_timeout,
                                           entry.now)
@@ -713,7 +672,7 @@ class _Request:
                 await up._reap()
             raise
         self._conn, self._parser = conn, parser
-        self._body = _Body(conn, parser, self._args[-2])  # type: ignore[arg-type]
+        self._body = _Body(conn, parser, self._args[-1])  # type: ignore[arg-type]
         return UpstreamResponse(parser.status, parser.headers, parser.version, self._body,
                                 conn.answered_early)
 
