@@ -9,7 +9,6 @@ from __future__ import annotations
 import fcntl
 import http.client
 import json
-import select
 import socket
 import stat
 import struct
@@ -40,7 +39,6 @@ from pact_ingress.admin import (
     serve_admin,
     tenants_from,
 )
-from pact_ingress.admin import server as admin_server
 from pact_ingress.admin.page import render_page
 from pact_ingress.admin.server import MIN_TOKEN_LENGTH, _check_remote
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
@@ -380,66 +378,6 @@ def test_remote_bind_policy() -> None:
     _check_remote(Address("::1", 9180), "::1", None, False)
     with pytest.raises(ConfigError, match="at least"):
         _check_remote(Address("192.0.2.2", 9180), "192.0.2.2", "short", True)
-
-
-def _hold(addr: Address, n: int) -> list[int]:
-    """`n` connections from 127.0.0.2, held idle until the endpoint has closed those it
-    will not serve (within a bound, well inside its 5 s idle timeout); then a request on
-    each: its status, 0 for a connection the endpoint closed instead of serving."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.settimeout(5)
-            sock.bind(("127.0.0.2", 0))
-            sock.connect((addr.host, addr.port))
-            socks.append(sock)
-        poller = select.poll()
-        for sock in socks:
-            poller.register(sock, select.POLLIN)
-        closed: set[int] = set()
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:  # bounded: closes at accept come at once
-            closed |= {fd for fd, _ in poller.poll(100)}
-        statuses = []
-        for sock in socks:
-            if sock.fileno() in closed:
-                statuses.append(0)
-                continue
-            # closed by the endpoint after its answer, its slot given back then (a
-            # keep-alive connection's would be at its idle timeout)
-            sock.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                         b"Connection: close\r\n\r\n")
-            head = sock.recv(12)
-            statuses.append(int(head[9:12]) if head.startswith(b"HTTP/1.1 ") else -1)
-        return statuses
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-async def test_connections_from_beyond_loopback_are_capped_at_accept(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peer beyond loopback holds at most `MAX_REMOTE_CONNECTIONS_PER_CLIENT`
-    connections at once: more are closed at accept, unread, and the operator on
-    loopback is still served. A test has only loopback addresses, so 127.0.0.2 stands
-    for a peer beyond it: the one thing faked here."""
-    monkeypatch.setattr(admin_server, "_is_loopback", lambda ip: ip.startswith("127.0.0.1"))
-    cap = admin_server.MAX_REMOTE_CONNECTIONS_PER_CLIENT
-    async with running(Address("127.0.0.1", 0)) as addr:
-        assert isinstance(addr, Address)
-        statuses = await trio.to_thread.run_sync(_hold, addr, cap + 4)
-        assert statuses.count(200) == cap and statuses.count(0) == 4, statuses
-        assert (await ahttp(addr, "GET", "/status"))[0] == 200  # the operator, local
-        # given back: the same peer is served again once its connections closed (as
-        # soon as the endpoint has read their closes: asked again, within a bound)
-        again: list[int] = []
-        for _ in range(50):
-            again = await trio.to_thread.run_sync(_hold, addr, 2)
-            if again == [200, 200]:
-                break
-            await trio.sleep(0.1)
-        assert again == [200, 200]
 
 
 def _local_non_loopback_ipv4() -> str | None:

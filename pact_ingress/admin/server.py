@@ -6,10 +6,7 @@ The admin surface is for the operator of this machine, so by default it is reach
 from this machine: a loopback TCP address or a unix socket (`listen.admin`). Binding any
 other address needs two explicit opt-ins, `allow_remote=True` and a bearer `token`; without
 them `serve_admin` raises `ConfigError` before a socket exists. With a token every request
-must carry `Authorization: Bearer <token>` (compared in constant time), checked on the
-request head: a request without it is answered 401 and the connection closed before any
-of its body is read. Connections from peers beyond loopback are capped at accept, in
-total and per client (`MAX_REMOTE_CONNECTIONS`); local ones are not counted.
+must carry `Authorization: Bearer <token>` (compared in constant time).
 
 Two browser attacks reach loopback services and are closed here:
 - DNS rebinding (a web page whose name re-resolves to 127.0.0.1 reads /status): on a TCP
@@ -23,20 +20,19 @@ keep-alive, request-size caps and timeouts for free, and the admin endpoint is n
 that would pay for its generality; a hand-rolled parser would be one more HTTP
 implementation to harden. We create and bind the listening socket ourselves (to check the
 resolved address, to make the unix socket mode 0600 before it listens, and to report a TCP
-port 0's real port) and accept on it ourselves (to cap connections at accept); each
-connection is then served by hypercorn's `TCPServer`, what its own `worker_serve` runs
-for every connection it accepts. The app is a tiny ASGI
+port 0's real port) and hand it to `hypercorn.trio.run.worker_serve(sockets=...)`, the
+same entry point `hypercorn.trio.serve` uses after its own bind. The app is a tiny ASGI
 callable; every handler is a small function returning (status, headers, body).
 """
 
 from __future__ import annotations
 
-import errno
 import hmac
 import inspect
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -49,9 +45,8 @@ from urllib.parse import parse_qs
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -59,9 +54,6 @@ from pact_ingress.admin.page import render_page
 from pact_ingress.errors import ConfigError, ListenError
 from pact_ingress.logs import log
 from pact_ingress.model import Address
-from pact_ingress.net.http_listener import Slots
-from pact_ingress.net.router import client_of
-from pact_ingress.net.shortage import ACCEPT_BACKOFF, ShortageEpisode
 from pact_ingress.stats import Stats
 
 StatusFn = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
@@ -93,21 +85,35 @@ KEEP_ALIVE_SECONDS = 5.0
 #: action: POST /certs/renew orders a certificate and the CLI waits up to 120 s for it.
 READ_TIMEOUT_SECONDS = 180
 
-#: Connections from peers beyond loopback served at once, and per client (an IPv4
-#: address, an IPv6 /64); more are closed at accept, as on :80. The endpoint serves a
-#: few operators, never the public. Loopback and unix-socket peers are not counted: an
-#: operator on the machine is never locked out by connections held from elsewhere (nor
-#: by local ones: the unix socket is the service user's alone, and a local user can
-#: exhaust the machine in plainer ways).
-MAX_REMOTE_CONNECTIONS = 64
-MAX_REMOTE_CONNECTIONS_PER_CLIENT = 8
-
 #: Host header names that are fine on a tokenless loopback bind (DNS-rebinding guard).
 _LOOPBACK_HOSTNAMES = frozenset({"localhost", "localhost.localdomain"})
 
 _HTTP_LOG = logging.getLogger("pact_ingress.admin.http")
 _HTTP_LOG.setLevel(logging.WARNING)  # hypercorn's "Running on …" banner is not for us
 
+
+class _AcceptEpisodes(logging.Filter):
+    """hypercorn accepts with trio's `serve_listeners`, which logs every accept that
+    fails for want of fds, traceback and all, at each 100 ms back-off for as long as the
+    shortage lasts. One JSON line per episode instead; that loop reports no success to
+    end one, so a failure `gap` seconds after the previous one starts the next."""
+
+    def __init__(self, gap: float = 2.0) -> None:
+        super().__init__()
+        self.gap = gap
+        self.last = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("accept returned"):
+            return True
+        if record.created - self.last > self.gap:
+            error = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            log.error("admin_accept_failed", error=str(error), backoff_s=0.1)
+        self.last = record.created
+        return False
+
+
+_ACCEPT_EPISODES = _AcceptEpisodes()
 
 Headers = list[tuple[bytes, bytes]]
 ExtraHeaders = Sequence[tuple[bytes, bytes]]
@@ -480,12 +486,13 @@ async def serve_admin(
     app = AdminApp(stats=stats, status=status, reload=reload, renew=renew, token=token,
                    check_host=isinstance(bound, Address), metrics=metrics)
     config = _hypercorn_config()
+    logging.getLogger("trio.serve_listeners").addFilter(_ACCEPT_EPISODES)  # idempotent
     try:
         sock.listen(ADMIN_BACKLOG)
         sock.setblocking(False)
         asgi: Any = app  # an ASGI callable; hypercorn's Protocol types are stricter than ours
-        serve = partial(_serve_connections, wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
-                        config, sock)
+        serve = partial(worker_serve, wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
+                        config, sockets=Sockets([], [sock], []))
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
             log.info("admin_listening", address=str(bound if isinstance(bound, Address)
@@ -495,65 +502,6 @@ async def serve_admin(
         sock.close()
         if isinstance(bound, Path):
             _unlink_quietly(bound)
-
-
-async def _serve_connections(app: Any, config: HypercornConfig, sock: socket.socket, *,
-                             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                             ) -> None:
-    """hypercorn's connection server (`TCPServer`, what its `worker_serve` runs for each
-    connection it accepts) behind our own accept loop, so that connections from beyond
-    loopback are capped at accept, the way :80 caps its own (`http_listener.Slots`).
-    (`worker_serve` offers no hook between accept and serve; it would also run the ASGI
-    lifespan, which our app has nothing to do in.) Accepts that fail for want of fds
-    back off and are logged once per shortage."""
-    context = WorkerContext(None)
-    state = ConnectionState({})
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    slots = Slots(MAX_REMOTE_CONNECTIONS, MAX_REMOTE_CONNECTIONS_PER_CLIENT)
-    episode = ShortageEpisode("admin_accept_failed", resumed="admin_accept_resumed")
-    async with trio.open_nursery() as nursery:
-        task_status.started()
-        while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:
-                episode.failed(errno.errorcode.get(exc.errno or 0, str(exc)),
-                               trio.current_time())
-                await trio.sleep(ACCEPT_BACKOFF)
-                continue
-            if episode.failures:
-                episode.accepted(trio.current_time())
-            who = _remote_client(stream)
-            if who is not None and not slots.take(who):
-                await trio.aclose_forcefully(stream)
-                continue
-            nursery.start_soon(_serve_one, app, config, context, state, stream, slots, who)
-
-
-async def _serve_one(app: Any, config: HypercornConfig, context: WorkerContext,
-                     state: ConnectionState, stream: trio.SocketStream, slots: Slots,
-                     who: str | None) -> None:
-    try:
-        await TCPServer(app, config, context, state, stream)  # closes the stream
-    finally:
-        if who is not None:
-            slots.give(who)
-
-
-def _remote_client(stream: trio.SocketStream) -> str | None:
-    """Who a connection counts against, or None for a peer on this machine (loopback,
-    a unix socket), which is not counted (see `MAX_REMOTE_CONNECTIONS`). A peer already
-    gone counts as remote under a name of its own: it is closed at once either way."""
-    try:
-        peer = stream.socket.getpeername()
-    except OSError:
-        return "gone"
-    if not isinstance(peer, tuple):
-        return None  # a unix socket
-    ip = str(peer[0])
-    if _is_loopback(ip):
-        return None
-    return client_of(ip)
 
 
 def _unlink_quietly(path: Path) -> None:

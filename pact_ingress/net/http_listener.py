@@ -208,7 +208,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
         listeners = await trio.open_tcp_listeners(address.port, host=address.host)
     except OSError as exc:
         raise ListenError.binding(str(address), exc) from exc
-    slots = Slots()
+    slots = _Slots()
     bound = listeners[0].socket.getsockname()[:2]
     # as the config writes it (IPv6 in brackets): "::1:8080" is no address one could use
     log.info("http_listening", address=str(Address(str(bound[0]), int(bound[1]))))
@@ -220,7 +220,7 @@ async def serve_http(address: Address, answers: Http01Lookup, *,
 
 
 async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
-                       slots: Slots, nursery: trio.Nursery, episode: ShortageEpisode) -> None:
+                       slots: _Slots, nursery: trio.Nursery, episode: ShortageEpisode) -> None:
     async with listener:
         while True:  # runs until cancelled; every accepted stream is handled or closed
             try:
@@ -243,17 +243,15 @@ async def _accept_loop(listener: trio.SocketListener, answers: Http01Lookup,
 
 
 @dataclass
-class Slots:
-    """Connections being served, in total and per client (see `MAX_CONNECTIONS_PER_IP`);
-    the admin endpoint caps its connections from beyond loopback with one too."""
+class _Slots:
+    """Connections being served, in total and per client (see `MAX_CONNECTIONS_PER_IP`)."""
 
     free: int = MAX_CONNECTIONS
-    per_client: int = MAX_CONNECTIONS_PER_IP
     by_client: dict[str, int] = field(default_factory=dict)
 
     def take(self, who: str) -> bool:
         held = self.by_client.get(who, 0)
-        if self.free == 0 or held >= self.per_client:
+        if self.free == 0 or held >= MAX_CONNECTIONS_PER_IP:
             return False
         self.free -= 1
         self.by_client[who] = held + 1
@@ -267,7 +265,7 @@ class Slots:
 
 
 async def _serve_one(stream: trio.SocketStream, answers: Http01Lookup,
-                     slots: Slots, who: str) -> None:
+                     slots: _Slots, who: str) -> None:
     try:
         await handle_http(stream, answers)
     finally:
