@@ -241,6 +241,10 @@ def _error(status: int, message: str, extra: ExtraHeaders = ()) -> Response:
     return _response(status, body, "application/json", extra)
 
 
+def _unauthorized(*extra: tuple[bytes, bytes]) -> Response:
+    return _error(401, "admin token required", [(b"www-authenticate", b"Bearer"), *extra])
+
+
 #: For an answer that a shortage (of fds) prevented: worth asking again shortly.
 _RETRY_SOON: Headers = [(b"retry-after", b"1")]
 
@@ -277,6 +281,18 @@ class AdminApp:
             await self._lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        if self.token is not None and not self._token_given(scope):
+            # Checked on the head: a peer without the token is not worth reading a body
+            # for (a large upload, or one trickled in, would hold the connection and its
+            # fd for as long as it lasts). `Connection: close` makes hypercorn end the
+            # connection after this answer instead of reading on; should the body break
+            # the framing meanwhile, its reader only closes (it answers itself only
+            # before a response has begun, and its writes and ours take turns on one
+            # lock).
+            status, headers, body = _unauthorized((b"connection", b"close"))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
             return
         # Answer only once the request has been read to its end. hypercorn answers a body
         # that breaks the HTTP framing with its own 400 from the task that reads; were our
@@ -322,12 +338,19 @@ class AdminApp:
             return _error(405, f"{method} not allowed on {path}", [(b"allow", allow)])
         return _error(404, f"no such admin resource: {path}")
 
+    def _token_given(self, scope: dict[str, Any]) -> bool:
+        """The request's `Authorization` is exactly `Bearer <token>` (there must be a
+        token), compared in constant time; a repeated field is no token."""
+        given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
+        expected = f"Bearer {self.token}".encode()
+        return len(given) == 1 and hmac.compare_digest(given[0], expected)
+
     def _guard(self, headers: dict[str, str]) -> Response | None:
         """Token and Host checks; a refusal response, or None to proceed."""
         if self.token is not None:
             given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return _error(401, "admin token required", [(b"www-authenticate", b"Bearer")])
+                return _unauthorized()
         elif self.check_host and not _loopback_host(headers.get("host", "")):
             return _error(421, "Host header must name a loopback address")
         return None

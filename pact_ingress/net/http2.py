@@ -85,6 +85,7 @@ import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import (
+    BadResponse,
     ClientGone,
     Exchange,
     Headers,
@@ -175,6 +176,20 @@ def response_block(status: int, headers: Headers) -> Headers:
             # stream whose length is not 0, and there is no content to measure anyway
             continue
         block.append((name, value.strip(_OWS)))
+    return block
+
+
+def _sendable_block(conn: h2.H2Server, status: int, headers: Headers) -> Headers:
+    """`response_block`, or `BadResponse` when it is larger than the client's advertised
+    SETTINGS_MAX_HEADER_LIST_SIZE. The engine then answers 502 on the stream, as proxies
+    do with an upstream head they cannot pass on (nginx's "upstream sent too big
+    header"): a status the client can act on, where a reset would say nothing, and
+    sending it anyway would have the client discard the answer or, as the h2 library
+    does, fail the whole connection and every other stream on it. Nothing of the answer
+    has gone out at this point: the head is its first frame."""
+    block = response_block(status, headers)
+    if not conn.fits_peer(block):
+        raise BadResponse("response head larger than the client's SETTINGS_MAX_HEADER_LIST_SIZE")
     return block
 
 
@@ -675,8 +690,9 @@ class H2Exchange(Exchange):
 
     async def respond(self, status: int, headers: Headers) -> None:
         self._live()
+        block = _sendable_block(self.c.conn, status, headers)
         try:
-            self.c.conn.send_headers(self.stream_id, response_block(status, headers))
+            self.c.conn.send_headers(self.stream_id, block)
         except h2.StreamClosed as exc:
             raise ClientGone("stream or connection closed") from exc
         self.c.kick()
@@ -735,7 +751,7 @@ class H2Exchange(Exchange):
                       or n > conn.max_outbound_frame_size or len(conn.out) + n >= FLUSH_BYTES):
                 await super().respond_whole(status, headers, body)
                 return
-            conn.send_headers(self.stream_id, response_block(status, headers),
+            conn.send_headers(self.stream_id, _sendable_block(conn, status, headers),
                               end_stream=not n)
             if n:
                 conn.send_data(self.stream_id, body, end_stream=True)

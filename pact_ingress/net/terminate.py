@@ -37,6 +37,8 @@ the same story on each, whichever the version:
    failure, broken HTTP), 504 (no response headers in time).
 9. **Response** streams back chunk by chunk (SSE works), each chunk bounded by the
    client write deadline; a client that goes away cancels the upstream request; a node
+   that answered before it took the whole body has the client's upload stopped as for
+   the edge's own early answers; a node
    that breaks mid-body makes the client see a failure (HTTP/1.1 connection dropped,
    HTTP/2 stream reset; an HTTP/1.1 client sent nothing of the answer yet gets a 502),
    never a short body that looks complete.
@@ -583,6 +585,8 @@ class Terminator:
 
     async def _relay(self, ex: Exchange, route: Route, response: UpstreamResponse) -> None:
         headers = clean_response_headers(response.headers)
+        if response.early:  # the node answered before it took the body, and closed
+            ex.stop_body()
         whole = response.take_whole()
         if whole is not None:  # the whole answer is here: one write, no pump
             await ex.respond_whole(response.status, headers, whole)

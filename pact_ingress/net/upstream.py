@@ -49,6 +49,11 @@ connection per in-flight request is cheap.
   request — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE) with a bytes
   body — is then sent once more on a fresh connection; any other (a POST such as every
   MCP call, a streamed body) is never sent twice: 502.
+* **Early answers**: a node may answer before it has read the whole request body and
+  close (RFC 9112 §9.3: a `413` with `Connection: close`). Its close fails our next
+  write; the answer is then read from what the kernel holds, and when a final head came
+  it is the response (`UpstreamResponse.early`: the caller stops the client's upload),
+  not a 502 for the failed write. The connection is never reused.
 * **Connection reuse**: only after a response read to its end with keep-alive. A
   response abandoned before its end (the client left, a 502 mid-body) closes its
   connection; what the node still sends for it can never be read as the next response.
@@ -179,6 +184,8 @@ class _Conn(MemoryTLS):
         self.idle_since = 0.0
         self.session_saved = False
         self.dead = False  # `alive` said no: it says so again without a syscall
+        #: the node answered before it took the whole request (`_answered_early`)
+        self.answered_early = False
         self._sock: trio.socket.SocketType | None = None
         raw: socket.socket | None = None
         if isinstance(stream, trio.SocketStream):
@@ -426,6 +433,9 @@ class UpstreamResponse:
     headers: list[tuple[bytes, bytes]]
     http_version: str
     body: AsyncIterator[bytes] = field(repr=False)  # a _Body
+    #: the node answered before it had taken the whole request body, and closed: the
+    #: rest of the client's upload goes nowhere and must be stopped
+    early: bool = False
 
     def take_whole(self) -> bytes | None:
         """The whole body when all of it has arrived already (a small answer comes in
@@ -589,17 +599,23 @@ class Upstream:
         try:
             buffered = isinstance(body, bytes | bytearray)
             try:
-                deadline = now() + idle_timeout
-                if buffered and body and len(head) + len(body) <= WRITE_SLICE:
-                    await conn.write(head + body, deadline)  # one TLS record for it all
-                else:
-                    await conn.write(head, deadline)
-                    if buffered and body:
-                        await conn.write(body, deadline)
-            except trio.TooSlowError:
-                raise UpstreamTimeout("the node did not take the request in time") from None
-            if not buffered:
-                await _send_stream(conn, body, chunked, idle_timeout)  # type: ignore[arg-type]
+                try:
+                    deadline = now() + idle_timeout
+                    if buffered and body and len(head) + len(body) <= WRITE_SLICE:
+                        await conn.write(head + body, deadline)  # one TLS record for it all
+                    else:
+                        await conn.write(head, deadline)
+                        if buffered and body:
+                            await conn.write(body, deadline)
+                except trio.TooSlowError:
+                    raise UpstreamTimeout("the node did not take the request in time") from None
+                if not buffered:
+                    await _send_stream(conn, body, chunked,  # type: ignore[arg-type]
+                                       idle_timeout)
+            except _Broken:
+                if await _answered_early(conn, parser, now() + self.header_timeout):
+                    return parser
+                raise
             deadline = now() + self.header_timeout
             wait_first = True  # the node cannot have answered a request just sent
             try:
@@ -657,7 +673,8 @@ class _Request:
             raise
         self._conn, self._parser = conn, parser
         self._body = _Body(conn, parser, self._args[-1])  # type: ignore[arg-type]
-        return UpstreamResponse(parser.status, parser.headers, parser.version, self._body)
+        return UpstreamResponse(parser.status, parser.headers, parser.version, self._body,
+                                conn.answered_early)
 
     async def __aexit__(self, *exc_info: object) -> None:
         up, entry = self._up, self._entry
@@ -696,6 +713,33 @@ def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
         return request_head(method, target, headers), chunked
     except (ValueError, UnicodeEncodeError) as exc:
         raise UpstreamProtocolError(f"request cannot be sent: {exc}") from exc
+
+
+async def _answered_early(conn: _Conn, parser: ResponseParser, deadline: float) -> bool:
+    """After a write of the request failed: did the node answer before it closed?
+
+    A node may answer before it has read the whole body and then close (RFC 9112 §9.3:
+    a `413` with `Connection: close`); the close fails our next write, and its answer
+    waits whole in our receive buffer. That answer is the client's, not a 502 for the
+    link. What the kernel still has for us is read (the link is closed, so that ends at
+    once); True when a final response head came, and the body follows from the same
+    buffer. The connection is never reused, and the response says the request body
+    was cut short (`answered_early`), so the client's upload is stopped as for the
+    edge's own early answers."""
+    conn._out.read()  # records that can no longer be sent: never sent before a read
+    conn._held = b""
+    try:
+        while not parser.head_done:
+            data = await conn.read(READ_SIZE, deadline)
+            if data:
+                parser.feed(data)
+            else:
+                parser.feed_eof()
+    except (_Broken, ResponseError, trio.TooSlowError):
+        return False
+    parser.keep_alive = False
+    conn.answered_early = True
+    return True
 
 
 async def _send_stream(conn: _Conn, body: AsyncIterable[bytes], chunked: bool,

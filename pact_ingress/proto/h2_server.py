@@ -109,6 +109,12 @@ class ErrorCode(enum.IntEnum):
     HTTP_1_1_REQUIRED = 0xD
 
 
+#: No response header list the edge sends is this large (a node's head is capped at
+#: 64 KiB and 128 fields on its own leg, `proto.http_upstream`): a client advertising at
+#: least this much needs no counting.
+_ANY_LIST = 64 * 1024 + 32 * 130
+
+
 class Setting(enum.IntEnum):
     HEADER_TABLE_SIZE = 0x1
     ENABLE_PUSH = 0x2
@@ -302,6 +308,8 @@ class H2Server:
         self._send_initial = DEFAULT_WINDOW
         self.conn_send_window = DEFAULT_WINDOW
         self.max_outbound_frame_size = DEFAULT_MAX_FRAME
+        #: the client's SETTINGS_MAX_HEADER_LIST_SIZE: None until it names one (unlimited)
+        self.peer_max_header_list_size: int | None = None
         self._table_reset = True  # start the next block with a table size update to 0
 
     # -- set-up and output ------------------------------------------------------------
@@ -653,6 +661,8 @@ class H2Server:
                 if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     self._fail(ErrorCode.PROTOCOL_ERROR, "max frame size out of range")
                 self.max_outbound_frame_size = value
+            elif code == Setting.MAX_HEADER_LIST_SIZE:
+                self.peer_max_header_list_size = value
         self._write(_frame(SETTINGS, ACK, 0))
         events.append(_SETTINGS_CHANGED)
 
@@ -707,6 +717,14 @@ class H2Server:
 
     def is_open(self, stream_id: int) -> bool:
         return stream_id in self.streams
+
+    def fits_peer(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Is a header list within what the client said it takes (RFC 9113 §6.5.2:
+        names and values, 32 octets more per field)?"""
+        limit = self.peer_max_header_list_size
+        if limit is None or limit >= _ANY_LIST:
+            return True
+        return sum(len(n) + len(v) + 32 for n, v in headers) <= limit
 
     def send_headers(self, stream_id: int, headers: Iterable[tuple[bytes, bytes]],
                      end_stream: bool = False) -> None:
