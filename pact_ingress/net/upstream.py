@@ -31,13 +31,13 @@ connection per in-flight request is cheap.
   running a full handshake (the pin is still checked: a resumed session carries the
   node's certificate).
 * **Pool**: one per (route host, backend, pins). Idle connections are reused last in,
-  first out, expire after `KEEPALIVE_EXPIRY`, and are checked before every reuse
-  (a `poll(2)`, and a read when it says something came): a connection the node closed, or wrote to with no request
-  outstanding, is closed instead. Not even a connection used a moment ago skips it:
-  bytes the node wrote after its answer (a second response, the tail of a body longer
-  than its Content-Length) would otherwise be read as the answer to the next request,
-  and that request's own answer as the answer to the one after, a desync that lasts as
-  long as requests keep the connection busy. At most
+  first out, expire after `KEEPALIVE_EXPIRY`, and are checked before every reuse (a
+  `poll(2)`, and a read when it says something came): a connection the node closed, or
+  wrote to with no request outstanding, is closed instead. Not even a connection used a
+  moment ago skips it: bytes the node wrote after its answer (a second response, the
+  tail of a body longer than its Content-Length) would otherwise be read as the answer
+  to the next request, and that request's own answer as the answer to the one after, a
+  desync that lasts as long as requests keep the connection busy. At most
   `MAX_CONNECTIONS_PER_ROUTE` are open; a request waits for a free one at most
   `header_timeout` (→ `UpstreamTimeout`). A reload that changes a route's backend or pins
   gets a fresh pool; the old one is retired: its idle connections close at once, and a
