@@ -116,10 +116,18 @@ def test_passthrough_out_of_fds_answers_backs_off_once_and_recovers(tmp_path: Pa
             assert recv_exact(c, len(HELLO) + 1) == HELLO + b"y"
         assert metric(admin, "pact_ingress_rejections_total",
                       reason="backend_unreachable") == 1
-        assert metric(admin, "pact_ingress_rejections_total", reason="accept_EMFILE") >= 2
-        assert len(events(s, "accept_failed")) == 1, [
-            e for e in s.log_events() if "accept" in e.get("event", "")]
-        assert len(events(s, "accept_resumed")) == 1
+        failures = metric(admin, "pact_ingress_rejections_total", reason="accept_EMFILE")
+        # Logged once per episode, not per failure. The first episode lasted the 0.5 s
+        # above, several back-offs, and it is one line and one resumed line counting
+        # them. Closing the idle clients can end it and start a second, short one: the
+        # backlog's leftovers take the freed fds again before the engine has closed
+        # what it accepted. Each episode is one pair of lines, whatever its length.
+        failed, resumed = events(s, "accept_failed"), events(s, "accept_resumed")
+        lines = [e for e in s.log_events() if "accept" in e.get("event", "")]
+        assert len(failed) == len(resumed) >= 1, lines
+        assert resumed[0]["failures"] >= 2, lines
+        assert sum(e["failures"] for e in resumed) <= failures, (failures, lines)
+        assert len(failed) < sum(e["failures"] for e in resumed), lines
         assert "Traceback" not in without_admin_accept(s.logs())
 
 
