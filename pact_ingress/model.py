@@ -34,6 +34,9 @@ class Limits:
     # route's node at once; the upstream pool holds 100 connections per route, so one
     # address can hold at most a sixth of it.
     max_requests_in_flight_per_ip: int = 16
+    # Terminate routes: each write of an answer must be taken by the client within this
+    # (a client that stops reading, or holds its HTTP/2 window shut, is dropped).
+    client_write_timeout: float = 30.0  # seconds
 
 
 @dataclass(frozen=True)

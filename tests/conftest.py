@@ -9,7 +9,12 @@ skipping the real peers.
 
 from __future__ import annotations
 
+import compileall
+import contextlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,6 +23,20 @@ settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("default")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite starts `serve`, its workers, the connector and the CLI as real processes
+    many hundreds of times, each importing the package afresh. Where bytecode is not
+    written (PYTHONDONTWRITEBYTECODE, as in containers), every one of them would compile
+    the package's sources again (up to half a second of CPU each): compile them once
+    here, and each process reads the bytecode. A source changed since is compiled again
+    as usual, so what runs is the same code either way; a package that cannot be written
+    to is left as it is."""
+    spec = importlib.util.find_spec("pact_ingress")
+    if sys.dont_write_bytecode and spec is not None and spec.origin is not None:
+        with contextlib.suppress(OSError):
+            compileall.compile_dir(Path(spec.origin).parent, quiet=2, workers=1)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -448,6 +448,9 @@ class Serve:
     seal: str = "required"
     opt_seal: str = "optional"
     extra_routes: str = ""
+    #: More terminate routes to the node, `seal: optional`: (host, inline route limits
+    #: YAML such as "{idle_timeout: 1s}", or "" for the top-level ones).
+    node_routes: tuple[tuple[str, str], ...] = ()
     workers: int | None = None  # `serve --workers N`; None: the default (one per core)
     nofile: int | None = None  # the serve's RLIMIT_NOFILE (soft and hard), to run it out
     #: Where the TLS and admin listeners bind, and how the routes name the node (an IPv6
@@ -479,7 +482,8 @@ class Serve:
     def render(self) -> str:
         limits = "".join(f"  {k}: {v}\n" for k, v in self.limits.items())
         routes = ""
-        for host, posture in ((HOST, self.seal), (OPT_HOST, self.opt_seal)):
+        for host, posture, route_limits in ((HOST, self.seal, ""), (OPT_HOST, self.opt_seal, ""),
+                                            *((h, "optional", lim) for h, lim in self.node_routes)):
             routes += f"""\
       - host: {host}
         mode: terminate
@@ -488,6 +492,8 @@ class Serve:
         mcp_path: /mcp
         cert: {{cert: certs/{host}.crt, key: certs/{host}.key}}
 """
+            if route_limits:
+                routes += f"        limits: {route_limits}\n"
         return f"""\
 identity: {{key: ingress.key}}
 state_dir: state

@@ -521,3 +521,19 @@ def test_certs_list_prints_no_raw_control_characters() -> None:
     assert not any(ord(c) < 32 and c != "\n" or 127 <= ord(c) < 160 for c in out), repr(out)
     assert out.count("\n") == 1  # a header and one row, the error's CR LF shown as '?'
     assert "urn:acme:error ?[2J?[Hbad??news?1m" in out
+
+
+def test_serve_without_acme_does_not_load_the_acme_client() -> None:
+    """What `serve` imports to run routes with certificate files (the manager included)
+    leaves the ACME client, requests and dnspython unloaded: they come with the first
+    order, challenge or DNS-01 solver, not with every start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pact_ingress.app, pact_ingress.acme.manager, pact_ingress.worker\n"
+            "print(sorted(m for m in ('acme', 'josepy', 'requests', 'dns', "
+            "'pact_ingress.acme.issuer') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

@@ -170,6 +170,7 @@ tenants:
     assert (limits.calls_per_hour_per_ip_key, limits.calls_per_hour_per_ip) == (600, 3000)
     assert limits.max_body_bytes == 6 * 1024 * 1024
     assert limits.max_requests_in_flight_per_ip == 16
+    assert limits.client_write_timeout == 30.0
     assert loaded.acme is not None and loaded.acme.challenges == ("tls-alpn-01", "http-01")
     routes = {r.host: r for r in loaded.routes()}
     assert (routes["pass.contract.test"].proxy_protocol,

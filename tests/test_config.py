@@ -158,6 +158,8 @@ def test_units_and_route_limit_merge() -> None:
     assert a.limits.idle_timeout == 3600.0
     assert b.limits.max_body_bytes == 100_000
     assert b.limits.clienthello_timeout == 1.5
+    assert (config.limits.client_write_timeout, a.limits.client_write_timeout) == (120.0, 120.0)
+    assert b.limits.client_write_timeout == 0.5
 
 
 def test_local_config_is_loopback_only() -> None:

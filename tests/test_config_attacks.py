@@ -212,6 +212,14 @@ def test_digits_are_ascii_digits(tmp_path: Path, key: str, value: str) -> None:
     assert len(limit_messages(tmp_path, key, value)) == 1
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "0s", "2d", "ten", "[1]", ".nan"])
+def test_client_write_timeout_is_a_duration_like_the_others(tmp_path: Path, value: str) -> None:
+    """The write deadline is checked like every duration limit: a zero, negative, over a
+    day or unreadable one (which would drop every client, or never drop a stalled one)
+    is refused with its line, not taken."""
+    assert len(limit_messages(tmp_path, "client_write_timeout", value)) == 1
+
+
 def with_backend(tmp_path: Path, backend: str) -> Path:
     """A config whose one route (line 9) is a passthrough to `backend`."""
     path = tmp_path / "backend.yaml"

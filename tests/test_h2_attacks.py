@@ -233,13 +233,22 @@ LIMITS = {"calls_per_hour_per_ip_key": 10**6, "calls_per_hour_per_ip": 10**6,
 #: waits in the listener's backlog, so a request there never has its body taken.
 TARPIT_HOST = "tarpit.attack.test"
 
+#: A terminate route to the same node with a short write deadline of its own (the
+#: route's `client_write_timeout`): a client that stalls there is dropped in seconds, not
+#: after the default 30 s. Long enough that what a stall test does while the client
+#: stalls (serving others, about a second) is done well before it.
+STALL_HOST = "stall.attack.test"
+STALL_WRITE_TIMEOUT = 10
+
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with socket.create_server((LOOPBACK, 0), backlog=64) as tarpit:
         route = tarpit_route(TARPIT_HOST, tarpit.getsockname()[1])
         env = Env.start(tmp_path_factory.mktemp("h2attacks"), limits=LIMITS,
-                        extra_routes=route)
+                        extra_routes=route,
+                        node_routes=((STALL_HOST,
+                                      f"{{client_write_timeout: {STALL_WRITE_TIMEOUT}s}}"),))
         env.tarpit = tarpit  # type: ignore[attr-defined]
         yield env
         env.stop()
@@ -1011,9 +1020,9 @@ def test_abort_mid_frame(env: Env, cut: int) -> None:
 
 def test_zero_window_stall_ends(env: Env) -> None:
     """A client that never opens its window: the answer waits at most the write
-    deadline, then the stream is cancelled (RST_STREAM CANCEL) and the connection goes
-    on serving; the node's answer is not held for ever."""
-    c = Raw(env, first=settings((4, 0)))
+    deadline (the stall route's short one), then the stream is cancelled (RST_STREAM
+    CANCEL) and the connection goes on serving; the node's answer is not held for ever."""
+    c = Raw(env, host=STALL_HOST, first=settings((4, 0)))
     try:
         c.send(c.headers(1, "/big?bytes=100000"))
         assert c.until(lambda: bool(c.resets(1)), 60), "the stalled stream never ended"
@@ -1114,8 +1123,10 @@ def test_node_bodies_arrive_whole(env: Env) -> None:
 
 def test_drain_ends_despite_a_zero_window_stall(tmp_path: Path) -> None:
     """SIGTERM while a client holds an answer behind a closed window: the drain does not
-    wait for it for ever; the process exits cleanly and the client's connection ends."""
-    env = Env.start(tmp_path, limits=LIMITS)
+    wait for it for ever; the process exits cleanly and the client's connection ends.
+    The write deadline is shortened (it is what ends the stall; the drain's own deadline,
+    30 s, would only come later)."""
+    env = Env.start(tmp_path, limits={**LIMITS, "client_write_timeout": "3s"})
     try:
         c = Raw(env, first=settings((4, 0)))
         try:

@@ -42,19 +42,59 @@ from tests.terminate_env import (
 )
 
 
-@pytest.fixture
-def ids(tmp_path: Path) -> RelayIdentities:
-    return relay_identities(tmp_path)
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory: pytest.TempPathFactory) -> RelayIdentities:
+    return relay_identities(tmp_path_factory.mktemp("relay-ids"))
 
 
-@pytest.fixture
-def serve(tmp_path: Path, ids: RelayIdentities) -> Iterator[RelayServe]:
-    s = RelayServe(tmp_path, recipients=[ids.recipient])
+def _relay_serve(tmp: Path, ids: RelayIdentities) -> RelayServe:
+    s = RelayServe(tmp, recipients=[ids.recipient])
     recipient = RelayCaller(s.port, ids.recipient)
     assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
     recipient.close()
+    return s
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory,
+           ids: RelayIdentities) -> Iterator[RelayServe]:
+    """One `serve` for the module's cases that neither stop it nor change its limits:
+    each refuses or queues on its own msg_ids, and finds the queue emptied first."""
+    s = _relay_serve(tmp_path_factory.mktemp("relay-surface"), ids)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def serve(shared: RelayServe, ids: RelayIdentities) -> RelayServe:
+    """The module's `serve`, still up, its recipient's queue emptied: each case counts
+    exactly what it queued itself."""
+    assert shared.proc is not None and shared.proc.poll() is None, shared.logs()[-3000:]
+    _empty_queue(shared, ids)
+    return shared
+
+
+@pytest.fixture
+def own_serve(tmp_path: Path, ids: RelayIdentities) -> Iterator[RelayServe]:
+    """A `serve` of the case's own (one it stops)."""
+    s = _relay_serve(tmp_path, ids)
+    yield s
+    s.stop()
+
+
+def _empty_queue(serve: RelayServe, ids: RelayIdentities) -> None:
+    recipient = RelayCaller(serve.port, ids.recipient)
+    try:
+        for _ in range(100):  # bounded: a page holds up to 1000 items
+            page = recipient.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+            if page["items"]:
+                ack, _ = recipient.tool("ack", {"ids": [i["id"] for i in page["items"]]})
+                assert code_of(ack) is None, ack
+            if not page["more"]:
+                return
+        raise AssertionError("the queue did not empty")
+    finally:
+        recipient.close()
 
 
 def raw_h2(port: int, ident: Identity | None) -> RelayH2:
@@ -452,11 +492,13 @@ def test_large_calls_are_checked_like_small_ones(serve: RelayServe,
 # --- shutdown ------------------------------------------------------------------------------
 
 
-def test_drain_closes_idle_connections_and_finishes_busy_ones(serve: RelayServe,
+def test_drain_closes_idle_connections_and_finishes_busy_ones(own_serve: RelayServe,
                                                               ids: RelayIdentities) -> None:
     """SIGTERM: idle keep-alive connections (both versions) close at once; a request
     whose body is still arriving is answered and its item committed; then exit 0."""
     import signal
+
+    serve = own_serve
 
     idle = relay_socket(serve.port, ids.sender)
     idle.sendall(request_bytes("POST", "/relay/mcp", RELAY_HOST, body=rpc("ping")))

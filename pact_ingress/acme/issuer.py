@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from pact_ingress.acme import tlsalpn
 from pact_ingress.acme.account import Account, translated_errors
 from pact_ingress.acme.dns01 import Dns01Solver
+from pact_ingress.acme.kinds import DNS_01, TLS_ALPN_01
 from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
 
@@ -38,10 +39,6 @@ AUTHZ_POLL = 0.2
 #: Longest a whole order may take (validation + finalization), seconds.
 ORDER_TIMEOUT = 120.0
 
-TLS_ALPN_01 = "tls-alpn-01"
-HTTP_01 = "http-01"
-DNS_01 = "dns-01"
-ALL_CHALLENGES = (TLS_ALPN_01, HTTP_01, DNS_01)
 
 
 class ChallengeHooks(Protocol):

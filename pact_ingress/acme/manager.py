@@ -57,11 +57,10 @@ from typing import TYPE_CHECKING
 import trio
 from cryptography import x509
 
-from pact_ingress.acme import issuer as issuer_mod
-from pact_ingress.acme import tlsalpn
-from pact_ingress.acme.account import Account, open_account
-from pact_ingress.acme.dns01 import Dns01Solver
-from pact_ingress.acme.issuer import DNS_01, HTTP_01, TLS_ALPN_01, Issued
+# `issuer`, `account`, `tlsalpn` and `dns01` (the `acme` client, requests, dnspython) are
+# imported where an order, a challenge answer or a DNS-01 solver first needs them: most
+# instances serve certificate files only, and those modules are most of a start-up.
+from pact_ingress.acme.kinds import ALL_CHALLENGES, DNS_01, HTTP_01, TLS_ALPN_01
 from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
 from pact_ingress.acme.store import (
     CertInfo,
@@ -77,6 +76,9 @@ from pact_ingress.model import Acme, CertFiles, Config, Route
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
+    from pact_ingress.acme.account import Account
+    from pact_ingress.acme.dns01 import Dns01Solver
+    from pact_ingress.acme.issuer import Issued
     from pact_ingress.state.acme import AcmeStore
 
 #: ALPN protocols of served (terminate) contexts: the terminate engine speaks both
@@ -198,6 +200,8 @@ class CertManager:
             self._account = None  # other CA, key or trust: reopen on the next order
             self._dns01 = None
             if acme is not None and acme.dns01 is not None:
+                from pact_ingress.acme.dns01 import Dns01Solver
+
                 try:
                     self._dns01 = Dns01Solver(acme.dns01)
                 except AcmeError as exc:
@@ -209,7 +213,7 @@ class CertManager:
                 log.warning("acme_challenge_unusable", challenge=kind, why="no listen.http")
             elif kind == DNS_01 and self._dns01 is None:
                 log.warning("acme_challenge_unusable", challenge=kind, why="no usable dns01")
-            elif kind in issuer_mod.ALL_CHALLENGES:
+            elif kind in ALL_CHALLENGES:
                 kinds.append(kind)
         self._kinds = tuple(kinds)
 
@@ -313,6 +317,8 @@ class CertManager:
             return None
         ctx = self._alpn_shared.get((host, key_authz))
         if ctx is None:
+            from pact_ingress.acme import tlsalpn
+
             ctx = await trio.to_thread.run_sync(functools.partial(
                 tlsalpn.challenge_context, host, key_authz,
                 now=datetime.datetime.now(datetime.UTC)))
@@ -553,13 +559,17 @@ class CertManager:
             if acme is None:
                 raise AcmeError("acme is not configured", reason="config")
             if self._account is None or self._account.cfg != acme:
+                from pact_ingress.acme.account import open_account
+
                 self._account = await trio.to_thread.run_sync(
                     open_account, self.store, acme, abandon_on_cancel=True)
             return self._account
 
     async def _issue(self, account: Account, host: str) -> Issued:
+        from pact_ingress.acme import issuer
+
         deadline = time.monotonic() + self.policy.order_timeout
-        fn = functools.partial(issuer_mod.issue, account, host, kinds=self._kinds,
+        fn = functools.partial(issuer.issue, account, host, kinds=self._kinds,
                                hooks=_ThreadHooks(self), dns01=self._dns01,
                                deadline=deadline, on_order=self._order_sent_from_thread)
         return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
@@ -680,6 +690,8 @@ class _ThreadHooks:
         trio.from_thread.run(self.m.store.publish_challenge, kind, host, token,
                              key_authorization)
         if kind == TLS_ALPN_01:
+            from pact_ingress.acme import tlsalpn  # (the issuer has it loaded already)
+
             ctx = tlsalpn.challenge_context(
                 host, key_authorization, now=datetime.datetime.now(datetime.UTC))
             trio.from_thread.run_sync(self.m._alpn.__setitem__, host, ctx)

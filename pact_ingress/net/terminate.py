@@ -108,8 +108,6 @@ CLIENT_CLOSED = 499
 NODE_BROKE_OFF = 502
 #: The whole request body must arrive within this (a 6 MiB MCP body at 128 KiB/s).
 BODY_TIMEOUT = 60.0
-#: Each write of the response must be taken by the client within this.
-CLIENT_WRITE_TIMEOUT = 30.0
 #: Request-body bytes the edge buffers (MCP bodies are read whole to be judged): per
 #: client, three maximal bodies at once; per process, what a small VPS can spare. Bytes
 #: not taken yet are not counted here: they are bounded by flow control instead (HTTP/2:
@@ -312,14 +310,14 @@ class Terminator:
                     return
             if tls.selected_alpn_protocol() == "h2":
                 await H2Connection(tls, idle_timeout=limits.idle_timeout,
-                                   write_timeout=CLIENT_WRITE_TIMEOUT,
+                                   write_timeout=limits.client_write_timeout,
                                    idle_scopes=self._idle_scopes,
                                    draining=self._draining,
                                    on_flood=partial(self._flooded, conn)).serve(handle)
             else:
                 await H1Connection(tls, idle_timeout=limits.idle_timeout,
                                    head_timeout=limits.clienthello_timeout,
-                                   write_timeout=CLIENT_WRITE_TIMEOUT,
+                                   write_timeout=limits.client_write_timeout,
                                    idle_scopes=self._idle_scopes,
                                    draining=self._draining).serve(handle)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
