@@ -805,12 +805,14 @@ def test_a_request_in_flight_when_its_route_is_removed_finishes_whole(
             if http2:
                 h2c = H2Conn(serve.port, GONE_HOST, source=ips[0])
                 conns.append(h2c)
-                sids.append(h2_get_started(h2c, "/stream?n=8&interval=0.15"))
+                sids.append(h2_get_started(h2c, "/stream?n=16&interval=0.15"))
             else:
                 sock = tls_socket(serve.port, GONE_HOST, source=ips[0])
                 conns.append(sock)
-                sock.sendall(request_bytes("GET", "/stream?n=8&interval=0.15", GONE_HOST))
+                sock.sendall(request_bytes("GET", "/stream?n=16&interval=0.15", GONE_HOST))
                 assert read_response(sock, head_only=True).status == 200
+        # each answer lasts 2.4 s: long enough that the first is still under way when the
+        # second starts, however slowly a busy machine opens it
         poll(lambda: node.active_streams == 2, "both streams under way")
         assert serve.reload(extra_routes="") == "reloaded"
         seen = len(node.requests())
@@ -818,10 +820,10 @@ def test_a_request_in_flight_when_its_route_is_removed_finishes_whole(
             if http2:
                 res = conn.wait(sids[i])
                 assert res.status == 200 and res.reset is None, res
-                assert res.body.count(b"data: tick") == 8
+                assert res.body.count(b"data: tick") == 16
                 assert conn.request("GET", "/after").status == 421
             else:
-                assert read_chunked_body(conn).count(b"data: tick") == 8
+                assert read_chunked_body(conn).count(b"data: tick") == 16
                 conn.sendall(request_bytes("GET", "/after", GONE_HOST))
                 assert read_response(conn).status == 421
         assert len(node.requests()) == seen
