@@ -702,7 +702,16 @@ def test_allowlist_toggles_race_relay_calls_through_the_other_worker(tmp_path: P
                 with lock:
                     state["allowed"], state["settled"] = allowed, True
                     state["epoch"] += 1
+                    judged = sum(1 for v in verdicts if v[0] is allowed)
+                # stay in the settled state until a call was judged in it (a busy
+                # machine's calls take longer than a short fixed stay), 1 s at most
                 time.sleep(0.02)
+                until = time.monotonic() + 1.0
+                while time.monotonic() < until:
+                    with lock:
+                        if sum(1 for v in verdicts if v[0] is allowed) > judged:
+                            break
+                    time.sleep(0.01)
             stop.set()
 
         def sender(k: int, ip: str) -> None:
