@@ -1169,3 +1169,62 @@ def test_a_node_that_closes_after_its_head_gets_the_client_a_502(rig: Rig) -> No
     finally:
         client.close()
     settled(rig)
+
+
+#: What a node may write before it closes with the request body unread, and what the
+#: edge may make of it: never anything that was not one whole final answer.
+EARLY_ODD = {
+    "interim": (b"HTTP/1.1 100 Continue\r\n\r\n", (502,)),
+    "switch": (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
+               (502,)),
+    "partial-head": (b"HTTP/1.1 413 Too Large\r\ncontent-le", (502,)),
+    "interim-then-partial": (b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 41",
+                             (502,)),
+    "extra-response": (b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 4"
+                       b"\r\n\r\nbig!HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVIL!",
+                       (413, 502)),
+}
+
+
+@pytest.mark.parametrize("leg", ["h1", "h2"])
+@pytest.mark.parametrize("name", sorted(EARLY_ODD))
+def test_what_a_node_writes_before_it_closes_early_is_relayed_only_if_whole(
+        rig: Rig, name: str, leg: str) -> None:
+    """A node that writes something (an interim head, a 101, a head cut short, an answer
+    and a second response after it) and closes without reading the upload: the client
+    gets a 502, or the one whole final answer with its own body; never the interim or
+    101 head, never the second response."""
+    wire, wanted = EARLY_ODD[name]
+    path = f"/early-odd-{name}"
+
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(wire)
+        return False
+    script.early = True  # type: ignore[attr-defined]
+    rig.node.scripts[path] = script
+    port = rig.serve.port
+    target = f"{path}?leg={leg}"
+    if leg == "h1":
+        status, body = upload_h1(port, target)
+    else:
+        client = H2Conn(port, OPT_HOST)
+        try:
+            res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
+                                 content_type="application/octet-stream")
+            assert res.reset in (None, 0), res
+            after = client.request("GET", f"/plain?after={name}", content_type=None)
+            assert own_answer(f"/plain?after={name}", after.status or 0, after.body), after
+        finally:
+            client.close()
+        status, body = res.status or 0, res.body
+    # 0: an HTTP/1.1 client still uploading past the edge's linger may see the close
+    assert status in (0, *wanted), (status, body[:200])
+    assert b"EVIL" not in body, body[:200]
+    if status == 413:
+        assert body == b"big!", body[:200]
+    seen = answers_logged(rig.serve, path, wanted)
+    assert seen and seen <= set(wanted), (seen, rig.serve.logs()[-3000:])
+    for i in range(2):
+        status, body = h1(port, "GET", f"/plain?after={name}&i={i}")
+        assert own_answer(f"/plain?after={name}&i={i}", status, body)
+    settled(rig)
