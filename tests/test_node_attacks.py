@@ -1228,3 +1228,28 @@ def test_what_a_node_writes_before_it_closes_early_is_relayed_only_if_whole(
         status, body = h1(port, "GET", f"/plain?after={name}&i={i}")
         assert own_answer(f"/plain?after={name}&i={i}", status, body)
     settled(rig)
+
+
+def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
+        rig: Rig) -> None:
+    """An HTTP/2 client that advertises SETTINGS_MAX_HEADER_LIST_SIZE 0 (and then 20):
+    no head fits, not even the edge's own 502, so its streams are reset and nothing of a
+    head is sent; the connection lives on, and once the client raises the setting the
+    next answer arrives and decodes (the edge's HPACK encoder encoded nothing for the
+    heads it refused, so its table still agrees with the client's)."""
+    client = h2_client(rig.serve.port)
+    try:
+        for i, size in enumerate((0, 20)):
+            client.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: size})
+            client.sock.sendall(client.conn.data_to_send())
+            client.conn.decoder.max_header_list_size = 1 << 20  # so a head would be seen
+            res = client.request("GET", f"/plain?tiny={i}", content_type=None)
+            assert res.status is None and res.reset is not None, res
+        client.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 100_000})
+        client.sock.sendall(client.conn.data_to_send())
+        for i in range(2):
+            res = client.request("GET", f"/plain?raised={i}", content_type=None)
+            assert own_answer(f"/plain?raised={i}", res.status or 0, res.body), res
+    finally:
+        client.close()
+    settled(rig)
