@@ -289,7 +289,12 @@ class AdminApp:
             # connection after this answer instead of reading on; should the body break
             # the framing meanwhile, its reader only closes (it answers itself only
             # before a response has begun, and its writes and ours take turns on one
-            # lock).
+            # lock). A short body (none, or up to MAX_REQUEST_BODY by Content-Length)
+            # is still read first: answered with it unread, the answer was lost when a
+            # pipelined request and the client's close came behind it (hypercorn ended
+            # the connection without writing it).
+            if not _large_body(scope) and await _read_body(receive) is None:
+                return
             status, headers, body = _unauthorized((b"connection", b"close"))
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
@@ -415,6 +420,22 @@ _POSTS: dict[str, Callable[[AdminApp, dict[str, list[str]]], Awaitable[Response]
     "/reload": AdminApp.post_reload,
     "/certs/renew": AdminApp.post_renew,
 }
+
+
+def _large_body(scope: dict[str, Any]) -> bool:
+    """Does the request head announce a body that is chunked (of any size) or longer
+    than `MAX_REQUEST_BODY`?"""
+    for name, value in scope.get("headers", []):
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            try:
+                if int(value) > MAX_REQUEST_BODY:
+                    return True
+            except ValueError:
+                return True
+    return False
 
 
 async def _read_body(receive: Any) -> int | None:
