@@ -1253,3 +1253,48 @@ def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
     finally:
         client.close()
     settled(rig)
+
+
+def test_an_early_answer_on_one_h2_stream_leaves_a_concurrent_upload_whole(rig: Rig) -> None:
+    """Two uploads at once on one HTTP/2 connection: one to a node that answers early and
+    closes with the body unread, one read whole. The first gets its 413 (the rest of its
+    upload refused), the second its own answer with every byte taken."""
+    early, plain = "/early-concurrent", "/plain-concurrent"
+    rig.node.scripts[early] = _early("close")
+    client = H2Conn(rig.serve.port, OPT_HOST)
+    sizes = {"a": 3 * 65_536 + 123, "b": MIB}
+    try:
+        a = client.open_stream("POST", f"{plain}?c=1", length=sizes["a"])
+        b = client.open_stream("POST", f"{early}?c=1", length=sizes["b"])
+        left = {a: sizes["a"], b: sizes["b"]}
+        deadline = time.monotonic() + WAIT
+        while left:  # bounded by the deadline
+            assert time.monotonic() < deadline, left
+            for sid in list(left):
+                if sid in client._done:
+                    del left[sid]
+                    continue
+                room = min(client.conn.local_flow_control_window(sid),
+                           client.conn.max_outbound_frame_size, left[sid])
+                if room > 0:
+                    left[sid] -= room
+                    client.conn.send_data(sid, b"c" * room, end_stream=not left[sid])
+                    if not left[sid]:
+                        del left[sid]
+            client.sock.sendall(client.conn.data_to_send())
+            if left:
+                client._pump(until=lambda: any(
+                    s in client._done or client.conn.local_flow_control_window(s) > 0
+                    for s in left), timeout=WAIT)
+        res_b = client.wait(b)
+        res_a = client.wait(a)
+        assert own_answer(f"{plain}?c=1", res_a.status or 0, res_a.body), res_a
+        assert res_b.status == 413 and json.loads(res_b.body) == {"target": f"{early}?c=1"}, \
+            res_b
+        res = client.request("GET", "/plain?after=concurrent", content_type=None)
+        assert own_answer("/plain?after=concurrent", res.status or 0, res.body), res
+    finally:
+        client.close()
+    got = [r for r in rig.node.requests if r.target == f"{plain}?c=1"]
+    assert [len(r.body) for r in got] == [sizes["a"]], [len(r.body) for r in got]
+    settled(rig)
