@@ -1161,9 +1161,10 @@ def _padded_upload(c: Raw, sid: int, body: bytes, sent: list[int], *, piece: int
         last = end and len(view) <= piece
         payload = bytes([pad]) + data + bytes(pad)
         size = len(payload)
-        if not c.until(lambda: (_granted(c, 0, 65_535) - sent[0] >= size and
-                                _granted(c, sid, STREAM_WINDOW) - stream_sent >= size)
-                       or bool(c.resets(sid)) or c.ended(sid), 0.5):
+        def room(size: int = size, stream_sent: int = stream_sent) -> bool:
+            return (_granted(c, 0, 65_535) - sent[0] >= size
+                    and _granted(c, sid, STREAM_WINDOW) - stream_sent >= size)
+        if not c.until(lambda: room() or bool(c.resets(sid)) or c.ended(sid), 0.5):
             assert time.monotonic() < deadline, ("no window", sid, sent[0], stream_sent)
             continue
         if c.resets(sid) or c.ended(sid):

@@ -1180,8 +1180,8 @@ EARLY_ODD = {
     "partial-head": (b"HTTP/1.1 413 Too Large\r\ncontent-le", (502,)),
     "interim-then-partial": (b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 41",
                              (502,)),
-    "extra-response": (b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 4"
-                       b"\r\n\r\nbig!HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVIL!",
+    "extra-response": ((b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 4"
+                        b"\r\n\r\nbig!HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVIL!"),
                        (413, 502)),
 }
 
