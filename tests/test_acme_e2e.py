@@ -449,3 +449,142 @@ tenants:
         proc.terminate()
         proc.wait(timeout=WAIT)
         log.close()
+
+
+@pytest.mark.parametrize("challenge", ["tls-alpn-01", "http-01"])
+async def test_a_reload_that_adds_acme_to_a_files_only_serve_issues(
+        tmp_path: Path, pebble: Pebble, challenge: str) -> None:
+    """`pact-ingress serve` (two worker processes) starts with a certificate-files route
+    only, so it has not loaded the ACME client; SIGHUP to a config that adds an `acme:`
+    block and an ACME route: the certificate is issued and served, with the challenge
+    answered by the running processes (the ACME client loaded on that first order)."""
+    import signal
+    import subprocess
+    import sys
+
+    from pact_ingress.identity import keygen
+
+    files_host, host = "files.pact.test", f"added-{challenge.split('-')[0]}.pact.test"
+    admin = free_port()
+    node = keygen(tmp_path / "node.key")
+    (tmp_path / "certs").mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+                    "-subj", f"/CN={files_host}", "-addext", f"subjectAltName=DNS:{files_host}",
+                    "-keyout", str(tmp_path / "certs/f.key"), "-out", str(tmp_path / "certs/f.crt")],
+                   check=True, capture_output=True)
+    head = f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{pebble.tls_port}"]
+  http: ["127.0.0.1:{pebble.http_port}"]
+  admin: "127.0.0.1:{admin}"
+"""
+    files_route = (f'      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", '
+                   'cert: {cert: certs/f.crt, key: certs/f.key}}\n')
+    tenant = f"""\
+tenants:
+  - name: t
+    pins: ["{node.fingerprint}"]
+    routes:
+{files_route}"""
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(head + tenant)
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "-c", str(cfg),
+                             "--workers", "2"], stdout=log, stderr=log)
+    try:
+        import types
+
+        edge = types.SimpleNamespace(pebble=pebble)
+        files = await wait_served(edge, files_host, root=False)
+        assert san_names(files.cert) == [files_host]
+        await trio.aclose_forcefully(files.tls)
+        cfg.write_text(head + f"""\
+acme:
+  directory: {pebble.directory}
+  email: ops@pact.test
+  agree_tos: true
+  challenges: [{challenge}]
+  ca_bundle: {pebble.ca_bundle}
+""" + tenant + f'      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", '
+                   'cert: acme}\n')
+        proc.send_signal(signal.SIGHUP)
+        issued = await wait_served(edge, host)
+        assert san_names(issued.cert) == [host]
+        await trio.aclose_forcefully(issued.tls)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=WAIT)
+        log.close()
+    text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in text, text[-3000:]
+
+
+async def test_a_reload_that_adds_dns01_to_a_files_only_serve_issues(tmp_path: Path) -> None:
+    """As above with DNS-01 (RFC 2136 + TSIG into bind9) for a wildcard route: the
+    solver, and dnspython with it, is first loaded by the reload that configures it."""
+    import signal
+    import subprocess
+    import sys
+    import types
+
+    from pact_ingress.identity import keygen
+
+    named = Named(tmp_path / "named", "dns.test.", hosts=("www",)).start()
+    p = Pebble(tmp_path / "pebble-dns", f"127.0.0.1:{named.port}",
+               http_port=free_port(), tls_port=free_port()).start()
+    files_host = "files.dns.test"
+    node = keygen(tmp_path / "node.key")
+    (tmp_path / "certs").mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+                    "-subj", f"/CN={files_host}", "-addext", f"subjectAltName=DNS:{files_host}",
+                    "-keyout", str(tmp_path / "certs/f.key"), "-out", str(tmp_path / "certs/f.crt")],
+                   check=True, capture_output=True)
+    head = f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{p.tls_port}"]
+  admin: "127.0.0.1:{free_port()}"
+"""
+    tenant = f"""\
+tenants:
+  - name: t
+    pins: ["{node.fingerprint}"]
+    routes:
+      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {{cert: certs/f.crt, key: certs/f.key}}}}
+"""
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(head + tenant)
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "-c", str(cfg),
+                             "--workers", "2"], stdout=log, stderr=log)
+    try:
+        edge = types.SimpleNamespace(pebble=p)
+        files = await wait_served(edge, files_host, root=False)
+        await trio.aclose_forcefully(files.tls)
+        cfg.write_text(head + f"""\
+acme:
+  directory: {p.directory}
+  email: ops@pact.test
+  agree_tos: true
+  challenges: [dns-01]
+  ca_bundle: {p.ca_bundle}
+  dns01: {{server: "127.0.0.1:{named.port}", zone: dns.test., tsig_key_file: {named.key_file}}}
+""" + tenant + '      - {host: "*.wild.dns.test", mode: terminate, backend: "127.0.0.1:9", '
+                   'cert: acme}\n')
+        proc.send_signal(signal.SIGHUP)
+        issued = await wait_served(edge, "anything.wild.dns.test")
+        assert san_names(issued.cert) == ["*.wild.dns.test"]
+        await trio.aclose_forcefully(issued.tls)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=WAIT)
+        log.close()
+        p.stop()
+        named.stop()
+    text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in text and "reload_refused" not in text, text[-3000:]

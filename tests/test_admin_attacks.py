@@ -972,3 +972,41 @@ def test_certs_renew_does_not_print_control_characters_raw(tmp_path: Path) -> No
             assert not any(ord(c) < 32 and c not in "\n" for c in text), repr(text[-500:])
     finally:
         fake.close()
+
+
+def test_requests_pipelined_after_a_401_are_never_served(tmp_path: Path) -> None:
+    """With a token: a request without it, with a second one pipelined behind it (the
+    second carrying the token, or not, with a body or chunked): one 401 and the close;
+    nothing behind it is answered or done (no reload happens). With the token, a body
+    sent chunked to /reload, and two Authorization fields (even both right) refused."""
+    serve = Serve(tmp_path, token=True)
+    try:
+        host = f"Host: 127.0.0.1:{serve.admin_port}\r\n".encode()
+        good = f"Authorization: Bearer {TOKEN}\r\n".encode()
+        behind = [
+            b"POST /reload HTTP/1.1\r\n" + host + good + b"Content-Length: 0\r\n\r\n",
+            b"POST /reload HTTP/1.1\r\n" + host + good
+            + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            b"GET /status HTTP/1.1\r\n" + host + b"\r\n",
+        ]
+        for second in behind:
+            first = b"GET /status HTTP/1.1\r\n" + host + b"\r\n"
+            try:
+                raw = serve.raw(first + second, timeout=5)
+            except (BrokenPipeError, ConnectionResetError):
+                raw = b""
+            assert raw.count(b"HTTP/1.1 ") == 1 and raw.startswith(b"HTTP/1.1 401 "), raw[:300]
+        assert '"reloaded"' not in serve.logs()
+        # two fields: no token, whichever they say
+        for pair in ((TOKEN, TOKEN), (TOKEN, "wrong"), ("wrong", TOKEN)):
+            head = (b"GET /status HTTP/1.1\r\n" + host + b"Connection: close\r\n"
+                    + b"".join(f"Authorization: Bearer {t}\r\n".encode() for t in pair)
+                    + b"\r\n")
+            assert parse(serve.raw(head))[0] == 401, pair
+        raw = serve.raw(b"POST /reload HTTP/1.1\r\n" + host + good + b"Connection: close\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        assert parse(raw)[0] == 200, raw[:300]
+        assert '"reloaded"' in serve.logs()
+        serve.assert_clean()
+    finally:
+        serve.stop()

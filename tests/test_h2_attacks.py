@@ -1140,3 +1140,84 @@ def test_drain_ends_despite_a_zero_window_stall(tmp_path: Path) -> None:
             c.close()
     finally:
         env.stop()
+
+
+def _granted(c: Raw, sid: int, start: int) -> int:
+    """`start` plus every WINDOW_UPDATE the edge sent for `sid` (0: the connection)."""
+    return start + sum(int.from_bytes(f[3], "big") & 0x7FFFFFFF for f in c.frames
+                       if f[0] == WINDOW_UPDATE and f[2] == sid)
+
+
+def _padded_upload(c: Raw, sid: int, body: bytes, sent: list[int], *, piece: int = 700,
+                   pad: int = 40, end: bool = True) -> None:
+    """`body` on stream `sid` in short padded DATA frames, within both windows the edge
+    granted (read from its WINDOW_UPDATEs); `sent[0]` counts the connection's
+    flow-controlled bytes, padding included."""
+    stream_sent = 0
+    deadline = time.monotonic() + WAIT
+    view = memoryview(body)
+    while view or end:
+        data = bytes(view[:piece])
+        last = end and len(view) <= piece
+        payload = bytes([pad]) + data + bytes(pad)
+        size = len(payload)
+        def room(size: int = size, stream_sent: int = stream_sent) -> bool:
+            return (_granted(c, 0, 65_535) - sent[0] >= size
+                    and _granted(c, sid, STREAM_WINDOW) - stream_sent >= size)
+        if not c.until(lambda: room() or bool(c.resets(sid)) or c.ended(sid), 0.5):
+            assert time.monotonic() < deadline, ("no window", sid, sent[0], stream_sent)
+            continue
+        if c.resets(sid) or c.ended(sid):
+            return
+        c.send(frame(DATA, PADDED | (END_STREAM if last else 0), sid, payload))
+        sent[0] += size
+        stream_sent += size
+        view = view[piece:]
+        if last:
+            return
+        if not view and not end:
+            return
+
+
+def test_the_connection_window_is_given_back_exactly_over_many_streams(env: Env) -> None:
+    """One long connection, many uploads in short padded DATA frames (gathered into runs
+    at the edge): some read whole by the node, some reset by the client halfway, some
+    answered early by the edge (over max_body_bytes) with the client sending on. Every
+    flow-controlled byte, padding included, comes back to the connection window: once
+    all is over, at most the half window the edge waits for before a WINDOW_UPDATE is
+    still owed, and a further upload of 1 MiB completes."""
+    c = Raw(env)
+    sent = [0]
+    try:
+        sid = 1
+        for i in range(30):  # bounded
+            body = _body(5000 + i * 37)
+            kind = i % 3
+            if kind == 0:  # read whole
+                c.send(_open_upload(c, sid, f"/exact-{i}", len(body)))
+                _padded_upload(c, sid, body, sent)
+                status, answer = c.answer(sid)
+                assert status == 200 and json.loads(answer)["sha256"] == _digest(body)["sha256"]
+            elif kind == 1:  # reset by the client halfway
+                c.send(_open_upload(c, sid, f"/exact-reset-{i}", len(body)))
+                _padded_upload(c, sid, body[:2500], sent, end=False)
+                c.send(frame(RST_STREAM, 0, sid, u32(CANCEL)))
+            else:  # answered early: the edge refuses the length; the client sends on
+                c.send(_open_upload(c, sid, f"/exact-early-{i}", 7 * 1024 * 1024))
+                c.until(lambda s=sid: c.ended(s) or bool(c.resets(s)))
+                # the client may not have seen the answer yet: DATA in flight
+                c.send(frame(DATA, PADDED, sid, bytes([200]) + b"z" * 300 + bytes(200)))
+                sent[0] += 501
+            sid += 2
+        _served_after(c, sid)
+        sid += 2
+        owed = sent[0] - (_granted(c, 0, 65_535) - (CONNECTION_WINDOW - 65_535))
+        assert c.until(lambda: sent[0] - (_granted(c, 0, 65_535)
+                                          - (CONNECTION_WINDOW - 65_535)) < 32_768, 5), owed
+        big = _body(1 << 20)  # short padded frames: runs, each owing back its padding
+        c.send(_open_upload(c, sid, "/exact-after", len(big)))
+        _padded_upload(c, sid, big, sent, piece=900, pad=100)
+        status, answer = c.answer(sid)
+        assert status == 200 and json.loads(answer)["sha256"] == _digest(big)["sha256"]
+    finally:
+        c.close()

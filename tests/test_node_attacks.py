@@ -1169,3 +1169,132 @@ def test_a_node_that_closes_after_its_head_gets_the_client_a_502(rig: Rig) -> No
     finally:
         client.close()
     settled(rig)
+
+
+#: What a node may write before it closes with the request body unread, and what the
+#: edge may make of it: never anything that was not one whole final answer.
+EARLY_ODD = {
+    "interim": (b"HTTP/1.1 100 Continue\r\n\r\n", (502,)),
+    "switch": (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n",
+               (502,)),
+    "partial-head": (b"HTTP/1.1 413 Too Large\r\ncontent-le", (502,)),
+    "interim-then-partial": (b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 41",
+                             (502,)),
+    "extra-response": ((b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 4"
+                        b"\r\n\r\nbig!HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nEVIL!"),
+                       (413, 502)),
+}
+
+
+@pytest.mark.parametrize("leg", ["h1", "h2"])
+@pytest.mark.parametrize("name", sorted(EARLY_ODD))
+def test_what_a_node_writes_before_it_closes_early_is_relayed_only_if_whole(
+        rig: Rig, name: str, leg: str) -> None:
+    """A node that writes something (an interim head, a 101, a head cut short, an answer
+    and a second response after it) and closes without reading the upload: the client
+    gets a 502, or the one whole final answer with its own body; never the interim or
+    101 head, never the second response."""
+    wire, wanted = EARLY_ODD[name]
+    path = f"/early-odd-{name}"
+
+    def script(conn: Conn, req: Req) -> bool:
+        conn.send(wire)
+        return False
+    script.early = True  # type: ignore[attr-defined]
+    rig.node.scripts[path] = script
+    port = rig.serve.port
+    target = f"{path}?leg={leg}"
+    if leg == "h1":
+        status, body = upload_h1(port, target)
+    else:
+        client = H2Conn(port, OPT_HOST)
+        try:
+            res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
+                                 content_type="application/octet-stream")
+            assert res.reset in (None, 0), res
+            after = client.request("GET", f"/plain?after={name}", content_type=None)
+            assert own_answer(f"/plain?after={name}", after.status or 0, after.body), after
+        finally:
+            client.close()
+        status, body = res.status or 0, res.body
+    # 0: an HTTP/1.1 client still uploading past the edge's linger may see the close
+    assert status in (0, *wanted), (status, body[:200])
+    assert b"EVIL" not in body, body[:200]
+    if status == 413:
+        assert body == b"big!", body[:200]
+    seen = answers_logged(rig.serve, path, wanted)
+    assert seen and seen <= set(wanted), (seen, rig.serve.logs()[-3000:])
+    for i in range(2):
+        status, body = h1(port, "GET", f"/plain?after={name}&i={i}")
+        assert own_answer(f"/plain?after={name}&i={i}", status, body)
+    settled(rig)
+
+
+def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
+        rig: Rig) -> None:
+    """An HTTP/2 client that advertises SETTINGS_MAX_HEADER_LIST_SIZE 0 (and then 20):
+    no head fits, not even the edge's own 502, so its streams are reset and nothing of a
+    head is sent; the connection lives on, and once the client raises the setting the
+    next answer arrives and decodes (the edge's HPACK encoder encoded nothing for the
+    heads it refused, so its table still agrees with the client's)."""
+    client = h2_client(rig.serve.port)
+    try:
+        for i, size in enumerate((0, 20)):
+            client.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: size})
+            client.sock.sendall(client.conn.data_to_send())
+            client.conn.decoder.max_header_list_size = 1 << 20  # so a head would be seen
+            res = client.request("GET", f"/plain?tiny={i}", content_type=None)
+            assert res.status is None and res.reset is not None, res
+        client.conn.update_settings({h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 100_000})
+        client.sock.sendall(client.conn.data_to_send())
+        for i in range(2):
+            res = client.request("GET", f"/plain?raised={i}", content_type=None)
+            assert own_answer(f"/plain?raised={i}", res.status or 0, res.body), res
+    finally:
+        client.close()
+    settled(rig)
+
+
+def test_an_early_answer_on_one_h2_stream_leaves_a_concurrent_upload_whole(rig: Rig) -> None:
+    """Two uploads at once on one HTTP/2 connection: one to a node that answers early and
+    closes with the body unread, one read whole. The first gets its 413 (the rest of its
+    upload refused), the second its own answer with every byte taken."""
+    early, plain = "/early-concurrent", "/plain-concurrent"
+    rig.node.scripts[early] = _early("close")
+    client = H2Conn(rig.serve.port, OPT_HOST)
+    sizes = {"a": 3 * 65_536 + 123, "b": MIB}
+    try:
+        a = client.open_stream("POST", f"{plain}?c=1", length=sizes["a"])
+        b = client.open_stream("POST", f"{early}?c=1", length=sizes["b"])
+        left = {a: sizes["a"], b: sizes["b"]}
+        deadline = time.monotonic() + WAIT
+        while left:  # bounded by the deadline
+            assert time.monotonic() < deadline, left
+            for sid in list(left):
+                if sid in client._done:
+                    del left[sid]
+                    continue
+                room = min(client.conn.local_flow_control_window(sid),
+                           client.conn.max_outbound_frame_size, left[sid])
+                if room > 0:
+                    left[sid] -= room
+                    client.conn.send_data(sid, b"c" * room, end_stream=not left[sid])
+                    if not left[sid]:
+                        del left[sid]
+            client.sock.sendall(client.conn.data_to_send())
+            if left:
+                client._pump(until=lambda: any(
+                    s in client._done or client.conn.local_flow_control_window(s) > 0
+                    for s in left), timeout=WAIT)
+        res_b = client.wait(b)
+        res_a = client.wait(a)
+        assert own_answer(f"{plain}?c=1", res_a.status or 0, res_a.body), res_a
+        assert res_b.status == 413 and json.loads(res_b.body) == {"target": f"{early}?c=1"}, \
+            res_b
+        res = client.request("GET", "/plain?after=concurrent", content_type=None)
+        assert own_answer("/plain?after=concurrent", res.status or 0, res.body), res
+    finally:
+        client.close()
+    got = [r for r in rig.node.requests if r.target == f"{plain}?c=1"]
+    assert [len(r.body) for r in got] == [sizes["a"]], [len(r.body) for r in got]
+    settled(rig)

@@ -289,7 +289,13 @@ class AdminApp:
             # connection after this answer instead of reading on; should the body break
             # the framing meanwhile, its reader only closes (it answers itself only
             # before a response has begun, and its writes and ours take turns on one
-            # lock).
+            # lock). A request that announces no body still has its (empty) end taken
+            # first: answered before that, the answer was lost when a pipelined request
+            # and the client's close came behind it (hypercorn ended the connection
+            # without writing it). Reading an announced body, however short, would let
+            # a peer without the token trickle it in and hold the connection.
+            if not _declares_body(scope) and await _read_body(receive) is None:
+                return
             status, headers, body = _unauthorized((b"connection", b"close"))
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
@@ -415,6 +421,17 @@ _POSTS: dict[str, Callable[[AdminApp, dict[str, list[str]]], Awaitable[Response]
     "/reload": AdminApp.post_reload,
     "/certs/renew": AdminApp.post_renew,
 }
+
+
+def _declares_body(scope: dict[str, Any]) -> bool:
+    """Does the request head announce a body (chunked, or a Content-Length other than
+    0)?"""
+    for name, value in scope.get("headers", []):
+        name = name.lower()
+        if name == b"transfer-encoding" or (name == b"content-length"
+                                            and value.strip() != b"0"):
+            return True
+    return False
 
 
 async def _read_body(receive: Any) -> int | None:
