@@ -433,6 +433,11 @@ def test_token_is_required_exactly(tmp_path: Path) -> None:
         status, body = serve.get("/status", token=TOKEN)
         assert status == 200
         assert serve.request("POST", "/reload", {"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        # the scheme's name is case-insensitive; the token is not
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            headers = {"Authorization": f"{scheme} {TOKEN}"}
+            assert served_request(serve, "GET", "/status", headers)[0] == 200, scheme
+            assert serve.request("POST", "/reload", headers)[0] == 200, scheme
         # the token never shows in what the instance says or logs
         assert TOKEN not in body.decode()
         assert TOKEN not in serve.get("/metrics", token=TOKEN)[1].decode()
@@ -492,11 +497,17 @@ def served_request(serve: Serve, method: str, path: str,
 
 
 def test_token_comparison_is_constant_time() -> None:
-    from pact_ingress.admin.server import AdminApp
+    """Both token checks (on the head, and before a handler runs) go through one
+    function, which compares the credentials in constant time; its other comparisons
+    are of the scheme's name and the space, which are no secret."""
+    from pact_ingress.admin import server
 
-    source = inspect.getsource(AdminApp._guard)
-    assert "hmac.compare_digest" in source
-    assert "==" not in source.replace("!=", "")
+    for check in (server.AdminApp._guard, server.AdminApp._token_given):
+        source = inspect.getsource(check)
+        assert "_bearer_is(" in source and "token ==" not in source, source
+    source = inspect.getsource(server._bearer_is)
+    assert "hmac.compare_digest(credentials, token.encode())" in source
+    assert "credentials ==" not in source and "== credentials" not in source
 
 
 @pytest.mark.parametrize("kind", ["fifo", "not_utf8", "directory"])

@@ -345,17 +345,15 @@ class AdminApp:
         return _error(404, f"no such admin resource: {path}")
 
     def _token_given(self, scope: dict[str, Any]) -> bool:
-        """The request's `Authorization` is exactly `Bearer <token>` (there must be a
-        token), compared in constant time; a repeated field is no token."""
+        """The request carries one `Authorization` with the token (`_bearer_is`); a
+        repeated field is no token."""
         given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
-        expected = f"Bearer {self.token}".encode()
-        return len(given) == 1 and hmac.compare_digest(given[0], expected)
+        return len(given) == 1 and _bearer_is(given[0], self.token)
 
     def _guard(self, headers: dict[str, str]) -> Response | None:
         """Token and Host checks; a refusal response, or None to proceed."""
         if self.token is not None:
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            if not _bearer_is(headers.get("authorization", "").encode(), self.token):
                 return _unauthorized()
         elif self.check_host and not _loopback_host(headers.get("host", "")):
             return _error(421, "Host header must name a loopback address")
@@ -421,6 +419,15 @@ _POSTS: dict[str, Callable[[AdminApp, dict[str, list[str]]], Awaitable[Response]
     "/reload": AdminApp.post_reload,
     "/certs/renew": AdminApp.post_renew,
 }
+
+
+def _bearer_is(value: bytes, token: str | None) -> bool:
+    """Is an `Authorization` value `Bearer <token>`? The scheme's name is
+    case-insensitive (RFC 9110 §11.1: clients and libraries send `bearer` too); the rest
+    is exactly one space and the token, compared in constant time."""
+    scheme, space, credentials = value.partition(b" ")
+    return (token is not None and space == b" " and scheme.lower() == b"bearer"
+            and hmac.compare_digest(credentials, token.encode()))
 
 
 def _declares_body(scope: dict[str, Any]) -> bool:
