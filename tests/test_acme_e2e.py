@@ -11,9 +11,14 @@ handshake got and that an established connection keeps working.
 from __future__ import annotations
 
 import logging
+import signal
 import ssl
+import subprocess
+import sys
 import time
+import types
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,6 +31,7 @@ from pact_ingress.acme.manager import CertManager
 from pact_ingress.acme.schedule import Policy
 from pact_ingress.acme.store import list_store
 from pact_ingress.config import Acme, Address, Config, Dns01, Listen, Route, Tenant
+from pact_ingress.identity import keygen
 from pact_ingress.logs import setup as log_setup
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http_listener import serve_http
@@ -451,6 +457,35 @@ tenants:
         log.close()
 
 
+def _files_cert(tmp_path: Path, host: str) -> str:
+    """A self-signed P-256 certificate for `host` in tmp_path/certs; the route's `cert:`."""
+    (tmp_path / "certs").mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+                    "-subj", f"/CN={host}", "-addext", f"subjectAltName=DNS:{host}",
+                    "-keyout", str(tmp_path / "certs/f.key"), "-out", str(tmp_path / "certs/f.crt")],
+                   check=True, capture_output=True)
+    return "{cert: certs/f.crt, key: certs/f.key}"
+
+
+@contextmanager
+def _serve_process(tmp_path: Path, config: str) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`pact-ingress serve` (two workers) on `config`; (the process, its config file).
+    On the way out: stopped, and its log holds no traceback and no refused reload."""
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(config)
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "-c",
+                                 str(cfg), "--workers", "2"], stdout=log, stderr=log)
+        try:
+            yield proc, cfg
+        finally:
+            proc.terminate()
+            proc.wait(timeout=WAIT)
+    text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in text and "reload_refused" not in text, text[-3000:]
+
+
 @pytest.mark.parametrize("challenge", ["tls-alpn-01", "http-01"])
 async def test_a_reload_that_adds_acme_to_a_files_only_serve_issues(
         tmp_path: Path, pebble: Pebble, challenge: str) -> None:
@@ -458,44 +493,23 @@ async def test_a_reload_that_adds_acme_to_a_files_only_serve_issues(
     only, so it has not loaded the ACME client; SIGHUP to a config that adds an `acme:`
     block and an ACME route: the certificate is issued and served, with the challenge
     answered by the running processes (the ACME client loaded on that first order)."""
-    import signal
-    import subprocess
-    import sys
-
-    from pact_ingress.identity import keygen
-
     files_host, host = "files.pact.test", f"added-{challenge.split('-')[0]}.pact.test"
-    admin = free_port()
     node = keygen(tmp_path / "node.key")
-    (tmp_path / "certs").mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-                    "-subj", f"/CN={files_host}", "-addext", f"subjectAltName=DNS:{files_host}",
-                    "-keyout", str(tmp_path / "certs/f.key"), "-out", str(tmp_path / "certs/f.crt")],
-                   check=True, capture_output=True)
     head = f"""\
 state_dir: state
 listen:
   tls: ["127.0.0.1:{pebble.tls_port}"]
   http: ["127.0.0.1:{pebble.http_port}"]
-  admin: "127.0.0.1:{admin}"
+  admin: "127.0.0.1:{free_port()}"
 """
-    files_route = (f'      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", '
-                   'cert: {cert: certs/f.crt, key: certs/f.key}}\n')
     tenant = f"""\
 tenants:
   - name: t
     pins: ["{node.fingerprint}"]
     routes:
-{files_route}"""
-    cfg = tmp_path / "ingress.yaml"
-    cfg.write_text(head + tenant)
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "-c", str(cfg),
-                             "--workers", "2"], stdout=log, stderr=log)
-    try:
-        import types
-
+      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {_files_cert(tmp_path, files_host)}}}
+"""
+    with _serve_process(tmp_path, head + tenant) as (proc, cfg):
         edge = types.SimpleNamespace(pebble=pebble)
         files = await wait_served(edge, files_host, root=False)
         assert san_names(files.cert) == [files_host]
@@ -514,58 +528,35 @@ acme:
         assert san_names(issued.cert) == [host]
         await trio.aclose_forcefully(issued.tls)
         assert proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(timeout=WAIT)
-        log.close()
-    text = (tmp_path / "serve.log").read_text()
-    assert "Traceback" not in text, text[-3000:]
 
 
 async def test_a_reload_that_adds_dns01_to_a_files_only_serve_issues(tmp_path: Path) -> None:
     """As above with DNS-01 (RFC 2136 + TSIG into bind9) for a wildcard route: the
     solver, and dnspython with it, is first loaded by the reload that configures it."""
-    import signal
-    import subprocess
-    import sys
-    import types
-
-    from pact_ingress.identity import keygen
-
     named = Named(tmp_path / "named", "dns.test.", hosts=("www",)).start()
     p = Pebble(tmp_path / "pebble-dns", f"127.0.0.1:{named.port}",
                http_port=free_port(), tls_port=free_port()).start()
-    files_host = "files.dns.test"
-    node = keygen(tmp_path / "node.key")
-    (tmp_path / "certs").mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-                    "-subj", f"/CN={files_host}", "-addext", f"subjectAltName=DNS:{files_host}",
-                    "-keyout", str(tmp_path / "certs/f.key"), "-out", str(tmp_path / "certs/f.crt")],
-                   check=True, capture_output=True)
-    head = f"""\
+    try:
+        files_host = "files.dns.test"
+        node = keygen(tmp_path / "node.key")
+        head = f"""\
 state_dir: state
 listen:
   tls: ["127.0.0.1:{p.tls_port}"]
   admin: "127.0.0.1:{free_port()}"
 """
-    tenant = f"""\
+        tenant = f"""\
 tenants:
   - name: t
     pins: ["{node.fingerprint}"]
     routes:
-      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {{cert: certs/f.crt, key: certs/f.key}}}}
+      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {_files_cert(tmp_path, files_host)}}}
 """
-    cfg = tmp_path / "ingress.yaml"
-    cfg.write_text(head + tenant)
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "-c", str(cfg),
-                             "--workers", "2"], stdout=log, stderr=log)
-    try:
-        edge = types.SimpleNamespace(pebble=p)
-        files = await wait_served(edge, files_host, root=False)
-        await trio.aclose_forcefully(files.tls)
-        cfg.write_text(head + f"""\
+        with _serve_process(tmp_path, head + tenant) as (proc, cfg):
+            edge = types.SimpleNamespace(pebble=p)
+            files = await wait_served(edge, files_host, root=False)
+            await trio.aclose_forcefully(files.tls)
+            cfg.write_text(head + f"""\
 acme:
   directory: {p.directory}
   email: ops@pact.test
@@ -574,17 +565,12 @@ acme:
   ca_bundle: {p.ca_bundle}
   dns01: {{server: "127.0.0.1:{named.port}", zone: dns.test., tsig_key_file: {named.key_file}}}
 """ + tenant + '      - {host: "*.wild.dns.test", mode: terminate, backend: "127.0.0.1:9", '
-                   'cert: acme}\n')
-        proc.send_signal(signal.SIGHUP)
-        issued = await wait_served(edge, "anything.wild.dns.test")
-        assert san_names(issued.cert) == ["*.wild.dns.test"]
-        await trio.aclose_forcefully(issued.tls)
-        assert proc.poll() is None
+                       'cert: acme}\n')
+            proc.send_signal(signal.SIGHUP)
+            issued = await wait_served(edge, "anything.wild.dns.test")
+            assert san_names(issued.cert) == ["*.wild.dns.test"]
+            await trio.aclose_forcefully(issued.tls)
+            assert proc.poll() is None
     finally:
-        proc.terminate()
-        proc.wait(timeout=WAIT)
-        log.close()
         p.stop()
         named.stop()
-    text = (tmp_path / "serve.log").read_text()
-    assert "Traceback" not in text and "reload_refused" not in text, text[-3000:]
