@@ -117,15 +117,16 @@ def test_passthrough_out_of_fds_answers_backs_off_once_and_recovers(tmp_path: Pa
         assert metric(admin, "pact_ingress_rejections_total",
                       reason="backend_unreachable") == 1
         failures = metric(admin, "pact_ingress_rejections_total", reason="accept_EMFILE")
-        # Logged once per episode, not per failure. The first episode lasted the 0.5 s
-        # above, several back-offs, and it is one line and one resumed line counting
-        # them. Closing the idle clients can end it and start a second, short one: the
-        # backlog's leftovers take the freed fds again before the engine has closed
-        # what it accepted. Each episode is one pair of lines, whatever its length.
+        # Logged once per episode, not per failure. The shortage lasted the 0.5 s above,
+        # several back-offs, and an episode is one line and one resumed line counting
+        # them. It can flap: a connection closing frees an fd that an accept takes, then
+        # the next accept fails again (the alerted client's close, the backlog's
+        # leftovers taking the fds the idle clients gave back), so there may be more
+        # than one episode; each is one pair of lines, whatever its length.
         failed, resumed = events(s, "accept_failed"), events(s, "accept_resumed")
         lines = [e for e in s.log_events() if "accept" in e.get("event", "")]
         assert len(failed) == len(resumed) >= 1, lines
-        assert resumed[0]["failures"] >= 2, lines
+        assert max(e["failures"] for e in resumed) >= 2, lines
         assert sum(e["failures"] for e in resumed) <= failures, (failures, lines)
         assert len(failed) < sum(e["failures"] for e in resumed), lines
         assert "Traceback" not in without_admin_accept(s.logs())

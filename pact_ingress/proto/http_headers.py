@@ -19,6 +19,9 @@ removed in both directions; the engine frames each leg itself.
 
 from __future__ import annotations
 
+# The "idna" codec is found by importing its module on first use, which opens a file:
+# out of fds, that first request's headers would fail. Loaded with this module instead.
+import encodings.idna  # noqa: F401
 import functools
 from collections.abc import Iterable
 
