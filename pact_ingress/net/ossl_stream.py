@@ -46,8 +46,6 @@ need), so sending never has to wait for input after the handshake.
 
 from __future__ import annotations
 
-# the "idna" codec is imported on first use, which needs a free fd: loaded up front
-import encodings.idna  # noqa: F401
 import enum
 import operator
 import os

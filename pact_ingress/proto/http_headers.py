@@ -19,9 +19,6 @@ removed in both directions; the engine frames each leg itself.
 
 from __future__ import annotations
 
-# The "idna" codec is found by importing its module on first use, which opens a file:
-# out of fds, that first request's headers would fail. Loaded with this module instead.
-import encodings.idna  # noqa: F401
 import functools
 from collections.abc import Iterable
 
@@ -66,6 +63,11 @@ def clean_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
 
 @functools.lru_cache(maxsize=1024)
 def _host_value(host: str) -> bytes:
+    # An ASCII name (every route's, once normalised) needs no IDNA codec; that codec's
+    # module is imported on its first use, which opens a file: out of fds, the first
+    # request of a worker would fail on it.
+    if host.isascii():
+        return host.encode("ascii")
     return host.encode("idna")
 
 
