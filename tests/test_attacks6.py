@@ -13,6 +13,8 @@ import pytest
 
 from tests.terminate_env import (
     HOST,
+    OPT_HOST,
+    H2Conn,
     ServeEnv,
     exchange,
     module_fixtures,
@@ -22,6 +24,9 @@ from tests.terminate_env import (
 from pact_ingress.proto.http_request import in_mcp_scope, parse_target
 
 shared, env = module_fixtures("attacks6")
+
+#: A bound on any single wait of a client here.
+HANG = 10.0
 
 #: Targets whose path, once a router reads `%2F` / `%5C` as a slash (as the scope rule
 #: itself does) and then merges slashes or resolves dot segments (nginx's location
@@ -59,3 +64,31 @@ def test_an_unsealed_call_at_an_encoded_slash_spelling_never_reaches_the_node(
         "POST", target, HOST, body=body, content_type=content_type), host=HOST)
     assert resp.status == 400, (resp.status, resp.body[:200])
     assert env.node.requests() == []
+
+
+# --- an HTTP/2 Content-Length of more digits than int() converts -------------------------
+
+#: CPython refuses to convert a decimal string of more than 4300 digits (a guard against
+#: quadratic conversion); a header list of 16 KiB holds one easily.
+MANY_DIGITS = 5000
+
+
+@pytest.mark.parametrize("value", [
+    "9" * MANY_DIGITS,  # a length no body could have
+    "0" * (MANY_DIGITS - 1) + "2",  # RFC 9110's 1*DIGIT: 2, spelt long
+], ids=["nines", "leading-zeros"])
+def test_an_h2_content_length_of_many_digits_ends_only_its_stream(
+        env: ServeEnv, value: str) -> None:
+    h = H2Conn(env.serve.port, OPT_HOST)
+    try:
+        r = h.request("POST", "/upload", body=b"{}", content_type="text/plain",
+                      headers=[("content-length", value)], timeout=HANG)
+        assert not r.goaway, "one stream's header ended the whole connection"
+        assert r.reset is not None or r.status is not None, r
+        # the connection goes on serving
+        after = h.request("GET", "/after", timeout=HANG)
+        assert after.status == 200, after
+    finally:
+        h.close()
+    assert [e for e in env.serve.log_events()
+            if e.get("event") == "terminate_connection_error"] == []
