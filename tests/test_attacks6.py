@@ -9,16 +9,24 @@ bounded, nothing asserts on timing.
 
 from __future__ import annotations
 
+import socket
+import ssl
+import time
+from pathlib import Path
+
 import pytest
 
 from tests.terminate_env import (
     HOST,
+    LOOPBACK,
     OPT_HOST,
     H2Conn,
     ServeEnv,
+    client_context,
     exchange,
     module_fixtures,
     request_bytes,
+    rpc,
     unsealed_call_body,
 )
 from pact_ingress.proto.http_request import in_mcp_scope, parse_target
@@ -95,3 +103,96 @@ def test_an_h2_content_length_of_many_digits_ends_only_its_stream(
         h.close()
     assert [e for e in env.serve.log_events()
             if e.get("event") == "terminate_connection_error"] == []
+
+
+# --- an MCP body in tiny TLS records ------------------------------------------------------
+
+#: The body sent two bytes per TLS record: each record is one read, one body chunk.
+TINY_BODY = 600_000
+TINY_RECORD = 2
+
+
+class _Records:
+    """A TLS connection whose records the test makes itself: one `write` is one record,
+    sent when `flush` is called."""
+
+    def __init__(self, port: int, host: str) -> None:
+        self.raw = socket.create_connection((LOOPBACK, port), timeout=HANG)
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = client_context().wrap_bio(self.incoming, self.outgoing,
+                                             server_hostname=host)
+        deadline = time.monotonic() + HANG
+        while True:
+            try:
+                self.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.flush()
+                assert time.monotonic() < deadline, "handshake did not finish"
+                self.incoming.write(self.raw.recv(65536))
+        self.flush()
+
+    def flush(self) -> None:
+        if data := self.outgoing.read():
+            self.raw.sendall(data)
+
+    def response_head(self) -> bytes:
+        data = b""
+        deadline = time.monotonic() + HANG
+        while b"\r\n\r\n" not in data and time.monotonic() < deadline:
+            try:
+                data += self.obj.read(65536)
+                continue
+            except ssl.SSLWantReadError:
+                pass
+            got = self.raw.recv(65536)
+            if not got:
+                break
+            self.incoming.write(got)
+        return data
+
+
+def _unread_on_server(port: int, client_port: int) -> int:
+    """Bytes the kernel holds for the edge's end of this connection, not read yet."""
+    unread = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if (int(local.split(":")[1], 16) == port
+                and int(remote.split(":")[1], 16) == client_port):
+            unread += int(fields[4].split(":")[1], 16)
+    return unread
+
+
+def test_a_body_in_tiny_records_costs_about_its_bytes(env: ServeEnv) -> None:
+    """The buffer share counts body bytes; what the edge holds for them must be about as
+    much, however the client cuts the body into records (a list of two-byte objects
+    costs some twenty times the bytes, which no share accounts for)."""
+    serve = env.serve
+    port = serve.port
+    body = rpc("tools/list", {"pad": "p" * (TINY_BODY - 60)})
+    head = request_bytes("POST", "/mcp", OPT_HOST, body=body)[:-len(body)]
+    assert exchange(port, request_bytes("GET", "/warm", OPT_HOST),
+                    host=OPT_HOST).status == 200
+    conn = _Records(port, OPT_HOST)
+    try:
+        before = serve.rss_kib()
+        conn.obj.write(head)
+        end = len(body) - 2 * TINY_RECORD  # the rest is sent once the edge was measured
+        for i in range(0, end, TINY_RECORD):
+            conn.obj.write(body[i:i + TINY_RECORD])
+        conn.flush()
+        client_port = conn.raw.getsockname()[1]
+        deadline = time.monotonic() + 60
+        while _unread_on_server(port, client_port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the records of the last read decrypted and taken
+        grown_mib = (serve.rss_kib() - before) / 1024
+        conn.obj.write(body[end:])
+        conn.flush()
+        answer = conn.response_head()
+    finally:
+        conn.raw.close()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert grown_mib < 8 * TINY_BODY / 2**20, (
+        f"{grown_mib:.1f} MiB held for a {TINY_BODY / 2**20:.1f} MiB body")
