@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pact_ingress.proto.http_request import in_mcp_scope, parse_target
 from tests.terminate_env import (
     HOST,
     LOOPBACK,
@@ -29,7 +30,6 @@ from tests.terminate_env import (
     rpc,
     unsealed_call_body,
 )
-from pact_ingress.proto.http_request import in_mcp_scope, parse_target
 
 shared, env = module_fixtures("attacks6")
 

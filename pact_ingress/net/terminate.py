@@ -66,7 +66,7 @@ from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
-from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange
+from pact_ingress.net.http_exchange import BadResponse, BodyBuffer, ClientGone, Exchange
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
@@ -476,13 +476,12 @@ class Terminator:
             if refused is not None:
                 return _busy(refused)
             held[0] += ex.content_length
-        parts: list[bytes] = []
-        size = 0
+        body = BodyBuffer()
         idle = route.limits.idle_timeout
         # a body that stops coming holds its buffer share: given up when idle too, as a
         # streamed body is, not only at the whole-body deadline
         while chunk := await ex.receive(min(deadline, trio.current_time() + idle)):
-            size += len(chunk)
+            size = body.size + len(chunk)
             if size > cap:
                 return self._too_large(route)
             if size > held[0]:
@@ -490,8 +489,8 @@ class Terminator:
                 if refused is not None:
                     return _busy(refused)
                 held[0] = size
-            parts.append(chunk)
-        return b"".join(parts)
+            body.add(chunk)
+        return body.whole()
 
     async def _judge(self, ex: Exchange, route: Route, tenant: Tenant, target: Target,
                      payload: bytes) -> posture.Decision:
