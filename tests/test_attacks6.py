@@ -9,14 +9,18 @@ bounded, nothing asserts on timing.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pact_ingress.proto.http_request import in_mcp_scope, parse_target
+from tests.relay_env import RELAY_HOST, RelayCaller, RelayServe, relay_identities
+from tests.relay_env import client_context as relay_client_context
 from tests.terminate_env import (
     HOST,
     LOOPBACK,
@@ -116,11 +120,11 @@ class _Records:
     """A TLS connection whose records the test makes itself: one `write` is one record,
     sent when `flush` is called."""
 
-    def __init__(self, port: int, host: str) -> None:
+    def __init__(self, port: int, host: str, context: ssl.SSLContext | None = None) -> None:
         self.raw = socket.create_connection((LOOPBACK, port), timeout=HANG)
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.obj = client_context().wrap_bio(self.incoming, self.outgoing,
-                                             server_hostname=host)
+        self.obj = (context or client_context()).wrap_bio(self.incoming, self.outgoing,
+                                                          server_hostname=host)
         deadline = time.monotonic() + HANG
         while True:
             try:
@@ -164,19 +168,15 @@ def _unread_on_server(port: int, client_port: int) -> int:
     return unread
 
 
-def test_a_body_in_tiny_records_costs_about_its_bytes(env: ServeEnv) -> None:
-    """The buffer share counts body bytes; what the edge holds for them must be about as
-    much, however the client cuts the body into records (a list of two-byte objects
-    costs some twenty times the bytes, which no share accounts for)."""
-    serve = env.serve
-    port = serve.port
-    body = rpc("tools/list", {"pad": "p" * (TINY_BODY - 60)})
-    head = request_bytes("POST", "/mcp", OPT_HOST, body=body)[:-len(body)]
-    assert exchange(port, request_bytes("GET", "/warm", OPT_HOST),
-                    host=OPT_HOST).status == 200
-    conn = _Records(port, OPT_HOST)
+def _held_in_tiny_records(port: int, host: str, target: str, body: bytes,
+                          rss_kib: Callable[[], int],
+                          context: ssl.SSLContext | None = None) -> tuple[float, bytes]:
+    """Send `body` to `target` two bytes per TLS record, all but its last records; once
+    the edge has read them, how much it grew (MiB). Then the rest: the answer's head."""
+    head = request_bytes("POST", target, host, body=body)[:-len(body)]
+    conn = _Records(port, host, context)
     try:
-        before = serve.rss_kib()
+        before = rss_kib()
         conn.obj.write(head)
         end = len(body) - 2 * TINY_RECORD  # the rest is sent once the edge was measured
         for i in range(0, end, TINY_RECORD):
@@ -187,12 +187,61 @@ def test_a_body_in_tiny_records_costs_about_its_bytes(env: ServeEnv) -> None:
         while _unread_on_server(port, client_port) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)  # the records of the last read decrypted and taken
-        grown_mib = (serve.rss_kib() - before) / 1024
+        grown_mib = (rss_kib() - before) / 1024
         conn.obj.write(body[end:])
         conn.flush()
-        answer = conn.response_head()
+        return grown_mib, conn.response_head()
     finally:
         conn.raw.close()
+
+
+def test_a_body_in_tiny_records_costs_about_its_bytes(env: ServeEnv) -> None:
+    """The buffer share counts body bytes; what the edge holds for them must be about as
+    much, however the client cuts the body into records (a list of two-byte objects
+    costs some twenty times the bytes, which no share accounts for)."""
+    port = env.serve.port
+    assert exchange(port, request_bytes("GET", "/warm", OPT_HOST),
+                    host=OPT_HOST).status == 200
+    body = rpc("tools/list", {"pad": "p" * (TINY_BODY - 60)})
+    grown_mib, answer = _held_in_tiny_records(port, OPT_HOST, "/mcp", body,
+                                              env.serve.rss_kib)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert grown_mib < 8 * TINY_BODY / 2**20, (
         f"{grown_mib:.1f} MiB held for a {TINY_BODY / 2**20:.1f} MiB body")
+
+
+def test_a_relay_body_in_tiny_records_costs_about_its_bytes(tmp_path: Path) -> None:
+    """The same for the relay host's reader, which counts its bodies in a share too."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1)
+    try:
+        def rss_kib() -> int:
+            total = 0
+            for pid in _process_tree(serve.proc.pid):  # type: ignore[union-attr]
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            return total
+
+        warm = RelayCaller(serve.port, ids.sender)
+        try:
+            assert warm.request("POST", "/relay/mcp", rpc("tools/list")).status == 200
+        finally:
+            warm.close()
+        body = rpc("tools/list", {"pad": "p" * (TINY_BODY - 60)})
+        grown_mib, answer = _held_in_tiny_records(
+            serve.port, RELAY_HOST, "/relay/mcp", body, rss_kib,
+            relay_client_context(ids.sender))
+    finally:
+        serve.stop()
+    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
+    assert grown_mib < 8 * TINY_BODY / 2**20, (
+        f"{grown_mib:.1f} MiB held for a {TINY_BODY / 2**20:.1f} MiB body")
+
+
+def _process_tree(pid: int) -> list[int]:
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
