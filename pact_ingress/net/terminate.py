@@ -25,7 +25,9 @@ the same story on each, whichever the version:
 5. **Body budget.** A declared length over `max_body_bytes` → 413 before reading.
    Every body has a deadline for its whole (`BODY_TIMEOUT`, plus the per-read idle
    timeout). An MCP body is buffered against `buffers`, a `Shares` table with a per-IP
-   and a per-process cap (429 / 503 beyond), then judged by `proto.posture` — in a
+   and a per-process cap (429 / 503 beyond), gathered in one buffer (`BodyBuffer`: it
+   costs about its bytes however small the chunks it came in), then judged by
+   `proto.posture` — in a
    worker thread when large, so the event loop (passthrough, tunnels) keeps running.
 6. **Keys charged**: a forwarded MCP call charges its caller keys (the IP unit already
    paid) and may still be `rate_limited`.
