@@ -27,8 +27,8 @@ the same story on each, whichever the version:
    timeout). An MCP body is buffered against `buffers`, a `Shares` table with a per-IP
    and a per-process cap (429 / 503 beyond), gathered in one buffer (`BodyBuffer`: it
    costs about its bytes however small the chunks it came in), then judged by
-   `proto.posture` — in a
-   worker thread when large, so the event loop (passthrough, tunnels) keeps running.
+   `proto.posture` — in a worker thread when large, so the event loop (passthrough,
+   tunnels) keeps running.
 6. **Keys charged**: a forwarded MCP call charges its caller keys (the IP unit already
    paid) and may still be `rate_limited`.
 7. **A share of the node.** Each client IP holds at most the route's
