@@ -245,3 +245,64 @@ def _process_tree(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             pids += [int(p) for p in (task / "children").read_text().split()]
     return pids
+
+
+# --- read ahead behind a streamed answer, in tiny TLS records -----------------------------
+
+#: Connections that each stream an answer while the client pipelines behind it.
+STREAMERS = 4
+#: What each pipelines: a request whose body is far more than the edge reads ahead.
+PIPELINED_BODY = 64 * 1024
+
+
+def _settled_unread(port: int, client_ports: list[int]) -> None:
+    """Until the edge reads no more of these connections: all read, or nothing more read
+    for a while (it stopped reading ahead); bounded."""
+    deadline = time.monotonic() + 20
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        unread = [_unread_on_server(port, p) for p in client_ports]
+        if not any(unread):
+            return
+        if unread != last:
+            last, since = unread, time.monotonic()
+        elif time.monotonic() - since > 1.0:
+            return
+        time.sleep(0.1)
+
+
+def test_reading_ahead_behind_a_streamed_answer_costs_about_its_bytes(env: ServeEnv) -> None:
+    """While an answer streams, the HTTP/1.1 leg reads ahead a bounded number of bytes
+    (to see the client's close behind a pipelined request). A client sending those bytes
+    two per TLS record makes one parser event per record: bounded in bytes, the read
+    ahead must be bounded in what it holds too."""
+    serve = env.serve
+    port = serve.port
+    assert exchange(port, request_bytes("GET", "/warm", OPT_HOST),
+                    host=OPT_HOST).status == 200
+    body = b"x" * PIPELINED_BODY
+    pipelined = request_bytes("POST", "/up", OPT_HOST, body=body,
+                              content_type="application/octet-stream")[:-len(body)]
+    conns: list[_Records] = []
+    try:
+        before = serve.rss_kib()
+        for _ in range(STREAMERS):
+            conn = _Records(port, OPT_HOST)
+            conns.append(conn)
+            conn.obj.write(request_bytes("GET", "/stream?n=100&interval=0.1", OPT_HOST))
+            conn.flush()
+        for conn in conns:  # each answer's head first: the answers stream
+            assert conn.response_head().startswith(b"HTTP/1.1 200 ")
+        for conn in conns:
+            conn.obj.write(pipelined)
+            for i in range(0, len(body), TINY_RECORD):
+                conn.obj.write(body[i:i + TINY_RECORD])
+            conn.flush()
+        _settled_unread(port, [c.raw.getsockname()[1] for c in conns])
+        time.sleep(1.0)  # the records of the last read decrypted and parsed
+        grown_mib = (serve.rss_kib() - before) / 1024
+    finally:
+        for conn in conns:
+            conn.raw.close()
+    assert grown_mib < STREAMERS * 1.0, (
+        f"{grown_mib:.1f} MiB held for {STREAMERS} connections' read ahead")
