@@ -471,13 +471,12 @@ class Terminator:
 
     async def _read_mcp_body(self, ex: Exchange, route: Route, client: str, held: list[int],
                              deadline: float) -> bytes | _Answer:
-        """The whole body, every byte counted in `buffers` first; or the answer to give."""
+        """The whole body, every byte counted in `buffers` before it is kept; or the
+        answer to give. Bytes are counted as they come, not as declared: a head that
+        declares the largest body and sends none of it would otherwise hold that much of
+        the shares for the body's whole deadline, and a few such heads the whole
+        process's."""
         cap = route.limits.max_body_bytes
-        if ex.content_length:
-            refused = self.buffers.take(client, ex.content_length)
-            if refused is not None:
-                return _busy(refused)
-            held[0] += ex.content_length
         body = BodyBuffer()
         idle = route.limits.idle_timeout
         # a body that stops coming holds its buffer share: given up when idle too, as a
