@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from pact_ingress.proto.http_request import in_mcp_scope, parse_target
-from tests.relay_env import RELAY_HOST, RelayCaller, RelayServe, relay_identities
+from pact_ingress.proto.relay import MAX_REQUEST_BYTES as RELAY_MAX_REQUEST
+from tests.relay_env import RELAY_HOST, RelayCaller, RelayServe, relay_identities, relay_socket
 from tests.relay_env import client_context as relay_client_context
 from tests.terminate_env import (
     HOST,
@@ -351,3 +352,33 @@ def test_declared_lengths_alone_do_not_take_the_processs_body_buffers(tmp_path: 
         for sock in held:
             forget(sock)
         env.stop()
+
+
+def test_declared_lengths_alone_do_not_take_the_relays_body_buffers(tmp_path: Path) -> None:
+    """The relay host's reader the same: its shares count bytes buffered, not lengths
+    declared by heads that send nothing after them."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1)
+    held: list[ssl.SSLSocket] = []
+    try:
+        largest = RELAY_MAX_REQUEST
+        sizes = [largest] * (BUFFERED_TOTAL // largest)
+        sizes.append(BUFFERED_TOTAL - sum(sizes) - 100)  # all but 100 bytes of the cap
+        per_client = (3 * largest) // largest
+        for n, size in enumerate(sizes):
+            sock = relay_socket(serve.port, ids.sender, source=f"127.0.3.{10 + n // per_client}")
+            held.append(sock)
+            sock.sendall(f"POST /relay/mcp HTTP/1.1\r\nHost: {RELAY_HOST}\r\n"
+                         f"Content-Type: application/json\r\n"
+                         f"Content-Length: {size}\r\n\r\n".encode())
+        time.sleep(0.5)  # as above: the heads read, their bodies awaited
+        bystander = RelayCaller(serve.port, ids.sender, source="127.0.4.1")
+        try:
+            resp = bystander.request("POST", "/relay/mcp", rpc("tools/list", {"pad": "p" * 200}))
+        finally:
+            bystander.close()
+        assert resp.status == 200, (resp.status, resp.body[:200])
+    finally:
+        for sock in held:
+            forget(sock)
+        serve.stop()
