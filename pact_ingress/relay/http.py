@@ -148,12 +148,11 @@ class RelayExchange:
     async def _body(self, cap: int) -> bytes:
         """The whole body; `_TooLarge` over `cap`, `_Busy` past a buffer share,
         `ClientGone` past the deadline. Every byte is counted in the server's `buffers`
-        before it is kept (the caller gives them back, `release`)."""
+        before it is kept (the caller gives them back, `release`), as it comes: counted
+        as declared, heads that send nothing after them would hold the shares."""
         ex = self.ex
         if ex.content_length is not None and ex.content_length > cap:
             raise _TooLarge()
-        if ex.content_length:
-            self._hold(ex.content_length)
         deadline = trio.current_time() + BODY_TIMEOUT
         body = BodyBuffer()  # about its bytes, however small the chunks
         while chunk := await ex.receive(deadline):
