@@ -604,6 +604,7 @@ def test_a_node_head_over_what_the_h2_client_takes_is_a_502_on_its_stream(rig: R
     sent the node's 40 KB head (under the edge's own cap: an HTTP/1.1 client gets it
     whole): that stream is answered 502, and the connection's next stream is served."""
     port = rig.serve.port
+    before = len(rig.serve.log_events())
     status, body = h1(port, "GET", "/big-field?leg=h1")
     assert own_answer("/big-field?leg=h1", status, body)
     client = h2_client(port)
@@ -623,6 +624,10 @@ def test_a_node_head_over_what_the_h2_client_takes_is_a_502_on_its_stream(rig: R
     finally:
         client.close()
     settled(rig)
+    # the client's small setting is the cause: said so, and not blamed on the node
+    events = {e.get("event") for e in rig.serve.log_events()[before:]}
+    assert "response_head_over_client_limit" in events, events
+    assert "upstream_bad_response" not in events, events
 
 
 # --- 3. what the node may not say to a client -----------------------------------------------
@@ -1236,7 +1241,9 @@ def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
     no head fits, not even the edge's own 502, so its streams are reset and nothing of a
     head is sent; the connection lives on, and once the client raises the setting the
     next answer arrives and decodes (the edge's HPACK encoder encoded nothing for the
-    heads it refused, so its table still agrees with the client's)."""
+    heads it refused, so its table still agrees with the client's). The client's own
+    setting is no fault to warn the operator of, request after request."""
+    before = len(rig.serve.log_events())
     client = h2_client(rig.serve.port)
     try:
         for i, size in enumerate((0, 20)):
@@ -1253,6 +1260,8 @@ def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
     finally:
         client.close()
     settled(rig)
+    warned = [e for e in rig.serve.log_events()[before:] if e.get("level") != "info"]
+    assert not warned, warned
 
 
 def test_an_early_answer_on_one_h2_stream_leaves_a_concurrent_upload_whole(rig: Rig) -> None:

@@ -104,3 +104,8 @@ class Exchange(abc.ABC):
 
 class BadResponse(Exception):
     """The node's response cannot be expressed on the client's leg (invalid header...)."""
+
+
+class HeadTooLarge(BadResponse):
+    """The answer's head is larger than the client said it takes (HTTP/2's
+    SETTINGS_MAX_HEADER_LIST_SIZE): the client's own setting, not the node's fault."""
