@@ -111,6 +111,14 @@ class Pebble:
         """The CA that signed pebble's API certificate (what `acme.ca_bundle` points at)."""
         return self.tmp / "api-ca.pem"
 
+    def acme_yaml(self, challenge: str, *extra: str) -> str:
+        """An `acme:` config block ordering from this pebble with `challenge`; `extra`
+        lines (indented as its fields) are added to it."""
+        lines = "".join(f"  {line}\n" for line in extra)
+        return (f"acme:\n  directory: {self.directory}\n  email: ops@pact.test\n"
+                f"  agree_tos: true\n  challenges: [{challenge}]\n"
+                f"  ca_bundle: {self.ca_bundle}\n{lines}")
+
     def start(self) -> Pebble:
         exe = require("pebble")
         self.tmp.mkdir(parents=True, exist_ok=True)

@@ -68,12 +68,7 @@ state_dir: ./state
 listen:
   tls: ["{address}:{pebble.tls_port}"]
   http: ["{address}:{pebble.http_port}"]
-acme:
-  directory: {pebble.directory}
-  email: ops@pact.test
-  agree_tos: true
-  challenges: [{challenge}]
-  ca_bundle: {pebble.ca_bundle}
+{pebble.acme_yaml(challenge)}\
 state:
   backend: redis
   url: {redis.url}

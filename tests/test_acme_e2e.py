@@ -416,12 +416,7 @@ listen:
   tls: ["127.0.0.1:{pebble.tls_port}"]
   http: ["127.0.0.1:{pebble.http_port}"]
   admin: "127.0.0.1:{admin}"
-acme:
-  directory: {pebble.directory}
-  email: ops@pact.test
-  agree_tos: true
-  challenges: [tls-alpn-01]
-  ca_bundle: {pebble.ca_bundle}
+{pebble.acme_yaml("tls-alpn-01")}\
 tenants:
   - name: t
     pins: ["{node.fingerprint}"]
@@ -468,6 +463,15 @@ def _files_cert(tmp_path: Path, host: str) -> str:
     return "{cert: certs/f.crt, key: certs/f.key}"
 
 
+def _files_tenant(tmp_path: Path, files_host: str) -> str:
+    """The `tenants:` block of a serve with one certificate-files route (`files_host`,
+    a node that is never dialled); a reload appends routes to it."""
+    node = keygen(tmp_path / "node.key")
+    return (f'tenants:\n  - name: t\n    pins: ["{node.fingerprint}"]\n    routes:\n'
+            f'      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", '
+            f'cert: {_files_cert(tmp_path, files_host)}}}\n')
+
+
 @contextmanager
 def _serve_process(tmp_path: Path, config: str) -> Iterator[tuple[subprocess.Popen, Path]]:
     """`pact-ingress serve` (two workers) on `config`; (the process, its config file).
@@ -494,7 +498,6 @@ async def test_a_reload_that_adds_acme_to_a_files_only_serve_issues(
     block and an ACME route: the certificate is issued and served, with the challenge
     answered by the running processes (the ACME client loaded on that first order)."""
     files_host, host = "files.pact.test", f"added-{challenge.split('-')[0]}.pact.test"
-    node = keygen(tmp_path / "node.key")
     head = f"""\
 state_dir: state
 listen:
@@ -502,27 +505,14 @@ listen:
   http: ["127.0.0.1:{pebble.http_port}"]
   admin: "127.0.0.1:{free_port()}"
 """
-    tenant = f"""\
-tenants:
-  - name: t
-    pins: ["{node.fingerprint}"]
-    routes:
-      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {_files_cert(tmp_path, files_host)}}}
-"""
+    tenant = _files_tenant(tmp_path, files_host)
     with _serve_process(tmp_path, head + tenant) as (proc, cfg):
         edge = types.SimpleNamespace(pebble=pebble)
         files = await wait_served(edge, files_host, root=False)
         assert san_names(files.cert) == [files_host]
         await trio.aclose_forcefully(files.tls)
-        cfg.write_text(head + f"""\
-acme:
-  directory: {pebble.directory}
-  email: ops@pact.test
-  agree_tos: true
-  challenges: [{challenge}]
-  ca_bundle: {pebble.ca_bundle}
-""" + tenant + f'      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", '
-                   'cert: acme}\n')
+        cfg.write_text(head + pebble.acme_yaml(challenge) + tenant + f'      - {{host: {host}, '
+                       'mode: terminate, backend: "127.0.0.1:9", cert: acme}\n')
         proc.send_signal(signal.SIGHUP)
         issued = await wait_served(edge, host)
         assert san_names(issued.cert) == [host]
@@ -538,34 +528,22 @@ async def test_a_reload_that_adds_dns01_to_a_files_only_serve_issues(tmp_path: P
                http_port=free_port(), tls_port=free_port()).start()
     try:
         files_host = "files.dns.test"
-        node = keygen(tmp_path / "node.key")
         head = f"""\
 state_dir: state
 listen:
   tls: ["127.0.0.1:{p.tls_port}"]
   admin: "127.0.0.1:{free_port()}"
 """
-        tenant = f"""\
-tenants:
-  - name: t
-    pins: ["{node.fingerprint}"]
-    routes:
-      - {{host: {files_host}, mode: terminate, backend: "127.0.0.1:9", cert: {_files_cert(tmp_path, files_host)}}}
-"""
+        tenant = _files_tenant(tmp_path, files_host)
         with _serve_process(tmp_path, head + tenant) as (proc, cfg):
             edge = types.SimpleNamespace(pebble=p)
             files = await wait_served(edge, files_host, root=False)
             await trio.aclose_forcefully(files.tls)
-            cfg.write_text(head + f"""\
-acme:
-  directory: {p.directory}
-  email: ops@pact.test
-  agree_tos: true
-  challenges: [dns-01]
-  ca_bundle: {p.ca_bundle}
-  dns01: {{server: "127.0.0.1:{named.port}", zone: dns.test., tsig_key_file: {named.key_file}}}
-""" + tenant + '      - {host: "*.wild.dns.test", mode: terminate, backend: "127.0.0.1:9", '
-                       'cert: acme}\n')
+            dns01 = (f'dns01: {{server: "127.0.0.1:{named.port}", zone: dns.test., '
+                     f'tsig_key_file: {named.key_file}}}')
+            cfg.write_text(head + p.acme_yaml("dns-01", dns01) + tenant + '      - {host: '
+                           '"*.wild.dns.test", mode: terminate, backend: "127.0.0.1:9", '
+                           'cert: acme}\n')
             proc.send_signal(signal.SIGHUP)
             issued = await wait_served(edge, "anything.wild.dns.test")
             assert san_names(issued.cert) == ["*.wild.dns.test"]

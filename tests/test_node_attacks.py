@@ -604,6 +604,7 @@ def test_a_node_head_over_what_the_h2_client_takes_is_a_502_on_its_stream(rig: R
     sent the node's 40 KB head (under the edge's own cap: an HTTP/1.1 client gets it
     whole): that stream is answered 502, and the connection's next stream is served."""
     port = rig.serve.port
+    before = len(rig.serve.log_events())
     status, body = h1(port, "GET", "/big-field?leg=h1")
     assert own_answer("/big-field?leg=h1", status, body)
     client = h2_client(port)
@@ -623,6 +624,10 @@ def test_a_node_head_over_what_the_h2_client_takes_is_a_502_on_its_stream(rig: R
     finally:
         client.close()
     settled(rig)
+    # the client's small setting is the cause: said so, and not blamed on the node
+    events = {e.get("event") for e in rig.serve.log_events()[before:]}
+    assert "response_head_over_client_limit" in events, events
+    assert "upstream_bad_response" not in events, events
 
 
 # --- 3. what the node may not say to a client -----------------------------------------------
@@ -900,6 +905,24 @@ def upload_h1(port: int, target: str) -> tuple[int, bytes]:
         forget(sock)
 
 
+def upload(port: int, target: str, leg: str,
+           on_h2: Callable[[H2Conn, Any], None] | None = None) -> tuple[int, bytes]:
+    """An upload on the `leg` ("h1": whole, as `upload_h1`; "h2": a quarter of it, the
+    test's HTTP/2 client taking its time per window); `on_h2` looks at the HTTP/2
+    answer, and may use its connection, before that is closed. (status, body)."""
+    if leg == "h1":
+        return upload_h1(port, target)
+    client = H2Conn(port, OPT_HOST)
+    try:
+        res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
+                             content_type="application/octet-stream")
+        if on_h2 is not None:
+            on_h2(client, res)
+    finally:
+        client.close()
+    return res.status or 0, res.body
+
+
 @pytest.mark.parametrize("then,leg", [("close", "h1"), ("close", "h2"), ("drain", "h1"),
                                       ("drain", "h2"), ("stall", "h1")])
 def test_an_answer_before_the_body_was_read_is_defined_and_desyncs_nothing(
@@ -908,17 +931,7 @@ def test_an_answer_before_the_body_was_read_is_defined_and_desyncs_nothing(
     rig.node.scripts[path] = _early(then)
     port = rig.serve.port
     target = f"{path}?leg={leg}"
-    if leg == "h1":
-        status, body = upload_h1(port, target)
-    else:
-        client = H2Conn(port, OPT_HOST)
-        try:
-            # less: the test's HTTP/2 client takes its time per window
-            res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
-                                 content_type="application/octet-stream")
-        finally:
-            client.close()
-        status, body = res.status or 0, res.body
+    status, body = upload(port, target, leg)
     if then == "drain":  # the node read the whole body: its answer, intact
         assert own_answer(target, status, body), (status, body[:200])
     else:
@@ -1204,19 +1217,12 @@ def test_what_a_node_writes_before_it_closes_early_is_relayed_only_if_whole(
     rig.node.scripts[path] = script
     port = rig.serve.port
     target = f"{path}?leg={leg}"
-    if leg == "h1":
-        status, body = upload_h1(port, target)
-    else:
-        client = H2Conn(port, OPT_HOST)
-        try:
-            res = client.request("POST", target, body=b"u" * (UPLOAD // 4),
-                                 content_type="application/octet-stream")
-            assert res.reset in (None, 0), res
-            after = client.request("GET", f"/plain?after={name}", content_type=None)
-            assert own_answer(f"/plain?after={name}", after.status or 0, after.body), after
-        finally:
-            client.close()
-        status, body = res.status or 0, res.body
+
+    def served_after(client: H2Conn, res: Any) -> None:
+        assert res.reset in (None, 0), res
+        after = client.request("GET", f"/plain?after={name}", content_type=None)
+        assert own_answer(f"/plain?after={name}", after.status or 0, after.body), after
+    status, body = upload(port, target, leg, served_after)
     # 0: an HTTP/1.1 client still uploading past the edge's linger may see the close
     assert status in (0, *wanted), (status, body[:200])
     assert b"EVIL" not in body, body[:200]
@@ -1236,7 +1242,9 @@ def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
     no head fits, not even the edge's own 502, so its streams are reset and nothing of a
     head is sent; the connection lives on, and once the client raises the setting the
     next answer arrives and decodes (the edge's HPACK encoder encoded nothing for the
-    heads it refused, so its table still agrees with the client's)."""
+    heads it refused, so its table still agrees with the client's). The client's own
+    setting is no fault to warn the operator of, request after request."""
+    before = len(rig.serve.log_events())
     client = h2_client(rig.serve.port)
     try:
         for i, size in enumerate((0, 20)):
@@ -1253,6 +1261,8 @@ def test_a_client_whose_header_list_size_fits_no_head_gets_resets_then_answers(
     finally:
         client.close()
     settled(rig)
+    warned = [e for e in rig.serve.log_events()[before:] if e.get("level") != "info"]
+    assert not warned, warned
 
 
 def test_an_early_answer_on_one_h2_stream_leaves_a_concurrent_upload_whole(rig: Rig) -> None:

@@ -385,12 +385,7 @@ listen:
   tls: ["127.0.0.1:{tls_port}"]
   http: ["127.0.0.1:{http_port}"]
   admin: "127.0.0.1:{admin_port}"
-acme:
-  directory: {pebble.directory}
-  email: ops@pact.test
-  agree_tos: true
-  challenges: [http-01]
-  ca_bundle: {pebble.ca_bundle}
+{pebble.acme_yaml("http-01")}\
 limits:
   clienthello_timeout: {HELLO_TIMEOUT}
 tenants:

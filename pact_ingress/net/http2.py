@@ -85,10 +85,10 @@ import trio
 
 from pact_ingress.logs import log
 from pact_ingress.net.http_exchange import (
-    BadResponse,
     ClientGone,
     Exchange,
     Headers,
+    HeadTooLarge,
     send_to_client,
 )
 from pact_ingress.net.linger import linger
@@ -180,7 +180,7 @@ def response_block(status: int, headers: Headers) -> Headers:
 
 
 def _sendable_block(conn: h2.H2Server, status: int, headers: Headers) -> Headers:
-    """`response_block`, or `BadResponse` when it is larger than the client's advertised
+    """`response_block`, or `HeadTooLarge` when it is larger than the client's advertised
     SETTINGS_MAX_HEADER_LIST_SIZE. The engine then answers 502 on the stream, as proxies
     do with an upstream head they cannot pass on (nginx's "upstream sent too big
     header"): a status the client can act on, where a reset would say nothing, and
@@ -189,7 +189,7 @@ def _sendable_block(conn: h2.H2Server, status: int, headers: Headers) -> Headers
     has gone out at this point: the head is its first frame."""
     block = response_block(status, headers)
     if not conn.fits_peer(block):
-        raise BadResponse("response head larger than the client's SETTINGS_MAX_HEADER_LIST_SIZE")
+        raise HeadTooLarge("response head larger than the client's SETTINGS_MAX_HEADER_LIST_SIZE")
     return block
 
 

@@ -106,6 +106,11 @@ class BadResponse(Exception):
     """The node's response cannot be expressed on the client's leg (invalid header...)."""
 
 
+class HeadTooLarge(BadResponse):
+    """The answer's head is larger than the client said it takes (HTTP/2's
+    SETTINGS_MAX_HEADER_LIST_SIZE): the client's own setting, not the node's fault."""
+
+
 class BodyBuffer:
     """A request body gathered whole, costing about its bytes however it was cut up: the
     buffer shares count bytes, and a client that sends a byte or two per TLS record (or

@@ -353,6 +353,13 @@ class MemoryTLS:
             raise self._broken(f"send failed: {exc!r}") from exc
         return records[sent:] if sent < len(records) else b""
 
+    def discard_unsent(self) -> None:
+        """Drop the ciphertext not sent yet (the outgoing BIO and what `write_nowait`
+        held): after the peer closed, it can never be sent, and a later read must not
+        try to flush it first."""
+        self._out.read()
+        self._held = b""
+
     @property
     def holding(self) -> bool:
         """Ciphertext `write_nowait` left to send."""

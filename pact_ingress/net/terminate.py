@@ -68,7 +68,13 @@ from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
-from pact_ingress.net.http_exchange import BadResponse, BodyBuffer, ClientGone, Exchange
+from pact_ingress.net.http_exchange import (
+    BadResponse,
+    BodyBuffer,
+    ClientGone,
+    Exchange,
+    HeadTooLarge,
+)
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
@@ -522,8 +528,14 @@ class Terminator:
             log.info("refused", route=conn.route_host, client=conn.client_ip, code=answer.code)
         ex.stop_body()
         headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
-        await ex.respond_whole(answer.status, headers,
-                               answer.body if ex.method != "HEAD" else b"")
+        try:
+            await ex.respond_whole(answer.status, headers,
+                                   answer.body if ex.method != "HEAD" else b"")
+        except HeadTooLarge as exc:
+            # The client takes no head of this size, so it can be told nothing: its
+            # stream is reset, as for a client that left. Its own setting is the cause,
+            # so the operator is not warned (it could have us warn on every request).
+            raise ClientGone(str(exc)) from None
         return answer.status
 
     # -- forwarding -------------------------------------------------------------------
@@ -576,6 +588,12 @@ class Terminator:
                 return response.status
         except UpstreamError as exc:
             return await self._answer(ex, conn, _upstream_answer(route, exc))
+        except HeadTooLarge:
+            # the node's head is fine, the client's advertised limit is small: its doing
+            log.info("response_head_over_client_limit", route=route.host,
+                     client=conn.client_ip)
+            return await self._answer(ex, conn, _Answer.text(
+                502, "the home node's response head is larger than your client accepts"))
         except BadResponse as exc:
             log.warning("upstream_bad_response", route=route.host, error=str(exc))
             return await self._answer(ex, conn, _Answer.text(

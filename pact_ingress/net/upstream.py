@@ -726,8 +726,7 @@ async def _answered_early(conn: _Conn, parser: ResponseParser, deadline: float) 
     buffer. The connection is never reused, and the response says the request body
     was cut short (`answered_early`), so the client's upload is stopped as for the
     edge's own early answers."""
-    conn._out.read()  # records that can no longer be sent: never sent before a read
-    conn._held = b""
+    conn.discard_unsent()  # never sent before a read: the link is closed
     try:
         while not parser.head_done:
             data = await conn.read(READ_SIZE, deadline)

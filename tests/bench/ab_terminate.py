@@ -13,7 +13,9 @@ core), and alternates short runs of every phase through HAProxy and every tree, 
 after round, so each one sees the same load. Reported: the median µs of proxy CPU per
 request (per new connection for `new*` phases) and the ratio to HAProxy's, measured in
 the same rounds, and the median of the per-round ratios with their range (the paired
-figure: a round's two runs share the host's weather). `--profile NAME` then records
+figure: a round's two runs share the host's weather); then each path's µs split into
+user space and kernel (the proxy process's /proc utime and stime, each the median of the
+rounds). `--profile NAME` then records
 that tree under py-spy during a keep-alive run (`--profile-phase`) and prints the same
 summary `bench_terminate` does (several names, comma-separated: one after the other).
 `--upstream` is the ALPN the node offers, as in `bench_terminate`: by default
@@ -43,6 +45,7 @@ from tests.bench.harness import (
     CORE_LOAD,
     CORE_PROXY,
     Service,
+    cpu_seconds,
     free_port,
     pin_self,
     pinned,
@@ -133,15 +136,20 @@ def main(argv: list[str] | None = None) -> int:
                 if run.errors or run.non2xx or not run.units:
                     raise SystemExit(f"warm-up {ph.key} via {path} failed:\n{run.raw}")
         cpu: dict[tuple[str, str], list[float]] = {}
+        kernel: dict[tuple[str, str], list[float]] = {}
         for rnd in range(args.rounds):
             for ph in plan:
                 for path in paths:
+                    pid = rig.proxies[path].pid
+                    system = cpu_seconds(pid, part="system")
                     run = bt.run_phase(rig, ph, path, args.seconds)
+                    system = cpu_seconds(pid, part="system") - system
                     if run.errors or run.non2xx or not run.units:
                         raise SystemExit(f"{ph.key} via {path} failed:\n{run.raw}")
                     us = bt.per_request_us(run)
                     assert us is not None
                     cpu.setdefault((ph.key, path), []).append(us)
+                    kernel.setdefault((ph.key, path), []).append(system / run.units * 1e6)
                     print(f"round {rnd + 1} {ph.key:5} {path:14} {run.rate:9,.0f}/s "
                           f"{us:8.1f} µs  proxy core {run.core_busy[str(CORE_PROXY)]:.0%}",
                           file=sys.stderr, flush=True)
@@ -158,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
                                for n in names) + " |")
         print(f"\nmedian of {args.rounds} rounds of {args.seconds:g} s; load average at "
               f"end {os.getloadavg()[0]:.2f}")
+        # where the difference lies: the kernel's work (loopback TCP, epoll) is much the
+        # same job for every proxy; the rest is each one's own code in user space
+        print("\n| phase | " + " | ".join(f"{p}: user / kernel (µs)" for p in paths) + " |")
+        print("|---" * (len(paths) + 1) + "|")
+        for ph in plan:
+            cells = []
+            for p in paths:
+                rounds = zip(cpu[(ph.key, p)], kernel[(ph.key, p)], strict=True)
+                user = statistics.median(total - sys_us for total, sys_us in rounds)
+                cells.append(f"{user:,.1f} / {statistics.median(kernel[(ph.key, p)]):,.1f}")
+            print(f"| {ph.label} | " + " | ".join(cells) + " |")
         for name in (args.profile or "").split(","):
             if name:
                 profile(rig, name, phases[args.profile_phase], tmp, args.profile_out)

@@ -103,16 +103,22 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
-def cpu_seconds(pid: int, *, descendants: bool = True) -> float:
-    """CPU seconds (user + system, reaped children included) of `pid` and, by default,
-    its live descendants. 0.0 for a process that is gone."""
+#: `cpu_seconds` parts: which /proc/PID/stat fields (man proc: utime(14) stime(15)
+#: cutime(16) cstime(17); fields[0] is field 3).
+_CPU_FIELDS = {"all": (11, 12, 13, 14), "user": (11, 13), "system": (12, 14)}
+
+
+def cpu_seconds(pid: int, *, descendants: bool = True, part: str = "all") -> float:
+    """CPU seconds (user + system, reaped children included; `part` "user" or "system"
+    for one of the two) of `pid` and, by default, its live descendants. 0.0 for a process
+    that is gone."""
     pids = process_tree(pid) if descendants else [pid]
+    fields_of = _CPU_FIELDS[part]
     total = 0
     for p in pids:
         fields = _stat_fields(p)
         if fields is not None:
-            # man proc: utime(14) stime(15) cutime(16) cstime(17); fields[0] is field 3.
-            total += sum(int(fields[i]) for i in (11, 12, 13, 14))
+            total += sum(int(fields[i]) for i in fields_of)
     return total / _CLK_TCK
 
 
