@@ -32,6 +32,7 @@ from tests.terminate_env import (
     exchange,
     forget,
     module_fixtures,
+    read_response,
     request_bytes,
     rpc,
     tls_socket,
@@ -382,3 +383,23 @@ def test_declared_lengths_alone_do_not_take_the_relays_body_buffers(tmp_path: Pa
         for sock in held:
             forget(sock)
         serve.stop()
+
+
+def test_a_declared_body_no_share_could_hold_is_refused_at_its_head(tmp_path: Path) -> None:
+    """Counting bytes as they come must not make a client upload what can never fit:
+    with a body cap above a client's buffer share, an MCP body declared larger than
+    the share is refused at its head (429), as before, without a byte of it read."""
+    env = ServeEnv.start(tmp_path, workers=1, limits={"max_body_bytes": "64MiB"})
+    try:
+        sock = tls_socket(env.serve.port, OPT_HOST)
+        try:
+            sock.sendall(f"POST /mcp HTTP/1.1\r\nHost: {OPT_HOST}\r\n"
+                         f"Content-Type: application/json\r\n"
+                         f"Content-Length: {BUFFERED_PER_CLIENT + 1}\r\n\r\n".encode())
+            resp = read_response(sock)
+        finally:
+            forget(sock)
+        assert resp.status == 429, (resp.status, resp.body[:200])
+        assert resp.header("retry-after") == "1"
+    finally:
+        env.stop()
