@@ -483,6 +483,8 @@ class Terminator:
         the shares for the body's whole deadline, and a few such heads the whole
         process's."""
         cap = route.limits.max_body_bytes
+        if ex.content_length is not None and ex.content_length > self.buffers.per_client:
+            return _busy(Refused.CLIENT)  # no share could ever hold it: not read at all
         body = BodyBuffer()
         idle = route.limits.idle_timeout
         # a body that stops coming holds its buffer share: given up when idle too, as a
