@@ -531,6 +531,14 @@ def test_drain_closes_idle_connections_and_finishes_busy_ones(own_serve: RelaySe
     assert queued(serve, ids) == ["in-flight"]
 
 
+def _send_part(conn: Any, sid: int, n: int) -> None:
+    """`n` bytes of stream `sid`'s body, in frames of the protocol's default size; the
+    stream stays open."""
+    for start in range(0, n, 16_384):
+        conn.conn.send_data(sid, b"x" * min(16_384, n - start))
+    conn.sock.sendall(conn.conn.data_to_send())
+
+
 async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
                                                         ids: RelayIdentities) -> None:
     """Body bytes held at once count per client address (HTTP/2 multiplexes, so one
@@ -542,15 +550,18 @@ async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
 
     ingress, port = in_process(tmp_path, ids)
     ingress.relay.buffers = Shares(100_000, 10_000_000)  # small, so a test can cross it
-    size = 80_000
+    size, sent = 80_000, 60_000  # (within a stream's window: 65,535)
 
     def exercise() -> list[Any]:
         conn = raw_h2(port, ids.sender)
         try:
-            first = conn.open_stream("POST", "/relay/mcp", length=size, first=b"x" * 10)
+            # the shares count bytes as they come (not as declared): the first body's
+            # bytes are most of a share before the second's come
+            first = conn.open_stream("POST", "/relay/mcp", length=size)
+            _send_part(conn, first, sent)
             second = conn.request("POST", "/relay/mcp", body=b"y" * size)
             # the rest of the first body, unless the first was the one refused
-            conn.send_body(first, b"x" * (size - 10))
+            conn.send_body(first, b"x" * (size - sent))
             conn.sock.sendall(conn.conn.data_to_send())
             first_res = conn.wait(first)
             third = conn.request("POST", "/relay/mcp", body=b"z" * size)
@@ -587,8 +598,8 @@ async def test_bodies_in_flight_over_the_process_share_are_unavailable(
     from pact_ingress.proto.shares import Shares
 
     ingress, port = in_process(tmp_path, ids)
-    buffers = ingress.relay.buffers = Shares(100_000, 150_000)  # small, to cross it
-    size = 80_000
+    buffers = ingress.relay.buffers = Shares(100_000, 120_000)  # small, to cross it
+    size, sent = 80_000, 60_000  # (within a stream's window: 65,535)
 
     def h2_from(source: str) -> RelayH2:
         conn = RelayH2.__new__(RelayH2)
@@ -599,13 +610,15 @@ async def test_bodies_in_flight_over_the_process_share_are_unavailable(
     def exercise() -> Any:
         holder, other = h2_from("127.0.0.2"), h2_from("127.0.0.3")
         try:
-            held = holder.open_stream("POST", "/relay/mcp", length=size, first=b"x" * 10)
-            deadline = time.monotonic() + WAIT  # the holder's share taken before the other
-            while buffers.of("127.0.0.2") < size and time.monotonic() < deadline:
+            # bytes are counted as they come: the holder's, taken before the other's
+            held = holder.open_stream("POST", "/relay/mcp", length=size)
+            _send_part(holder, held, sent)
+            deadline = time.monotonic() + WAIT
+            while buffers.of("127.0.0.2") < sent and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert buffers.of("127.0.0.2") >= size, "the first body was never held"
+            assert buffers.of("127.0.0.2") >= sent, "the first body was never held"
             refused = other.request("POST", "/relay/mcp", body=b"y" * size)
-            holder.send_body(held, b"x" * (size - 10))
+            holder.send_body(held, b"x" * (size - sent))
             holder.sock.sendall(holder.conn.data_to_send())
             holder.wait(held)
             return refused

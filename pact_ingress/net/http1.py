@@ -14,7 +14,8 @@ write must be taken by the client within `write_timeout`.
 
 Pipelining: while a response streams, the connection keeps reading (up to
 `MAX_PIPELINED_BYTES` not yet served, for the connection, however many answers stream
-before the request loop reaches them; parsed and queued as events for later) so that a
+before the request loop reaches them, each read counting at least
+`MIN_READ_AHEAD_CHARGE`; parsed and queued as events for later) so that a
 client that pipelined its next request and then went away is noticed at once, and its
 exchange ends instead of waiting for a read nobody will ever satisfy.
 
@@ -62,6 +63,11 @@ READ_SIZE = 64 * 1024
 #: Read ahead while a response streams: enough to see the close behind a pipelined
 #: request, little enough that a pipelining client cannot make us buffer much.
 MAX_PIPELINED_BYTES = 64 * 1024
+#: Each read ahead counts as at least this many bytes against `MAX_PIPELINED_BYTES`: a
+#: read is a parser event and its objects (~100 bytes), however few bytes it brought, so
+#: a client sending a byte or two per TLS record would otherwise have the budget hold
+#: some fifty times its bytes.
+MIN_READ_AHEAD_CHARGE = 1024
 #: Before a close, at most how long and how much of what the client still sends is read
 #: and dropped while it has not acknowledged all we sent (`net.linger`): long enough for
 #: a slow reader to take a large last answer, little enough that refusing a flood of
@@ -453,7 +459,7 @@ class H1Exchange(Exchange):
             if not data:
                 self.broken = True
                 return
-            c.read_ahead += len(data)
+            c.read_ahead += max(len(data), MIN_READ_AHEAD_CHARGE)
             try:
                 self.c.parser.feed(data)
             except ParseError as exc:

@@ -590,9 +590,9 @@ def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
     declared = header(headers, b"content-length")
     length = None
     if declared is not None:
-        if not declared.isdigit():  # int() would take "+5", " 5" and "5_0"
+        length = h2.declared_length(declared)
+        if length is None:
             return None
-        length = int(declared)
     authority = pseudo.get(b":authority")
     if authority is None:
         authority = header(headers, b"host")

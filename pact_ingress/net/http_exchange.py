@@ -109,3 +109,31 @@ class BadResponse(Exception):
 class HeadTooLarge(BadResponse):
     """The answer's head is larger than the client said it takes (HTTP/2's
     SETTINGS_MAX_HEADER_LIST_SIZE): the client's own setting, not the node's fault."""
+
+
+class BodyBuffer:
+    """A request body gathered whole, costing about its bytes however it was cut up: the
+    buffer shares count bytes, and a client that sends a byte or two per TLS record (or
+    per HTTP/2 DATA frame) makes each a chunk of its own, an object some twenty times its
+    size were the chunks kept one by one."""
+
+    __slots__ = ("_first", "_rest", "size")
+
+    def __init__(self) -> None:
+        self._first = b""  # the usual body arrives in one chunk: kept as it is, no copy
+        self._rest: bytearray | None = None
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        rest = self._rest
+        if rest is not None:
+            rest += chunk
+        elif not self._first:
+            self._first = chunk
+        else:
+            self._rest = bytearray(self._first) + chunk
+            self._first = b""
+
+    def whole(self) -> bytes:
+        return bytes(self._rest) if self._rest is not None else self._first

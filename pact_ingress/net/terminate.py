@@ -25,8 +25,10 @@ the same story on each, whichever the version:
 5. **Body budget.** A declared length over `max_body_bytes` → 413 before reading.
    Every body has a deadline for its whole (`BODY_TIMEOUT`, plus the per-read idle
    timeout). An MCP body is buffered against `buffers`, a `Shares` table with a per-IP
-   and a per-process cap (429 / 503 beyond), then judged by `proto.posture` — in a
-   worker thread when large, so the event loop (passthrough, tunnels) keeps running.
+   and a per-process cap (429 / 503 beyond), gathered in one buffer (`BodyBuffer`: it
+   costs about its bytes however small the chunks it came in), then judged by
+   `proto.posture` — in a worker thread when large, so the event loop (passthrough,
+   tunnels) keeps running.
 6. **Keys charged**: a forwarded MCP call charges its caller keys (the IP unit already
    paid) and may still be `rate_limited`.
 7. **A share of the node.** Each client IP holds at most the route's
@@ -66,7 +68,13 @@ from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.http1 import H1Connection
 from pact_ingress.net.http2 import H2Connection
-from pact_ingress.net.http_exchange import BadResponse, ClientGone, Exchange, HeadTooLarge
+from pact_ingress.net.http_exchange import (
+    BadResponse,
+    BodyBuffer,
+    ClientGone,
+    Exchange,
+    HeadTooLarge,
+)
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
@@ -469,20 +477,20 @@ class Terminator:
 
     async def _read_mcp_body(self, ex: Exchange, route: Route, client: str, held: list[int],
                              deadline: float) -> bytes | _Answer:
-        """The whole body, every byte counted in `buffers` first; or the answer to give."""
+        """The whole body, every byte counted in `buffers` before it is kept; or the
+        answer to give. Bytes are counted as they come, not as declared: a head that
+        declares the largest body and sends none of it would otherwise hold that much of
+        the shares for the body's whole deadline, and a few such heads the whole
+        process's."""
         cap = route.limits.max_body_bytes
-        if ex.content_length:
-            refused = self.buffers.take(client, ex.content_length)
-            if refused is not None:
-                return _busy(refused)
-            held[0] += ex.content_length
-        parts: list[bytes] = []
-        size = 0
+        if ex.content_length is not None and ex.content_length > self.buffers.per_client:
+            return _busy(Refused.CLIENT)  # no share could ever hold it: not read at all
+        body = BodyBuffer()
         idle = route.limits.idle_timeout
         # a body that stops coming holds its buffer share: given up when idle too, as a
         # streamed body is, not only at the whole-body deadline
         while chunk := await ex.receive(min(deadline, trio.current_time() + idle)):
-            size += len(chunk)
+            size = body.size + len(chunk)
             if size > cap:
                 return self._too_large(route)
             if size > held[0]:
@@ -490,8 +498,8 @@ class Terminator:
                 if refused is not None:
                     return _busy(refused)
                 held[0] = size
-            parts.append(chunk)
-        return b"".join(parts)
+            body.add(chunk)
+        return body.whole()
 
     async def _judge(self, ex: Exchange, route: Route, tenant: Tenant, target: Target,
                      payload: bytes) -> posture.Decision:

@@ -27,7 +27,9 @@ Path normalisation (what the node receives):
 
 Which requests the seal posture judges (:func:`in_mcp_scope`): any whose normalised
 path, compared case-insensitively and with ``%2F``/``%5C`` read as slashes, is the
-route's ``mcp_path`` or lies below it. :func:`judge_scope` then sorts a request into
+route's ``mcp_path`` or lies below it — as it stands, or with the empty and dot segments
+those slashes make merged and resolved (``/%2Fmcp``, ``/x%2F..%2Fmcp``), as a router
+that decodes them may. :func:`judge_scope` then sorts a request into
 
 * ``MCP_POST`` — a POST in scope: the body is read and judged by ``proto.posture``;
 * ``PLAIN`` — forwarded untouched (SSE ``GET``, session ``DELETE``, a landing page);
@@ -174,7 +176,30 @@ def in_mcp_scope(path: str, mcp_path: str) -> bool:
 def _in_mcp_scope(path: str, mcp_path: str) -> bool:
     folded = _fold(path)
     scope = _mcp_scope(mcp_path)
-    return scope == "" or folded == scope or folded.startswith(scope + "/")
+    if scope == "" or folded == scope or folded.startswith(scope + "/"):
+        return True
+    # A router that reads the escaped slashes as slashes may also merge the empty
+    # segments they make or resolve the dot segments between them (nginx matches
+    # locations so, Go's ServeMux cleans the path): `/%2Fmcp` and `/x%2F..%2Fmcp` are the
+    # endpoint to it. Judged in either reading, the one above or this one.
+    if "%" not in path:
+        return False  # no escaped slash: normalising left no empty or dot segment
+    resolved = _resolve(folded)
+    return resolved == scope or resolved.startswith(scope + "/")
+
+
+def _resolve(folded: str) -> str:
+    """`folded` with empty and `.` segments dropped and `..` resolved (no trailing /)."""
+    out: list[str] = []
+    for segment in folded.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if out:
+                out.pop()
+            continue
+        out.append(segment)
+    return "/" + "/".join(out)
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,7 +43,7 @@ import trio
 from pact_ingress import __version__
 from pact_ingress.identity import PublicKey
 from pact_ingress.logs import log
-from pact_ingress.net.http_exchange import Exchange, Headers
+from pact_ingress.net.http_exchange import BodyBuffer, Exchange, Headers
 from pact_ingress.proto import relay as rules
 from pact_ingress.proto.http_request import BadRequest, Target, check_host, parse_target
 from pact_ingress.proto.ratelimit import Limited, client_bucket
@@ -148,23 +148,21 @@ class RelayExchange:
     async def _body(self, cap: int) -> bytes:
         """The whole body; `_TooLarge` over `cap`, `_Busy` past a buffer share,
         `ClientGone` past the deadline. Every byte is counted in the server's `buffers`
-        before it is kept (the caller gives them back, `release`)."""
+        before it is kept (the caller gives them back, `release`), as it comes: counted
+        as declared, heads that send nothing after them would hold the shares."""
         ex = self.ex
         if ex.content_length is not None and ex.content_length > cap:
             raise _TooLarge()
-        if ex.content_length:
-            self._hold(ex.content_length)
         deadline = trio.current_time() + BODY_TIMEOUT
-        parts: list[bytes] = []
-        size = 0
+        body = BodyBuffer()  # about its bytes, however small the chunks
         while chunk := await ex.receive(deadline):
-            size += len(chunk)
+            size = body.size + len(chunk)
             if size > cap:
                 raise _TooLarge()
             if size > self.held:
                 self._hold(size - self.held)
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            body.add(chunk)
+        return body.whole()
 
     def _hold(self, n: int) -> None:
         refused = self.server.buffers.take(self.bucket, n)
