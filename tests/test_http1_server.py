@@ -278,3 +278,26 @@ def test_a_drain_ends_a_keep_alive_connection_once_its_answer_is_done() -> None:
             assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"ok")
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("zeros", [0, 1, 4300, 8000])
+def test_a_content_length_with_any_number_of_leading_zeros_is_its_number(zeros: int) -> None:
+    """llhttp takes `Content-Length: 000…05` (8000 zeros fit under the head cap); the
+    parser reads it as 5, where int() refused more than 4300 digits and the client got a
+    400 naming a callback error."""
+    parser = H1ServerParser()
+    parser.feed(b"POST /mcp HTTP/1.1\r\nHost: h.test\r\nContent-Length: "
+                + b"0" * zeros + b"5\r\n\r\nhello")
+    events = _events(parser)
+    assert isinstance(events[0], Request) and events[0].content_length == 5, events[:1]
+    assert _summary(events) == [("POST", b"/mcp", True), b"hello"]
+
+
+def test_a_content_length_past_any_body_is_refused_as_llhttp_reads_it() -> None:
+    """Twenty significant digits and more: llhttp's own overflow check refuses the head
+    (400), before any of it is read as a number."""
+    parser = H1ServerParser()
+    with pytest.raises(ParseError) as refused:
+        parser.feed(b"POST / HTTP/1.1\r\nHost: h.test\r\nContent-Length: "
+                    + b"9" * 5000 + b"\r\n\r\n")
+    assert refused.value.status == 400 and "callback" not in refused.value.why, refused.value

@@ -97,7 +97,7 @@ from pact_ingress.proto import h2_server as h2
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.h2_server import ErrorCode
-from pact_ingress.proto.http_request import header
+from pact_ingress.proto.http_request import declared_length, header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
 MAX_CONCURRENT_STREAMS = 100
@@ -590,7 +590,7 @@ def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
     declared = header(headers, b"content-length")
     length = None
     if declared is not None:
-        length = h2.declared_length(declared)
+        length = declared_length(declared)
         if length is None:
             return None
     authority = pseudo.get(b":authority")

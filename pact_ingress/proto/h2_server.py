@@ -54,6 +54,7 @@ from collections.abc import Iterable
 import hpack
 
 from pact_ingress.proto import h2_hpack
+from pact_ingress.proto.http_request import declared_length
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -255,24 +256,6 @@ def _all_indexed(block: bytes) -> bool:
                 i += 1
             i += 1
     return True
-
-
-#: A declared length of more significant digits than this is more than any body could be.
-MAX_LENGTH_DIGITS = 19
-#: What such a length reads as: still more than any body, and no digit string int() is
-#: asked to convert (CPython refuses more than 4300 digits, raising ValueError).
-HUGE_LENGTH = 1 << 64
-
-
-def declared_length(value: bytes) -> int | None:
-    """A `Content-Length` value: ASCII digits (leading zeros allowed, RFC 9110's
-    1*DIGIT) as their number, capped at `HUGE_LENGTH`; None for anything else."""
-    if not value.isdigit():  # bytes: ASCII digits only (int() would take "+5", " 5", "5_0")
-        return None
-    significant = value.lstrip(b"0")
-    if len(significant) > MAX_LENGTH_DIGITS:
-        return HUGE_LENGTH
-    return int(significant) if significant else 0
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:

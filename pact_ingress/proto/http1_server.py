@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import httptools
 
+from pact_ingress.proto.http_request import declared_length
+
 #: A request head larger than this is refused with 431; MCP and browser heads are a few
 #: KiB, and every connection may hold one incomplete head in memory.
 MAX_HEAD_BYTES = 16 * 1024
@@ -206,7 +208,9 @@ class H1ServerParser:
                 hosts += 1
                 host = value
             elif name == b"content-length":
-                length = int(value)  # llhttp accepted it: digits, one field
+                # llhttp accepted it: digits, one field (with any number of leading
+                # zeros, which int() refuses past 4300 digits)
+                length = declared_length(value)
             elif name == b"transfer-encoding":  # every field counts: gzip + chunked is two
                 transfer = value if transfer is None else transfer + b"," + value
             elif name == b"expect":

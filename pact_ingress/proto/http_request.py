@@ -332,3 +332,23 @@ def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+#: A declared length of more significant digits than this is more than any body could be.
+MAX_LENGTH_DIGITS = 19
+#: What such a length reads as: still more than any body, and no digit string int() is
+#: asked to convert (CPython refuses more than 4300 digits, raising ValueError).
+HUGE_LENGTH = 1 << 64
+
+
+def declared_length(value: bytes) -> int | None:
+    """A `Content-Length` value: ASCII digits (leading zeros allowed, RFC 9110's
+    1*DIGIT) as their number, capped at `HUGE_LENGTH`; None for anything else. Both
+    HTTP versions read it so: llhttp, which checks the HTTP/1.1 field, takes any number
+    of leading zeros too."""
+    if not value.isdigit():  # bytes: ASCII digits only (int() would take "+5", " 5", "5_0")
+        return None
+    significant = value.lstrip(b"0")
+    if len(significant) > MAX_LENGTH_DIGITS:
+        return HUGE_LENGTH
+    return int(significant) if significant else 0
