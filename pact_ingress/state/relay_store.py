@@ -304,7 +304,13 @@ class RedisRelayStore:
         version = await self._call("relay_allow", lambda: self._allow(
             keys=keys, args=[recipient, "\n".join(senders)]))
         self._allowlists = {**self._allowlists, recipient: frozenset(senders)}
-        self._allow_version = str(version).encode()
+        # our copy is Redis's only when no other instance changed a list since we read
+        # it (the version moved by exactly our own bump); otherwise the next refresh
+        # must read them all again, or another instance's change would stay unseen
+        before = self._allow_version
+        known = int(before) if before is not None and before.isdigit() else None
+        self._allow_version = (str(version).encode()
+                               if known is not None and int(version) == known + 1 else None)
 
     async def purge(self) -> int:
         """Drop what expired and recount every queue's depth from Redis."""
