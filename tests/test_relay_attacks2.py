@@ -4,6 +4,9 @@ interleave them."""
 
 from __future__ import annotations
 
+import sqlite3
+import subprocess
+import time
 from pathlib import Path
 
 import trio
@@ -13,6 +16,17 @@ from pact_ingress.state.redis import RedisState
 from pact_ingress.state.relay_store import RedisRelayStore
 from pact_ingress.stats import Stats
 from tests.redis_server import RedisServer
+from tests.relay_env import (
+    RELAY_HOST,
+    RelayCaller,
+    RelayH2,
+    RelayServe,
+    code_of,
+    envelope,
+    relay_identities,
+    tool_body,
+)
+from tests.test_relay_wake import WAIT, Hook, start_connector, wait_tunnel_up
 
 R1, R2 = "sha256:" + "1" * 43, "sha256:" + "2" * 43
 S = "sha256:" + "S" * 43
@@ -52,3 +66,59 @@ async def test_an_allowlist_change_by_another_instance_is_not_masked_by_an_own_o
         assert S not in a.allowlists().get(R2, frozenset()), a.allowlists()
     finally:
         server.stop()
+
+
+def test_a_sender_that_resets_while_its_call_commits_still_wakes_the_node(
+    tmp_path: Path,
+) -> None:
+    """A sender's HTTP/2 stream reset after its relay_call was handed to the store, while
+    the COMMIT waits (here: on the file's write lock, held as `relay purge` would hold
+    it). The item is committed anyway; the node must then be woken for it, because
+    nothing else will: the sender's retry is answered as a duplicate, which wakes no one,
+    and a node with on_mail waits for a wake rather than polling."""
+    ids = relay_identities(tmp_path)
+    hook = Hook()
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True, workers=1)
+    connector = start_connector(tmp_path, serve, ids.recipient.key_path,
+                                ids.ingress.fingerprint, f"http://127.0.0.1:{hook.port}/mail")
+    lock = sqlite3.connect(tmp_path / "state" / "relay.sqlite", timeout=5,
+                           isolation_level=None)
+    try:
+        wait_tunnel_up(serve)
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        lock.execute("BEGIN IMMEDIATE")  # the store's writer now waits for the lock
+        sender = RelayH2(serve.port, ids.sender)
+        body = tool_body("relay_call", envelope(ids.sender, ids.recipient, msg_id="rst-1"))
+        sid = sender.conn.get_next_available_stream_id()
+        sender.conn.send_headers(sid, [
+            (b":method", b"POST"), (b":scheme", b"https"), (b":authority", RELAY_HOST.encode()),
+            (b":path", b"/relay/mcp"), (b"content-length", str(len(body)).encode())])
+        sender.conn.send_data(sid, body, end_stream=True)
+        sender.sock.sendall(sender.conn.data_to_send())
+        time.sleep(1.0)  # checked and handed to the store, which waits on the lock
+        sender.conn.reset_stream(sid)
+        sender.sock.sendall(sender.conn.data_to_send())
+        time.sleep(0.3)  # the reset is read and the exchange cancelled
+        lock.execute("ROLLBACK")  # the writer goes on and commits the item
+        items: list[dict[str, object]] = []
+        deadline = time.monotonic() + WAIT
+        while not items and time.monotonic() < deadline:
+            items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
+            time.sleep(0.05)
+        assert len(items) == 1, "the reset call was not committed (the test lost its window)"
+        # the sender's retry is the duplicate of what was stored
+        again = RelayCaller(serve.port, ids.sender).tool(
+            "relay_call", envelope(ids.sender, ids.recipient, msg_id="rst-1"))[0]
+        assert code_of(again) is None
+        assert hook.wait_for(1, timeout=5), "the node was never woken for its stored item"
+    finally:
+        lock.close()
+        connector.terminate()
+        try:
+            connector.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            connector.kill()
+            connector.wait()
+        serve.stop()
+        hook.close()

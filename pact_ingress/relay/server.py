@@ -324,8 +324,13 @@ class RelayServer:
             # sender retry until it expires
             raise Refusal(rules.TOO_LARGE, "envelope over the recipient's whole queue bound")
         try:
-            done = await self.store.enqueue(header.to, header.sender, header.msg_id,
-                                            accepted.envelope, accepted.expires_at)
+            # once handed to the store the item may be stored whatever the caller does
+            # (a reset stream, a closed connection): see it through, so what was stored
+            # wakes its node; a retry is a duplicate and wakes no one. Bounded by the
+            # store's own deadline.
+            with trio.CancelScope(shield=True):
+                done = await self.store.enqueue(header.to, header.sender, header.msg_id,
+                                                accepted.envelope, accepted.expires_at)
         except QueueFull as exc:
             raise Refusal(rules.RATE_LIMITED, "the recipient's queue is full",
                           exc.retry_after) from None
