@@ -4,6 +4,7 @@ interleave them."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import time
@@ -21,12 +22,14 @@ from tests.relay_env import (
     RELAY_HOST,
     RelayCaller,
     RelayH2,
+    RelayIdentities,
     RelayServe,
     code_of,
     envelope,
     relay_identities,
     tool_body,
 )
+from tests.test_relay_cluster import cluster  # noqa: F401 - the two-instance fixture
 from tests.test_relay_wake import WAIT, Hook, start_connector, wait_tunnel_up
 
 R1, R2 = "sha256:" + "1" * 43, "sha256:" + "2" * 43
@@ -153,3 +156,23 @@ def test_one_sender_filling_the_queue_does_not_starve_another(tmp_path: Path) ->
         assert code_of(result) is None, result
     finally:
         serve.stop()
+
+
+def test_an_allowlist_read_via_one_instance_is_the_list_set_via_another(
+    cluster: tuple[RedisServer, list[RelayServe], RelayIdentities],
+) -> None:
+    """A node syncs its list via B, then reads it back via A (DNS picked another
+    address) to check the sync: it must read what is stored, not A's older copy, or it
+    concludes the sync was lost (and A would judge nothing by that copy anyway)."""
+    _redis, (a, b), ids = cluster
+    via_a = RelayCaller(a.port, ids.recipient, a.address)
+    via_b = RelayCaller(b.port, ids.recipient, b.address)
+    try:
+        assert json.loads(via_a.allowlist_get().body) == {"senders": []}
+        assert via_b.allowlist_set([ids.sender.fingerprint]).status == 200
+        assert json.loads(via_a.allowlist_get().body) == {"senders": [ids.sender.fingerprint]}
+        assert via_a.allowlist_set([]).status == 200
+        assert json.loads(via_b.allowlist_get().body) == {"senders": []}
+    finally:
+        via_a.close()
+        via_b.close()

@@ -220,6 +220,9 @@ class RelayExchange:
             if fp not in server.recipients:
                 raise rules.denied()
             if method == "GET":
+                # a shared store's list may have been set via another instance: read
+                # what is stored, not this instance's last copy
+                await server._ensure_store()
                 senders = sorted(server.store.allowlists().get(fp, ()))
                 await self._json(200, {"senders": senders})
                 return
