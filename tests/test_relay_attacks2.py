@@ -5,8 +5,10 @@ interleave them."""
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +31,10 @@ from tests.relay_env import (
     relay_identities,
     tool_body,
 )
-from tests.test_relay_cluster import cluster  # noqa: F401 - the two-instance fixture
+from tests.test_relay_cluster import cluster, msg_ids, wait_mode
 from tests.test_relay_wake import WAIT, Hook, start_connector, wait_tunnel_up
+
+__all__ = ["cluster"]  # the two-instance fixture, shared with the relay cluster tests
 
 R1, R2 = "sha256:" + "1" * 43, "sha256:" + "2" * 43
 S = "sha256:" + "S" * 43
@@ -176,3 +180,62 @@ def test_an_allowlist_read_via_one_instance_is_the_list_set_via_another(
     finally:
         via_a.close()
         via_b.close()
+
+
+@pytest.mark.slow
+def test_acknowledged_calls_survive_sigkill_of_redis_mid_flood(
+    cluster: tuple[RedisServer, list[RelayServe], RelayIdentities],
+) -> None:
+    """Redis (appendonly yes, appendfsync always, as required) killed with SIGKILL while
+    a sender queues via A, then started again on the same port: every call answered
+    `queued` is fetched via B, none twice; the calls answered otherwise are answered
+    (never hung), and the sender's retries are each stored once."""
+    redis, (a, b), ids = cluster
+    recipient_b = RelayCaller(b.port, ids.recipient, b.address)
+    sender_a = RelayCaller(a.port, ids.sender, a.address)
+    calls = 30
+    envelopes = {f"z{n}": envelope(ids.sender, ids.recipient, msg_id=f"z{n}")
+                 for n in range(calls)}
+    acknowledged: list[str] = []
+    answered: list[str] = []
+    try:
+        assert recipient_b.allowlist_set([ids.sender.fingerprint]).status == 200
+
+        def send() -> None:
+            for msg_id, env in envelopes.items():
+                result, _ = sender_a.tool("relay_call", env)
+                answered.append(msg_id)
+                if result.get("structuredContent") == {"status": "queued", "msg_id": msg_id}:
+                    acknowledged.append(msg_id)
+                else:
+                    assert code_of(result) == "unavailable", result
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while len(acknowledged) < calls // 3 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert redis.proc is not None
+        redis.proc.send_signal(signal.SIGKILL)
+        redis.proc.wait(10)
+        redis.proc = None
+        time.sleep(0.3)  # calls meanwhile meet no Redis at all
+        redis.start()
+        thread.join(60)
+        assert not thread.is_alive() and len(answered) == calls, answered
+        for serve in (a, b):
+            wait_mode(serve, "shared")
+        page = recipient_b.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        fetched = msg_ids(page)
+        assert len(fetched) == len(set(fetched)), fetched
+        assert set(acknowledged) <= set(fetched), (acknowledged, fetched)
+        for msg_id, env in envelopes.items():
+            result, _ = sender_a.tool("relay_call", env)
+            assert result["structuredContent"] == {"status": "queued", "msg_id": msg_id}
+        page = recipient_b.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
+        assert sorted(msg_ids(page)) == sorted(envelopes), msg_ids(page)
+    finally:
+        recipient_b.close()
+        sender_a.close()
+    for serve in (a, b):
+        assert "Traceback" not in serve.logs(), serve.logs()[-3000:]
