@@ -4,8 +4,13 @@ interleave them."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
 import json
+import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import threading
@@ -17,7 +22,7 @@ import trio
 
 from pact_ingress.model import RedisSettings, Relay
 from pact_ingress.state.redis import RedisState
-from pact_ingress.state.relay_store import RedisRelayStore
+from pact_ingress.state.relay_store import ENQUEUE_SCRIPT, RELAY_DEADLINE, RedisRelayStore
 from pact_ingress.stats import Stats
 from tests.redis_server import RedisServer
 from tests.relay_env import (
@@ -239,3 +244,139 @@ def test_acknowledged_calls_survive_sigkill_of_redis_mid_flood(
         sender_a.close()
     for serve in (a, b):
         assert "Traceback" not in serve.logs(), serve.logs()[-3000:]
+
+
+class SlowScriptProxy:
+    """A TCP relay in front of redis-server that, once armed, holds the first chunk
+    carrying `marker` (a script's SHA) for `delay` seconds before passing it on: a Redis
+    whose answer to one write comes after the caller's deadline, but which does run it
+    (as a Redis fsyncing on a stalled disk does). Everything else passes at once."""
+
+    def __init__(self, upstream: tuple[str, int], marker: bytes, delay: float) -> None:
+        self.upstream, self.marker, self.delay = upstream, marker, delay
+        self.armed = threading.Event()
+        self.held = threading.Event()  # a chunk was held (and then passed on)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self.socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False),
+                             daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if outbound and self.armed.is_set() and self.marker in chunk:
+                    self.armed.clear()
+                    chunk += self._rest_of(src)  # before the client's reset drops it
+                    time.sleep(self.delay)
+                    dst.sendall(chunk)
+                    self.held.set()
+                    continue
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            # only this direction ends: a held write still reaches Redis after its
+            # client gave up, as one already sent would
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    @staticmethod
+    def _rest_of(src: socket.socket) -> bytes:
+        """What the client sent right behind the held chunk (the rest of the command)."""
+        src.settimeout(0.3)
+        rest = b""
+        try:
+            while more := src.recv(65536):
+                rest += more
+        except OSError:  # quiet for a while (timeout), or reset: it is all here
+            pass
+        src.settimeout(None)
+        return rest
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.socks:
+            sock.close()
+
+
+def _zcard(redis: RedisServer, key: str) -> int:
+    """ZCARD straight from redis-server (raw RESP: what is stored, not what we think)."""
+    with socket.create_connection((redis.host, redis.port), timeout=WAIT) as sock:
+        raw = key.encode()
+        sock.sendall(b"*2\r\n$5\r\nZCARD\r\n$%d\r\n%s\r\n" % (len(raw), raw))
+        reply = sock.recv(64)
+    assert reply.startswith(b":"), reply
+    return int(reply[1:].strip())
+
+
+def test_a_call_stored_after_its_answer_gave_up_still_wakes_the_node(tmp_path: Path) -> None:
+    """Redis runs a relay_call's write only after the relay's deadline for it passed: the
+    call is answered `unavailable`, yet the item is stored. The sender's retry is then
+    answered as the duplicate it is; the node, whose connector waits for wakes, must
+    still be woken for the item, or it sits unseen until some other mail arrives."""
+    redis = RedisServer(tmp_path / "redis", extra=(
+        "--save", "", "--appendonly", "yes", "--appendfsync", "always"))
+    proxy = SlowScriptProxy((redis.host, redis.port),
+                            hashlib.sha1(ENQUEUE_SCRIPT.encode()).hexdigest().encode(),
+                            delay=RELAY_DEADLINE + 1)
+    key = tmp_path / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    ids = relay_identities(tmp_path)
+    hook = Hook()
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True, workers=1, extra=(
+        f"state:\n  backend: redis\n  url: redis://127.0.0.1:{proxy.port}/0\n"
+        f"  encryption_key_file: {key}\n  deadline: 500ms\n"))
+    connector = start_connector(tmp_path, serve, ids.recipient.key_path,
+                                ids.ingress.fingerprint, f"http://127.0.0.1:{hook.port}/mail")
+    try:
+        wait_mode(serve, "shared")
+        wait_tunnel_up(serve)
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender)
+        # a first call, woken for and acked: Redis knows the script from then on
+        warm = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="w"))[0]
+        assert code_of(warm) is None, warm
+        assert hook.wait_for(1)
+        first = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
+        assert recipient.tool("ack", {"ids": [first[0]["id"]]})[0]["structuredContent"] == {
+            "acked": 1}
+        call = envelope(ids.sender, ids.recipient, msg_id="late-1")
+        proxy.armed.set()
+        assert code_of(sender.tool("relay_call", call)[0]) == "unavailable"
+        assert proxy.held.wait(WAIT)  # and then Redis ran it:
+        queue = f"pact-ingress:relay:{{{ids.recipient.fingerprint}}}:q"
+        deadline = time.monotonic() + WAIT
+        while _zcard(redis, queue) != 1:
+            assert time.monotonic() < deadline, "the held write never ran"
+            time.sleep(0.02)
+        wait_mode(serve, "shared")
+        retry = sender.tool("relay_call", call)[0]
+        assert retry["structuredContent"] == {"status": "queued", "msg_id": "late-1"}
+        page = recipient.tool("fetch_queued", {})[0]["structuredContent"]
+        assert msg_ids(page) == ["late-1"]
+        assert hook.wait_for(2, timeout=5), "the node was never woken for its stored item"
+    finally:
+        connector.terminate()
+        try:
+            connector.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            connector.kill()
+            connector.wait()
+        serve.stop()
+        hook.close()
+        proxy.close()
+        redis.stop()

@@ -42,8 +42,9 @@ commit: one fsync for every call that arrived meanwhile).
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
 JSON log line per tool call names caller, recipient, msg_id, size and outcome, never a
 body (relay_call's, the hot one, is buffered with the access lines: `log.access`).
-When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks the
-tunnel server to push a content-free WAKE (it rate-limits per tenant).
+When a call is queued (or answered as a duplicate) for a tenant with a live tunnel,
+`wake(tenant)` asks the tunnel server to push a content-free WAKE (it rate-limits per
+tenant).
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ class RelayServer:
         try:
             # once handed to the store the item may be stored whatever the caller does
             # (a reset stream, a closed connection): see it through, so what was stored
-            # wakes its node; a retry is a duplicate and wakes no one. Bounded by the
+            # wakes its node even when its sender does not come back. Bounded by the
             # store's own deadline.
             with trio.CancelScope(shield=True):
                 done = await self.store.enqueue(header.to, header.sender, header.msg_id,
@@ -338,8 +339,11 @@ class RelayServer:
             raise Refusal(rules.BAD_REQUEST, "msg_id already used for this recipient by "
                           "another sender: send the call under a fresh msg_id") from None
         self._enqueued[done.duplicate].inc()
-        if not done.duplicate:
-            self.woken(header.to)
+        # a duplicate wakes too: its first call may have been stored after its answer
+        # gave up (unavailable), and then this retry is the only one left to wake the
+        # node (a wake is content-free and capped per tenant: one for an item already
+        # acked costs the node one empty fetch)
+        self.woken(header.to)
         return header.msg_id
 
     def woken(self, recipient: str) -> None:
