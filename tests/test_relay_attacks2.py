@@ -381,3 +381,55 @@ def test_a_call_stored_after_its_answer_gave_up_still_wakes_the_node(tmp_path: P
         hook.close()
         proxy.close()
         redis.stop()
+
+
+def test_mail_waiting_in_redis_wakes_a_node_that_connects_after_a_cold_start(
+    tmp_path: Path,
+) -> None:
+    """The host reboots: the ingress starts before Redis does (it serves alone until
+    Redis answers), Redis comes back with the queue its AOF kept, then the node's
+    connector connects. Mail waited for the node all along: it must be woken for it, as
+    it is when the ingress alone restarts."""
+    redis = RedisServer(tmp_path / "redis", extra=(
+        "--save", "", "--appendonly", "yes", "--appendfsync", "always"))
+    key = tmp_path / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    ids = relay_identities(tmp_path)
+    hook = Hook()
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True, workers=1, extra=(
+        f"state:\n  backend: redis\n  url: {redis.url}\n  encryption_key_file: {key}\n"
+        "  deadline: 500ms\n"))
+    connector = None
+    try:
+        wait_mode(serve, "shared")
+        recipient = RelayCaller(serve.port, ids.recipient)
+        assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender)
+        queued = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="c1"))[0]
+        assert code_of(queued) is None, queued
+        recipient.close()
+        sender.close()
+        serve.kill9()  # the reboot
+        redis.stop()
+        serve.restart()  # Redis not there yet
+        redis.start()
+        wait_mode(serve, "shared")
+        connector = start_connector(tmp_path, serve, ids.recipient.key_path,
+                                    ids.ingress.fingerprint,
+                                    f"http://127.0.0.1:{hook.port}/mail")
+        wait_tunnel_up(serve)
+        assert hook.wait_for(1, timeout=5), "the node was not woken for the mail waiting"
+        page = RelayCaller(serve.port, ids.recipient).tool("fetch_queued", {})[0]
+        assert msg_ids(page["structuredContent"]) == ["c1"]
+    finally:
+        if connector is not None:
+            connector.terminate()
+            try:
+                connector.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                connector.kill()
+                connector.wait()
+        serve.stop()
+        hook.close()
+        redis.stop()

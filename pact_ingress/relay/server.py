@@ -363,6 +363,10 @@ class RelayServer:
     def has_mail(self, tenant: str) -> bool:
         """Does any of `tenant`'s served recipients have items waiting? (Asked when one
         of its tunnel links comes up, so mail queued while it was away wakes it.)"""
+        if not getattr(self.store, "depths_known", True):
+            # a shared store not counted yet (Redis was away when we started): mail may
+            # wait there; a wake for none costs the node one empty fetch
+            return True
         depths = self.store.depths()
         return any(depths.get(fp, (0, 0))[0] > 0
                    for fp, owner in self.recipients.items() if owner == tenant)
