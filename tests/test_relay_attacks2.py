@@ -36,6 +36,7 @@ from tests.relay_env import (
     relay_identities,
     tool_body,
 )
+from tests.terminate_env import H2Result
 from tests.test_relay_cluster import cluster, msg_ids, wait_mode
 from tests.test_relay_wake import WAIT, Hook, start_connector, wait_tunnel_up
 
@@ -433,3 +434,49 @@ def test_mail_waiting_in_redis_wakes_a_node_that_connects_after_a_cold_start(
         serve.stop()
         hook.close()
         redis.stop()
+
+
+def test_a_node_cannot_pile_up_unread_fetch_pages(tmp_path: Path) -> None:
+    """A node (its own key: compromised, or just a buggy poller) opens many
+    fetch_queued streams on one HTTP/2 connection and reads none of the answers. Each
+    answer is a page of up to 16 MiB of envelopes held in memory (several times that while
+    it is built) until the client takes it: a hundred streams per connection, and
+    connections by the hundred, would hold gigabytes. Pages of one queue are the same
+    oldest-first items anyway, so only a couple may be in flight per caller; the others
+    are answered rate_limited at once, without building a page."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1)
+    try:
+        owner = RelayCaller(serve.port, ids.recipient)
+        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        sender = RelayCaller(serve.port, ids.sender)
+        big = "x" * (100 * 1024)
+        for n in range(4):  # a page larger than the HTTP/2 window: it waits for the reader
+            queued = sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                        msg_id=f"big-{n}", text=big))[0]
+            assert code_of(queued) is None, queued
+        h2c = RelayH2(serve.port, ids.recipient)
+        body = tool_body("fetch_queued", {"limit": 1000})
+        sids = []
+        for _ in range(6):
+            sid = h2c.conn.get_next_available_stream_id()
+            h2c._results[sid] = H2Result(None, [], b"")
+            h2c.conn.send_headers(sid, [
+                (b":method", b"POST"), (b":scheme", b"https"),
+                (b":authority", RELAY_HOST.encode()), (b":path", b"/relay/mcp"),
+                (b"content-length", str(len(body)).encode())])
+            h2c.conn.send_data(sid, body, end_stream=True)
+            sids.append(sid)
+        h2c.sock.sendall(h2c.conn.data_to_send())
+        time.sleep(1.0)  # every stream reached the relay while no page was read
+        answers = [json.loads(h2c.wait(sid, timeout=60).body)["result"] for sid in sids]
+        pages = [a for a in answers if code_of(a) is None]
+        assert all(code_of(a) == "rate_limited" for a in answers if a not in pages), answers
+        assert 1 <= len(pages) <= 2, [code_of(a) for a in answers]
+        assert all(len(p["structuredContent"]["items"]) == 4 for p in pages)
+        h2c.close()
+        # once read, the next fetch is served again
+        page = owner.tool("fetch_queued", {"limit": 1})[0]
+        assert len(page["structuredContent"]["items"]) == 1, page
+    finally:
+        serve.stop()

@@ -135,6 +135,8 @@ class RelayServer:
         self._drain_event = trio.Event()  # the HTTP legs close (HTTP/2: GOAWAY) on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
         self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
+        #: fetch_queued answers in progress per caller (`relay.http.MAX_FETCHES_IN_FLIGHT`)
+        self.fetching: dict[str, int] = {}
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)  # request bodies
         #: relay_enqueues by outcome, keyed by "was a duplicate" (looked up once)
         self._enqueued = {False: stats.relay_enqueues.labels("queued"),
