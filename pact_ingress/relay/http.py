@@ -69,6 +69,10 @@ MCP_VERSION = "2025-06-18"
 #: verifying megabytes would stall every other connection; below it a thread hand-off
 #: costs more CPU than the work it moves (measured: see README, Relay performance).
 INLINE_CHECK_BYTES = 64 * 1024
+#: fetch_queued calls of one caller being answered at once (its page built or being
+#: sent); more are answered rate_limited. One, and one retry of a fetch its client gave
+#: up on while the first is still being written.
+MAX_FETCHES_IN_FLIGHT = 2
 
 #: The two endpoints spelled exactly, as `parse_target` reads them: the usual request
 #: skips the normaliser (every other spelling still goes through it).
@@ -218,6 +222,9 @@ class RelayExchange:
             if fp not in server.recipients:
                 raise rules.denied()
             if method == "GET":
+                # a shared store's list may have been set via another instance: read
+                # what is stored, not this instance's last copy
+                await server._ensure_store()
                 senders = sorted(server.store.allowlists().get(fp, ()))
                 await self._json(200, {"senders": senders})
                 return
@@ -290,9 +297,32 @@ class RelayExchange:
                 await self._json(401, _rpc(rpc_id, error=(
                     -32001, str(refusal), {"code": rules.IDENTITY_REQUIRED})))
             return
-        answer = await self._dispatch(rpc_id, message["method"], params)
-        await self._send(200, answer if isinstance(answer, bytes) else json.dumps(answer).encode(),
-                         [_JSON, _NO_STORE])
+        fp = self.caller[0]
+        fetching = self.server.fetching
+        fetch = message["method"] == "tools/call" and params.get("name") == "fetch_queued"
+        if fetch:
+            if fetching.get(fp, 0) >= MAX_FETCHES_IN_FLIGHT:
+                # pages of one queue are the same oldest items: more at once only hold
+                # memory (up to 16 MiB of envelopes each, several times that while built)
+                # until a client that may never read takes them
+                self._refused(rules.RATE_LIMITED)
+                log.info("relay_fetch_queued", caller=fp, client_ip=self.client[0],
+                         outcome=rules.RATE_LIMITED, reason="fetches in flight")
+                await self._json(200, _rpc(rpc_id, result=rules.tool_error(Refusal(
+                    rules.RATE_LIMITED, "another fetch of this queue is still in flight", 1))))
+                return
+            fetching[fp] = fetching.get(fp, 0) + 1
+        try:
+            answer = await self._dispatch(rpc_id, message["method"], params)
+            await self._send(200, answer if isinstance(answer, bytes)
+                             else json.dumps(answer).encode(), [_JSON, _NO_STORE])
+        finally:
+            if fetch:  # the page is sent (or given up): its slot is free
+                left = fetching[fp] - 1
+                if left:
+                    fetching[fp] = left
+                else:
+                    del fetching[fp]
 
     async def _parse(self, body: bytes) -> Any:
         """The JSON document; megabytes of it are parsed in a worker thread (one at a

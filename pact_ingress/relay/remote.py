@@ -32,8 +32,8 @@ page of a thousand envelopes then crosses no process boundary. A shared store (R
 has no file, and any failure of the direct read (the file moved, a lock held too long)
 falls back to asking main; so does a worker told main's store is broken (main probes).
 
-Wakes stay in main: the service wakes the recipient's tenant after an enqueue that
-stored something new (main holds the tunnels).
+Wakes stay in main: the service wakes the recipient's tenant after every enqueue it
+answers queued, a duplicate included (main holds the tunnels).
 
 The two synchronous reads, `allowlists()` and `depths()`, are a worker's copies of
 main's, pushed as RELAY_STATE: when a worker starts, whenever main's allow-lists
@@ -351,8 +351,7 @@ class StoreService:
 
             def then(done: Enqueued | None, error: BaseException | None) -> None:
                 if done is not None and error is None:
-                    if not done.duplicate:
-                        relay.woken(recipient)
+                    relay.woken(recipient)  # a duplicate too: see `RelayServer.relay_call`
                     reply(wp.encode_enqueued(done.id, done.duplicate))
                 elif isinstance(error, QueueFull):
                     reply(wp.encode_relay(RelayStatus.QUEUE_FULL,
@@ -430,8 +429,7 @@ class StoreService:
             recipient, sender = self._enqueue_allowed(doc)
             done = await store.enqueue(recipient, sender, str(doc["msg_id"]),
                                        blob, int(doc["expires_at"]))
-            if not done.duplicate:
-                relay.woken(recipient)
+            relay.woken(recipient)  # a duplicate too: see `RelayServer.relay_call`
             return {"id": done.id, "duplicate": done.duplicate}, b""
         if op is RelayOp.FETCH:
             items, more = await store.fetch(str(doc["recipient"]), int(doc["limit"]))

@@ -42,8 +42,9 @@ commit: one fsync for every call that arrived meanwhile).
 Only configured recipients (pins of ``relay: true`` tenants) have queues and lists. One
 JSON log line per tool call names caller, recipient, msg_id, size and outcome, never a
 body (relay_call's, the hot one, is buffered with the access lines: `log.access`).
-When an item is newly queued for a tenant with a live tunnel, `wake(tenant)` asks the
-tunnel server to push a content-free WAKE (it rate-limits per tenant).
+When a call is queued (or answered as a duplicate) for a tenant with a live tunnel,
+`wake(tenant)` asks the tunnel server to push a content-free WAKE (it rate-limits per
+tenant).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ class RelayServer:
         self._drain_event = trio.Event()  # the HTTP legs close (HTTP/2: GOAWAY) on it
         self._idle_scopes: set[trio.CancelScope] = set()  # keep-alive waits, for a drain
         self.large_slot = trio.CapacityLimiter(1)  # large relay_calls, one at a time
+        #: fetch_queued answers in progress per caller (`relay.http.MAX_FETCHES_IN_FLIGHT`)
+        self.fetching: dict[str, int] = {}
         self.buffers = Shares(MAX_BUFFERED_PER_CLIENT, MAX_BUFFERED_TOTAL)  # request bodies
         #: relay_enqueues by outcome, keyed by "was a duplicate" (looked up once)
         self._enqueued = {False: stats.relay_enqueues.labels("queued"),
@@ -324,8 +327,13 @@ class RelayServer:
             # sender retry until it expires
             raise Refusal(rules.TOO_LARGE, "envelope over the recipient's whole queue bound")
         try:
-            done = await self.store.enqueue(header.to, header.sender, header.msg_id,
-                                            accepted.envelope, accepted.expires_at)
+            # once handed to the store the item may be stored whatever the caller does
+            # (a reset stream, a closed connection): see it through, so what was stored
+            # wakes its node even when its sender does not come back. Bounded by the
+            # store's own deadline.
+            with trio.CancelScope(shield=True):
+                done = await self.store.enqueue(header.to, header.sender, header.msg_id,
+                                                accepted.envelope, accepted.expires_at)
         except QueueFull as exc:
             raise Refusal(rules.RATE_LIMITED, "the recipient's queue is full",
                           exc.retry_after) from None
@@ -333,8 +341,11 @@ class RelayServer:
             raise Refusal(rules.BAD_REQUEST, "msg_id already used for this recipient by "
                           "another sender: send the call under a fresh msg_id") from None
         self._enqueued[done.duplicate].inc()
-        if not done.duplicate:
-            self.woken(header.to)
+        # a duplicate wakes too: its first call may have been stored after its answer
+        # gave up (unavailable), and then this retry is the only one left to wake the
+        # node (a wake is content-free and capped per tenant: one for an item already
+        # acked costs the node one empty fetch)
+        self.woken(header.to)
         return header.msg_id
 
     def woken(self, recipient: str) -> None:
@@ -354,6 +365,10 @@ class RelayServer:
     def has_mail(self, tenant: str) -> bool:
         """Does any of `tenant`'s served recipients have items waiting? (Asked when one
         of its tunnel links comes up, so mail queued while it was away wakes it.)"""
+        if not getattr(self.store, "depths_known", True):
+            # a shared store not counted yet (Redis was away when we started): mail may
+            # wait there; a wake for none costs the node one empty fetch
+            return True
         depths = self.store.depths()
         return any(depths.get(fp, (0, 0))[0] > 0
                    for fp, owner in self.recipients.items() if owner == tenant)

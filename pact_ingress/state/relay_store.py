@@ -208,6 +208,9 @@ class RedisRelayStore:
         self._purge = client.register_script(PURGE_SCRIPT)
         self._allow = client.register_script(ALLOW_SCRIPT)
         self._depths: dict[str, tuple[int, int]] = {}
+        #: whether `_depths` was ever counted from Redis: until then (Redis was not there
+        #: when this instance started) they say nothing about what waits in it
+        self.depths_known = False
         self._allowlists: dict[str, frozenset[str]] = {}
         self._allow_version: bytes | None = None
         #: What the last persistence check found wrong (None: nothing, or not checked).
@@ -235,8 +238,7 @@ class RedisRelayStore:
         it returns does (starting while Redis is down is not an error)."""
         if self.state.healthy:
             try:
-                await self.refresh()
-                await self._recount(int(self.clock()), purge=False)
+                await self.refresh()  # the lists, and the depths (not counted yet)
             except StoreUnavailable:
                 pass
 
@@ -262,6 +264,8 @@ class RedisRelayStore:
             self._allowlists = {k.decode(): frozenset(s for s in v.decode().split("\n") if s)
                                 for k, v in lists.items()}
             self._allow_version = version
+        if not self.depths_known:  # Redis was away at `open`: count what waits, once
+            await self._recount(int(self.clock()), purge=False)
 
     # --- the operations ----------------------------------------------------------------
 
@@ -304,7 +308,13 @@ class RedisRelayStore:
         version = await self._call("relay_allow", lambda: self._allow(
             keys=keys, args=[recipient, "\n".join(senders)]))
         self._allowlists = {**self._allowlists, recipient: frozenset(senders)}
-        self._allow_version = str(version).encode()
+        # our copy is Redis's only when no other instance changed a list since we read
+        # it (the version moved by exactly our own bump); otherwise the next refresh
+        # must read them all again, or another instance's change would stay unseen
+        before = self._allow_version
+        known = int(before) if before is not None and before.isdigit() else None
+        self._allow_version = (str(version).encode()
+                               if known is not None and int(version) == known + 1 else None)
 
     async def purge(self) -> int:
         """Drop what expired and recount every queue's depth from Redis."""
@@ -378,6 +388,7 @@ class RedisRelayStore:
             expired += int(n)
             depths[recipient] = (int(items), int(size))
         self._depths = depths
+        self.depths_known = True
         self._publish_depths()
         return expired
 
