@@ -89,6 +89,9 @@ STATE_INTERVAL = 1.0
 class RemoteStore:
     """A worker's `RelayStore`: main's store, reached over the worker channel."""
 
+    #: a worker's depths are main's copies; main's own store says whether it counted
+    depths_known = True
+
     def __init__(self, send: Callable[[Kind, bytes, int], Awaitable[None]],
                  next_id: Callable[[], int]) -> None:
         self._send = send

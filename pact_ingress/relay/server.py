@@ -365,7 +365,7 @@ class RelayServer:
     def has_mail(self, tenant: str) -> bool:
         """Does any of `tenant`'s served recipients have items waiting? (Asked when one
         of its tunnel links comes up, so mail queued while it was away wakes it.)"""
-        if not getattr(self.store, "depths_known", True):
+        if not self.store.depths_known:
             # a shared store not counted yet (Redis was away when we started): mail may
             # wait there; a wake for none costs the node one empty fetch
             return True

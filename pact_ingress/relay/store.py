@@ -137,6 +137,9 @@ class RelayStore(Protocol):
 
     healthy: bool
     last_error: str | None
+    #: whether `depths()` tells what waits in the store (False: a shared store that was
+    #: away when this instance started and has not been counted since)
+    depths_known: bool
 
     async def open(self) -> None: ...
     def set_bounds(self, max_items: int, max_bytes: int) -> None: ...
@@ -190,6 +193,7 @@ class SqliteStore:
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._depths: dict[str, tuple[int, int]] = {}
+        self.depths_known = True  # this process's own file: counted as it is opened
         self._allowlists: dict[str, frozenset[str]] = {}
         self._published: set[str] = set()  # recipients whose gauges were set
         self._next_open = 0.0
