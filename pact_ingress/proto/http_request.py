@@ -136,17 +136,8 @@ def _parse_target(raw: bytes) -> Target:
 
 def normalise_path(path: bytes) -> str:
     """The path a node receives (see the module docstring); raises `BadRequest`."""
-    out: list[str] = []
     segments = path.split(b"/")
-    for segment in segments:
-        segment = _decode_unreserved(segment.split(b";", 1)[0])
-        if segment in ("", "."):
-            continue
-        if segment == "..":
-            if out:
-                out.pop()
-            continue
-        out.append(segment)
+    out = _resolved(_decode_unreserved(segment.split(b";", 1)[0]) for segment in segments)
     trailing = len(segments) > 1 and segments[-1].split(b";", 1)[0] in (b"", b".", b"..")
     text = "/" + "/".join(out)
     return text + "/" if trailing and out else text
@@ -190,8 +181,14 @@ def _in_mcp_scope(path: str, mcp_path: str) -> bool:
 
 def _resolve(folded: str) -> str:
     """`folded` with empty and `.` segments dropped and `..` resolved (no trailing /)."""
+    return "/" + "/".join(_resolved(folded.split("/")))
+
+
+def _resolved(segments: Iterable[str]) -> list[str]:
+    """Path segments with the empty and `.` ones dropped and each `..` taking the one
+    before it away (none above the root)."""
     out: list[str] = []
-    for segment in folded.split("/"):
+    for segment in segments:
         if segment in ("", "."):
             continue
         if segment == "..":
@@ -199,7 +196,7 @@ def _resolve(folded: str) -> str:
                 out.pop()
             continue
         out.append(segment)
-    return "/" + "/".join(out)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
