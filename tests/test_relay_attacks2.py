@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sqlite3
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,10 +19,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from pact_ingress.model import RedisSettings, Relay
-from pact_ingress.state.redis import RedisState
-from pact_ingress.state.relay_store import ENQUEUE_SCRIPT, RELAY_DEADLINE, RedisRelayStore
-from pact_ingress.stats import Stats
+from pact_ingress.state.relay_store import ENQUEUE_SCRIPT, RELAY_DEADLINE
 from tests.redis_server import RedisServer
 from tests.relay_env import (
     RELAY_HOST,
@@ -38,25 +34,13 @@ from tests.relay_env import (
 )
 from tests.terminate_env import H2Result
 from tests.test_relay_cluster import cluster, msg_ids, wait_mode
-from tests.test_relay_wake import WAIT, Hook, start_connector, wait_tunnel_up
+from tests.test_relay_redis import open_store
+from tests.test_relay_wake import WAIT, Hook, start_connector, stop_connector, wait_tunnel_up
 
 __all__ = ["cluster"]  # the two-instance fixture, shared with the relay cluster tests
 
 R1, R2 = "sha256:" + "1" * 43, "sha256:" + "2" * 43
 S = "sha256:" + "S" * 43
-
-
-async def _instance(nursery: trio.Nursery, server: RedisServer) -> RedisRelayStore:
-    """One instance's relay store: every instance of a cluster uses the same prefix."""
-    state = RedisState(RedisSettings(
-        host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
-        key_prefix="cluster:", deadline=0.5), Stats(), probe_interval=0.05)
-    await nursery.start(state.run)
-    store = state.relay_store(Relay(host="relay.test", cert="acme", store=Path("/unused"),
-                                    max_items=100, max_bytes=10_000), Stats(), trio.current_time)
-    assert isinstance(store, RedisRelayStore)
-    await store.open()
-    return store
 
 
 async def test_an_allowlist_change_by_another_instance_is_not_masked_by_an_own_one(
@@ -68,8 +52,8 @@ async def test_an_allowlist_change_by_another_instance_is_not_masked_by_an_own_o
     (a sender its owner removed) until some later change happens to be made."""
     server = RedisServer(tmp_path / "redis")
     try:
-        a = await _instance(nursery, server)
-        b = await _instance(nursery, server)
+        a = await open_store(nursery, server, "cluster:")
+        b = await open_store(nursery, server, "cluster:")
         await b.set_allowlist(R2, (S,))
         await a.refresh()
         assert S in a.allowlists()[R2]
@@ -129,12 +113,7 @@ def test_a_sender_that_resets_while_its_call_commits_still_wakes_the_node(
         assert again["structuredContent"] == {"status": "queued", "msg_id": "rst-1"}
     finally:
         lock.close()
-        connector.terminate()
-        try:
-            connector.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            connector.kill()
-            connector.wait()
+        stop_connector(connector)
         serve.stop()
         hook.close()
 
@@ -323,19 +302,30 @@ def _zcard(redis: RedisServer, key: str) -> int:
     return int(reply[1:].strip())
 
 
+def _durable_redis(tmp_path: Path) -> RedisServer:
+    """Redis as the relay requires it: every write in the append-only file, fsynced."""
+    return RedisServer(tmp_path / "redis", extra=(
+        "--save", "", "--appendonly", "yes", "--appendfsync", "always"))
+
+
+def _state_key(tmp_path: Path) -> Path:
+    """A shared-state encryption key file, 0600."""
+    key = tmp_path / "state.key"
+    key.write_bytes(base64.b64encode(os.urandom(32)))
+    os.chmod(key, 0o600)
+    return key
+
+
 def test_a_call_stored_after_its_answer_gave_up_still_wakes_the_node(tmp_path: Path) -> None:
     """Redis runs a relay_call's write only after the relay's deadline for it passed: the
     call is answered `unavailable`, yet the item is stored. The sender's retry is then
     answered as the duplicate it is; the node, whose connector waits for wakes, must
     still be woken for the item, or it sits unseen until some other mail arrives."""
-    redis = RedisServer(tmp_path / "redis", extra=(
-        "--save", "", "--appendonly", "yes", "--appendfsync", "always"))
+    redis = _durable_redis(tmp_path)
     proxy = SlowScriptProxy((redis.host, redis.port),
                             hashlib.sha1(ENQUEUE_SCRIPT.encode()).hexdigest().encode(),
                             delay=RELAY_DEADLINE + 1)
-    key = tmp_path / "state.key"
-    key.write_bytes(base64.b64encode(os.urandom(32)))
-    os.chmod(key, 0o600)
+    key = _state_key(tmp_path)
     ids = relay_identities(tmp_path)
     hook = Hook()
     serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True, workers=1, extra=(
@@ -372,12 +362,7 @@ def test_a_call_stored_after_its_answer_gave_up_still_wakes_the_node(tmp_path: P
         assert msg_ids(page) == ["late-1"]
         assert hook.wait_for(2, timeout=5), "the node was never woken for its stored item"
     finally:
-        connector.terminate()
-        try:
-            connector.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            connector.kill()
-            connector.wait()
+        stop_connector(connector)
         serve.stop()
         hook.close()
         proxy.close()
@@ -391,11 +376,8 @@ def test_mail_waiting_in_redis_wakes_a_node_that_connects_after_a_cold_start(
     Redis answers), Redis comes back with the queue its AOF kept, then the node's
     connector connects. Mail waited for the node all along: it must be woken for it, as
     it is when the ingress alone restarts."""
-    redis = RedisServer(tmp_path / "redis", extra=(
-        "--save", "", "--appendonly", "yes", "--appendfsync", "always"))
-    key = tmp_path / "state.key"
-    key.write_bytes(base64.b64encode(os.urandom(32)))
-    os.chmod(key, 0o600)
+    redis = _durable_redis(tmp_path)
+    key = _state_key(tmp_path)
     ids = relay_identities(tmp_path)
     hook = Hook()
     serve = RelayServe(tmp_path, recipients=[ids.recipient], tunnel=True, workers=1, extra=(
@@ -424,13 +406,7 @@ def test_mail_waiting_in_redis_wakes_a_node_that_connects_after_a_cold_start(
         page = RelayCaller(serve.port, ids.recipient).tool("fetch_queued", {})[0]
         assert msg_ids(page["structuredContent"]) == ["c1"]
     finally:
-        if connector is not None:
-            connector.terminate()
-            try:
-                connector.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                connector.kill()
-                connector.wait()
+        stop_connector(connector)
         serve.stop()
         hook.close()
         redis.stop()

@@ -24,10 +24,14 @@ DURABLE = ("--save", "", "--appendonly", "yes", "--appendfsync", "always")
 _prefixes = itertools.count()
 
 
-async def _open(nursery: trio.Nursery, server: RedisServer) -> RedisRelayStore:
+async def open_store(nursery: trio.Nursery, server: RedisServer,
+                     prefix: str | None = None) -> RedisRelayStore:
+    """A Redis relay store under its own key prefix (`prefix`: a shared one, as every
+    instance of a cluster has)."""
     state = RedisState(RedisSettings(
         host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
-        key_prefix=f"r{next(_prefixes)}:", deadline=0.5), Stats(), probe_interval=0.05)
+        key_prefix=prefix or f"r{next(_prefixes)}:", deadline=0.5), Stats(),
+        probe_interval=0.05)
     await nursery.start(state.run)
     store = state.relay_store(Relay(host="relay.test", cert="acme", store=Path("/unused"),
                                     max_items=100, max_bytes=10_000), Stats(), trio.current_time)
@@ -46,7 +50,7 @@ async def test_persistence_check_says_what_can_be_lost(
     server = RedisServer(tmp_path / "redis")  # appendonly no: the test default
     try:
         with caplog.at_level(logging.INFO, logger="pact_ingress"):
-            store = await _open(nursery, server)
+            store = await open_store(nursery, server)
             assert "appendonly is not yes" in (store.persistence_warning or "")
             assert "loses every acknowledged one" in (store.persistence_warning or "")
             await _config_set(store, "appendonly", "yes")
@@ -71,7 +75,7 @@ async def test_persistence_check_says_what_can_be_lost(
 async def test_persistence_check_without_config(nursery: trio.Nursery, tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis", extra=(*DURABLE, "--rename-command", "CONFIG", ""))
     try:
-        store = await _open(nursery, server)
+        store = await open_store(nursery, server)
         assert "cannot read Redis's persistence settings" in (store.persistence_warning or "")
         assert store.healthy  # a refused CONFIG is not a lost Redis
         assert not (await store.enqueue(A, B, "m", b"x", 2_000_000_000)).duplicate
@@ -84,7 +88,7 @@ async def test_redis_gone_answers_unavailable_then_recovers(
 ) -> None:
     server = RedisServer(tmp_path / "redis", extra=DURABLE)
     try:
-        store = await _open(nursery, server)
+        store = await open_store(nursery, server)
         assert store.persistence_warning is None
         await store.enqueue(A, B, "before", b"b", 2_000_000_000)
         server.stop()
@@ -120,7 +124,7 @@ async def test_a_dedupe_entry_written_before_it_named_its_sender_stays_a_duplica
     cannot say whose it is, and answers every sender's retry as the duplicate it was."""
     server = RedisServer(tmp_path / "redis")
     try:
-        store = await _open(nursery, server)
+        store = await open_store(nursery, server)
         first = await store.enqueue(A, B, "new", b"n", 2_000_000_000)
         dedupe = store._keys(A, "d")[0]
         assert await store.state.client.hget(dedupe, "new") == (

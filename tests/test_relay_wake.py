@@ -78,6 +78,18 @@ connections: 1
                             stdout=log, stderr=subprocess.STDOUT)
 
 
+def stop_connector(connector: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL if it is still there after 10 s; waited for either way."""
+    if connector is None:
+        return
+    connector.terminate()
+    try:
+        connector.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        connector.kill()
+        connector.wait()
+
+
 def wait_tunnel_up(serve: RelayServe) -> None:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
@@ -123,12 +135,7 @@ def test_wake_reaches_the_hook(tmp_path: Path, with_hook: bool) -> None:
         items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
         assert len(items) == 6
     finally:
-        connector.terminate()
-        try:
-            connector.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            connector.kill()
-            connector.wait()
+        stop_connector(connector)
         serve.stop()
         hook.close()
 
@@ -172,12 +179,6 @@ def test_mail_queued_while_offline_wakes_the_node_when_it_connects(tmp_path: Pat
         items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
         assert len(items) == 1  # the wake is content-free: the node fetched what waited
     finally:
-        if connector is not None:
-            connector.terminate()
-            try:
-                connector.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                connector.kill()
-                connector.wait()
+        stop_connector(connector)
         serve.stop()
         hook.close()
