@@ -47,6 +47,7 @@ retried at most every `REOPEN_INTERVAL` seconds when a job arrives.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sqlite3
@@ -59,6 +60,7 @@ from typing import Any, Protocol
 
 import trio
 
+from pact_ingress.identity import b64url_decode
 from pact_ingress.logs import log
 from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
 from pact_ingress.stats import Stats
@@ -345,6 +347,13 @@ class SqliteStore:
                 where = f"recipient = ? AND acked = 0 AND id IN ({marks})"
                 size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM items "
                                     f"WHERE {where}", (recipient, *chunk)).fetchone()
+                # the row (its msg_id key) is kept until the envelope itself expires,
+                # which can be later than the item's own retention (a future ts): a
+                # retry of the acked call until then is the duplicate, never new mail
+                keep = [(_envelope_exp(env), i) for i, env in conn.execute(
+                    f"SELECT id, envelope FROM items WHERE {where}", (recipient, *chunk))]
+                conn.executemany("UPDATE items SET expires_at = MAX(expires_at, ?) "
+                                 "WHERE id = ?", [k for k in keep if k[0] is not None])
                 conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}",
                              (recipient, *chunk))
                 acked += int(size[0])
@@ -685,6 +694,22 @@ class FileReader:
         except sqlite3.Error:
             self.close()
             raise
+
+
+_PROTECTED = b'"protected":"'
+
+
+def _envelope_exp(envelope: bytes | None) -> int | None:
+    """The protected header's exp of a stored envelope (canonical JSON), or None."""
+    if not envelope:
+        return None
+    try:
+        at = envelope.index(_PROTECTED) + len(_PROTECTED)
+        protected = envelope[at:envelope.index(b'"', at)]
+        exp = json.loads(b64url_decode(protected.decode("ascii")))["exp"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return exp if isinstance(exp, int) and not isinstance(exp, bool) else None
 
 
 def _count_depths(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
