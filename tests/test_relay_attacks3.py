@@ -88,3 +88,127 @@ async def test_an_acked_call_retried_after_the_retention_cap_is_not_delivered_ag
             sender.close()
 
     await _in_process(tmp_path, ids, clock, body)
+
+
+def _fp(i: int) -> str:
+    """A well-formed fingerprint nobody holds."""
+    import base64
+    import hashlib
+
+    digest = hashlib.sha256(i.to_bytes(8, "big")).digest()
+    return "sha256:" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def test_ack_and_fetch_arguments_at_their_edges_with_two_workers(tmp_path: Path) -> None:
+    """Acks naming another recipient's ids, ids twice, ids already acked, and ids that
+    are no ids (negative, zero, past 2^63, floats, strings, booleans, null, nested, a
+    5000-digit number) remove exactly the caller's own named items; odd fetch limits get
+    bad_request; every answer is a defined one, the log holds no traceback, and /status
+    and /metrics count exactly what is left."""
+    from pact_ingress.identity import keygen
+    from tests.test_relay_attacks import metric
+
+    ids = relay_identities(tmp_path)
+    second = keygen(tmp_path / "second.key", common_name="second")
+    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=2,
+                       extra=HIGH_LIMITS)
+    try:
+        r1 = RelayCaller(serve.port, ids.recipient)
+        r2 = RelayCaller(serve.port, second)
+        sender = RelayCaller(serve.port, ids.sender)
+        for r in (r1, r2):
+            assert r.allowlist_set([ids.sender.fingerprint]).status == 200
+        for m in ("a1", "a2", "a3"):
+            assert queued(sender.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                             msg_id=m))[0], m)
+        assert queued(sender.tool("relay_call", envelope(ids.sender, second,
+                                                         msg_id="b1"))[0], "b1")
+        page1 = r1.tool("fetch_queued", {})[0]["structuredContent"]
+        mine = [i["id"] for i in page1["items"]]
+        assert len(mine) == 3 and page1["more"] is False
+        # another recipient naming them acks nothing
+        assert r2.tool("ack", {"ids": mine})[0]["structuredContent"] == {"acked": 0}
+        odd = [-1, 0, 2**63, 2**64, -2**63, float(mine[0]), str(mine[0]), True, None,
+               [mine[0]], {"id": mine[0]}, 1e300]
+        assert r1.tool("ack", {"ids": odd})[0]["structuredContent"] == {"acked": 0}
+        # a number too long for Python's int conversion: a defined error, not a crash
+        huge = ('{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"ack",'
+                '"arguments":{"ids":[' + "9" * 5000 + "]}}}").encode()
+        resp = r1.request("POST", "/relay/mcp", huge)
+        doc = json.loads(resp.body)
+        assert resp.status in (200, 400) and ("error" in doc or code_of(
+            doc.get("result", {})) is not None), (resp.status, resp.body[:200])
+        for limit in (0, -1, 1.5, "1", True, None, [1]):
+            result = r1.tool("fetch_queued", {"limit": limit})[0]
+            assert code_of(result) == "bad_request", (limit, result)
+        assert r1.tool("ack", {"ids": [mine[0], mine[0]]})[0]["structuredContent"] == {
+            "acked": 1}
+        assert r1.tool("ack", {"ids": [mine[0]]})[0]["structuredContent"] == {"acked": 0}
+        page = r1.tool("fetch_queued", {"limit": 10**30})[0]["structuredContent"]
+        assert [i["id"] for i in page["items"]] == mine[1:]
+        page2 = r2.tool("fetch_queued", {})[0]["structuredContent"]
+        assert len(page2["items"]) == 1
+        assert depth(serve)[0] == 3
+        assert metric(serve.metrics(), "pact_ingress_relay_queued_items") == 3
+        assert r1.tool("ack", {"ids": mine[1:] + [page2["items"][0]["id"]]})[0][
+            "structuredContent"] == {"acked": 2}
+        assert r2.tool("ack", {"ids": [page2["items"][0]["id"]]})[0][
+            "structuredContent"] == {"acked": 1}
+        assert depth(serve) == (0, 0)
+        text = serve.metrics()
+        assert metric(text, "pact_ingress_relay_queued_items") == 0
+        assert metric(text, "pact_ingress_relay_queued_bytes") == 0
+        for c in (r1, r2, sender):
+            c.close()
+        clean_log(serve)
+    finally:
+        serve.stop()
+
+
+def test_allowlist_posts_at_their_edges(tmp_path: Path) -> None:
+    """Empty, duplicated, 10,000-entry, over-long, malformed and self-naming lists: each
+    is applied whole or refused whole with its code, and a relay_call is judged by
+    exactly the list last applied."""
+    ids = relay_identities(tmp_path)
+    serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, extra=HIGH_LIMITS)
+    try:
+        owner = RelayCaller(serve.port, ids.recipient)
+        sender = RelayCaller(serve.port, ids.sender)
+        s = ids.sender.fingerprint
+
+        def listed() -> list[str]:
+            return list(json.loads(owner.allowlist_get().body)["senders"])
+
+        def call(m: str) -> Any:
+            return sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id=m))[0]
+
+        assert owner.allowlist_set([]).status == 200 and listed() == []
+        assert code_of(call("e1")) == "permission_denied"
+        resp = owner.allowlist_set([s, s, s])
+        assert resp.status == 200 and json.loads(resp.body) == {"senders": 1}
+        assert listed() == [s] and queued(call("d1"), "d1")
+        many = [_fp(i) for i in range(9_999)] + [s]
+        resp = owner.allowlist_set(many)
+        assert resp.status == 200, resp.body[:200]
+        assert sorted(listed()) == sorted(many) and queued(call("m1"), "m1")
+        over = [_fp(i) for i in range(10_001)]
+        resp = owner.allowlist_set(over)
+        assert resp.status == 413 and json.loads(resp.body)["code"] == "too_large"
+        for bad in (["sha256:short"], [s.upper()], [123], [None], [s + "="], [s, ""],
+                    ["sha256:" + "A" * 42 + "B"]):
+            resp = owner.allowlist_set(bad)
+            assert resp.status == 400, (bad, resp.status)
+            assert json.loads(resp.body)["code"] == "bad_request"
+        for body in (b'{"senders": "x"}', b'{"senders": [], "x": 1}', b"[]", b"null",
+                     b'{"senders": [], "senders": []}', b"\xff", b""):
+            resp = owner.request("POST", "/relay/allowlist", body)
+            assert resp.status == 400, (body, resp.status)
+        assert sorted(listed()) == sorted(many)  # every refusal left the list alone
+        resp = owner.allowlist_set([ids.recipient.fingerprint])
+        assert resp.status == 200
+        assert code_of(call("x1")) == "permission_denied"
+        owner.close()
+        sender.close()
+        clean_log(serve)
+    finally:
+        serve.stop()
