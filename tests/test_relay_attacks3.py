@@ -212,3 +212,52 @@ def test_allowlist_posts_at_their_edges(tmp_path: Path) -> None:
         clean_log(serve)
     finally:
         serve.stop()
+
+
+async def test_expiry_is_enforced_at_the_boundary_second_for_exp_and_for_the_cap(
+        tmp_path: Path) -> None:
+    """One item expiring at its exp, one at the 30-day cap (its exp later still): each is
+    fetched the second before and not at the second itself; a purge then removes exactly
+    them and the counters say so; a retry of the capped one before its exp is not told
+    'queued' for an item nobody will ever fetch."""
+    ids = relay_identities(tmp_path)
+    clock = [float(int(time.time())) + 0.25]
+    t0 = int(clock[0])
+    short = envelope(ids.sender, ids.recipient, msg_id="short", ts=t0, exp=t0 + 100)
+    capped = envelope(ids.sender, ids.recipient, msg_id="capped", ts=t0 + DAY,
+                      exp=t0 + 31 * DAY)
+
+    def body(port: int, ingress: Any) -> None:
+        recipient = RelayCaller(port, ids.recipient)
+        sender = RelayCaller(port, ids.sender)
+
+        def fetched() -> list[str]:
+            page = recipient.tool("fetch_queued", {})[0]["structuredContent"]
+            return sorted(json.loads(__import__("base64").urlsafe_b64decode(
+                i["envelope"]["protected"] + "==="))["msg_id"] for i in page["items"])
+
+        try:
+            assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+            assert queued(sender.tool("relay_call", short)[0], "short")
+            assert queued(sender.tool("relay_call", capped)[0], "capped")
+            clock[0] = t0 + 99.75
+            assert fetched() == ["capped", "short"]
+            clock[0] = t0 + 100
+            assert fetched() == ["capped"]
+            assert code_of(sender.tool("relay_call", short)[0]) == "envelope_invalid"
+            assert trio.from_thread.run(ingress.relay.purge) == 1
+            clock[0] = t0 + 30 * DAY - 0.5
+            assert fetched() == ["capped"]
+            clock[0] = t0 + 30 * DAY
+            assert fetched() == []
+            retry = sender.tool("relay_call", capped)[0]
+            if queued(retry, "capped"):
+                assert fetched() == ["capped"], "told queued, yet never deliverable"
+            assert trio.from_thread.run(ingress.relay.purge) in (0, 1)
+            status = ingress.relay.status()
+            assert sum(q["items"] for q in status["queues"]) == len(fetched())
+        finally:
+            recipient.close()
+            sender.close()
+
+    await _in_process(tmp_path, ids, clock, body)
