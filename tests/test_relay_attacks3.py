@@ -19,7 +19,6 @@ from tests.relay_env import (
     code_of,
     envelope,
     relay_identities,
-    tool_body,
 )
 from tests.test_relay_attacks import clean_log, depth
 from tests.test_relay_workers import HIGH_LIMITS, queued

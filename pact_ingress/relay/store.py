@@ -292,13 +292,14 @@ class SqliteStore:
         now = int(self.clock())
 
         def existing(conn: sqlite3.Connection) -> Enqueued | None:
-            row = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
-                               " msg_id = ?", (recipient, msg_id)).fetchone()
-            if row is None:
+            items, size = self._depths.get(recipient, (0, 0))
+            found = _existing(conn, (recipient, sender, msg_id, now, expires_at,
+                                     len(envelope), envelope), self.max_bytes - size)
+            if found is None:
                 return None
-            if row[1] != sender:
-                raise MsgIdTaken(msg_id)
-            return Enqueued(int(row[0]), True)
+            if found[1]:
+                self._depths = {**self._depths, recipient: (items, size + found[1])}
+            return found[0]
 
         def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
@@ -520,14 +521,17 @@ class SqliteStore:
                 depths[recipient] = (items + 1, total + size)
                 job.result = Enqueued(item_id, False)
                 continue
-            dup = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
-                               " msg_id = ?", (recipient, msg_id)).fetchone()
-            if dup is None:
+            items, total = depths.get(recipient, (0, 0))
+            try:
+                found = _existing(conn, job.row, self.max_bytes - total)
+            except (MsgIdTaken, QueueFull) as exc:
+                job.error = exc.with_traceback(None)  # see `_run_one`
+                continue
+            if found is None:
                 job.error = sqlite3.IntegrityError("relay item not stored")
-            elif dup[1] != job.row[1]:
-                job.error = MsgIdTaken(msg_id)
             else:
-                job.result = Enqueued(int(dup[0]), True)
+                job.result = found[0]
+                depths[recipient] = (items, total + found[1])
         self._depths = depths
         return True
 
@@ -694,6 +698,32 @@ class FileReader:
         except sqlite3.Error:
             self.close()
             raise
+
+
+def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
+              ) -> tuple[Enqueued, int] | None:
+    """The item already stored under an enqueue's (recipient, msg_id), and the bytes its
+    queue grew by: None when there is none; MsgIdTaken when another sender's.
+
+    An unacked item past its expiry (not purged yet) was never delivered and never will
+    be: the retry of a still-valid envelope takes its place (as it would after the
+    purge) instead of being told "queued" for it; QueueFull when its larger envelope
+    does not fit `room` (the bytes the recipient's queue has left)."""
+    recipient, sender, msg_id, now, expires_at, size, envelope = row
+    found = conn.execute("SELECT id, sender, acked, expires_at, size FROM items WHERE "
+                         "recipient = ? AND msg_id = ?", (recipient, msg_id)).fetchone()
+    if found is None:
+        return None
+    if found[1] != sender:
+        raise MsgIdTaken(msg_id)
+    if found[2] or found[3] > now:
+        return Enqueued(int(found[0]), True), 0
+    grown = size - int(found[4])
+    if grown > room:
+        raise QueueFull(FULL_RETRY_AFTER)
+    conn.execute("UPDATE items SET queued_at = ?, expires_at = ?, size = ?, envelope = ? "
+                 "WHERE id = ?", (now, expires_at, size, envelope, found[0]))
+    return Enqueued(int(found[0]), False), grown
 
 
 _PROTECTED = b'"protected":"'
