@@ -260,3 +260,54 @@ async def test_expiry_is_enforced_at_the_boundary_second_for_exp_and_for_the_cap
             sender.close()
 
     await _in_process(tmp_path, ids, clock, body)
+
+
+async def test_a_batch_reviving_expired_items_keeps_depths_true(tmp_path: Path) -> None:
+    """Store level, so several enqueues share one transaction (the multi-row path):
+    retries of expired, unpurged items beside new calls and another sender's reuse of a
+    msg_id. Each gets its defined answer, every retry is fetchable again, and the
+    in-memory depths equal a count of the table afterwards (before and after a purge)."""
+    from pact_ingress.relay.store import Enqueued, MsgIdTaken, QueueFull, SqliteStore
+    from pact_ingress.relay.store import _count_depths, _open
+
+    r, a, b = "sha256:" + "R" * 43, "sha256:" + "A" * 43, "sha256:" + "B" * 43
+    clock = [1_800_000_000.0]
+    store = SqliteStore(tmp_path / "q.sqlite", max_items=100, max_bytes=10_000,
+                        clock=lambda: clock[0])
+    await store.open()
+    try:
+        t0 = int(clock[0])
+        for m in ("e1", "e2", "e3"):
+            await store.enqueue(r, a, m, b"x" * 100, t0 + 10)
+        clock[0] = t0 + 10  # all three expired, none purged
+        results: dict[str, Any] = {}
+
+        async def one(m: str, sender: str, size: int) -> None:
+            try:
+                results[m + sender[-1]] = await store.enqueue(r, sender, m, b"y" * size,
+                                                              t0 + 1000)
+            except (MsgIdTaken, QueueFull) as exc:
+                results[m + sender[-1]] = type(exc).__name__
+
+        async with trio.open_nursery() as nursery:
+            for m, sender, size in (("e1", a, 50), ("e2", a, 300), ("n1", a, 10),
+                                    ("e3", b, 10), ("e1", a, 50)):
+                nursery.start_soon(one, m, sender, size)
+        assert results["e3B"] == "MsgIdTaken"
+        assert isinstance(results["e1A"], Enqueued) and isinstance(results["e2A"], Enqueued)
+        page, _ = await store.fetch(r, 100)
+        assert sorted(i.envelope for i in page) == sorted(
+            [b"y" * 50, b"y" * 300, b"y" * 10])
+        conn = _open(tmp_path / "q.sqlite")
+        try:
+            assert store.depths() == _count_depths(conn)
+        finally:
+            conn.close()
+        assert await store.purge() == 1  # e3, still expired
+        conn = _open(tmp_path / "q.sqlite")
+        try:
+            assert store.depths() == _count_depths(conn) == {r: (3, 360)}
+        finally:
+            conn.close()
+    finally:
+        await store.aclose()
