@@ -267,8 +267,14 @@ async def test_a_batch_reviving_expired_items_keeps_depths_true(tmp_path: Path) 
     retries of expired, unpurged items beside new calls and another sender's reuse of a
     msg_id. Each gets its defined answer, every retry is fetchable again, and the
     in-memory depths equal a count of the table afterwards (before and after a purge)."""
-    from pact_ingress.relay.store import Enqueued, MsgIdTaken, QueueFull, SqliteStore
-    from pact_ingress.relay.store import _count_depths, _open
+    from pact_ingress.relay.store import (
+        Enqueued,
+        MsgIdTaken,
+        QueueFull,
+        SqliteStore,
+        _count_depths,
+        _open,
+    )
 
     r, a, b = "sha256:" + "R" * 43, "sha256:" + "A" * 43, "sha256:" + "B" * 43
     clock = [1_800_000_000.0]
