@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import trio
 
+from pact_ingress.envelope import MAX_PROTECTED_CHARS
 from pact_ingress.identity import b64url_decode
 from pact_ingress.logs import log
 from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
@@ -351,8 +352,10 @@ class SqliteStore:
                 # the row (its msg_id key) is kept until the envelope itself expires,
                 # which can be later than the item's own retention (a future ts): a
                 # retry of the acked call until then is the duplicate, never new mail
+                # (only the protected member and what follows it: never whole envelopes)
                 keep = [(_envelope_exp(env), i) for i, env in conn.execute(
-                    f"SELECT id, envelope FROM items WHERE {where}", (recipient, *chunk))]
+                    f"SELECT id, substr(envelope, instr(envelope, ?), {_PROTECTED_SPAN})"
+                    f" FROM items WHERE {where}", (_PROTECTED, recipient, *chunk))]
                 conn.executemany("UPDATE items SET expires_at = MAX(expires_at, ?) "
                                  "WHERE id = ?", [k for k in keep if k[0] is not None])
                 conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}",
@@ -727,6 +730,8 @@ def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
 
 
 _PROTECTED = b'"protected":"'
+#: bytes from the protected member's start that hold all of it
+_PROTECTED_SPAN = len(_PROTECTED) + MAX_PROTECTED_CHARS + 1
 
 
 def _envelope_exp(envelope: bytes | None) -> int | None:
