@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from tests.relay_env import (
@@ -98,7 +99,8 @@ def _fp(i: int) -> str:
     return "sha256:" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def test_ack_and_fetch_arguments_at_their_edges_with_two_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+def test_ack_and_fetch_arguments_at_their_edges(tmp_path: Path, workers: int) -> None:
     """Acks naming another recipient's ids, ids twice, ids already acked, and ids that
     are no ids (negative, zero, past 2^63, floats, strings, booleans, null, nested, a
     5000-digit number) remove exactly the caller's own named items; odd fetch limits get
@@ -109,7 +111,7 @@ def test_ack_and_fetch_arguments_at_their_edges_with_two_workers(tmp_path: Path)
 
     ids = relay_identities(tmp_path)
     second = keygen(tmp_path / "second.key", common_name="second")
-    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=2,
+    serve = RelayServe(tmp_path, recipients=[ids.recipient, second], workers=workers,
                        extra=HIGH_LIMITS)
     try:
         r1 = RelayCaller(serve.port, ids.recipient)
