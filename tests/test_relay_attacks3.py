@@ -249,11 +249,17 @@ async def test_expiry_is_enforced_at_the_boundary_second_for_exp_and_for_the_cap
             assert trio.from_thread.run(ingress.relay.purge) == 1
             clock[0] = t0 + 30 * DAY - 0.5
             assert fetched() == ["capped"]
+            stale = [i["id"] for i in recipient.tool("fetch_queued", {})[0][
+                "structuredContent"]["items"]]
             clock[0] = t0 + 30 * DAY
             assert fetched() == []
             retry = sender.tool("relay_call", capped)[0]
             if queued(retry, "capped"):
                 assert fetched() == ["capped"], "told queued, yet never deliverable"
+                # an ack naming what the node fetched before the cap is no ack of this
+                assert recipient.tool("ack", {"ids": stale})[0]["structuredContent"] == {
+                    "acked": 0}
+                assert fetched() == ["capped"]
             assert trio.from_thread.run(ingress.relay.purge) in (0, 1)
             status = ingress.relay.status()
             assert sum(q["items"] for q in status["queues"]) == len(fetched())

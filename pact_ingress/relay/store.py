@@ -708,11 +708,11 @@ def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
     """The item already stored under an enqueue's (recipient, msg_id), and the bytes its
     queue grew by: None when there is none; MsgIdTaken when another sender's.
 
-    An unacked item past its expiry (not purged yet) was never delivered and never will
-    be: the retry of a still-valid envelope takes its place (as it would after the
-    purge) instead of being told "queued" for it; QueueFull when its larger envelope
-    does not fit `room` (the bytes the recipient's queue has left)."""
-    recipient, sender, msg_id, now, expires_at, size, envelope = row
+    An unacked item past its expiry (not purged yet) will never be fetched again: the
+    retry of a still-valid envelope replaces it (as it would after the purge) instead of
+    being told "queued" for it; QueueFull when its larger envelope does not fit `room`
+    (the bytes the recipient's queue has left)."""
+    recipient, sender, msg_id, now, _, size, _ = row
     found = conn.execute("SELECT id, sender, acked, expires_at, size FROM items WHERE "
                          "recipient = ? AND msg_id = ?", (recipient, msg_id)).fetchone()
     if found is None:
@@ -724,9 +724,12 @@ def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
     grown = size - int(found[4])
     if grown > room:
         raise QueueFull(FULL_RETRY_AFTER)
-    conn.execute("UPDATE items SET queued_at = ?, expires_at = ?, size = ?, envelope = ? "
-                 "WHERE id = ?", (now, expires_at, size, envelope, found[0]))
-    return Enqueued(int(found[0]), False), grown
+    # one statement (an enqueue's job takes no savepoint) making a new row, as after the
+    # purge: an id the node fetched before never names this item
+    cur = conn.execute(
+        "INSERT OR REPLACE INTO items (recipient, sender, msg_id, queued_at, expires_at,"
+        " size, envelope) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+    return Enqueued(int(cur.lastrowid or 0), False), grown
 
 
 _PROTECTED = b'"protected":"'
