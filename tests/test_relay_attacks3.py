@@ -22,7 +22,7 @@ from tests.relay_env import (
     relay_identities,
 )
 from tests.test_relay_attacks import clean_log, depth
-from tests.test_relay_workers import HIGH_LIMITS, queued
+from tests.test_relay_workers import HIGH_LIMITS, by_worker, queued
 
 DAY = 86400
 
@@ -192,6 +192,12 @@ def test_allowlist_posts_at_their_edges(tmp_path: Path) -> None:
         resp = owner.allowlist_set(many)
         assert resp.status == 200, resp.body[:200]
         assert sorted(listed()) == sorted(many) and queued(call("m1"), "m1")
+        for w, sources in by_worker().items():  # every worker holds the long list
+            via = RelayCaller(serve.port, ids.sender, source=sources[0])
+            m = f"w{w}"
+            assert queued(via.tool("relay_call", envelope(ids.sender, ids.recipient,
+                                                          msg_id=m))[0], m)
+            via.close()
         over = [_fp(i) for i in range(10_001)]
         resp = owner.allowlist_set(over)
         assert resp.status == 413 and json.loads(resp.body)["code"] == "too_large"
