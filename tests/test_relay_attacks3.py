@@ -331,3 +331,41 @@ async def test_a_batch_reviving_expired_items_keeps_depths_true(tmp_path: Path) 
             conn.close()
     finally:
         await store.aclose()
+
+
+async def test_acked_keys_are_kept_until_exp_but_not_for_ever(tmp_path: Path) -> None:
+    """An acked item's key outlives its 30-day retention up to its envelope's exp, so
+    a retry stays the duplicate; an exp years ahead (a ts that far ahead is allowed)
+    keeps the row no longer than the store's key bound, so acked rows cannot pile up."""
+    from pact_ingress.envelope import canonical_envelope
+    from pact_ingress.relay.store import KEY_RETENTION, SqliteStore, _open
+
+    ids = relay_identities(tmp_path)
+    clock = [1_800_000_000.0]
+    t0 = int(clock[0])
+    store = SqliteStore(tmp_path / "q.sqlite", max_items=100, max_bytes=100_000,
+                        clock=lambda: clock[0])
+    await store.open()
+    r, s = ids.recipient.fingerprint, ids.sender.fingerprint
+
+    def rows() -> int:
+        conn = _open(tmp_path / "q.sqlite")
+        try:
+            return int(conn.execute("SELECT COUNT(*) FROM items").fetchone()[0])
+        finally:
+            conn.close()
+
+    try:
+        far = canonical_envelope(envelope(ids.sender, ids.recipient, msg_id="far",
+                                          ts=t0 + 3 * 365 * DAY, exp=t0 + 3 * 365 * DAY + DAY))
+        first = await store.enqueue(r, s, "far", far, t0 + 30 * DAY)
+        assert await store.ack(r, [first.id]) == 1
+        clock[0] = t0 + KEY_RETENTION - 1
+        await store.purge()
+        again = await store.enqueue(r, s, "far", far, int(clock[0]) + 30 * DAY)
+        assert again.duplicate and again.id == first.id
+        clock[0] = t0 + KEY_RETENTION
+        await store.purge()
+        assert rows() == 0
+    finally:
+        await store.aclose()

@@ -75,6 +75,10 @@ MAX_PENDING = 20_000
 JOB_TIMEOUT = 30.0
 #: A broken store is reopened at most this often (on demand, when a job arrives).
 REOPEN_INTERVAL = 10.0
+#: An acked item's msg_id key is kept until its envelope expires, but at most this long
+#: after it was queued: a ts far ahead (only exp bounds a relayed call) must not keep
+#: rows for years; past this the receiver's own msg_id check is what is left.
+KEY_RETENTION = 60 * 86400
 #: SQLite waits this long for a lock another process (the `relay` CLI) holds.
 BUSY_TIMEOUT_MS = 5000
 #: A worker's read of the file waits at most this long for a lock (WAL readers rarely
@@ -349,15 +353,17 @@ class SqliteStore:
                 where = f"recipient = ? AND acked = 0 AND id IN ({marks})"
                 size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM items "
                                     f"WHERE {where}", (recipient, *chunk)).fetchone()
-                # the row (its msg_id key) is kept until the envelope itself expires,
-                # which can be later than the item's own retention (a future ts): a
-                # retry of the acked call until then is the duplicate, never new mail
+                # the row (its msg_id key) is kept until the envelope itself expires
+                # (bounded: KEY_RETENTION), which can be later than the item's own
+                # retention (a future ts): a retry of the acked call until then is
+                # the duplicate, never new mail
                 # (only the protected member and what follows it: never whole envelopes)
                 keep = [(_envelope_exp(env), i) for i, env in conn.execute(
                     f"SELECT id, substr(envelope, instr(envelope, ?), {_PROTECTED_SPAN})"
                     f" FROM items WHERE {where}", (_PROTECTED, recipient, *chunk))]
-                conn.executemany("UPDATE items SET expires_at = MAX(expires_at, ?) "
-                                 "WHERE id = ?", [k for k in keep if k[0] is not None])
+                conn.executemany(
+                    "UPDATE items SET expires_at = MAX(expires_at, MIN(?, queued_at + "
+                    f"{KEY_RETENTION})) WHERE id = ?", [k for k in keep if k[0] is not None])
                 conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}",
                              (recipient, *chunk))
                 acked += int(size[0])
