@@ -31,9 +31,11 @@ depth per recipient, allow-lists — are replaced (never mutated in place) by th
 thread after its COMMIT, so a reader sees the old or the new mapping, both consistent.
 
 Rows are never updated into another shape: ``ack`` sets ``acked = 1`` and drops the
-envelope, keeping the (recipient, msg_id) row until the item would have expired, so a
-sender retrying after the recipient acked is still told "queued" (the duplicate answer)
-instead of queueing the call a second time. The row keeps its sender: another sender's
+envelope, keeping the (recipient, msg_id) row until the envelope's own exp (which a ts
+ahead of now can put past the item's 30-day retention; at most `KEY_RETENTION` after
+queueing), so a sender retrying after the recipient acked is still told "queued" (the
+duplicate answer) instead of queueing the call a second time. An unacked item past its
+expiry is never fetched again: a retry under its key replaces it, as after the purge. The row keeps its sender: another sender's
 call under that msg_id is refused (`MsgIdTaken`), not told "queued" for a call that
 would never be delivered. `purge` deletes rows whose ``expires_at``
 passed (unacked ones count as expiries) and recounts depths from the table, which also
