@@ -369,3 +369,39 @@ async def test_acked_keys_are_kept_until_exp_but_not_for_ever(tmp_path: Path) ->
         assert rows() == 0
     finally:
         await store.aclose()
+
+
+async def test_one_ack_of_a_full_page_spanning_chunks_acks_exactly_it(tmp_path: Path) -> None:
+    """A full page (1000 ids: more than one statement's worth of parameters) acked at
+    once, mixed with ids of another recipient: exactly the caller's are acked, depths
+    and the table agree, and every acked key still answers its retry as a duplicate."""
+    from pact_ingress.envelope import canonical_envelope
+    from pact_ingress.proto.relay import MAX_ACK_IDS
+    from pact_ingress.relay.store import SqliteStore, _count_depths, _open
+
+    ids = relay_identities(tmp_path)
+    clock = [float(int(time.time()))]
+    t0 = int(clock[0])
+    store = SqliteStore(tmp_path / "q.sqlite", max_items=2000, max_bytes=10**8,
+                        clock=lambda: clock[0])
+    await store.open()
+    r, s, other = ids.recipient.fingerprint, ids.sender.fingerprint, ids.other.fingerprint
+    env = canonical_envelope(envelope(ids.sender, ids.recipient, msg_id="x"))
+    try:
+        mine = [(await store.enqueue(r, s, f"m{i}", env, t0 + 3600)).id
+                for i in range(MAX_ACK_IDS - 10)]
+        theirs = [(await store.enqueue(other, s, f"m{i}", env, t0 + 3600)).id
+                  for i in range(10)]
+        assert await store.ack(r, sorted(mine + theirs)) == len(mine)
+        assert await store.ack(r, mine) == 0
+        assert store.depths()[r] == (0, 0) and store.depths()[other] == (10, 10 * len(env))
+        conn = _open(tmp_path / "q.sqlite")
+        try:
+            assert _count_depths(conn) == {
+                other: (10, 10 * len(env))}
+        finally:
+            conn.close()
+        for i in (0, 499, 500, MAX_ACK_IDS - 11):
+            assert (await store.enqueue(r, s, f"m{i}", env, t0 + 3600)).duplicate
+    finally:
+        await store.aclose()
