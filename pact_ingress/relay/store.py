@@ -35,9 +35,9 @@ envelope, keeping the (recipient, msg_id) row until the envelope's own exp (whic
 ahead of now can put past the item's 30-day retention; at most `KEY_RETENTION` after
 queueing), so a sender retrying after the recipient acked is still told "queued" (the
 duplicate answer) instead of queueing the call a second time. An unacked item past its
-expiry is never fetched again: a retry under its key replaces it, as after the purge. The row keeps its sender: another sender's
-call under that msg_id is refused (`MsgIdTaken`), not told "queued" for a call that
-would never be delivered. `purge` deletes rows whose ``expires_at``
+expiry is never fetched again: a retry under its key replaces it, as after the purge.
+The row keeps its sender: another sender's call under that msg_id is refused
+(`MsgIdTaken`), not told "queued" for a call that would never be delivered. `purge` deletes rows whose ``expires_at``
 passed (unacked ones count as expiries) and recounts depths from the table, which also
 picks up changes an operator made with ``pact-ingress relay purge``.
 
@@ -358,8 +358,8 @@ class SqliteStore:
                 # the row (its msg_id key) is kept until the envelope itself expires
                 # (bounded: KEY_RETENTION), which can be later than the item's own
                 # retention (a future ts): a retry of the acked call until then is
-                # the duplicate, never new mail
-                # (only the protected member and what follows it: never whole envelopes)
+                # the duplicate, never new mail (exp is read from the protected member
+                # and what follows it: never whole envelopes)
                 keep = [(_envelope_exp(env), i) for i, env in conn.execute(
                     f"SELECT id, substr(envelope, instr(envelope, ?), {_PROTECTED_SPAN})"
                     f" FROM items WHERE {where}", (_PROTECTED, recipient, *chunk))]
