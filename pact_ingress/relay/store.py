@@ -31,11 +31,13 @@ depth per recipient, allow-lists — are replaced (never mutated in place) by th
 thread after its COMMIT, so a reader sees the old or the new mapping, both consistent.
 
 Rows are never updated into another shape: ``ack`` sets ``acked = 1`` and drops the
-envelope, keeping the (recipient, msg_id) row until the item would have expired, so a
-sender retrying after the recipient acked is still told "queued" (the duplicate answer)
-instead of queueing the call a second time. The row keeps its sender: another sender's
-call under that msg_id is refused (`MsgIdTaken`), not told "queued" for a call that
-would never be delivered. `purge` deletes rows whose ``expires_at``
+envelope, keeping the (recipient, msg_id) row until the envelope's own exp (which a ts
+ahead of now can put past the item's 30-day retention; at most `KEY_RETENTION` after
+queueing), so a sender retrying after the recipient acked is still told "queued" (the
+duplicate answer) instead of queueing the call a second time. An unacked item past its
+expiry is never fetched again: a retry under its key replaces it, as after the purge.
+The row keeps its sender: another sender's call under that msg_id is refused
+(`MsgIdTaken`), not told "queued" for a call that would never be delivered. `purge` deletes rows whose ``expires_at``
 passed (unacked ones count as expiries) and recounts depths from the table, which also
 picks up changes an operator made with ``pact-ingress relay purge``.
 
@@ -47,6 +49,7 @@ retried at most every `REOPEN_INTERVAL` seconds when a job arrives.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sqlite3
@@ -59,6 +62,8 @@ from typing import Any, Protocol
 
 import trio
 
+from pact_ingress.envelope import MAX_PROTECTED_CHARS
+from pact_ingress.identity import b64url_decode
 from pact_ingress.logs import log
 from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
 from pact_ingress.stats import Stats
@@ -72,6 +77,10 @@ MAX_PENDING = 20_000
 JOB_TIMEOUT = 30.0
 #: A broken store is reopened at most this often (on demand, when a job arrives).
 REOPEN_INTERVAL = 10.0
+#: An acked item's msg_id key is kept until its envelope expires, but at most this long
+#: after it was queued: a ts far ahead (only exp bounds a relayed call) must not keep
+#: rows for years; past this the receiver's own msg_id check is what is left.
+KEY_RETENTION = 60 * 86400
 #: SQLite waits this long for a lock another process (the `relay` CLI) holds.
 BUSY_TIMEOUT_MS = 5000
 #: A worker's read of the file waits at most this long for a lock (WAL readers rarely
@@ -290,13 +299,14 @@ class SqliteStore:
         now = int(self.clock())
 
         def existing(conn: sqlite3.Connection) -> Enqueued | None:
-            row = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
-                               " msg_id = ?", (recipient, msg_id)).fetchone()
-            if row is None:
+            items, size = self._depths.get(recipient, (0, 0))
+            found = _existing(conn, (recipient, sender, msg_id, now, expires_at,
+                                     len(envelope), envelope), self.max_bytes - size)
+            if found is None:
                 return None
-            if row[1] != sender:
-                raise MsgIdTaken(msg_id)
-            return Enqueued(int(row[0]), True)
+            if found[1]:
+                self._depths = {**self._depths, recipient: (items, size + found[1])}
+            return found[0]
 
         def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
@@ -345,6 +355,17 @@ class SqliteStore:
                 where = f"recipient = ? AND acked = 0 AND id IN ({marks})"
                 size = conn.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM items "
                                     f"WHERE {where}", (recipient, *chunk)).fetchone()
+                # the row (its msg_id key) is kept until the envelope itself expires
+                # (bounded: KEY_RETENTION), which can be later than the item's own
+                # retention (a future ts): a retry of the acked call until then is
+                # the duplicate, never new mail (exp is read from the protected member
+                # and what follows it: never whole envelopes)
+                keep = [(_envelope_exp(env), i) for i, env in conn.execute(
+                    f"SELECT id, substr(envelope, instr(envelope, ?), {_PROTECTED_SPAN})"
+                    f" FROM items WHERE {where}", (_PROTECTED, recipient, *chunk))]
+                conn.executemany(
+                    "UPDATE items SET expires_at = MAX(expires_at, MIN(?, queued_at + "
+                    f"{KEY_RETENTION})) WHERE id = ?", [k for k in keep if k[0] is not None])
                 conn.execute(f"UPDATE items SET acked = 1, envelope = NULL WHERE {where}",
                              (recipient, *chunk))
                 acked += int(size[0])
@@ -511,14 +532,17 @@ class SqliteStore:
                 depths[recipient] = (items + 1, total + size)
                 job.result = Enqueued(item_id, False)
                 continue
-            dup = conn.execute("SELECT id, sender FROM items WHERE recipient = ? AND"
-                               " msg_id = ?", (recipient, msg_id)).fetchone()
-            if dup is None:
+            items, total = depths.get(recipient, (0, 0))
+            try:
+                found = _existing(conn, job.row, self.max_bytes - total)
+            except (MsgIdTaken, QueueFull) as exc:
+                job.error = exc.with_traceback(None)  # see `_run_one`
+                continue
+            if found is None:
                 job.error = sqlite3.IntegrityError("relay item not stored")
-            elif dup[1] != job.row[1]:
-                job.error = MsgIdTaken(msg_id)
             else:
-                job.result = Enqueued(int(dup[0]), True)
+                job.result = found[0]
+                depths[recipient] = (items, total + found[1])
         self._depths = depths
         return True
 
@@ -685,6 +709,53 @@ class FileReader:
         except sqlite3.Error:
             self.close()
             raise
+
+
+def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
+              ) -> tuple[Enqueued, int] | None:
+    """The item already stored under an enqueue's (recipient, msg_id), and the bytes its
+    queue grew by: None when there is none; MsgIdTaken when another sender's.
+
+    An unacked item past its expiry (not purged yet) will never be fetched again: the
+    retry of a still-valid envelope replaces it (as it would after the purge) instead of
+    being told "queued" for it; QueueFull when its larger envelope does not fit `room`
+    (the bytes the recipient's queue has left)."""
+    recipient, sender, msg_id, now, _, size, _ = row
+    found = conn.execute("SELECT id, sender, acked, expires_at, size FROM items WHERE "
+                         "recipient = ? AND msg_id = ?", (recipient, msg_id)).fetchone()
+    if found is None:
+        return None
+    if found[1] != sender:
+        raise MsgIdTaken(msg_id)
+    if found[2] or found[3] > now:
+        return Enqueued(int(found[0]), True), 0
+    grown = size - int(found[4])
+    if grown > room:
+        raise QueueFull(FULL_RETRY_AFTER)
+    # one statement (an enqueue's job takes no savepoint) making a new row, as after the
+    # purge: an id the node fetched before never names this item
+    cur = conn.execute(
+        "INSERT OR REPLACE INTO items (recipient, sender, msg_id, queued_at, expires_at,"
+        " size, envelope) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+    return Enqueued(int(cur.lastrowid or 0), False), grown
+
+
+_PROTECTED = b'"protected":"'
+#: bytes from the protected member's start that hold all of it
+_PROTECTED_SPAN = len(_PROTECTED) + MAX_PROTECTED_CHARS + 1
+
+
+def _envelope_exp(envelope: bytes | None) -> int | None:
+    """The protected header's exp of a stored envelope (canonical JSON), or None."""
+    if not envelope:
+        return None
+    try:
+        at = envelope.index(_PROTECTED) + len(_PROTECTED)
+        protected = envelope[at:envelope.index(b'"', at)]
+        exp = json.loads(b64url_decode(protected.decode("ascii")))["exp"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    return exp if isinstance(exp, int) and not isinstance(exp, bool) else None
 
 
 def _count_depths(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:
