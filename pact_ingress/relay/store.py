@@ -37,9 +37,10 @@ queueing), so a sender retrying after the recipient acked is still told "queued"
 duplicate answer) instead of queueing the call a second time. An unacked item past its
 expiry is never fetched again: a retry under its key replaces it, as after the purge.
 The row keeps its sender: another sender's call under that msg_id is refused
-(`MsgIdTaken`), not told "queued" for a call that would never be delivered. `purge` deletes rows whose ``expires_at``
-passed (unacked ones count as expiries) and recounts depths from the table, which also
-picks up changes an operator made with ``pact-ingress relay purge``.
+(`MsgIdTaken`), not told "queued" for a call that would never be delivered. `purge`
+deletes rows whose ``expires_at`` passed (unacked ones count as expiries) and recounts
+depths from the table, which also picks up changes an operator made with
+``pact-ingress relay purge``.
 
 A store that cannot be opened (unwritable directory, a file that is not a database, a
 failed integrity check) or whose COMMIT fails is *broken*: one clear log line, every job
