@@ -1,0 +1,276 @@
+"""The passthrough edge attacked with odd but legal ClientHellos and refused ones,
+through a real `serve` on loopback: a hello cut into many records (one cut inside the
+server_name extension) and sent a byte per segment, a hello padded to near the 16 KiB
+cap in two records, SNI spellings that name the same host, GREASE and an ECH outer
+extension around the SNI; and hellos that must connect nothing (no SNI, an unknown one,
+duplicate server_name extensions, an empty name list, a name over 255 bytes). Each
+routed one reaches the backend byte for byte as sent; each refused one leaves the
+backend untouched, and the process's open connections and fds return to where they
+were. hello_fast's quick SNI is checked against the parser on the same hellos."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
+from pact_ingress.net.router import PEEK_HEADROOM
+from pact_ingress.proto.hello_fast import quick_sni
+from tests.test_attacks4 import ext, hello, sni_ext
+from tests.test_edge import Backend, dial, edge_served, eventually, metric, open_fds
+from tests.test_serve import Served, free_port, recv_exact
+
+SNI = "odd.example.test"
+PER_IP = 8
+ALERT_112 = b"\x15\x03\x03\x00\x02\x02\x70"
+ALPN = ext(16, b"\x00\x0c\x02h2\x08http/1.1")
+VERSIONS = ext(43, b"\x04\x03\x04\x03\x03")
+
+
+class Counting:
+    """An echoing backend handler that counts the connections it was given."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.accepted = 0
+
+    def __call__(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.accepted += 1
+        while data := conn.recv(1 << 16):
+            conn.sendall(data)
+
+
+COUNT = Counting()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, int, int]]:
+    tmp = tmp_path_factory.mktemp("edge-attacks2")
+    tls, admin = free_port(), free_port()
+    backend = Backend(COUNT)
+    try:
+        with edge_served(tmp, tls, admin, PER_IP, {SNI: backend.port}) as s:
+            yield s, tls, admin
+    finally:
+        backend.close()
+
+
+def settled(admin: int) -> bool:
+    return metric(admin, "pact_ingress_open_connections") == 0
+
+
+def records(message: bytes, cuts: list[int]) -> bytes:
+    """The handshake message (handshake header included) framed as several handshake
+    records, cut at the given offsets of the message."""
+    out = b""
+    last = 0
+    for at in [*cuts, len(message)]:
+        part = message[last:at]
+        out += b"\x16\x03\x01" + struct.pack(">H", len(part)) + part
+        last = at
+    return out
+
+
+def message_of(wire: bytes) -> bytes:
+    """The handshake message of a one-record hello."""
+    return wire[5:5 + struct.unpack(">H", wire[3:5])[0]]
+
+
+def odd_hellos() -> dict[str, bytes]:
+    grease = ext(0x0A0A, b"")
+    ech = ext(0xFE0D, b"\x00\x00\x01\x00\x01\x42\x00\x20" + bytes(32) + b"\x00\x40" + bytes(64))
+    return {
+        "plain": hello([sni_ext(SNI.encode()), ALPN, VERSIONS]),
+        "upper": hello([sni_ext(SNI.upper().encode()), ALPN, VERSIONS]),
+        "trailing_dot": hello([sni_ext(SNI.encode() + b"."), ALPN, VERSIONS]),
+        "mixed_dot": hello([sni_ext(b"Odd.Example.TEST."), VERSIONS]),
+        "grease_ech": hello([grease, sni_ext(SNI.encode()), ech, ext(0x1A1A, b"\x00"),
+                             ALPN, VERSIONS]),
+        "other_name_type": hello([sni_ext(b"x", SNI.encode(), types=(7, 0)), ALPN]),
+    }
+
+
+def refused_hellos() -> dict[str, tuple[bytes, bytes]]:
+    """name → (hello, what the client gets back before the close)."""
+    long_name = b".".join([b"a" * 63] * 4) + b".test"  # 257 bytes
+    return {
+        "no_sni": (hello([ALPN, VERSIONS]), ALERT_112),
+        "unknown": (hello([sni_ext(b"unknown.example.test"), ALPN]), ALERT_112),
+        "idn_unknown": (hello([sni_ext(b"xn--bcher-kva.example.test"), ALPN]), ALERT_112),
+        "duplicate_sni": (hello([sni_ext(SNI.encode()), ALPN, sni_ext(SNI.encode())]), b""),
+        "two_host_names": (hello([sni_ext(SNI.encode(), SNI.encode()), ALPN]), b""),
+        "empty_list": (hello([ext(0, b"\x00\x00"), ALPN]), b""),
+        "long_name": (hello([sni_ext(long_name), ALPN]), b""),
+        "name_with_space": (hello([sni_ext(b"odd .example.test"), ALPN]), b""),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(odd_hellos()))
+def test_quick_sni_and_the_parser_agree_on_odd_hellos(name: str) -> None:
+    """Twice each (the second time the quick path may answer from what it learned)."""
+    wire = odd_hellos()[name]
+    for _ in range(3):
+        parsed = parse_client_hello(wire)
+        assert parsed is not None and parsed.sni == SNI
+        assert quick_sni(wire) in (None, SNI)
+
+
+@pytest.mark.parametrize("name", sorted(refused_hellos()))
+def test_quick_sni_declines_what_the_parser_does_not_route(name: str) -> None:
+    wire, _ = refused_hellos()[name]
+    for _ in range(3):
+        try:
+            parsed = parse_client_hello(wire)
+        except ClientHelloError:
+            parsed = None
+        got = quick_sni(wire)
+        if parsed is None:
+            assert got is None
+        else:
+            assert got in (None, parsed.sni)
+
+
+def routed_whole(tls: int, wire: bytes, *, bytewise: int = 0) -> None:
+    """`wire` (then a tail) reaches the echo backend and comes back byte for byte;
+    the first `bytewise` bytes go one byte per segment."""
+    tail = b"after the hello"
+    with dial(tls) as c:
+        for i in range(bytewise):
+            c.send(wire[i:i + 1])
+        c.sendall(wire[bytewise:] + tail)
+        assert recv_exact(c, len(wire) + len(tail)) == wire + tail
+
+
+def test_odd_spellings_grease_and_ech_route_like_the_plain_hello(
+        served: tuple[Served, int, int]) -> None:
+    s, tls, admin = served
+    for name, wire in odd_hellos().items():
+        before = COUNT.accepted
+        routed_whole(tls, wire)
+        assert COUNT.accepted == before + 1, name
+    eventually(lambda: settled(admin), "open_connections back to 0")
+
+
+def test_a_hello_cut_mid_extension_over_records_and_bytes_routes_as_whole(
+        served: tuple[Served, int, int]) -> None:
+    """Records cut inside the handshake header, inside the server_name extension (in
+    its name) and elsewhere; the first 120 bytes one TCP segment each."""
+    s, tls, admin = served
+    wire = hello([ext(0x0A0A, b""), sni_ext(SNI.encode()), ALPN, VERSIONS])
+    message = message_of(wire)
+    at = message.index(SNI.encode())
+    for cuts in ([2], [at - 3, at + 4], [1, 2, 3, 40, at + 1, at + 2, len(message) - 1],
+                 list(range(1, len(message)))[:200]):
+        routed_whole(tls, records(message, cuts), bytewise=120)
+    eventually(lambda: settled(admin), "open_connections back to 0")
+
+
+def test_a_hello_near_the_cap_in_two_records_routes_as_whole(
+        served: tuple[Served, int, int]) -> None:
+    """Padded to 16380 message bytes (the cap is 16384), cut into two records inside
+    the server_name extension, the first 60 bytes one segment each."""
+    s, tls, admin = served
+    base = hello([sni_ext(SNI.encode()), ALPN, ext(21, b"")])
+    pad = 16380 - len(message_of(base))
+    wire = hello([sni_ext(SNI.encode()), ALPN, ext(21, bytes(pad))])
+    message = message_of(wire)
+    assert len(message) == 16380
+    at = message.index(SNI.encode())
+    routed_whole(tls, wire)
+    routed_whole(tls, records(message, [at + 5]), bytewise=60)
+    routed_whole(tls, records(message, [8000]))
+    eventually(lambda: settled(admin), "open_connections back to 0")
+
+
+def test_hellos_that_route_nowhere_connect_nothing_and_leak_nothing(
+        served: tuple[Served, int, int]) -> None:
+    """No SNI and an unknown one get unrecognized_name; malformed server_name
+    extensions are closed unanswered; none reaches the backend, in one record or cut
+    into records fed a byte at a time; fds and open connections return to baseline."""
+    s, tls, admin = served
+    pid = s.proc.pid
+    eventually(lambda: settled(admin), "open_connections at 0")
+    fds = open_fds(pid)
+    before = COUNT.accepted
+    for name, (wire, answer) in refused_hellos().items():
+        message = message_of(wire)
+        for sent, bytewise in ((wire, 0), (records(message, [3, len(message) // 2]), 40)):
+            with dial(tls) as c:
+                for i in range(bytewise):
+                    c.send(sent[i:i + 1])
+                c.sendall(sent[bytewise:])
+                got = b""
+                while chunk := c.recv(100):
+                    got += chunk
+                assert got == answer, name
+    assert COUNT.accepted == before
+    eventually(lambda: settled(admin), "open_connections back to 0")
+    eventually(lambda: open_fds(pid) <= fds, f"fds back to {fds}")
+    assert s.proc.poll() is None
+
+
+def refused(c: socket.socket) -> bool:
+    """The connection was closed unanswered (a FIN or, at accept, possibly a reset)."""
+    try:
+        return c.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_per_ip_cap_is_exact_after_stalls_resets_and_half_closes(
+        served: tuple[Served, int, int]) -> None:
+    """One address holds PER_IP routed connections and PEEK_HEADROOM more stalled
+    mid-hello: one more routed is refused, one more dialled is closed at accept, while
+    another address is served. The stalled ones then reset, half-close or just close, the
+    routed ones close, and the address again gets exactly PER_IP routed connections; its
+    counts and the process's fds return to their baseline."""
+    s, tls, admin = served
+    pid = s.proc.pid
+    eventually(lambda: settled(admin), "open_connections at 0")
+    fds = open_fds(pid)
+    wire = odd_hellos()["plain"]
+    source = "127.0.0.5"
+    for round_ in range(2):
+        stalled, held = [], []
+        try:
+            for _ in range(PER_IP):
+                c = dial(tls, source)
+                held.append(c)
+                c.sendall(wire)
+                assert recv_exact(c, len(wire)) == wire
+            for _ in range(PEEK_HEADROOM - 1):
+                c = dial(tls, source)
+                c.sendall(wire[:20])
+                stalled.append(c)
+            with dial(tls, source) as over:  # the last pending place: shows a hello
+                over.sendall(wire)
+                assert refused(over), "a routed connection over the per-IP cap"
+            eventually(lambda: metric(admin, "pact_ingress_open_connections")
+                       == PER_IP + PEEK_HEADROOM - 1, "the stalled connections counted")
+            c = dial(tls, source)
+            c.sendall(wire[:20])
+            stalled.append(c)  # now pending + routed = PER_IP + PEEK_HEADROOM
+            with dial(tls, source) as over:
+                try:
+                    over.sendall(wire)
+                except OSError:
+                    pass
+                assert refused(over), "a connection past the headroom"
+            routed_whole(tls, wire)  # another address (127.0.0.1) meanwhile
+        finally:
+            for i, c in enumerate(stalled):
+                if i % 3 == 0:
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif i % 3 == 1:
+                    c.shutdown(socket.SHUT_WR)
+                c.close()
+            for c in held:
+                c.close()
+        eventually(lambda: settled(admin), f"open_connections back to 0 ({round_})")
+    eventually(lambda: open_fds(pid) <= fds, f"fds back to {fds}")
+    assert s.proc.poll() is None
