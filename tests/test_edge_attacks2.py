@@ -21,7 +21,15 @@ from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.net.router import PEEK_HEADROOM
 from pact_ingress.proto.hello_fast import quick_sni
 from tests.test_attacks4 import ext, hello, sni_ext
-from tests.test_edge import Backend, dial, edge_served, eventually, metric, open_fds
+from tests.test_edge import (
+    Backend,
+    dial,
+    edge_served,
+    eventually,
+    metric,
+    open_fds,
+    passthrough_config,
+)
 from tests.test_serve import Served, free_port, recv_exact
 
 SNI = "odd.example.test"
@@ -270,6 +278,83 @@ def test_the_per_ip_cap_is_exact_after_stalls_resets_and_half_closes(
                     c.shutdown(socket.SHUT_WR)
                 c.close()
             for c in held:
+                c.close()
+        eventually(lambda: settled(admin), f"open_connections back to 0 ({round_})")
+    eventually(lambda: open_fds(pid) <= fds, f"fds back to {fds}")
+    assert s.proc.poll() is None
+
+
+#: The global cap of the second served config, and its (short) ClientHello deadline.
+GLOBAL = 10
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, int, int]]:
+    tmp = tmp_path_factory.mktemp("edge-attacks2-global")
+    tls, admin = free_port(), free_port()
+    backend = Backend(COUNT)
+    text = passthrough_config(tls, admin, 100, {SNI: backend.port}).replace(
+        "  clienthello_timeout: 5s\n", f"  clienthello_timeout: 1s\n  max_connections: {GLOBAL}\n")
+    assert f"max_connections: {GLOBAL}" in text
+    s = Served(tmp, text)
+    try:
+        s.wait_notify("READY=1")
+        yield s, tls, admin
+    finally:
+        s.stop()
+        backend.close()
+
+
+def test_the_global_cap_is_exact_across_addresses_and_returns_after_stalls(
+        capped: tuple[Served, int, int]) -> None:
+    """GLOBAL connections from several addresses (routed ones and ones stalled
+    mid-hello) fill the cap; one more from a fresh address is closed at accept and
+    counted. The stalled ones are closed by the ClientHello deadline, the routed ones by
+    their clients (reset, half-close, close); then the cap admits GLOBAL again, and the
+    fds are back at their baseline."""
+    s, tls, admin = capped
+    pid = s.proc.pid
+    eventually(lambda: settled(admin), "open_connections at 0")
+    fds = open_fds(pid)
+    wire = odd_hellos()["plain"]
+    for round_ in range(2):
+        before = metric(admin, "pact_ingress_rejections_total", reason="max_connections")
+        timeouts = metric(admin, "pact_ingress_rejections_total", reason="clienthello_timeout")
+        held = []
+        try:
+            for i in range(GLOBAL):
+                c = dial(tls, f"127.0.1.{i + 1}")
+                held.append(c)
+                if i % 2:
+                    c.sendall(wire[:30])  # stalls mid-hello
+                else:
+                    c.sendall(wire)
+                    assert recv_exact(c, len(wire)) == wire
+            eventually(lambda: metric(admin, "pact_ingress_open_connections") == GLOBAL,
+                       "the cap full")
+            with dial(tls, "127.0.2.1") as over:
+                try:
+                    over.sendall(wire)
+                except OSError:
+                    pass
+                assert refused(over), "a connection over the global cap"
+            assert metric(admin, "pact_ingress_rejections_total",
+                          reason="max_connections") == before + 1
+            # the stalled ones end at the ClientHello deadline, not by their clients
+            eventually(lambda: metric(admin, "pact_ingress_rejections_total",
+                                      reason="clienthello_timeout") == timeouts + GLOBAL // 2,
+                       "the stalled connections timed out")
+            eventually(lambda: metric(admin, "pact_ingress_open_connections") == GLOBAL // 2,
+                       "only the routed ones left")
+        finally:
+            for i, c in enumerate(held):
+                if i % 3 == 0:
+                    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif i % 3 == 1:
+                    try:
+                        c.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
                 c.close()
         eventually(lambda: settled(admin), f"open_connections back to 0 ({round_})")
     eventually(lambda: open_fds(pid) <= fds, f"fds back to {fds}")
