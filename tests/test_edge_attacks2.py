@@ -381,3 +381,37 @@ def test_the_global_cap_is_exact_across_addresses_and_returns_after_stalls(
         eventually(lambda: settled(admin), f"open_connections back to 0 ({round_})")
     eventually(lambda: edge_fds(pid, admin) <= fds, f"fds back to {fds}")
     assert s.proc.poll() is None
+
+
+def test_a_hello_trickled_slower_than_its_deadline_is_closed(
+        capped: tuple[Served, int, int]) -> None:
+    """The ClientHello deadline (1 s here) bounds the whole hello, not each read: a
+    client sending a byte every 0.2 s (each read well within the deadline) is closed
+    long before its hello would be whole, counted as a timeout, and nothing is
+    connected."""
+    s, tls, admin = capped
+    wire = odd_hellos()["plain"]
+    timeouts = metric(admin, "pact_ingress_rejections_total", reason="clienthello_timeout")
+    before = COUNT.accepted
+    closed_at = None
+    with dial(tls, "127.0.3.1") as c:
+        c.settimeout(0.2)
+        for i in range(40):  # 8 s of trickle at most: a quarter of the hello
+            try:
+                c.send(wire[i:i + 1])
+            except OSError:
+                closed_at = i
+                break
+            try:
+                if c.recv(100) == b"":
+                    closed_at = i
+                    break
+            except TimeoutError:
+                pass
+            except OSError:
+                closed_at = i
+                break
+    assert closed_at is not None, "a trickling client outlived its ClientHello deadline"
+    eventually(lambda: metric(admin, "pact_ingress_rejections_total",
+                              reason="clienthello_timeout") == timeouts + 1, "counted")
+    assert COUNT.accepted == before
