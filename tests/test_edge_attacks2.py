@@ -11,9 +11,12 @@ were. hello_fast's quick SNI is checked against the parser on the same hellos.""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import ssl
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from tests.test_edge import (
     metric,
     passthrough_config,
 )
-from tests.test_serve import Served, free_port, recv_exact
+from tests.test_serve import WAIT, Served, free_port, recv_exact
 
 SNI = "odd.example.test"
 PER_IP = 8
@@ -415,3 +418,173 @@ def test_a_hello_trickled_slower_than_its_deadline_is_closed(
     eventually(lambda: metric(admin, "pact_ingress_rejections_total",
                               reason="clienthello_timeout") == timeouts + 1, "counted")
     assert COUNT.accepted == before
+
+
+# --- the connector against an ingress that speaks garbage ------------------------------------
+
+
+class GarbageIngress:
+    """A TLS server holding the pinned ingress key that answers each control connection
+    (and each data connection) with a different wrong thing, counting them."""
+
+    def __init__(self, cert: Path, key: Path, coalesced: bool = False) -> None:
+        from pact_ingress.proto.tunnel.constants import ALPN_CONTROL, ALPN_DATA
+
+        self.coalesced = coalesced
+
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(cert, key)
+        self.ctx.set_alpn_protocols([ALPN_CONTROL, ALPN_DATA])
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.lock = threading.Lock()
+        self.controls = 0
+        self.data = 0
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        from pact_ingress.proto.tunnel import frames as tf
+        from pact_ingress.proto.tunnel.constants import ALPN_CONTROL
+
+        sock.settimeout(None if self.coalesced else 5)
+        try:
+            first = sock.recv(len(tf.RAW_DATA_MAGIC), socket.MSG_PEEK)
+            if first.startswith(b"PACT"):  # a raw data connection: a wrong answer
+                with self.lock:
+                    self.data += 1
+                sock.recv(100)
+                sock.sendall(b"NO!" + os.urandom(20))
+                return
+            tls = self.ctx.wrap_socket(sock, server_side=True)
+            tls.recv(100)  # HELLO (or DATA_HELLO)
+            if tls.selected_alpn_protocol() != ALPN_CONTROL:
+                with self.lock:
+                    self.data += 1
+                return
+            if self.coalesced:  # WELCOME and a TOKEN in one write (one TLS record)
+                tls.sendall(tf.encode(tf.Welcome(os.urandom(tf.ID_BYTES), 30_000))
+                            + tf.encode(tf.Token(os.urandom(tf.TOKEN_BYTES))))
+                with self.lock:
+                    self.controls += 1
+                time.sleep(4 * WAIT)  # then silence: no frame behind them
+                return
+            with self.lock:
+                k = self.controls
+                self.controls += 1
+            welcome = tf.encode(tf.Welcome(os.urandom(tf.ID_BYTES), 1000))
+            token = tf.encode(tf.Token(os.urandom(tf.TOKEN_BYTES)))
+            answers = [
+                b"\xee\x00\x00",  # an unknown frame type
+                welcome + b"\x05\xff\xff",  # a frame over the length cap
+                welcome + b"\x05\x00\x03abc",  # a TOKEN of the wrong size
+                os.urandom(200),
+                welcome + b"\x06\x00\x05\xff\x00\x00\x00\x00",  # GOAWAY, unknown code
+                welcome + tf.encode(tf.Welcome(os.urandom(tf.ID_BYTES), 0)),  # twice
+                welcome + token * 3 + b"\x0a\x00\x01x",  # data dials, then a bad WAKE
+            ]
+            tls.sendall(answers[k % len(answers)])
+            time.sleep(0.3)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_the_connector_survives_an_ingress_speaking_garbage(tmp_path: Path) -> None:
+    """A real `connect` whose pinned ingress answers with unknown frame types, a frame
+    over the cap, wrong payload sizes, random bytes, a GOAWAY of no known code, a second
+    WELCOME, and data connections refused with garbage: each failure ends that link
+    only; the connector keeps dialling, never crashes, and ends with 0 on SIGTERM."""
+    import subprocess
+    import sys
+
+    from pact_ingress.identity import keygen
+
+    ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
+    node = keygen(tmp_path / "node.key", common_name="node")
+    fake = GarbageIngress(ingress.cert_path, ingress.key_path)
+    config = tmp_path / "connector.yaml"
+    config.write_text(f"""\
+identity: {{key: {node.key_path}}}
+ingress:
+  address: "127.0.0.1:{fake.port}"
+  tunnel_hostname: tunnel.home.test
+  pin: "{ingress.fingerprint}"
+forward: "127.0.0.1:{free_port()}"
+connections: 4
+""")
+    log_path = tmp_path / "connect.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pact_ingress", "connect", "-c", str(config)],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            eventually(lambda: fake.controls >= 10 or proc.poll() is not None,
+                       "ten control connections")
+            assert proc.poll() is None, log_path.read_text()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            fake.close()
+    text = log_path.read_text()
+    assert "Traceback" not in text, text
+    assert "tunnel_control_failed" in text
+
+
+def test_a_token_in_the_welcomes_record_is_acted_on_at_once(tmp_path: Path) -> None:
+    """The control connection is a byte stream: frames the ingress wrote together with
+    its WELCOME (one write, so one TLS record, read in one piece) are the connector's to
+    act on as they arrive, not once some later frame happens to come. Here a TOKEN rides
+    with the WELCOME and nothing follows: the connector must still dial its data
+    connection."""
+    import subprocess
+    import sys
+
+    from pact_ingress.identity import keygen
+
+    ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
+    node = keygen(tmp_path / "node.key", common_name="node")
+    fake = GarbageIngress(ingress.cert_path, ingress.key_path, coalesced=True)
+    config = tmp_path / "connector.yaml"
+    config.write_text(f"""\
+identity: {{key: {node.key_path}}}
+ingress:
+  address: "127.0.0.1:{fake.port}"
+  tunnel_hostname: tunnel.home.test
+  pin: "{ingress.fingerprint}"
+forward: "127.0.0.1:{free_port()}"
+connections: 1
+""")
+    log_path = tmp_path / "connect.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pact_ingress", "connect", "-c", str(config)],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            eventually(lambda: fake.data >= 1 or proc.poll() is not None,
+                       "a data connection dialled with the TOKEN")
+            assert proc.poll() is None, log_path.read_text()
+            assert fake.controls == 1  # the same link: nothing ended it meanwhile
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            fake.close()
+    assert "Traceback" not in log_path.read_text()
