@@ -588,3 +588,41 @@ connections: 1
                 proc.wait()
             fake.close()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_a_ping_in_the_hellos_record_is_answered_at_once(tmp_path: Path) -> None:
+    """The ingress's side of the same stream rule: a PING the connector wrote together
+    with its HELLO gets its PONG without any further frame."""
+    from pact_ingress.proto.tunnel import frames as tf
+    from pact_ingress.proto.tunnel.constants import ALPN_CONTROL
+    from tests.test_connector_cli_attacks import TUNNEL, Edge
+
+    e = Edge(tmp_path)
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.load_cert_chain(e.node.cert_path, e.node.key_path)
+        ctx.set_alpn_protocols([ALPN_CONTROL])
+        with socket.create_connection(("127.0.0.1", e.port), timeout=WAIT) as raw, \
+                ctx.wrap_socket(raw, server_hostname=TUNNEL) as tls:
+            tls.sendall(tf.encode(tf.Hello(tf.VERSION, 3, os.urandom(16)))
+                        + tf.encode(tf.Ping(0x5EED)))
+            decoder = tf.Decoder()
+            seen = []
+            tls.settimeout(1.0)
+            deadline = time.monotonic() + 5  # the ingress's heartbeat is longer
+            while tf.Pong(0x5EED) not in seen and time.monotonic() < deadline:
+                try:
+                    data = tls.recv(4096)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                decoder.feed(data)
+                while (msg := decoder.next_message()) is not None:
+                    seen.append(msg)
+            assert isinstance(seen[0], tf.Welcome), seen
+            assert tf.Pong(0x5EED) in seen, seen
+    finally:
+        e.close()
