@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.net.router import PEEK_HEADROOM
+from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.proto.hello_fast import quick_sni
 from tests.test_attacks4 import ext, hello, sni_ext
 from tests.test_edge import (
@@ -181,7 +181,7 @@ def routed_whole(tls: int, wire: bytes, *, bytewise: int = 0) -> None:
 
 def test_odd_spellings_grease_and_ech_route_like_the_plain_hello(
         served: tuple[Served, int, int]) -> None:
-    s, tls, admin = served
+    _s, tls, admin = served
     for name, wire in odd_hellos().items():
         before = COUNT.accepted
         routed_whole(tls, wire)
@@ -193,7 +193,7 @@ def test_a_hello_cut_mid_extension_over_records_and_bytes_routes_as_whole(
         served: tuple[Served, int, int]) -> None:
     """Records cut inside the handshake header, inside the server_name extension (in
     its name) and elsewhere; the first 120 bytes one TCP segment each."""
-    s, tls, admin = served
+    _s, tls, admin = served
     wire = hello([ext(0x0A0A, b""), sni_ext(SNI.encode()), ALPN, VERSIONS])
     message = message_of(wire)
     at = message.index(SNI.encode())
@@ -207,7 +207,7 @@ def test_a_hello_near_the_cap_in_two_records_routes_as_whole(
         served: tuple[Served, int, int]) -> None:
     """Padded to 16380 message bytes (the cap is 16384), cut into two records inside
     the server_name extension, the first 60 bytes one segment each."""
-    s, tls, admin = served
+    _s, tls, admin = served
     base = hello([sni_ext(SNI.encode()), ALPN, ext(21, b"")])
     pad = 16380 - len(message_of(base))
     wire = hello([sni_ext(SNI.encode()), ALPN, ext(21, bytes(pad))])
@@ -366,8 +366,8 @@ def test_the_global_cap_is_exact_across_addresses_and_returns_after_stalls(
             assert metric(admin, "pact_ingress_rejections_total",
                           reason="max_connections") == before + 1
             # the stalled ones end at the ClientHello deadline, not by their clients
-            eventually(lambda: metric(admin, "pact_ingress_rejections_total",
-                                      reason="clienthello_timeout") == timeouts + GLOBAL // 2,
+            eventually(lambda t=timeouts: metric(admin, "pact_ingress_rejections_total",
+                                                 reason="clienthello_timeout") == t + GLOBAL // 2,
                        "the stalled connections timed out")
             eventually(lambda: metric(admin, "pact_ingress_open_connections") == GLOBAL // 2,
                        "only the routed ones left")
@@ -392,7 +392,7 @@ def test_a_hello_trickled_slower_than_its_deadline_is_closed(
     client sending a byte every 0.2 s (each read well within the deadline) is closed
     long before its hello would be whole, counted as a timeout, and nothing is
     connected."""
-    s, tls, admin = capped
+    _s, tls, admin = capped
     wire = odd_hellos()["plain"]
     timeouts = metric(admin, "pact_ingress_rejections_total", reason="clienthello_timeout")
     before = COUNT.accepted
