@@ -455,6 +455,10 @@ class Connector:
             log.info("tunnel_down", ingress=self.label, slot=link.slot, session=sid)
 
     async def _read_link(self, link: _Link, decoder: tf.Decoder) -> None:
+        # frames that came in the read that held the WELCOME are served first: nothing
+        # need follow them on the wire
+        while (msg := decoder.next_message()) is not None:
+            await self._on_message(link, msg)
         while True:
             data = await link.tls.receive_some(CONTROL_READ)
             if not data:

@@ -484,19 +484,22 @@ class TunnelServer:
 
     async def _read_control(self, session: _Session, decoder: tf.Decoder) -> None:
         budget = tf.FrameBudget(CONTROL_FRAME_RATE, CONTROL_FRAME_BURST, trio.current_time())
+        now = trio.current_time()
         try:
             while True:
+                # served before the next read: frames that came with the HELLO (in the
+                # read that held it) need nothing behind them on the wire
+                while (msg := decoder.next_message()) is not None:
+                    if not budget.take(now):
+                        raise _Refused("flood", "control frame flood",
+                                       tf.GoawayCode.PROTOCOL_ERROR)
+                    await self._on_control(session, msg)
                 data = await session.tls.receive_some(CONTROL_READ)
                 if not data:
                     session.kill(None)
                     return
                 now = session.last_rx = trio.current_time()
                 decoder.feed(data)
-                while (msg := decoder.next_message()) is not None:
-                    if not budget.take(now):
-                        raise _Refused("flood", "control frame flood",
-                                       tf.GoawayCode.PROTOCOL_ERROR)
-                    await self._on_control(session, msg)
         except (_Refused, RemoteProtocolError) as exc:
             refused = exc if isinstance(exc, _Refused) else _Refused(
                 "protocol_error", str(exc), tf.GoawayCode.PROTOCOL_ERROR)
