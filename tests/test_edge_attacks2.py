@@ -10,11 +10,14 @@ were. hello_fast's quick SNI is checked against the parser on the same hellos.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -502,28 +505,20 @@ class GarbageIngress:
         self.server.close()
 
 
-def test_the_connector_survives_an_ingress_speaking_garbage(tmp_path: Path) -> None:
-    """A real `connect` whose pinned ingress answers with unknown frame types, a frame
-    over the cap, wrong payload sizes, random bytes, a GOAWAY of no known code, a second
-    WELCOME, and data connections refused with garbage: each failure ends that link
-    only; the connector keeps dialling, never crashes, and ends with 0 on SIGTERM."""
-    import subprocess
-    import sys
-
-    from pact_ingress.identity import keygen
-
-    ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
-    node = keygen(tmp_path / "node.key", common_name="node")
-    fake = GarbageIngress(ingress.cert_path, ingress.key_path)
+@contextlib.contextmanager
+def _connector_against(tmp_path: Path, fake: GarbageIngress, node_key: Path, pin: str,
+                       connections: int) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A real `pact-ingress connect` dialling `fake` (pinned as `pin`), its log file; on
+    the way out it is stopped (killed if it outlived the test) and `fake` closed."""
     config = tmp_path / "connector.yaml"
     config.write_text(f"""\
-identity: {{key: {node.key_path}}}
+identity: {{key: {node_key}}}
 ingress:
   address: "127.0.0.1:{fake.port}"
   tunnel_hostname: tunnel.home.test
-  pin: "{ingress.fingerprint}"
+  pin: "{pin}"
 forward: "127.0.0.1:{free_port()}"
-connections: 4
+connections: {connections}
 """)
     log_path = tmp_path / "connect.log"
     with open(log_path, "ab") as log:
@@ -531,16 +526,31 @@ connections: 4
             [sys.executable, "-m", "pact_ingress", "connect", "-c", str(config)],
             stdout=log, stderr=subprocess.STDOUT)
         try:
-            eventually(lambda: fake.controls >= 10 or proc.poll() is not None,
-                       "ten control connections")
-            assert proc.poll() is None, log_path.read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=20) == 0, log_path.read_text()
+            yield proc, log_path
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             fake.close()
+
+
+def test_the_connector_survives_an_ingress_speaking_garbage(tmp_path: Path) -> None:
+    """A real `connect` whose pinned ingress answers with unknown frame types, a frame
+    over the cap, wrong payload sizes, random bytes, a GOAWAY of no known code, a second
+    WELCOME, and data connections refused with garbage: each failure ends that link
+    only; the connector keeps dialling, never crashes, and ends with 0 on SIGTERM."""
+    from pact_ingress.identity import keygen
+
+    ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
+    node = keygen(tmp_path / "node.key", common_name="node")
+    fake = GarbageIngress(ingress.cert_path, ingress.key_path)
+    with _connector_against(tmp_path, fake, node.key_path, ingress.fingerprint,
+                            4) as (proc, log_path):
+        eventually(lambda: fake.controls >= 10 or proc.poll() is not None,
+                   "ten control connections")
+        assert proc.poll() is None, log_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log_path.read_text()
     text = log_path.read_text()
     assert "Traceback" not in text, text
     assert "tunnel_control_failed" in text
@@ -552,41 +562,19 @@ def test_a_token_in_the_welcomes_record_is_acted_on_at_once(tmp_path: Path) -> N
     act on as they arrive, not once some later frame happens to come. Here a TOKEN rides
     with the WELCOME and nothing follows: the connector must still dial its data
     connection."""
-    import subprocess
-    import sys
-
     from pact_ingress.identity import keygen
 
     ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
     node = keygen(tmp_path / "node.key", common_name="node")
     fake = GarbageIngress(ingress.cert_path, ingress.key_path, coalesced=True)
-    config = tmp_path / "connector.yaml"
-    config.write_text(f"""\
-identity: {{key: {node.key_path}}}
-ingress:
-  address: "127.0.0.1:{fake.port}"
-  tunnel_hostname: tunnel.home.test
-  pin: "{ingress.fingerprint}"
-forward: "127.0.0.1:{free_port()}"
-connections: 1
-""")
-    log_path = tmp_path / "connect.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pact_ingress", "connect", "-c", str(config)],
-            stdout=log, stderr=subprocess.STDOUT)
-        try:
-            eventually(lambda: fake.data >= 1 or proc.poll() is not None,
-                       "a data connection dialled with the TOKEN")
-            assert proc.poll() is None, log_path.read_text()
-            assert fake.controls == 1  # the same link: nothing ended it meanwhile
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=20) == 0, log_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            fake.close()
+    with _connector_against(tmp_path, fake, node.key_path, ingress.fingerprint,
+                            1) as (proc, log_path):
+        eventually(lambda: fake.data >= 1 or proc.poll() is not None,
+                   "a data connection dialled with the TOKEN")
+        assert proc.poll() is None, log_path.read_text()
+        assert fake.controls == 1  # the same link: nothing ended it meanwhile
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log_path.read_text()
     assert "Traceback" not in log_path.read_text()
 
 
