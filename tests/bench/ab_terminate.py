@@ -3,7 +3,7 @@
     git archive <commit> pact_ingress | tar -x -C /tmp/before
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
         [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
-        [--upstream h2|http/1.1]
+        [--upstream h2|http/1.1] [--lean]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -22,7 +22,10 @@ summary `bench_terminate` does (several names, comma-separated: one after the ot
 `h2,http/1.1`, so HAProxy re-originates over HTTP/2 (one connection multiplexing every
 client's requests) while pact-ingress speaks HTTP/1.1 to the node; `http/1.1` makes both
 re-originate over HTTP/1.1, which shows how much of HAProxy's lead is its upstream
-protocol.
+protocol. `--lean` adds `tests/bench/lean_proxy.py` as a path (HTTP/1.1 phases only):
+the leanest terminate proxy on this stack (trio, memory-BIO TLS, llhttp both sides, no
+product checks), so a tree's distance from it is the product's own work and its
+distance from HAProxy is the stack's.
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -54,6 +57,7 @@ from tests.bench.harness import (
 )
 
 PROFILE_RATE = 400
+LEAN = "lean"
 
 
 def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream", choices=("h2", "http/1.1"), default="h2",
                    help="ALPN the node offers (default h2, falling back to http/1.1; "
                         "http/1.1 makes HAProxy re-originate over HTTP/1.1 too)")
+    p.add_argument("--lean", action="store_true",
+                   help="add the lean floor proxy (tests/bench/lean_proxy.py) as a path")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
@@ -128,6 +134,20 @@ def main(argv: list[str] | None = None) -> int:
             rig.proxies[name] = svc
             rig.ports[name] = port
             paths.append(name)
+        if args.lean:
+            if any(ph.h2 for ph in plan):
+                raise SystemExit("--lean speaks HTTP/1.1 only: leave h2 phases out")
+            port = free_port()
+            svc = Service(LEAN, python_module(
+                "tests.bench.lean_proxy", str(port), str(tmp / f"{bt.HOST}.crt"),
+                str(tmp / f"{bt.HOST}.key"), str(rig.ports["node"]),
+                str(tmp / "ingress.crt"), str(tmp / "ingress.key")), CORE_PROXY,
+                tmp / "lean.log")
+            started.append(svc)
+            svc.start([port])
+            rig.proxies[LEAN] = svc
+            rig.ports[LEAN] = port
+            paths.append(LEAN)
         for path in paths:  # pools filled, every path proven
             for ph in plan:
                 run = bt.run_phase(rig, ph, path, 1.0)
@@ -153,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {rnd + 1} {ph.key:5} {path:14} {run.rate:9,.0f}/s "
                           f"{us:8.1f} µs  proxy core {run.core_busy[str(CORE_PROXY)]:.0%}",
                           file=sys.stderr, flush=True)
-        names = list(trees)
+        names = list(trees) + ([LEAN] if args.lean else [])
         print("| phase | " + " | ".join(f"{p} (µs)" for p in paths) + " | "
               + " | ".join(f"{n} ÷ haproxy" for n in names) + " | "
               + " | ".join(f"{n} ÷ haproxy, paired" for n in names) + " |")
