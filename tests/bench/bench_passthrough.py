@@ -30,6 +30,11 @@ direct path of the same run, and pact-ingress ÷ HAProxy is checked against the 
 targets: flood conn/s ≥ 0.85×, keep-alive at 32 connections ≥ 0.95×, bulk and the other
 keep-alive rows ≥ 1.0×, CPU s/GB ≤ 1.0×.
 
+`--lean` also measures `tests/bench/lean_splice.py` on the proxy core, the plainest SNI
+router one writes on trio (read the hello, connect, one copying task each way), and
+puts its figures and its per-round ratio to HAProxy in the notes: what pact-ingress's
+router gains over the obvious trio design, and what Python on trio costs before it.
+
 `--ingress-uid UID` runs pact-ingress as that uid without CAP_SYS_RESOURCE and
 CAP_SYS_ADMIN (`setpriv`), as the systemd unit's dynamic user: the kernel's per-user pipe
 budget then applies to it, which it never does to root.
@@ -95,6 +100,8 @@ SNI = {"flood": "www.example.test", "bulk": "blk.example.test",
        "keepalive": "kal.example.test", "tls": "tls.example.test"}
 DIRECT, PEER, SUBJECT = "direct", "haproxy", "pact-ingress"
 PATHS = (DIRECT, PEER, SUBJECT)
+#: `--lean`: tests/bench/lean_splice.py, measured beside the others, reported in the notes
+LEAN = "lean"
 #: Idle connections held at once by the `idle10k` row.
 IDLE_CONNS = 10_000
 #: Generous limits for the ingress under test: the bench, not a limit, must be the cap
@@ -256,7 +263,8 @@ def start_ingress(tmp: Path, cfg: Path, port: int, mode: str, notes: list[str],
 
 
 def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[str],
-              profile: Path | None = None, uid: int | None = None) -> Rig:
+              profile: Path | None = None, uid: int | None = None,
+              lean: bool = False) -> Rig:
     hellos = {k: tmp / f"hello-{k}.bin" for k in ("flood", "bulk", "keepalive")}
     for kind, path in hellos.items():
         path.write_bytes(hello_for(SNI[kind]))
@@ -288,7 +296,16 @@ def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[
     ingress, runner = start_ingress(tmp, tmp / "ingress.yaml", ports[SUBJECT], ingress_mode,
                                     notes, profile, uid)
     started.append(ingress)
-    return Rig(tmp, ports, {PEER: haproxy, SUBJECT: ingress}, load_side, runner, hellos)
+    proxies = {PEER: haproxy, SUBJECT: ingress}
+    if lean:
+        ports[LEAN] = free_port()
+        floor = Service(LEAN, python_module(
+            "tests.bench.lean_splice", str(ports[LEAN]),
+            *(f"{host}={p}" for host, p in routes.items())), CORE_PROXY, tmp / "lean.log")
+        started.append(floor)
+        floor.start([ports[LEAN]])
+        proxies[LEAN] = floor
+    return Rig(tmp, ports, proxies, load_side, runner, hellos)
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -478,7 +495,7 @@ def idle_metrics(idle: dict[str, Any]) -> list[Metric]:
 
 def warm_up(rig: Rig, s: Settings) -> None:
     """Short flood + keep-alive per path: caches warm, and every route proven to work."""
-    for path in PATHS:
+    for path in paths_of(rig):
         for args in (("flood", "--hello", str(rig.hellos["flood"]), "--seconds", str(s.warmup)),
                      ("keepalive", "--hello", str(rig.hellos["keepalive"]),
                       "--seconds", str(s.warmup)),
@@ -497,7 +514,7 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
     plan = [ph for ph in phases(s, rig.hellos) if only is None or ph.key in only]
     for rnd in range(s.rounds):
         for phase in plan:
-            for path in PATHS:
+            for path in paths_of(rig):
                 res = run_phase(rig, phase, path)
                 results.setdefault(phase.key, {}).setdefault(path, []).append(res)
                 log(f"round {rnd + 1}/{s.rounds} {phase.key:6} {path:13} "
@@ -508,18 +525,23 @@ def measure(rig: Rig, s: Settings, log: Callable[[str], None], only: list[str] |
     return results
 
 
+def paths_of(rig: Rig) -> tuple[str, ...]:
+    return PATHS + ((LEAN,) if LEAN in rig.proxies else ())
+
+
 def paired_ratio(by_path: dict[str, list[dict[str, Any]]],
-                 value: Callable[[dict[str, Any]], float | None]) -> str:
+                 value: Callable[[dict[str, Any]], float | None],
+                 subject: str = SUBJECT) -> str:
     """pact-ingress ÷ HAProxy round by round: the median and range of the per-round
     ratios. A round measures the two seconds apart, so what the host's other work does
     to both cancels out of its ratio; the table's ratio divides medians that may come
     from different rounds."""
     ratios = sorted(s / p for s, p in ((value(a), value(b)) for a, b in
-                                       zip(by_path[SUBJECT], by_path[PEER], strict=True))
+                                       zip(by_path[subject], by_path[PEER], strict=True))
                     if s is not None and p)
     if not ratios:
         return "no paired rounds"
-    return (f"pact-ingress ÷ haproxy per round: median {statistics.median(ratios):.2f}× "
+    return (f"{subject} ÷ haproxy per round: median {statistics.median(ratios):.2f}× "
             f"(range {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} rounds)")
 
 
@@ -537,6 +559,12 @@ def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Setting
         report.add(Metric(name, unit, values, target))
         if target is not None and s.rounds > 1:
             notes.append(f"{name}: {paired_ratio(results[key], value)}")
+        if LEAN in results[key]:
+            nums = [v for v in (value(r) for r in results[key][LEAN]) if v is not None]
+            if nums:
+                notes.append(f"{name}: lean floor (tests/bench/lean_splice.py) "
+                             f"{statistics.median(nums):,.1f} {unit}; "
+                             f"{paired_ratio(results[key], value, LEAN)}")
     if idle is not None:
         for metric in idle_metrics(idle):
             report.add(metric)
@@ -569,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the router runner under cProfile, pstats to OUT (slow!)")
     p.add_argument("--ingress-uid", type=int, metavar="UID",
                    help="run pact-ingress as this unprivileged uid (needs root and setpriv)")
+    p.add_argument("--lean", action="store_true",
+                   help="also measure tests/bench/lean_splice.py, the leanest SNI router on "
+                        "this stack (its figures go to the notes)")
     p.add_argument("--only", help="comma-separated phases to run: " + ",".join(
         [ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})]
         + [IDLE_KEY]))
@@ -605,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.monotonic()
     with services() as started:
         rig = build_rig(tmp, started, args.ingress, notes, args.profile_ingress,
-                        args.ingress_uid)
+                        args.ingress_uid, args.lean)
         notes.append(f"pact-ingress ran as `{rig.runner}`; mode "
                      f"{'quick (smoke)' if args.quick else 'full'}: {s.seconds:g} s phases, "
                      f"bulk {s.bulk_bytes >> 20} MiB, {s.rounds} round(s), median; flood "
