@@ -23,9 +23,9 @@ summary `bench_terminate` does (several names, comma-separated: one after the ot
 client's requests) while pact-ingress speaks HTTP/1.1 to the node; `http/1.1` makes both
 re-originate over HTTP/1.1, which shows how much of HAProxy's lead is its upstream
 protocol. `--lean` adds `tests/bench/lean_proxy.py` as a path (HTTP/1.1 phases only):
-the leanest terminate proxy on this stack (trio, memory-BIO TLS, llhttp both sides, no
-product checks), so a tree's distance from it is the product's own work and its
-distance from HAProxy is the stack's.
+the plainest terminate proxy on this stack (trio, memory-BIO TLS, llhttp both sides, no
+product checks), so a tree's distance from it is about the product's own work and its
+distance from HAProxy what the stack costs written the plain way (not a lower bound).
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="ALPN the node offers (default h2, falling back to http/1.1; "
                         "http/1.1 makes HAProxy re-originate over HTTP/1.1 too)")
     p.add_argument("--lean", action="store_true",
-                   help="add the lean floor proxy (tests/bench/lean_proxy.py) as a path")
+                   help="add the plain reference proxy (tests/bench/lean_proxy.py) as a path")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)

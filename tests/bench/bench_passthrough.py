@@ -299,12 +299,12 @@ def build_rig(tmp: Path, started: list[Service], ingress_mode: str, notes: list[
     proxies = {PEER: haproxy, SUBJECT: ingress}
     if lean:
         ports[LEAN] = free_port()
-        floor = Service(LEAN, python_module(
+        plain = Service(LEAN, python_module(
             "tests.bench.lean_splice", str(ports[LEAN]),
             *(f"{host}={p}" for host, p in routes.items())), CORE_PROXY, tmp / "lean.log")
-        started.append(floor)
-        floor.start([ports[LEAN]])
-        proxies[LEAN] = floor
+        started.append(plain)
+        plain.start([ports[LEAN]])
+        proxies[LEAN] = plain
     return Rig(tmp, ports, proxies, load_side, runner, hellos)
 
 
@@ -562,7 +562,7 @@ def build_report(results: dict[str, dict[str, list[dict[str, Any]]]], s: Setting
         if LEAN in results[key]:
             nums = [v for v in (value(r) for r in results[key][LEAN]) if v is not None]
             if nums:
-                notes.append(f"{name}: lean floor (tests/bench/lean_splice.py) "
+                notes.append(f"{name}: plain trio router (lean_splice.py) "
                              f"{statistics.median(nums):,.1f} {unit}; "
                              f"{paired_ratio(results[key], value, LEAN)}")
     if idle is not None:
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingress-uid", type=int, metavar="UID",
                    help="run pact-ingress as this unprivileged uid (needs root and setpriv)")
     p.add_argument("--lean", action="store_true",
-                   help="also measure tests/bench/lean_splice.py, the leanest SNI router on "
+                   help="also measure tests/bench/lean_splice.py, the plain trio SNI router on "
                         "this stack (its figures go to the notes)")
     p.add_argument("--only", help="comma-separated phases to run: " + ",".join(
         [ph.key for ph in phases(QUICK, {k: Path() for k in ("flood", "bulk", "keepalive")})]

@@ -1,4 +1,4 @@
-"""The leanest terminate proxy this stack allows: the floor under pact-ingress's figures.
+"""The plainest terminate proxy on this stack: a reference under pact-ingress's figures.
 
     python -m tests.bench.lean_proxy PORT CERT KEY NODE_PORT CLIENT_CERT CLIENT_KEY
 
@@ -13,8 +13,11 @@ large bodies, pipelining or error answers: a request it cannot handle ends the
 connection.
 
 `ab_terminate --lean` runs it on the proxy core beside HAProxy and the trees given, so
-the distance between this and pact-ingress is what the product's own work costs, and
-the distance between this and HAProxy is what Python on trio costs before any of it.
+the distance between this and pact-ingress is about what the product's own work costs,
+and the distance between this and HAProxy what Python on trio, written the plain way,
+costs before any of it. It is not a lower bound: it waits through
+`trio.lowlevel.wait_readable` (an `epoll_ctl` per wait), which the edge's readiness hub
+avoids when it is crowded.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def _head(first: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
 async def _message(leg: _Leg, parser: httptools.HttpRequestParser | httptools.HttpResponseParser,
                    msg: _Message) -> bool:
     """Feed `parser` until `msg` is complete; False at a close (or an upgrade). A
-    pipelined rest is not handled: the floor's clients wait for each answer."""
+    pipelined rest is not handled: the bench's clients wait for each answer."""
     while not msg.done:
         data = await leg.read()
         if not data:
@@ -201,7 +204,7 @@ async def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
     server_ctx.set_alpn_protocols(["http/1.1"])
     client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client_ctx.check_hostname = False
-    client_ctx.verify_mode = ssl.CERT_NONE  # the floor pins nothing: one less check
+    client_ctx.verify_mode = ssl.CERT_NONE  # pins nothing: one check fewer than the edge
     client_ctx.load_cert_chain(client_cert, client_key)
     client_ctx.set_alpn_protocols(["http/1.1"])
     listener = trio.socket.socket()

@@ -1,4 +1,4 @@
-"""The leanest SNI passthrough router this stack allows: the floor under pact-ingress's.
+"""The plainest SNI passthrough router on this stack: a reference beside pact-ingress's.
 
     python -m tests.bench.lean_splice PORT SNI=BACKEND_PORT [SNI=BACKEND_PORT ...]
 
