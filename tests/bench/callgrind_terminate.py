@@ -3,6 +3,7 @@ cannot move.
 
     python -m tests.bench.callgrind_terminate before=/tmp/before after=. [--conns 400]
     python -m tests.bench.callgrind_terminate before=/tmp/before after=. --keepalive 2000
+    python -m tests.bench.callgrind_terminate now=. --haproxy   # HAProxy counted too
 
 `--keepalive N` counts instructions per keep-alive request instead: 8 client threads
 (`--threads`), each on one connection, `N` requests in all (`GET /`, each answer read
@@ -23,6 +24,8 @@ libpython (the interpreter: our Python), libc (malloc and friends for both).
 Instructions are not time: the interpreter's are cheap per instruction in a hot loop and
 dear when caches are cold, crypto's the other way round, and the kernel's work (syscalls,
 loopback TCP) is not counted at all. Use it to compare trees, not to predict µs.
+`--haproxy` counts the rig's HAProxy the same way (started under callgrind on a port of
+its own): how many instructions the peer spends on the same work, next to each tree.
 Needs valgrind (Debian: apt-get install valgrind); one run takes about a minute a tree.
 """
 
@@ -45,6 +48,7 @@ from pathlib import Path
 
 from tests.bench import bench_terminate as bt
 from tests.bench.harness import CORE_LOAD, CORE_PROXY, free_port, pin_self, services
+from tests.bench.peers import haproxy_argv
 
 REQUEST = f"GET / HTTP/1.1\r\nHost: {bt.HOST}\r\nConnection: close\r\n\r\n".encode()
 THREADS = 8
@@ -154,15 +158,20 @@ def serve_under_callgrind(name: str, tree: Path, cfg: Path, tmp: Path, port: int
          "serve", "-c", str(cfg)],
         cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
         stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    _wait_listening(proc, port, name)
+    return proc
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int, name: str) -> None:
     deadline = time.monotonic() + 300
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
+            return
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise SystemExit(f"{name}: serve did not start under valgrind") from None
+                raise SystemExit(f"{name}: did not start under valgrind") from None
             time.sleep(0.5)
 
 
@@ -205,6 +214,39 @@ def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
     return counted(tmp, name)
 
 
+def measure_haproxy(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0
+                    ) -> Counter[str]:
+    """The same counts for the rig's HAProxy (its config on a port of its own), started
+    under callgrind the same way: the peer's instructions beside each tree's."""
+    port = free_port()
+    cfg = (tmp / "haproxy.cfg").read_text().replace(
+        f"127.0.0.1:{rig.ports[bt.PEER]} ", f"127.0.0.1:{port} ")
+    (tmp / "haproxy-cg.cfg").write_text(cfg)
+    out = tmp / "callgrind-haproxy.out"
+    proc = subprocess.Popen(
+        ["taskset", "-c", str(CORE_PROXY), "valgrind", "--tool=callgrind",
+         "--instr-atstart=no", f"--callgrind-out-file={out}",
+         *haproxy_argv(tmp / "haproxy-cg.cfg")],
+        stdout=open(tmp / "haproxy-cg.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(proc, port, "haproxy")
+        _connections(port, 8 * THREADS)
+        if keepalive:
+            _keepalive(port, 8 * THREADS)
+        collect(proc, True)
+        if keepalive:
+            ok, conns = _keepalive(port, keepalive), keepalive
+        else:
+            ok = _connections(port, conns)
+        collect(proc, False)
+        if ok != conns // THREADS * THREADS:
+            raise SystemExit(f"haproxy: {ok} of {conns} connections answered 200")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return counted(tmp, "haproxy")
+
+
 def require_valgrind() -> None:
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
@@ -231,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conns", type=int, default=400)
     p.add_argument("--keepalive", type=int, default=0,
                    help="count per keep-alive request: this many requests in all")
+    p.add_argument("--haproxy", action="store_true",
+                   help="also count the rig's HAProxy, the same way")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
@@ -246,10 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, tree in (t.split("=", 1) for t in args.trees):
             rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns,
                                  args.keepalive)
+        if args.haproxy:
+            rows["haproxy"] = measure_haproxy(rig, tmp, args.conns, args.keepalive)
     shutil.rmtree(tmp, ignore_errors=True)
     groups = {"libpython (our Python)": ("libpython3.11", "libpython3"),
               "libcrypto + libssl (TLS)": ("libcrypto", "libssl"),
               "libc": ("libc",)}
+    if args.haproxy:
+        groups["haproxy (its own code)"] = ("haproxy",)
     n = (args.keepalive or args.conns) // THREADS * THREADS
     unit = "request" if args.keepalive else "connection"
     print_table(rows, groups, n, f"k instructions per {unit}", "{:,.0f}")
