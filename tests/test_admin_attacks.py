@@ -1055,3 +1055,44 @@ def test_a_refused_request_with_a_body_and_one_pipelined_behind_it_gets_its_401(
     finally:
         serve.stop()
 
+
+def _close_wait_on(port: int) -> list[str]:
+    """The local sockets on `port` in CLOSE-WAIT (the peer closed; we have not)."""
+    out = subprocess.run(["ss", "-tanH", "state", "close-wait", f"( sport = :{port} )"],
+                         capture_output=True, text=True, timeout=10, check=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def test_a_scrapers_close_is_answered_at_once_not_after_the_keep_alive(
+        served: Serve) -> None:
+    """A scraper that keeps its connection alive, reads its answers and then closes:
+    the endpoint must close its side as soon as it reads that EOF. It held each such
+    socket in CLOSE-WAIT for the whole keep-alive wait (KEEP_ALIVE_SECONDS), so a busy
+    scrape schedule kept a trail of dead connections and their fds."""
+    from pact_ingress.admin.server import KEEP_ALIVE_SECONDS
+
+    request = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{served.admin_port}\r\n\r\n"
+               .encode())
+    for _ in range(5):  # bounded; each a keep-alive connection with two scrapes
+        with served.connect(timeout=5) as sock:
+            for _ in range(2):
+                sock.sendall(request)
+                got = b""
+                while b"\r\n\r\n" not in got:
+                    chunk = sock.recv(65536)
+                    assert chunk, got[:200]
+                    got += chunk
+                assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+                assert b"transfer-encoding: chunked" in got.lower(), got[:300]
+                while not got.endswith(b"\r\n0\r\n\r\n"):  # the answer's last chunk
+                    chunk = sock.recv(65536)
+                    assert chunk, got[:200]
+                    got += chunk
+    # well inside the keep-alive wait: a close that waited it out shows here
+    deadline = time.monotonic() + min(2.0, KEEP_ALIVE_SECONDS / 2)
+    left = _close_wait_on(served.admin_port)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _close_wait_on(served.admin_port)
+    assert not left, left
+    served.assert_clean()
