@@ -20,11 +20,9 @@ keep-alive, request-size caps and timeouts for free, and the admin endpoint is n
 that would pay for its generality; a hand-rolled parser would be one more HTTP
 implementation to harden. We create and bind the listening socket ourselves (to check the
 resolved address, to make the unix socket mode 0600 before it listens, and to report a TCP
-port 0's real port) and accept on it with trio's `serve_listeners`, each connection run by
-hypercorn's `TCPServer` — what `hypercorn.trio.run.worker_serve` does, less what we do not
-use (TLS, QUIC, statsd, lifespan, request-count restarts), and with one change
-(`_Connection`: a peer's close is answered at once). The app is a tiny ASGI callable;
-every handler is a small function returning (status, headers, body).
+port 0's real port) and hand it to `hypercorn.trio.run.worker_serve(sockets=...)`, the
+same entry point `hypercorn.trio.serve` uses after its own bind. The app is a tiny ASGI
+callable; every handler is a small function returning (status, headers, body).
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ from urllib.parse import parse_qs
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -501,21 +498,6 @@ def _from_browser(headers: dict[str, str]) -> bool:
     return "origin" in headers or headers.get("sec-fetch-site", "none") != "none"
 
 
-class _Connection(TCPServer):
-    """hypercorn's HTTP connection, closed as soon as the peer's close is read.
-
-    Its reader ends at the peer's EOF, but with no request in flight nothing then ends
-    the connection except the keep-alive timer (KEEP_ALIVE_SECONDS), which the
-    connection's task group waits out: every keep-alive scrape left its socket (and fd)
-    in CLOSE-WAIT that long. Once the reader is done the timer has nothing left to guard
-    (after EOF no further request can come, and one still in flight closes the
-    connection when its answer is out), so it is stopped and the connection closes."""
-
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        await self.idle_task.stop()
-
-
 def _hypercorn_config() -> HypercornConfig:
     config = HypercornConfig()
     config.errorlog = _HTTP_LOG
@@ -557,10 +539,8 @@ async def serve_admin(
         sock.listen(ADMIN_BACKLOG)
         sock.setblocking(False)
         asgi: Any = app  # an ASGI callable; hypercorn's Protocol types are stricter than ours
-        connection = partial(_Connection, wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
-                             config, WorkerContext(None), ConnectionState({}))
-        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-        serve = partial(trio.serve_listeners, connection, [listener])
+        serve = partial(worker_serve, wrap_app(asgi, config.wsgi_max_body_size, "asgi"),
+                        config, sockets=Sockets([], [sock], []))
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
             log.info("admin_listening", address=str(bound if isinstance(bound, Address)
