@@ -36,11 +36,19 @@ no worker outlives its main process. SIGHUP is ignored: reloads come from main.
 
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":
+    # SIGHUP's default action ends the process, and loading the modules below takes a
+    # good part of a second: ignored first, a SIGHUP sent to every process of the
+    # service (`systemctl kill -s HUP`, a `pkill -HUP`) cannot kill a worker that is
+    # still starting. Reloads come from main, never a signal.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
 import argparse
 import math
 import os
 import pickle
-import signal
 import socket
 import ssl
 import sys

@@ -11,6 +11,7 @@ were. hello_fast's quick SNI is checked against the parser on the same hellos.""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -430,10 +431,12 @@ class GarbageIngress:
     """A TLS server holding the pinned ingress key that answers each control connection
     (and each data connection) with a different wrong thing, counting them."""
 
-    def __init__(self, cert: Path, key: Path, coalesced: bool = False) -> None:
+    def __init__(self, cert: Path, key: Path, coalesced: bool = False,
+                 goaway_ms: int | None = None) -> None:
         from pact_ingress.proto.tunnel.constants import ALPN_CONTROL, ALPN_DATA
 
         self.coalesced = coalesced
+        self.goaway_ms = goaway_ms  # set: every control link gets WELCOME, then GOAWAY
 
         self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.ctx.load_cert_chain(cert, key)
@@ -484,6 +487,11 @@ class GarbageIngress:
                 k = self.controls
                 self.controls += 1
             welcome = tf.encode(tf.Welcome(os.urandom(tf.ID_BYTES), 1000))
+            if self.goaway_ms is not None:
+                tls.sendall(welcome + tf.encode(tf.Goaway(
+                    tf.GoawayCode.SHUTDOWN, self.goaway_ms, "come back much later")))
+                time.sleep(0.3)
+                return
             token = tf.encode(tf.Token(os.urandom(tf.TOKEN_BYTES)))
             answers = [
                 b"\xee\x00\x00",  # an unknown frame type
@@ -576,6 +584,44 @@ def test_a_token_in_the_welcomes_record_is_acted_on_at_once(tmp_path: Path) -> N
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0, log_path.read_text()
     assert "Traceback" not in log_path.read_text()
+
+
+def test_a_goaways_retry_after_is_capped(tmp_path: Path) -> None:
+    """GOAWAY(SHUTDOWN)'s retry_after is a 32-bit count of milliseconds: obeyed as sent,
+    the largest value parks every slot for about 49 days, so one wrong frame from the
+    pinned ingress takes the home node off the net until someone restarts it. The wait
+    the connector computes (and logs) must stay within its cap."""
+    from pact_ingress.identity import keygen
+    from pact_ingress.net.tunnel.connector import GOAWAY_RETRY_CAP
+
+    ingress = keygen(tmp_path / "ingress.key", common_name="ingress")
+    node = keygen(tmp_path / "node.key", common_name="node")
+    fake = GarbageIngress(ingress.cert_path, ingress.key_path, goaway_ms=0xFFFF_FFFF)
+    with _connector_against(tmp_path, fake, node.key_path, ingress.fingerprint,
+                            1) as (proc, log_path):
+        eventually(lambda: "tunnel_reconnect" in log_path.read_text()
+                   or proc.poll() is not None, "a reconnect after the GOAWAY")
+        assert proc.poll() is None, log_path.read_text()
+        proc.send_signal(signal.SIGTERM)  # the slot is asleep: the stop must not wait
+        assert proc.wait(timeout=20) == 0, log_path.read_text()
+    text = log_path.read_text()
+    goaways = [d for d in _events(text, "tunnel_goaway") if d["code"] == "SHUTDOWN"]
+    assert goaways and goaways[0]["retry_after_ms"] == 0xFFFF_FFFF, text
+    delays = [float(d["delay_s"]) for d in _events(text, "tunnel_reconnect")]
+    assert delays and all(0 < d <= GOAWAY_RETRY_CAP for d in delays), delays
+    assert "Traceback" not in text
+
+
+def _events(text: str, name: str) -> list[dict[str, object]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if doc.get("event") == name:
+            out.append(doc)
+    return out
 
 
 def test_a_ping_in_the_hellos_record_is_answered_at_once(tmp_path: Path) -> None:

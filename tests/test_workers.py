@@ -13,6 +13,8 @@ import os
 import pickle
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -563,3 +565,77 @@ def test_respawn_backoff_is_bounded() -> None:
     delays = [wp.respawn_delay(n) for n in range(1, 30)]
     assert delays[0] == wp.RESPAWN_FIRST
     assert delays == sorted(delays) and max(delays) == wp.RESPAWN_MAX
+
+
+# --- signals while starting -----------------------------------------------------------
+
+
+def _python_code_runs(pid: int) -> bool:
+    """The worker's own imports are under way: it is the worker program (not main's copy
+    between fork and exec, which maps everything main does) and the ssl module's library
+    is mapped (the interpreter's start-up and the package's `__init__` never load it)."""
+    try:
+        if b"pact_ingress.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        return "_ssl." in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+def test_a_sighup_while_a_worker_loads_its_modules_does_not_kill_it(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process, and a worker ignored it only once its
+    modules were loaded (a good part of a second): `systemctl kill -s HUP`, or a
+    `pkill -HUP` matching the service's processes, in that time killed the worker, and
+    main respawned it. Each of three workers gets a SIGHUP in the middle of its imports
+    and must live on: no worker exits, the ones signalled are the ones serving."""
+    count = 3
+    config = tmp_path / "ingress.yaml"
+    config.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{free_port()}"]
+  admin: "127.0.0.1:{free_port()}"
+tenants:
+  - name: hup
+    pins: ["sha256:{'A' * 43}"]
+    routes:
+      - {{host: known.example.test, mode: passthrough, backend: "127.0.0.1:9"}}
+""")
+    log_path = tmp_path / "serve.log"
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pact_ingress", "serve", "-c", str(config),
+             "--workers", str(count)], stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=tmp_path)
+    hit: set[int] = set()
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(hit) < count and proc.poll() is None and time.monotonic() < deadline:
+            try:
+                kids = children(proc.pid)
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            for pid in kids - hit:
+                if _python_code_runs(pid):
+                    os.kill(pid, signal.SIGHUP)
+                    hit.add(pid)
+            time.sleep(0.002)
+        assert len(hit) == count, log_path.read_text()[-3000:]
+        poll(lambda: proc.poll() is not None or '"serving"' in log_path.read_text(),
+             "serving")
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        text = log_path.read_text()
+        assert '"worker_exited"' not in text, text[-3000:]
+        assert children(proc.pid) == hit, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -77,6 +77,11 @@ MAX_REQUEST_HEAD = 16 * 1024
 #: (after it is read to its end, see `AdminApp.__call__`).
 MAX_REQUEST_BODY = 64 * 1024
 
+#: A request without the token has its body (if announced no longer than
+#: MAX_REQUEST_BODY) read for at most this long before the 401, so that a peer that
+#: trickles it holds its connection no longer than this (see `AdminApp.__call__`).
+UNAUTHORIZED_BODY_WAIT = 1.0
+
 #: Idle keep-alive connections are closed after this many seconds.
 KEEP_ALIVE_SECONDS = 5.0
 
@@ -283,18 +288,19 @@ class AdminApp:
         if scope["type"] != "http":
             return
         if self.token is not None and not self._token_given(scope):
-            # Checked on the head: a peer without the token is not worth reading a body
-            # for (a large upload, or one trickled in, would hold the connection and its
-            # fd for as long as it lasts). `Connection: close` makes hypercorn end the
-            # connection after this answer instead of reading on; should the body break
-            # the framing meanwhile, its reader only closes (it answers itself only
-            # before a response has begun, and its writes and ours take turns on one
-            # lock). A request that announces no body still has its (empty) end taken
-            # first: answered before that, the answer was lost when a pipelined request
-            # and the client's close came behind it (hypercorn ended the connection
-            # without writing it). Reading an announced body, however short, would let
-            # a peer without the token trickle it in and hold the connection.
-            if not _declares_body(scope) and await _read_body(receive) is None:
+            # Checked on the head: a peer without the token is not worth reading a long
+            # body for (a large upload, or one trickled in, would hold the connection
+            # and its fd for as long as it lasts). `Connection: close` makes hypercorn
+            # end the connection after this answer instead of reading on. But a short
+            # body is taken to its end first, within UNAUTHORIZED_BODY_WAIT: once our
+            # answer has said "close", any byte past the body (a pipelined request) is
+            # a protocol error to hypercorn's reader, which then shuts and closes the
+            # socket without waiting for the writer — our answer, half written or not
+            # at all, was lost. With the body read, those bytes wait (unparsed) until
+            # the answer is out. A body still arriving when the wait ends, or one
+            # announced longer than MAX_REQUEST_BODY, is answered at once, as before.
+            if (not _declares_body_over(scope, MAX_REQUEST_BODY)
+                    and await _read_body_briefly(receive) is None):
                 return
             status, headers, body = _unauthorized((b"connection", b"close"))
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -430,15 +436,33 @@ def _bearer_is(value: bytes, token: str | None) -> bool:
             and hmac.compare_digest(credentials, token.encode()))
 
 
-def _declares_body(scope: dict[str, Any]) -> bool:
-    """Does the request head announce a body (chunked, or a Content-Length other than
-    0)?"""
+def _declares_body_over(scope: dict[str, Any], limit: int) -> bool:
+    """Does the request head announce a body longer than `limit` by its Content-Length?
+    (h11 has checked the field before the app sees the head; a chunked body's size
+    is not announced.)"""
     for name, value in scope.get("headers", []):
-        name = name.lower()
-        if name == b"transfer-encoding" or (name == b"content-length"
-                                            and value.strip() != b"0"):
-            return True
+        if name.lower() == b"content-length":
+            try:
+                return int(value) > limit
+            except ValueError:
+                return True
     return False
+
+
+async def _read_body_briefly(receive: Any) -> int | None:
+    """Reads (and drops) the request body for at most UNAUTHORIZED_BODY_WAIT and about
+    MAX_REQUEST_BODY bytes; the bytes read, or None when the client went away (or
+    hypercorn refused the body). Stopping early leaves the rest unread."""
+    size = 0
+    with trio.move_on_after(UNAUTHORIZED_BODY_WAIT):
+        while size <= MAX_REQUEST_BODY:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+    return size
 
 
 async def _read_body(receive: Any) -> int | None:

@@ -59,7 +59,7 @@ Reconnects: a slot whose control connection fails waits `Backoff.next()` — exp
 from BACKOFF_BASE, capped at BACKOFF_CAP, with jitter so a fleet of connectors does not
 reconnect in lockstep after an ingress restart — and resets the backoff once a
 connection stayed up HEALTHY_PERIOD. A GOAWAY(SHUTDOWN) from the ingress sets a floor
-(`retry_after`) under the next delay.
+(`retry_after`, at most GOAWAY_RETRY_CAP) under the next delay.
 
 Graceful stop (`shutdown` event, set by the CLI on SIGTERM): GOAWAY(DRAINING) on every
 control connection (the ingress stops using us for new streams and closes our idle data
@@ -118,6 +118,12 @@ CONNECT_TIMEOUT = 10.0
 #: that lost the same ingress neither hammers it nor reconnects in lockstep.
 BACKOFF_BASE = 0.5
 BACKOFF_CAP = 30.0
+#: The most a GOAWAY's retry_after can hold a slot back. Our own ingress asks for 2 s
+#: while it restarts; the field is 32 bits of milliseconds, so a wrong or hostile value
+#: could otherwise keep the home node off the net for weeks. Five minutes is well past
+#: our longest backoff (an ingress may ask to be left alone longer than a blip), short
+#: enough that a bad frame costs minutes at worst.
+GOAWAY_RETRY_CAP = 300.0
 #: A control connection that stayed up this long counts as healthy: backoff restarts.
 HEALTHY_PERIOD = 60.0
 #: Default time given to running streams after SIGTERM.
@@ -364,7 +370,7 @@ class Connector:
             try:
                 await self._control(slot, attempt)
             except _Goaway as exc:
-                floor = exc.msg.retry_after_ms / 1000
+                floor = min(exc.msg.retry_after_ms / 1000, GOAWAY_RETRY_CAP)
                 self._log_goaway(slot, exc.msg)
             except PinMismatch as exc:
                 self._event("refused_ingress_pin")
