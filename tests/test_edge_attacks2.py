@@ -11,7 +11,6 @@ were. hello_fast's quick SNI is checked against the parser on the same hellos.""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ from pact_ingress.net.router import PEEK_HEADROOM
 from pact_ingress.proto.clienthello import ClientHelloError, parse_client_hello
 from pact_ingress.proto.hello_fast import quick_sni
 from tests.test_attacks4 import ext, hello, sni_ext
+from tests.test_connector_cli_attacks import events
 from tests.test_edge import (
     Backend,
     dial,
@@ -605,23 +605,11 @@ def test_a_goaways_retry_after_is_capped(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)  # the slot is asleep: the stop must not wait
         assert proc.wait(timeout=20) == 0, log_path.read_text()
     text = log_path.read_text()
-    goaways = [d for d in _events(text, "tunnel_goaway") if d["code"] == "SHUTDOWN"]
+    goaways = [d for d in events(text, "tunnel_goaway") if d["code"] == "SHUTDOWN"]
     assert goaways and goaways[0]["retry_after_ms"] == 0xFFFF_FFFF, text
-    delays = [float(d["delay_s"]) for d in _events(text, "tunnel_reconnect")]
+    delays = [float(d["delay_s"]) for d in events(text, "tunnel_reconnect")]
     assert delays and all(0 < d <= GOAWAY_RETRY_CAP for d in delays), delays
     assert "Traceback" not in text
-
-
-def _events(text: str, name: str) -> list[dict[str, object]]:
-    out = []
-    for line in text.splitlines():
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            continue
-        if doc.get("event") == name:
-            out.append(doc)
-    return out
 
 
 def test_a_ping_in_the_hellos_record_is_answered_at_once(tmp_path: Path) -> None:

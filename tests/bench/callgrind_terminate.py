@@ -196,6 +196,13 @@ def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int
     cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
                    .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
     proc = serve_under_callgrind(name, tree, cfg, tmp, port)
+    return _count(proc, name, port, tmp, conns, keepalive)
+
+
+def _count(proc: subprocess.Popen[bytes], name: str, port: int, tmp: Path, conns: int,
+           keepalive: int) -> Counter[str]:
+    """Warm `proc` up, count `conns` new connections (or `keepalive` requests) with
+    collection on, stop it; its instructions by shared object."""
     try:
         _connections(port, 8 * THREADS)  # warm: pools filled, every path run once
         if keepalive:
@@ -228,23 +235,8 @@ def measure_haproxy(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0
          "--instr-atstart=no", f"--callgrind-out-file={out}",
          *haproxy_argv(tmp / "haproxy-cg.cfg")],
         stdout=open(tmp / "haproxy-cg.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_listening(proc, port, "haproxy")
-        _connections(port, 8 * THREADS)
-        if keepalive:
-            _keepalive(port, 8 * THREADS)
-        collect(proc, True)
-        if keepalive:
-            ok, conns = _keepalive(port, keepalive), keepalive
-        else:
-            ok = _connections(port, conns)
-        collect(proc, False)
-        if ok != conns // THREADS * THREADS:
-            raise SystemExit(f"haproxy: {ok} of {conns} connections answered 200")
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return counted(tmp, "haproxy")
+    _wait_listening(proc, port, "haproxy")
+    return _count(proc, "haproxy", port, tmp, conns, keepalive)
 
 
 def require_valgrind() -> None:
