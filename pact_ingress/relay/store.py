@@ -42,6 +42,19 @@ deletes rows whose ``expires_at`` passed (unacked ones count as expiries) and re
 depths from the table, which also picks up changes an operator made with
 ``pact-ingress relay purge``.
 
+**Bounds.** A recipient's queue holds at most `max_items` items and `max_bytes` bytes of
+envelopes, and one sender's part of it at most half of each (rounded up, at least one
+item: `proto.relay.sender_share`), so one allowed sender alone never takes the room
+every other sender needs; beyond either, an enqueue is refused with `QueueFull` (the
+relay's ``rate_limited``, integer ``retry_after``) unless it is a duplicate, which is
+answered as one even then. Both checks are the writer thread's, in the transaction that
+inserts: the whole queue's from the in-memory depths, the sender's by counting its
+unacked rows for the recipient (covered by the ``items_sender`` index) — only once the
+whole queue is past the share, since no sender's part can be larger than the whole.
+Counted from the table, a sender's part follows acks and purges by itself; a duplicate
+adds no row, so a retry never counts twice. Workers ask main for every enqueue
+(`relay/remote.py`): the check is here, never in a worker.
+
 A store that cannot be opened (unwritable directory, a file that is not a database, a
 failed integrity check) or whose COMMIT fails is *broken*: one clear log line, every job
 fails with `StoreUnavailable`, the process keeps serving everything else, and opening is

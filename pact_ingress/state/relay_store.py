@@ -5,12 +5,20 @@ Theory of operation
 **Same rules as the embedded store** (`relay/store.py`): at least once, dedupe by
 (recipient, msg_id) — the same sender's second call answers like the first, also after
 the item was acked, until it would have expired; another sender's is refused —,
-per-recipient `max_items` / `max_bytes` bounds, items visible until `min(exp, 30 days)`
-(computed by `proto.relay`), oldest-first pages bounded by `limit` and `MAX_PAGE_BYTES`,
-ack deletes, and an unacked item comes back on every fetch. Each operation is one Lua
-script, so it is atomic and one round trip: an enqueue checks the dedupe entry, the
-bounds and appends in one step, and two instances enqueueing the same msg_id at once
-store it once.
+per-recipient `max_items` / `max_bytes` bounds and each sender's share of them (half of
+each, rounded up, at least one item: `proto.relay.sender_share`), items visible until
+`min(exp, 30 days)` (computed by `proto.relay`), oldest-first pages bounded by `limit`
+and `MAX_PAGE_BYTES`, ack deletes, and an unacked item comes back on every fetch. Each
+operation is one Lua script, so it is atomic and one round trip: an enqueue checks the
+dedupe entry, the bounds (the whole queue's, then the sender's share) and appends in one
+step, and two instances enqueueing the same msg_id at once store it once.
+
+**A sender's share** is counted in ``{r}:s``: per sender, its unacked items and their
+bytes, changed by the same scripts that change the queue (enqueue adds, ack and the
+purge of expired items give back, a duplicate adds nothing), so it is always what the
+queue holds. A store whose items were queued before these counters existed has no
+``:built`` field there; the first script to touch the recipient counts them from the
+queue once (every item's metadata names its size and sender).
 
 **Keys** (all under the state's `key_prefix`, then ``relay:``; the keys of one
 recipient share the hash tag ``{RECIPIENT}``):
@@ -23,6 +31,7 @@ recipient share the hash tag ``{RECIPIENT}``):
 ``{r}:b``     string  bytes of unacked envelopes (the byte bound; ZCARD q is the item one)
 ``{r}:d``     hash    msg_id → "ID expires_at sender": the dedupe entry, kept after ack
 ``{r}:dx``    zset    msg_ids scored by expiry: when their dedupe entries go
+``{r}:s``     hash    ``SENDER:n`` / ``SENDER:b`` → its unacked items / bytes; ``:built``
 ``recipients`` set    recipients that ever had an item (what purge walks)
 ``allow``     hash    recipient → its allow-list, one fingerprint per line
 ``allow:ver`` string  bumped on every allow-list change
