@@ -145,7 +145,8 @@ async def test_sender_counters_follow_the_queue_and_are_built_for_an_older_store
     """The per-sender counters (``{r}:s``) are what the queue holds after every enqueue,
     ack and purge — a sender with nothing queued has no field left — and a store whose
     items were queued before the counters existed gets them counted from its queue by
-    the first script that touches it, so the share holds for those items too."""
+    the first script that touches it, so the share holds for those items too; counts
+    an older instance left wrong are reset when the queue is drained."""
     server = RedisServer(tmp_path / "redis")
     try:
         clock = [1_800_000_000.0]
@@ -182,5 +183,13 @@ async def test_sender_counters_follow_the_queue_and_are_built_for_an_older_store
         assert (await store.enqueue(A, B, "b4", b"1", t0 + 3600)).duplicate is False
         with pytest.raises(QueueFull):
             await store.enqueue(A, B, "b5", b"1", t0 + 3600)
+        # an older instance's acks did not give B's items back: wrong until the queue
+        # is drained, which resets the counts to what the queue holds, nothing
+        await store.state.client.hincrby(counters, f"{B}:n", 5)
+        items, _ = await store.fetch(A, 10)
+        assert await store.ack(A, [i.id for i in items]) == 2
+        assert await held() == {b":built": b"1"}
+        await store.enqueue(A, B, "b5", b"1", t0 + 3600)
+        await store.enqueue(A, B, "b6", b"1", t0 + 3600)
     finally:
         server.stop()

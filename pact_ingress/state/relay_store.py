@@ -18,7 +18,10 @@ bytes, changed by the same scripts that change the queue (enqueue adds, ack and 
 purge of expired items give back, a duplicate adds nothing), so it is always what the
 queue holds. A store whose items were queued before these counters existed has no
 ``:built`` field there; the first script to touch the recipient counts them from the
-queue once (every item's metadata names its size and sender).
+queue once (every item's metadata names its size and sender). An instance of an older
+version sharing the Redis (a rolling upgrade) queues and acks without them; an ack or
+purge that leaves a queue empty resets them to nothing, which is then the truth, so
+what it put wrong lasts at most until the node next drains its queue.
 
 **Keys** (all under the state's `key_prefix`, then ``relay:``; the keys of one
 recipient share the hash tag ``{RECIPIENT}``):
@@ -100,6 +103,9 @@ REQUIRED = {"appendonly": "yes", "appendfsync": "always"}
 #: (a store written before they existed; fingerprints never start with ":"), so every
 #: script after it finds them equal to what is queued. `uncount` gives one item back; a
 #: field that reaches 0 goes, so the hash holds only senders with something queued.
+#: `settle` (after an ack or purge) empties them when the queue is empty, which is the
+#: truth whatever they said: counts an instance of an older version left wrong (it
+#: queues and acks without them) are mended the next time the node drains its queue.
 SENDER_LUA = """
 local function meta_of(meta)
   local size, by = string.match(meta, '^%d+ %d+ (%d+) ?(.*)$')
@@ -120,6 +126,12 @@ end
 local function uncount(s, by, size)
   if redis.call('HINCRBY', s, by .. ':n', -1) <= 0 then redis.call('HDEL', s, by .. ':n') end
   if redis.call('HINCRBY', s, by .. ':b', -size) <= 0 then redis.call('HDEL', s, by .. ':b') end
+end
+local function settle(s, q)
+  if redis.call('ZCARD', q) == 0 and redis.call('HLEN', s) > 1 then
+    redis.call('DEL', s)
+    redis.call('HSET', s, ':built', '1')
+  end
 end
 """
 
@@ -210,6 +222,7 @@ for _, id in ipairs(ARGV) do
   end
 end
 if freed > 0 then redis.call('DECRBY', KEYS[4], freed) end
+settle(KEYS[5], KEYS[1])
 return {acked, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
@@ -236,6 +249,7 @@ for _, name in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
   redis.call('HDEL', KEYS[5], name)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+settle(KEYS[7], KEYS[1])
 return {#ids, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
