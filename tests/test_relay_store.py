@@ -454,3 +454,40 @@ def test_check_relay_call_rules(tmp_path: Path) -> None:
     assert rules.parse_allowlist(f'{{"senders": ["{A}", "{A}"]}}'.encode()) == (A,)
     error = rules.tool_error(rules.Refusal("rate_limited", "full", 7))
     assert error["structuredContent"] == {"code": "rate_limited", "retry_after": 7}
+
+
+async def test_a_store_file_from_before_the_share_gets_its_index_and_counts_old_items(
+    tmp_path: Path,
+) -> None:
+    """A file written before the sender share (no items_sender index, items queued):
+    opening it adds the index, and the items already there count to their sender's
+    share."""
+    import sqlite3
+
+    from pact_ingress.relay.store import _SCHEMA
+
+    path = tmp_path / "q.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(_SCHEMA.replace(
+        "CREATE INDEX IF NOT EXISTS items_sender ON items (recipient, sender, acked, size);",
+        ""))
+    conn.executemany("INSERT INTO items (recipient, sender, msg_id, queued_at, expires_at,"
+                     " size, envelope) VALUES (?, ?, ?, 1800000000, 2000000000, 1, x'30')",
+                     [(A, B, "old1"), (A, B, "old2")])
+    conn.commit()
+    assert not conn.execute("SELECT name FROM sqlite_master WHERE name = 'items_sender'"
+                            ).fetchall()
+    conn.close()
+    store = await _store(path, max_items=4)
+    try:
+        with pytest.raises(QueueFull):
+            await store.enqueue(A, B, "new", b"1", 2_000_000_000)
+        await store.enqueue(A, C, "new", b"1", 2_000_000_000)
+    finally:
+        await store.aclose()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'items_sender'"
+                            ).fetchall() == [("items_sender",)]
+    finally:
+        conn.close()
