@@ -259,17 +259,23 @@ def test_store_files_are_private_and_kill9_keeps_queued_and_acked(tmp_path: Path
 
 
 def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
-    """Calls for two recipients raced through both workers from four addresses: one
-    recipient's queue stops exactly at its byte bound (an item that lands right on it
-    fits), the other's exactly at its item bound; every other call is `rate_limited`
-    with retry_after 60, a duplicate is still answered as one at a full queue, one ack
-    makes room for exactly one more, and /status and /metrics say what was stored."""
+    """Calls for two recipients raced through both workers from four addresses, by four
+    senders (one each; a sender alone holds at most half a queue): one recipient's queue
+    stops exactly at its byte bound (an item that lands right on it fits), the other's
+    exactly at its item bound; every other call is `rate_limited` with retry_after 60, a
+    duplicate is still answered as one at a full queue, one ack makes room for exactly
+    one more, and /status and /metrics say what was stored."""
     ids = relay_identities(tmp_path)
     second = keygen(tmp_path / "second.key", common_name="second")
+    # ed25519 like ids.sender: every sender's envelopes of one text have one size
+    senders = [ids.sender] + [keygen(tmp_path / f"s{k}.key", ed25519_key=True,
+                                     common_name=f"s{k}") for k in range(1, 4)]
     now = int(time.time())
+    sender_of: dict[str, Any] = {}
 
     def env(to: Any, m: str, text: str) -> dict[str, str]:
-        return envelope(ids.sender, to, msg_id=m, text=text, ts=now, exp=now + 3600)
+        sender_of[m] = senders[int(m[2:]) % len(senders)]
+        return envelope(sender_of[m], to, msg_id=m, text=text, ts=now, exp=now + 3600)
 
     big = {f"b-{i:03d}": env(ids.recipient, f"b-{i:03d}", "x" * 600) for i in range(30)}
     small = {f"s-{i:03d}": env(second, f"s-{i:03d}", "") for i in range(30)}
@@ -287,18 +293,19 @@ def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
                                                          source=groups[0][0]),
                   second.fingerprint: RelayCaller(serve.port, second, source=groups[1][0])}
         for owner in owners.values():
-            assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+            assert owner.allowlist_set([s.fingerprint for s in senders]).status == 200
         work = list(big.items()) + list(small.items())
         sources = groups[0][:2] + groups[1][:2]
+        assert len(sources) == len(senders)
         answers: dict[str, dict[str, Any]] = {}
         lock = threading.Lock()
         gate = threading.Barrier(len(sources))
 
         def racer(k: int) -> None:
-            caller = RelayCaller(serve.port, ids.sender, source=sources[k])
+            caller = RelayCaller(serve.port, senders[k], source=sources[k])
             try:
                 gate.wait(timeout=WAIT)
-                for m, e in work[k::len(sources)]:
+                for m, e in [(m, e) for m, e in work if sender_of[m] is senders[k]]:
                     result, resp = caller.tool("relay_call", e)
                     assert resp.status == 200, (m, resp.status)
                     with lock:
@@ -323,19 +330,31 @@ def test_bounds_are_exact_with_two_workers_racing(tmp_path: Path) -> None:
         assert metric(text, "pact_ingress_relay_queued_items") == 7 + max_items
         assert metric(text, "pact_ingress_relay_queued_bytes") == (
             7 * size_big + max_items * size_small)
-        sender = RelayCaller(serve.port, ids.sender, source=groups[1][1])
+        callers = {id(s): RelayCaller(serve.port, s, source=groups[1][1]) for s in senders}
+
+        def call(m: str) -> dict[str, Any]:
+            return callers[id(sender_of[m])].tool("relay_call", big[m])[0]
+
         dup = min(ok_big)
-        assert queued(sender.tool("relay_call", big[dup])[0], dup)  # full, yet a duplicate
+        assert queued(call(dup), dup)  # full, yet a duplicate
         owner = owners[ids.recipient.fingerprint]
         page = owner.tool("fetch_queued", {"limit": 1000})[0]["structuredContent"]
         assert set(msg_ids(page)) == ok_big and not page["more"]
         assert owner.tool("ack", {"ids": [page["items"][0]["id"]]})[0][
             "structuredContent"] == {"acked": 1}
-        late = sorted(set(big) - ok_big)
-        assert queued(sender.tool("relay_call", big[late[0]])[0], late[0])
-        assert code_of(sender.tool("relay_call", big[late[1]])[0]) == "rate_limited"
+        # the acked item's sender has room again; then the one holding the least (under
+        # its share: 7 items, 4 senders) meets the whole queue's bound
+        acked = msg_ids(page)[0]
+        again = min(m for m in set(big) - ok_big if sender_of[m] is sender_of[acked])
+        assert queued(call(again), again)
+        stored = ok_big - {acked} | {again}
+        held = {id(s): sum(sender_of[m] is s for m in stored) for s in senders}
+        least = min(senders, key=lambda s: held[id(s)])
+        assert held[id(least)] < 3
+        blocked = min(m for m in set(big) - ok_big if sender_of[m] is least)
+        assert code_of(call(blocked)) == "rate_limited"
         # each recipient holds exactly its own answered calls
-        assert set(drain_queue(owner)) == ok_big - {msg_ids(page)[0]} | {late[0]}
+        assert set(drain_queue(owner)) == stored
         assert set(drain_queue(owners[second.fingerprint])) == ok_small
         assert depth(serve) == (0, 0)
         clean_log(serve)
@@ -695,7 +714,7 @@ def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
         tmp_path: Path) -> None:
     """curl over HTTP/1.1 and HTTP/2 (with and without a client certificate) gets the
     same defined answers; calls multiplexed on HTTP/2 streams of two connections, one
-    per worker, stop exactly at the recipient's item bound."""
+    per worker (and one sender each), stop exactly at the recipient's item bound."""
     ids = relay_identities(tmp_path)
     serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2, max_items=8,
                        extra=HIGH_LIMITS)
@@ -716,12 +735,15 @@ def test_real_clients_on_both_versions_and_multiplexed_calls_against_the_bound(
                 "identity_required", (v, out)
             status, out = _curl(serve, ids.other, b'{"id": NaN}', v, tmp_path)
             assert status == 400 and strict_json(out)["error"]["code"] == -32700
-        # 2 × 20 calls on the streams of two connections (one per worker): 7 places left
+        # 2 × 20 calls on the streams of two connections (one per worker), one sender
+        # each: 7 places left, of which a sender's share (4 of 8) holds at most 4, and
+        # the other one's at most 3 beside its first call
         results: dict[int, list[tuple[int | None, bytes]]] = {}
+        senders = (ids.sender, ids.other)
 
         def blast(k: int) -> None:
-            results[k] = _h2_streams(serve, ids.sender, groups[k][1], [
-                tool_body("relay_call", envelope(ids.sender, ids.recipient,
+            results[k] = _h2_streams(serve, senders[k], groups[k][1], [
+                tool_body("relay_call", envelope(senders[k], ids.recipient,
                                                  msg_id=f"h2-{k}-{i}"), rpc_id=i)
                 for i in range(20)])
 
@@ -926,24 +948,26 @@ tenants:
 # --- an item larger than a whole queue -------------------------------------------------------
 
 
-def test_an_item_larger_than_the_whole_queue_bound_is_too_large_not_retry_later(
+def test_an_item_larger_than_a_senders_share_is_too_large_not_retry_later(
         tmp_path: Path) -> None:
-    """An envelope larger than a recipient's whole byte bound can never be queued, even
-    into an empty queue: it is `too_large` (retrying it in 60 s, as `rate_limited` says,
-    would repeat until it expires); one exactly at the bound is queued, and then the
-    next is `rate_limited` (a full queue)."""
+    """An envelope larger than a sender's share of a recipient's byte bound (half of
+    it) can never be queued, even into an empty queue: it is `too_large` (retrying it
+    in 60 s, as `rate_limited` says, would repeat until it expires); one exactly at the
+    share is queued, and then the sender's next is `rate_limited` (its share is full)
+    while another sender's still fits."""
     ids = relay_identities(tmp_path)
     now = int(time.time())
     exact = envelope(ids.sender, ids.recipient, msg_id="exact", text="z" * 3000, ts=now)
-    bound = len(canonical_envelope(exact))
+    share = len(canonical_envelope(exact))
     over = envelope(ids.sender, ids.recipient, msg_id="over", text="z" * 3100, ts=now)
-    assert len(canonical_envelope(over)) > bound
+    assert len(canonical_envelope(over)) > share
     serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=2,
-                       max_bytes=str(bound), extra=HIGH_LIMITS)
+                       max_bytes=str(2 * share), extra=HIGH_LIMITS)
     try:
         groups = by_worker()
         owner = RelayCaller(serve.port, ids.recipient, source=groups[0][0])
-        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+        assert owner.allowlist_set([ids.sender.fingerprint,
+                                    ids.other.fingerprint]).status == 200
         for source in (groups[0][1], groups[1][0]):  # the same answer through either worker
             sender = RelayCaller(serve.port, ids.sender, source=source)
             result, resp = sender.tool("relay_call", over)
@@ -951,7 +975,10 @@ def test_an_item_larger_than_the_whole_queue_bound_is_too_large_not_retry_later(
         assert queued(sender.tool("relay_call", exact)[0], "exact")
         small = envelope(ids.sender, ids.recipient, msg_id="small", text="")
         assert code_of(sender.tool("relay_call", small)[0]) == "rate_limited"
-        assert set(drain_queue(owner)) == {"exact"}
+        other = RelayCaller(serve.port, ids.other, source=groups[1][0])
+        mine = envelope(ids.other, ids.recipient, msg_id="other", text="")
+        assert queued(other.tool("relay_call", mine)[0], "other")
+        assert set(drain_queue(owner)) == {"exact", "other"}
         clean_log(serve)
     finally:
         serve.stop()

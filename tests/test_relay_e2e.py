@@ -235,13 +235,23 @@ def test_allowlist_replace(serve: RelayServe, ids: RelayIdentities) -> None:
 
 def test_depth_bounds(serve: RelayServe, ids: RelayIdentities) -> None:
     recipient, sender = _callers(serve, ids)
-    for i in range(5):
+    assert recipient.allowlist_set([ids.sender.fingerprint,
+                                    ids.other.fingerprint]).status == 200
+    other = RelayCaller(serve.port, ids.other)
+    # a sender's share is 3 of the 5 items; the other sender takes the last 2
+    for i in range(3):
         assert not sender.tool("relay_call", envelope(ids.sender, ids.recipient,
                                                       msg_id=f"d-{i}"))[0].get("isError")
-    full, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="d-5"))
+    share, _ = sender.tool("relay_call", envelope(ids.sender, ids.recipient, msg_id="d-3"))
+    assert code_of(share) == "rate_limited"
+    for i in range(2):
+        assert not other.tool("relay_call", envelope(ids.other, ids.recipient,
+                                                     msg_id=f"o-{i}"))[0].get("isError")
+    full, _ = other.tool("relay_call", envelope(ids.other, ids.recipient, msg_id="o-2"))
     assert code_of(full) == "rate_limited"
-    retry = full["structuredContent"]["retry_after"]
-    assert isinstance(retry, int) and retry >= 1
+    for result in (share, full):
+        retry = result["structuredContent"]["retry_after"]
+        assert isinstance(retry, int) and retry >= 1
     doc = serve.status()
     jsonschema.validate(doc, STATUS_SCHEMA, cls=jsonschema.Draft202012Validator)
     status = doc["relay"]
@@ -249,11 +259,11 @@ def test_depth_bounds(serve: RelayServe, ids: RelayIdentities) -> None:
     assert status["queues"][0]["items"] == 5 and status["queues"][0]["tenant"] == "home"
     assert ids.recipient.fingerprint in format_status(doc)
     page = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
-    recipient.tool("ack", {"ids": [page[0]["id"]]})
+    recipient.tool("ack", {"ids": [page[0]["id"]]})  # d-0: the sender's
     assert not sender.tool("relay_call", envelope(ids.sender, ids.recipient,
-                                                  msg_id="d-5"))[0].get("isError")
-    # bytes: one item over the whole 64 KiB bound never fits, not even an empty queue
-    # (the byte bound of a queue that is merely full: test_relay_attacks)
+                                                  msg_id="d-3"))[0].get("isError")
+    # bytes: one item over the whole 64 KiB bound (so over a sender's half of it) never
+    # fits, not even an empty queue (a queue that is merely full: test_relay_attacks)
     big = envelope(ids.sender, ids.recipient, msg_id="big", text="x" * 70_000)
     recipient.tool("ack", {"ids": [i["id"] for i in page[1:]]})
     assert code_of(sender.tool("relay_call", big)[0]) == "too_large"

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from pact_ingress.model import RedisSettings, Relay
-from pact_ingress.relay.store import MsgIdTaken, StoreUnavailable
+from pact_ingress.relay.store import MsgIdTaken, QueueFull, StoreUnavailable
 from pact_ingress.state.redis import RedisState
 from pact_ingress.state.relay_store import RELAY_DEADLINE, RedisRelayStore
 from pact_ingress.stats import Stats
@@ -135,5 +135,61 @@ async def test_a_dedupe_entry_written_before_it_named_its_sender_stays_a_duplica
         for sender in (A, B):
             again = await store.enqueue(A, sender, "new", b"n", 2_000_000_000)
             assert again.duplicate and again.id == first.id
+    finally:
+        server.stop()
+
+
+async def test_sender_counters_follow_the_queue_and_are_built_for_an_older_store(
+    nursery: trio.Nursery, tmp_path: Path,
+) -> None:
+    """The per-sender counters (``{r}:s``) are what the queue holds after every enqueue,
+    ack and purge — a sender with nothing queued has no field left — and a store whose
+    items were queued before the counters existed gets them counted from its queue by
+    the first script that touches it, so the share holds for those items too; counts
+    an older instance left wrong are reset when the queue is drained."""
+    server = RedisServer(tmp_path / "redis")
+    try:
+        clock = [1_800_000_000.0]
+        store = await open_store(nursery, server)
+        store.clock = lambda: clock[0]
+        store.set_bounds(4, 10_000)  # a share of 2 items, 5000 bytes
+        t0 = int(clock[0])
+        counters = store._keys(A, "s")[0]
+
+        async def held() -> dict[bytes, bytes]:
+            return dict(await store.state.client.hgetall(counters))
+
+        first = await store.enqueue(A, B, "b1", b"12345", t0 + 3600)
+        await store.enqueue(A, B, "b1", b"12345", t0 + 3600)  # a duplicate: not counted
+        await store.enqueue(A, A, "a1", b"xy", t0 + 10)
+        assert await held() == {b":built": b"1", f"{B}:n".encode(): b"1",
+                                f"{B}:b".encode(): b"5", f"{A}:n".encode(): b"1",
+                                f"{A}:b".encode(): b"2"}
+        assert await store.ack(A, [first.id]) == 1
+        clock[0] = t0 + 10
+        assert await store.purge() == 1  # A's item expired
+        assert await held() == {b":built": b"1"}
+        # as an older version left it: two items of B's, no counters
+        await store.enqueue(A, B, "b2", b"1", t0 + 3600)
+        await store.enqueue(A, B, "b3", b"1", t0 + 3600)
+        await store.state.client.delete([counters])
+        with pytest.raises(QueueFull):
+            await store.enqueue(A, B, "b4", b"1", t0 + 3600)
+        assert await held() == {b":built": b"1", f"{B}:n".encode(): b"2",
+                                f"{B}:b".encode(): b"2"}
+        items, _ = await store.fetch(A, 10)
+        await store.state.client.delete([counters])  # counted by the ack, then given back
+        assert await store.ack(A, [items[0].id]) == 1
+        assert (await store.enqueue(A, B, "b4", b"1", t0 + 3600)).duplicate is False
+        with pytest.raises(QueueFull):
+            await store.enqueue(A, B, "b5", b"1", t0 + 3600)
+        # an older instance's acks did not give B's items back: wrong until the queue
+        # is drained, which resets the counts to what the queue holds, nothing
+        await store.state.client.hincrby(counters, f"{B}:n", 5)
+        items, _ = await store.fetch(A, 10)
+        assert await store.ack(A, [i.id for i in items]) == 2
+        assert await held() == {b":built": b"1"}
+        await store.enqueue(A, B, "b5", b"1", t0 + 3600)
+        await store.enqueue(A, B, "b6", b"1", t0 + 3600)
     finally:
         server.stop()

@@ -73,6 +73,7 @@ MAX_ALLOWLIST = 10_000
 #: recipient fetches and acks, which a woken node does within seconds and a polling one
 #: within its poll interval; a minute neither hammers us nor strands the sender.
 FULL_RETRY_AFTER = 60
+
 #: A queued item lives at most this long (spec §9: min(exp, 30 days) from queueing).
 MAX_RETENTION = MAX_LIFETIME
 
@@ -87,6 +88,16 @@ BAD_REQUEST = "bad_request"
 
 #: The one text a permission refusal carries, whichever of its two causes it was.
 PERMISSION_DENIED_TEXT = "the relay does not accept this sender for this recipient"
+
+
+def sender_share(max_items: int, max_bytes: int) -> tuple[int, int]:
+    """The (items, bytes) one sender may hold of a recipient's queue bounds: half of
+    each, rounded up, at least one item. The whole-queue bounds alone are first come,
+    first served, so one allowed sender could fill the queue and leave every other
+    allowed sender refused until the node acks; with half each, one sender alone never
+    holds the room the others need. Both stores check it with the whole-queue bounds,
+    in the same atomic step as the write, and answer it the same way (`QueueFull`)."""
+    return max(1, -(-max_items // 2)), -(-max_bytes // 2)
 
 
 class Refusal(Exception):

@@ -322,10 +322,13 @@ class RelayServer:
             # the store's snapshot, `seen` is this call's own)
             accepted = await in_thread(check, limiter=self.large_slot)
         header = accepted.header
-        if len(accepted.envelope) > self.relay.max_bytes:
-            # no fetch or ack can ever make room for it: `rate_limited` would have the
-            # sender retry until it expires
-            raise Refusal(rules.TOO_LARGE, "envelope over the recipient's whole queue bound")
+        if len(accepted.envelope) > rules.sender_share(self.relay.max_items,
+                                                       self.relay.max_bytes)[1]:
+            # no fetch or ack can ever make room for it (a sender holds at most its
+            # share of the recipient's bytes): `rate_limited` would have the sender
+            # retry until it expires
+            raise Refusal(rules.TOO_LARGE, "envelope over a sender's share of the "
+                          "recipient's queue bound")
         try:
             # once handed to the store the item may be stored whatever the caller does
             # (a reset stream, a closed connection): see it through, so what was stored

@@ -42,6 +42,19 @@ deletes rows whose ``expires_at`` passed (unacked ones count as expiries) and re
 depths from the table, which also picks up changes an operator made with
 ``pact-ingress relay purge``.
 
+**Bounds.** A recipient's queue holds at most `max_items` items and `max_bytes` bytes of
+envelopes, and one sender's part of it at most half of each (rounded up, at least one
+item: `proto.relay.sender_share`), so one allowed sender alone never takes the room
+every other sender needs; beyond either, an enqueue is refused with `QueueFull` (the
+relay's ``rate_limited``, integer ``retry_after``) unless it is a duplicate, which is
+answered as one even then. Both checks are the writer thread's, in the transaction that
+inserts: the whole queue's from the in-memory depths, the sender's by counting its
+unacked rows for the recipient (covered by the ``items_sender`` index) — only once the
+whole queue is past the share, since no sender's part can be larger than the whole.
+Counted from the table, a sender's part follows acks and purges by itself; a duplicate
+adds no row, so a retry never counts twice. Workers ask main for every enqueue
+(`relay/remote.py`): the check is here, never in a worker.
+
 A store that cannot be opened (unwritable directory, a file that is not a database, a
 failed integrity check) or whose COMMIT fails is *broken*: one clear log line, every job
 fails with `StoreUnavailable`, the process keeps serving everything else, and opening is
@@ -66,7 +79,7 @@ import trio
 from pact_ingress.envelope import MAX_PROTECTED_CHARS
 from pact_ingress.identity import b64url_decode
 from pact_ingress.logs import log
-from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
+from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES, sender_share
 from pact_ingress.stats import Stats
 
 #: Jobs one transaction may carry: enough to absorb hundreds of concurrent senders per
@@ -103,6 +116,7 @@ CREATE TABLE IF NOT EXISTS items (
 );
 CREATE INDEX IF NOT EXISTS items_queue ON items (recipient, acked, id);
 CREATE INDEX IF NOT EXISTS items_expiry ON items (expires_at);
+CREATE INDEX IF NOT EXISTS items_sender ON items (recipient, sender, acked, size);
 CREATE TABLE IF NOT EXISTS allowlists (
     recipient TEXT PRIMARY KEY,
     senders TEXT NOT NULL
@@ -302,7 +316,8 @@ class SqliteStore:
         def existing(conn: sqlite3.Connection) -> Enqueued | None:
             items, size = self._depths.get(recipient, (0, 0))
             found = _existing(conn, (recipient, sender, msg_id, now, expires_at,
-                                     len(envelope), envelope), self.max_bytes - size)
+                                     len(envelope), envelope), self.max_bytes - size,
+                              sender_share(self.max_items, self.max_bytes)[1])
             if found is None:
                 return None
             if found[1]:
@@ -311,8 +326,10 @@ class SqliteStore:
 
         def run(conn: sqlite3.Connection) -> Enqueued:
             items, size = self._depths.get(recipient, (0, 0))
-            if items + 1 > self.max_items or size + len(envelope) > self.max_bytes:
-                # a duplicate is answered as one even at a full queue
+            if (items + 1 > self.max_items or size + len(envelope) > self.max_bytes
+                    or self._over_share(conn, recipient, sender, items, size,
+                                        (1, len(envelope)))):
+                # a duplicate is answered as one even at a full queue (or share)
                 dup = existing(conn)
                 if dup is not None:
                     return dup
@@ -331,6 +348,27 @@ class SqliteStore:
             return Enqueued(int(cur.lastrowid or 0), False)
 
         return run, (recipient, sender, msg_id, now, expires_at, len(envelope), envelope)
+
+    def _over_share(self, conn: sqlite3.Connection, recipient: str, sender: str,
+                    items: int, size: int, adding: tuple[int, int],
+                    held: dict[tuple[str, str], tuple[int, int]] | None = None) -> bool:
+        """Whether `adding` (items, bytes) would put `sender` over its share of the
+        recipient's bounds (`proto.relay.sender_share`), counted from the table in the
+        writer's transaction. `items`/`size` are the whole queue's: while the whole
+        queue plus `adding` fits the share, no sender's part of it can exceed it, so
+        the usual enqueue (a queue far from its bounds) costs no query. `held`: the
+        counts already read in this transaction, by (recipient, sender)."""
+        share_items, share_bytes = sender_share(self.max_items, self.max_bytes)
+        if items + adding[0] <= share_items and size + adding[1] <= share_bytes:
+            return False
+        if held is None:
+            held_items, held_bytes = _sender_usage(conn, recipient, sender)
+        else:
+            if (recipient, sender) not in held:
+                held[(recipient, sender)] = _sender_usage(conn, recipient, sender)
+            held_items, held_bytes = held[(recipient, sender)]
+        return (held_items + adding[0] > share_items
+                or held_bytes + adding[1] > share_bytes)
 
     async def fetch(self, recipient: str, limit: int) -> tuple[list[Item], bool]:
         """The oldest unacked, unexpired items (at most `limit`, and `MAX_PAGE_BYTES` of
@@ -507,12 +545,23 @@ class SqliteStore:
         new; otherwise (or when the statement fails) False: the jobs then run one by one,
         each with its own checks and errors, exactly as alone."""
         depths = dict(self._depths)
+        #: per (recipient, sender): what this batch adds, counted as if all were new
+        adding: dict[tuple[str, str], tuple[int, int]] = {}
+        held: dict[tuple[str, str], tuple[int, int]] = {}
         for job in run:
             assert job.row is not None
-            recipient, size = job.row[0], job.row[5]
+            recipient, sender, size = job.row[0], job.row[1], job.row[5]
             items, total = depths.get(recipient, (0, 0))
             if items + 1 > self.max_items or total + size > self.max_bytes:
                 return False
+            n, b = adding.get((recipient, sender), (0, 0))
+            n, b = n + 1, b + size
+            # the whole queue as it was (the table, which this batch has not touched
+            # yet) and the sender's part of the batch so far
+            base = self._depths.get(recipient, (0, 0))
+            if self._over_share(conn, recipient, sender, base[0], base[1], (n, b), held):
+                return False
+            adding[(recipient, sender)] = (n, b)
             depths[recipient] = (items + 1, total + size)
         marks = ",".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(run))
         try:
@@ -535,7 +584,8 @@ class SqliteStore:
                 continue
             items, total = depths.get(recipient, (0, 0))
             try:
-                found = _existing(conn, job.row, self.max_bytes - total)
+                found = _existing(conn, job.row, self.max_bytes - total,
+                                  sender_share(self.max_items, self.max_bytes)[1])
             except (MsgIdTaken, QueueFull) as exc:
                 job.error = exc.with_traceback(None)  # see `_run_one`
                 continue
@@ -712,7 +762,7 @@ class FileReader:
             raise
 
 
-def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
+def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int, share_bytes: int
               ) -> tuple[Enqueued, int] | None:
     """The item already stored under an enqueue's (recipient, msg_id), and the bytes its
     queue grew by: None when there is none; MsgIdTaken when another sender's.
@@ -720,7 +770,8 @@ def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
     An unacked item past its expiry (not purged yet) will never be fetched again: the
     retry of a still-valid envelope replaces it (as it would after the purge) instead of
     being told "queued" for it; QueueFull when its larger envelope does not fit `room`
-    (the bytes the recipient's queue has left)."""
+    (the bytes the recipient's queue has left) or the sender's `share_bytes` (it keeps
+    the item count: the row is replaced)."""
     recipient, sender, msg_id, now, _, size, _ = row
     found = conn.execute("SELECT id, sender, acked, expires_at, size FROM items WHERE "
                          "recipient = ? AND msg_id = ?", (recipient, msg_id)).fetchone()
@@ -731,7 +782,8 @@ def _existing(conn: sqlite3.Connection, row: tuple[Any, ...], room: int
     if found[2] or found[3] > now:
         return Enqueued(int(found[0]), True), 0
     grown = size - int(found[4])
-    if grown > room:
+    if grown > room or (grown > 0 and _sender_usage(conn, recipient, sender)[1] + grown
+                        > share_bytes):
         raise QueueFull(FULL_RETRY_AFTER)
     # one statement (an enqueue's job takes no savepoint) making a new row, as after the
     # purge: an id the node fetched before never names this item
@@ -757,6 +809,15 @@ def _envelope_exp(envelope: bytes | None) -> int | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
     return exp if isinstance(exp, int) and not isinstance(exp, bool) else None
+
+
+def _sender_usage(conn: sqlite3.Connection, recipient: str, sender: str) -> tuple[int, int]:
+    """(items, bytes) `sender` has queued for `recipient`: unacked, expired ones too until
+    purged, as the whole-queue depths count them (the items_sender index covers it)."""
+    n, b = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM items WHERE "
+                        "recipient = ? AND sender = ? AND acked = 0",
+                        (recipient, sender)).fetchone()
+    return int(n), int(b)
 
 
 def _count_depths(conn: sqlite3.Connection) -> dict[str, tuple[int, int]]:

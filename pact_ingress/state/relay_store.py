@@ -5,12 +5,23 @@ Theory of operation
 **Same rules as the embedded store** (`relay/store.py`): at least once, dedupe by
 (recipient, msg_id) — the same sender's second call answers like the first, also after
 the item was acked, until it would have expired; another sender's is refused —,
-per-recipient `max_items` / `max_bytes` bounds, items visible until `min(exp, 30 days)`
-(computed by `proto.relay`), oldest-first pages bounded by `limit` and `MAX_PAGE_BYTES`,
-ack deletes, and an unacked item comes back on every fetch. Each operation is one Lua
-script, so it is atomic and one round trip: an enqueue checks the dedupe entry, the
-bounds and appends in one step, and two instances enqueueing the same msg_id at once
-store it once.
+per-recipient `max_items` / `max_bytes` bounds and each sender's share of them (half of
+each, rounded up, at least one item: `proto.relay.sender_share`), items visible until
+`min(exp, 30 days)` (computed by `proto.relay`), oldest-first pages bounded by `limit`
+and `MAX_PAGE_BYTES`, ack deletes, and an unacked item comes back on every fetch. Each
+operation is one Lua script, so it is atomic and one round trip: an enqueue checks the
+dedupe entry, the bounds (the whole queue's, then the sender's share) and appends in one
+step, and two instances enqueueing the same msg_id at once store it once.
+
+**A sender's share** is counted in ``{r}:s``: per sender, its unacked items and their
+bytes, changed by the same scripts that change the queue (enqueue adds, ack and the
+purge of expired items give back, a duplicate adds nothing), so it is always what the
+queue holds. A store whose items were queued before these counters existed has no
+``:built`` field there; the first script to touch the recipient counts them from the
+queue once (every item's metadata names its size and sender). An instance of an older
+version sharing the Redis (a rolling upgrade) queues and acks without them; an ack or
+purge that leaves a queue empty resets them to nothing, which is then the truth, so
+what it put wrong lasts at most until the node next drains its queue.
 
 **Keys** (all under the state's `key_prefix`, then ``relay:``; the keys of one
 recipient share the hash tag ``{RECIPIENT}``):
@@ -23,6 +34,7 @@ recipient share the hash tag ``{RECIPIENT}``):
 ``{r}:b``     string  bytes of unacked envelopes (the byte bound; ZCARD q is the item one)
 ``{r}:d``     hash    msg_id → "ID expires_at sender": the dedupe entry, kept after ack
 ``{r}:dx``    zset    msg_ids scored by expiry: when their dedupe entries go
+``{r}:s``     hash    ``SENDER:n`` / ``SENDER:b`` → its unacked items / bytes; ``:built``
 ``recipients`` set    recipients that ever had an item (what purge walks)
 ``allow``     hash    recipient → its allow-list, one fingerprint per line
 ``allow:ver`` string  bumped on every allow-list change
@@ -68,7 +80,7 @@ import trio
 from coredis.exceptions import ResponseError
 
 from pact_ingress.logs import log
-from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES
+from pact_ingress.proto.relay import FULL_RETRY_AFTER, MAX_PAGE_BYTES, sender_share
 from pact_ingress.relay.store import Enqueued, Item, MsgIdTaken, QueueFull, StoreUnavailable
 from pact_ingress.stats import Stats
 
@@ -86,12 +98,50 @@ SCAN_STEP = 100
 #: What `check_persistence` wants, setting by setting.
 REQUIRED = {"appendonly": "yes", "appendfsync": "always"}
 
-#: KEYS: seq q x i b d dx recipients. ARGV: now, expires_at, msg_id, sender, envelope,
-#: max_items, max_bytes, recipient. Returns {id, outcome, items, bytes}: outcome 0 is
-#: queued, 1 a duplicate (id: the first one's), 2 full, 3 the msg_id is another sender's;
-#: items/bytes: the queue after. A dedupe entry written before it named its sender ("ID
-#: expires_at") counts as this sender's.
-ENQUEUE_SCRIPT = """
+#: Lua shared by the scripts that change a queue: the per-sender counters of ``{r}:s``.
+#: `counted` makes them once from the queue itself when the hash has no ``:built`` field
+#: (a store written before they existed; fingerprints never start with ":"), so every
+#: script after it finds them equal to what is queued. `uncount` gives one item back; a
+#: field that reaches 0 goes, so the hash holds only senders with something queued.
+#: `settle` (after an ack or purge) empties them when the queue is empty, which is the
+#: truth whatever they said: counts an instance of an older version left wrong (it
+#: queues and acks without them) are mended the next time the node drains its queue.
+SENDER_LUA = """
+local function meta_of(meta)
+  local size, by = string.match(meta, '^%d+ %d+ (%d+) ?(.*)$')
+  return tonumber(size), by
+end
+local function counted(s, q, i)
+  if redis.call('HEXISTS', s, ':built') == 1 then return end
+  for _, id in ipairs(redis.call('ZRANGE', q, 0, -1)) do
+    local meta = redis.call('HGET', i, id .. ':m')
+    if meta then
+      local size, by = meta_of(meta)
+      redis.call('HINCRBY', s, by .. ':n', 1)
+      redis.call('HINCRBY', s, by .. ':b', size)
+    end
+  end
+  redis.call('HSET', s, ':built', '1')
+end
+local function uncount(s, by, size)
+  if redis.call('HINCRBY', s, by .. ':n', -1) <= 0 then redis.call('HDEL', s, by .. ':n') end
+  if redis.call('HINCRBY', s, by .. ':b', -size) <= 0 then redis.call('HDEL', s, by .. ':b') end
+end
+local function settle(s, q)
+  if redis.call('ZCARD', q) == 0 and redis.call('HLEN', s) > 1 then
+    redis.call('DEL', s)
+    redis.call('HSET', s, ':built', '1')
+  end
+end
+"""
+
+#: KEYS: seq q x i b d dx recipients s. ARGV: now, expires_at, msg_id, sender, envelope,
+#: max_items, max_bytes, recipient, the sender's share of max_items, of max_bytes
+#: (`proto.relay.sender_share`). Returns {id, outcome, items, bytes}: outcome 0 is
+#: queued, 1 a duplicate (id: the first one's), 2 full (the queue, or the sender's share
+#: of it), 3 the msg_id is another sender's; items/bytes: the queue after. A dedupe entry
+#: written before it named its sender ("ID expires_at") counts as this sender's.
+ENQUEUE_SCRIPT = SENDER_LUA + """
 local now, exp = tonumber(ARGV[1]), tonumber(ARGV[2])
 local items = redis.call('ZCARD', KEYS[2])
 local bytes = tonumber(redis.call('GET', KEYS[5]) or '0')
@@ -107,12 +157,20 @@ local size = string.len(ARGV[5])
 if items + 1 > tonumber(ARGV[6]) or bytes + size > tonumber(ARGV[7]) then
   return {0, 2, items, bytes}
 end
+counted(KEYS[9], KEYS[2], KEYS[4])
+local mine = tonumber(redis.call('HGET', KEYS[9], ARGV[4] .. ':n') or '0')
+local mine_bytes = tonumber(redis.call('HGET', KEYS[9], ARGV[4] .. ':b') or '0')
+if mine + 1 > tonumber(ARGV[9]) or mine_bytes + size > tonumber(ARGV[10]) then
+  return {0, 2, items, bytes}
+end
 local id = redis.call('INCR', KEYS[1])
 redis.call('ZADD', KEYS[2], id, id)
 redis.call('ZADD', KEYS[3], exp, id)
 redis.call('HSET', KEYS[4], id, ARGV[5],
            id .. ':m', ARGV[1] .. ' ' .. ARGV[2] .. ' ' .. size .. ' ' .. ARGV[4])
 redis.call('INCRBY', KEYS[5], size)
+redis.call('HINCRBY', KEYS[9], ARGV[4] .. ':n', 1)
+redis.call('HINCRBY', KEYS[9], ARGV[4] .. ':b', size)
 redis.call('HSET', KEYS[6], ARGV[3], id .. ' ' .. ARGV[2] .. ' ' .. ARGV[4])
 redis.call('ZADD', KEYS[7], exp, ARGV[3])
 redis.call('SADD', KEYS[8], ARGV[8])
@@ -146,31 +204,42 @@ end
 return {{more, out}}
 """
 
-#: KEYS: q x i b. ARGV: item ids. Returns {acked, items, bytes} (the queue after).
-ACK_SCRIPT = """
+#: KEYS: q x i b s. ARGV: item ids. Returns {acked, items, bytes} (the queue after).
+ACK_SCRIPT = SENDER_LUA + """
+counted(KEYS[5], KEYS[1], KEYS[3])
 local acked, freed = 0, 0
 for _, id in ipairs(ARGV) do
   if redis.call('ZREM', KEYS[1], id) == 1 then
     local meta = redis.call('HGET', KEYS[3], id .. ':m')
-    if meta then freed = freed + tonumber(string.match(meta, '^%d+ %d+ (%d+)')) end
+    if meta then
+      local size, by = meta_of(meta)
+      freed = freed + size
+      uncount(KEYS[5], by, size)
+    end
     redis.call('ZREM', KEYS[2], id)
     redis.call('HDEL', KEYS[3], id, id .. ':m')
     acked = acked + 1
   end
 end
 if freed > 0 then redis.call('DECRBY', KEYS[4], freed) end
+settle(KEYS[5], KEYS[1])
 return {acked, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
-#: KEYS: q x i b d dx. ARGV: now. Drops items and dedupe entries whose expiry passed.
+#: KEYS: q x i b d dx s. ARGV: now. Drops items and dedupe entries whose expiry passed.
 #: Returns {unacked items dropped, items, bytes} (the queue after).
-PURGE_SCRIPT = """
+PURGE_SCRIPT = SENDER_LUA + """
 local now = ARGV[1]
+counted(KEYS[7], KEYS[1], KEYS[3])
 local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
 local freed = 0
 for _, id in ipairs(ids) do
   local meta = redis.call('HGET', KEYS[3], id .. ':m')
-  if meta then freed = freed + tonumber(string.match(meta, '^%d+ %d+ (%d+)')) end
+  if meta then
+    local size, by = meta_of(meta)
+    freed = freed + size
+    uncount(KEYS[7], by, size)
+  end
   redis.call('ZREM', KEYS[1], id)
   redis.call('HDEL', KEYS[3], id, id .. ':m')
 end
@@ -180,6 +249,7 @@ for _, name in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
   redis.call('HDEL', KEYS[5], name)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+settle(KEYS[7], KEYS[1])
 return {#ids, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
@@ -274,8 +344,11 @@ class RedisRelayStore:
         now = int(self.clock())
         keys = self._keys(recipient, "seq", "q", "x", "i", "b", "d", "dx")
         keys.append(self._global("recipients"))
+        keys += self._keys(recipient, "s")
+        share_items, share_bytes = sender_share(self.max_items, self.max_bytes)
         args = [str(now), str(int(expires_at)), msg_id, sender, envelope,
-                str(self.max_items), str(self.max_bytes), recipient]
+                str(self.max_items), str(self.max_bytes), recipient, str(share_items),
+                str(share_bytes)]
         item_id, outcome, items, size = await self._call(
             "relay_enqueue", lambda: self._enqueue(keys=keys, args=args))
         self._set_depth(recipient, int(items), int(size))
@@ -296,7 +369,7 @@ class RedisRelayStore:
     async def ack(self, recipient: str, ids: list[int]) -> int:
         if not ids:
             return 0
-        keys = self._keys(recipient, "q", "x", "i", "b")
+        keys = self._keys(recipient, "q", "x", "i", "b", "s")
         args = [str(i) for i in ids]
         acked, items, size = await self._call("relay_ack",
                                               lambda: self._ack(keys=keys, args=args))
@@ -382,7 +455,7 @@ class RedisRelayStore:
         depths: dict[str, tuple[int, int]] = {}
         for raw in sorted(members):
             recipient = raw.decode()
-            keys = self._keys(recipient, "q", "x", "i", "b", "d", "dx")
+            keys = self._keys(recipient, "q", "x", "i", "b", "d", "dx", "s")
             n, items, size = await self._call("relay_purge", lambda: self._purge(
                 keys=keys, args=[str(now if purge else -1)]))
             expired += int(n)
