@@ -163,6 +163,8 @@ class CertManager:
         self._limiter = trio.CapacityLimiter(policy.max_concurrent_orders)
         self._orders = SlidingWindow(policy.orders_per_window, policy.order_window)
         self._failed: dict[str, SlidingWindow] = {}
+        #: Hosts a reload removed while their order was running, until it ends.
+        self._leaving: dict[str, _Host] = {}
         self._wake = trio.Event()
         self._running = False
         self._alpn_shared: dict[tuple[str, str], ssl.SSLContext] = {}
@@ -249,10 +251,16 @@ class CertManager:
             log.error("acme_wildcard_needs_dns01", hosts=wildcards,
                       why="CAs validate wildcard names only by DNS-01 (acme.dns01 block)")
         for name in self._hosts.keys() - hosts:
-            del self._hosts[name]
+            h = self._hosts.pop(name)
+            if h.busy:  # its order runs on; a reload that brings the name back takes it
+                self._leaving[name] = h
             self._forget_metric(name)
         for name in sorted(hosts - self._hosts.keys()):
-            self._hosts[name] = self._load_host(name)
+            h = self._leaving.pop(name, None)
+            # Back while its order still runs: that order is the name's order. A fresh
+            # entry would start a second one beside it, whose challenge answers and
+            # store files the first one's would overwrite.
+            self._hosts[name] = h if h is not None and h.busy else self._load_host(name)
 
     def _load_host(self, name: str) -> _Host:
         h = _Host(name)
@@ -475,6 +483,8 @@ class CertManager:
             await self._failed_order(h, AcmeError(error, reason="internal"))
         finally:
             h.busy = False
+            if self._leaving.get(h.name) is h:
+                del self._leaving[h.name]
             for w in waiters:
                 w.done(error)
             self._wake.set()

@@ -1,0 +1,119 @@
+"""The certificate path attacked: hostile TLS-ALPN-01 clients, a flaky CA, reloads that
+race an order. Real pebble (challtestsrv as its DNS), the real router on pebble's
+TLS-ALPN port and the real CertManager, as in `test_acme_e2e` (whose fixtures and
+helpers these reuse).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+
+from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
+from tests.acme_servers import ChallTestSrv, Pebble, free_port
+from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
+    WAIT,
+    _logs,
+    acme_config,
+    san_names,
+    start_edge,
+    wait_served,
+)
+
+
+@pytest.fixture(scope="module")
+def dns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChallTestSrv]:
+    srv = ChallTestSrv(tmp_path_factory.mktemp("challtestsrv")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pebble(tmp_path_factory: pytest.TempPathFactory, dns: ChallTestSrv) -> Iterator[Pebble]:
+    p = Pebble(tmp_path_factory.mktemp("pebble"), f"127.0.0.1:{dns.dns_port}",
+               http_port=free_port(), tls_port=free_port()).start()
+    yield p
+    p.stop()
+
+
+async def alpn_handshake(port: int, sni: str, alpn: list[str]
+                         ) -> tuple[str | None, x509.Certificate]:
+    """(negotiated ALPN, certificate) of a handshake that verifies nothing."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(alpn)
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    tls = trio.SSLStream(tcp, ctx, server_hostname=sni)
+    try:
+        with trio.fail_after(5):
+            await tls.do_handshake()
+        der = tls.getpeercert(binary_form=True)
+        assert der is not None
+        return tls.selected_alpn_protocol(), x509.load_der_x509_certificate(der)
+    finally:
+        await trio.aclose_forcefully(tls)
+
+
+def is_challenge_cert(cert: x509.Certificate) -> bool:
+    try:
+        cert.extensions.get_extension_for_oid(ACME_IDENTIFIER_OID)
+    except x509.ExtensionNotFound:
+        return False
+    return True
+
+
+async def test_a_client_offering_acme_tls_among_others_is_served_like_any_client(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble) -> None:
+    """RFC 8737: the CA offers `acme-tls/1` alone, and only such a hello is a validation.
+    A client that lists it beside h2 or http/1.1 is an ordinary client: once the name has
+    its certificate it gets that certificate and h2/http/1.1, not a refusal."""
+    host = "mixed.pact.test"
+    edge = await start_edge(nursery, tmp_path, pebble,
+                            acme_config(tmp_path, pebble, [host], challenges=("tls-alpn-01",)))
+    first = await wait_served(edge, host)
+    await trio.aclose_forcefully(first.tls)
+    for offer, want in ((["h2", "acme-tls/1"], "h2"),
+                        (["acme-tls/1", "http/1.1"], "http/1.1")):
+        proto, cert = await alpn_handshake(pebble.tls_port, host, offer)
+        assert (proto, cert.serial_number) == (want, first.serial), offer
+        assert not is_challenge_cert(cert)
+    # alone, with nothing pending: refused, never a certificate
+    try:
+        got = await alpn_handshake(pebble.tls_port, host, ["acme-tls/1"])
+    except (trio.BrokenResourceError, ssl.SSLError, OSError):
+        got = None
+    assert got is None
+    assert edge.certs.orders_sent == 1
+
+
+async def test_a_route_removed_and_added_back_during_its_order_is_ordered_once(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble) -> None:
+    """Two reloads while a name's order is in flight, the first dropping the route and
+    the second bringing it back: the order already running is the name's order (one
+    new-order at the CA, one challenge answer at a time), and what it issues is served."""
+    host = "flap.pact.test"
+    config = acme_config(tmp_path, pebble, [], challenges=("tls-alpn-01",))
+    edge = await start_edge(nursery, tmp_path, pebble, config)
+    edge.add_host(host)
+    with trio.fail_after(WAIT):
+        while not edge.certs._hosts[host].busy:  # the scheduler took it up
+            await trio.lowlevel.checkpoint()
+    without = edge.config
+    edge.config = replace(without, tenants=(replace(
+        without.tenants[0], routes=tuple(r for r in without.routes() if r.host != host)),))
+    edge.certs.update(edge.config)
+    edge.router.update(edge.config)
+    edge.config = without
+    edge.certs.update(edge.config)
+    edge.router.update(edge.config)
+    hs = await wait_served(edge, host)
+    assert san_names(hs.cert) == [host]
+    await trio.aclose_forcefully(hs.tls)
+    # (only an installed order is served: a second one would have been sent by now)
+    assert edge.certs.orders_sent == 1
