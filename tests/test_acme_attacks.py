@@ -117,3 +117,39 @@ async def test_a_route_removed_and_added_back_during_its_order_is_ordered_once(
     await trio.aclose_forcefully(hs.tls)
     # (only an installed order is served: a second one would have been sent by now)
     assert edge.certs.orders_sent == 1
+
+
+# ------------------------------------------------------------------------------ a flaky CA
+async def test_a_ca_refusing_half_the_nonces_still_issues(
+        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Pebble rejects half of the good nonces as badNonce. A refused request is sent
+    again with a fresh nonce (several times in a row if need be), so the orders go
+    through without being thrown away and started over: each one an order at the CA
+    and from the budget (with one retry per request, as the acme library does, about
+    nine in ten orders of some eight requests failed here). What still fails is a
+    one-line error and is retried with backoff."""
+    p = Pebble(tmp_path / "pebble-nonce", f"127.0.0.1:{dns.dns_port}",
+               http_port=free_port(), tls_port=free_port(),
+               env={"PEBBLE_WFE_NONCEREJECT": "50"}).start()
+    try:
+        hosts = [f"nonce{i}.pact.test" for i in range(3)]
+        edge = await start_edge(nursery, tmp_path, p,
+                                acme_config(tmp_path, p, hosts, challenges=("tls-alpn-01",)))
+        for host in hosts:
+            hs = await wait_served(edge, host)
+            assert san_names(hs.cert) == [host]
+            await trio.aclose_forcefully(hs.tls)
+        assert all(r.last_error is None for r in edge.certs.inventory())
+        # (a request gives up after nine refusals in a row: odds of 1 in 512)
+        assert edge.certs.orders_sent <= len(hosts) + 2, edge.certs.orders_sent
+        # the fault was real: a fresh nonce is fetched only at the start and after a
+        # rejected one (some two dozen requests, each refused with odds of one half)
+        assert p.log.count("HEAD /nonce-plz") > 1
+        text = capsys.readouterr().err
+        assert "Traceback" not in text
+        for line in text.splitlines():  # failures, if any, are one-line events
+            if "cert_order_failed" in line:
+                assert "badNonce" in line, line
+    finally:
+        p.stop()
