@@ -6,7 +6,14 @@ helpers these reuse).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
 import ssl
+import stat
+import subprocess
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +23,7 @@ import trio
 from cryptography import x509
 
 from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
+from pact_ingress.identity import keygen
 from tests.acme_servers import ChallTestSrv, Pebble, free_port
 from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
     WAIT,
@@ -153,3 +161,99 @@ async def test_a_ca_refusing_half_the_nonces_still_issues(
                 assert "badNonce" in line, line
     finally:
         p.stop()
+
+
+# ------------------------------------------------------------------------------ kill -9
+def _serve(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`pact-ingress serve -c config`, its output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "pact_ingress", "serve", "--workers",
+                                 "1", "-c", str(config)], stdout=log, stderr=log)
+
+
+async def test_serve_killed_mid_order_restarts_into_one_more_order(
+        tmp_path: Path, pebble: Pebble) -> None:
+    """`pact-ingress serve` is killed (SIGKILL) while the CA validates its first order;
+    started again on the same state it reuses its account, orders once more and
+    serves the certificate; the store holds one certificate and key (0600) that meta
+    names, the account key is 0600, and neither run logged a traceback."""
+    host = "killed.pact.test"
+    serve_port = free_port()
+    node = keygen(tmp_path / "node.key")
+    cfg = tmp_path / "ingress.yaml"
+    cfg.write_text(f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{serve_port}"]
+  admin: "127.0.0.1:{free_port()}"
+{pebble.acme_yaml("tls-alpn-01")}\
+tenants:
+  - name: t
+    pins: ["{node.fingerprint}"]
+    routes:
+      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
+""")
+    orders_before = pebble.log.count("Added order")
+    accounts_before = pebble.log.count("accounts in memory")
+    procs: list[subprocess.Popen[bytes]] = []
+    killed = trio.Event()
+
+    async def gate(client: trio.SocketStream) -> None:
+        """pebble's TLS-ALPN-01 port: the first validation kills serve mid-order, the
+        later ones reach whichever serve runs now."""
+        async with client:
+            if not killed.is_set():
+                procs[-1].kill()
+                procs[-1].wait()
+                killed.set()
+                return
+            try:
+                up = await trio.open_tcp_stream("127.0.0.1", serve_port)
+            except OSError:
+                return
+            async with up:
+                async def pipe(a: trio.abc.Stream, b: trio.abc.Stream) -> None:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        while data := await a.receive_some(65536):
+                            await b.send_all(data)
+                        with contextlib.suppress(OSError):
+                            await b.send_eof()
+                with trio.move_on_after(WAIT):
+                    async with trio.open_nursery() as n:
+                        n.start_soon(pipe, client, up)
+                        n.start_soon(pipe, up, client)
+
+    log_path = tmp_path / "serve.log"
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(pebble.tls_port, host="127.0.0.1")
+        await nursery.start(trio.serve_listeners, gate, listeners)
+        procs.append(_serve(cfg, log_path))
+        try:
+            with trio.fail_after(WAIT):
+                await killed.wait()
+            assert procs[0].returncode == -signal.SIGKILL
+            procs.append(_serve(cfg, log_path))
+            edge = types.SimpleNamespace(pebble=replace(pebble, tls_port=serve_port))
+            hs = await wait_served(edge, host)
+            assert san_names(hs.cert) == [host]
+            await trio.aclose_forcefully(hs.tls)
+            assert procs[1].poll() is None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait(WAIT)
+        nursery.cancel_scope.cancel()
+
+    assert pebble.log.count("Added order") - orders_before == 2  # the killed one, one more
+    assert pebble.log.count("accounts in memory") - accounts_before == 1  # reused
+    certs = tmp_path / "state" / "acme" / "certs" / host
+    meta = json.loads((certs / "meta.json").read_text())
+    assert sorted(p.name for p in certs.iterdir()) == sorted(
+        [f"{meta['serial']}.key", f"{meta['serial']}.pem", "meta.json"])
+    assert int(meta["serial"], 16) == hs.serial
+    assert stat.S_IMODE((certs / f"{meta['serial']}.key").stat().st_mode) == 0o600
+    (key,) = (tmp_path / "state" / "acme" / "accounts").rglob("account.key")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    text = log_path.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
