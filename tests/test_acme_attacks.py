@@ -24,6 +24,7 @@ from cryptography import x509
 
 from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
 from pact_ingress.identity import keygen
+from pact_ingress.logs import setup as log_setup
 from tests.acme_servers import ChallTestSrv, Pebble, free_port
 from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
     WAIT,
@@ -33,6 +34,17 @@ from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
     start_edge,
     wait_served,
 )
+
+
+@pytest.fixture
+def events(_logs: None, tmp_path: Path) -> Iterator[Path]:  # noqa: F811 - after it
+    """A file the package's log lines (text format) go to during the test (`_logs`
+    puts the logger back afterwards)."""
+    path = tmp_path / "events.log"
+    with open(path, "w") as out:
+        log_setup("text", stream=out)
+        yield path
+        log_setup("text")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +142,7 @@ async def test_a_route_removed_and_added_back_during_its_order_is_ordered_once(
 # ------------------------------------------------------------------------------ a flaky CA
 async def test_a_ca_refusing_half_the_nonces_still_issues(
         nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        events: Path) -> None:
     """Pebble rejects half of the good nonces as badNonce. A refused request is sent
     again with a fresh nonce (several times in a row if need be), so the orders go
     through without being thrown away and started over: each one an order at the CA
@@ -154,7 +166,7 @@ async def test_a_ca_refusing_half_the_nonces_still_issues(
         # the fault was real: a fresh nonce is fetched only at the start and after a
         # rejected one (some two dozen requests, each refused with odds of one half)
         assert p.log.count("HEAD /nonce-plz") > 1
-        text = capsys.readouterr().err
+        text = events.read_text()
         assert "Traceback" not in text
         for line in text.splitlines():  # failures, if any, are one-line events
             if "cert_order_failed" in line:
@@ -257,3 +269,41 @@ tenants:
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     text = log_path.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
+
+
+async def test_ca_gone_mid_order_and_back_the_order_is_retried_and_issued(
+        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv,
+        events: Path) -> None:
+    """The CA stops while an order waits for its validation and comes back having
+    forgotten everything (pebble keeps nothing: not the order, not the account). The
+    order fails as one line, backs off, and the retry registers the same key again and
+    issues; the name issued before keeps being served throughout."""
+    p = Pebble(tmp_path / "pebble-gone", f"127.0.0.1:{dns.dns_port}",
+               http_port=free_port(), tls_port=free_port()).start()
+    try:
+        old, new = "before.pact.test", "during.pact.test"
+        edge = await start_edge(nursery, tmp_path, p,
+                                acme_config(tmp_path, p, [old], challenges=("tls-alpn-01",)))
+        first = await wait_served(edge, old)
+        await trio.aclose_forcefully(first.tls)
+        edge.add_host(new)
+        with trio.fail_after(WAIT):
+            while new not in edge.certs._alpn:  # its challenge is offered: mid-order
+                await trio.lowlevel.checkpoint()
+        p.stop()
+        with trio.fail_after(WAIT):
+            while not edge.certs._hosts[new].failures:  # the order ended, failed
+                await trio.sleep(0.05)
+        still = await wait_served(edge, old, root=False)
+        assert still.serial == first.serial
+        await trio.aclose_forcefully(still.tls)
+        await trio.to_thread.run_sync(p.start)
+        hs = await wait_served(edge, new)
+        assert san_names(hs.cert) == [new]
+        await trio.aclose_forcefully(hs.tls)
+        text = events.read_text()
+        assert "Traceback" not in text
+        failed = [line for line in text.splitlines() if "cert_order_failed" in line]
+        assert failed and all("during.pact.test" in line for line in failed)
+    finally:
+        p.stop()
