@@ -307,3 +307,31 @@ async def test_ca_gone_mid_order_and_back_the_order_is_retried_and_issued(
         assert failed and all("during.pact.test" in line for line in failed)
     finally:
         p.stop()
+
+
+# ------------------------------------------------------------------------------ reloads
+async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble, dns: ChallTestSrv) -> None:
+    """The operator moves `acme.directory` to another CA (staging to production) and
+    reloads. A restart orders every name from the new CA at once (its certificates are
+    the old CA's); a reload must too, not serve the old CA's until their renewal time,
+    weeks away. Meanwhile the old certificate keeps serving."""
+    host = "moved.pact.test"
+    edge = await start_edge(nursery, tmp_path, pebble,
+                            acme_config(tmp_path, pebble, [host], challenges=("tls-alpn-01",)))
+    first = await wait_served(edge, host)
+    await trio.aclose_forcefully(first.tls)
+    other = Pebble(tmp_path / "pebble-other", f"127.0.0.1:{dns.dns_port}",
+                   http_port=pebble.http_port, tls_port=pebble.tls_port).start()
+    try:
+        edge.config = replace(edge.config, acme=replace(edge.config.acme,
+                                                        directory=other.directory,
+                                                        ca_bundle=other.ca_bundle))
+        edge.certs.update(edge.config)
+        edge.router.update(edge.config)
+        edge.pebble = other
+        hs = await wait_served(edge, host)  # verified against the new CA's root
+        assert hs.serial != first.serial
+        await trio.aclose_forcefully(hs.tls)
+    finally:
+        other.stop()

@@ -261,6 +261,8 @@ class CertManager:
             # entry would start a second one beside it, whose challenge answers and
             # store files the first one's would overwrite.
             self._hosts[name] = h if h is not None and h.busy else self._load_host(name)
+        for h in self._hosts.values():
+            self._replace_if_other_ca(h)
 
     def _load_host(self, name: str) -> _Host:
         h = _Host(name)
@@ -281,11 +283,21 @@ class CertManager:
         h.next_renewal = renew_at if isinstance(renew_at, (int, float)) else renewal_time(
             stored.not_before, stored.not_after, self.policy, self._rng)
         if self._acme is not None and stored.directory != self._acme.directory:
-            h.next_renewal = 0.0  # issued by another CA: replace it, keep serving meanwhile
-            log.info("cert_issuance_scheduled", host=name, why="issued by another ACME CA")
+            self._replace_if_other_ca(h)
         elif h.next_renewal <= self._now():
             log.info("cert_issuance_scheduled", host=name, why="renewal due")
         return h
+
+    def _replace_if_other_ca(self, h: _Host) -> None:
+        """A certificate from a CA other than the configured one (the operator moved
+        `acme.directory`) is renewed now, as a restart would: it keeps serving until
+        the new one is in."""
+        c = h.cert
+        if self._acme is None or c is None or c.directory == self._acme.directory or \
+                h.next_renewal == 0.0:
+            return
+        h.next_renewal = 0.0
+        log.info("cert_issuance_scheduled", host=h.name, why="issued by another ACME CA")
 
     def _forget_metric(self, host: str) -> None:
         try:
@@ -620,6 +632,7 @@ class CertManager:
         h.cert, h.ctx, h.next_renewal = stored, ctx, renew_at
         h.ari_check_at = self._now() + self.policy.ari_check_interval  # _save just asked
         h.failures, h.retry_at, h.last_error = 0, 0.0, None
+        self._replace_if_other_ca(h)  # a reload moved the CA while this order ran
         self._contexts[h.name] = ctx
         self.stats.cert_expiry.labels(host=h.name).set(stored.not_after)
 
