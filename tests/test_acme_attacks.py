@@ -176,6 +176,26 @@ async def test_a_ca_refusing_half_the_nonces_still_issues(
 
 
 # ------------------------------------------------------------------------------ kill -9
+async def _pipe_to(client: trio.SocketStream, port: int) -> None:
+    """Carry `client`'s bytes to 127.0.0.1:`port` and back (bounded by WAIT)."""
+    try:
+        up = await trio.open_tcp_stream("127.0.0.1", port)
+    except OSError:
+        return
+    async with up:
+        async def pipe(a: trio.abc.Stream, b: trio.abc.Stream) -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while data := await a.receive_some(65536):
+                    await b.send_all(data)
+                with contextlib.suppress(OSError):
+                    await b.send_eof()
+
+        with trio.move_on_after(WAIT):
+            async with trio.open_nursery() as n:
+                n.start_soon(pipe, client, up)
+                n.start_soon(pipe, up, client)
+
+
 def _serve(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
     """`pact-ingress serve -c config`, its output appended to `log_path`."""
     with open(log_path, "ab") as log:
@@ -219,21 +239,7 @@ tenants:
                 procs[-1].wait()
                 killed.set()
                 return
-            try:
-                up = await trio.open_tcp_stream("127.0.0.1", serve_port)
-            except OSError:
-                return
-            async with up:
-                async def pipe(a: trio.abc.Stream, b: trio.abc.Stream) -> None:
-                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                        while data := await a.receive_some(65536):
-                            await b.send_all(data)
-                        with contextlib.suppress(OSError):
-                            await b.send_eof()
-                with trio.move_on_after(WAIT):
-                    async with trio.open_nursery() as n:
-                        n.start_soon(pipe, client, up)
-                        n.start_soon(pipe, up, client)
+            await _pipe_to(client, serve_port)
 
     log_path = tmp_path / "serve.log"
     async with trio.open_nursery() as nursery:
@@ -335,3 +341,81 @@ async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
         await trio.aclose_forcefully(hs.tls)
     finally:
         other.stop()
+
+
+async def test_sighup_dropping_a_name_mid_order_and_adding_another(
+        tmp_path: Path, pebble: Pebble) -> None:
+    """`pact-ingress serve` orders A; while the CA validates A, SIGHUP to a config
+    without A and with B. A is refused from then on (its order ends as one failed
+    order, never retried: no order for it lingers), B is ordered and served, and the
+    process logs no traceback."""
+    a, b = "dropped.pact.test", "added.pact.test"
+    serve_port = free_port()
+    node = keygen(tmp_path / "node.key")
+    cfg = tmp_path / "ingress.yaml"
+
+    def config(host: str) -> str:
+        return f"""\
+state_dir: state
+listen:
+  tls: ["127.0.0.1:{serve_port}"]
+  admin: "127.0.0.1:{admin}"
+{pebble.acme_yaml("tls-alpn-01")}\
+tenants:
+  - name: t
+    pins: ["{node.fingerprint}"]
+    routes:
+      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
+"""
+
+    admin = free_port()
+    cfg.write_text(config(a))
+    orders_before = pebble.log.count("Added order")
+    log_path = tmp_path / "serve.log"
+    proc = _serve(cfg, log_path)
+    reloaded = trio.Event()
+
+    async def refused(host: str) -> bool:
+        try:
+            await alpn_handshake(serve_port, host, ["h2"])
+        except (trio.BrokenResourceError, ssl.SSLError, OSError):
+            return True
+        return False
+
+    async def gate(client: trio.SocketStream) -> None:
+        """pebble's TLS-ALPN-01 port: A's first validation waits for the reload."""
+        async with client:
+            if not reloaded.is_set():
+                reloaded.set()
+                cfg.write_text(config(b))
+                proc.send_signal(signal.SIGHUP)
+                with trio.fail_after(WAIT):
+                    while "\"reloaded\"" not in log_path.read_text(errors="replace"):
+                        await trio.sleep(0.05)
+            await _pipe_to(client, serve_port)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(pebble.tls_port, host="127.0.0.1")
+            await nursery.start(trio.serve_listeners, gate, listeners)
+            with trio.fail_after(WAIT):
+                await reloaded.wait()
+            edge = types.SimpleNamespace(pebble=replace(pebble, tls_port=serve_port))
+            hs = await wait_served(edge, b)
+            assert san_names(hs.cert) == [b]
+            await trio.aclose_forcefully(hs.tls)
+            with trio.fail_after(WAIT):  # A's order ends (a failed validation)
+                while f'"host":"{a}"' not in "".join(
+                        line for line in log_path.read_text(errors="replace").splitlines()
+                        if "cert_order_failed" in line):
+                    await trio.sleep(0.05)
+            assert await refused(a)
+            nursery.cancel_scope.cancel()
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(WAIT)
+    assert pebble.log.count("Added order") - orders_before == 2  # A's, B's: no retry of A
+    text = log_path.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    assert text.count("cert_order_failed") == 1, text[-3000:]
