@@ -494,9 +494,7 @@ class CertManager:
             log.error("cert_order_crashed", host=h.name, error=error)
             await self._failed_order(h, AcmeError(error, reason="internal"))
         finally:
-            h.busy = False
-            if self._leaving.get(h.name) is h:
-                del self._leaving[h.name]
+            self._not_busy(h)
             for w in waiters:
                 w.done(error)
             self._wake.set()
@@ -530,8 +528,13 @@ class CertManager:
         except AcmeError as exc:
             h.last_error = str(exc)
         finally:
-            h.busy = False
+            self._not_busy(h)
             self._wake.set()
+
+    def _not_busy(self, h: _Host) -> None:
+        h.busy = False
+        if self._leaving.get(h.name) is h:  # removed by a reload meanwhile: gone now
+            del self._leaving[h.name]
 
     async def _adopt_shared(self, h: _Host) -> bool:
         """Serve the certificate the shared store holds for `h` when it is not the one
