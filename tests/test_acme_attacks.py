@@ -419,3 +419,29 @@ tenants:
     text = log_path.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     assert text.count("cert_order_failed") == 1, text[-3000:]
+
+
+async def test_long_chain_and_reused_authorizations(
+        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv) -> None:
+    """A CA with four intermediates that reuses valid authorizations: the first order
+    validates, a forced renewal finalizes at once on the authorization it reuses, and
+    each served chain verifies to the CA's root."""
+    p = Pebble(tmp_path / "pebble-chain", f"127.0.0.1:{dns.dns_port}",
+               http_port=free_port(), tls_port=free_port(),
+               env={"PEBBLE_CHAIN_LENGTH": "6", "PEBBLE_AUTHZREUSE": "100"}).start()
+    try:
+        host = "chain.pact.test"
+        edge = await start_edge(nursery, tmp_path, p,
+                                acme_config(tmp_path, p, [host], challenges=("tls-alpn-01",)))
+        first = await wait_served(edge, host)
+        await trio.aclose_forcefully(first.tls)
+        with trio.fail_after(WAIT):
+            await edge.certs.renew(host)
+        second = await wait_served(edge, host, not_serial=first.serial)
+        await trio.aclose_forcefully(second.tls)
+        assert edge.certs.orders_sent == 2
+        stored = edge.certs._hosts[host].cert
+        assert stored is not None
+        assert len(x509.load_pem_x509_certificates(stored.chain_pem)) >= 5
+    finally:
+        p.stop()
