@@ -445,3 +445,20 @@ async def test_long_chain_and_reused_authorizations(
         assert len(x509.load_pem_x509_certificates(stored.chain_pem)) >= 5
     finally:
         p.stop()
+
+
+async def test_certs_renew_takes_a_name_however_it_is_spelled(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble) -> None:
+    """Host names are case-insensitive and may end in a dot, and the config takes them
+    so; `certs renew NAME` (admin: /certs/renew?host=) must too, not answer that the
+    route it names is not configured."""
+    host = "spelled.pact.test"
+    edge = await start_edge(nursery, tmp_path, pebble,
+                            acme_config(tmp_path, pebble, [host], challenges=("tls-alpn-01",)))
+    first = await wait_served(edge, host)
+    await trio.aclose_forcefully(first.tls)
+    with trio.fail_after(WAIT):
+        await edge.certs.renew("Spelled.PACT.test.")
+    second = await wait_served(edge, host, not_serial=first.serial)
+    await trio.aclose_forcefully(second.tls)
+    assert edge.certs.orders_sent == 2

@@ -72,7 +72,7 @@ from pact_ingress.acme.store import (
 )
 from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
-from pact_ingress.model import Acme, CertFiles, Config, Route
+from pact_ingress.model import Acme, CertFiles, Config, Route, normalize_hostname
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -674,6 +674,8 @@ class CertManager:
         """Order new certificates now (one host, or every ACME host); raises AcmeError."""
         if not self._running:
             raise AcmeError("the certificate manager is not running", reason="not_running")
+        if host is not None:  # spelled as the operator likes: the config's names are canonical
+            host = normalize_hostname(host, validate=False)
         if host is not None and host not in self._hosts:
             why = "uses certificate files from the config" if host in self._files else \
                 "is not a terminate route with cert: acme in the config"
