@@ -27,6 +27,7 @@ from pact_ingress.identity import keygen
 from pact_ingress.logs import setup as log_setup
 from tests.acme_servers import ChallTestSrv, Pebble, free_port
 from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
+    FAST,
     WAIT,
     _logs,
     acme_config,
@@ -346,9 +347,9 @@ async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
 async def test_sighup_dropping_a_name_mid_order_and_adding_another(
         tmp_path: Path, pebble: Pebble) -> None:
     """`pact-ingress serve` orders A; while the CA validates A, SIGHUP to a config
-    without A and with B. A is refused from then on (its order ends as one failed
-    order, never retried: no order for it lingers), B is ordered and served, and the
-    process logs no traceback."""
+    without A and with B. A is refused from then on (its order ends, abandoned, not
+    counted as A's failure, and is not retried: no order for it lingers), B is ordered
+    and served, and the process logs no traceback."""
     a, b = "dropped.pact.test", "added.pact.test"
     serve_port = free_port()
     node = keygen(tmp_path / "node.key")
@@ -404,10 +405,10 @@ tenants:
             hs = await wait_served(edge, b)
             assert san_names(hs.cert) == [b]
             await trio.aclose_forcefully(hs.tls)
-            with trio.fail_after(WAIT):  # A's order ends (a failed validation)
+            with trio.fail_after(WAIT):  # A's order ends (abandoned: A left the config)
                 while f'"host":"{a}"' not in "".join(
                         line for line in log_path.read_text(errors="replace").splitlines()
-                        if "cert_order_failed" in line):
+                        if "cert_order_abandoned" in line):
                     await trio.sleep(0.05)
             assert await refused(a)
             nursery.cancel_scope.cancel()
@@ -418,7 +419,8 @@ tenants:
     assert pebble.log.count("Added order") - orders_before == 2  # A's, B's: no retry of A
     text = log_path.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
-    assert text.count("cert_order_failed") == 1, text[-3000:]
+    assert text.count("cert_order_abandoned") == 1, text[-3000:]
+    assert "cert_order_failed" not in text, text[-3000:]
 
 
 async def test_long_chain_and_reused_authorizations(
@@ -462,3 +464,33 @@ async def test_certs_renew_takes_a_name_however_it_is_spelled(
     second = await wait_served(edge, host, not_serial=first.serial)
     await trio.aclose_forcefully(second.tls)
     assert edge.certs.orders_sent == 2
+
+
+async def test_an_order_dropped_by_a_reload_does_not_spend_the_names_budget(
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble) -> None:
+    """A reload drops a name while the CA is about to validate it: the validation fails
+    (the name is no longer answered), but that is the operator's doing, not a failed
+    validation of the name. With one failed validation per hour allowed, the name added
+    back is ordered at once, not deferred for an hour."""
+    host = "dropped-budget.pact.test"
+    config = acme_config(tmp_path, pebble, [], challenges=("tls-alpn-01",))
+    edge = await start_edge(nursery, tmp_path, pebble, config,
+                            policy=replace(FAST, failed_validations_per_host=1))
+    edge.add_host(host)
+    with_host = edge.config
+    with trio.fail_after(WAIT):
+        while host not in edge.certs._alpn:  # offered; the CA has not come yet
+            await trio.lowlevel.checkpoint()
+    edge.config = replace(with_host, tenants=(replace(
+        with_host.tenants[0], routes=tuple(r for r in with_host.routes() if r.host != host)),))
+    edge.certs.update(edge.config)
+    edge.router.update(edge.config)
+    with trio.fail_after(WAIT):
+        while edge.certs._leaving:  # the dropped order ended
+            await trio.sleep(0.05)
+    edge.config = with_host
+    edge.certs.update(edge.config)
+    edge.router.update(edge.config)
+    hs = await wait_served(edge, host)
+    assert san_names(hs.cert) == [host]
+    await trio.aclose_forcefully(hs.tls)

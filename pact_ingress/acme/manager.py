@@ -488,7 +488,11 @@ class CertManager:
             self._state_lost(h, exc)
         except AcmeError as exc:
             error = str(exc)
-            await self._failed_order(h, exc)
+            if self._hosts.get(h.name) is h:
+                await self._failed_order(h, exc)
+            else:  # a reload dropped the name: the operator's doing, no failure of the name
+                log.info("cert_order_abandoned", host=h.name, error=error,
+                         why="host left the config during the order")
         except Exception as exc:
             error = f"internal error: {type(exc).__name__}: {exc}"
             log.error("cert_order_crashed", host=h.name, error=error)
