@@ -34,25 +34,25 @@ if TYPE_CHECKING:  # the Redis client is imported only when the redis backend ru
 #: Seconds for one HTTP request to the CA (connect + read). Bounds every worker-thread call.
 HTTP_TIMEOUT = 20
 USER_AGENT = "pact-ingress"
-#: Times one request is sent again after the CA refused its nonce as stale (badNonce).
-#: The acme library tries once more only; a CA under load may refuse a good share of
-#: nonces, and an order with a request that gives up is thrown away whole: a new order
-#: at the CA (its new-orders limit) and from our own budget.
-BAD_NONCE_RETRIES = 8
+#: Rounds of the acme library's own send (a request and, after a badNonce refusal, one
+#: more try) one POST gets before a badNonce refusal is given up on. A CA under load may
+#: refuse a good share of nonces, and an order with a request that gives up is thrown
+#: away whole: a new order at the CA (its new-orders limit) and from our own budget.
+BAD_NONCE_ROUNDS = 4
 
 
 class _Network(acme_client.ClientNetwork):
     """`ClientNetwork` whose POSTs ride out several badNonce refusals in a row (RFC 8555
-    §6.5: each refusal carries, or is followed by, a fresh nonce to retry with)."""
+    §6.5: each refusal carries a fresh nonce to retry with)."""
 
     def post(self, *args: Any, **kwargs: Any) -> requests.Response:
-        for _ in range(BAD_NONCE_RETRIES):
+        for _ in range(BAD_NONCE_ROUNDS - 1):
             try:
-                return self._post_once(*args, **kwargs)
+                return super().post(*args, **kwargs)
             except messages.Error as error:
                 if error.code != "badNonce":
                     raise
-        return self._post_once(*args, **kwargs)
+        return super().post(*args, **kwargs)
 
 
 @dataclass
