@@ -98,6 +98,7 @@ class Pebble:
     http_port: int  # where pebble validates HTTP-01 (our :80 listener in the test)
     tls_port: int  # where pebble validates TLS-ALPN-01 (our :443 router in the test)
     validity: int | None = None  # certificate lifetime in seconds (None: pebble's default)
+    env: dict[str, str] = field(default_factory=dict)  # PEBBLE_* settings over ours
     port: int = field(default_factory=free_port)
     mgmt_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
@@ -141,6 +142,7 @@ class Pebble:
         (self.tmp / "pebble.json").write_text(json.dumps({"pebble": conf}))
         env = dict(os.environ, PEBBLE_VA_NOSLEEP="1", PEBBLE_WFE_NONCEREJECT="0",
                    PEBBLE_AUTHZREUSE="0")  # always validate: every test exercises challenges
+        env.update(self.env)
         log_path = self.tmp / "pebble.log"
         with open(log_path, "ab") as out:
             self.proc = subprocess.Popen(

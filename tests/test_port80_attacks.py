@@ -764,8 +764,10 @@ TLS_CASES: list[tuple[str, bytes, set[tuple[str, int | None]]]] = [
     ("upper_case_sni", py_hello(ACME_HOST.upper(), ["acme-tls/1"]), {("alert", 120)}),
     ("trailing_dot_sni", raw_hello([ACME_HOST.encode() + b"."], ACME),
      {("alert", 120), ("alert", 112)}),
-    ("mixed_h2_first", py_hello(ACME_HOST, ["h2", "acme-tls/1"]), {("alert", 120)}),
-    ("mixed_http11_last", py_hello(ACME_HOST, ["acme-tls/1", "http/1.1"]), {("alert", 120)}),
+    # not a validation (a CA offers acme-tls/1 alone): served like any client
+    ("mixed_h2_first", py_hello(ACME_HOST, ["h2", "acme-tls/1"]), {("handshake", None)}),
+    ("mixed_http11_last", py_hello(ACME_HOST, ["acme-tls/1", "http/1.1"]),
+     {("handshake", None)}),
     ("acme_twice", raw_hello([ACME_HOST.encode()], ACME * 2), {("alert", 120)}),
     ("passthrough_host", py_hello(PASS_HOST, ["acme-tls/1"]), {("alert", 80)}),
     ("unknown_host", py_hello("nobody.pact.test", ["acme-tls/1"]), {("alert", 112)}),
@@ -788,9 +790,10 @@ TLS_CASES: list[tuple[str, bytes, set[tuple[str, int | None]]]] = [
 @pytest.mark.parametrize("name,hello,ok", TLS_CASES, ids=[c[0] for c in TLS_CASES])
 def test_acme_tls_alpn_hellos_get_a_defined_answer(edge: Edge, name: str, hello: bytes,
                                                   ok: set[tuple[str, int | None]]) -> None:
-    """acme-tls/1 with no challenge pending: alert 120 for a terminate host however it is
-    spelled or mixed; a passthrough host goes to its node (dead here: 80); anything else
-    is 112 or a malformed-hello answer. Never a handshake but for the plain h2 hello."""
+    """acme-tls/1 alone with no challenge pending: alert 120 for a terminate host however
+    it is spelled; a passthrough host goes to its node (dead here: 80); anything else is
+    112 or a malformed-hello answer. A handshake only for hellos that offer h2 or
+    http/1.1 (beside acme-tls/1 or not): those are ordinary clients."""
     assert tls_answer(edge.tls_port, hello) in ok
 
 
@@ -886,9 +889,10 @@ def test_renewal_validates_while_both_ports_are_attacked(edge: Edge) -> None:
 
 def test_tls_alpn_renewal_answers_only_its_host(edge: Edge) -> None:
     """Switched to TLS-ALPN-01 by a reload, a renewal is validated through :443; while it
-    was pending the challenge certificate went only to acme-tls/1 handshakes for its
-    host, a plain h2 handshake got the served certificate, other names got their usual
-    alerts; afterwards acme-tls/1 is refused again."""
+    was pending the challenge certificate went only to handshakes offering acme-tls/1
+    alone for its host, h2 handshakes (acme-tls/1 offered too or not) got the served
+    certificate, other names got their usual alerts; afterwards acme-tls/1 is refused
+    again."""
     text = edge.config.read_text()
     edge.config.write_text(text.replace("challenges: [http-01]", "challenges: [tls-alpn-01]"))
     status, body = request(edge.admin(), "POST", "/reload", timeout=WAIT)
@@ -902,7 +906,7 @@ def test_tls_alpn_renewal_answers_only_its_host(edge: Edge) -> None:
     got = edge.tls_gate.probes[-1]
     assert "error" not in got, got
     assert got["exact"] == ("acme-tls/1", True)
-    assert got["mixed"] == ("acme-tls/1", True)
+    assert got["mixed"] == ("h2", False)
     assert got["upper_sni"] == ("acme-tls/1", True)  # DNS names are case-insensitive
     assert got["plain_h2"] == ("h2", False)
     assert got["passthrough"] == ("alert", ALERT_INTERNAL)

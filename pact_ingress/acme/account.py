@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import josepy as jose
 import requests
@@ -34,6 +34,25 @@ if TYPE_CHECKING:  # the Redis client is imported only when the redis backend ru
 #: Seconds for one HTTP request to the CA (connect + read). Bounds every worker-thread call.
 HTTP_TIMEOUT = 20
 USER_AGENT = "pact-ingress"
+#: Rounds of the acme library's own send (a request and, after a badNonce refusal, one
+#: more try) one POST gets before a badNonce refusal is given up on. A CA under load may
+#: refuse a good share of nonces, and an order with a request that gives up is thrown
+#: away whole: a new order at the CA (its new-orders limit) and from our own budget.
+BAD_NONCE_ROUNDS = 4
+
+
+class _Network(acme_client.ClientNetwork):
+    """`ClientNetwork` whose POSTs ride out several badNonce refusals in a row (RFC 8555
+    §6.5: each refusal carries a fresh nonce to retry with)."""
+
+    def post(self, *args: Any, **kwargs: Any) -> requests.Response:
+        for _ in range(BAD_NONCE_ROUNDS - 1):
+            try:
+                return super().post(*args, **kwargs)
+            except messages.Error as error:
+                if error.code != "badNonce":
+                    raise
+        return super().post(*args, **kwargs)
 
 
 @dataclass
@@ -98,8 +117,8 @@ def open_account(store: AcmeStore, cfg: Acme) -> Account:
 def _open_account(store: AcmeStore, cfg: Acme) -> Account:
     jwk = jose.JWKEC(key=_load_or_create_key(store, cfg.directory))
     verify: bool | str = str(cfg.ca_bundle) if cfg.ca_bundle else True
-    net = acme_client.ClientNetwork(jwk, alg=jose.ES256, verify_ssl=verify,  # type: ignore[arg-type]
-                                    user_agent=USER_AGENT, timeout=HTTP_TIMEOUT)
+    net = _Network(jwk, alg=jose.ES256, verify_ssl=verify,  # type: ignore[arg-type]
+                   user_agent=USER_AGENT, timeout=HTTP_TIMEOUT)
     directory = acme_client.ClientV2.get_directory(cfg.directory, net)
     account = Account(cfg, store, jwk, acme_client.ClientV2(directory, net))
     _, registration = store.read_account(cfg.directory)

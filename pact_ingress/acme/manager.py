@@ -72,7 +72,7 @@ from pact_ingress.acme.store import (
 )
 from pact_ingress.errors import AcmeError
 from pact_ingress.logs import log
-from pact_ingress.model import Acme, CertFiles, Config, Route
+from pact_ingress.model import Acme, CertFiles, Config, Route, normalize_hostname
 from pact_ingress.stats import Stats
 
 if TYPE_CHECKING:
@@ -163,6 +163,8 @@ class CertManager:
         self._limiter = trio.CapacityLimiter(policy.max_concurrent_orders)
         self._orders = SlidingWindow(policy.orders_per_window, policy.order_window)
         self._failed: dict[str, SlidingWindow] = {}
+        #: Hosts a reload removed while their order was running, until it ends.
+        self._leaving: dict[str, _Host] = {}
         self._wake = trio.Event()
         self._running = False
         self._alpn_shared: dict[tuple[str, str], ssl.SSLContext] = {}
@@ -249,10 +251,18 @@ class CertManager:
             log.error("acme_wildcard_needs_dns01", hosts=wildcards,
                       why="CAs validate wildcard names only by DNS-01 (acme.dns01 block)")
         for name in self._hosts.keys() - hosts:
-            del self._hosts[name]
+            h = self._hosts.pop(name)
+            if h.busy:  # its order runs on; a reload that brings the name back takes it
+                self._leaving[name] = h
             self._forget_metric(name)
         for name in sorted(hosts - self._hosts.keys()):
-            self._hosts[name] = self._load_host(name)
+            h = self._leaving.pop(name, None)
+            # Back while its order still runs: that order is the name's order. A fresh
+            # entry would start a second one beside it, whose challenge answers and
+            # store files the first one's would overwrite.
+            self._hosts[name] = h if h is not None and h.busy else self._load_host(name)
+        for h in self._hosts.values():
+            self._replace_if_other_ca(h)
 
     def _load_host(self, name: str) -> _Host:
         h = _Host(name)
@@ -273,11 +283,21 @@ class CertManager:
         h.next_renewal = renew_at if isinstance(renew_at, (int, float)) else renewal_time(
             stored.not_before, stored.not_after, self.policy, self._rng)
         if self._acme is not None and stored.directory != self._acme.directory:
-            h.next_renewal = 0.0  # issued by another CA: replace it, keep serving meanwhile
-            log.info("cert_issuance_scheduled", host=name, why="issued by another ACME CA")
+            self._replace_if_other_ca(h)
         elif h.next_renewal <= self._now():
             log.info("cert_issuance_scheduled", host=name, why="renewal due")
         return h
+
+    def _replace_if_other_ca(self, h: _Host) -> None:
+        """A certificate from a CA other than the configured one (the operator moved
+        `acme.directory`) is renewed now, as a restart would: it keeps serving until
+        the new one is in."""
+        c = h.cert
+        if self._acme is None or c is None or c.directory == self._acme.directory or \
+                h.next_renewal == 0.0:
+            return
+        h.next_renewal = 0.0
+        log.info("cert_issuance_scheduled", host=h.name, why="issued by another ACME CA")
 
     def _forget_metric(self, host: str) -> None:
         try:
@@ -468,13 +488,17 @@ class CertManager:
             self._state_lost(h, exc)
         except AcmeError as exc:
             error = str(exc)
-            await self._failed_order(h, exc)
+            if self._hosts.get(h.name) is h:
+                await self._failed_order(h, exc)
+            else:  # a reload dropped the name: the operator's doing, no failure of the name
+                log.info("cert_order_abandoned", host=h.name, error=error,
+                         why="host left the config during the order")
         except Exception as exc:
             error = f"internal error: {type(exc).__name__}: {exc}"
             log.error("cert_order_crashed", host=h.name, error=error)
             await self._failed_order(h, AcmeError(error, reason="internal"))
         finally:
-            h.busy = False
+            self._not_busy(h)
             for w in waiters:
                 w.done(error)
             self._wake.set()
@@ -508,8 +532,13 @@ class CertManager:
         except AcmeError as exc:
             h.last_error = str(exc)
         finally:
-            h.busy = False
+            self._not_busy(h)
             self._wake.set()
+
+    def _not_busy(self, h: _Host) -> None:
+        h.busy = False
+        if self._leaving.get(h.name) is h:  # removed by a reload meanwhile: gone now
+            del self._leaving[h.name]
 
     async def _adopt_shared(self, h: _Host) -> bool:
         """Serve the certificate the shared store holds for `h` when it is not the one
@@ -610,6 +639,7 @@ class CertManager:
         h.cert, h.ctx, h.next_renewal = stored, ctx, renew_at
         h.ari_check_at = self._now() + self.policy.ari_check_interval  # _save just asked
         h.failures, h.retry_at, h.last_error = 0, 0.0, None
+        self._replace_if_other_ca(h)  # a reload moved the CA while this order ran
         self._contexts[h.name] = ctx
         self.stats.cert_expiry.labels(host=h.name).set(stored.not_after)
 
@@ -648,6 +678,8 @@ class CertManager:
         """Order new certificates now (one host, or every ACME host); raises AcmeError."""
         if not self._running:
             raise AcmeError("the certificate manager is not running", reason="not_running")
+        if host is not None:  # spelled as the operator likes: the config's names are canonical
+            host = normalize_hostname(host, validate=False)
         if host is not None and host not in self._hosts:
             why = "uses certificate files from the config" if host in self._files else \
                 "is not a terminate route with cert: acme in the config"

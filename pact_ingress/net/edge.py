@@ -84,6 +84,7 @@ from pact_ingress.net.router import (
     Router,
     Tally,
     client_of,
+    is_acme_validation,
 )
 from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
@@ -1043,12 +1044,12 @@ _ACME_ALPN = ACME_ALPN.encode()
 
 
 def _no_acme(buf: bytes, hello: ClientHello | str) -> bool:
-    """The ClientHello does not offer ALPN `acme-tls/1`. Where only its SNI was taken
-    (`quick_sni`), bytes that do not contain the name anywhere cannot offer it; bytes
-    that do are left to the router, which parses them."""
+    """The ClientHello is not a TLS-ALPN-01 validation (`is_acme_validation`). Where
+    only its SNI was taken (`quick_sni`), bytes that do not contain `acme-tls/1`
+    anywhere cannot be one; bytes that do are left to the router, which parses them."""
     if type(hello) is str:
         return _ACME_ALPN not in buf
-    return ACME_ALPN not in hello.alpn  # type: ignore[union-attr]
+    return not is_acme_validation(hello.alpn)  # type: ignore[union-attr]
 
 
 def _bound_address(raw: socket.socket) -> tuple[str, int] | None:

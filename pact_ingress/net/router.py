@@ -12,8 +12,10 @@ with the fixed magic `proto.tunnel.frames.RAW_DATA_MAGIC` (first byte "P"; a TLS
 the tunnel server (`tunnels.handle`), which authenticates it by its single-use token
 (why no TLS is needed there: `net/tunnel/server.py`). Every TLS connection goes to:
 
-- ALPN `acme-tls/1` for a host this edge terminates → the ACME TLS-ALPN-01 responder
-  (a passthrough host's challenge goes through to the home node like any connection);
+- ALPN `acme-tls/1` alone for a host this edge terminates → the ACME TLS-ALPN-01
+  responder (a CA offers nothing else, RFC 8737; a client that lists it among other
+  protocols is an ordinary client; a passthrough host's challenge goes through to the
+  home node like any connection);
 - SNI = `tunnel.hostname` → the tunnel server (connectors dial in here), or with ALPN
   `pact-forward/1` a peer instance's forward link (`net/forward.py`);
 - a passthrough route → a backend stream, [PROXY v2 header], the peeked bytes, then a
@@ -108,6 +110,13 @@ ACME_ALPN = "acme-tls/1"
 #: data connections show it in the first read, within milliseconds). Bounded: they are
 #: closed unanswered after `clienthello_timeout` at the latest.
 PEEK_HEADROOM = 16
+
+
+def is_acme_validation(alpn: tuple[str, ...]) -> bool:
+    """The hello of a TLS-ALPN-01 validation: the CA offers `acme-tls/1` and nothing
+    else (RFC 8737), so a list that holds another protocol is an ordinary client's and
+    must get the served certificate, never the challenge one."""
+    return bool(alpn) and all(p == ACME_ALPN for p in alpn)
 
 
 class TerminatorLike(Protocol):
@@ -557,7 +566,7 @@ class Router:
             _send_alert(sock, tls_alert.UNRECOGNIZED_NAME)
             return
         if route.mode == "terminate":
-            if ACME_ALPN in hello.alpn:
+            if is_acme_validation(hello.alpn):
                 await self._answer_challenge(sock, data, route, sni or "", client)
             else:
                 await self._terminate(sock, data, route, client, sni)
@@ -574,7 +583,7 @@ class Router:
                 sni, validate=False) == self.relay.host:
             return None
         route = self.table.lookup(sni)
-        if route is None or route.mode != "terminate" or ACME_ALPN in hello.alpn:
+        if route is None or route.mode != "terminate" or is_acme_validation(hello.alpn):
             return None
         return route
 
@@ -583,7 +592,7 @@ class Router:
         """The relay host: its TLS ends in the relay server (any client key, pinned
         there), except an ACME TLS-ALPN-01 validation of its certificate."""
         assert self.relay is not None
-        if ACME_ALPN not in hello.alpn:
+        if not is_acme_validation(hello.alpn):
             # with workers, the client's worker serves it (main keeps the store)
             if self.handoff is not None and await self.handoff.serve_relay(
                     sock, data, self.relay.host, client, hello.sni):
