@@ -12,8 +12,17 @@ connections). Every key carries a TTL of REGISTRY_TTL, so an instance that dies 
 -9`, a cut cable — drops out of the registry by itself within that time, with nobody
 having to notice and clean up; a tenant whose tunnels went away on a live instance has
 its key deleted at the next heartbeat. One script writes a heartbeat (one round trip,
-all or nothing); the cluster's view is then read back with SCAN + MGET and kept for
-`/status` (and for whoever asks who holds a tenant).
+all or nothing) and answers the names in the registry's **index**, a set every heartbeat
+adds its keys to; one MGET reads their values, and the cluster's view is kept for
+`/status` (and for whoever asks who holds a tenant). Names whose key expired are taken
+out of the index by one more script, only when there are some.
+
+Why an index and not SCAN over the prefix: SCAN walks the whole keyspace, and the
+registry shares its Redis with every rate-limit bucket and relay queue. With a million
+buckets (a busy day, or a flood from many addresses) one heartbeat took ~1,000 SCAN
+calls and over a second: past its deadline, so the instance fell back to counting rate
+limits alone every other second and never had a view to forward with. Through the index
+a heartbeat's work depends on the registry's size only.
 
 The registry is advisory: nothing on the data path waits for it. While Redis is
 unreachable (`RedisState` in fallback) heartbeats are skipped and the view is marked
@@ -47,18 +56,38 @@ REGISTRY_DEADLINE = 1.0
 #: are a handful per tenant; this bounds what a polluted prefix could make us load.
 MAX_REGISTRY_KEYS = 10_000
 
-#: KEYS[1]: the member key; KEYS[2..]: holder keys to set, then holder keys to delete.
-#: ARGV[1]: TTL in ms; ARGV[2]: the member value; ARGV[3]: how many holder keys are set;
-#: then their values.
+#: KEYS[1]: the index; KEYS[2]: the member key; KEYS[3..]: holder keys to set, then holder
+#: keys to delete. ARGV[1]: TTL in ms; ARGV[2]: the member value; ARGV[3]: how many
+#: holder keys are set; ARGV[4]: how many index names to answer at most; then the values
+#: of the holder keys set. Answers the index's names (all, or that many at random).
 BEAT_SCRIPT = """
 local ttl = tonumber(ARGV[1])
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
 local set = tonumber(ARGV[3])
-for i = 2, #KEYS do
-  if i - 1 <= set then
-    redis.call('SET', KEYS[i], ARGV[3 + i - 1], 'PX', ttl)
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl)
+redis.call('SADD', KEYS[1], KEYS[2])
+for i = 3, #KEYS do
+  if i - 2 <= set then
+    redis.call('SET', KEYS[i], ARGV[4 + i - 2], 'PX', ttl)
+    redis.call('SADD', KEYS[1], KEYS[i])
   else
     redis.call('DEL', KEYS[i])
+    redis.call('SREM', KEYS[1], KEYS[i])
+  end
+end
+-- the index outlives the last heartbeat by a TTL or so, then goes too
+redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+local most = tonumber(ARGV[4])
+if redis.call('SCARD', KEYS[1]) > most then
+  return redis.call('SRANDMEMBER', KEYS[1], most)
+end
+return redis.call('SMEMBERS', KEYS[1])
+"""
+#: KEYS[1]: the index; KEYS[2..]: names read back as expired. Each is taken out of the
+#: index only if its key is still gone (its instance may have written it again since).
+PRUNE_SCRIPT = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('SREM', KEYS[1], KEYS[i])
   end
 end
 return 'ok'
@@ -110,6 +139,7 @@ class RedisRegistry:
         self.interval = interval
         self.ttl = ttl
         self.script = state.client.register_script(BEAT_SCRIPT)
+        self.prune = state.client.register_script(PRUNE_SCRIPT)
         self.fingerprint = ""
         self.address: str | None = None
         self.held: Held = dict
@@ -121,6 +151,9 @@ class RedisRegistry:
 
     def attach(self, fingerprint: str, address: str | None, held: Held) -> None:
         self.fingerprint, self.address, self.held = fingerprint, address, held
+
+    def _index_key(self) -> str:
+        return self.state.key("tun", "index")
 
     def _member_key(self, fingerprint: str) -> str:
         return self.state.key("tun", "member", fingerprint)
@@ -160,28 +193,28 @@ class RedisRegistry:
         member = json.dumps({"address": self.address, "fingerprint": self.fingerprint,
                              "heartbeat": now})
         gone = sorted(self._published - held.keys())
-        keys = [self._member_key(self.fingerprint)]
+        keys = [self._index_key(), self._member_key(self.fingerprint)]
         keys += [self._holder_key(t, self.fingerprint) for t in held]
         keys += [self._holder_key(t, self.fingerprint) for t in gone]
-        args = [str(int(self.ttl * 1000)), member, str(len(held))]
+        args = [str(int(self.ttl * 1000)), member, str(len(held)), str(MAX_REGISTRY_KEYS)]
         args += [json.dumps({"tunnels": n, "heartbeat": now}) for n in held.values()]
-        await self.script(keys=keys, args=args)
+        names = await self.script(keys=keys, args=args)
         self._published = set(held)
-        await self._read_view()
+        await self._read_view([n.decode() if isinstance(n, bytes) else str(n)
+                               for n in names or ()])
 
-    async def _read_view(self) -> None:
+    async def _read_view(self, names: list[str]) -> None:
         prefix = self.state.key("tun", "")
-        names: list[str] = []
-        async for name in self.state.client.scan_iter(match=prefix + "*", count=1000):
-            names.append(name.decode() if isinstance(name, bytes) else name)
-            if len(names) >= MAX_REGISTRY_KEYS:
-                break
         values = await self.state.client.mget(names) if names else ()
         members: dict[str, dict[str, Any]] = {}
         holders: dict[str, dict[str, int]] = {}
+        expired: list[str] = []
         for name, raw in zip(names, values):
             if raw is None:
-                continue  # expired between SCAN and MGET
+                expired.append(name)  # its instance stopped beating
+                continue
+            if not name.startswith(prefix):
+                continue
             try:
                 doc = json.loads(raw)
             except ValueError:
@@ -198,6 +231,8 @@ class RedisRegistry:
                 tunnels = doc.get("tunnels", 0)
                 holders.setdefault(tenant, {})[fp] = tunnels if isinstance(tunnels, int) else 0
         self.members, self.holders, self.view_at = members, holders, time.time()
+        if expired:
+            await self.prune(keys=[self._index_key(), *expired], args=[])
 
     def status(self) -> dict[str, Any]:
         return {
