@@ -84,6 +84,17 @@ async def test_a_heartbeat_costs_the_same_however_many_foreign_keys(
         assert crowded == alone, (alone, crowded)
         assert a.registry.holders_of("family") == [FB]
         assert a.registry.address_of(FB) == "127.0.0.3:443"
+
+        # a foreign writer slips a big key's name into the index: it is never read
+        index = a.key("tun", "index")
+        _command(redis, "SET", "pact-ingress:relay:big", "x" * 4_000_000)
+        _command(redis, "SADD", index, "pact-ingress:relay:big")
+        _command(redis, "CONFIG", "RESETSTAT")
+        await a.registry.beat()
+        info = _command(redis, "INFO", "stats").decode()
+        sent = int(info.split("total_net_output_bytes:", 1)[1].split()[0])
+        assert sent < 100_000, sent
+        assert a.registry.holders_of("family") == [FB]
         assert a.healthy and b.healthy  # the limiter never fell back for it
         nursery.cancel_scope.cancel()
 

@@ -205,6 +205,9 @@ class RedisRegistry:
 
     async def _read_view(self, names: list[str]) -> None:
         prefix = self.state.key("tun", "")
+        # only registry keys are read: a name some other writer put in the index must
+        # not make every heartbeat load whatever big value it names
+        names = [n for n in names if n.startswith((prefix + "member:", prefix + "holder:"))]
         values = await self.state.client.mget(names) if names else ()
         members: dict[str, dict[str, Any]] = {}
         holders: dict[str, dict[str, int]] = {}
@@ -212,8 +215,6 @@ class RedisRegistry:
         for name, raw in zip(names, values):
             if raw is None:
                 expired.append(name)  # its instance stopped beating
-                continue
-            if not name.startswith(prefix):
                 continue
             try:
                 doc = json.loads(raw)
