@@ -123,3 +123,40 @@ async def test_what_expired_leaves_the_view_and_the_index(redis: RedisServer) ->
         names = _command(redis, "SMEMBERS", index).decode()
         assert FB not in names and "member:" + FA in names  # the index is the truth again
         nursery.cancel_scope.cancel()
+
+
+async def test_a_clock_stepped_back_does_not_keep_an_old_view_fresh(
+        redis: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view's age is how long ago it was read, whatever the wall clock says: an NTP
+    step backwards while Redis is away must not let an instance forward with a view of
+    the cluster from minutes ago (holders long dead)."""
+    import time as real_time
+
+    from pact_ingress.state import registry as registry_module
+
+    class Clock:
+        wall = real_time.time()
+        mono = real_time.monotonic()
+
+        def time(self) -> float:
+            return self.wall
+
+        def monotonic(self) -> float:
+            return self.mono
+
+    clock = Clock()
+    monkeypatch.setattr(registry_module, "time", clock)
+    async with trio.open_nursery() as nursery:
+        a, b = await _state(redis, nursery), await _state(redis, nursery)
+        a.registry.attach(FA, "127.0.0.2:443", lambda: {})
+        b.registry.attach(FB, "127.0.0.3:443", lambda: {"family": 1})
+        await b.registry.beat()
+        await a.registry.beat()
+        assert a.registry.holders_of("family") == [FB]
+        # ten seconds pass without a heartbeat (Redis away), and meanwhile the wall
+        # clock is stepped back an hour
+        clock.mono += 10
+        clock.wall += 10 - 3600
+        assert a.registry.stale
+        assert a.registry.holders_of("family") == []
+        nursery.cancel_scope.cancel()

@@ -147,6 +147,8 @@ class RedisRegistry:
         #: The last view read back: fingerprint → member doc; tenant → {fingerprint: n}.
         self.members: dict[str, dict[str, Any]] = {}
         self.holders: dict[str, dict[str, int]] = {}
+        #: When the view was read, on the monotonic clock: its age must not move with
+        #: the wall clock (a step back would keep an old view fresh).
         self.view_at: float | None = None
 
     def attach(self, fingerprint: str, address: str | None, held: Held) -> None:
@@ -163,7 +165,7 @@ class RedisRegistry:
 
     @property
     def stale(self) -> bool:
-        return self.view_at is None or time.time() - self.view_at > self.ttl
+        return self.view_at is None or time.monotonic() - self.view_at > self.ttl
 
     def holders_of(self, tenant: str) -> list[str]:
         """Instances other than this one that hold `tenant`'s tunnel (empty when stale)."""
@@ -231,7 +233,7 @@ class RedisRegistry:
                 tenant, _, fp = rest.partition(":")
                 tunnels = doc.get("tunnels", 0)
                 holders.setdefault(tenant, {})[fp] = tunnels if isinstance(tunnels, int) else 0
-        self.members, self.holders, self.view_at = members, holders, time.time()
+        self.members, self.holders, self.view_at = members, holders, time.monotonic()
         if expired:
             await self.prune(keys=[self._index_key(), *expired], args=[])
 
