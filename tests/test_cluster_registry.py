@@ -160,3 +160,25 @@ async def test_a_clock_stepped_back_does_not_keep_an_old_view_fresh(
         assert a.registry.stale
         assert a.registry.holders_of("family") == []
         nursery.cancel_scope.cancel()
+
+
+async def test_a_restarted_instance_drops_its_old_claims_at_its_first_beat(
+        redis: RedisServer) -> None:
+    """`kill -9` and a restart within the keys' TTL: the new process holds no tunnel yet
+    (its connector reconnects with back-off), so peers must not keep forwarding callers
+    to it on the strength of what its previous life published."""
+    async with trio.open_nursery() as nursery:
+        old, b = await _state(redis, nursery), await _state(redis, nursery)
+        old.registry.attach(FA, "127.0.0.2:443", lambda: {"family": 2, "other": 0})
+        b.registry.attach(FB, "127.0.0.3:443", lambda: {})
+        await old.registry.beat()
+        await b.registry.beat()
+        assert b.registry.holders_of("family") == [FA]
+
+        new = await _state(redis, nursery)  # same key, same address, no tunnel yet
+        new.registry.attach(FA, "127.0.0.2:443", lambda: {"family": 0, "other": 0})
+        await new.registry.beat()
+        await b.registry.beat()
+        assert FA in b.registry.members
+        assert b.registry.holders_of("family") == []
+        nursery.cancel_scope.cancel()

@@ -143,7 +143,10 @@ class RedisRegistry:
         self.fingerprint = ""
         self.address: str | None = None
         self.held: Held = dict
-        self._published: set[str] = set()  # tenants whose holder key we wrote last
+        #: Tenants whose holder key we wrote last; None until a beat went through: a
+        #: previous life of this instance (same key, restarted within the TTL) may have
+        #: written any of them, so the first beat deletes every one it does not hold.
+        self._published: set[str] | None = None
         #: The last view read back: fingerprint → member doc; tenant → {fingerprint: n}.
         self.members: dict[str, dict[str, Any]] = {}
         self.holders: dict[str, dict[str, int]] = {}
@@ -191,10 +194,12 @@ class RedisRegistry:
     async def beat(self) -> None:
         """Publish what we hold, then read the cluster's view back."""
         now = time.time()
-        held = {t: n for t, n in self.held().items() if n}
+        counts = self.held()
+        held = {t: n for t, n in counts.items() if n}
         member = json.dumps({"address": self.address, "fingerprint": self.fingerprint,
                              "heartbeat": now})
-        gone = sorted(self._published - held.keys())
+        published = set(counts) if self._published is None else self._published
+        gone = sorted(published - held.keys())
         keys = [self._index_key(), self._member_key(self.fingerprint)]
         keys += [self._holder_key(t, self.fingerprint) for t in held]
         keys += [self._holder_key(t, self.fingerprint) for t in gone]
