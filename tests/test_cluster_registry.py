@@ -148,7 +148,7 @@ async def test_a_clock_stepped_back_does_not_keep_an_old_view_fresh(
     monkeypatch.setattr(registry_module, "time", clock)
     async with trio.open_nursery() as nursery:
         a, b = await _state(redis, nursery), await _state(redis, nursery)
-        a.registry.attach(FA, "127.0.0.2:443", lambda: {})
+        a.registry.attach(FA, "127.0.0.2:443", dict)
         b.registry.attach(FB, "127.0.0.3:443", lambda: {"family": 1})
         await b.registry.beat()
         await a.registry.beat()
@@ -170,7 +170,7 @@ async def test_a_restarted_instance_drops_its_old_claims_at_its_first_beat(
     async with trio.open_nursery() as nursery:
         old, b = await _state(redis, nursery), await _state(redis, nursery)
         old.registry.attach(FA, "127.0.0.2:443", lambda: {"family": 2, "other": 0})
-        b.registry.attach(FB, "127.0.0.3:443", lambda: {})
+        b.registry.attach(FB, "127.0.0.3:443", dict)
         await old.registry.beat()
         await b.registry.beat()
         assert b.registry.holders_of("family") == [FA]
@@ -181,4 +181,30 @@ async def test_a_restarted_instance_drops_its_old_claims_at_its_first_beat(
         await b.registry.beat()
         assert FA in b.registry.members
         assert b.registry.holders_of("family") == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_wake_asked_of_the_holders_is_taken_by_one_of_them_once(
+        redis: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        a, b, c = [await _state(redis, nursery) for _ in range(3)]
+        a.registry.attach(FA, "127.0.0.2:443", lambda: {"family": 0})
+        b.registry.attach(FB, "127.0.0.3:443", lambda: {"family": 1})
+        c.registry.attach("sha256:instance-c", "127.0.0.4:443", lambda: {"family": 1})
+        woken: list[tuple[str, str]] = []
+        for name, state in (("b", b), ("c", c)):
+            state.registry.on_wake = lambda tenant, name=name: woken.append((name, tenant))
+        for state in (b, c, a):
+            await state.registry.beat()
+        assert a.registry.ask_wake("nobody") is False  # no holder in the view: not asked
+        assert a.registry.ask_wake("family") and a.registry.ask_wake("family")
+        await a.registry.beat()
+        for _ in range(2):
+            await b.registry.beat()
+            await c.registry.beat()
+        assert len(woken) == 1 and woken[0][1] == "family", woken  # one holder, once
+        await a.registry.beat()  # asked once: not asked again
+        await b.registry.beat()
+        await c.registry.beat()
+        assert len(woken) == 1, woken
         nursery.cancel_scope.cancel()

@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from pact_ingress.identity import keygen
 from tests.redis_server import RedisServer
 from tests.relay_env import (
@@ -31,10 +29,6 @@ DURABLE = ("--save", "", "--appendonly", "yes", "--appendfsync", "always")
 WAIT = 20.0
 
 
-class WakeMissing(Exception):
-    """The node was not woken for a call queued through the instance without its link."""
-
-
 def _wait(check: object, what: str) -> None:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
@@ -47,11 +41,6 @@ def _wait(check: object, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.xfail(raises=WakeMissing, strict=True, reason=(
-    "a WAKE goes out only on the instance that queued the call (TunnelServer.wake is "
-    "local): an instance without the tenant's control link wakes nobody, though the "
-    "queue is shared and a peer holds the link; carrying the wake to a holder (through "
-    "the registry, or the forward link) is a design change"))
 def test_a_call_queued_through_another_instance_wakes_the_node(tmp_path: Path) -> None:
     ids = relay_identities(tmp_path)
     redis = RedisServer(tmp_path / "redis", extra=DURABLE)
@@ -108,8 +97,9 @@ on_mail: {{url: 'http://127.0.0.1:{hook.port}/mail'}}
         assert code_of(result) is None  # queued in the shared queue
         items = recipient.tool("fetch_queued", {})[0]["structuredContent"]["items"]
         assert len(items) == 2  # the node could fetch it, if it knew
-        if not hook.wait_for(2, timeout=3):
-            raise WakeMissing("no wake reached the node for the call queued through B")
+        # B has no link: it asks a holder (A) through the registry, within two heartbeats
+        assert hook.wait_for(2), "no wake reached the node for the call queued through B"
+        assert len(hook.posts) == 2 and hook.posts[1][1] == {"queued": 1}
     finally:
         stop_connector(connector)
         for server in servers:

@@ -24,6 +24,13 @@ calls and over a second: past its deadline, so the instance fell back to countin
 limits alone every other second and never had a view to forward with. Through the index
 a heartbeat's work depends on the registry's size only.
 
+The heartbeat also carries relay **wakes** between instances: the relay queue is
+shared, a node's control links may reach only some instances, and a WAKE can only go
+out on a link. An instance that queued mail for a tenant it holds no link for
+(`ask_wake`) writes a short-lived wake key at its next heartbeat; each holder's
+heartbeat takes (DEL) the wake keys of the tenants it holds, and the one whose DEL
+found it wakes the node (`on_wake`): one wake, by one holder.
+
 The registry is advisory: nothing on the data path waits for it. While Redis is
 unreachable (`RedisState` in fallback) heartbeats are skipped and the view is marked
 stale; each instance serves the tunnels dialled to it, as a single instance does, and
@@ -55,32 +62,54 @@ REGISTRY_DEADLINE = 1.0
 #: Registry keys read back per heartbeat at most: members and holders of a sane cluster
 #: are a handful per tenant; this bounds what a polluted prefix could make us load.
 MAX_REGISTRY_KEYS = 10_000
+#: A wake asked of the holders lives this long in Redis unless one takes it (at its next
+#: heartbeat, normally within REGISTRY_INTERVAL): a holder that died meanwhile leaves it
+#: to expire, and a node woken that late would fetch for nothing.
+WAKE_TTL = 10.0
 
-#: KEYS[1]: the index; KEYS[2]: the member key; KEYS[3..]: holder keys to set, then holder
-#: keys to delete. ARGV[1]: TTL in ms; ARGV[2]: the member value; ARGV[3]: how many
-#: holder keys are set; ARGV[4]: how many index names to answer at most; then the values
-#: of the holder keys set. Answers the index's names (all, or that many at random).
+#: KEYS[1]: the index; KEYS[2]: the member key; then holder keys to set, holder keys to
+#: delete, wake keys to set (tenants this instance asks a holder to wake) and wake keys to
+#: take (one per tenant it holds). ARGV[1]: TTL in ms; ARGV[2]: the member value;
+#: ARGV[3..6]: how many holder keys are set, how many index names to answer at most, how
+#: many holder keys are deleted, how many wake keys are set; ARGV[7]: a wake key's TTL in
+#: ms; then the values of the holder keys set. Answers the index's names (all, or that
+#: many at random) and the wake keys taken (each by one holder only: DEL says who).
 BEAT_SCRIPT = """
 local ttl = tonumber(ARGV[1])
-local set = tonumber(ARGV[3])
+local set, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+local del, ask = tonumber(ARGV[5]), tonumber(ARGV[6])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl)
 redis.call('SADD', KEYS[1], KEYS[2])
-for i = 3, #KEYS do
-  if i - 2 <= set then
-    redis.call('SET', KEYS[i], ARGV[4 + i - 2], 'PX', ttl)
-    redis.call('SADD', KEYS[1], KEYS[i])
-  else
-    redis.call('DEL', KEYS[i])
-    redis.call('SREM', KEYS[1], KEYS[i])
+local k = 2
+for i = 1, set do
+  k = k + 1
+  redis.call('SET', KEYS[k], ARGV[7 + i], 'PX', ttl)
+  redis.call('SADD', KEYS[1], KEYS[k])
+end
+for i = 1, del do
+  k = k + 1
+  redis.call('DEL', KEYS[k])
+  redis.call('SREM', KEYS[1], KEYS[k])
+end
+for i = 1, ask do
+  k = k + 1
+  redis.call('SET', KEYS[k], '1', 'PX', tonumber(ARGV[7]))
+end
+local taken = {}
+for i = k + 1, #KEYS do
+  if redis.call('DEL', KEYS[i]) == 1 then
+    taken[#taken + 1] = KEYS[i]
   end
 end
 -- the index outlives the last heartbeat by a TTL or so, then goes too
 redis.call('PEXPIRE', KEYS[1], 2 * ttl)
-local most = tonumber(ARGV[4])
+local names
 if redis.call('SCARD', KEYS[1]) > most then
-  return redis.call('SRANDMEMBER', KEYS[1], most)
+  names = redis.call('SRANDMEMBER', KEYS[1], most)
+else
+  names = redis.call('SMEMBERS', KEYS[1])
 end
-return redis.call('SMEMBERS', KEYS[1])
+return {names, taken}
 """
 #: KEYS[1]: the index; KEYS[2..]: names read back as expired. Each is taken out of the
 #: index only if its key is still gone (its instance may have written it again since).
@@ -97,6 +126,8 @@ Held = Callable[[], dict[str, int]]
 
 
 class Registry(Protocol):
+    on_wake: Callable[[str], object] | None
+
     def attach(self, fingerprint: str, address: str | None, held: Held) -> None: ...
 
     async def run(self) -> None: ...
@@ -107,6 +138,8 @@ class Registry(Protocol):
 
     def address_of(self, fingerprint: str) -> str | None: ...
 
+    def ask_wake(self, tenant: str) -> bool: ...
+
 
 class LocalRegistry:
     """One instance: the registry is this process's own tunnels, and nothing to run."""
@@ -114,6 +147,7 @@ class LocalRegistry:
     def __init__(self) -> None:
         self.fingerprint = ""
         self.held: Held = dict
+        self.on_wake: Callable[[str], object] | None = None
 
     def attach(self, fingerprint: str, address: str | None, held: Held) -> None:
         self.fingerprint, self.held = fingerprint, held
@@ -126,6 +160,9 @@ class LocalRegistry:
 
     def address_of(self, fingerprint: str) -> str | None:
         return None
+
+    def ask_wake(self, tenant: str) -> bool:
+        return False  # nobody else to ask
 
     def status(self) -> dict[str, Any]:
         return {"registry": "local", "stale": False, "members": [],
@@ -153,6 +190,12 @@ class RedisRegistry:
         #: When the view was read, on the monotonic clock: its age must not move with
         #: the wall clock (a step back would keep an old view fresh).
         self.view_at: float | None = None
+        #: Tenants whose node a holder should wake (relay mail queued here, where the
+        #: tenant has no link): written at the next heartbeat.
+        self._wakes: set[str] = set()
+        #: Called with a tenant whose wake another instance asked of us (the app: the
+        #: tunnel server's `wake`).
+        self.on_wake: Callable[[str], object] | None = None
 
     def attach(self, fingerprint: str, address: str | None, held: Held) -> None:
         self.fingerprint, self.address, self.held = fingerprint, address, held
@@ -165,6 +208,20 @@ class RedisRegistry:
 
     def _holder_key(self, tenant: str, fingerprint: str) -> str:
         return self.state.key("tun", "holder", tenant, fingerprint)
+
+    def _wake_key(self, tenant: str) -> str:
+        return self.state.key("tun", "wake", tenant)
+
+    def ask_wake(self, tenant: str) -> bool:
+        """Relay mail was queued here for `tenant`, which has no link here: ask a holder
+        to wake its node (False: the view names none). The wake key is written at the
+        next heartbeat; the first holder to beat after it takes it and wakes its node,
+        so a call queued through any instance wakes the node within about two
+        heartbeats."""
+        if not self.holders_of(tenant):
+            return False
+        self._wakes.add(tenant)
+        return True
 
     @property
     def stale(self) -> bool:
@@ -203,10 +260,20 @@ class RedisRegistry:
         keys = [self._index_key(), self._member_key(self.fingerprint)]
         keys += [self._holder_key(t, self.fingerprint) for t in held]
         keys += [self._holder_key(t, self.fingerprint) for t in gone]
-        args = [str(int(self.ttl * 1000)), member, str(len(held)), str(MAX_REGISTRY_KEYS)]
+        asked = sorted(self._wakes)
+        keys += [self._wake_key(t) for t in asked]
+        keys += [self._wake_key(t) for t in held]
+        args = [str(int(self.ttl * 1000)), member, str(len(held)), str(MAX_REGISTRY_KEYS),
+                str(len(gone)), str(len(asked)), str(int(WAKE_TTL * 1000))]
         args += [json.dumps({"tunnels": n, "heartbeat": now}) for n in held.values()]
-        names = await self.script(keys=keys, args=args)
+        names, taken = await self.script(keys=keys, args=args)
         self._published = set(held)
+        self._wakes.difference_update(asked)
+        wake_prefix = self._wake_key("")
+        for name in taken or ():
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if self.on_wake is not None and name.startswith(wake_prefix):
+                self.on_wake(name[len(wake_prefix):])
         await self._read_view([n.decode() if isinstance(n, bytes) else str(n)
                                for n in names or ()])
 
