@@ -134,7 +134,7 @@ class Ingress:
             from pact_ingress.relay.server import RelayServer
 
             self.relay = RelayServer(config, stats=self.stats, certs=self.certs,
-                                     wake=self.tunnels.wake, state=self.state)
+                                     wake=self._wake, state=self.state)
             # mail queued while a node was offline wakes it as its tunnel comes back
             self.tunnels.has_mail = self.relay.has_mail
             if self.workers is not None:  # workers serve the host; main keeps the store
@@ -204,6 +204,11 @@ class Ingress:
         for line in messages:
             log.error("reload_refused", error=line)
         return False, "\n".join(messages)
+
+    def _wake(self, tenant: str) -> bool:
+        """Relay mail queued for `tenant`: wake its node through a link of ours, or ask
+        an instance that holds one (the queue is shared; the links are not)."""
+        return self.tunnels.wake(tenant) or self.state.registry.ask_wake(tenant)
 
     def _tunnels_held(self) -> dict[str, int]:
         """Live tunnel connections per tenant, for the cluster's registry."""
@@ -336,6 +341,8 @@ class Ingress:
             self.state.registry.attach(self.identity.fingerprint,
                                        str(Address(str(host), int(port))) if host else None,
                                        self._tunnels_held)
+            # another instance's relay may ask us to wake a node whose link we hold
+            self.state.registry.on_wake = self.tunnels.wake
             nursery.start_soon(self.state.registry.run)
             await nursery.start(self.certs.run)
             if self.relay is not None:

@@ -64,9 +64,10 @@ def keys(tmp_path: Path) -> Any:
                            c=keygen(tmp_path / "c.key"))
 
 
-async def _holder(nursery: trio.Nursery, fwd: Forwarder) -> str:
+async def _holder(nursery: trio.Nursery, fwd: Forwarder,
+                  admit: Any = None) -> str:
     async def serve(stream: trio.SocketStream) -> None:
-        await fwd.handle(ReplayStream(b"", stream), ("127.0.0.1", 1))
+        await fwd.handle(ReplayStream(b"", stream), ("127.0.0.1", 1), admit)
         await trio.aclose_forcefully(stream)
 
     listeners = await nursery.start(
@@ -174,4 +175,33 @@ async def test_garbage_preamble_and_dead_address(keys: Any) -> None:
         with pytest.raises(BackendError):
             await a.open("family")
         assert _count(a, "out", "no_address") == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_holder_at_its_cap_says_why(keys: Any, caplog: pytest.LogCaptureFixture
+                                            ) -> None:
+    """A peer's links over the holder's cap of tunnel connections for its address are
+    refused with an answer, so the forwarding side can tell its operator what to raise
+    instead of suggesting the peer lists are wrong."""
+    import logging
+
+    tunnels = Tunnels()
+    b = Forwarder(identity=keys.b, stats=Stats(), registry=Registry({}), tunnels=tunnels,
+                  config=_config([keys.a.fingerprint]))
+    async with trio.open_nursery() as nursery:
+        address = await _holder(nursery, b, admit=lambda: False)
+        a = Forwarder(identity=keys.a, stats=Stats(),
+                      registry=Registry({keys.b.fingerprint: address}), tunnels=Tunnels(),
+                      config=_config([keys.b.fingerprint]))
+        with caplog.at_level(logging.WARNING, logger="pact_ingress"), \
+                pytest.raises(BackendError):
+            await a.open("family")
+        assert _count(a, "out", "refused") == 1
+        with trio.fail_after(5):
+            while _count(b, "in", "over_capacity") != 1:
+                await trio.sleep(0.01)
+        assert not tunnels.ends  # nothing opened for a link that was refused
+        failed = [getattr(r, "fields", {}) for r in caplog.records
+                  if r.getMessage() == "forward_failed"]
+        assert len(failed) == 1 and "max_connections_per_ip" in failed[0]["error"], failed
         nursery.cancel_scope.cancel()

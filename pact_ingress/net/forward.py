@@ -176,6 +176,9 @@ class Forwarder:
             if not answer:
                 answer = await raw.receive_some(1)
             code = fw.decode_answer(bytes(answer))
+            if code is fw.Answer.REFUSED:
+                raise _Refused("refused", "the peer holds as many links from our address as "
+                               "its limits.max_connections_per_ip allows")
             if code is not fw.Answer.OK:
                 raise _Refused(code.name.lower(), f"the peer answered {code.name}")
         except fw.ForwardProtocolError as exc:
@@ -204,15 +207,18 @@ class Forwarder:
                 fingerprint = tls.peer_fingerprint
                 if fingerprint not in self.peers:
                     raise _Refused("refused_peer", "key not in state.peers")
-                if admit is not None and not admit():
-                    raise _Refused("over_capacity", "over the tunnel connections of its address")
                 tenant = await _read_request(tls)
-            try:
-                backend = await self.tunnels.open_stream(tenant)  # our own, never forwarded
-            except BackendError as exc:
-                answer, refusal = fw.Answer.NO_TUNNEL, _Refused("no_tunnel", str(exc))
+            if admit is not None and not admit():
+                # a peer: it is told (REFUSED), so its operator reads what to raise
+                answer, refusal = fw.Answer.REFUSED, _Refused(
+                    "over_capacity", "over the tunnel connections of its address")
             else:
-                answer, refusal = fw.Answer.OK, None
+                try:
+                    backend = await self.tunnels.open_stream(tenant)  # ours, never forwarded
+                except BackendError as exc:
+                    answer, refusal = fw.Answer.NO_TUNNEL, _Refused("no_tunnel", str(exc))
+                else:
+                    answer, refusal = fw.Answer.OK, None
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 # the forwarder sent close_notify right after its request and nothing
                 # since, so no caller byte can be stuck in OpenSSL's buffer after this

@@ -36,7 +36,8 @@ class Answer(enum.IntEnum):
     OK = 0
     #: The receiver holds no live tunnel for the tenant (any more).
     NO_TUNNEL = 1
-    #: The receiver does not accept this peer or this request.
+    #: The receiver refuses this link: it holds as many from the peer's address as its
+    #: `limits.max_connections_per_ip` allows.
     REFUSED = 2
 
 
