@@ -820,81 +820,81 @@ def test_relay_flood_to_an_offline_node_whose_tunnel_never_reads(tmp_path: Path)
     ids = relay_identities(tmp_path)
     serve = RelayServe(tmp_path, recipients=[ids.recipient], workers=1, tunnel=True,
                        max_bytes=str(cap), extra=HIGH_LIMITS)
-    env = _Proc(serve.proc)
-    socks: list[socket.socket] = []
     try:
-        owner = RelayCaller(serve.port, ids.recipient)
-        assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
-        now = int(time.time())
-        first = envelope(ids.sender, ids.recipient, msg_id="warm", ts=now, text="w")
-        warm = RelayCaller(serve.port, ids.sender)
-        assert queued(warm.tool("relay_call", first)[0], "warm")
-        warm.close()
-        owner.close()
-        before = settled_rss(env)  # type: ignore[arg-type]
-        # the silent connector: HELLO, then never a read
-        from tests.test_tunnel_attacks import hello
+        env = _Proc(serve.proc)
+        socks: list[socket.socket] = []
+        try:
+            owner = RelayCaller(serve.port, ids.recipient)
+            assert owner.allowlist_set([ids.sender.fingerprint]).status == 200
+            now = int(time.time())
+            first = envelope(ids.sender, ids.recipient, msg_id="warm", ts=now, text="w")
+            warm = RelayCaller(serve.port, ids.sender)
+            assert queued(warm.tool("relay_call", first)[0], "warm")
+            warm.close()
+            owner.close()
+            before = settled_rss(env)  # type: ignore[arg-type]
+            # the silent connector: HELLO, then never a read
+            from tests.test_tunnel_attacks import hello
 
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-        ctx.set_alpn_protocols(["pact-tunnel/1"])
-        ctx.load_cert_chain(ids.recipient.cert_path, ids.recipient.key_path)
-        raw = socket.socket()
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.settimeout(WAIT)
-        raw.connect((LOOPBACK, serve.port))
-        silent = ctx.wrap_socket(raw, server_hostname="tunnel.test")
-        socks.append(silent)
-        silent.sendall(hello())
-        # callers knocking on the tunnel route (passthrough): they wait for a stream
-        knock = _client_hello("home.test")
-        for i in range(100):
-            with contextlib.suppress(OSError):
-                k = _raw(f"127.0.8.{1 + i % 50}", serve.port)
-                socks.append(k)
-                k.sendall(knock)
-        text = "x" * envelope_size
-        answers: dict[str, str] = {}
-        lock = threading.Lock()
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            ctx.set_alpn_protocols(["pact-tunnel/1"])
+            ctx.load_cert_chain(ids.recipient.cert_path, ids.recipient.key_path)
+            raw = socket.socket()
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.settimeout(WAIT)
+            raw.connect((LOOPBACK, serve.port))
+            silent = ctx.wrap_socket(raw, server_hostname="tunnel.test")
+            socks.append(silent)
+            silent.sendall(hello())
+            # callers knocking on the tunnel route (passthrough): they wait for a stream
+            knock = _client_hello("home.test")
+            for i in range(100):
+                with contextlib.suppress(OSError):
+                    k = _raw(f"127.0.8.{1 + i % 50}", serve.port)
+                    socks.append(k)
+                    k.sendall(knock)
+            text = "x" * envelope_size
+            answers: dict[str, str] = {}
+            lock = threading.Lock()
 
-        def sender(k: int) -> None:
-            caller = RelayCaller(serve.port, ids.sender, source=f"127.0.7.{k + 1}")
-            try:
-                for i in range(20):  # 40 calls of ~1 MiB at a 24 MiB queue
-                    m = f"flood-{k}-{i}"
-                    e = envelope(ids.sender, ids.recipient, msg_id=m, ts=now, text=text)
-                    result, resp = caller.tool("relay_call", e)
-                    sc = result.get("structuredContent") or {}
-                    code = "queued" if queued(result, m) else (
-                        f"{sc.get('code')}:{sc.get('retry_after')}:{resp.status}")
-                    with lock:
-                        answers[m] = code
-            finally:
-                caller.close()
+            def sender(k: int) -> None:
+                caller = RelayCaller(serve.port, ids.sender, source=f"127.0.7.{k + 1}")
+                try:
+                    for i in range(20):  # 40 calls of ~1 MiB at a 24 MiB queue
+                        m = f"flood-{k}-{i}"
+                        e = envelope(ids.sender, ids.recipient, msg_id=m, ts=now, text=text)
+                        result, resp = caller.tool("relay_call", e)
+                        sc = result.get("structuredContent") or {}
+                        code = "queued" if queued(result, m) else (
+                            f"{sc.get('code')}:{sc.get('retry_after')}:{resp.status}")
+                        with lock:
+                            answers[m] = code
+                finally:
+                    caller.close()
 
-        threads = [threading.Thread(target=sender, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        during = settled_rss(env)  # type: ignore[arg-type]
-        ok = [m for m, a in answers.items() if a == "queued"]
-        refused = {a for a in answers.values() if a != "queued"}
-        assert len(answers) == 40, len(answers)
-        assert refused == {"rate_limited:60:429"} or refused == {"rate_limited:60:200"}, refused
-        queues = serve.status()["relay"]["queues"]
-        items, size = sum(q["items"] for q in queues), sum(q["bytes"] for q in queues)
-        # one sender floods: its share of the byte bound (half of it) is what fills
-        share = cap // 2
-        assert items == len(ok) + 1 and size <= share, (items, size, len(ok))
-        # that share, not something else, stopped the flood: one more would not fit
-        assert ok and share - size < size / len(ok), (size, len(ok))
-    finally:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.close()
-    try:
+            threads = [threading.Thread(target=sender, args=(k,)) for k in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            during = settled_rss(env)  # type: ignore[arg-type]
+            ok = [m for m, a in answers.items() if a == "queued"]
+            refused = {a for a in answers.values() if a != "queued"}
+            assert len(answers) == 40, len(answers)
+            assert refused == {"rate_limited:60:429"} or refused == {"rate_limited:60:200"}, refused
+            queues = serve.status()["relay"]["queues"]
+            items, size = sum(q["items"] for q in queues), sum(q["bytes"] for q in queues)
+            # one sender floods: its share of the byte bound (half of it) is what fills
+            share = cap // 2
+            assert items == len(ok) + 1 and size <= share, (items, size, len(ok))
+            # that share, not something else, stopped the flood: one more would not fit
+            assert ok and share - size < size / len(ok), (size, len(ok))
+        finally:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.close()
         # every connection let go: the silent connector's link, the knocking callers
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
