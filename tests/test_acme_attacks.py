@@ -25,6 +25,7 @@ from cryptography import x509
 from pact_ingress.acme.tlsalpn import ACME_IDENTIFIER_OID
 from pact_ingress.identity import keygen
 from pact_ingress.logs import setup as log_setup
+from tests import test_acme_e2e as e2e
 from tests.acme_servers import ChallTestSrv, Pebble, free_port
 from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
     FAST,
@@ -36,6 +37,10 @@ from tests.test_acme_e2e import (  # noqa: F401 - _logs: the autouse log fixture
     wait_served,
 )
 
+#: the module's CA and its DNS: the end-to-end tests' fixtures
+challtestsrv = e2e.challtestsrv
+pebble = e2e.pebble
+
 
 @pytest.fixture
 def events(_logs: None, tmp_path: Path) -> Iterator[Path]:  # noqa: F811 - after it
@@ -46,21 +51,6 @@ def events(_logs: None, tmp_path: Path) -> Iterator[Path]:  # noqa: F811 - after
         log_setup("text", stream=out)
         yield path
         log_setup("text")
-
-
-@pytest.fixture(scope="module")
-def dns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChallTestSrv]:
-    srv = ChallTestSrv(tmp_path_factory.mktemp("challtestsrv")).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def pebble(tmp_path_factory: pytest.TempPathFactory, dns: ChallTestSrv) -> Iterator[Pebble]:
-    p = Pebble(tmp_path_factory.mktemp("pebble"), f"127.0.0.1:{dns.dns_port}",
-               http_port=free_port(), tls_port=free_port()).start()
-    yield p
-    p.stop()
 
 
 async def alpn_handshake(port: int, sni: str, alpn: list[str]
@@ -142,7 +132,7 @@ async def test_a_route_removed_and_added_back_during_its_order_is_ordered_once(
 
 # ------------------------------------------------------------------------------ a flaky CA
 async def test_a_ca_refusing_half_the_nonces_still_issues(
-        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv,
+        nursery: trio.Nursery, tmp_path: Path, challtestsrv: ChallTestSrv,
         events: Path) -> None:
     """Pebble rejects half of the good nonces as badNonce. A refused request is sent
     again with a fresh nonce (several times in a row if need be), so the orders go
@@ -150,7 +140,7 @@ async def test_a_ca_refusing_half_the_nonces_still_issues(
     and from the budget (with one retry per request, as the acme library does, about
     nine in ten orders of some eight requests failed here). What still fails is a
     one-line error and is retried with backoff."""
-    p = Pebble(tmp_path / "pebble-nonce", f"127.0.0.1:{dns.dns_port}",
+    p = Pebble(tmp_path / "pebble-nonce", f"127.0.0.1:{challtestsrv.dns_port}",
                http_port=free_port(), tls_port=free_port(),
                env={"PEBBLE_WFE_NONCEREJECT": "50"}).start()
     try:
@@ -279,13 +269,13 @@ tenants:
 
 
 async def test_ca_gone_mid_order_and_back_the_order_is_retried_and_issued(
-        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv,
+        nursery: trio.Nursery, tmp_path: Path, challtestsrv: ChallTestSrv,
         events: Path) -> None:
     """The CA stops while an order waits for its validation and comes back having
     forgotten everything (pebble keeps nothing: not the order, not the account). The
     order fails as one line, backs off, and the retry registers the same key again and
     issues; the name issued before keeps being served throughout."""
-    p = Pebble(tmp_path / "pebble-gone", f"127.0.0.1:{dns.dns_port}",
+    p = Pebble(tmp_path / "pebble-gone", f"127.0.0.1:{challtestsrv.dns_port}",
                http_port=free_port(), tls_port=free_port()).start()
     try:
         old, new = "before.pact.test", "during.pact.test"
@@ -318,7 +308,7 @@ async def test_ca_gone_mid_order_and_back_the_order_is_retried_and_issued(
 
 # ------------------------------------------------------------------------------ reloads
 async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
-        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble, dns: ChallTestSrv) -> None:
+        nursery: trio.Nursery, tmp_path: Path, pebble: Pebble, challtestsrv: ChallTestSrv) -> None:
     """The operator moves `acme.directory` to another CA (staging to production) and
     reloads. A restart orders every name from the new CA at once (its certificates are
     the old CA's); a reload must too, not serve the old CA's until their renewal time,
@@ -328,7 +318,7 @@ async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
                             acme_config(tmp_path, pebble, [host], challenges=("tls-alpn-01",)))
     first = await wait_served(edge, host)
     await trio.aclose_forcefully(first.tls)
-    other = Pebble(tmp_path / "pebble-other", f"127.0.0.1:{dns.dns_port}",
+    other = Pebble(tmp_path / "pebble-other", f"127.0.0.1:{challtestsrv.dns_port}",
                    http_port=pebble.http_port, tls_port=pebble.tls_port).start()
     try:
         edge.config = replace(edge.config, acme=replace(edge.config.acme,
@@ -424,11 +414,11 @@ tenants:
 
 
 async def test_long_chain_and_reused_authorizations(
-        nursery: trio.Nursery, tmp_path: Path, dns: ChallTestSrv) -> None:
+        nursery: trio.Nursery, tmp_path: Path, challtestsrv: ChallTestSrv) -> None:
     """A CA with four intermediates that reuses valid authorizations: the first order
     validates, a forced renewal finalizes at once on the authorization it reuses, and
     each served chain verifies to the CA's root."""
-    p = Pebble(tmp_path / "pebble-chain", f"127.0.0.1:{dns.dns_port}",
+    p = Pebble(tmp_path / "pebble-chain", f"127.0.0.1:{challtestsrv.dns_port}",
                http_port=free_port(), tls_port=free_port(),
                env={"PEBBLE_CHAIN_LENGTH": "6", "PEBBLE_AUTHZREUSE": "100"}).start()
     try:
