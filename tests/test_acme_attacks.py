@@ -115,14 +115,9 @@ async def test_a_route_removed_and_added_back_during_its_order_is_ordered_once(
     with trio.fail_after(WAIT):
         while not edge.certs._hosts[host].busy:  # the scheduler took it up
             await trio.lowlevel.checkpoint()
-    without = edge.config
-    edge.config = replace(without, tenants=(replace(
-        without.tenants[0], routes=tuple(r for r in without.routes() if r.host != host)),))
-    edge.certs.update(edge.config)
-    edge.router.update(edge.config)
-    edge.config = without
-    edge.certs.update(edge.config)
-    edge.router.update(edge.config)
+    with_host = edge.config
+    edge.remove_host(host)
+    edge.reload(with_host)
     hs = await wait_served(edge, host)
     assert san_names(hs.cert) == [host]
     await trio.aclose_forcefully(hs.tls)
@@ -321,11 +316,8 @@ async def test_a_reload_to_another_ca_replaces_certificates_like_a_restart_does(
     other = Pebble(tmp_path / "pebble-other", f"127.0.0.1:{challtestsrv.dns_port}",
                    http_port=pebble.http_port, tls_port=pebble.tls_port).start()
     try:
-        edge.config = replace(edge.config, acme=replace(edge.config.acme,
-                                                        directory=other.directory,
-                                                        ca_bundle=other.ca_bundle))
-        edge.certs.update(edge.config)
-        edge.router.update(edge.config)
+        edge.reload(replace(edge.config, acme=replace(
+            edge.config.acme, directory=other.directory, ca_bundle=other.ca_bundle)))
         edge.pebble = other
         hs = await wait_served(edge, host)  # verified against the new CA's root
         assert hs.serial != first.serial
@@ -471,16 +463,11 @@ async def test_an_order_dropped_by_a_reload_does_not_spend_the_names_budget(
     with trio.fail_after(WAIT):
         while host not in edge.certs._alpn:  # offered; the CA has not come yet
             await trio.lowlevel.checkpoint()
-    edge.config = replace(with_host, tenants=(replace(
-        with_host.tenants[0], routes=tuple(r for r in with_host.routes() if r.host != host)),))
-    edge.certs.update(edge.config)
-    edge.router.update(edge.config)
+    edge.remove_host(host)
     with trio.fail_after(WAIT):
         while edge.certs._leaving:  # the dropped order ended
             await trio.sleep(0.05)
-    edge.config = with_host
-    edge.certs.update(edge.config)
-    edge.router.update(edge.config)
+    edge.reload(with_host)
     hs = await wait_served(edge, host)
     assert san_names(hs.cert) == [host]
     await trio.aclose_forcefully(hs.tls)

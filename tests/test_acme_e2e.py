@@ -112,9 +112,19 @@ class Edge:
         routes = [r for r in self.config.routes()] + [
             route(host, "t", 9, mode="terminate", cert="acme")]
         tenant = Tenant(name="t", pins=("sha256:" + "A" * 43,), routes=tuple(routes))
-        self.config = replace(self.config, tenants=(tenant,))
-        self.certs.update(self.config)
-        self.router.update(self.config)
+        self.reload(replace(self.config, tenants=(tenant,)))
+
+    def remove_host(self, host: str) -> None:
+        """Reload without `host`'s route."""
+        tenant = self.config.tenants[0]
+        self.reload(replace(self.config, tenants=(replace(tenant, routes=tuple(
+            r for r in self.config.routes() if r.host != host)),)))
+
+    def reload(self, config: Config) -> None:
+        """What SIGHUP does with `config`: the certificate manager and the router take it."""
+        self.config = config
+        self.certs.update(config)
+        self.router.update(config)
 
     router: Router | None = None  # set by the fixture
 
