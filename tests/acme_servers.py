@@ -120,6 +120,17 @@ class Pebble:
                 f"  agree_tos: true\n  challenges: [{challenge}]\n"
                 f"  ca_bundle: {self.ca_bundle}\n{lines}")
 
+    def serve_yaml(self, *, tls: int, admin: int, pin: str, host: str,
+                   http: int | None = None) -> str:
+        """A whole `serve` config: one terminate route for `host` (pinned to `pin`, an
+        unused backend) with `cert: acme` from this pebble by TLS-ALPN-01."""
+        listen_http = f'  http: ["127.0.0.1:{http}"]\n' if http is not None else ""
+        return (f'state_dir: state\nlisten:\n  tls: ["127.0.0.1:{tls}"]\n{listen_http}'
+                f'  admin: "127.0.0.1:{admin}"\n{self.acme_yaml("tls-alpn-01")}'
+                f'tenants:\n  - name: t\n    pins: ["{pin}"]\n    routes:\n'
+                f'      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", '
+                f'cert: acme}}\n')
+
     def start(self) -> Pebble:
         exe = require("pebble")
         self.tmp.mkdir(parents=True, exist_ok=True)

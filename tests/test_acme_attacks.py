@@ -199,18 +199,8 @@ async def test_serve_killed_mid_order_restarts_into_one_more_order(
     serve_port = free_port()
     node = keygen(tmp_path / "node.key")
     cfg = tmp_path / "ingress.yaml"
-    cfg.write_text(f"""\
-state_dir: state
-listen:
-  tls: ["127.0.0.1:{serve_port}"]
-  admin: "127.0.0.1:{free_port()}"
-{pebble.acme_yaml("tls-alpn-01")}\
-tenants:
-  - name: t
-    pins: ["{node.fingerprint}"]
-    routes:
-      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
-""")
+    cfg.write_text(pebble.serve_yaml(tls=serve_port, admin=free_port(), pin=node.fingerprint,
+                                     host=host))
     orders_before = pebble.log.count("Added order")
     accounts_before = pebble.log.count("accounts in memory")
     procs: list[subprocess.Popen[bytes]] = []
@@ -338,18 +328,7 @@ async def test_sighup_dropping_a_name_mid_order_and_adding_another(
     cfg = tmp_path / "ingress.yaml"
 
     def config(host: str) -> str:
-        return f"""\
-state_dir: state
-listen:
-  tls: ["127.0.0.1:{serve_port}"]
-  admin: "127.0.0.1:{admin}"
-{pebble.acme_yaml("tls-alpn-01")}\
-tenants:
-  - name: t
-    pins: ["{node.fingerprint}"]
-    routes:
-      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
-"""
+        return pebble.serve_yaml(tls=serve_port, admin=admin, pin=node.fingerprint, host=host)
 
     admin = free_port()
     cfg.write_text(config(a))

@@ -420,19 +420,8 @@ async def test_serve_process_issues_and_certs_cli_renews(tmp_path: Path, pebble:
     admin = free_port()
     node = keygen(tmp_path / "node.key")
     cfg = tmp_path / "ingress.yaml"
-    cfg.write_text(f"""\
-state_dir: state
-listen:
-  tls: ["127.0.0.1:{pebble.tls_port}"]
-  http: ["127.0.0.1:{pebble.http_port}"]
-  admin: "127.0.0.1:{admin}"
-{pebble.acme_yaml("tls-alpn-01")}\
-tenants:
-  - name: t
-    pins: ["{node.fingerprint}"]
-    routes:
-      - {{host: {host}, mode: terminate, backend: "127.0.0.1:9", cert: acme}}
-""")
+    cfg.write_text(pebble.serve_yaml(tls=pebble.tls_port, http=pebble.http_port, admin=admin,
+                                     pin=node.fingerprint, host=host))
     cli = [sys.executable, "-m", "pact_ingress"]
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([*cli, "serve", "-c", str(cfg)], stdout=log, stderr=log)
