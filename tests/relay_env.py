@@ -282,3 +282,32 @@ listen:
         with urllib.request.urlopen(f"http://{LOOPBACK}:{self.admin_port}/metrics",
                                     timeout=10) as r:
             return str(r.read().decode())
+
+
+async def in_process(tmp_path: Path, ids: Any, clock: list[float], body: Any) -> None:
+    """Run `body(port, ingress)` in a thread against an in-process ingress whose relay
+    clock is `clock[0]`, so retention and expiry can be crossed without waiting (the
+    body reaches the ingress's coroutines with `trio.from_thread.run`)."""
+    import trio
+
+    from pact_ingress.app import Ingress
+    from pact_ingress.config import load_config
+
+    port = free_port()
+    (tmp_path / "ingress.yaml").write_text(f"""\
+identity: {{key: ingress.key}}
+state_dir: state
+listen: {{tls: ["127.0.0.1:{port}"]}}
+relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
+tenants:
+  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
+""")
+    ingress = Ingress(load_config(tmp_path / "ingress.yaml"))
+    ingress.relay.clock = lambda: clock[0]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
+                                                           task_status=task_status))
+        try:
+            await trio.to_thread.run_sync(body, port, ingress)
+        finally:
+            await ingress.stop(deadline=1)

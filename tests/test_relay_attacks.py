@@ -895,54 +895,36 @@ async def test_queue_gauges_follow_a_purge_to_zero(tmp_path: Path) -> None:
     not what the queue held before."""
     import trio
 
-    from pact_ingress.app import Ingress
-    from pact_ingress.config import load_config
-    from tests.terminate_env import free_port
+    from tests.relay_env import in_process
 
     ids = relay_identities(tmp_path)
-    port = free_port()
-    (tmp_path / "ingress.yaml").write_text(f"""\
-identity: {{key: ingress.key}}
-state_dir: state
-listen: {{tls: ["127.0.0.1:{port}"]}}
-relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
-tenants:
-  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
-""")
-    ingress = Ingress(load_config(tmp_path / "ingress.yaml"))
     clock = [time.time()]
-    ingress.relay.clock = lambda: clock[0]
     now = int(clock[0])
     labels = {"recipient": ids.recipient.fingerprint}
 
-    def gauges() -> tuple[float, float]:
-        return (ingress.stats.value("pact_ingress_relay_queued_items", labels),
-                ingress.stats.value("pact_ingress_relay_queued_bytes", labels))
+    def body(port: int, ingress: Any) -> None:
+        def gauges() -> tuple[float, float]:
+            return (ingress.stats.value("pact_ingress_relay_queued_items", labels),
+                    ingress.stats.value("pact_ingress_relay_queued_bytes", labels))
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
-                                                           task_status=task_status))
-
-        def calls() -> None:
-            recipient = RelayCaller(port, ids.recipient)
-            sender = RelayCaller(port, ids.sender)
-            try:
-                assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
-                for m in ("e1", "e2"):
-                    assert queued(sender.tool("relay_call", envelope(
-                        ids.sender, ids.recipient, msg_id=m, ts=now, exp=now + 60))[0], m)
-            finally:
-                recipient.close()
-                sender.close()
-
-        await trio.to_thread.run_sync(calls)
+        recipient = RelayCaller(port, ids.recipient)
+        sender = RelayCaller(port, ids.sender)
+        try:
+            assert recipient.allowlist_set([ids.sender.fingerprint]).status == 200
+            for m in ("e1", "e2"):
+                assert queued(sender.tool("relay_call", envelope(
+                    ids.sender, ids.recipient, msg_id=m, ts=now, exp=now + 60))[0], m)
+        finally:
+            recipient.close()
+            sender.close()
         items, size = gauges()
         assert items == 2 and size > 0
         clock[0] = now + 61
-        assert await ingress.relay.purge() == 2
+        assert trio.from_thread.run(ingress.relay.purge) == 2
         assert ingress.relay.status()["queues"] == []
         assert gauges() == (0, 0)
-        await ingress.stop(deadline=1)
+
+    await in_process(tmp_path, ids, clock, body)
 
 
 # --- an item larger than a whole queue -------------------------------------------------------

@@ -14,44 +14,17 @@ import pytest
 import trio
 
 from tests.relay_env import (
-    RELAY_HOST,
     RelayCaller,
     RelayServe,
     code_of,
     envelope,
+    in_process,
     relay_identities,
 )
 from tests.test_relay_attacks import clean_log, depth
 from tests.test_relay_workers import HIGH_LIMITS, by_worker, queued
 
 DAY = 86400
-
-
-async def _in_process(tmp_path: Path, ids: Any, clock: list[float], body: Any) -> None:
-    """Run `body(port)` in a thread against an in-process ingress whose relay clock is
-    `clock[0]`, so retention can be crossed without waiting."""
-    from pact_ingress.app import Ingress
-    from pact_ingress.config import load_config
-    from tests.terminate_env import free_port
-
-    port = free_port()
-    (tmp_path / "ingress.yaml").write_text(f"""\
-identity: {{key: ingress.key}}
-state_dir: state
-listen: {{tls: ["127.0.0.1:{port}"]}}
-relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
-tenants:
-  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
-""")
-    ingress = Ingress(load_config(tmp_path / "ingress.yaml"))
-    ingress.relay.clock = lambda: clock[0]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: ingress.run(handle_signals=False,
-                                                           task_status=task_status))
-        try:
-            await trio.to_thread.run_sync(body, port, ingress)
-        finally:
-            await ingress.stop(deadline=1)
 
 
 async def test_an_acked_call_retried_after_the_retention_cap_is_not_delivered_again(
@@ -87,7 +60,7 @@ async def test_an_acked_call_retried_after_the_retention_cap_is_not_delivered_ag
             recipient.close()
             sender.close()
 
-    await _in_process(tmp_path, ids, clock, body)
+    await in_process(tmp_path, ids, clock, body)
 
 
 def _fp(i: int) -> str:
@@ -273,7 +246,7 @@ async def test_expiry_is_enforced_at_the_boundary_second_for_exp_and_for_the_cap
             recipient.close()
             sender.close()
 
-    await _in_process(tmp_path, ids, clock, body)
+    await in_process(tmp_path, ids, clock, body)
 
 
 async def test_a_batch_reviving_expired_items_keeps_depths_true(tmp_path: Path) -> None:
