@@ -284,17 +284,16 @@ listen:
             return str(r.read().decode())
 
 
-async def in_process(tmp_path: Path, ids: Any, clock: list[float], body: Any) -> None:
-    """Run `body(port, ingress)` in a thread against an in-process ingress whose relay
-    clock is `clock[0]`, so retention and expiry can be crossed without waiting (the
-    body reaches the ingress's coroutines with `trio.from_thread.run`)."""
-    import trio
-
+def relay_ingress(tmp_path: Path, ids: Any) -> tuple[Any, int]:
+    """An `Ingress` in this process (not started) serving the relay host for
+    `ids.recipient`, and its port: for tests that move its clock, shorten a deadline or
+    shrink a budget first."""
     from pact_ingress.app import Ingress
     from pact_ingress.config import load_config
 
     port = free_port()
-    (tmp_path / "ingress.yaml").write_text(f"""\
+    config_path = tmp_path / "ingress.yaml"
+    config_path.write_text(f"""\
 identity: {{key: ingress.key}}
 state_dir: state
 listen: {{tls: ["127.0.0.1:{port}"]}}
@@ -302,7 +301,16 @@ relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
 tenants:
   - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
 """)
-    ingress = Ingress(load_config(tmp_path / "ingress.yaml"))
+    return Ingress(load_config(config_path)), port
+
+
+async def in_process(tmp_path: Path, ids: Any, clock: list[float], body: Any) -> None:
+    """Run `body(port, ingress)` in a thread against an in-process ingress whose relay
+    clock is `clock[0]`, so retention and expiry can be crossed without waiting (the
+    body reaches the ingress's coroutines with `trio.from_thread.run`)."""
+    import trio
+
+    ingress, port = relay_ingress(tmp_path, ids)
     ingress.relay.clock = lambda: clock[0]
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: ingress.run(handle_signals=False,

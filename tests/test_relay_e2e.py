@@ -358,21 +358,9 @@ async def test_expiry_on_an_injected_clock(tmp_path: Path, ids: RelayIdentities)
     days), disappears from fetch at once and is purged (and counted) later."""
     import trio
 
-    from pact_ingress.app import Ingress
-    from pact_ingress.config import load_config
-    from tests.terminate_env import free_port
+    from tests.relay_env import relay_ingress
 
-    port = free_port()
-    config_path = tmp_path / "ingress.yaml"
-    config_path.write_text(f"""\
-identity: {{key: ingress.key}}
-state_dir: state
-listen: {{tls: ["127.0.0.1:{port}"]}}
-relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
-tenants:
-  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
-""")
-    ingress = Ingress(load_config(config_path))
+    ingress, port = relay_ingress(tmp_path, ids)
     clock = [time.time()]
     ingress.relay.clock = lambda: clock[0]
     now = int(clock[0])

@@ -29,6 +29,7 @@ from tests.relay_env import (
     code_of,
     envelope,
     relay_identities,
+    relay_ingress,
     relay_socket,
     rpc,
     tool_body,
@@ -36,7 +37,6 @@ from tests.relay_env import (
 from tests.terminate_env import (
     WAIT,
     forget,
-    free_port,
     read_response,
     request_bytes,
 )
@@ -395,25 +395,6 @@ def test_unknown_paths_and_methods(serve: RelayServe, ids: RelayIdentities) -> N
 # --- the body deadline (in process: the deadline is shortened) ----------------------------
 
 
-def in_process(tmp_path: Path, ids: RelayIdentities) -> tuple[Any, int]:
-    """An `Ingress` in this process (not started) serving the relay host, and its port:
-    for the cases that shorten a deadline or shrink a budget first."""
-    from pact_ingress.app import Ingress
-    from pact_ingress.config import load_config
-
-    port = free_port()
-    config_path = tmp_path / "ingress.yaml"
-    config_path.write_text(f"""\
-identity: {{key: ingress.key}}
-state_dir: state
-listen: {{tls: ["127.0.0.1:{port}"]}}
-relay: {{host: {RELAY_HOST}, cert: {{cert: relay.crt, key: relay.key}}}}
-tenants:
-  - {{name: home, pins: ["{ids.recipient.fingerprint}"], relay: true}}
-""")
-    return Ingress(load_config(config_path)), port
-
-
 async def test_slow_body_is_dropped_unanswered(tmp_path: Path, ids: RelayIdentities,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import trio
@@ -421,7 +402,7 @@ async def test_slow_body_is_dropped_unanswered(tmp_path: Path, ids: RelayIdentit
     from pact_ingress.relay import http as relay_http
 
     monkeypatch.setattr(relay_http, "BODY_TIMEOUT", 0.5)
-    ingress, port = in_process(tmp_path, ids)
+    ingress, port = relay_ingress(tmp_path, ids)
 
     def slow(http2: bool) -> Any:
         """Half a relay_call body, then nothing: what does the client see?"""
@@ -548,7 +529,7 @@ async def test_bodies_in_flight_are_bounded_per_address(tmp_path: Path,
 
     from pact_ingress.proto.shares import Shares
 
-    ingress, port = in_process(tmp_path, ids)
+    ingress, port = relay_ingress(tmp_path, ids)
     ingress.relay.buffers = Shares(100_000, 10_000_000)  # small, so a test can cross it
     size, sent = 80_000, 60_000  # (within a stream's window: 65,535)
 
@@ -597,7 +578,7 @@ async def test_bodies_in_flight_over_the_process_share_are_unavailable(
 
     from pact_ingress.proto.shares import Shares
 
-    ingress, port = in_process(tmp_path, ids)
+    ingress, port = relay_ingress(tmp_path, ids)
     buffers = ingress.relay.buffers = Shares(100_000, 120_000)  # small, to cross it
     size, sent = 80_000, 60_000  # (within a stream's window: 65,535)
 
