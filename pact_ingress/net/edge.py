@@ -77,19 +77,23 @@ from pact_ingress.logs import log, members, ms_repr
 from pact_ingress.model import Route, normalize_hostname
 from pact_ingress.net.backends import CONNECT_TIMEOUT, STREAM_OPTIONS
 from pact_ingress.net.router import (
-    ACME_ALPN,
     HEAD_TIMEOUT,
     PEEK_HEADROOM,
     PEEK_READ,
     Router,
     Tally,
     client_of,
-    is_acme_validation,
 )
 from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS
 from pact_ingress.net.splice import YIELD_EVERY, Direction, Pipe, Wait, give_pipe, pump, take_pipe
 from pact_ingress.proto import tls_alert
-from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
+from pact_ingress.proto.clienthello import (
+    ACME_ALPN,
+    ClientHello,
+    ClientHelloError,
+    is_acme_validation,
+    parse_client_hello,
+)
 from pact_ingress.proto.hello_fast import quick_sni
 from pact_ingress.proto.passthrough import (
     BACKEND,

@@ -86,7 +86,12 @@ from pact_ingress.net.runners import Runners
 from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS, ShortageEpisode
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
-from pact_ingress.proto.clienthello import ClientHello, ClientHelloError, parse_client_hello
+from pact_ingress.proto.clienthello import (
+    ClientHello,
+    ClientHelloError,
+    is_acme_validation,
+    parse_client_hello,
+)
 from pact_ingress.proto.proxy_protocol import encode_v2
 from pact_ingress.proto.ratelimit import client_bucket
 from pact_ingress.proto.routing import RouteTable
@@ -105,18 +110,10 @@ PEEK_READ = 4096
 HEAD_TIMEOUT = 10.0
 #: How long a handshake with the ACME TLS-ALPN-01 challenge cert may take.
 CHALLENGE_TIMEOUT = 10.0
-ACME_ALPN = "acme-tls/1"
 #: Connections a client at its cap may still open to show what they are (a connector's
 #: data connections show it in the first read, within milliseconds). Bounded: they are
 #: closed unanswered after `clienthello_timeout` at the latest.
 PEEK_HEADROOM = 16
-
-
-def is_acme_validation(alpn: tuple[str, ...]) -> bool:
-    """The hello of a TLS-ALPN-01 validation: the CA offers `acme-tls/1` and nothing
-    else (RFC 8737), so a list that holds another protocol is an ordinary client's and
-    must get the served certificate, never the challenge one."""
-    return bool(alpn) and all(p == ACME_ALPN for p in alpn)
 
 
 class TerminatorLike(Protocol):

@@ -127,6 +127,17 @@ class ClientHello(NamedTuple):
     extensions: tuple[int, ...] = ()  # extension types in the order sent
 
 
+#: The ALPN protocol of an ACME TLS-ALPN-01 validation (RFC 8737).
+ACME_ALPN = "acme-tls/1"
+
+
+def is_acme_validation(alpn: tuple[str, ...]) -> bool:
+    """The hello of a TLS-ALPN-01 validation: the CA offers `acme-tls/1` and nothing
+    else (RFC 8737), so a list that holds another protocol is an ordinary client's and
+    must get the served certificate, never the challenge one."""
+    return bool(alpn) and all(p == ACME_ALPN for p in alpn)
+
+
 def parse_client_hello(data: bytes | bytearray) -> ClientHello | None:
     """Parse the ClientHello at the start of `data`; None if more bytes are needed."""
     if len(data) >= 9 and data[0] == _CONTENT_HANDSHAKE and data[1] == 3 and data[2] <= 3:
