@@ -14,6 +14,10 @@ long-lived trio task that owns an epoll set (`Edge.run`):
   (a connect in progress, a full buffer): a fd registered writable reports an edge at
   once, and most connections never fill a buffer (an `epoll_ctl` per wait is what a
   task per connection pays);
+* a direction that waits to write stops its source's readability (`_mute`: one MOD
+  when the wait begins, one when it ends): edge-triggered, every segment its peer
+  sends raises an edge, which can do nothing while the destination is full — in a bulk
+  transfer into a slower reader those edges were most of the engine's wake-ups;
 * every step is tried before anything waits: a new connection's ClientHello is read
   right after accept(2), the backend's connect is probed by writing the head to it, and
   a read or write that would block is the only thing that leaves a connection waiting;
@@ -177,8 +181,8 @@ class _Conn(Passthrough):
     __slots__ = ("csock", "cfd", "bsock", "bfd", "client", "who", "kind", "buf",
                  "route", "head", "hello_len", "addrs", "addr_i", "start", "upd", "downd",
                  "up_pipe", "down_pipe", "up_bytes", "down_bytes", "creg", "last_error",
-                 "up_left", "down_left", "hup", "tuned", "outs", "counters", "nonblocking",
-                 "prepared", "local")
+                 "up_left", "down_left", "hup", "tuned", "outs", "muted", "counters",
+                 "nonblocking", "prepared", "local")
 
     def __init__(self, now: float, hello_timeout: float, csock: _socket.socket,
                  client: tuple[str, int], who: str, local: tuple[str, int] | None) -> None:
@@ -220,6 +224,7 @@ class _Conn(Passthrough):
         self.hup = 0  # sides whose peer shut down its sending side (bit per side)
         self.tuned = False  # the backend socket has STREAM_OPTIONS
         self.outs = 0  # sides whose fd is registered for writability (bit per side)
+        self.muted = 0  # sides whose fd is not registered for readability (bit per side)
         self.last_error: str = ""
         self.counters: tuple[Any, Any] = (None, None)  # the route's (up, down) byte counters
         self.nonblocking = False  # the client fd has O_NONBLOCK (see `_accept`)
@@ -761,6 +766,8 @@ class Edge:
         if after != before:
             self._count(conn.counters[direction], after - before)
         flow = F_DONE if wait is _W_EOF else F_WRITE if wait is _W_WRITE else F_READ
+        if (flow is F_WRITE) != bool(conn.muted & (1 << direction)):  # (UP's source: CLIENT)
+            self._mute(conn, direction, flow is F_WRITE)
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
@@ -1029,7 +1036,22 @@ class Edge:
         if fd < 0 or fd not in self.fds:
             return
         conn.outs |= bit
-        self.ep.modify(fd, REGISTER_OUT)
+        self.ep.modify(fd, REGISTER_OUT & ~select.EPOLLIN if conn.muted & bit else REGISTER_OUT)
+
+    def _mute(self, conn: _Conn, side: int, mute: bool) -> None:
+        """Stop (or resume) reporting readability of `side`, the source of a direction
+        that waits to write: each segment the source's peer sends would raise an edge,
+        and a wake-up, that can do nothing while the destination is full. Resuming
+        reports what is ready already (a MOD does), and the pump reads its source to
+        EAGAIN anyway, so nothing that arrived meanwhile is missed. Hang-ups and errors
+        are reported either way."""
+        fd = conn.cfd if side == CLIENT else conn.bfd
+        if fd < 0 or fd not in self.fds:
+            return
+        bit = 1 << side
+        conn.muted = conn.muted | bit if mute else conn.muted & ~bit
+        mask = REGISTER_OUT if conn.outs & bit else REGISTER
+        self.ep.modify(fd, mask & ~select.EPOLLIN if mute else mask)
 
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""

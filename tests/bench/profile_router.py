@@ -70,15 +70,27 @@ WARMUP = 1.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: Leaf frames listed in the py-spy summary.
 TOP = 25
+#: Syscalls `--tool perf` counts through tracepoints (strace slows the proxy so much that
+#: its wake-up pattern changes: fewer, fuller reads).
+TRACED_SYSCALLS = ("splice", "epoll_wait", "epoll_pwait", "epoll_ctl", "recvfrom", "sendto", "accept4", "connect")
 
 
-#: The load (`--load`): "flood" (new connections; a unit is a connection) or "ka32"
+#: The load (`--load`): "flood" (new connections; a unit is a connection), "ka32"
 #: (1 KiB ping-pong on 32 keep-alive connections through an echo backend; a unit is a
-#: request), as the bench's phases of those names.
+#: request) or "bulk1"/"bulk8" (`BULK_BYTES` through 1 or 8 connections into a counting
+#: sink; a unit is a byte, so µs/unit ×1e9 is µs per GB), as the bench's phases.
 LOAD = {"kind": "flood"}
+#: Bytes per bulk load: a few seconds of loopback at a proxy's pace.
+BULK_BYTES = 4 << 30
 
 
 def flood(port: int, hello: Path, seconds: float) -> dict[str, Any]:
+    if LOAD["kind"] in ("bulk1", "bulk8"):
+        size = BULK_BYTES if seconds > WARMUP else BULK_BYTES >> 4
+        argv = python_module("tests.bench.loadgen", "bulk", "--hello", str(hello),
+                             "--conns", LOAD["kind"][4:], "--bytes", str(size),
+                             "--seconds", str(max(30.0, seconds)), "--port", str(port))
+        return run_load(argv, core=CORE_LOAD, time_bound=max(30.0, seconds))
     if LOAD["kind"] == "ka32":
         argv = python_module("tests.bench.loadgen", "keepalive", "--hello", str(hello),
                              "--conns", "32", "--seconds", str(seconds), "--port", str(port))
@@ -162,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
-    p.add_argument("--load", choices=("flood", "ka32"), default="flood",
-                   help="new connections (flood) or 1 KiB requests on 32 connections")
+    p.add_argument("--load", choices=("flood", "ka32", "bulk1", "bulk8"), default="flood",
+                   help="new connections (flood), 1 KiB requests on 32 connections, or "
+                        "4 GiB through 1 or 8 connections (figures per byte: ×1e9 for "
+                        "per GB)")
     p.add_argument("--callgraph", action="store_true",
                    help="perfrec: record call chains too (perf report -g on the data)")
     p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
@@ -173,20 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     pin_self(CORE_LOAD)
     tmp = Path(tempfile.mkdtemp(prefix="pact-prof-"))
     LOAD["kind"] = args.load
-    name = SNI["keepalive" if args.load == "ka32" else "flood"]
+    bulk_load = args.load.startswith("bulk")
+    name = SNI["keepalive" if args.load == "ka32" else "bulk" if bulk_load else "flood"]
     hello = tmp / "hello.bin"
     hello.write_bytes(hello_for(name))
     sink, tls, port = free_port(), free_port(), free_port()
     (tmp / "backends.cfg").write_text(haproxy_backends_cfg(
         tls_port=tls, pem=make_tls_pem(tmp, SNI["tls"]), sink_port=sink))
-    if args.load == "ka32":  # the echo server takes sink's place
+    if args.load == "ka32" or bulk_load:  # the echo or bulk server takes sink's place
         sink, bulk = free_port(), free_port()
     (tmp / "ingress.yaml").write_text(ingress_yaml(tmp, port, {name: sink}))
     with services() as started:
-        if args.load == "ka32":
-            backend = Service("echo", raw_backends_argv(len(hello.read_bytes()), bulk=bulk,
-                                                        echo=sink), CORE_LOAD,
-                              tmp / "echo.log")
+        if args.load == "ka32" or bulk_load:
+            ports = {"bulk": sink, "echo": bulk} if bulk_load else {"bulk": bulk, "echo": sink}
+            backend = Service("echo", raw_backends_argv(len(hello.read_bytes()), **ports),
+                              CORE_LOAD, tmp / "echo.log")
         else:
             backend = Service("sink", haproxy_argv(tmp / "backends.cfg"), CORE_LOAD,
                               tmp / "backends.log")
@@ -213,13 +228,19 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(str(cprof)).sort_stats("tottime").print_stats(TOP)
         elif args.tool == "none":
             runs = [measured(proxy, port, hello, args.seconds) for _ in range(args.runs)]
+            # per connection or request; a bulk load's unit is a byte: shown per GB
+            scale, unit, rate = ((1e9 / 1e6, "s/GB", "MB/s") if bulk_load
+                                 else (1.0, "µs/conn", "conn/s"))
+            rate_scale = 1e-6 if bulk_load else 1.0
             for r in runs:
-                print(f"{runner}: {r['us_per_conn']:7.1f} µs/conn  {r['rate']:8.1f} conn/s  "
-                      f"errors={r['errors']}")
-            print(f"median: {statistics.median(r['us_per_conn'] for r in runs):.1f} µs/conn"
-                  f"  {statistics.median(r['rate'] for r in runs):.1f} conn/s  user "
-                  f"{statistics.median(r['user_us'] for r in runs):.0f} µs  sys "
-                  f"{statistics.median(r['sys_us'] for r in runs):.0f} µs")
+                print(f"{runner}: {r['us_per_conn'] * scale:7.3f} {unit}  "
+                      f"{r['rate'] * rate_scale:8.1f} {rate}  errors={r['errors']}")
+            digits = 3 if bulk_load else 1
+            print(f"median: {statistics.median(r['us_per_conn'] for r in runs) * scale:.{digits}f}"
+                  f" {unit}  {statistics.median(r['rate'] for r in runs) * rate_scale:.1f} "
+                  f"{rate}  user "
+                  f"{statistics.median(r['user_us'] for r in runs) * scale:.{digits}f}  sys "
+                  f"{statistics.median(r['sys_us'] for r in runs) * scale:.{digits}f} ({unit})")
         elif args.tool == "pyspy":
             raw = args.out.with_suffix(".raw")
             res, _ = attached(["py-spy", "record", "--pid", pid, "--format", "raw",
@@ -249,9 +270,13 @@ def main(argv: list[str] | None = None) -> int:
                                 if ln.strip() and not ln.startswith("#")))
             print(f"connections: {res['units']}; perf data: {data}")
         else:
-            res, out = attached(["perf", "stat", "-e",
-                                 "task-clock,instructions,cycles,context-switches",
-                                 "-p", pid], proxy, port, hello, args.seconds)
+            events = "task-clock,instructions,cycles,context-switches"
+            # syscall counts without strace's slowdown, where the kernel has tracepoints
+            events += "".join(f",syscalls:sys_enter_{name}" for name in TRACED_SYSCALLS
+                              if Path(f"/sys/kernel/tracing/events/syscalls/sys_enter_{name}"
+                                      ).exists())
+            res, out = attached(["perf", "stat", "-e", events, "-p", pid], proxy, port,
+                                hello, args.seconds)
             print(out)
             print(f"connections: {res['units']}")
     shutil.rmtree(tmp, ignore_errors=True)
