@@ -18,8 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.test_edge import PER_IP, edge_served, hello_for
-from tests.test_edge import served  # noqa: F401,F811  (a served instance of its own)
+from tests.test_edge import (
+    PER_IP,
+    edge_served,
+    hello_for,
+    served,  # noqa: F401,F811  (a served instance of its own)
+)
 from tests.test_serve import HELLO, WAIT, Served, free_port
 
 
@@ -181,12 +185,12 @@ def test_source_is_muted_while_its_direction_waits_and_its_eof_still_arrives(
     registered without EPOLLIN: every segment would be a wake-up for nothing), but still
     of its hang-up. The client then half-closes while muted, and once the backend reads,
     every byte and the EOF arrive: nothing that came while muted is lost."""
-    served, tls, backend = gated
+    instance, tls, backend = gated
     block = random.Random(5).randbytes(1 << 20)
     with socket.create_connection(("127.0.0.1", tls), timeout=WAIT) as c:
         sent, digest = _fill(c, block, 256 << 20)
         assert sent < 256 << 20, "the client's writes never blocked"
-        pid = served.proc.pid
+        pid = instance.proc.pid
         fd = _socket_fd(pid, tls, c.getsockname()[1])
         assert fd is not None, "serve holds no socket for this client"
         _wait_for(lambda: (_interest(pid, fd) or 0) & _EPOLLIN == 0,
@@ -206,11 +210,11 @@ def test_a_client_reset_while_muted_ends_the_connection(
         gated: tuple[Served, int, _GatedBackend]):
     """Muted for reading, the client's fd still reports errors: a reset then ends the
     connection (the backend's side closes; the fd leaves the epoll set)."""
-    served, tls, backend = gated
+    instance, tls, backend = gated
     block = random.Random(6).randbytes(1 << 20)
     c = socket.create_connection(("127.0.0.1", tls), timeout=WAIT)
     _fill(c, block, 256 << 20)
-    pid, port = served.proc.pid, c.getsockname()[1]
+    pid, port = instance.proc.pid, c.getsockname()[1]
     fd = _socket_fd(pid, tls, port)
     assert fd is not None
     _wait_for(lambda: (_interest(pid, fd) or 0) & _EPOLLIN == 0,

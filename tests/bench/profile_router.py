@@ -72,7 +72,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 TOP = 25
 #: Syscalls `--tool perf` counts through tracepoints (strace slows the proxy so much that
 #: its wake-up pattern changes: fewer, fuller reads).
-TRACED_SYSCALLS = ("splice", "epoll_wait", "epoll_pwait", "epoll_ctl", "recvfrom", "sendto", "accept4", "connect")
+TRACED_SYSCALLS = ("splice", "epoll_wait", "epoll_pwait", "epoll_ctl", "recvfrom", "sendto",
+                   "accept4", "connect")
 
 
 #: The load (`--load`): "flood" (new connections; a unit is a connection), "ka32"
