@@ -3,19 +3,23 @@
     python -m tests.bench.profile_router [--ingress serve|router] [--seconds S] [--runs N]
                                          [--tool none|pyspy|strace|perf|perfrec|cprofile]
                                          [--callgraph] [--proxy ingress|haproxy] [--out FILE]
+                                         [--load flood|ka32|bulk1|bulk8]
 
 The flood phase of `bench_passthrough` (new TCP connection, canned ClientHello, the
 backend closes once the hello has arrived, 64 in flight), against pact-ingress only (or,
 with `--proxy haproxy`, against HAProxy in TCP mode with the same SNI route, to compare
 syscalls and kernel time with the same tools), so one change can be measured in seconds
-and a profiler attached to the real process:
+and a profiler attached to the real process. `--load ka32` measures keep-alive requests
+instead, `--load bulk1`/`bulk8` 4 GiB through 1 or 8 connections (CPU per GB, split into
+user and system time: what a bulk transfer costs in Python beside the kernel's splice):
 
 - `none` (default): `--runs` floods, each printing CPU µs per connection (utime + stime
   of the proxy from /proc, as the bench) and conn/s; then the median;
 - `pyspy`: `py-spy record` on the proxy during one flood, collapsed stacks (`--format
   raw`) to `--out`, and a summary: share of samples by leaf function and by our frames;
 - `strace`: `strace -c -f` on the proxy during one flood: syscalls per connection;
-- `perf`: `perf stat` (task-clock, instructions, context switches) per connection;
+- `perf`: `perf stat` (task-clock, instructions, context switches, and the count of each
+  syscall in `TRACED_SYSCALLS` where the kernel has tracepoints) per connection;
 - `perfrec`: `perf record -e cpu-clock` on the proxy during one flood: the share of
   samples by DSO (kernel vs interpreter vs extension modules) and the top symbols —
   the split py-spy cannot see (it counts a syscall's time on the Python line);
