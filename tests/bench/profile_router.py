@@ -3,15 +3,16 @@
     python -m tests.bench.profile_router [--ingress serve|router] [--seconds S] [--runs N]
                                          [--tool none|pyspy|strace|perf|perfrec|cprofile]
                                          [--callgraph] [--proxy ingress|haproxy] [--out FILE]
-                                         [--load flood|ka32|bulk1|bulk8]
+                                         [--load flood|ka32|bulk1|bulk8|bulk100]
 
 The flood phase of `bench_passthrough` (new TCP connection, canned ClientHello, the
 backend closes once the hello has arrived, 64 in flight), against pact-ingress only (or,
 with `--proxy haproxy`, against HAProxy in TCP mode with the same SNI route, to compare
 syscalls and kernel time with the same tools), so one change can be measured in seconds
 and a profiler attached to the real process. `--load ka32` measures keep-alive requests
-instead, `--load bulk1`/`bulk8` 4 GiB through 1 or 8 connections (CPU per GB, split into
-user and system time: what a bulk transfer costs in Python beside the kernel's splice):
+instead, `--load bulk1`/`bulk8`/`bulk100` 4 GiB through 1, 8 or 100 connections (CPU
+per GB, split into user and system time: what a bulk transfer costs in Python beside
+the kernel's splice):
 
 - `none` (default): `--runs` floods, each printing CPU µs per connection (utime + stime
   of the proxy from /proc, as the bench) and conn/s; then the median;
@@ -82,15 +83,15 @@ TRACED_SYSCALLS = ("splice", "epoll_wait", "epoll_pwait", "epoll_ctl", "recvfrom
 
 #: The load (`--load`): "flood" (new connections; a unit is a connection), "ka32"
 #: (1 KiB ping-pong on 32 keep-alive connections through an echo backend; a unit is a
-#: request) or "bulk1"/"bulk8" (`BULK_BYTES` through 1 or 8 connections into a counting
-#: sink; a unit is a byte, so µs/unit ×1e9 is µs per GB), as the bench's phases.
+#: request) or "bulk1"/"bulk8"/"bulk100" (`BULK_BYTES` through that many connections
+#: into a counting sink; a unit is a byte, shown per GB), as the bench's phases.
 LOAD = {"kind": "flood"}
 #: Bytes per bulk load: a few seconds of loopback at a proxy's pace.
 BULK_BYTES = 4 << 30
 
 
 def flood(port: int, hello: Path, seconds: float) -> dict[str, Any]:
-    if LOAD["kind"] in ("bulk1", "bulk8"):
+    if LOAD["kind"] in ("bulk1", "bulk8", "bulk100"):
         size = BULK_BYTES if seconds > WARMUP else BULK_BYTES >> 4
         argv = python_module("tests.bench.loadgen", "bulk", "--hello", str(hello),
                              "--conns", LOAD["kind"][4:], "--bytes", str(size),
@@ -179,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "cprofile"),
                    default="none")
     p.add_argument("--out", type=Path, default=Path("/tmp/router-profile.txt"))
-    p.add_argument("--load", choices=("flood", "ka32", "bulk1", "bulk8"), default="flood",
+    p.add_argument("--load", choices=("flood", "ka32", "bulk1", "bulk8", "bulk100"),
+                   default="flood",
                    help="new connections (flood), 1 KiB requests on 32 connections, or "
-                        "4 GiB through 1 or 8 connections (figures per byte: ×1e9 for "
-                        "per GB)")
+                        "4 GiB through 1, 8 or 100 connections (shown per GB)")
     p.add_argument("--callgraph", action="store_true",
                    help="perfrec: record call chains too (perf report -g on the data)")
     p.add_argument("--proxy", choices=("ingress", "haproxy"), default="ingress",
