@@ -442,6 +442,44 @@ def test_a_reused_fd_number_starts_unmuted(muted: Instance):
     settled(s, admin, tls, backend)
 
 
+def test_a_connection_on_the_fds_of_one_that_ended_in_the_same_batch_is_left_alone(
+        muted: Instance):
+    """A muted connection's client resets, a new connection arrives with its hello, and
+    the old connection's backend resets, all before the engine next looks (serve is
+    stopped meanwhile, so the three are reported in one batch, in that order). Ending
+    the old connection on the first event frees its two fd numbers; the accept and
+    connect on the second take them again; the third event, the old backend's error,
+    was read before those fds were reused and is not the new connection's: it must not
+    end it. The new connection then carries bytes both ways."""
+    s, tls, admin, backend = muted
+    pid = s.proc.pid
+    linger = b"\x01\0\0\0\0\0\0\0"
+    for round_ in range(5):
+        ca, ba = pair(tls, backend)
+        cfd, _ = serve_fds(pid, ca, ba)
+        fill(ca)
+        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        ca.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        ba.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        cb = socket.socket()
+        cb.settimeout(WAIT)
+        s.proc.send_signal(signal.SIGSTOP)
+        try:
+            ca.close()  # a reset
+            cb.connect(("127.0.0.1", tls))  # the kernel completes it; the hello waits
+            cb.sendall(HELLO_M)
+            ba.close()  # a reset
+        finally:
+            s.proc.send_signal(signal.SIGCONT)
+        with cb, backend.take() as bb:
+            assert recv_exact(bb, len(HELLO_M)) == HELLO_M
+            cb.sendall(b"up")
+            assert recv_exact(bb, 2) == b"up", f"round {round_}: the new connection ended"
+            bb.sendall(b"down")
+            assert recv_exact(cb, 4) == b"down", f"round {round_}: the new connection ended"
+    settled(s, admin, tls, backend)
+
+
 # --- a connection muted for good still ends -------------------------------------------------
 
 IDLE_S = 2
@@ -492,3 +530,4 @@ def test_client_half_close_then_a_backend_that_never_reads_ends_by_idle_timeout(
     eventually(lambda: any(e.get("event") == "conn_close" and e.get("outcome")
                            == "idle_timeout" for e in s.log_events()), "idle_timeout logged")
     settled(s, admin, tls, backend)
+
