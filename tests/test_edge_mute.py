@@ -10,6 +10,7 @@ Waits are bounded polls of the process's own state; nothing asserts on timing.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import queue
@@ -485,17 +486,20 @@ def test_a_connection_on_the_fds_of_one_that_ended_in_the_same_batch_is_left_alo
 IDLE_S = 2
 
 
-@pytest.fixture()
-def idle(tmp_path: Path) -> Iterator[Instance]:
+@contextlib.contextmanager
+def own_instance(tmp: Path, idle_s: int | None = None) -> Iterator[Instance]:
+    """A `serve` of the test's own (it is stopped or drained), with `SNI` to a fresh
+    `Accepting` backend; `idle_s`: its idle timeout."""
     backend = Accepting()
     tls, admin = free_port(), free_port()
     try:
         with stuck_port() as stuck:
             text = passthrough_config(tls, admin, PER_IP, {SNI: backend.port,
                                                            "stk.example.test": stuck})
-            text = text.replace("  clienthello_timeout: 5s\n",
-                                f"  clienthello_timeout: 5s\n  idle_timeout: {IDLE_S}s\n")
-            s = Served(tmp_path, text)
+            if idle_s is not None:
+                text = text.replace("  clienthello_timeout: 5s\n",
+                                    f"  clienthello_timeout: 5s\n  idle_timeout: {idle_s}s\n")
+            s = Served(tmp, text)
             try:
                 s.wait_notify("READY=1")
                 yield s, tls, admin, backend
@@ -503,6 +507,12 @@ def idle(tmp_path: Path) -> Iterator[Instance]:
                 s.stop()
     finally:
         backend.close()
+
+
+@pytest.fixture()
+def idle(tmp_path: Path) -> Iterator[Instance]:
+    with own_instance(tmp_path, IDLE_S) as instance:
+        yield instance
 
 
 def test_client_half_close_then_a_backend_that_never_reads_ends_by_idle_timeout(
@@ -531,3 +541,32 @@ def test_client_half_close_then_a_backend_that_never_reads_ends_by_idle_timeout(
                            == "idle_timeout" for e in s.log_events()), "idle_timeout logged")
     settled(s, admin, tls, backend)
 
+
+
+def test_a_drain_lets_a_muted_connection_finish(tmp_path: Path):
+    """SIGTERM while the client's direction is muted: serve stops accepting, but the
+    open connection goes on; once its backend reads, the whole upload arrives with its
+    EOF, the backend's answer and EOF reach the client, and serve exits 0 as soon as
+    that last connection has ended (well before its drain deadline)."""
+    with own_instance(tmp_path) as (s, tls, admin, backend):
+        pid = s.proc.pid
+        c, b = pair(tls, backend)
+        with c, b:
+            cfd, _ = serve_fds(pid, c, b)
+            w = Writer(c, SIZE, 8)
+            w.start()
+            eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+            s.proc.send_signal(signal.SIGTERM)
+            s.wait_notify("STOPPING=1")
+            eventually(lambda: _socket_fd(pid, tls, 0) is None, "the listener closed")
+            assert is_muted(pid, cfd), f"the drain touched it: {_interest(pid, cfd)}"
+            r = Reader(b)
+            r.gate.set()
+            r.start()
+            assert r.result() == ("eof", SIZE, digest_of(SIZE, 8))
+            assert w.done.wait(WAIT) and w.error is None, w.error
+            b.sendall(b"done")
+            b.shutdown(socket.SHUT_WR)
+            assert recv_exact(c, 4) == b"done"
+            assert c.recv(1) == b""
+        assert s.proc.wait(timeout=WAIT) == 0
