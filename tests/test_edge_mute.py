@@ -20,6 +20,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,16 +128,22 @@ def digest_of(size: int, seed: int) -> str:
     return h.hexdigest()
 
 
-def fill(c: socket.socket) -> int:
-    """Sends until a send would block (bounded: the chain holds far less than 256 MiB)."""
+def fill(c: socket.socket, rng: random.Random | None = None,
+         digest: Any = None) -> int:
+    """Sends until a send would block (bounded: the chain holds far less than 256 MiB)
+    random bytes from `rng`, hashed into `digest`: how many were sent."""
     c.setblocking(False)
-    block = random.Random(7).randbytes(1 << 16)
+    rng = rng or random.Random(7)
     sent = 0
     for _ in range(4096):
+        block = rng.randbytes(1 << 16)
         try:
-            sent += c.send(block)
+            n = c.send(block)
         except BlockingIOError:
             break
+        if digest is not None:
+            digest.update(block[:n])
+        sent += n
     c.settimeout(WAIT)
     return sent
 
@@ -280,6 +287,41 @@ def test_backend_half_close_while_up_is_muted(muted: Instance):
         r.start()
         assert r.result() == ("eof", SIZE, digest_of(SIZE, 3))
         assert w.done.wait(WAIT) and w.error is None, w.error
+    settled(s, admin, tls, backend)
+
+
+def test_both_eofs_arrive_while_both_directions_are_muted(muted: Instance):
+    """Both ends send until their writes block, so both directions wait to write and
+    both fds are muted (each still registered for writability); then both ends
+    half-close. The EOFs come while nothing is read from either fd: once both ends
+    read, each gets every byte the other sent and then its EOF, and the connection
+    ends."""
+    s, tls, admin, backend = muted
+    pid = s.proc.pid
+    c, b = pair(tls, backend)
+    with c, b:
+        cfd, bfd = serve_fds(pid, c, b)
+        rng_up, rng_down = random.Random(10), random.Random(20)
+        up, down = hashlib.sha256(), hashlib.sha256()
+        n_up = n_down = 0
+        for _ in range(200):  # each fill lets the engine move more: until both block
+            n_up += fill(c, rng_up, up)
+            n_down += fill(b, rng_down, down)
+            if is_muted(pid, cfd) and is_muted(pid, bfd):
+                break
+            threading.Event().wait(0.02)
+        assert is_muted(pid, cfd) and is_muted(pid, bfd), (
+            _interest(pid, cfd), _interest(pid, bfd))
+        for fd in (cfd, bfd):
+            assert (_interest(pid, fd) or 0) & _EPOLLOUT, "writability not asked for"
+        c.shutdown(socket.SHUT_WR)
+        b.shutdown(socket.SHUT_WR)
+        readers = [Reader(c), Reader(b)]
+        for r in readers:
+            r.gate.set()
+            r.start()
+        assert [r.result() for r in readers] == [("eof", n_down, down.hexdigest()),
+                                                  ("eof", n_up, up.hexdigest())]
     settled(s, admin, tls, backend)
 
 
