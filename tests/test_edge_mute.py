@@ -1,12 +1,14 @@
 """A direction that waits to write stops hearing its source (the engine registers the
 source fd without EPOLLIN until the direction moves again). Attacked through a real
 `serve` with both ends of each connection held by the test: both directions muted at
-once and resumed in either order, a backend that half-closes or resets while the
-client's direction is muted, a connection muted for good that must still end by its
-idle timeout, a reload while muted, many connections muted and resumed over and over,
-and an fd number reused after a muted connection ends. Every byte must arrive in order
-and every EOF pass; connections end and the counts and fd table return to the truth.
-Waits are bounded polls of the process's own state; nothing asserts on timing."""
+once and resumed in either order, both EOFs arriving while both are muted, a backend
+that half-closes or resets while the client's direction is muted, a connection muted
+for good that must still end by its idle timeout, a reload and a drain while muted,
+many connections muted and resumed over and over, and fd numbers taken again after a
+muted connection ends (in a later batch of events, and in the same one). Every byte
+must arrive in order and every EOF pass; connections end, and serve's count and its
+sockets return to the truth. Waits are bounded polls of the process's own state;
+nothing asserts on timing."""
 
 from __future__ import annotations
 
@@ -247,17 +249,17 @@ def test_both_directions_muted_then_resumed_in_either_order(muted: Instance, fir
             t.start()
         eventually(lambda: is_muted(pid, cfd) and is_muted(pid, bfd),
                    f"both fds muted: {_interest(pid, cfd)}, {_interest(pid, bfd)}")
+        # what each side receives: the other side's stream (client seed 1, backend 2)
+        want = {"client": digest_of(SIZE, 2), "backend": digest_of(SIZE, 1)}
         second = "backend" if first == "client" else "client"
         readers[first].gate.set()
-        # the first side's direction (into it) completes, EOF included, while the other
+        # the direction into the first side completes, EOF included, while the other
         # direction still waits: its source stays muted all along
-        assert readers[first].result() == ("eof", SIZE, digest_of(SIZE, 2 if first ==
-                                                                  "client" else 1))
+        assert readers[first].result() == ("eof", SIZE, want[first])
         still = cfd if first == "client" else bfd
         assert is_muted(pid, still), f"unmuted while still waiting: {_interest(pid, still)}"
         readers[second].gate.set()
-        assert readers[second].result() == ("eof", SIZE, digest_of(SIZE, 1 if second ==
-                                                                   "backend" else 2))
+        assert readers[second].result() == ("eof", SIZE, want[second])
         for w in writers:
             assert w.done.wait(WAIT) and w.error is None, w.error
     settled(s, admin, tls, backend)
