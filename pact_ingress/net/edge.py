@@ -249,6 +249,9 @@ class Edge:
         self.listeners: dict[int, socket.socket] = {}
         self.owed: list[socket.socket] = []  # listeners whose backlog was not emptied
         self.again: list[tuple[_Conn, int]] = []  # directions that stopped busy
+        #: Fds of connections closed since the last poll: the rest of the batch's events
+        #: for them are stale, even where a connection made since took the number again.
+        self.gone: set[int] = set()
         self.draining = False
         self.accept_paused_until = -math.inf
         self.next_sweep = -math.inf
@@ -303,6 +306,8 @@ class Edge:
                     owed, self.owed = self.owed, []
                     for raw in owed:
                         self._accept(raw)
+                if self.gone:
+                    self.gone.clear()
                 events = ep.poll(0, MAX_EVENTS)
                 log.hold()  # a batch's log lines go out in one write
                 try:
@@ -351,6 +356,13 @@ class Edge:
                 elif raw not in self.owed:
                     self.owed.append(raw)
             return  # or a stale event of a connection closed earlier in this batch
+        gone = self.gone
+        if gone and fd in gone:
+            # Stale: its connection closed earlier in this batch, and an accept or a
+            # connect since took the number again. The event was read before that, so
+            # it is not the new connection's (its own are reported by the next poll);
+            # an error in it would end the new connection for nothing.
+            return
         conn, side = entry
         if mask & _HUP:
             conn.hup |= 1 << side
@@ -977,6 +989,8 @@ class Edge:
         self.conns.discard(conn)  # `_forget` and `_close_backend`, inline: every end
         fds = self.fds
         fds.pop(conn.cfd, None)
+        gone = self.gone
+        gone.add(conn.cfd)
         conn.creg = False
         if conn.up_pipe is not None or conn.down_pipe is not None:
             for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
@@ -985,6 +999,7 @@ class Edge:
             conn.up_pipe = conn.down_pipe = None
         if conn.bsock is not None:
             fds.pop(conn.bfd, None)
+            gone.add(conn.bfd)
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
@@ -1016,6 +1031,7 @@ class Edge:
     def _close_backend(self, conn: _Conn) -> None:
         if conn.bsock is not None:
             self.fds.pop(conn.bfd, None)
+            self.gone.add(conn.bfd)
             conn.bsock.close()  # also out of the epoll set: this was its only fd
             conn.bsock = None
             conn.bfd = -1
