@@ -778,8 +778,12 @@ class Edge:
         if after != before:
             self._count(conn.counters[direction], after - before)
         flow = F_DONE if wait is _W_EOF else F_WRITE if wait is _W_WRITE else F_READ
-        if (flow is F_WRITE) != bool(conn.muted & (1 << direction)):  # (UP's source: CLIENT)
-            self._mute(conn, direction, flow is F_WRITE)
+        muted = conn.muted & (1 << direction)  # (the source of UP is the CLIENT side)
+        if flow is F_WRITE:
+            if not muted:
+                self._mute(conn, direction, True)
+        elif muted and flow is F_READ:  # a source read to its EOF stays muted: no edge
+            self._mute(conn, direction, False)  # of it could be of use any more
         if conn.pumped(direction, flow, after != before, self.now):
             self._finish(conn, "ok")
 
