@@ -172,6 +172,18 @@ class Writer(threading.Thread):
             self.done.set()
 
 
+def upload_until_muted(pid: int, c: socket.socket, b: socket.socket,
+                       seed: int) -> tuple[int, Writer]:
+    """The client starts an upload of `SIZE` seeded bytes (then its EOF) that the
+    backend does not read: returns serve's fd for the client, once it is muted, and the
+    writer."""
+    cfd, _ = serve_fds(pid, c, b)
+    w = Writer(c, SIZE, seed)
+    w.start()
+    eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+    return cfd, w
+
+
 class Reader(threading.Thread):
     """Waits for `gate`, then reads to EOF: (bytes, sha256, how it ended)."""
 
@@ -275,10 +287,7 @@ def test_backend_half_close_while_up_is_muted(muted: Instance):
     pid = s.proc.pid
     c, b = pair(tls, backend)
     with c, b:
-        cfd, _ = serve_fds(pid, c, b)
-        w = Writer(c, SIZE, 3)
-        w.start()
-        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        cfd, w = upload_until_muted(pid, c, b, 3)
         b.sendall(b"bye")
         b.shutdown(socket.SHUT_WR)
         assert recv_exact(c, 3) == b"bye"
@@ -334,11 +343,8 @@ def test_backend_reset_while_up_is_muted(muted: Instance):
     pid = s.proc.pid
     c, b = pair(tls, backend)
     with c:
-        cfd, _ = serve_fds(pid, c, b)
         port = c.getsockname()[1]
-        w = Writer(c, SIZE, 4)
-        w.start()
-        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        cfd, w = upload_until_muted(pid, c, b, 4)
         b.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
         b.close()  # a reset (unread bytes in its buffer make it one anyway)
         eventually(lambda: _socket_fd(pid, tls, port) is None,
@@ -363,10 +369,7 @@ def test_reload_while_muted_leaves_the_connection_whole(muted: Instance):
     c, b = pair(tls, backend)
     try:
         with c, b:
-            cfd, _ = serve_fds(pid, c, b)
-            w = Writer(c, SIZE, 5)
-            w.start()
-            eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+            cfd, w = upload_until_muted(pid, c, b, 5)
             extra = '      - {host: xtr.example.test, mode: passthrough, ' \
                     'backend: "127.0.0.1:9"}\n'
             s.config.write_text(old + extra)
@@ -596,10 +599,7 @@ def test_a_drain_lets_a_muted_connection_finish(tmp_path: Path):
         pid = s.proc.pid
         c, b = pair(tls, backend)
         with c, b:
-            cfd, _ = serve_fds(pid, c, b)
-            w = Writer(c, SIZE, 8)
-            w.start()
-            eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+            cfd, w = upload_until_muted(pid, c, b, 8)
             s.proc.send_signal(signal.SIGTERM)
             s.wait_notify("STOPPING=1")
             eventually(lambda: _socket_fd(pid, tls, 0) is None, "the listener closed")
