@@ -51,7 +51,9 @@ the `conn_close` log line are the router's, shared with its task path.
 Ownership: the engine owns every connection it has not handed off — its client and
 backend sockets, and the pipes its directions hold while bytes are in flight (from the
 process's `PipePool`, as the task relay does). It closes them when the connection
-ends, and all of them when its task is cancelled (the drain deadline).
+ends — the sockets once the batch of events it ended in is handled, so that no accept or
+connect later in that batch takes their fd numbers and inherits the batch's remaining
+events for them — and all of them when its task is cancelled (the drain deadline).
 
 Drain: `stop_accepting` removes the listeners from the epoll set (the router closes
 them); open connections run on, and the engine's task returns when the last one ends,
@@ -249,9 +251,11 @@ class Edge:
         self.listeners: dict[int, socket.socket] = {}
         self.owed: list[socket.socket] = []  # listeners whose backlog was not emptied
         self.again: list[tuple[_Conn, int]] = []  # directions that stopped busy
-        #: Fds of connections closed since the last poll: the rest of the batch's events
-        #: for them are stale, even where a connection made since took the number again.
-        self.gone: set[int] = set()
+        #: Sockets of connections that ended, closed once the batch of events being
+        #: handled is done (`_close_ended`): until then their fd numbers cannot be taken
+        #: again by an accept or a connect in the same batch, which would have the rest
+        #: of the batch's events (read before the reuse) applied to the new connection.
+        self.ended: list[_socket.socket] = []
         self.draining = False
         self.accept_paused_until = -math.inf
         self.next_sweep = -math.inf
@@ -306,8 +310,6 @@ class Edge:
                     owed, self.owed = self.owed, []
                     for raw in owed:
                         self._accept(raw)
-                if self.gone:
-                    self.gone.clear()
                 events = ep.poll(0, MAX_EVENTS)
                 log.hold()  # a batch's log lines go out in one write
                 try:
@@ -320,6 +322,8 @@ class Edge:
                                 self._guarded(conn, self._pump, direction)
                 finally:
                     log.release()
+                    if self.ended:
+                        self._close_ended()
                 batches += 1
                 if events or self.again or (self.owed and now >= self.accept_paused_until):
                     if batches >= BATCHES_PER_YIELD:
@@ -356,13 +360,6 @@ class Edge:
                 elif raw not in self.owed:
                     self.owed.append(raw)
             return  # or a stale event of a connection closed earlier in this batch
-        gone = self.gone
-        if gone and fd in gone:
-            # Stale: its connection closed earlier in this batch, and an accept or a
-            # connect since took the number again. The event was read before that, so
-            # it is not the new connection's (its own are reported by the next poll);
-            # an error in it would end the new connection for nothing.
-            return
         conn, side = entry
         if mask & _HUP:
             conn.hup |= 1 << side
@@ -993,8 +990,6 @@ class Edge:
         self.conns.discard(conn)  # `_forget` and `_close_backend`, inline: every end
         fds = self.fds
         fds.pop(conn.cfd, None)
-        gone = self.gone
-        gone.add(conn.cfd)
         conn.creg = False
         if conn.up_pipe is not None or conn.down_pipe is not None:
             for pipe, d in ((conn.up_pipe, conn.upd), (conn.down_pipe, conn.downd)):
@@ -1003,11 +998,10 @@ class Edge:
             conn.up_pipe = conn.down_pipe = None
         if conn.bsock is not None:
             fds.pop(conn.bfd, None)
-            gone.add(conn.bfd)
-            conn.bsock.close()  # also out of the epoll set: this was its only fd
+            self.ended.append(conn.bsock)  # out of the epoll set when closed: its only fd
             conn.bsock = None
             conn.bfd = -1
-        conn.csock.close()
+        self.ended.append(conn.csock)  # (closed with the batch: `ended`)
         counts = self.router._counts
         counts.total -= 1
         kind = conn.kind
@@ -1035,8 +1029,7 @@ class Edge:
     def _close_backend(self, conn: _Conn) -> None:
         if conn.bsock is not None:
             self.fds.pop(conn.bfd, None)
-            self.gone.add(conn.bfd)
-            conn.bsock.close()  # also out of the epoll set: this was its only fd
+            self.ended.append(conn.bsock)  # (closed with the batch: `ended`)
             conn.bsock = None
             conn.bfd = -1
             conn.outs &= ~(1 << BACKEND)
@@ -1073,12 +1066,18 @@ class Edge:
         mask = REGISTER_OUT if conn.outs & bit else REGISTER
         self.ep.modify(fd, mask & ~select.EPOLLIN if mute else mask)
 
+    def _close_ended(self) -> None:
+        ended, self.ended = self.ended, []
+        for sock in ended:
+            sock.close()
+
     def _close_all(self) -> None:
         """The task ends (drain deadline, shutdown): every connection closes now."""
         for conn in list(self.conns):
             if conn.route is not None and conn.state is not S_HELLO:
                 self.router._connections(conn.route.host, "error").inc()
             self._end(conn, "error")
+        self._close_ended()
         self._flush()
         for raw in self.listeners.values():
             raw.detach()
