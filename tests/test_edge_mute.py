@@ -35,12 +35,11 @@ from tests.test_edge import (
     passthrough_config,
     stuck_port,
 )
-from tests.test_edge_stall import _interest, _socket_fd
+from tests.test_edge_stall import EPOLLIN, EPOLLOUT, interest, is_muted, socket_fd
 from tests.test_serve import WAIT, Served, free_port, recv_exact
 
 SNI = "mut.example.test"
 HELLO_M = hello_for(SNI)
-_EPOLLIN, _EPOLLOUT, _EPOLLRDHUP = 0x1, 0x4, 0x2000
 #: Small receive buffers at both ends: the chain fills after a few hundred KiB.
 SMALL = 1 << 14
 
@@ -101,16 +100,10 @@ def pair(tls: int, backend: Accepting) -> tuple[socket.socket, socket.socket]:
 
 def serve_fds(pid: int, c: socket.socket, b: socket.socket) -> tuple[int, int]:
     """serve's fds for the client's and the backend's side of this connection."""
-    cfd = _socket_fd(pid, c.getpeername()[1], c.getsockname()[1])
-    bfd = _socket_fd(pid, b.getpeername()[1], b.getsockname()[1])
+    cfd = socket_fd(pid, c.getpeername()[1], c.getsockname()[1])
+    bfd = socket_fd(pid, b.getpeername()[1], b.getsockname()[1])
     assert cfd is not None and bfd is not None, "serve holds no socket for this connection"
     return cfd, bfd
-
-
-def is_muted(pid: int, fd: int) -> bool:
-    """Registered, and not for readability (its hang-up still asked for)."""
-    mask = _interest(pid, fd)
-    return mask is not None and not mask & _EPOLLIN and bool(mask & _EPOLLRDHUP)
 
 
 def blocks(size: int, seed: int) -> Iterator[bytes]:
@@ -180,7 +173,7 @@ def upload_until_muted(pid: int, c: socket.socket, b: socket.socket,
     cfd, _ = serve_fds(pid, c, b)
     w = Writer(c, SIZE, seed)
     w.start()
-    eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+    eventually(lambda: is_muted(pid, cfd), f"client fd muted: {interest(pid, cfd)}")
     return cfd, w
 
 
@@ -260,7 +253,7 @@ def test_both_directions_muted_then_resumed_in_either_order(muted: Instance, fir
         for t in [*writers, *readers.values()]:
             t.start()
         eventually(lambda: is_muted(pid, cfd) and is_muted(pid, bfd),
-                   f"both fds muted: {_interest(pid, cfd)}, {_interest(pid, bfd)}")
+                   f"both fds muted: {interest(pid, cfd)}, {interest(pid, bfd)}")
         # what each side receives: the other side's stream (client seed 1, backend 2)
         want = {"client": digest_of(SIZE, 2), "backend": digest_of(SIZE, 1)}
         second = "backend" if first == "client" else "client"
@@ -269,7 +262,7 @@ def test_both_directions_muted_then_resumed_in_either_order(muted: Instance, fir
         # direction still waits: its source stays muted all along
         assert readers[first].result() == ("eof", SIZE, want[first])
         still = cfd if first == "client" else bfd
-        assert is_muted(pid, still), f"unmuted while still waiting: {_interest(pid, still)}"
+        assert is_muted(pid, still), f"unmuted while still waiting: {interest(pid, still)}"
         readers[second].gate.set()
         assert readers[second].result() == ("eof", SIZE, want[second])
         for w in writers:
@@ -322,9 +315,9 @@ def test_both_eofs_arrive_while_both_directions_are_muted(muted: Instance):
                 break
             threading.Event().wait(0.02)
         assert is_muted(pid, cfd) and is_muted(pid, bfd), (
-            _interest(pid, cfd), _interest(pid, bfd))
+            interest(pid, cfd), interest(pid, bfd))
         for fd in (cfd, bfd):
-            assert (_interest(pid, fd) or 0) & _EPOLLOUT, "writability not asked for"
+            assert (interest(pid, fd) or 0) & EPOLLOUT, "writability not asked for"
         c.shutdown(socket.SHUT_WR)
         b.shutdown(socket.SHUT_WR)
         readers = [Reader(c), Reader(b)]
@@ -347,7 +340,7 @@ def test_backend_reset_while_up_is_muted(muted: Instance):
         cfd, w = upload_until_muted(pid, c, b, 4)
         b.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
         b.close()  # a reset (unread bytes in its buffer make it one anyway)
-        eventually(lambda: _socket_fd(pid, tls, port) is None,
+        eventually(lambda: socket_fd(pid, tls, port) is None,
                    "serve still holds the client of a reset backend")
         try:
             while c.recv(1 << 16):
@@ -376,7 +369,7 @@ def test_reload_while_muted_leaves_the_connection_whole(muted: Instance):
             s.proc.send_signal(signal.SIGHUP)
             eventually(lambda: sum(e.get("event") == "reloaded"
                                    for e in s.log_events()) > reloads, "the reload")
-            assert is_muted(pid, cfd), f"the reload touched it: {_interest(pid, cfd)}"
+            assert is_muted(pid, cfd), f"the reload touched it: {interest(pid, cfd)}"
             b.sendall(b"still here")
             assert recv_exact(c, 10) == b"still here"
             r = Reader(b)
@@ -472,17 +465,17 @@ def test_a_reused_fd_number_starts_unmuted(muted: Instance):
         cfd, _ = serve_fds(pid, c, b)
         port = c.getsockname()[1]
         fill(c)
-        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {interest(pid, cfd)}")
         c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
         c.close()
         b.close()
-        eventually(lambda: _socket_fd(pid, tls, port) is None, "the reset connection ends")
+        eventually(lambda: socket_fd(pid, tls, port) is None, "the reset connection ends")
         c2, b2 = pair(tls, backend)
         with c2, b2:
             cfd2, bfd2 = serve_fds(pid, c2, b2)
             for fd in (cfd2, bfd2):
-                mask = _interest(pid, fd)
-                assert mask is not None and mask & _EPOLLIN, (round_, fd, cfd, mask)
+                mask = interest(pid, fd)
+                assert mask is not None and mask & EPOLLIN, (round_, fd, cfd, mask)
             c2.sendall(b"up")
             assert recv_exact(b2, 2) == b"up"
             b2.sendall(b"down")
@@ -506,7 +499,7 @@ def test_a_connection_on_the_fds_of_one_that_ended_in_the_same_batch_is_left_alo
         ca, ba = pair(tls, backend)
         cfd, _ = serve_fds(pid, ca, ba)
         fill(ca)
-        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {interest(pid, cfd)}")
         ca.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
         ba.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
         cb = socket.socket()
@@ -576,9 +569,9 @@ def test_client_half_close_then_a_backend_that_never_reads_ends_by_idle_timeout(
         cfd, _ = serve_fds(pid, c, b)
         port = c.getsockname()[1]
         fill(c)
-        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {_interest(pid, cfd)}")
+        eventually(lambda: is_muted(pid, cfd), f"client fd muted: {interest(pid, cfd)}")
         c.shutdown(socket.SHUT_WR)
-        eventually(lambda: _socket_fd(pid, tls, port) is None,
+        eventually(lambda: socket_fd(pid, tls, port) is None,
                    "the stalled connection outlived its idle timeout")
         try:
             assert c.recv(1) == b""
@@ -602,8 +595,8 @@ def test_a_drain_lets_a_muted_connection_finish(tmp_path: Path):
             cfd, w = upload_until_muted(pid, c, b, 8)
             s.proc.send_signal(signal.SIGTERM)
             s.wait_notify("STOPPING=1")
-            eventually(lambda: _socket_fd(pid, tls, 0) is None, "the listener closed")
-            assert is_muted(pid, cfd), f"the drain touched it: {_interest(pid, cfd)}"
+            eventually(lambda: socket_fd(pid, tls, 0) is None, "the listener closed")
+            assert is_muted(pid, cfd), f"the drain touched it: {interest(pid, cfd)}"
             r = Reader(b)
             r.gate.set()
             r.start()

@@ -11,8 +11,7 @@ import random
 import socket
 import struct
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from tests.test_edge import (
     PER_IP,
     edge_served,
+    eventually,
     hello_for,
     served,  # noqa: F401,F811  (a served instance of its own)
 )
@@ -68,7 +68,7 @@ def test_stalled_reader_resumes_both_ways(served: tuple[Served, int, int]):  # n
 # --- a source whose direction waits to write is not read (nor woken for) -----------------
 
 GATE_SNI = "gat.example.test"
-_EPOLLIN, _EPOLLRDHUP = 0x1, 0x2000
+EPOLLIN, EPOLLOUT, EPOLLRDHUP = 0x1, 0x4, 0x2000
 
 
 class _GatedBackend:
@@ -103,7 +103,7 @@ class _GatedBackend:
         self.server.close()
 
 
-def _socket_fd(pid: int, local_port: int, remote_port: int) -> int | None:
+def socket_fd(pid: int, local_port: int, remote_port: int) -> int | None:
     """The fd of `pid` for the TCP socket local_port <-> remote_port (IPv4 loopback)."""
     inode = None
     for line in open("/proc/net/tcp").read().splitlines()[1:]:
@@ -122,7 +122,7 @@ def _socket_fd(pid: int, local_port: int, remote_port: int) -> int | None:
     return None
 
 
-def _interest(pid: int, fd: int) -> int | None:
+def interest(pid: int, fd: int) -> int | None:
     """The events `fd` is registered for in `pid`'s epoll sets (None: in none), from
     /proc/PID/fdinfo: the registration itself, not a guess from behaviour."""
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -139,11 +139,10 @@ def _interest(pid: int, fd: int) -> int | None:
     return None
 
 
-def _wait_for(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+def is_muted(pid: int, fd: int) -> bool:
+    """Registered, and not for readability (its hang-up still asked for)."""
+    mask = interest(pid, fd)
+    return mask is not None and not mask & EPOLLIN and bool(mask & EPOLLRDHUP)
 
 
 @pytest.fixture()
@@ -191,12 +190,12 @@ def test_source_is_muted_while_its_direction_waits_and_its_eof_still_arrives(
         sent, digest = _fill(c, block, 256 << 20)
         assert sent < 256 << 20, "the client's writes never blocked"
         pid = instance.proc.pid
-        fd = _socket_fd(pid, tls, c.getsockname()[1])
+        fd = socket_fd(pid, tls, c.getsockname()[1])
         assert fd is not None, "serve holds no socket for this client"
-        _wait_for(lambda: (_interest(pid, fd) or 0) & _EPOLLIN == 0,
-                  f"the client fd stays registered for reading: {_interest(pid, fd)}")
-        mask = _interest(pid, fd)
-        assert mask is not None and mask & _EPOLLRDHUP, f"hang-up not asked for: {mask}"
+        eventually(lambda: is_muted(pid, fd),
+                  f"the client fd stays registered for reading: {interest(pid, fd)}")
+        mask = interest(pid, fd)
+        assert mask is not None and mask & EPOLLRDHUP, f"hang-up not asked for: {mask}"
         c.shutdown(socket.SHUT_WR)  # the EOF arrives while the fd is muted
         backend.gate.set()
         assert backend.done.wait(WAIT), "the backend never saw the end of the upload"
@@ -215,13 +214,13 @@ def test_a_client_reset_while_muted_ends_the_connection(
     c = socket.create_connection(("127.0.0.1", tls), timeout=WAIT)
     _fill(c, block, 256 << 20)
     pid, port = instance.proc.pid, c.getsockname()[1]
-    fd = _socket_fd(pid, tls, port)
+    fd = socket_fd(pid, tls, port)
     assert fd is not None
-    _wait_for(lambda: (_interest(pid, fd) or 0) & _EPOLLIN == 0,
+    eventually(lambda: is_muted(pid, fd),
               "the client fd was never muted")
     c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     c.close()  # a reset
-    _wait_for(lambda: _socket_fd(pid, tls, port) is None,
+    eventually(lambda: socket_fd(pid, tls, port) is None,
               "serve still holds the reset connection")
     backend.gate.set()
     assert backend.done.wait(WAIT), "the backend's connection was not ended"
