@@ -1049,7 +1049,7 @@ class Edge:
         if fd < 0 or fd not in self.fds:
             return
         conn.outs |= bit
-        self.ep.modify(fd, REGISTER_OUT & ~select.EPOLLIN if conn.muted & bit else REGISTER_OUT)
+        self.ep.modify(fd, _interest(conn, bit))
 
     def _mute(self, conn: _Conn, side: int, mute: bool) -> None:
         """Stop (or resume) reporting readability of `side`, the source of a direction
@@ -1063,8 +1063,7 @@ class Edge:
             return
         bit = 1 << side
         conn.muted = conn.muted | bit if mute else conn.muted & ~bit
-        mask = REGISTER_OUT if conn.outs & bit else REGISTER
-        self.ep.modify(fd, mask & ~select.EPOLLIN if mute else mask)
+        self.ep.modify(fd, _interest(conn, bit))
 
     def _close_ended(self) -> None:
         ended, self.ended = self.ended, []
@@ -1119,6 +1118,13 @@ def _bound_address(raw: socket.socket) -> tuple[str, int] | None:
 #: Linux's socket options for a listener that accepts connections to any address.
 _IP_TRANSPARENT = getattr(socket, "IP_TRANSPARENT", 19)
 _IPV6_TRANSPARENT = getattr(socket, "IPV6_TRANSPARENT", 75)
+
+
+def _interest(conn: _Conn, bit: int) -> int:
+    """The epoll registration of the side `bit` names, from what it asks for now:
+    readability unless muted, writability once a write to it has blocked."""
+    mask = REGISTER_OUT if conn.outs & bit else REGISTER
+    return mask & ~select.EPOLLIN if conn.muted & bit else mask
 
 
 def _tune(conn: _Conn) -> None:
