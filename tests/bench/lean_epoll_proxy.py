@@ -171,12 +171,14 @@ class _Client(_Leg):
             self.state = REQUEST
             self.flush()
         while self.state is REQUEST:
-            try:
-                data = self.tls.read(READ)
-            except ssl.SSLWantReadError:
+            if not self.inc.pending:  # SSL_read would only say "want read", dearly
                 if self.out.pending:  # post-handshake messages (session tickets)
                     self.flush()
                 return
+            try:
+                data = self.tls.read(READ)
+            except ssl.SSLWantReadError:
+                continue  # a record's rest is still to come: the BIO is empty now
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 self.close()
                 return
@@ -263,13 +265,11 @@ class _Node(_Leg):
                 self.tls.write(self.queued)
                 self.queued = b""
             self.flush()
-        while True:
+        while self.inc.pending:
             try:
                 data = self.tls.read(READ)
             except ssl.SSLWantReadError:
-                if self.out.pending:
-                    self.flush()
-                return
+                continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 self.close()
                 return
@@ -286,6 +286,8 @@ class _Node(_Leg):
                 self.proxy.idle.append(self)  # before the answer: its next request may use it
                 client.answer(status, headers, body)
                 return
+        if self.out.pending:  # a post-handshake message to answer
+            self.flush()
 
     def close(self) -> None:
         if self.closed:
