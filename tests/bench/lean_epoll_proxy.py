@@ -243,7 +243,11 @@ class _Node(_Leg):
         self.queued = b""  # a request waiting for the handshake
         self.msg = _Message()
         self.parser = httptools.HttpResponseParser(self.msg)
-        self.advance()  # the ClientHello out now, or on EPOLLOUT once connected
+        try:
+            self.advance()  # the ClientHello out now, or on EPOLLOUT once connected
+        except _FAILED:
+            self.close()  # out of the loop's map before the caller sees the error
+            raise
 
     def send(self, client: _Client, data: bytes) -> None:
         self.client = client
