@@ -3,7 +3,7 @@
     git archive <commit> pact_ingress | tar -x -C /tmp/before
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
         [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
-        [--upstream h2|http/1.1] [--lean]
+        [--upstream h2|http/1.1] [--lean] [--lean-epoll]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -26,6 +26,9 @@ protocol. `--lean` adds `tests/bench/lean_proxy.py` as a path (HTTP/1.1 phases o
 the plainest terminate proxy on this stack (trio, memory-BIO TLS, llhttp both sides, no
 product checks), so a tree's distance from it is about the product's own work and its
 distance from HAProxy what the stack costs written the plain way (not a lower bound).
+`--lean-epoll` adds `tests/bench/lean_epoll_proxy.py` the same way: the same job without
+trio, one thread driving one edge-triggered epoll set of small per-connection state
+machines (the passthrough engine's shape), for how cheap Python can make it.
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -58,6 +61,9 @@ from tests.bench.harness import (
 
 PROFILE_RATE = 400
 LEAN = "lean"
+LEAN_EPOLL = "lean-epoll"
+#: the reference proxies `--lean` and `--lean-epoll` add: path name -> module
+REFERENCES = {LEAN: "tests.bench.lean_proxy", LEAN_EPOLL: "tests.bench.lean_epoll_proxy"}
 
 
 def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
@@ -102,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         "http/1.1 makes HAProxy re-originate over HTTP/1.1 too)")
     p.add_argument("--lean", action="store_true",
                    help="add the plain reference proxy (tests/bench/lean_proxy.py) as a path")
+    p.add_argument("--lean-epoll", action="store_true",
+                   help="add the one-epoll-loop reference (tests/bench/lean_epoll_proxy.py)")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
@@ -134,20 +142,21 @@ def main(argv: list[str] | None = None) -> int:
             rig.proxies[name] = svc
             rig.ports[name] = port
             paths.append(name)
-        if args.lean:
+        references = [n for n, on in ((LEAN, args.lean), (LEAN_EPOLL, args.lean_epoll)) if on]
+        for ref in references:
             if any(ph.h2 for ph in plan):
-                raise SystemExit("--lean speaks HTTP/1.1 only: leave h2 phases out")
+                raise SystemExit(f"--{ref} speaks HTTP/1.1 only: leave h2 phases out")
             port = free_port()
-            svc = Service(LEAN, python_module(
-                "tests.bench.lean_proxy", str(port), str(tmp / f"{bt.HOST}.crt"),
+            svc = Service(ref, python_module(
+                REFERENCES[ref], str(port), str(tmp / f"{bt.HOST}.crt"),
                 str(tmp / f"{bt.HOST}.key"), str(rig.ports["node"]),
                 str(tmp / "ingress.crt"), str(tmp / "ingress.key")), CORE_PROXY,
-                tmp / "lean.log")
+                tmp / f"{ref}.log")
             started.append(svc)
             svc.start([port])
-            rig.proxies[LEAN] = svc
-            rig.ports[LEAN] = port
-            paths.append(LEAN)
+            rig.proxies[ref] = svc
+            rig.ports[ref] = port
+            paths.append(ref)
         for path in paths:  # pools filled, every path proven
             for ph in plan:
                 run = bt.run_phase(rig, ph, path, 1.0)
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {rnd + 1} {ph.key:5} {path:14} {run.rate:9,.0f}/s "
                           f"{us:8.1f} µs  proxy core {run.core_busy[str(CORE_PROXY)]:.0%}",
                           file=sys.stderr, flush=True)
-        names = list(trees) + ([LEAN] if args.lean else [])
+        names = list(trees) + references
         print("| phase | " + " | ".join(f"{p} (µs)" for p in paths) + " | "
               + " | ".join(f"{n} ÷ haproxy" for n in names) + " | "
               + " | ".join(f"{n} ÷ haproxy, paired" for n in names) + " |")

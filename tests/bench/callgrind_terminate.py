@@ -26,7 +26,8 @@ dear when caches are cold, crypto's the other way round, and the kernel's work (
 loopback TCP) is not counted at all. Use it to compare trees, not to predict µs.
 `--haproxy` counts the rig's HAProxy the same way (started under callgrind on a port of
 its own): how many instructions the peer spends on the same work, next to each tree.
-`--lean` counts `tests/bench/lean_proxy.py` too (see `ab_terminate --lean`).
+`--lean` counts `tests/bench/lean_proxy.py` too (see `ab_terminate --lean`), and
+`--lean-epoll` `tests/bench/lean_epoll_proxy.py` (the same job on one epoll loop, no trio).
 Needs valgrind (Debian: apt-get install valgrind); one run takes about a minute a tree.
 """
 
@@ -240,20 +241,22 @@ def measure_haproxy(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0
     return _count(proc, "haproxy", port, tmp, conns, keepalive)
 
 
-def measure_lean(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0) -> Counter[str]:
+def measure_lean(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0,
+                 name: str = "lean", module: str = "tests.bench.lean_proxy") -> Counter[str]:
     """The same counts for `tests/bench/lean_proxy.py` (`ab_terminate --lean`): the
-    plain terminate proxy on this stack, without the product's work."""
+    plain terminate proxy on this stack, without the product's work (or, by `module`,
+    `lean_epoll_proxy.py`, the same job on one epoll loop)."""
     port = free_port()
-    out = tmp / "callgrind-lean.out"
+    out = tmp / f"callgrind-{name}.out"
     proc = subprocess.Popen(
         ["taskset", "-c", str(CORE_PROXY), "valgrind", "--tool=callgrind",
          "--instr-atstart=no", f"--callgrind-out-file={out}",
-         os.path.realpath(sys.executable), "-m", "tests.bench.lean_proxy", str(port),
+         os.path.realpath(sys.executable), "-m", module, str(port),
          str(tmp / f"{bt.HOST}.crt"), str(tmp / f"{bt.HOST}.key"), str(rig.ports["node"]),
          str(tmp / "ingress.crt"), str(tmp / "ingress.key")],
-        stdout=open(tmp / "lean-cg.log", "w"), stderr=subprocess.STDOUT)
-    _wait_listening(proc, port, "lean")
-    return _count(proc, "lean", port, tmp, conns, keepalive)
+        stdout=open(tmp / f"{name}-cg.log", "w"), stderr=subprocess.STDOUT)
+    _wait_listening(proc, port, name)
+    return _count(proc, name, port, tmp, conns, keepalive)
 
 
 def require_valgrind() -> None:
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also count the rig's HAProxy, the same way")
     p.add_argument("--lean", action="store_true",
                    help="also count tests/bench/lean_proxy.py, the same way")
+    p.add_argument("--lean-epoll", action="store_true",
+                   help="also count tests/bench/lean_epoll_proxy.py, the same way")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
@@ -303,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                                  args.keepalive)
         if args.lean:
             rows["lean"] = measure_lean(rig, tmp, args.conns, args.keepalive)
+        if args.lean_epoll:
+            rows["lean-epoll"] = measure_lean(rig, tmp, args.conns, args.keepalive,
+                                              "lean-epoll", "tests.bench.lean_epoll_proxy")
         if args.haproxy:
             rows["haproxy"] = measure_haproxy(rig, tmp, args.conns, args.keepalive)
     shutil.rmtree(tmp, ignore_errors=True)
