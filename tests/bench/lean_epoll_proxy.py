@@ -34,6 +34,9 @@ import sys
 
 import httptools
 
+from tests.bench import lean_proxy
+from tests.bench.lean_proxy import _head
+
 READ = 65536
 REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 REGISTER_OUT = REGISTER | select.EPOLLOUT
@@ -43,46 +46,11 @@ _FAILED = (OSError, ssl.SSLError, httptools.HttpParserError, httptools.HttpParse
 
 HANDSHAKE, REQUEST, WAITING = "handshake", "request", "waiting"
 
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-        b"proxy-connection", b"te", b"upgrade", b"trailer"}
+class _Message(lean_proxy._Message):
+    """The plain proxy's message, reset for the next one instead of made anew: a leg
+    keeps one parser for its whole life (llhttp starts over after each message)."""
 
-
-def _head(first: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-          closing: bool = False) -> bytes:
-    lines = [first]
-    lines += [n + b": " + v for n, v in headers if n.lower() not in _HOP]
-    lines.append(b"content-length: " + str(len(body)).encode())
-    if closing:
-        lines.append(b"connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-class _Message:
-    """httptools callbacks gathered into one message; reset for the next one, because a
-    leg keeps one parser for its whole life (llhttp starts over after each message)."""
-
-    __slots__ = ("url", "headers", "body", "done")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.done = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.done = True
+    reset = lean_proxy._Message.__init__
 
 
 class _Leg:
@@ -360,14 +328,7 @@ class Proxy:
 
 def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
          client_key: str) -> None:
-    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server_ctx.load_cert_chain(cert, key)
-    server_ctx.set_alpn_protocols(["http/1.1"])
-    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    client_ctx.check_hostname = False
-    client_ctx.verify_mode = ssl.CERT_NONE  # pins nothing: one check fewer than the edge
-    client_ctx.load_cert_chain(client_cert, client_key)
-    client_ctx.set_alpn_protocols(["http/1.1"])
+    server_ctx, client_ctx = lean_proxy.contexts(cert, key, client_cert, client_key)
     Proxy(port, server_ctx, client_ctx, node_port).run()
 
 

@@ -197,8 +197,9 @@ async def _serve(sock: trio.socket.SocketType, server_ctx: ssl.SSLContext,
         conn.close()
 
 
-async def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
-               client_key: str) -> None:
+def contexts(cert: str, key: str, client_cert: str, client_key: str
+             ) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The TLS contexts of a reference proxy: toward clients, and toward the node."""
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
     server_ctx.set_alpn_protocols(["http/1.1"])
@@ -207,6 +208,12 @@ async def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
     client_ctx.verify_mode = ssl.CERT_NONE  # pins nothing: one check fewer than the edge
     client_ctx.load_cert_chain(client_cert, client_key)
     client_ctx.set_alpn_protocols(["http/1.1"])
+    return server_ctx, client_ctx
+
+
+async def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
+               client_key: str) -> None:
+    server_ctx, client_ctx = contexts(cert, key, client_cert, client_key)
     listener = trio.socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     await listener.bind(("127.0.0.1", port))
