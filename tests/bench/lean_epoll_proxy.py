@@ -108,6 +108,27 @@ class _Leg:
             self.out_asked = True
             self.proxy.ep.modify(self.fd, REGISTER_OUT)
 
+    def shake(self) -> bool:
+        """One step of the TLS handshake; True once it is done."""
+        try:
+            self.tls.do_handshake()
+        except ssl.SSLWantReadError:
+            self.flush()
+            return False
+        return True
+
+    def plaintext(self) -> bytes | None:
+        """The next plaintext the incoming BIO gives: None when it holds no whole record
+        (SSL_read would only say "want read", and dearly), b"" at the peer's close."""
+        while self.inc.pending:
+            try:
+                return self.tls.read(READ)
+            except ssl.SSLWantReadError:
+                continue  # a record's rest is still to come: the BIO is empty now
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+        return None
+
     def advance(self) -> None:
         raise NotImplementedError
 
@@ -131,28 +152,26 @@ class _Client(_Leg):
 
     def advance(self) -> None:
         if self.state is HANDSHAKE:
-            try:
-                self.tls.do_handshake()
-            except ssl.SSLWantReadError:
-                self.flush()
+            if not self.shake():
                 return
             self.state = REQUEST
             self.flush()
         while self.state is REQUEST:
-            if not self.inc.pending:  # SSL_read would only say "want read", dearly
+            data = self.plaintext()
+            if data is None:
                 if self.out.pending:  # post-handshake messages (session tickets)
                     self.flush()
                 return
-            try:
-                data = self.tls.read(READ)
-            except ssl.SSLWantReadError:
-                continue  # a record's rest is still to come: the BIO is empty now
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            if not data:
                 self.close()
                 return
-            self.parser.feed_data(data)  # a pipelined rest is not handled
-            if self.msg.done:
-                self.forward()
+            self.take(data)
+
+    def take(self, data: bytes) -> None:
+        """Plaintext of a request: parsed, and the request forwarded once it is whole."""
+        self.parser.feed_data(data)  # a pipelined rest is not handled
+        if self.msg.done:
+            self.forward()
 
     def forward(self) -> None:
         msg = self.msg
@@ -227,39 +246,36 @@ class _Node(_Leg):
 
     def advance(self) -> None:
         if not self.shaken:
-            try:
-                self.tls.do_handshake()
-            except ssl.SSLWantReadError:
-                self.flush()
+            if not self.shake():
                 return
             self.shaken = True
             if self.queued:
                 self.tls.write(self.queued)
                 self.queued = b""
             self.flush()
-        while self.inc.pending:
-            try:
-                data = self.tls.read(READ)
-            except ssl.SSLWantReadError:
-                continue
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+        while (data := self.plaintext()) is not None:
+            if not data or self.client is None:  # closed, or bytes on an idle connection
                 self.close()
                 return
-            if self.client is None:  # bytes on an idle connection: not ours to guess at
-                self.close()
-                return
-            self.parser.feed_data(data)
-            if self.msg.done:
-                msg, client = self.msg, self.client
-                status, headers, body = (self.parser.get_status_code(), msg.headers,
-                                         b"".join(msg.body))
-                msg.reset()
-                self.client = None
-                self.proxy.idle.append(self)  # before the answer: its next request may use it
-                client.answer(status, headers, body)
+            if self.take(data):
                 return
         if self.out.pending:  # a post-handshake message to answer
             self.flush()
+
+    def take(self, data: bytes) -> bool:
+        """Plaintext of the answer: parsed; True once it went back to its client."""
+        self.parser.feed_data(data)
+        if not self.msg.done:
+            return False
+        msg, client = self.msg, self.client
+        assert client is not None
+        status, headers, body = (self.parser.get_status_code(), msg.headers,
+                                 b"".join(msg.body))
+        msg.reset()
+        self.client = None
+        self.proxy.idle.append(self)  # before the answer: its next request may use it
+        client.answer(status, headers, body)
+        return True
 
     def close(self) -> None:
         if self.closed:
@@ -299,11 +315,15 @@ class Proxy:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client = _Client(self, sock)
+            client = self.client(sock)
             try:
                 client.event(select.EPOLLIN)  # the ClientHello is usually there already
             except _FAILED:
                 client.close()
+
+    def client(self, sock: socket.socket) -> _Client:
+        """The state machine of a new client connection."""
+        return _Client(self, sock)
 
     def run(self) -> None:
         poll, legs, ended = self.ep.poll, self.legs, self.ended
