@@ -3,7 +3,7 @@
     git archive <commit> pact_ingress | tar -x -C /tmp/before
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
         [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
-        [--upstream h2|http/1.1] [--lean] [--lean-epoll]
+        [--upstream h2|http/1.1] [--lean] [--lean-epoll] [--epoll-checked]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -29,6 +29,10 @@ distance from HAProxy what the stack costs written the plain way (not a lower bo
 `--lean-epoll` adds `tests/bench/lean_epoll_proxy.py` the same way: the same job without
 trio, one thread driving one edge-triggered epoll set of small per-connection state
 machines (the passthrough engine's shape), for how cheap Python can make it.
+`--epoll-checked` adds `tests/bench/epoll_checked_proxy.py`: that loop with the
+product's per-request work done by the product's own sans-I/O pieces (its parsers, the
+rate check, target and Host checks, header hygiene, counts, the access log line), for
+what a terminate engine of that shape would cost.
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -62,8 +66,11 @@ from tests.bench.harness import (
 PROFILE_RATE = 400
 LEAN = "lean"
 LEAN_EPOLL = "lean-epoll"
-#: the reference proxies `--lean` and `--lean-epoll` add: path name -> module
-REFERENCES = {LEAN: "tests.bench.lean_proxy", LEAN_EPOLL: "tests.bench.lean_epoll_proxy"}
+EPOLL_CHECKED = "epoll-checked"
+#: the reference proxies `--lean`, `--lean-epoll` and `--epoll-checked` add: path name ->
+#: module
+REFERENCES = {LEAN: "tests.bench.lean_proxy", LEAN_EPOLL: "tests.bench.lean_epoll_proxy",
+              EPOLL_CHECKED: "tests.bench.epoll_checked_proxy"}
 
 
 def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
@@ -110,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the plain reference proxy (tests/bench/lean_proxy.py) as a path")
     p.add_argument("--lean-epoll", action="store_true",
                    help="add the one-epoll-loop reference (tests/bench/lean_epoll_proxy.py)")
+    p.add_argument("--epoll-checked", action="store_true",
+                   help="add the one-epoll-loop reference with the product's per-request "
+                        "work (tests/bench/epoll_checked_proxy.py)")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
@@ -142,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             rig.proxies[name] = svc
             rig.ports[name] = port
             paths.append(name)
-        references = [n for n, on in ((LEAN, args.lean), (LEAN_EPOLL, args.lean_epoll)) if on]
+        references = [n for n, on in ((LEAN, args.lean), (LEAN_EPOLL, args.lean_epoll),
+                                      (EPOLL_CHECKED, args.epoll_checked)) if on]
         for ref in references:
             if any(ph.h2 for ph in plan):
                 raise SystemExit(f"--{ref} speaks HTTP/1.1 only: leave h2 phases out")

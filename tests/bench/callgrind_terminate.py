@@ -27,7 +27,9 @@ loopback TCP) is not counted at all. Use it to compare trees, not to predict µs
 `--haproxy` counts the rig's HAProxy the same way (started under callgrind on a port of
 its own): how many instructions the peer spends on the same work, next to each tree.
 `--lean` counts `tests/bench/lean_proxy.py` too (see `ab_terminate --lean`), and
-`--lean-epoll` `tests/bench/lean_epoll_proxy.py` (the same job on one epoll loop, no trio).
+`--lean-epoll` `tests/bench/lean_epoll_proxy.py` (the same job on one epoll loop, no trio),
+and `--epoll-checked` `tests/bench/epoll_checked_proxy.py` (that loop with the product's
+per-request work).
 Needs valgrind (Debian: apt-get install valgrind); one run takes about a minute a tree.
 """
 
@@ -291,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also count tests/bench/lean_proxy.py, the same way")
     p.add_argument("--lean-epoll", action="store_true",
                    help="also count tests/bench/lean_epoll_proxy.py, the same way")
+    p.add_argument("--epoll-checked", action="store_true",
+                   help="also count tests/bench/epoll_checked_proxy.py, the same way")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
@@ -311,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.lean_epoll:
             rows["lean-epoll"] = measure_lean(rig, tmp, args.conns, args.keepalive,
                                               "lean-epoll", "tests.bench.lean_epoll_proxy")
+        if args.epoll_checked:
+            rows["epoll-checked"] = measure_lean(rig, tmp, args.conns, args.keepalive,
+                                                 "epoll-checked",
+                                                 "tests.bench.epoll_checked_proxy")
         if args.haproxy:
             rows["haproxy"] = measure_haproxy(rig, tmp, args.conns, args.keepalive)
     shutil.rmtree(tmp, ignore_errors=True)
