@@ -6,6 +6,7 @@ Everything here runs real sockets on 127.0.0.1 and real TLS; nothing is mocked.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import socket
 import ssl
@@ -171,7 +172,25 @@ def _listen_ports() -> range:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    return range(max(1024, low - 16384), low) if low > 2048 else range(49152, 65536)
+    ports = range(max(1024, low - 16384), low) if low > 2048 else range(49152, 65536)
+    return _share(ports)
+
+
+def _share(ports: range) -> range:
+    """The part of `ports` this test process picks from. The suite runs in several
+    processes (pytest-xdist), each remembering only the ports it handed out itself; a
+    port another process picked, whose server binds it minutes later (a module's
+    servers, started once), was free for this one to pick and bind meanwhile. Each
+    process takes a block of its own (a block, so that consecutive ports stay within
+    one process's share): no port is offered to two of them."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit() or not count.isdigit():
+        return ports
+    n = max(1, int(count))
+    k = int(worker[2:]) % n
+    size = len(ports) // n
+    return ports[k * size:(k + 1) * size]
 
 
 LISTEN_PORTS = _listen_ports()
