@@ -249,9 +249,16 @@ async def test_close_unwatched_leaves_trio_able_to_wait_on_the_next_socket() -> 
     tls.close_unwatched()
     assert server_sock.fileno() == -1
     peer.sock.close()
-    a, b = socket.socketpair()  # the lowest free numbers: `fd` is one of them
+    # New sockets take the lowest free numbers, and numbers below `fd` that earlier tests
+    # of this process freed come first: pairs are made until one of them gets `fd`.
+    pairs: list[tuple[socket.socket, socket.socket]] = []
     try:
-        assert fd in (a.fileno(), b.fileno())
+        for _ in range(512):  # bounded: a process has far fewer holes below `fd`
+            a, b = socket.socketpair()
+            pairs.append((a, b))
+            if fd in (a.fileno(), b.fileno()):
+                break
+        assert fd in (a.fileno(), b.fileno()), f"no new socket got number {fd}"
         mine, other = (a, b) if a.fileno() == fd else (b, a)
         mine.setblocking(False)
         with trio.fail_after(10):
@@ -261,8 +268,9 @@ async def test_close_unwatched_leaves_trio_able_to_wait_on_the_next_socket() -> 
                 other.send(b"x")  # wakes the wait: the new socket is watched for real
         assert mine.recv(1) == b"x"
     finally:
-        a.close()
-        b.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
 
 
 async def test_write_nowait_holds_what_the_kernel_refused_and_sends_it_first() -> None:
