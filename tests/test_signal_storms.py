@@ -141,7 +141,11 @@ class Run:
         for i, msg in enumerate(told):
             assert msg != "RELOADING=1" or "READY=1" in told[i:], told
         with socket.socket() as probe:
-            probe.bind((LOOPBACK, self.port))  # the listener is closed
+            # the listener is closed. SO_REUSEADDR: a connection the edge closed first
+            # leaves TIME_WAIT on this port, which is no listener (a bind beside a
+            # listener still fails with it)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((LOOPBACK, self.port))
         finals = [e for e in self.events() if e in ("stopped", "stopped_before_ready")]
         return code, finals
 
