@@ -64,13 +64,6 @@ from tests.bench.harness import (
 )
 
 PROFILE_RATE = 400
-LEAN = "lean"
-LEAN_EPOLL = "lean-epoll"
-EPOLL_CHECKED = "epoll-checked"
-#: the reference proxies `--lean`, `--lean-epoll` and `--epoll-checked` add: path name ->
-#: module
-REFERENCES = {LEAN: "tests.bench.lean_proxy", LEAN_EPOLL: "tests.bench.lean_epoll_proxy",
-              EPOLL_CHECKED: "tests.bench.epoll_checked_proxy"}
 
 
 def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
@@ -152,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
             rig.proxies[name] = svc
             rig.ports[name] = port
             paths.append(name)
-        references = [n for n, on in ((LEAN, args.lean), (LEAN_EPOLL, args.lean_epoll),
-                                      (EPOLL_CHECKED, args.epoll_checked)) if on]
+        # `--lean`, `--lean-epoll`, `--epoll-checked`: the flag is the path's name
+        references = [n for n in bt.REFERENCES if getattr(args, n.replace("-", "_"))]
         for ref in references:
             if any(ph.h2 for ph in plan):
                 raise SystemExit(f"--{ref} speaks HTTP/1.1 only: leave h2 phases out")
             port = free_port()
             svc = Service(ref, python_module(
-                REFERENCES[ref], str(port), str(tmp / f"{bt.HOST}.crt"),
+                bt.REFERENCES[ref], str(port), str(tmp / f"{bt.HOST}.crt"),
                 str(tmp / f"{bt.HOST}.key"), str(rig.ports["node"]),
                 str(tmp / "ingress.crt"), str(tmp / "ingress.key")), CORE_PROXY,
                 tmp / f"{ref}.log")

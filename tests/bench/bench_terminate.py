@@ -113,6 +113,12 @@ PATHS = (DIRECT, PEER, SUBJECT, FLOOR)
 PROXIES = (PEER, SUBJECT, FLOOR)
 #: SNI and Host of every request: must resolve to 127.0.0.1 for wrk / h2load.
 HOST = "localhost"
+#: The reference proxies `ab_terminate` and `callgrind_terminate` can put beside the
+#: trees (each run as `python -m MODULE PORT CERT KEY NODE_PORT CLIENT_CERT CLIENT_KEY`):
+#: path name -> module. The plain trio proxy, the same job on one epoll loop, and that
+#: loop with the product's per-request work.
+REFERENCES = {"lean": "tests.bench.lean_proxy", "lean-epoll": "tests.bench.lean_epoll_proxy",
+              "epoll-checked": "tests.bench.epoll_checked_proxy"}
 #: Size of the node's answer body ("a 1 KiB-ish response").
 BODY_BYTES = 1024
 #: Budgets nothing in a run can exhaust: the limiter is charged but never refuses.

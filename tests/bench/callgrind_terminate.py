@@ -243,11 +243,11 @@ def measure_haproxy(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0
     return _count(proc, "haproxy", port, tmp, conns, keepalive)
 
 
-def measure_lean(rig: bt.Rig, tmp: Path, conns: int, keepalive: int = 0,
-                 name: str = "lean", module: str = "tests.bench.lean_proxy") -> Counter[str]:
-    """The same counts for `tests/bench/lean_proxy.py` (`ab_terminate --lean`): the
-    plain terminate proxy on this stack, without the product's work (or, by `module`,
-    `lean_epoll_proxy.py`, the same job on one epoll loop)."""
+def measure_reference(rig: bt.Rig, tmp: Path, conns: int, keepalive: int,
+                      name: str) -> Counter[str]:
+    """The same counts for the reference proxy `name` (`bench_terminate.REFERENCES`:
+    `lean` is the plain terminate proxy on this stack, without the product's work)."""
+    module = bt.REFERENCES[name]
     port = free_port()
     out = tmp / f"callgrind-{name}.out"
     proc = subprocess.Popen(
@@ -310,15 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, tree in (t.split("=", 1) for t in args.trees):
             rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns,
                                  args.keepalive)
-        if args.lean:
-            rows["lean"] = measure_lean(rig, tmp, args.conns, args.keepalive)
-        if args.lean_epoll:
-            rows["lean-epoll"] = measure_lean(rig, tmp, args.conns, args.keepalive,
-                                              "lean-epoll", "tests.bench.lean_epoll_proxy")
-        if args.epoll_checked:
-            rows["epoll-checked"] = measure_lean(rig, tmp, args.conns, args.keepalive,
-                                                 "epoll-checked",
-                                                 "tests.bench.epoll_checked_proxy")
+        for name in bt.REFERENCES:  # `--lean` etc.: the flag is the path's name
+            if getattr(args, name.replace("-", "_")):
+                rows[name] = measure_reference(rig, tmp, args.conns, args.keepalive, name)
         if args.haproxy:
             rows["haproxy"] = measure_haproxy(rig, tmp, args.conns, args.keepalive)
     shutil.rmtree(tmp, ignore_errors=True)
