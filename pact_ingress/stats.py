@@ -76,6 +76,11 @@ class Stats:
         self.h2_floods = Counter(
             p + "h2_floods", "HTTP/2 connections closed for flooding, by frame kind",
             ["route", "kind"], registry=r)
+        self.lane = Counter(
+            p + "terminate_lane",
+            "HTTP/1.1 exchanges the keep-alive lane served whole (outcome=served), and "
+            "connections it handed to the trio engine, by where (outcome=start, answer, "
+            "forward, relay, h2, linger)", ["outcome"], registry=r)
         self.upstream_seconds = Histogram(
             p + "upstream_response_seconds", "Time to upstream response headers",
             ["route"], registry=r)

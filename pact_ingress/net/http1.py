@@ -55,6 +55,7 @@ from pact_ingress.proto.http1_server import (
     chunk,
     response_framing,
     response_head,
+    whole_response,
 )
 from pact_ingress.proto.http_request import header
 
@@ -93,13 +94,15 @@ class _MustWait(Exception):
 class H1Connection:
     def __init__(self, stream: trio.abc.Stream, *, idle_timeout: float, head_timeout: float,
                  write_timeout: float, idle_scopes: set[trio.CancelScope],
-                 draining: trio.Event | None = None) -> None:
+                 draining: trio.Event | None = None, parser: H1ServerParser | None = None,
+                 deferred: ParseError | None = None) -> None:
         self.stream = stream
-        self.parser = H1ServerParser()
+        # (a connection the keep-alive lane served so far comes with its parser)
+        self.parser = H1ServerParser() if parser is None else parser
         self.idle_timeout = idle_timeout
         self.head_timeout = head_timeout
         self.write_timeout = write_timeout
-        self.deferred: ParseError | None = None  # a bad pipelined head, read ahead
+        self.deferred = deferred  # a bad pipelined head, read ahead
         # bytes read ahead while answers streamed, not yet reached by the request loop:
         # one budget for the connection, not one per answer, or a client pipelining
         # behind streamed answers has every answer read another share into the queue
@@ -119,8 +122,15 @@ class H1Connection:
         self._talking = False
         self._now = deadlines.clock()
         self._sweeper: deadlines.Sweeper | None = None  # this run's, at the first wait
+        self._first: tuple[Request, Callable[[Exchange], Awaitable[None]]] | None = None
 
-    async def serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
+    async def serve(self, handle: Callable[[Exchange], Awaitable[None]],
+                    first: tuple[Request, Callable[[Exchange], Awaitable[None]]] | None = None
+                    ) -> None:
+        """Serve the connection's requests with `handle` until it ends. `first`: a
+        request the keep-alive lane read whole (its body taken from the parser) and
+        began to serve, with what finishes it; it is served before the rest."""
+        self._first = first
         # One scope for the connection's life, armed (idle deadline with the sweeper,
         # drain) only while it waits between requests: cheaper than a new scope per
         # wait. When it fires, the connection ends: what an idle timeout or a drain means.
@@ -142,10 +152,15 @@ class H1Connection:
     async def _serve(self, handle: Callable[[Exchange], Awaitable[None]]) -> None:
         served = 0
         while True:
-            exchange = await self._next_exchange()
-            if exchange is None:
-                return
-            await handle(exchange)
+            first, self._first = self._first, None
+            if first is not None:
+                exchange = H1Exchange(self, first[0], True)
+                await first[1](exchange)
+            else:
+                exchange = await self._next_exchange()
+                if exchange is None:
+                    return
+                await handle(exchange)
             if exchange.broken:
                 self._broken = True  # nothing more is sent: there is no answer to protect
                 return
@@ -386,17 +401,10 @@ class H1Exchange(Exchange):
     async def respond_whole(self, status: int, headers: Headers, body: bytes) -> None:
         """The whole response in one write."""
         request = self.request
-        framing = self._framing = response_framing(self.method, request.http_version,
-                                                   status, headers)
         close = self._close = (self.stopped_early or not request.keep_alive
                                or self.c.draining())
-        head = response_head(status, headers, framing, close=close)
-        if framing is Framing.LENGTH or framing is Framing.CLOSE:
-            data = head + body if body else head
-        elif framing is Framing.CHUNKED:
-            data = head + chunk(body) + LAST_CHUNK if body else head + LAST_CHUNK
-        else:
-            data = head
+        data, self._framing = whole_response(self.method, request.http_version, status,
+                                             headers, body, close=close)
         await self._write(data)
         self._complete = True
 

@@ -33,6 +33,10 @@ would block: that end was an old file's, reported under a reused number). A recv
 filled its whole buffer may have left bytes behind, which no new event announces: the
 caller then sets `readable` itself, so a wait that does not look first returns at once.
 
+* The keep-alive lane (`net/h1_lane.py`): a Watch whose `lane` is set belongs to one
+  of its connections; the hub calls `lane.event(mask)` with its events and a deadline
+  calls `lane.expired(side)`, instead of waking a task. The lane clears `lane` (and
+  marks the Watch readable) before it gives the socket to a task.
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
 * Cancellation: the abort callback takes the task off the Watch.
@@ -54,11 +58,13 @@ import math
 import os
 import select
 import socket
+from typing import Any
 
 import outcome
 import trio
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
+from pact_ingress.logs import log
 from pact_ingress.net import deadlines
 
 _EPOLLIN, _EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
@@ -106,8 +112,8 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("_abort_read", "_abort_write", "closed", "ended", "fd", "hub", "out",
-                 "readable", "reader", "writer")
+    __slots__ = ("_abort_read", "_abort_write", "closed", "ended", "fd", "hub", "lane",
+                 "out", "readable", "reader", "writer")
 
     def __init__(self, hub: Hub, fd: int) -> None:
         self.hub = hub
@@ -118,6 +124,9 @@ class Watch:
         self.ended = False  # the peer closed or the socket failed: reads never block again
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
+        #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events and
+        #: deadlines go to it (`event(mask)`, `expired(side)`) instead of waking a task
+        self.lane: Any = None
         self._abort_read = self._make_abort(READ)
         self._abort_write = self._make_abort(WRITE)
 
@@ -189,7 +198,11 @@ class Watch:
             sweeper.disarm(arm)
 
     def fire(self, side: int) -> None:
-        """A deadline passed: the task waiting on `side`, if any, gets `TooSlowError`."""
+        """A deadline passed: the task waiting on `side`, if any, gets `TooSlowError`
+        (the lane's connection is told instead, when it drives this socket)."""
+        if self.lane is not None:
+            self.lane.expired(side)
+            return
         if side == READ:
             task, self.reader = self.reader, None
         else:
@@ -262,6 +275,12 @@ class Hub:
                     for fd, mask in events:
                         watch = watches.get(fd)
                         if watch is None:
+                            continue
+                        if watch.lane is not None:
+                            try:
+                                watch.lane.event(mask)  # (it catches its own failures)
+                            except Exception as exc:  # noqa: BLE001 - never the hub's end
+                                log.error("lane_event_failed", error=repr(exc))
                             continue
                         if mask & _WAKES_READER:
                             if mask & _ENDS:

@@ -6,7 +6,11 @@ Theory of operation
 The router has peeked the ClientHello and picked a certificate context for the SNI; it
 hands us the connection as a `ReplayStream`. `Terminator.serve` runs the TLS handshake
 (bounded by `clienthello_timeout`) and, by ALPN, drives HTTP/2 (`net.http2`) or HTTP/1.1
-(`net.http1`) on it. Those modules turn the connection into `Exchange`s; this module runs
+(`net.http1`) on it. A bare socket (`serve_socket`, the usual hand-over) starts in the
+keep-alive lane instead (`net.h1_lane`), which serves the usual HTTP/1.1 exchange from
+the readiness hub's loop and hands the connection to the engine here, where its story
+stands, when it needs more (`_resume`); the lane's story is `lane_story`, the steps
+below in the same order. Those modules turn the connection into `Exchange`s; this module runs
 the same story on each, whichever the version:
 
 1. **Route, looked up per request.** The connection remembers only its route's *host*;
@@ -51,10 +55,12 @@ from __future__ import annotations
 import _socket
 import bisect
 import enum
+import os
 import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -66,7 +72,8 @@ from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
-from pact_ingress.net.http1 import H1Connection
+from pact_ingress.net.h1_lane import Handoff, Lane, LaneGo, NeedNode, Resume
+from pact_ingress.net.http1 import LINGER_BYTES, LINGER_SECONDS, H1Connection
 from pact_ingress.net.http2 import H2Connection
 from pact_ingress.net.http_exchange import (
     BadResponse,
@@ -75,6 +82,7 @@ from pact_ingress.net.http_exchange import (
     Exchange,
     HeadTooLarge,
 )
+from pact_ingress.net.linger import linger
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
@@ -89,6 +97,7 @@ from pact_ingress.net.upstream import (
 )
 from pact_ingress.proto import posture
 from pact_ingress.proto.h2_guard import Flood
+from pact_ingress.proto.http1_server import Request
 from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
 from pact_ingress.proto.http_request import (
     NO_CONTENT_METHODS,
@@ -133,6 +142,10 @@ MAX_CACHED_COUNTERS = 1024
 #: Upstream header times kept before they are moved into the histogram unasked (the
 #: metrics may never be collected; memory stays bounded).
 MAX_PENDING_TIMES = 1024
+#: The keep-alive lane (`net/h1_lane.py`) serves the usual HTTP/1.1 exchange of a
+#: process whose rate limits are its own; `PACT_INGRESS_LANE=0` leaves every connection
+#: to the trio engine (a side-by-side measure of the two).
+LANE = os.environ.get("PACT_INGRESS_LANE", "1") != "0"
 #: The in-flight total per route is bounded by the upstream pool itself; only the
 #: per-client share is enforced here.
 UNBOUNDED = 1 << 30
@@ -225,6 +238,7 @@ class Terminator:
         self._header_times: list[tuple[str, float]] = []
         stats.before_collect(self._sync_metrics)
         self._open = 0
+        self._lane: Lane | None = None  # made on first use, in the trio run
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
@@ -284,12 +298,110 @@ class Terminator:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass  # a connection already reset fails where it is used, like any other
+        if LANE and type(self.limiter) is LocalLimiter:
+            return self._serve_lane(sock, data, server_ctx, route, client,  # type: ignore[arg-type]
+                                    sni)
         try:
             tls = ServerTLS(sock, server_ctx, data)  # type: ignore[arg-type]
         except BaseException:
             sock.close()
             raise
         return self._serve(tls, route, client, sni)
+
+    async def _serve_lane(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                          route: Route, client: tuple[str, int], sni: str | None) -> None:
+        """`_serve` with the keep-alive lane (`net/h1_lane.py`) serving the connection
+        for as long as its requests are the usual ones; the trio engine takes it up
+        where the lane hands it over."""
+        if sni is None and not route.host.startswith("*."):
+            sni = route.host
+        ip = client[0]
+        conn = _Connection(route.host, sni, ip, client_bucket(ip) or ip,
+                           request_prefix(route.host, ip), deadlines.clock())
+        self._open += 1
+        readiness.open_connections += 1
+        handed: Handoff | None = None
+        try:
+            lane = self._lane
+            if lane is None:
+                lane = self._lane = Lane(self)
+                if self._draining.is_set():
+                    lane.drain()
+            step = await lane.serve(sock, data, ctx, route, conn)
+            while type(step) is NeedNode:
+                step = await self._connect_for_lane(lane, step)
+            handed = step  # type: ignore[assignment]
+            if handed is not None:
+                await self._resume(conn, route, handed)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
+            log.debug("terminate_connection_ended", route=route.host, error=repr(exc))
+        except Exception as exc:
+            log.warning("terminate_connection_error", route=route.host, error=repr(exc))
+        finally:
+            self._open -= 1
+            readiness.open_connections -= 1
+            if handed is not None:
+                handed.tls.close_unwatched()
+            elif sock.fileno() != -1:
+                sock.close()  # (the lane closes what it ends; this is a failure's)
+
+    async def _connect_for_lane(self, lane: Lane, need: NeedNode
+                                ) -> Handoff | NeedNode | None:
+        """A connection to the node for the lane's exchange, as `Upstream.request` gets
+        one (`_Pool.acquire`: waits for a slot, connects, checks the pins)."""
+        node = error = None
+        reused = False
+        try:
+            node, reused = await need.entry.acquire(need.host, need.deadline,
+                                                    fresh=need.fresh)
+        except UpstreamError as exc:
+            error = exc
+        except BaseException:
+            need.client.close(CLIENT_CLOSED)  # cancelled: the process is stopping
+            raise
+        return await lane.connected(need, node, reused, error)
+
+    async def _resume(self, conn: _Connection, route: Route, h: Handoff) -> None:
+        """A connection the lane handed over, served on from where it stopped."""
+        limits = route.limits
+        if h.point is Resume.H2:
+            await H2Connection(h.tls, idle_timeout=limits.idle_timeout,
+                               write_timeout=limits.client_write_timeout,
+                               idle_scopes=self._idle_scopes, draining=self._draining,
+                               on_flood=partial(self._flooded, conn)).serve(
+                                   partial(self._exchange, conn))
+            return
+        if h.point is Resume.LINGER:
+            await linger(h.tls.socket, LINGER_SECONDS, LINGER_BYTES)
+            return
+        h1 = H1Connection(h.tls, idle_timeout=limits.idle_timeout,
+                          head_timeout=limits.clienthello_timeout,
+                          write_timeout=limits.client_write_timeout,
+                          idle_scopes=self._idle_scopes, draining=self._draining,
+                          parser=h.parser, deferred=h.deferred)
+        h1._answered = h.answered
+        first = None
+        if h.request is not None:
+            first = (h.request, partial(self._exchange, conn, then=partial(self._then, conn, h),
+                                        held=h.held, started=h.started))
+        await h1.serve(partial(self._exchange, conn), first)
+
+    async def _then(self, conn: _Connection, h: Handoff, ex: Exchange) -> int:
+        """The rest of the story of the request the lane handed over with `h`."""
+        if h.point is Resume.ANSWER:
+            assert h.answer is not None
+            return await self._answer(ex, conn, h.answer)
+        go = h.go
+        assert go is not None
+        if h.point is Resume.FORWARD:
+            return await self._forward(ex, conn, go.route, go.tenant, conn.client, go.host,
+                                       go.target, go.body)
+        assert h.entry is not None and h.node is not None and h.response is not None
+        try:  # RELAY: the lane holds the client's share of the node for it
+            return await self._from_node(ex, conn, go.route, self.upstream.adopt(
+                h.entry, h.node, h.response, go.route.limits.idle_timeout), None)
+        finally:
+            self.lane_give(conn, go.route)
 
     async def _serve(self, tls: ServerTLS | trio.SSLStream, route: Route,
                      client: tuple[str, int], sni: str | None) -> None:
@@ -348,6 +460,8 @@ class Terminator:
     async def drain(self) -> None:
         """Shutdown has begun: close idle connections now, let open requests finish."""
         self._draining.set()
+        if self._lane is not None:
+            self._lane.drain()
         for scope in list(self._idle_scopes):
             scope.cancel()
 
@@ -359,6 +473,15 @@ class Terminator:
     def _sync_metrics(self) -> None:
         """The requests counted and the header times noted since the last sync, into
         `stats.requests` and `stats.upstream_seconds`."""
+        lane = self._lane
+        if lane is not None:
+            if lane.served:
+                self.stats.lane.labels("served").inc(lane.served)
+                lane.served = 0
+            for point, handed in lane.handed.items():
+                if handed:
+                    self.stats.lane.labels(point.value).inc(handed)
+                    lane.handed[point] = 0
         answered, self._answered = self._answered, {}
         for (route_host, status), count in answered.items():
             self._labelled(self.stats.requests, route_host, str(status)).inc(count)
@@ -380,28 +503,129 @@ class Terminator:
             child = self._children[key] = family.labels(*labels)
         return child
 
-    async def _exchange(self, conn: _Connection, ex: Exchange) -> None:
-        held = [0]  # body bytes this exchange holds in `buffers`
+    async def _exchange(self, conn: _Connection, ex: Exchange,
+                        then: Callable[[Exchange], Coroutine[Any, Any, int]] | None = None,
+                        held: int = 0, started: float | None = None) -> None:
+        """One exchange, counted and logged however it ends. `then`: the rest of a
+        story the lane began at `started`, holding `held` body bytes."""
+        shares = [held]  # body bytes this exchange holds in `buffers`
         client = conn.client
-        started = conn.now()
+        if started is None:
+            started = conn.now()
         # counted however the exchange ends: an HTTP/2 stream the client resets, or whose
         # connection breaks, is cancelled rather than told, and a request the node may
         # have executed by then must still show in the counts and the log
         status = CLIENT_CLOSED
         try:
-            status = await self._story(conn, ex, client, held, started)
+            if then is None:
+                status = await self._story(conn, ex, client, shares, started)
+            else:
+                status = await then(ex)
         except _NodeBrokeOff:
             status = NODE_BROKE_OFF
         except ClientGone:
             status = CLIENT_CLOSED
         finally:
-            if held[0]:
-                self.buffers.give(client, held[0])
-            answered = self._answered  # counted here, in the metric at the next collection
-            key = (conn.route_host, status)
-            answered[key] = answered.get(key, 0) + 1
-            log.request(conn.log_prefix, ex.method, _log_path(ex.target), status,
-                        round((conn.now() - started) * 1000, 1))
+            self.count(conn, ex.method, ex.target, status, started, shares[0])
+
+    def count(self, conn: _Connection, method: str, target: bytes, status: int,
+              started: float, held: int) -> None:
+        """An exchange ended with `status`: its body's share given back, the answer
+        counted (in the metric at the next collection), the access log line written."""
+        if held:
+            self.buffers.give(conn.client, held)
+        answered = self._answered
+        key = (conn.route_host, status)
+        answered[key] = answered.get(key, 0) + 1
+        log.request(conn.log_prefix, method, _log_path(target), status,
+                    round((conn.now() - started) * 1000, 1))
+
+    def note_header_time(self, route_host: str, seconds: float) -> None:
+        """How long the node took to its response head (into the histogram at the next
+        collection, or now when many are waiting)."""
+        times = self._header_times
+        times.append((route_host, seconds))
+        if len(times) >= MAX_PENDING_TIMES:
+            self._sync_metrics()
+
+    # -- the lane's story -------------------------------------------------------------
+
+    def lane_story(self, conn: _Connection, req: Request, body: bytes,
+                   now: float) -> LaneGo | _Answer | None:
+        """`_story` for a request the lane has whole, as far as the node, in the same
+        order: the checks that need no charge first (their failures go to the trio
+        engine uncharged: None), then the charges (a refusal: the `_Answer`, the
+        charges made), else what the lane forwards."""
+        route = self._routes.get(conn.route_host)
+        if route is None:
+            return None
+        tenant = self._tenants.get(route.tenant)
+        limiter = self.limiter
+        if tenant is None or type(limiter) is not LocalLimiter:
+            return None
+        method = req.method
+        has_body = req.chunked if req.content_length is None else req.content_length > 0
+        try:
+            target = parse_target(req.target)
+            host = check_host(req.host, target, conn.sni, route.host)
+            check_single_valued(req.headers)
+            scope = judge_scope(
+                method, target, route.mcp_path, has_body=has_body,
+                content_type=header(req.headers, b"content-type") if has_body else None,
+                content_encoding=(header(req.headers, b"content-encoding")
+                                  if method == "POST" else None))
+        except BadRequest:
+            return None
+        mcp = scope is Scope.MCP_POST
+        if len(body) > min(route.limits.max_body_bytes, INLINE_PARSE_BYTES) or (
+                body and not mcp and method in NO_CONTENT_METHODS):
+            return None
+        budget = self._budgets.get(route.host) or Budget.from_limits(route.limits)
+        ip_unit = limiter.pure.check_calls(conn.client_ip, (None,), now, budget=budget,
+                                           scope=route.host)
+        if isinstance(ip_unit, Limited):
+            mcp_call = method == "POST" and in_mcp_scope(target.path, route.mcp_path)
+            return _Answer.refusal(posture.refuse_rate_limited(
+                posture.Forward(caller_keys=(None,), jsonrpc=mcp_call), ip_unit.retry_after))
+        held = 0
+        if mcp:
+            if body:
+                refused = self.buffers.take(conn.client, len(body))
+                if refused is not None:
+                    return _busy(refused)
+                held = len(body)
+            content_type = header(req.headers, b"content-type")
+            decision = posture.check_request(posture.McpRequest(
+                method, target.path,
+                content_type.decode("latin-1") if content_type is not None else None, body),
+                posture.Policy.for_route(route, tenant), self.wall_clock())
+            keyed: Any = None
+            if not isinstance(decision, posture.Refuse):
+                keyed = limiter.pure.check_calls(conn.client_ip, decision.caller_keys, now,
+                                                 budget=budget, scope=route.host, prepaid=1)
+            if isinstance(decision, posture.Refuse) or isinstance(keyed, Limited):
+                if held:
+                    self.buffers.give(conn.client, held)
+                return _Answer.refusal(decision if isinstance(decision, posture.Refuse)
+                                       else posture.refuse_rate_limited(
+                                           decision, keyed.retry_after))
+        out = _node_headers(req.headers, conn.client_ip, host, method, req.content_length,
+                            body)
+        return LaneGo(route, tenant, host, target, out, body, held)
+
+    def lane_share(self, conn: _Connection, route: Route) -> _Answer | None:
+        """The client's share of the node for a request the lane forwards (`_forward`'s
+        first step); the refusal when it has no more."""
+        if self._inflight_for(route).take(conn.client, 1) is not None:
+            return _TOO_MANY_IN_FLIGHT
+        return None
+
+    def lane_give(self, conn: _Connection, route: Route) -> None:
+        self._inflight_for(route).give(conn.client, 1)
+
+    @staticmethod
+    def lane_failure(route: Route, exc: UpstreamError) -> _Answer:
+        return _upstream_answer(route, exc)
 
     async def _story(self, conn: _Connection, ex: Exchange, client: str, held: list[int],
                      now: float) -> int:
@@ -555,8 +779,7 @@ class Terminator:
                        body: bytes | AsyncIterator[bytes]) -> int:
         inflight = self._inflight_for(route)
         if inflight.take(client, 1) is not None:
-            return await self._answer(ex, conn, _Answer.text(
-                429, "too many requests in flight from your address", (b"retry-after", b"1")))
+            return await self._answer(ex, conn, _TOO_MANY_IN_FLIGHT)
         try:
             return await self._upstream(ex, conn, route, tenant, host, target, body)
         except _BodyTooLarge:
@@ -567,25 +790,21 @@ class Terminator:
     async def _upstream(self, ex: Exchange, conn: _Connection, route: Route, tenant: Tenant,
                         host: str, target: Target, body: bytes | AsyncIterator[bytes]) -> int:
         """The request to the node and its answer relayed (a node failure answered)."""
-        out = clean_request_headers(ex.headers, client_ip=conn.client_ip, host=host)
-        if isinstance(body, bytes):
-            if body or ex.content_length is not None or ex.method not in (
-                    "GET", "HEAD", "DELETE", "OPTIONS"):
-                out.append((b"content-length", str(len(body)).encode()))
-        elif ex.content_length is not None:
-            out.append((b"content-length", str(ex.content_length).encode()))
-        else:
-            out.append((b"transfer-encoding", b"chunked"))
-        started = conn.now()
+        out = _node_headers(ex.headers, conn.client_ip, host, ex.method, ex.content_length,
+                            body)
+        return await self._from_node(ex, conn, route, self.upstream.request(
+            route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
+            headers=out, body=body, idle_timeout=route.limits.idle_timeout), conn.now())
+
+    async def _from_node(self, ex: Exchange, conn: _Connection, route: Route,
+                         request: AbstractAsyncContextManager[UpstreamResponse],
+                         started: float | None) -> int:
+        """The node's answer relayed, or a node failure answered. `started`: when the
+        request went out (None: its header time was noted already)."""
         try:
-            async with self.upstream.request(
-                route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
-                headers=out, body=body, idle_timeout=route.limits.idle_timeout,
-            ) as response:
-                times = self._header_times
-                times.append((route.host, conn.now() - started))
-                if len(times) >= MAX_PENDING_TIMES:
-                    self._sync_metrics()
+            async with request as response:
+                if started is not None:
+                    self.note_header_time(route.host, conn.now() - started)
                 await self._relay(ex, route, response)
                 return response.status
         except UpstreamError as exc:
@@ -698,6 +917,27 @@ async def _stream_body(ex: Exchange, cap: int, deadline: float,
         if size > cap:
             raise _BodyTooLarge()
         yield chunk
+
+
+def _node_headers(headers: list[tuple[bytes, bytes]], client_ip: str, host: str,
+                  method: str, content_length: int | None,
+                  body: bytes | AsyncIterator[bytes]) -> list[tuple[bytes, bytes]]:
+    """The request's headers as they go to the node: cleaned, `Forwarded` added, the
+    body's framing said."""
+    out = clean_request_headers(headers, client_ip=client_ip, host=host)
+    if isinstance(body, bytes):
+        if body or content_length is not None or method not in (
+                "GET", "HEAD", "DELETE", "OPTIONS"):
+            out.append((b"content-length", str(len(body)).encode()))
+    elif content_length is not None:
+        out.append((b"content-length", str(content_length).encode()))
+    else:
+        out.append((b"transfer-encoding", b"chunked"))
+    return out
+
+
+_TOO_MANY_IN_FLIGHT = _Answer.text(429, "too many requests in flight from your address",
+                                   (b"retry-after", b"1"))
 
 
 def _busy(refused: Refused) -> _Answer:

@@ -13,6 +13,7 @@ import ssl
 
 import trio
 
+from pact_ingress.net import readiness
 from pact_ingress.net.memory_tls import ServerStream
 
 
@@ -26,6 +27,19 @@ class ServerTLS(ServerStream):
             incoming.write(initial)
         self._sock = sock
         self._closed = False
+
+    @classmethod
+    def adopt(cls, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+              outgoing: ssl.MemoryBIO, watch: readiness.Watch | None) -> ServerTLS:
+        """A connection the keep-alive lane (`net/h1_lane.py`) ran so far, handshake
+        done, handed over as it is: its TLS engine with what its BIOs hold, and its
+        socket's place in the readiness hub."""
+        self = cls.__new__(cls)
+        ServerStream.__init__(self, tls, incoming, outgoing, raw=sock, stream=None)
+        self._sock = sock
+        self._closed = False
+        self._watch = watch
+        return self
 
     @property
     def socket(self) -> socket.socket:

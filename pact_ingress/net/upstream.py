@@ -268,6 +268,13 @@ class _Conn(MemoryTLS):
             return False
         return False
 
+    def close_now(self) -> None:
+        """`aclose` for a connection over a socket of ours (`_raw`), which has nothing
+        to await."""
+        assert self._sock is not None
+        self._close_watch()
+        self._sock.close()
+
     async def aclose(self) -> None:
         if self._sock is not None:
             self._close_watch()
@@ -344,6 +351,26 @@ class _Pool:
                 or not conn.alive()):
             return None
         return idle.pop()
+
+    def take_idle(self, sni: str, now: float) -> _Conn | None:
+        """`acquire`'s usual case without awaiting, for a caller that drives the socket
+        itself (the keep-alive lane): the most recently used idle connection, when it is
+        for `sni`, over a socket of ours, not expired and alive; None sends the caller to
+        `acquire` (which closes what is dead or expired)."""
+        idle = self.idle
+        if not idle or self.retired:
+            return None
+        conn = idle[-1]
+        if (conn.sni != sni or conn._raw is None or conn._held
+                or idle[0].idle_since + KEEPALIVE_EXPIRY < now or not conn.alive()):
+            return None
+        return idle.pop()
+
+    def drop(self, conn: _Conn) -> None:
+        """`discard` for a connection `take_idle` gave out."""
+        self.open -= 1
+        self._freed.unpark()
+        conn.close_now()
 
     def _idle_for(self, sni: str) -> _Conn | None:
         """The most recently used idle connection for `sni`, taken off the idle list."""
@@ -639,6 +666,19 @@ class Upstream:
             raise UpstreamProtocolError(str(exc)) from exc
         return parser
 
+    def pool(self, route: Route, pins: tuple[str, ...]) -> _Pool:
+        """The pool `request` would use for `route` (the keep-alive lane takes its idle
+        connections from it)."""
+        return self._pool_for(route, pins)
+
+    def adopt(self, entry: _Pool, conn: _Conn, parser: ResponseParser,
+              idle_timeout: float) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """`request`'s context for an exchange that went out elsewhere (the keep-alive
+        lane: it took `conn` with `take_idle`, counted it in `entry.active`, and has the
+        response head in `parser`): the rest of the body is read from here, and leaving
+        gives the connection back as `request` does."""
+        return _Adopted(self, entry, conn, parser, idle_timeout)
+
     async def aclose(self) -> None:
         """Close every pooled connection (shutdown); requests still running close theirs."""
         pools = [*self._pools.values(), *self._retired]
@@ -686,6 +726,29 @@ class _Request:
             entry.active -= 1
             if up._retired:
                 await up._reap()
+
+
+def request_bytes(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
+                  body: bytes) -> bytes:
+    """A request with a whole body, as it goes to the node in one write."""
+    head, _ = _frame(method, target, headers, body)
+    return head + body if body else head
+
+
+class _Adopted(_Request):
+    """`_Request` entered already: the request went out and the head came elsewhere."""
+
+    __slots__ = ()
+
+    def __init__(self, up: Upstream, entry: _Pool, conn: _Conn, parser: ResponseParser,
+                 idle_timeout: float) -> None:
+        self._up, self._entry, self._args = up, entry, (idle_timeout,)
+        self._conn, self._parser = conn, parser
+        self._body = _Body(conn, parser, idle_timeout)
+
+    async def __aenter__(self) -> UpstreamResponse:
+        parser = self._parser
+        return UpstreamResponse(parser.status, parser.headers, parser.version, self._body)
 
 
 def _frame(method: str, target: bytes, headers: list[tuple[bytes, bytes]],

@@ -153,6 +153,39 @@ class H1ServerParser:
     def next_event(self) -> Event:
         return self._events.popleft() if self._events else NEED_DATA
 
+    def whole_message(self) -> tuple[Request, bytes, int] | None:
+        """The next message when all of it is parsed already, without taking it: its
+        request, its body and the number of events it spans (for `drop`); None when
+        what comes next is not a whole message (nothing, a message still arriving)."""
+        events = self._events
+        if len(events) < 2:
+            return None
+        request = events[0]
+        if not isinstance(request, Request):
+            return None
+        if events[1] is END_OF_MESSAGE:  # the usual message: no body
+            return request, b"", 2
+        parts = []
+        for count, event in enumerate(events):
+            if event is END_OF_MESSAGE:
+                return request, b"".join(parts), count + 1
+            if isinstance(event, Data):
+                parts.append(event.data)
+            elif count:
+                return None
+        return None
+
+    def drop(self, count: int) -> None:
+        """Take the first `count` events (a message `whole_message` returned)."""
+        events = self._events
+        for _ in range(count):
+            events.popleft()
+
+    @property
+    def queued(self) -> bool:
+        """Events wait to be taken."""
+        return bool(self._events)
+
     @property
     def in_head(self) -> bool:
         """A request head has begun and is not complete yet."""
@@ -304,6 +337,18 @@ def response_head(status: int, headers: Headers, framing: Framing, *, close: boo
         parts.append(b"connection: close\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)
+
+
+def whole_response(request_method: str, http_version: str, status: int, headers: Headers,
+                   body: bytes, *, close: bool) -> tuple[bytes, Framing]:
+    """A whole answer's bytes for one write, and the framing it got."""
+    framing = response_framing(request_method, http_version, status, headers)
+    head = response_head(status, headers, framing, close=close)
+    if framing is Framing.LENGTH or framing is Framing.CLOSE:
+        return (head + body if body else head), framing
+    if framing is Framing.CHUNKED:
+        return (head + chunk(body) + LAST_CHUNK if body else head + LAST_CHUNK), framing
+    return head, framing
 
 
 def chunk(data: bytes) -> bytes:

@@ -1,0 +1,955 @@
+"""The keep-alive lane: the terminate engine's usual HTTP/1.1 exchange served from the
+readiness hub's epoll loop, without a trio task switch per request.
+
+Theory of operation
+-------------------
+A keep-alive request through the trio engine (`net/http1.py` and `net/terminate.py`)
+parks its connection's task twice (the client's next request, the node's answer) and
+runs the request story through coroutines, an `Exchange` and the pool's context
+manager. Most requests need none of that: the request arrives whole in one read, the
+checks pass, an idle pooled connection to the node is there, and the answer comes whole
+in one read. This module serves exactly those, as callbacks of the readiness hub
+(`net/readiness.py`), which already owns an edge-triggered epoll set per trio run: a
+connection here is a small state machine whose socket's `Watch` points at it
+(`Watch.lane`), so the hub calls it with each event and the sweeper
+(`net/deadlines.py`) with each deadline, and one wake-up of the hub serves every
+connection that became ready.
+
+Everything else is the trio engine's, and a connection goes there for good, in one
+step, the moment it needs anything this lane does not do (`Handoff`): its TLS engine
+with what its BIOs hold, its socket's place in the hub, its HTTP/1.1 parser with what
+is queued, and the request in hand, if any, with how far its story got:
+
+* `Resume.START` — nothing was charged or answered yet: the trio engine serves the
+  request from the beginning (a head or body still arriving, a body over
+  `MAX_WHOLE_BODY`, `Expect: 100-continue`, a check that would refuse it, a head that
+  did not parse, a limiter that is not local).
+* `Resume.ANSWER` — the story decided an answer at the edge (rate limited, a seal
+  posture refusal, a share refused, a node failure); the trio engine writes it.
+* `Resume.FORWARD` — the checks passed and were charged, but no idle connection to the
+  node could be used (none idle, over a tunnel stream, expired, or the one taken
+  turned out stale before answering a request that may be sent again): the trio engine
+  forwards it (`Terminator._forward`), connecting as it does.
+* `Resume.RELAY` — the node's head came but not its whole answer (a stream, SSE, a
+  large body): the trio engine relays the rest (`Upstream.adopt`).
+* `Resume.H2` — the client chose HTTP/2 (the handshake is done here).
+* `Resume.LINGER` — the connection closes while the client may still be sending: the
+  trio engine's linger (`net/linger.py`) keeps the close from resetting our last
+  answer away.
+
+The request story itself is `Terminator.lane_story` (beside `Terminator._story`, in the
+same order: route, target and host, scope, the IP unit, the body's share and the seal
+posture, the caller keys, the share of the node), so the checks cannot differ by path.
+Counting and the access log line are `Terminator._count`, as for the trio engine's
+exchanges.
+
+Phases (`Phase`, their moves in `_MOVES`): HANDSHAKE → IDLE (between requests) →
+UPSTREAM (the request at the node) → WRITING (the answer not all taken by the kernel
+yet) → IDLE again; ENDED from any of them (closed, or handed over). Deadlines: the
+handshake by the route's `clienthello_timeout`, the wait for the next request by its
+`idle_timeout`, the node's head by the pool's `header_timeout` (504), each write by
+`client_write_timeout`.
+
+While a request is at the node the client is still read (a request pipelined behind it
+is parsed and queued, at most `MAX_PIPELINED_BYTES`, then reading stops until the
+exchange ends); the client's half-close is noted and served as the trio engine does (the
+answer is still written), a reset or error ends the exchange (the node's connection is
+closed, not reused; status 499).
+"""
+
+from __future__ import annotations
+
+import enum
+import select
+import socket
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import outcome
+import trio
+from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
+
+from pact_ingress.logs import log
+from pact_ingress.net import readiness
+from pact_ingress.net.http1 import BROKE_OFF, MAX_PIPELINED_BYTES, MIN_READ_AHEAD_CHARGE
+from pact_ingress.net.linger import unread
+from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.net.upstream import (
+    IDEMPOTENT,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    request_bytes,
+)
+from pact_ingress.proto.http1_server import (
+    Framing,
+    H1ServerParser,
+    ParseError,
+    Request,
+    response_head,
+    whole_response,
+)
+from pact_ingress.proto.http_headers import clean_response_headers
+from pact_ingress.proto.http_request import declared_length, header
+from pact_ingress.proto.http_upstream import ResponseError, ResponseParser
+
+if TYPE_CHECKING:
+    from pact_ingress.model import Route, Tenant
+    from pact_ingress.net.terminate import Terminator, _Answer, _Connection
+    from pact_ingress.net.upstream import _Conn, _Pool
+    from pact_ingress.proto.http_request import Target
+
+#: Ciphertext read per syscall.
+READ_SIZE = 64 * 1024
+#: The largest request body served here (read whole with its head, judged inline);
+#: larger ones, which the trio engine streams or judges in a thread, go there.
+MAX_WHOLE_BODY = 64 * 1024
+
+_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
+_HUP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+_FAILED_HARD = select.EPOLLHUP | select.EPOLLERR  # both ways gone, or an error
+_READABLE = _IN | _HUP
+_BOTH = _IN | select.EPOLLRDHUP | select.EPOLLET | _OUT
+
+
+class Phase(enum.Enum):
+    HANDSHAKE = "handshake"
+    IDLE = "idle"  # waiting for the next request
+    CONNECTING = "connecting"  # the connection's task gets a connection to the node
+    UPSTREAM = "upstream"  # a request at the node
+    WRITING = "writing"  # an answer the kernel has not taken all of yet
+    ENDED = "ended"  # closed, or handed to the trio engine
+
+
+#: How long the rest of a short answer (a declared length up to `MAX_WHOLE_BODY`) is
+#: awaited here once its head came; then it is relayed as it comes (the trio engine),
+#: so a body that trickles is not held back.
+BODY_GRACE = 0.1
+#: The status an answer the node broke off is counted with (as the trio engine does).
+NODE_BROKE_OFF = 502
+_TEXT = (b"content-type", b"text/plain; charset=utf-8")
+
+_PARKED = object()  # no result for the connection's task yet
+
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.HANDSHAKE: frozenset({Phase.IDLE, Phase.ENDED}),
+    Phase.IDLE: frozenset({Phase.CONNECTING, Phase.UPSTREAM, Phase.ENDED}),
+    Phase.CONNECTING: frozenset({Phase.UPSTREAM, Phase.IDLE, Phase.ENDED}),
+    Phase.UPSTREAM: frozenset({Phase.CONNECTING, Phase.WRITING, Phase.IDLE, Phase.ENDED}),
+    Phase.WRITING: frozenset({Phase.IDLE, Phase.ENDED}),
+    Phase.ENDED: frozenset(),
+}
+
+
+class Resume(enum.Enum):
+    """Where the trio engine takes a connection up (see the module docstring)."""
+
+    START = "start"
+    ANSWER = "answer"
+    FORWARD = "forward"
+    RELAY = "relay"
+    H2 = "h2"
+    LINGER = "linger"
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A connection the lane gives to the trio engine, and what it carries."""
+
+    point: Resume
+    tls: ServerTLS
+    parser: H1ServerParser
+    deferred: ParseError | None  # a head that did not parse, behind what is queued
+    answered: bool  # a request was answered on this connection already
+    request: Request | None = None  # ANSWER, FORWARD, RELAY: the request in hand
+    started: float = 0.0  # when its story began
+    held: int = 0  # request-body bytes it holds in the terminator's `buffers`
+    answer: _Answer | None = None  # ANSWER
+    go: LaneGo | None = None  # FORWARD, RELAY: the story so far (the body with it)
+    entry: _Pool | None = None  # RELAY: the pool, counted in its `active`
+    node: _Conn | None = None  # RELAY: the node connection, the head read
+    response: ResponseParser | None = None  # RELAY
+
+
+@dataclass(slots=True)
+class LaneGo:
+    """A request whose checks passed and were charged (`Terminator.lane_story`), as it
+    goes to the node."""
+
+    route: Route
+    tenant: Tenant
+    host: str
+    target: Target
+    headers: list[tuple[bytes, bytes]]  # cleaned, `Forwarded` added, framing said
+    body: bytes
+    held: int  # body bytes held in the terminator's `buffers`
+
+
+@dataclass(slots=True)
+class NeedNode:
+    """The lane asks the connection's task for a connection to the node (`Lane.serve`
+    returns it; the task answers with `Lane.connected`)."""
+
+    client: _Client
+    entry: _Pool
+    host: str
+    deadline: float
+    fresh: bool
+
+
+class _Broke(Exception):
+    """A socket or TLS failure on one leg."""
+
+
+class Lane:
+    """The lane of one trio run's terminator (made on first use)."""
+
+    def __init__(self, terminator: Terminator) -> None:
+        self.t = terminator
+        self.hub = readiness.hub()
+        self.sweeper = self.hub.sweeper
+        self.now = self.sweeper.now
+        self.open: set[_Client] = set()
+        self.draining = False
+        #: exchanges served whole here, and connections handed over by where
+        self.served = 0
+        self.handed = dict.fromkeys(Resume, 0)
+
+    async def serve(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                    route: Route, conn: _Connection) -> Handoff | NeedNode | None:
+        """Run one client connection here until it ends (None: closed), goes to the
+        trio engine (its `Handoff`), or needs a connection to the node (`NeedNode`:
+        answer with `connected`)."""
+        client = _Client(self, sock, data, ctx, route, conn)
+        client.start()
+        return await self._park(client)
+
+    async def connected(self, need: NeedNode, node: _Conn | None, reused: bool,
+                        error: UpstreamError | None) -> Handoff | NeedNode | None:
+        """`serve` again, with the node connection `need` asked for (`reused`: it was
+        idle in the pool) or why there is none."""
+        client = need.client
+        if client.phase is Phase.ENDED:
+            # the client left while the task connected: the connection stays pooled
+            if node is not None and not need.entry.keep(node, True):
+                need.entry.drop(node)
+        else:
+            client.guarded(lambda _: client.node_ready(node, reused, error), 0)
+        return await self._park(client)
+
+    async def _park(self, client: _Client) -> Handoff | NeedNode | None:
+        result, client.result = client.result, _PARKED
+        if result is not _PARKED:  # it came while the task ran: nothing to wait for
+            return result  # type: ignore[return-value]
+        client.task = current_task()
+        return await wait_task_rescheduled(client.abort)  # type: ignore[no-any-return]
+
+    def drain(self) -> None:
+        """Shutdown has begun: connections waiting for a request close now; the others
+        answer with `Connection: close` and close after it."""
+        self.draining = True
+        for client in list(self.open):
+            if client.phase is Phase.IDLE and not client.parser.queued:
+                client.end()
+
+
+class _NodeSide:
+    """The node connection's `Watch.lane` while a request of ours is on it."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: _Client) -> None:
+        self.client = client
+
+    def event(self, mask: int) -> None:
+        self.client.guarded(self.client.node_event, mask)
+
+    def expired(self, side: int) -> None:
+        self.client.guarded(self.client.node_expired, side)
+
+
+class _Client:
+    """One client connection in the lane: its TLS, its parser, the exchange in hand."""
+
+    def __init__(self, lane: Lane, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                 route: Route, conn: _Connection) -> None:
+        self.lane = lane
+        self.t = lane.t
+        self.sock = sock
+        self.conn = conn
+        self.limits = route.limits
+        self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.ssl = ctx.wrap_bio(self.inc, self.out, server_side=True)
+        self.tls = getattr(self.ssl, "_sslobj", self.ssl)  # the C object: no wrapper frame
+        if data:
+            self.inc.write(data)
+        self.watch = lane.hub.watch(sock)
+        self.watch.lane = self
+        self.phase = Phase.HANDSHAKE
+        self.pending = b""  # ciphertext the kernel did not take yet
+        self.parser = H1ServerParser()
+        self.deferred: ParseError | None = None
+        self.answered = False
+        self.eof = False  # the client closed its side (or the connection broke)
+        self.paused = False  # reading stopped: read ahead enough while a request runs
+        self.ahead = 0  # bytes read ahead while the request in hand runs
+        self.arm: Any = None  # the client side's deadline, armed in the sweeper
+        self.task: trio.lowlevel.Task | None = None
+        self.result: Any = _PARKED  # for the task, when it came while the task ran
+        # the exchange in hand
+        self.request: Request | None = None
+        self.started = 0.0
+        self.held = 0
+        self.go: LaneGo | None = None
+        self.share_route: Route | None = None  # the client's share of this route's node
+        self.entry: _Pool | None = None  # the pool, counted in its `active`
+        self.node: _Conn | None = None
+        self.reused = False  # `node` came from the idle list
+        self.node_side = _NodeSide(self)
+        self.node_arm: Any = None
+        self.node_pending = b""
+        self.response: ResponseParser | None = None
+        self.head_seen = False  # the node's head came (its time noted)
+        self.sent_at = 0.0
+        self.status = 0
+        self.close_after = False
+        lane.open.add(self)
+
+    # -- the state machine -------------------------------------------------------------
+
+    def move(self, to: Phase) -> None:
+        if to not in _MOVES[self.phase]:
+            raise AssertionError(f"lane: {self.phase.value} -> {to.value}")
+        self.phase = to
+
+    def guarded(self, step: Callable[[int], None], arg: int) -> None:
+        """Run one step; a failure this code did not expect ends the connection, never
+        the hub that called it."""
+        try:
+            step(arg)
+        except _Broke:  # a leg failed where no step expected it: as for a client gone
+            if self.phase is not Phase.ENDED:
+                self.gone() if self.request is not None else self.close(0)
+        except Exception as exc:  # noqa: BLE001
+            log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
+                      error=f"{type(exc).__name__}: {exc}")
+            if self.phase is not Phase.ENDED:
+                self.close(499 if self.request is not None else 0)
+
+    def event(self, mask: int) -> None:
+        self.guarded(self._event, mask)
+
+    def expired(self, side: int) -> None:
+        self.guarded(self._expired, side)
+
+    def _event(self, mask: int) -> None:
+        if self.phase is Phase.ENDED:
+            return
+        if mask & _OUT and self.pending:
+            if not self.flush():
+                return
+            if self.phase is Phase.WRITING:
+                self.written()
+                return
+        if mask & _READABLE:
+            if self.phase is Phase.HANDSHAKE:
+                self.fill()
+                self.handshake()
+            elif self.phase is Phase.IDLE:
+                self.fill()
+                self.take()
+                self.next()
+            elif mask & _FAILED_HARD:
+                self.gone()
+            elif not self.paused:
+                self.read_ahead()
+
+    def _expired(self, side: int) -> None:
+        self.arm = None
+        if self.phase is Phase.WRITING:
+            self.gone()  # the client did not take the answer in time
+        elif self.phase is Phase.HANDSHAKE:
+            self.close(0)
+        elif self.phase is Phase.IDLE:
+            self.end()
+
+    def start(self) -> None:
+        self.guarded(lambda _: self.handshake(), 0)
+
+    def abort(self, _: object) -> Abort:
+        """The parked task was cancelled (the process is stopping): close here."""
+        self.task = None
+        if self.phase is not Phase.ENDED:
+            self.close(499 if self.request is not None else 0)
+        return Abort.SUCCEEDED
+
+    # -- the client's bytes ------------------------------------------------------------
+
+    def fill(self) -> None:
+        """Everything the socket holds into the TLS engine; notes the client's close.
+        The close is not given to the TLS engine: a TLS read that met it would leave the
+        engine failed (OpenSSL takes a close without close_notify for an error), and
+        the answer to a request that came just before it must still be written."""
+        sock, inc = self.sock, self.inc
+        while True:
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.eof = True
+                return
+            if not data:
+                self.eof = True
+                return
+            inc.write(data)
+            if len(data) < READ_SIZE:
+                return  # (a close that came with these bytes raises its own event)
+
+    def take(self) -> None:
+        """Decrypt what the TLS engine holds and parse it."""
+        tls, inc, parser = self.tls, self.inc, self.parser
+        while self.deferred is None and not parser.closed:
+            if not inc.pending and not tls.pending():
+                if self.eof:
+                    self.feed(b"")
+                return
+            try:
+                data = tls.read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                if self.eof:  # a record cut short by the close
+                    self.feed(b"")
+                return
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                self.feed(b"")
+                return
+            except ssl.SSLError:
+                self.eof = True
+                self.feed(b"")
+                return
+            if not data:
+                self.feed(b"")
+                return
+            self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        if self.parser.closed:
+            return
+        try:
+            self.parser.feed(data)
+        except ParseError as exc:
+            self.deferred = exc  # what was queued before it is served first
+
+    def read_ahead(self) -> None:
+        """While a request runs: what the client sends next is read and queued, up to
+        `MAX_PIPELINED_BYTES`; then reading stops until the exchange ends."""
+        before = self.inc.pending
+        self.fill()
+        self.ahead += max(self.inc.pending - before, MIN_READ_AHEAD_CHARGE)
+        self.take()
+        if self.ahead >= MAX_PIPELINED_BYTES:
+            self.paused = True
+
+    # -- TLS handshake -----------------------------------------------------------------
+
+    def handshake(self) -> None:
+        try:
+            self.ssl.do_handshake()
+        except ssl.SSLWantReadError:
+            if self.eof:
+                self.close(0)
+                return
+            self.send_out()
+            if self.phase is not Phase.ENDED and self.arm is None:
+                self.arm_client(self.conn.now() + self.limits.clienthello_timeout)
+            return
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("terminate_connection_ended", route=self.conn.route_host,
+                      error=repr(exc))
+            try:
+                self.send_out()  # the alert, if any
+            except _Broke:
+                pass
+            self.close(0)
+            return
+        self.disarm_client()
+        self.move(Phase.IDLE)
+        if self.ssl.selected_alpn_protocol() == "h2":
+            self.hand(Resume.H2)
+            return
+        # the client's first request often came with its Finished: the session
+        # tickets wait in the BIO and leave with the answer, in one send
+        if not self.inc.pending:
+            self.send_out()
+        self.take()
+        self.next()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def next(self) -> None:
+        """In IDLE: serve the next request if it is here whole; hand the connection
+        over if what is here needs the trio engine; else wait for more."""
+        if self.phase is not Phase.IDLE:
+            return
+        parser = self.parser
+        whole = parser.whole_message()
+        if whole is not None:
+            request, body, count = whole
+            if len(body) > MAX_WHOLE_BODY or request.expects_continue:
+                self.hand(Resume.START)
+                return
+            self.serve(request, body, count)
+            return
+        if parser.queued or parser.in_head or self.deferred is not None:
+            self.hand(Resume.START)  # a request still arriving, or one to refuse
+            return
+        if parser.closed or self.eof:
+            self.close(0)  # the client left between requests
+            return
+        if self.answered and self.lane.draining:
+            self.end()
+            return
+        self.send_out()  # (what the handshake left, if it is still here)
+        if self.arm is None:
+            self.arm_client(self.conn.now() + self.limits.idle_timeout)
+
+    def serve(self, request: Request, body: bytes, count: int) -> None:
+        t, conn = self.t, self.conn
+        now = conn.now()
+        step = t.lane_story(conn, request, body, now)
+        if step is None:
+            self.hand(Resume.START)
+            return
+        self.parser.drop(count)
+        self.disarm_client()
+        self.request, self.started, self.ahead = request, now, 0
+        if type(step) is not LaneGo:
+            self.hand(Resume.ANSWER, answer=step)  # type: ignore[arg-type]
+            return
+        go = self.go = step
+        self.held = go.held
+        refused = t.lane_share(conn, go.route)
+        if refused is not None:
+            self.hand(Resume.ANSWER, answer=refused)
+            return
+        self.share_route = go.route
+        entry = self.entry = t.upstream.pool(go.route, go.tenant.pins)
+        entry.active += 1
+        node = entry.take_idle(go.host, now)
+        if node is None:
+            self.connect(fresh=False)
+            return
+        self.node, self.reused = node, True
+        self.send_request()
+
+    # -- the node's side ---------------------------------------------------------------
+
+    def connect(self, *, fresh: bool) -> None:
+        """No idle connection to use: the connection's own task gets one from the pool
+        (`NeedNode`), connecting as the trio engine does, and comes back with it."""
+        go, entry = self.go, self.entry
+        assert go is not None and entry is not None
+        self.move(Phase.CONNECTING)
+        self.reused = False
+        self.wake(NeedNode(self, entry, go.host,
+                           self.conn.now() + self.t.upstream.header_timeout, fresh))
+
+    def node_ready(self, node: _Conn | None, reused: bool,
+                   error: UpstreamError | None) -> None:
+        """What the task's `_Pool.acquire` gave (`Lane.connected`)."""
+        entry, go = self.entry, self.go
+        assert self.phase is Phase.CONNECTING and entry is not None and go is not None
+        if error is not None:
+            self.release(False)
+            self.move(Phase.IDLE)
+            self.hand(Resume.ANSWER, answer=self.t.lane_failure(go.route, error))
+            return
+        assert node is not None
+        if node._raw is None:  # over a stream this lane cannot drive: the trio engine's
+            if not entry.keep(node, True):
+                entry.drop(node)
+            self.release(False)
+            self.move(Phase.IDLE)
+            self.hand(Resume.FORWARD)
+            return
+        self.node, self.reused = node, reused
+        self.send_request()
+
+    def send_request(self) -> None:
+        request, go, node = self.request, self.go, self.node
+        assert request is not None and go is not None and node is not None
+        self.response = ResponseParser(request.method)
+        self.head_seen = False
+        self.move(Phase.UPSTREAM)
+        watch = node._watch
+        if watch is None:
+            watch = node._watch = self.lane.hub.watch(node._raw)  # type: ignore[arg-type]
+        watch.lane = self.node_side
+        self.sent_at = self.conn.now()
+        try:
+            node._sslobj.write(request_bytes(request.method, go.target.origin_form,
+                                             go.headers, go.body))
+            self.node_send()
+        except (_Broke, ssl.SSLError, UpstreamProtocolError) as exc:
+            self.node_failed(exc)
+            return
+        self.arm_node(self.t.upstream.header_timeout)
+
+    def node_send(self) -> None:
+        node = self.node
+        assert node is not None
+        data = self.node_pending + node._out.read()
+        self.node_pending = b""
+        while data:
+            try:
+                sent = node._raw.send(data)  # type: ignore[union-attr]
+            except BlockingIOError:
+                self.node_pending = data
+                watch = node._watch
+                assert watch is not None
+                if not watch.out:
+                    watch.hub.ep.modify(watch.fd, _BOTH)
+                    watch.out = True
+                return
+            except OSError as exc:
+                raise _Broke(f"send to the node failed: {exc!r}") from exc
+            data = data[sent:]
+
+    def node_event(self, mask: int) -> None:
+        node, parser = self.node, self.response
+        if self.phase is not Phase.UPSTREAM or node is None or parser is None:
+            return
+        try:
+            if mask & _OUT and self.node_pending:
+                self.node_send()
+            if not mask & _READABLE:
+                return
+            raw, inc, tls = node._raw, node._in, node._sslobj
+            while True:
+                try:
+                    data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    raise _Broke(f"receive from the node failed: {exc!r}") from exc
+                if not data:
+                    inc.write_eof()
+                    break
+                inc.write(data)
+                if len(data) < READ_SIZE:
+                    break
+            while not parser.done:
+                try:
+                    plain = tls.read(READ_SIZE)
+                except ssl.SSLWantReadError:
+                    break
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    plain = b""
+                if plain:
+                    parser.feed(plain)
+                else:
+                    parser.feed_eof()
+                    break
+        except (_Broke, ResponseError, ssl.SSLError) as exc:
+            if self.head_seen:
+                self.node_broke_off(exc)
+            else:
+                self.node_failed(exc)
+            return
+        if parser.head_done and not self.head_seen and not self.node_head():
+            return
+        if parser.done:
+            self.node_answered()
+
+    def node_expired(self, side: int) -> None:
+        self.node_arm = None
+        if self.phase is not Phase.UPSTREAM:
+            return
+        if self.head_seen:
+            self.relay()  # the rest of a short body is slow: relayed as it comes
+        else:
+            self.node_failed(UpstreamTimeout(
+                f"no response headers within {self.t.upstream.header_timeout:g} s"))
+
+    def arm_node(self, seconds: float) -> None:
+        node = self.node
+        assert node is not None and node._watch is not None
+        if self.node_arm is not None:
+            self.lane.sweeper.disarm(self.node_arm)
+        self.node_arm = self.lane.sweeper.arm(self.conn.now() + seconds, watch=node._watch,
+                                              side=readiness.READ)
+
+    def let_node_go(self, reusable: bool) -> None:
+        """The node connection back to its pool (or closed)."""
+        node, entry = self.node, self.entry
+        if self.node_arm is not None:
+            self.lane.sweeper.disarm(self.node_arm)
+            self.node_arm = None
+        self.node = None
+        self.node_pending = b""
+        if node is None:
+            return
+        watch = node._watch
+        if watch is not None:
+            watch.lane = None
+            watch.readable = True  # whoever waits next tries the socket first
+        if entry is not None and not entry.keep(node, reusable):
+            entry.drop(node)
+
+    def release(self, reusable: bool) -> None:
+        """The exchange's hold on the node ends: its connection back to the pool (or
+        closed), its count in the pool's `active` and the client's share of the node
+        given back."""
+        self.let_node_go(reusable)
+        entry, self.entry = self.entry, None
+        if entry is not None:
+            entry.active -= 1
+            up = self.t.upstream
+            if up._retired:
+                trio.lowlevel.spawn_system_task(up._reap_quietly, name="upstream.reap")
+        route, self.share_route = self.share_route, None
+        if route is not None:
+            self.t.lane_give(self.conn, route)
+
+    def node_failed(self, exc: Exception) -> None:
+        """The node's connection failed before its head was whole."""
+        request, go, parser = self.request, self.go, self.response
+        assert request is not None and go is not None
+        received = parser.received if parser is not None else 0
+        self.let_node_go(False)
+        self.response = None
+        if (received == 0 and self.reused and request.method in IDEMPOTENT
+                and not isinstance(exc, UpstreamTimeout)):
+            # a pooled connection the node had closed: sent again, once, on a fresh one,
+            # as the trio engine does for a request that may be sent twice
+            self.connect(fresh=True)
+            return
+        self.release(False)
+        self.move(Phase.IDLE)
+        if not isinstance(exc, UpstreamTimeout):
+            exc = UpstreamProtocolError(f"node connection failed: {exc}")
+        self.hand(Resume.ANSWER, answer=self.t.lane_failure(go.route, exc))
+
+    def node_head(self) -> bool:
+        """The node's head is here (once per exchange): its time noted; True when the
+        lane goes on with the exchange (the rest of a short body is awaited here), False
+        when it went elsewhere (sent again fresh, or to the trio engine to relay)."""
+        request, go, parser = self.request, self.go, self.response
+        assert request is not None and go is not None and parser is not None
+        self.head_seen = True
+        if self.node_arm is not None:
+            self.lane.sweeper.disarm(self.node_arm)
+            self.node_arm = None
+        self.t.note_header_time(go.route.host, self.conn.now() - self.sent_at)
+        if parser.status == 408 and self.reused and request.method in IDEMPOTENT:
+            # the node timing the idle connection out as our request crossed it: no
+            # answer to this request (408 says the node took none); once more, fresh
+            self.let_node_go(False)
+            self.response = None
+            self.connect(fresh=True)
+            return False
+        if parser.done:
+            return True
+        length = declared_length(header(parser.headers, b"content-length") or b"")
+        if length is not None and length <= MAX_WHOLE_BODY:
+            # a short answer whose body came in a write of its own, as many servers
+            # send one: awaited here for a moment, then relayed as it comes
+            self.arm_node(BODY_GRACE)
+            return True
+        self.relay()
+        return False
+
+    def relay(self) -> None:
+        """The node's head is here, its body not all: the trio engine relays the rest,
+        with the node connection, the pool's count and the client's share (it gives
+        them back when the relay ends)."""
+        node, entry, parser = self.node, self.entry, self.response
+        assert node is not None and entry is not None and parser is not None
+        watch = node._watch
+        if watch is not None:
+            watch.lane = None
+            watch.readable = True
+        if self.node_arm is not None:
+            self.lane.sweeper.disarm(self.node_arm)
+            self.node_arm = None
+        if self.node_pending:  # answered before our request was all sent: never reused
+            parser.keep_alive = False
+            self.node_pending = b""
+        self.node = self.entry = self.response = None
+        self.share_route = None
+        self.move(Phase.IDLE)
+        self.hand(Resume.RELAY, entry=entry, node=node, response=parser)
+
+    def node_broke_off(self, exc: Exception) -> None:
+        """The node's answer broke off after its head (nothing of it sent yet): the
+        client is told so and the connection closes, as the trio engine does."""
+        go = self.go
+        assert go is not None
+        log.warning("upstream_body_failed", route=go.route.host, error=str(exc))
+        self.release(False)
+        self.response = None
+        self.answer_with(NODE_BROKE_OFF, response_head(
+            NODE_BROKE_OFF, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
+            Framing.LENGTH, close=True) + BROKE_OFF, close=True)
+
+    def node_answered(self) -> None:
+        """The node's whole answer is here: to the client in one write."""
+        request, parser = self.request, self.response
+        assert request is not None and parser is not None
+        headers = clean_response_headers(parser.headers)
+        body = parser.take_body()
+        status = parser.status
+        close = not request.keep_alive or self.lane.draining
+        data, framing = whole_response(request.method, request.http_version, status,
+                                       headers, body, close=close)
+        # (a node that answered before it took our whole request: not reused)
+        self.release(parser.keep_alive and not self.node_pending)
+        self.response = None
+        self.answer_with(status, data, close=close or framing is Framing.CLOSE)
+
+    def answer_with(self, status: int, data: bytes, *, close: bool) -> None:
+        self.status = status
+        self.close_after = close
+        self.move(Phase.WRITING)
+        try:
+            self.tls.write(data)
+            if not self.flush():
+                self.arm_client(self.conn.now() + self.limits.client_write_timeout)
+                return
+        except (_Broke, ssl.SSLError):
+            self.gone()
+            return
+        self.written()
+
+    # -- the answer --------------------------------------------------------------------
+
+    def written(self) -> None:
+        """The kernel took the whole answer: the exchange is done."""
+        self.disarm_client()
+        self.lane.served += 1
+        self.finish(self.status)
+        if self.close_after:
+            self.end()
+            return
+        self.move(Phase.IDLE)
+        self.paused = False
+        self.fill()
+        self.take()
+        self.next()
+
+    def finish(self, status: int) -> None:
+        """The exchange in hand ends with `status`: counted and logged."""
+        request = self.request
+        if request is None:
+            return
+        self.request = self.go = None
+        held, self.held = self.held, 0
+        self.answered = True
+        self.t.count(self.conn, request.method, request.target, status, self.started, held)
+
+    def gone(self) -> None:
+        """The client left (or broke) while an exchange ran."""
+        self.eof = True
+        self.close(499)
+
+    # -- ciphertext out ----------------------------------------------------------------
+
+    def send_out(self) -> None:
+        """What the TLS engine has to send, to the kernel (the rest waits for room)."""
+        if self.out.pending or self.pending:
+            self.flush()
+
+    def flush(self) -> bool:
+        """Everything pending to the kernel; False when it has no room for all of it
+        (EPOLLOUT is asked for, and the rest waits in `pending`). `_Broke` on failure."""
+        data = self.pending + self.out.read() if self.pending else self.out.read()
+        self.pending = b""
+        sock = self.sock
+        while data:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                self.pending = data
+                watch = self.watch
+                if not watch.out:
+                    watch.hub.ep.modify(watch.fd, _BOTH)
+                    watch.out = True
+                return False
+            except OSError as exc:
+                raise _Broke(f"send failed: {exc!r}") from exc
+            data = data[sent:]
+        return True
+
+    # -- deadlines ---------------------------------------------------------------------
+
+    def arm_client(self, deadline: float) -> None:
+        self.disarm_client()
+        self.arm = self.lane.sweeper.arm(deadline, watch=self.watch, side=readiness.READ)
+
+    def disarm_client(self) -> None:
+        if self.arm is not None:
+            self.lane.sweeper.disarm(self.arm)
+            self.arm = None
+
+    # -- the end -----------------------------------------------------------------------
+
+    def end(self) -> None:
+        """Close between requests: lingering (in the trio engine) when the client may
+        still be sending, so the close does not reset our last answer away."""
+        if self.phase is Phase.ENDED:
+            return
+        if not (self.eof or self.parser.closed) and (
+                self.parser.queued or self.inc.pending or unread(self.sock.fileno())):
+            if self.phase is not Phase.IDLE:
+                self.move(Phase.IDLE)
+            self.hand(Resume.LINGER)
+            return
+        self.close(0)
+
+    def close(self, status: int) -> None:
+        """Close the connection here; an exchange in hand ends with `status`."""
+        self.release(False)
+        self.response = None
+        if self.request is not None:
+            self.finish(status or 499)
+        self.disarm_client()
+        self.phase = Phase.ENDED
+        self.lane.open.discard(self)
+        self.watch.lane = None
+        self.watch.close()
+        self.sock.close()
+        self.wake(None)
+
+    def hand(self, point: Resume, *, answer: _Answer | None = None,
+             entry: _Pool | None = None, node: _Conn | None = None,
+             response: ResponseParser | None = None) -> None:
+        """Give the connection to the trio engine at `point`."""
+        self.lane.handed[point] += 1
+        self.disarm_client()
+        self.move(Phase.ENDED)
+        self.lane.open.discard(self)
+        watch = self.watch
+        watch.lane = None
+        watch.readable = True  # the trio engine tries the socket before it waits
+        if self.eof:
+            watch.ended = True
+        tls = ServerTLS.adopt(self.sock, self.ssl, self.inc, self.out, watch)
+        tls._held = self.pending  # ciphertext the kernel did not take yet: sent first
+        self.pending = b""
+        request = self.request if point is not Resume.START else None
+        self.request = None
+        held, self.held = self.held, 0
+        self.wake(Handoff(point, tls, self.parser, self.deferred, self.answered,
+                          request=request, started=self.started, held=held,
+                          answer=answer, go=self.go, entry=entry, node=node,
+                          response=response))
+        self.go = None
+
+    def wake(self, result: Handoff | NeedNode | None) -> None:
+        task, self.task = self.task, None
+        if task is not None:
+            reschedule(task, outcome.Value(result))
+        else:
+            self.result = result  # the task is running: `Lane._park` returns it
