@@ -92,3 +92,25 @@ async def test_the_sweeper_sleeps_until_the_earliest_deadline_or_an_earlier_arm(
         assert not far.cancel_called
         await trio.sleep_forever()
     assert far.cancelled_caught
+
+
+async def test_a_deadline_armed_by_what_fires_fires_in_its_turn(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A periodic callback that arms its next turn from inside its own firing (the
+    keep-alive lane's tick) is not lost: `arm` cannot wake a sweep that is running, so
+    the sweep itself counts what was armed meanwhile."""
+    sweeper = deadlines.sweeper()
+    fired: list[float] = []
+
+    class Tick:
+        def fire(self, side: int) -> None:
+            fired.append(trio.current_time())
+            if len(fired) < 5:
+                sweeper.arm(trio.current_time() + 1.0, watch=self)
+
+    start = trio.current_time()
+    sweeper.arm(start + 1.0, watch=Tick())
+    await trio.sleep(10)
+    assert len(fired) == 5
+    for turn, at in enumerate(fired, 1):
+        assert start + turn <= at <= start + turn * (1 + deadlines.SWEEP_SECONDS * 2)

@@ -70,6 +70,7 @@ class Sweeper:
     def __init__(self) -> None:
         self._armed: dict[_Arm, None] = {}
         self._next = math.inf  # when the sweeper wakes next (inf: parked)
+        self._made = math.inf  # the earliest deadline armed since the sweep began
         self._wake = trio.Event()
         self.now = clock()
         trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.deadlines")
@@ -79,6 +80,8 @@ class Sweeper:
             side: int = 0) -> _Arm:
         arm = _Arm(deadline, sock, scope, watch, side)
         self._armed[arm] = None
+        if deadline < self._made:
+            self._made = deadline
         if deadline < self._next:  # due before the sweeper would look: wake it
             self._next = -math.inf
             self._wake.set()
@@ -90,7 +93,7 @@ class Sweeper:
     def sweep(self, now: float) -> float:
         """Fire every armed deadline that is due; the earliest one left (inf: none)."""
         due = []
-        earliest = math.inf
+        earliest = self._made = math.inf
         for arm in self._armed:
             if arm.deadline <= now:
                 due.append(arm)
@@ -108,7 +111,9 @@ class Sweeper:
                     arm.watch.fire(arm.side)
             except Exception as exc:  # noqa: BLE001 - a closed socket: nobody waits on it
                 log.debug("deadline_fire_failed", error=repr(exc))
-        return earliest
+        # (what fired may have armed a deadline again: `arm` cannot wake a sweep that
+        # is running, so it counts here)
+        return min(earliest, self._made)
 
     async def _run(self) -> None:
         while True:

@@ -60,6 +60,7 @@ closed, not reused; status 499).
 from __future__ import annotations
 
 import enum
+import math
 import select
 import socket
 import ssl
@@ -123,6 +124,12 @@ class Phase(enum.Enum):
     ENDED = "ended"  # closed, or handed to the trio engine
 
 
+#: Bytes one fill reads at most: a whole request of the largest body served here, with
+#: its head, fits; a client that sends more at once is handed to the trio engine.
+FILL_BUDGET = 2 * READ_SIZE
+#: How often the lane fires the deadlines that passed: the most one fires late, nothing
+#: next to the seconds-long limits it enforces.
+TICK = 0.25
 #: How long the rest of a short answer (a declared length up to `MAX_WHOLE_BODY`) is
 #: awaited here once its head came; then it is relayed as it comes (the trio engine),
 #: so a body that trickles is not held back.
@@ -133,14 +140,18 @@ _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 _PARKED = object()  # no result for the connection's task yet
 
-_MOVES: dict[Phase, frozenset[Phase]] = {
-    Phase.HANDSHAKE: frozenset({Phase.IDLE, Phase.ENDED}),
-    Phase.IDLE: frozenset({Phase.CONNECTING, Phase.UPSTREAM, Phase.ENDED}),
-    Phase.CONNECTING: frozenset({Phase.UPSTREAM, Phase.IDLE, Phase.ENDED}),
-    Phase.UPSTREAM: frozenset({Phase.CONNECTING, Phase.WRITING, Phase.IDLE, Phase.ENDED}),
-    Phase.WRITING: frozenset({Phase.IDLE, Phase.ENDED}),
-    Phase.ENDED: frozenset(),
+_MOVES: dict[Phase, tuple[Phase, ...]] = {
+    Phase.HANDSHAKE: (Phase.IDLE, Phase.ENDED),
+    Phase.IDLE: (Phase.CONNECTING, Phase.UPSTREAM, Phase.ENDED),
+    Phase.CONNECTING: (Phase.UPSTREAM, Phase.IDLE, Phase.ENDED),
+    Phase.UPSTREAM: (Phase.CONNECTING, Phase.WRITING, Phase.IDLE, Phase.ENDED),
+    Phase.WRITING: (Phase.IDLE, Phase.ENDED),
+    Phase.ENDED: (),
 }
+for _phase, _to in _MOVES.items():
+    # on the member itself: a move is checked by identity in a tuple, without hashing
+    # an enum (a Python-level `__hash__`) three times per request
+    _phase.moves = _to  # type: ignore[attr-defined]
 
 
 class Resume(enum.Enum):
@@ -213,6 +224,7 @@ class Lane:
         self.now = self.sweeper.now
         self.open: set[_Client] = set()
         self.draining = False
+        self.ticking = False  # `fire` is armed in the sweeper
         #: exchanges served whole here, and connections handed over by where
         self.served = 0
         self.handed = dict.fromkeys(Resume, 0)
@@ -246,6 +258,27 @@ class Lane:
         client.task = current_task()
         return await wait_task_rescheduled(client.abort)  # type: ignore[no-any-return]
 
+    def join(self, client: _Client) -> None:
+        self.open.add(client)
+        if not self.ticking:
+            self.ticking = True
+            self.sweeper.arm(self.now() + TICK, watch=self)
+
+    def fire(self, side: int) -> None:
+        """The sweeper's call, every `TICK` while connections are open: every deadline
+        that passed, fired (a number per connection, moved with each request, instead
+        of an entry armed and disarmed in the sweeper's table per wait)."""
+        now = self.now()
+        for client in list(self.open):
+            if client.deadline <= now:
+                client.guarded(client.expired, 0)
+            if client.node_deadline <= now:
+                client.guarded(client.node_expired, 0)
+        if self.open:
+            self.sweeper.arm(now + TICK, watch=self)
+        else:
+            self.ticking = False
+
     def drain(self) -> None:
         """Shutdown has begun: connections waiting for a request close now; the others
         answer with `Connection: close` and close after it."""
@@ -265,9 +298,6 @@ class _NodeSide:
 
     def event(self, mask: int) -> None:
         self.client.guarded(self.client.node_event, mask)
-
-    def expired(self, side: int) -> None:
-        self.client.guarded(self.client.node_expired, side)
 
 
 class _Client:
@@ -294,8 +324,9 @@ class _Client:
         self.answered = False
         self.eof = False  # the client closed its side (or the connection broke)
         self.paused = False  # reading stopped: read ahead enough while a request runs
+        self.more = False  # the last fill stopped at its budget: the socket holds more
         self.ahead = 0  # bytes read ahead while the request in hand runs
-        self.arm: Any = None  # the client side's deadline, armed in the sweeper
+        self.deadline = math.inf  # the client side's: handshake, next request, a write
         self.task: trio.lowlevel.Task | None = None
         self.result: Any = _PARKED  # for the task, when it came while the task ran
         # the exchange in hand
@@ -308,19 +339,19 @@ class _Client:
         self.node: _Conn | None = None
         self.reused = False  # `node` came from the idle list
         self.node_side = _NodeSide(self)
-        self.node_arm: Any = None
+        self.node_deadline = math.inf  # the node's head, or the rest of a short body
         self.node_pending = b""
         self.response: ResponseParser | None = None
         self.head_seen = False  # the node's head came (its time noted)
         self.sent_at = 0.0
         self.status = 0
         self.close_after = False
-        lane.open.add(self)
+        lane.join(self)
 
     # -- the state machine -------------------------------------------------------------
 
     def move(self, to: Phase) -> None:
-        if to not in _MOVES[self.phase]:
+        if to not in self.phase.moves:
             raise AssertionError(f"lane: {self.phase.value} -> {to.value}")
         self.phase = to
 
@@ -341,9 +372,6 @@ class _Client:
     def event(self, mask: int) -> None:
         self.guarded(self._event, mask)
 
-    def expired(self, side: int) -> None:
-        self.guarded(self._expired, side)
-
     def _event(self, mask: int) -> None:
         if self.phase is Phase.ENDED:
             return
@@ -354,20 +382,21 @@ class _Client:
                 self.written()
                 return
         if mask & _READABLE:
+            ended = mask & _HUP
             if self.phase is Phase.HANDSHAKE:
-                self.fill()
+                self.fill(ended)
                 self.handshake()
             elif self.phase is Phase.IDLE:
-                self.fill()
+                self.fill(ended)
                 self.take()
                 self.next()
             elif mask & _FAILED_HARD:
                 self.gone()
             elif not self.paused:
-                self.read_ahead()
+                self.read_ahead(ended)
 
-    def _expired(self, side: int) -> None:
-        self.arm = None
+    def expired(self, _: int) -> None:
+        self.deadline = math.inf
         if self.phase is Phase.WRITING:
             self.gone()  # the client did not take the answer in time
         elif self.phase is Phase.HANDSHAKE:
@@ -387,12 +416,15 @@ class _Client:
 
     # -- the client's bytes ------------------------------------------------------------
 
-    def fill(self) -> None:
-        """Everything the socket holds into the TLS engine; notes the client's close.
+    def fill(self, ended: int = 0, budget: int = FILL_BUDGET) -> None:
+        """What the socket holds into the TLS engine, up to about `budget` bytes (`more`
+        says when it stopped there); notes the client's close (`ended`: the event said
+        it came, so the read that stops short reached it).
         The close is not given to the TLS engine: a TLS read that met it would leave the
         engine failed (OpenSSL takes a close without close_notify for an error), and
         the answer to a request that came just before it must still be written."""
         sock, inc = self.sock, self.inc
+        self.more = False
         while True:
             try:
                 data = sock.recv(READ_SIZE)
@@ -406,7 +438,13 @@ class _Client:
                 return
             inc.write(data)
             if len(data) < READ_SIZE:
-                return  # (a close that came with these bytes raises its own event)
+                if ended:  # edge-triggered: no later event will tell of this close
+                    self.eof = True
+                return
+            budget -= READ_SIZE
+            if budget <= 0:
+                self.more = True  # (edge-triggered: no event will say so again)
+                return
 
     def take(self) -> None:
         """Decrypt what the TLS engine holds and parse it."""
@@ -442,14 +480,14 @@ class _Client:
         except ParseError as exc:
             self.deferred = exc  # what was queued before it is served first
 
-    def read_ahead(self) -> None:
+    def read_ahead(self, ended: int) -> None:
         """While a request runs: what the client sends next is read and queued, up to
         `MAX_PIPELINED_BYTES`; then reading stops until the exchange ends."""
         before = self.inc.pending
-        self.fill()
+        self.fill(ended, MAX_PIPELINED_BYTES - self.ahead)
         self.ahead += max(self.inc.pending - before, MIN_READ_AHEAD_CHARGE)
         self.take()
-        if self.ahead >= MAX_PIPELINED_BYTES:
+        if self.more or self.ahead >= MAX_PIPELINED_BYTES:
             self.paused = True
 
     # -- TLS handshake -----------------------------------------------------------------
@@ -462,8 +500,8 @@ class _Client:
                 self.close(0)
                 return
             self.send_out()
-            if self.phase is not Phase.ENDED and self.arm is None:
-                self.arm_client(self.conn.now() + self.limits.clienthello_timeout)
+            if self.deadline == math.inf:
+                self.deadline = self.conn.now() + self.limits.clienthello_timeout
             return
         except (ssl.SSLError, OSError) as exc:
             log.debug("terminate_connection_ended", route=self.conn.route_host,
@@ -474,7 +512,7 @@ class _Client:
                 pass
             self.close(0)
             return
-        self.disarm_client()
+        self.deadline = math.inf
         self.move(Phase.IDLE)
         if self.ssl.selected_alpn_protocol() == "h2":
             self.hand(Resume.H2)
@@ -502,7 +540,7 @@ class _Client:
                 return
             self.serve(request, body, count)
             return
-        if parser.queued or parser.in_head or self.deferred is not None:
+        if parser.queued or parser.in_head or self.deferred is not None or self.more:
             self.hand(Resume.START)  # a request still arriving, or one to refuse
             return
         if parser.closed or self.eof:
@@ -512,8 +550,8 @@ class _Client:
             self.end()
             return
         self.send_out()  # (what the handshake left, if it is still here)
-        if self.arm is None:
-            self.arm_client(self.conn.now() + self.limits.idle_timeout)
+        if self.deadline == math.inf:
+            self.deadline = self.conn.now() + self.limits.idle_timeout
 
     def serve(self, request: Request, body: bytes, count: int) -> None:
         t, conn = self.t, self.conn
@@ -523,7 +561,7 @@ class _Client:
             self.hand(Resume.START)
             return
         self.parser.drop(count)
-        self.disarm_client()
+        self.deadline = math.inf
         self.request, self.started, self.ahead = request, now, 0
         if type(step) is not LaneGo:
             self.hand(Resume.ANSWER, answer=step)  # type: ignore[arg-type]
@@ -542,7 +580,7 @@ class _Client:
             self.connect(fresh=False)
             return
         self.node, self.reused = node, True
-        self.send_request()
+        self.send_request(now)
 
     # -- the node's side ---------------------------------------------------------------
 
@@ -575,9 +613,9 @@ class _Client:
             self.hand(Resume.FORWARD)
             return
         self.node, self.reused = node, reused
-        self.send_request()
+        self.send_request(self.conn.now())
 
-    def send_request(self) -> None:
+    def send_request(self, now: float) -> None:
         request, go, node = self.request, self.go, self.node
         assert request is not None and go is not None and node is not None
         self.response = ResponseParser(request.method)
@@ -587,7 +625,7 @@ class _Client:
         if watch is None:
             watch = node._watch = self.lane.hub.watch(node._raw)  # type: ignore[arg-type]
         watch.lane = self.node_side
-        self.sent_at = self.conn.now()
+        self.sent_at = now
         try:
             node._sslobj.write(request_bytes(request.method, go.target.origin_form,
                                              go.headers, go.body))
@@ -595,7 +633,7 @@ class _Client:
         except (_Broke, ssl.SSLError, UpstreamProtocolError) as exc:
             self.node_failed(exc)
             return
-        self.arm_node(self.t.upstream.header_timeout)
+        self.node_deadline = now + self.t.upstream.header_timeout
 
     def node_send(self) -> None:
         node = self.node
@@ -618,53 +656,71 @@ class _Client:
             data = data[sent:]
 
     def node_event(self, mask: int) -> None:
-        node, parser = self.node, self.response
-        if self.phase is not Phase.UPSTREAM or node is None or parser is None:
+        if self.phase is not Phase.UPSTREAM or self.node is None:
             return
-        try:
-            if mask & _OUT and self.node_pending:
+        if mask & _OUT and self.node_pending:
+            try:
                 self.node_send()
-            if not mask & _READABLE:
-                return
-            raw, inc, tls = node._raw, node._in, node._sslobj
-            while True:
-                try:
-                    data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    raise _Broke(f"receive from the node failed: {exc!r}") from exc
-                if not data:
-                    inc.write_eof()
-                    break
-                inc.write(data)
-                if len(data) < READ_SIZE:
-                    break
-            while not parser.done:
-                try:
-                    plain = tls.read(READ_SIZE)
-                except ssl.SSLWantReadError:
-                    break
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    plain = b""
-                if plain:
-                    parser.feed(plain)
-                else:
-                    parser.feed_eof()
-                    break
-        except (_Broke, ResponseError, ssl.SSLError) as exc:
-            if self.head_seen:
-                self.node_broke_off(exc)
-            else:
+            except _Broke as exc:
                 self.node_failed(exc)
-            return
-        if parser.head_done and not self.head_seen and not self.node_head():
-            return
-        if parser.done:
-            self.node_answered()
+                return
+        if mask & _READABLE:
+            self.node_read()
 
-    def node_expired(self, side: int) -> None:
-        self.node_arm = None
+    def node_read(self) -> None:
+        """The node's answer, one read at a time, each decrypted and parsed before the
+        next (what a node sends is never held beyond one read and the parser's caps),
+        until it is whole, goes elsewhere, or the socket has nothing more."""
+        parser = self.response
+        assert parser is not None
+        while True:
+            try:
+                more = self.node_pull(parser)
+            except (_Broke, ResponseError, ssl.SSLError) as exc:
+                if self.head_seen:
+                    self.node_broke_off(exc)
+                else:
+                    self.node_failed(exc)
+                return
+            if parser.head_done and not self.head_seen and not self.node_head():
+                return
+            if parser.done:
+                self.node_answered()
+                return
+            if not more:
+                return
+
+    def node_pull(self, parser: ResponseParser) -> bool:
+        """One read from the node into `parser`; whether the socket may hold more."""
+        node = self.node
+        assert node is not None
+        try:
+            data = node._raw.recv(READ_SIZE)  # type: ignore[union-attr]
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise _Broke(f"receive from the node failed: {exc!r}") from exc
+        inc, tls = node._in, node._sslobj
+        if data:
+            inc.write(data)
+        else:
+            inc.write_eof()
+        while not parser.done:
+            try:
+                plain = tls.read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                break
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                plain = b""
+            if plain:
+                parser.feed(plain)
+            else:
+                parser.feed_eof()
+                break
+        return len(data) == READ_SIZE
+
+    def node_expired(self, _: int) -> None:
+        self.node_deadline = math.inf
         if self.phase is not Phase.UPSTREAM:
             return
         if self.head_seen:
@@ -673,20 +729,11 @@ class _Client:
             self.node_failed(UpstreamTimeout(
                 f"no response headers within {self.t.upstream.header_timeout:g} s"))
 
-    def arm_node(self, seconds: float) -> None:
-        node = self.node
-        assert node is not None and node._watch is not None
-        if self.node_arm is not None:
-            self.lane.sweeper.disarm(self.node_arm)
-        self.node_arm = self.lane.sweeper.arm(self.conn.now() + seconds, watch=node._watch,
-                                              side=readiness.READ)
 
     def let_node_go(self, reusable: bool) -> None:
         """The node connection back to its pool (or closed)."""
         node, entry = self.node, self.entry
-        if self.node_arm is not None:
-            self.lane.sweeper.disarm(self.node_arm)
-            self.node_arm = None
+        self.node_deadline = math.inf
         self.node = None
         self.node_pending = b""
         if node is None:
@@ -739,10 +786,9 @@ class _Client:
         request, go, parser = self.request, self.go, self.response
         assert request is not None and go is not None and parser is not None
         self.head_seen = True
-        if self.node_arm is not None:
-            self.lane.sweeper.disarm(self.node_arm)
-            self.node_arm = None
-        self.t.note_header_time(go.route.host, self.conn.now() - self.sent_at)
+        now = self.conn.now()
+        self.node_deadline = math.inf
+        self.t.note_header_time(go.route.host, now - self.sent_at)
         if parser.status == 408 and self.reused and request.method in IDEMPOTENT:
             # the node timing the idle connection out as our request crossed it: no
             # answer to this request (408 says the node took none); once more, fresh
@@ -756,7 +802,7 @@ class _Client:
         if length is not None and length <= MAX_WHOLE_BODY:
             # a short answer whose body came in a write of its own, as many servers
             # send one: awaited here for a moment, then relayed as it comes
-            self.arm_node(BODY_GRACE)
+            self.node_deadline = now + BODY_GRACE
             return True
         self.relay()
         return False
@@ -771,9 +817,7 @@ class _Client:
         if watch is not None:
             watch.lane = None
             watch.readable = True
-        if self.node_arm is not None:
-            self.lane.sweeper.disarm(self.node_arm)
-            self.node_arm = None
+        self.node_deadline = math.inf
         if self.node_pending:  # answered before our request was all sent: never reused
             parser.keep_alive = False
             self.node_pending = b""
@@ -816,7 +860,7 @@ class _Client:
         try:
             self.tls.write(data)
             if not self.flush():
-                self.arm_client(self.conn.now() + self.limits.client_write_timeout)
+                self.deadline = self.conn.now() + self.limits.client_write_timeout
                 return
         except (_Broke, ssl.SSLError):
             self.gone()
@@ -827,16 +871,18 @@ class _Client:
 
     def written(self) -> None:
         """The kernel took the whole answer: the exchange is done."""
-        self.disarm_client()
+        self.deadline = math.inf
         self.lane.served += 1
         self.finish(self.status)
         if self.close_after:
             self.end()
             return
         self.move(Phase.IDLE)
-        self.paused = False
-        self.fill()
-        self.take()
+        if self.paused:  # what the client sent since was left in the kernel: read it now
+            self.paused = False
+            self.fill()
+            self.take()
+        # (otherwise every byte that came while the request ran was read as it came)
         self.next()
 
     def finish(self, status: int) -> None:
@@ -884,15 +930,6 @@ class _Client:
 
     # -- deadlines ---------------------------------------------------------------------
 
-    def arm_client(self, deadline: float) -> None:
-        self.disarm_client()
-        self.arm = self.lane.sweeper.arm(deadline, watch=self.watch, side=readiness.READ)
-
-    def disarm_client(self) -> None:
-        if self.arm is not None:
-            self.lane.sweeper.disarm(self.arm)
-            self.arm = None
-
     # -- the end -----------------------------------------------------------------------
 
     def end(self) -> None:
@@ -914,7 +951,7 @@ class _Client:
         self.response = None
         if self.request is not None:
             self.finish(status or 499)
-        self.disarm_client()
+        self.deadline = math.inf
         self.phase = Phase.ENDED
         self.lane.open.discard(self)
         self.watch.lane = None
@@ -927,7 +964,7 @@ class _Client:
              response: ResponseParser | None = None) -> None:
         """Give the connection to the trio engine at `point`."""
         self.lane.handed[point] += 1
-        self.disarm_client()
+        self.deadline = self.node_deadline = math.inf
         self.move(Phase.ENDED)
         self.lane.open.discard(self)
         watch = self.watch

@@ -34,8 +34,8 @@ filled its whole buffer may have left bytes behind, which no new event announces
 caller then sets `readable` itself, so a wait that does not look first returns at once.
 
 * The keep-alive lane (`net/h1_lane.py`): a Watch whose `lane` is set belongs to one
-  of its connections; the hub calls `lane.event(mask)` with its events and a deadline
-  calls `lane.expired(side)`, instead of waking a task. The lane clears `lane` (and
+  of its connections; the hub calls `lane.event(mask)` with its events instead of
+  waking a task (the lane keeps its deadlines itself). The lane clears `lane` (and
   marks the Watch readable) before it gives the socket to a task.
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
@@ -124,8 +124,8 @@ class Watch:
         self.ended = False  # the peer closed or the socket failed: reads never block again
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
-        #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events and
-        #: deadlines go to it (`event(mask)`, `expired(side)`) instead of waking a task
+        #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events go to
+        #: it (`event(mask)`) instead of waking a task
         self.lane: Any = None
         self._abort_read = self._make_abort(READ)
         self._abort_write = self._make_abort(WRITE)
@@ -198,11 +198,7 @@ class Watch:
             sweeper.disarm(arm)
 
     def fire(self, side: int) -> None:
-        """A deadline passed: the task waiting on `side`, if any, gets `TooSlowError`
-        (the lane's connection is told instead, when it drives this socket)."""
-        if self.lane is not None:
-            self.lane.expired(side)
-            return
+        """A deadline passed: the task waiting on `side`, if any, gets `TooSlowError`."""
         if side == READ:
             task, self.reader = self.reader, None
         else:
