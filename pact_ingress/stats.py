@@ -78,7 +78,8 @@ class Stats:
             ["route", "kind"], registry=r)
         self.lane = Counter(
             p + "terminate_lane",
-            "HTTP/1.1 exchanges the keep-alive lane served whole (outcome=served), and "
+            "HTTP/1.1 exchanges the keep-alive lane served whole (outcome=served), those "
+            "that waited for a new node connection first (outcome=connect), and "
             "connections it handed to the trio engine, by where (outcome=start, answer, "
             "forward, relay, h2, linger)", ["outcome"], registry=r)
         self.upstream_seconds = Histogram(

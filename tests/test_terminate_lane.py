@@ -57,9 +57,10 @@ def lane_counts(env: ServeEnv) -> dict[str, float]:
 
 
 def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The outcomes that changed, by how much."""
+    """The outcomes that changed, by how much (not `connect`: whether the pool had a
+    node connection idle is the pool's business)."""
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after
-            if after.get(k, 0.0) != before.get(k, 0.0)}
+            if after.get(k, 0.0) != before.get(k, 0.0) and k != "connect"}
 
 
 def echoed(resp_body: bytes) -> dict[str, object]:

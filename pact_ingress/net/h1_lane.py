@@ -227,6 +227,7 @@ class Lane:
         self.ticking = False  # `fire` is armed in the sweeper
         #: exchanges served whole here, and connections handed over by where
         self.served = 0
+        self.connects = 0  # exchanges that had the task get a node connection first
         self.handed = dict.fromkeys(Resume, 0)
 
     async def serve(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
@@ -590,6 +591,7 @@ class _Client:
         go, entry = self.go, self.entry
         assert go is not None and entry is not None
         self.move(Phase.CONNECTING)
+        self.lane.connects += 1
         self.reused = False
         self.wake(NeedNode(self, entry, go.host,
                            self.conn.now() + self.t.upstream.header_timeout, fresh))

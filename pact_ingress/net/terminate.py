@@ -478,6 +478,9 @@ class Terminator:
             if lane.served:
                 self.stats.lane.labels("served").inc(lane.served)
                 lane.served = 0
+            if lane.connects:
+                self.stats.lane.labels("connect").inc(lane.connects)
+                lane.connects = 0
             for point, handed in lane.handed.items():
                 if handed:
                     self.stats.lane.labels(point.value).inc(handed)
