@@ -82,9 +82,9 @@ from pact_ingress.net.upstream import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
-    request_bytes,
 )
 from pact_ingress.proto.http1_server import (
+    INCOMPLETE,
     Framing,
     H1ServerParser,
     ParseError,
@@ -94,13 +94,14 @@ from pact_ingress.proto.http1_server import (
 )
 from pact_ingress.proto.http_headers import clean_response_headers
 from pact_ingress.proto.http_request import declared_length, header
-from pact_ingress.proto.http_upstream import ResponseError, ResponseParser
+from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
 if TYPE_CHECKING:
     from pact_ingress.model import Route, Tenant
     from pact_ingress.net.terminate import Terminator, _Answer, _Connection
     from pact_ingress.net.upstream import _Conn, _Pool
     from pact_ingress.proto.http_request import Target
+    from pact_ingress.proto.shares import Shares
 
 #: Ciphertext read per syscall.
 READ_SIZE = 64 * 1024
@@ -226,6 +227,7 @@ class Lane:
         self.draining = False
         self.ticking = False  # `fire` is armed in the sweeper
         #: exchanges served whole here, and connections handed over by where
+        self.too_many = terminator.too_many_in_flight  # the answer when a share is out
         self.served = 0
         self.connects = 0  # exchanges that had the task get a node connection first
         self.handed = dict.fromkeys(Resume, 0)
@@ -285,7 +287,7 @@ class Lane:
         answer with `Connection: close` and close after it."""
         self.draining = True
         for client in list(self.open):
-            if client.phase is Phase.IDLE and not client.parser.queued:
+            if client.phase is Phase.IDLE and client.parser.whole_message() is None:
                 client.end()
 
 
@@ -298,7 +300,11 @@ class _NodeSide:
         self.client = client
 
     def event(self, mask: int) -> None:
-        self.client.guarded(self.client.node_event, mask)
+        client = self.client
+        try:
+            client.node_event(mask)
+        except Exception as exc:  # noqa: BLE001
+            client.failed(exc)
 
 
 class _Client:
@@ -335,7 +341,11 @@ class _Client:
         self.started = 0.0
         self.held = 0
         self.go: LaneGo | None = None
-        self.share_route: Route | None = None  # the client's share of this route's node
+        self.holding: Shares | None = None  # the client's share of the node, held
+        self.for_route: Route | None = None  # the route `shares` and `pool` are for
+        self.for_pins: tuple[str, ...] | None = None
+        self.shares: Any = None
+        self.pool: Any = None
         self.entry: _Pool | None = None  # the pool, counted in its `active`
         self.node: _Conn | None = None
         self.reused = False  # `node` came from the idle list
@@ -361,17 +371,25 @@ class _Client:
         the hub that called it."""
         try:
             step(arg)
-        except _Broke:  # a leg failed where no step expected it: as for a client gone
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+
+    def failed(self, exc: Exception) -> None:
+        if isinstance(exc, _Broke):  # a leg failed where no step expected it
             if self.phase is not Phase.ENDED:
                 self.gone() if self.request is not None else self.close(0)
-        except Exception as exc:  # noqa: BLE001
-            log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
-                      error=f"{type(exc).__name__}: {exc}")
-            if self.phase is not Phase.ENDED:
-                self.close(499 if self.request is not None else 0)
+            return
+        log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
+                  error=f"{type(exc).__name__}: {exc}")
+        if self.phase is not Phase.ENDED:
+            self.close(499 if self.request is not None else 0)
 
     def event(self, mask: int) -> None:
-        self.guarded(self._event, mask)
+        """The hub's call with the socket's events (`guarded`, inline)."""
+        try:
+            self._event(mask)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
 
     def _event(self, mask: int) -> None:
         if self.phase is Phase.ENDED:
@@ -471,7 +489,10 @@ class _Client:
             if not data:
                 self.feed(b"")
                 return
-            self.feed(data)
+            try:
+                parser.feed(data)  # (`feed`, inline: every request comes this way)
+            except ParseError as exc:
+                self.deferred = exc
 
     def feed(self, data: bytes) -> None:
         if self.parser.closed:
@@ -534,15 +555,19 @@ class _Client:
             return
         parser = self.parser
         whole = parser.whole_message()
-        if whole is not None:
-            request, body, count = whole
+        if whole is None:
+            if self.deferred is not None or self.more:
+                self.hand(Resume.START)  # a head to refuse, or more than one fill took
+                return
+        elif whole is INCOMPLETE:
+            self.hand(Resume.START)  # a request still arriving
+            return
+        else:
+            request, body, count = whole  # type: ignore[misc]
             if len(body) > MAX_WHOLE_BODY or request.expects_continue:
                 self.hand(Resume.START)
                 return
             self.serve(request, body, count)
-            return
-        if parser.queued or parser.in_head or self.deferred is not None or self.more:
-            self.hand(Resume.START)  # a request still arriving, or one to refuse
             return
         if parser.closed or self.eof:
             self.close(0)  # the client left between requests
@@ -550,7 +575,8 @@ class _Client:
         if self.answered and self.lane.draining:
             self.end()
             return
-        self.send_out()  # (what the handshake left, if it is still here)
+        if self.out.pending or self.pending:  # what the handshake left, if it is here
+            self.flush()
         if self.deadline == math.inf:
             self.deadline = self.conn.now() + self.limits.idle_timeout
 
@@ -569,12 +595,21 @@ class _Client:
             return
         go = self.go = step
         self.held = go.held
-        refused = t.lane_share(conn, go.route)
-        if refused is not None:
-            self.hand(Resume.ANSWER, answer=refused)
+        route = go.route
+        if route is not self.for_route or go.tenant.pins is not self.for_pins:
+            # what this route's requests use, looked up again after a reload only
+            self.for_route, self.for_pins = route, go.tenant.pins
+            self.shares = t.shares_for(route)
+            self.pool = t.upstream.pool(route, go.tenant.pins)
+        shares = self.shares
+        if shares.take(conn.client, 1) is not None:
+            self.hand(Resume.ANSWER, answer=self.lane.too_many)
             return
-        self.share_route = go.route
-        entry = self.entry = t.upstream.pool(go.route, go.tenant.pins)
+        self.holding = shares
+        entry = self.pool
+        if entry.retired:
+            entry = self.pool = t.upstream.pool(route, go.tenant.pins)
+        self.entry = entry
         entry.active += 1
         node = entry.take_idle(go.host, now)
         if node is None:
@@ -629,10 +664,13 @@ class _Client:
         watch.lane = self.node_side
         self.sent_at = now
         try:
-            node._sslobj.write(request_bytes(request.method, go.target.origin_form,
-                                             go.headers, go.body))
+            head = request_head(request.method, go.target.origin_form, go.headers)
+            node._sslobj.write(head + go.body if go.body else head)
             self.node_send()
-        except (_Broke, ssl.SSLError, UpstreamProtocolError) as exc:
+        except (ValueError, UnicodeEncodeError) as exc:  # (`_frame`'s refusal)
+            self.node_failed(UpstreamProtocolError(f"request cannot be sent: {exc}"))
+            return
+        except (_Broke, ssl.SSLError) as exc:
             self.node_failed(exc)
             return
         self.node_deadline = now + self.t.upstream.header_timeout
@@ -666,13 +704,11 @@ class _Client:
             except _Broke as exc:
                 self.node_failed(exc)
                 return
-        if mask & _READABLE:
-            self.node_read()
-
-    def node_read(self) -> None:
-        """The node's answer, one read at a time, each decrypted and parsed before the
-        next (what a node sends is never held beyond one read and the parser's caps),
-        until it is whole, goes elsewhere, or the socket has nothing more."""
+        if not mask & _READABLE:
+            return
+        # the node's answer, one read at a time, each decrypted and parsed before the
+        # next (what a node sends is never held beyond one read and the parser's caps),
+        # until it is whole, goes elsewhere, or the socket has nothing more
         parser = self.response
         assert parser is not None
         while True:
@@ -758,9 +794,9 @@ class _Client:
             up = self.t.upstream
             if up._retired:
                 trio.lowlevel.spawn_system_task(up._reap_quietly, name="upstream.reap")
-        route, self.share_route = self.share_route, None
-        if route is not None:
-            self.t.lane_give(self.conn, route)
+        shares, self.holding = self.holding, None
+        if shares is not None:
+            shares.give(self.conn.client, 1)
 
     def node_failed(self, exc: Exception) -> None:
         """The node's connection failed before its head was whole."""
@@ -824,7 +860,7 @@ class _Client:
             parser.keep_alive = False
             self.node_pending = b""
         self.node = self.entry = self.response = None
-        self.share_route = None
+        self.holding = None
         self.move(Phase.IDLE)
         self.hand(Resume.RELAY, entry=entry, node=node, response=parser)
 
@@ -873,12 +909,13 @@ class _Client:
 
     def written(self) -> None:
         """The kernel took the whole answer: the exchange is done."""
-        self.deadline = math.inf
         self.lane.served += 1
-        self.finish(self.status)
+        now = self.finish(self.status)
         if self.close_after:
+            self.deadline = math.inf
             self.end()
             return
+        self.deadline = now + self.limits.idle_timeout
         self.move(Phase.IDLE)
         if self.paused:  # what the client sent since was left in the kernel: read it now
             self.paused = False
@@ -887,15 +924,18 @@ class _Client:
         # (otherwise every byte that came while the request ran was read as it came)
         self.next()
 
-    def finish(self, status: int) -> None:
-        """The exchange in hand ends with `status`: counted and logged."""
+    def finish(self, status: int) -> float:
+        """The exchange in hand ends with `status`: counted and logged. Returns now."""
+        now = self.conn.now()
         request = self.request
         if request is None:
-            return
+            return now
         self.request = self.go = None
         held, self.held = self.held, 0
         self.answered = True
-        self.t.count(self.conn, request.method, request.target, status, self.started, held)
+        self.t.count(self.conn, request.method, request.target, status, self.started, held,
+                     now)
+        return now
 
     def gone(self) -> None:
         """The client left (or broke) while an exchange ran."""

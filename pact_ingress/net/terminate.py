@@ -532,7 +532,7 @@ class Terminator:
             self.count(conn, ex.method, ex.target, status, started, shares[0])
 
     def count(self, conn: _Connection, method: str, target: bytes, status: int,
-              started: float, held: int) -> None:
+              started: float, held: int, now: float | None = None) -> None:
         """An exchange ended with `status`: its body's share given back, the answer
         counted (in the metric at the next collection), the access log line written."""
         if held:
@@ -541,7 +541,7 @@ class Terminator:
         key = (conn.route_host, status)
         answered[key] = answered.get(key, 0) + 1
         log.request(conn.log_prefix, method, _log_path(target), status,
-                    round((conn.now() - started) * 1000, 1))
+                    round(((conn.now() if now is None else now) - started) * 1000, 1))
 
     def note_header_time(self, route_host: str, seconds: float) -> None:
         """How long the node took to its response head (into the histogram at the next
@@ -616,12 +616,12 @@ class Terminator:
                             body)
         return LaneGo(route, tenant, host, target, out, body, held)
 
-    def lane_share(self, conn: _Connection, route: Route) -> _Answer | None:
-        """The client's share of the node for a request the lane forwards (`_forward`'s
-        first step); the refusal when it has no more."""
-        if self._inflight_for(route).take(conn.client, 1) is not None:
-            return _TOO_MANY_IN_FLIGHT
-        return None
+    #: the answer when a client has no share of the node left (the lane's too)
+    too_many_in_flight: _Answer
+
+    def shares_for(self, route: Route) -> Shares:
+        """The clients' shares of `route`'s node (`_forward`'s first step takes one)."""
+        return self._inflight_for(route)
 
     def lane_give(self, conn: _Connection, route: Route) -> None:
         self._inflight_for(route).give(conn.client, 1)
@@ -941,6 +941,7 @@ def _node_headers(headers: list[tuple[bytes, bytes]], client_ip: str, host: str,
 
 _TOO_MANY_IN_FLIGHT = _Answer.text(429, "too many requests in flight from your address",
                                    (b"retry-after", b"1"))
+Terminator.too_many_in_flight = _TOO_MANY_IN_FLIGHT
 
 
 def _busy(refused: Refused) -> _Answer:

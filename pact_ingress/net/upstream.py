@@ -728,13 +728,6 @@ class _Request:
                 await up._reap()
 
 
-def request_bytes(method: str, target: bytes, headers: list[tuple[bytes, bytes]],
-                  body: bytes) -> bytes:
-    """A request with a whole body, as it goes to the node in one write."""
-    head, _ = _frame(method, target, headers, body)
-    return head + body if body else head
-
-
 class _Adopted(_Request):
     """`_Request` entered already: the request went out and the head came elsewhere."""
 

@@ -82,6 +82,14 @@ class _Need:
 
 
 NEED_DATA = _Need()
+
+
+class _Incomplete:
+    def __repr__(self) -> str:
+        return "INCOMPLETE"
+
+
+INCOMPLETE = _Incomplete()
 END_OF_MESSAGE = EndOfMessage()
 Event = Request | Data | EndOfMessage | _Need
 
@@ -153,16 +161,17 @@ class H1ServerParser:
     def next_event(self) -> Event:
         return self._events.popleft() if self._events else NEED_DATA
 
-    def whole_message(self) -> tuple[Request, bytes, int] | None:
+    def whole_message(self) -> tuple[Request, bytes, int] | _Incomplete | None:
         """The next message when all of it is parsed already, without taking it: its
-        request, its body and the number of events it spans (for `drop`); None when
-        what comes next is not a whole message (nothing, a message still arriving)."""
+        request, its body and the number of events it spans (for `drop`); `INCOMPLETE`
+        when something is here but not a whole message (a head or a body still
+        arriving, what is left of one); None when nothing is."""
         events = self._events
         if len(events) < 2:
-            return None
+            return INCOMPLETE if events or self._phase is _Phase.HEAD else None
         request = events[0]
         if not isinstance(request, Request):
-            return None
+            return INCOMPLETE
         if events[1] is END_OF_MESSAGE:  # the usual message: no body
             return request, b"", 2
         parts = []
@@ -172,8 +181,8 @@ class H1ServerParser:
             if isinstance(event, Data):
                 parts.append(event.data)
             elif count:
-                return None
-        return None
+                return INCOMPLETE
+        return INCOMPLETE
 
     def drop(self, count: int) -> None:
         """Take the first `count` events (a message `whole_message` returned)."""
