@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pact_ingress.proto.http1_server import (
     END_OF_MESSAGE,
+    INCOMPLETE,
     MAX_HEAD_BYTES,
     NEED_DATA,
     Data,
@@ -68,6 +69,34 @@ def test_every_split_gives_the_same_events(cut: int) -> None:
         parser.feed(piece)
         events += _events(parser)
     assert _summary(events) == EXPECTED
+
+
+@pytest.mark.parametrize("cut", range(0, len(PIPELINE) + 1))
+def test_whole_message_is_each_message_once_it_is_all_here(cut: int) -> None:
+    """The keep-alive lane's view: `whole_message` gives a message (and nothing is taken
+    until `drop`) only once all of it is parsed, whatever the split; INCOMPLETE while a
+    part of one is here; None when nothing is."""
+    parser = H1ServerParser()
+    if cut:  # (b"" would say the client closed)
+        parser.feed(PIPELINE[:cut])
+    whole = []
+    while isinstance(got := parser.whole_message(), tuple):
+        request, body, count = got
+        assert parser.whole_message() == got  # looking takes nothing
+        parser.drop(count)
+        whole.append((request.method, request.target, body))
+    if cut < len(PIPELINE):
+        # nothing here only where a message ended (or before the first began)
+        boundaries = {0, PIPELINE.index(b"POST /up"), PIPELINE.index(b"GET /sse")}
+        assert got is (None if cut in boundaries else INCOMPLETE)
+        parser.feed(PIPELINE[cut:])
+        while isinstance(got := parser.whole_message(), tuple):
+            request, body, count = got
+            parser.drop(count)
+            whole.append((request.method, request.target, body))
+    assert got is None
+    assert whole == [("POST", b"/mcp", b"hello"), ("POST", b"/up", b"abcde"),
+                     ("GET", b"/sse", b"")]
 
 
 @pytest.mark.parametrize(("raw", "status"), [
