@@ -145,6 +145,7 @@ _MOVES: dict[Phase, tuple[Phase, ...]] = {
     Phase.HANDSHAKE: (Phase.IDLE, Phase.ENDED),
     Phase.IDLE: (Phase.CONNECTING, Phase.UPSTREAM, Phase.ENDED),
     Phase.CONNECTING: (Phase.UPSTREAM, Phase.IDLE, Phase.ENDED),
+    # (UPSTREAM -> IDLE: the answer went out whole at once, or the exchange was handed)
     Phase.UPSTREAM: (Phase.CONNECTING, Phase.WRITING, Phase.IDLE, Phase.ENDED),
     Phase.WRITING: (Phase.IDLE, Phase.ENDED),
     Phase.ENDED: (),
@@ -291,22 +292,6 @@ class Lane:
                 client.end()
 
 
-class _NodeSide:
-    """The node connection's `Watch.lane` while a request of ours is on it."""
-
-    __slots__ = ("client",)
-
-    def __init__(self, client: _Client) -> None:
-        self.client = client
-
-    def event(self, mask: int) -> None:
-        client = self.client
-        try:
-            client.node_event(mask)
-        except Exception as exc:  # noqa: BLE001
-            client.failed(exc)
-
-
 class _Client:
     """One client connection in the lane: its TLS, its parser, the exchange in hand."""
 
@@ -323,7 +308,7 @@ class _Client:
         if data:
             self.inc.write(data)
         self.watch = lane.hub.watch(sock)
-        self.watch.lane = self
+        self.watch.lane = self.event
         self.phase = Phase.HANDSHAKE
         self.pending = b""  # ciphertext the kernel did not take yet
         self.parser = H1ServerParser()
@@ -349,7 +334,7 @@ class _Client:
         self.entry: _Pool | None = None  # the pool, counted in its `active`
         self.node: _Conn | None = None
         self.reused = False  # `node` came from the idle list
-        self.node_side = _NodeSide(self)
+        self.node_side = self.node_event_guarded  # the node's `Watch.lane` meanwhile
         self.node_deadline = math.inf  # the node's head, or the rest of a short body
         self.node_pending = b""
         self.response: ResponseParser | None = None
@@ -695,8 +680,16 @@ class _Client:
                 raise _Broke(f"send to the node failed: {exc!r}") from exc
             data = data[sent:]
 
+    def node_event_guarded(self, mask: int) -> None:
+        """The hub's call with the node connection's events (`guarded`, inline)."""
+        try:
+            self.node_event(mask)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+
     def node_event(self, mask: int) -> None:
-        if self.phase is not Phase.UPSTREAM or self.node is None:
+        node = self.node
+        if self.phase is not Phase.UPSTREAM or node is None:
             return
         if mask & _OUT and self.node_pending:
             try:
@@ -711,51 +704,45 @@ class _Client:
         # until it is whole, goes elsewhere, or the socket has nothing more
         parser = self.response
         assert parser is not None
+        raw, inc, tls = node._raw, node._in, node._sslobj
+        now = self.conn.now()
         while True:
             try:
-                more = self.node_pull(parser)
+                try:
+                    data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    raise _Broke(f"receive from the node failed: {exc!r}") from exc
+                if data:
+                    inc.write(data)
+                else:
+                    inc.write_eof()
+                while not parser.done:
+                    try:
+                        plain = tls.read(READ_SIZE)
+                    except ssl.SSLWantReadError:
+                        break
+                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                        plain = b""
+                    if plain:
+                        parser.feed(plain)
+                    else:
+                        parser.feed_eof()
+                        break
             except (_Broke, ResponseError, ssl.SSLError) as exc:
                 if self.head_seen:
                     self.node_broke_off(exc)
                 else:
                     self.node_failed(exc)
                 return
-            if parser.head_done and not self.head_seen and not self.node_head():
+            if parser.head_done and not self.head_seen and not self.node_head(now):
                 return
             if parser.done:
-                self.node_answered()
+                self.node_answered(now)
                 return
-            if not more:
-                return
-
-    def node_pull(self, parser: ResponseParser) -> bool:
-        """One read from the node into `parser`; whether the socket may hold more."""
-        node = self.node
-        assert node is not None
-        try:
-            data = node._raw.recv(READ_SIZE)  # type: ignore[union-attr]
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise _Broke(f"receive from the node failed: {exc!r}") from exc
-        inc, tls = node._in, node._sslobj
-        if data:
-            inc.write(data)
-        else:
-            inc.write_eof()
-        while not parser.done:
-            try:
-                plain = tls.read(READ_SIZE)
-            except ssl.SSLWantReadError:
-                break
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                plain = b""
-            if plain:
-                parser.feed(plain)
-            else:
-                parser.feed_eof()
-                break
-        return len(data) == READ_SIZE
+            if len(data) < READ_SIZE:
+                return  # the socket has nothing more now
 
     def node_expired(self, _: int) -> None:
         self.node_deadline = math.inf
@@ -817,14 +804,13 @@ class _Client:
             exc = UpstreamProtocolError(f"node connection failed: {exc}")
         self.hand(Resume.ANSWER, answer=self.t.lane_failure(go.route, exc))
 
-    def node_head(self) -> bool:
+    def node_head(self, now: float) -> bool:
         """The node's head is here (once per exchange): its time noted; True when the
         lane goes on with the exchange (the rest of a short body is awaited here), False
         when it went elsewhere (sent again fresh, or to the trio engine to relay)."""
         request, go, parser = self.request, self.go, self.response
         assert request is not None and go is not None and parser is not None
         self.head_seen = True
-        now = self.conn.now()
         self.node_deadline = math.inf
         self.t.note_header_time(go.route.host, now - self.sent_at)
         if parser.status == 408 and self.reused and request.method in IDEMPOTENT:
@@ -874,9 +860,9 @@ class _Client:
         self.response = None
         self.answer_with(NODE_BROKE_OFF, response_head(
             NODE_BROKE_OFF, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
-            Framing.LENGTH, close=True) + BROKE_OFF, close=True)
+            Framing.LENGTH, close=True) + BROKE_OFF, close=True, now=self.conn.now())
 
-    def node_answered(self) -> None:
+    def node_answered(self, now: float) -> None:
         """The node's whole answer is here: to the client in one write."""
         request, parser = self.request, self.response
         assert request is not None and parser is not None
@@ -889,28 +875,30 @@ class _Client:
         # (a node that answered before it took our whole request: not reused)
         self.release(parser.keep_alive and not self.node_pending)
         self.response = None
-        self.answer_with(status, data, close=close or framing is Framing.CLOSE)
+        self.answer_with(status, data, close=close or framing is Framing.CLOSE, now=now)
 
-    def answer_with(self, status: int, data: bytes, *, close: bool) -> None:
+    def answer_with(self, status: int, data: bytes, *, close: bool, now: float) -> None:
+        """The answer to the client: done when the kernel takes it at once (the usual
+        case: no WRITING phase at all), else written as the client reads."""
         self.status = status
         self.close_after = close
-        self.move(Phase.WRITING)
         try:
             self.tls.write(data)
             if not self.flush():
-                self.deadline = self.conn.now() + self.limits.client_write_timeout
+                self.move(Phase.WRITING)
+                self.deadline = now + self.limits.client_write_timeout
                 return
         except (_Broke, ssl.SSLError):
             self.gone()
             return
-        self.written()
+        self.written(now)
 
     # -- the answer --------------------------------------------------------------------
 
-    def written(self) -> None:
+    def written(self, now: float | None = None) -> None:
         """The kernel took the whole answer: the exchange is done."""
         self.lane.served += 1
-        now = self.finish(self.status)
+        now = self.finish(self.status, now)
         if self.close_after:
             self.deadline = math.inf
             self.end()
@@ -924,9 +912,10 @@ class _Client:
         # (otherwise every byte that came while the request ran was read as it came)
         self.next()
 
-    def finish(self, status: int) -> float:
+    def finish(self, status: int, now: float | None = None) -> float:
         """The exchange in hand ends with `status`: counted and logged. Returns now."""
-        now = self.conn.now()
+        if now is None:
+            now = self.conn.now()
         request = self.request
         if request is None:
             return now

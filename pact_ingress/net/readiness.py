@@ -34,7 +34,7 @@ filled its whole buffer may have left bytes behind, which no new event announces
 caller then sets `readable` itself, so a wait that does not look first returns at once.
 
 * The keep-alive lane (`net/h1_lane.py`): a Watch whose `lane` is set belongs to one
-  of its connections; the hub calls `lane.event(mask)` with its events instead of
+  of its connections; the hub calls `lane(mask)` with its events instead of
   waking a task (the lane keeps its deadlines itself). The lane clears `lane` (and
   marks the Watch readable) before it gives the socket to a task.
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
@@ -125,7 +125,7 @@ class Watch:
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
         #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events go to
-        #: it (`event(mask)`) instead of waking a task
+        #: this call (`lane(mask)`) instead of waking a task
         self.lane: Any = None
         self._abort_read = self._make_abort(READ)
         self._abort_write = self._make_abort(WRITE)
@@ -272,9 +272,10 @@ class Hub:
                         watch = watches.get(fd)
                         if watch is None:
                             continue
-                        if watch.lane is not None:
+                        lane = watch.lane
+                        if lane is not None:
                             try:
-                                watch.lane.event(mask)  # (it catches its own failures)
+                                lane(mask)  # (it catches its own failures)
                             except Exception as exc:  # noqa: BLE001 - never the hub's end
                                 log.error("lane_event_failed", error=repr(exc))
                             continue

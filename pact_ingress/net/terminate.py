@@ -540,7 +540,12 @@ class Terminator:
         answered = self._answered
         key = (conn.route_host, status)
         answered[key] = answered.get(key, 0) + 1
-        log.request(conn.log_prefix, method, _log_path(target), status,
+        # the target as the access log shows it: no query (queries carry tokens), at
+        # most `LOG_PATH_MAX` characters; bytes that are not ASCII are escaped by the line
+        path = target.split(b"?", 1)[0]
+        if len(path) > LOG_PATH_MAX:
+            path = path[:LOG_PATH_MAX]
+        log.request(conn.log_prefix, method, path.decode("latin-1"), status,
                     round(((conn.now() if now is None else now) - started) * 1000, 1))
 
     def note_header_time(self, route_host: str, seconds: float) -> None:
@@ -972,12 +977,3 @@ def _upstream_answer(route: Route, exc: UpstreamError) -> _Answer:
 #: Longest request path an access log line carries; the rest is cut (a log line is for
 #: an operator, and a client must not be able to make lines of any size).
 LOG_PATH_MAX = 200
-
-
-def _log_path(target: bytes) -> str:
-    """The target as the access log shows it: no query (queries carry tokens), at most
-    `LOG_PATH_MAX` characters; bytes that are not ASCII are escaped by the JSON line."""
-    path = target.split(b"?", 1)[0]
-    if len(path) > LOG_PATH_MAX:
-        path = path[:LOG_PATH_MAX]
-    return path.decode("latin-1")
