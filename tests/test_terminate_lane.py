@@ -177,35 +177,28 @@ def test_odd_spellings_of_the_mcp_target_never_pass_unsealed(served: ServeEnv,
     assert env.node.unsealed_calls() == []
 
 
-def test_a_streamed_answer_is_relayed_by_the_trio_engine(served: ServeEnv) -> None:
-    """RELAY: the node's head came without its whole body (an event stream)."""
+@pytest.mark.parametrize("target", ["/stream?n=3&interval=0.05", "/big?bytes=300000"])
+def test_a_streamed_or_large_answer_is_relayed_by_the_trio_engine(
+        served: ServeEnv, target: str) -> None:
+    """RELAY: the node's head came without its whole body (an event stream, or a body
+    over what the lane waits for): relayed whole, and the connection serves on."""
     env = served.fresh()
     before = lane_counts(env)
     s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
     try:
-        s.sendall(request_bytes("GET", "/stream?n=3&interval=0.05", OPT_HOST))
+        s.sendall(request_bytes("GET", target, OPT_HOST))
         resp = read_response(s)
         assert resp.status == 200
-        assert resp.body.count(b"data: tick") == 3
+        if target.startswith("/stream"):
+            assert resp.body.count(b"data: tick") == 3
+        else:
+            assert resp.body == b"x" * 300000
         s.sendall(request_bytes("GET", "/next", OPT_HOST))
         assert echoed(read_response(s).body)["target"] == "/next"
     finally:
         forget(s)
     assert moved(before, lane_counts(env)) == {"relay": 1.0}
     assert env.node.wait_for(lambda: env.node.active_streams == 0)
-
-
-def test_a_large_answer_is_relayed_whole(served: ServeEnv) -> None:
-    env = served.fresh()
-    before = lane_counts(env)
-    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
-    try:
-        s.sendall(request_bytes("GET", "/big?bytes=300000", OPT_HOST))
-        resp = read_response(s)
-        assert resp.status == 200 and resp.body == b"x" * 300000
-    finally:
-        forget(s)
-    assert moved(before, lane_counts(env)) == {"relay": 1.0}
 
 
 def test_a_short_answer_whose_body_comes_apart_is_served_by_the_lane(

@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import _socket
 import bisect
+import contextlib
 import enum
 import os
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -97,7 +98,7 @@ from pact_ingress.net.upstream import (
 )
 from pact_ingress.proto import posture
 from pact_ingress.proto.h2_guard import Flood
-from pact_ingress.proto.http1_server import Request
+from pact_ingress.proto.http1_server import H1ServerParser, ParseError, Request
 from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
 from pact_ingress.proto.http_request import (
     NO_CONTENT_METHODS,
@@ -318,32 +319,41 @@ class Terminator:
         ip = client[0]
         conn = _Connection(route.host, sni, ip, client_bucket(ip) or ip,
                            request_prefix(route.host, ip), deadlines.clock())
-        self._open += 1
-        readiness.open_connections += 1
         handed: Handoff | None = None
         try:
-            lane = self._lane
-            if lane is None:
-                lane = self._lane = Lane(self)
-                if self._draining.is_set():
-                    lane.drain()
-            step = await lane.serve(sock, data, ctx, route, conn)
-            while type(step) is NeedNode:
-                step = await self._connect_for_lane(lane, step)
-            handed = step  # type: ignore[assignment]
-            if handed is not None:
-                await self._resume(conn, route, handed)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
-            log.debug("terminate_connection_ended", route=route.host, error=repr(exc))
-        except Exception as exc:
-            log.warning("terminate_connection_error", route=route.host, error=repr(exc))
+            with self._connection_life(route.host):
+                lane = self._lane
+                if lane is None:
+                    lane = self._lane = Lane(self)
+                    if self._draining.is_set():
+                        lane.drain()
+                step = await lane.serve(sock, data, ctx, route, conn)
+                while type(step) is NeedNode:
+                    step = await self._connect_for_lane(lane, step)
+                handed = step  # type: ignore[assignment]
+                if handed is not None:
+                    await self._resume(conn, route, handed)
         finally:
-            self._open -= 1
-            readiness.open_connections -= 1
             if handed is not None:
                 handed.tls.close_unwatched()
             elif sock.fileno() != -1:
                 sock.close()  # (the lane closes what it ends; this is a failure's)
+
+    @contextlib.contextmanager
+    def _connection_life(self, route_host: str) -> Iterator[None]:
+        """One connection served: counted open while it is, its end logged as a debug
+        line when the client or the link went, a warning when anything else ended it."""
+        self._open += 1
+        readiness.open_connections += 1
+        try:
+            yield
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
+            log.debug("terminate_connection_ended", route=route_host, error=repr(exc))
+        except Exception as exc:
+            log.warning("terminate_connection_error", route=route_host, error=repr(exc))
+        finally:
+            self._open -= 1
+            readiness.open_connections -= 1
 
     async def _connect_for_lane(self, lane: Lane, need: NeedNode
                                 ) -> Handoff | NeedNode | None:
@@ -365,20 +375,12 @@ class Terminator:
         """A connection the lane handed over, served on from where it stopped."""
         limits = route.limits
         if h.point is Resume.H2:
-            await H2Connection(h.tls, idle_timeout=limits.idle_timeout,
-                               write_timeout=limits.client_write_timeout,
-                               idle_scopes=self._idle_scopes, draining=self._draining,
-                               on_flood=partial(self._flooded, conn)).serve(
-                                   partial(self._exchange, conn))
+            await self._h2(h.tls, conn, limits).serve(partial(self._exchange, conn))
             return
         if h.point is Resume.LINGER:
             await linger(h.tls.socket, LINGER_SECONDS, LINGER_BYTES)
             return
-        h1 = H1Connection(h.tls, idle_timeout=limits.idle_timeout,
-                          head_timeout=limits.clienthello_timeout,
-                          write_timeout=limits.client_write_timeout,
-                          idle_scopes=self._idle_scopes, draining=self._draining,
-                          parser=h.parser, deferred=h.deferred)
+        h1 = self._h1(h.tls, limits, h.parser, h.deferred)
         h1._answered = h.answered
         first = None
         if h.request is not None:
@@ -413,45 +415,50 @@ class Terminator:
                            request_prefix(route.host, ip), deadlines.clock())
         handle = partial(self._exchange, conn)
         ours = type(tls) is ServerTLS  # (not isinstance: an ABC check costs a call)
-        self._open += 1
-        readiness.open_connections += 1
         try:
-            if ours:
-                try:
-                    # `ServerTLS.do_handshake`'s body, without its coroutine
-                    await tls.handshake(  # type: ignore[union-attr]
-                        conn.now() + limits.clienthello_timeout, hold_tail=True)
-                except trio.TooSlowError:
-                    return
-            else:
-                with trio.move_on_after(limits.clienthello_timeout) as handshake:
-                    await tls.do_handshake()
-                if handshake.cancelled_caught:
-                    return
-            if tls.selected_alpn_protocol() == "h2":
-                await H2Connection(tls, idle_timeout=limits.idle_timeout,
-                                   write_timeout=limits.client_write_timeout,
-                                   idle_scopes=self._idle_scopes,
-                                   draining=self._draining,
-                                   on_flood=partial(self._flooded, conn)).serve(handle)
-            else:
-                await H1Connection(tls, idle_timeout=limits.idle_timeout,
-                                   head_timeout=limits.clienthello_timeout,
-                                   write_timeout=limits.client_write_timeout,
-                                   idle_scopes=self._idle_scopes,
-                                   draining=self._draining).serve(handle)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
-            log.debug("terminate_connection_ended", route=route.host, error=repr(exc))
-        except Exception as exc:
-            log.warning("terminate_connection_error", route=route.host, error=repr(exc))
+            with self._connection_life(route.host):
+                await self._serve_tls(tls, ours, conn, handle, limits)
         finally:
-            self._open -= 1
-            readiness.open_connections -= 1
             if ours:
                 # the HTTP leg and its tasks are done: nothing waits on the socket now
                 tls.close_unwatched()  # type: ignore[union-attr]
             else:
                 await trio.aclose_forcefully(tls)
+
+    async def _serve_tls(self, tls: ServerTLS | trio.SSLStream, ours: bool,
+                         conn: _Connection, handle: Callable[[Exchange], Any],
+                         limits: Any) -> None:
+        """`_serve`'s handshake, then the HTTP version the client chose."""
+        if ours:
+            try:
+                # `ServerTLS.do_handshake`'s body, without its coroutine
+                await tls.handshake(  # type: ignore[union-attr]
+                    conn.now() + limits.clienthello_timeout, hold_tail=True)
+            except trio.TooSlowError:
+                return
+        else:
+            with trio.move_on_after(limits.clienthello_timeout) as handshake:
+                await tls.do_handshake()
+            if handshake.cancelled_caught:
+                return
+        if tls.selected_alpn_protocol() == "h2":
+            await self._h2(tls, conn, limits).serve(handle)
+        else:
+            await self._h1(tls, limits).serve(handle)
+
+    def _h2(self, tls: trio.abc.Stream, conn: _Connection, limits: Any) -> H2Connection:
+        return H2Connection(tls, idle_timeout=limits.idle_timeout,
+                            write_timeout=limits.client_write_timeout,
+                            idle_scopes=self._idle_scopes, draining=self._draining,
+                            on_flood=partial(self._flooded, conn))
+
+    def _h1(self, tls: trio.abc.Stream, limits: Any, parser: H1ServerParser | None = None,
+            deferred: ParseError | None = None) -> H1Connection:
+        return H1Connection(tls, idle_timeout=limits.idle_timeout,
+                            head_timeout=limits.clienthello_timeout,
+                            write_timeout=limits.client_write_timeout,
+                            idle_scopes=self._idle_scopes, draining=self._draining,
+                            parser=parser, deferred=deferred)
 
     def _flooded(self, conn: _Connection, kind: Flood) -> None:
         self.stats.h2_floods.labels(route=conn.route_host, kind=kind.value).inc()
