@@ -1,0 +1,570 @@
+"""Hostile clients and a hostile node against the keep-alive lane (`net/h1_lane.py`) of
+a real `pact-ingress serve`, over loopback sockets.
+
+Invariants checked after each attack: every answer is its own request's (the node
+echoes target and body hash); nothing unsealed reaches the node at the seal-required
+HOST; open connections return to 0; the per-IP in-flight share is given back (the same
+address is served to its full share afterwards); another address is served during a
+flood; `pact_ingress_http_requests_total` grows by the requests actually made.
+
+Every loop is bounded in count and time; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+import pytest
+
+from tests.terminate_env import (
+    ATTACKER_IP,
+    BYSTANDER_IP,
+    HOST,
+    OPT_HOST,
+    ServeEnv,
+    client_context,
+    forget,
+    read_response,
+    refusal_code,
+    request_bytes,
+    tarpit_route,
+    tls_socket,
+    unsealed_call_body,
+)
+
+IN_FLIGHT = 4
+LIMITS = {"calls_per_hour_per_ip": 100_000_000, "calls_per_hour_per_ip_key": 100_000_000,
+          "max_connections_per_ip": 5000, "max_requests_in_flight_per_ip": IN_FLIGHT}
+HANG = 15.0
+EVIL_HOST = "evil.attack.test"  # a route to the hostile node below
+_REQS = re.compile(r'^pact_ingress_http_requests_total\{[^}]*\} ([0-9.e+]+)$', re.M)
+
+
+class HostileNode:
+    """An HTTP/1.1 node over TLS (the pinned node identity) that misbehaves by path:
+    `/hang` never answers (until the edge closes), `/slow?s=S` answers after S seconds,
+    `/double` answers twice in one write, anything else echoes target and body hash."""
+
+    def __init__(self, listener: socket.socket, cert: str, key: str) -> None:
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(cert, key)
+        self.ctx.set_alpn_protocols(["http/1.1"])
+        self.listener = listener
+        self.lock = threading.Lock()
+        self.seen: list[str] = []
+        self.hanging = 0
+        self.socks: set[socket.socket] = set()
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.socks.add(raw)
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        raw.settimeout(60)
+        try:
+            tls = self.ctx.wrap_socket(raw, server_side=True)
+            conn = h11.Connection(h11.SERVER)
+            while not self.stopped:
+                req, body = None, b""
+                while True:
+                    ev = conn.next_event()
+                    if ev is h11.NEED_DATA:
+                        data = tls.recv(65536)
+                        if not data:
+                            return
+                        conn.receive_data(data)
+                    elif isinstance(ev, h11.Request):
+                        req = ev
+                    elif isinstance(ev, h11.Data):
+                        body += ev.data
+                    elif isinstance(ev, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                assert req is not None
+                target = req.target.decode()
+                with self.lock:
+                    self.seen.append(target)
+                url = urlsplit(target)
+                if url.path == "/hang":
+                    with self.lock:
+                        self.hanging += 1
+                    try:
+                        while tls.recv(65536):
+                            pass
+                    finally:
+                        with self.lock:
+                            self.hanging -= 1
+                    return
+                if url.path == "/slow":
+                    time.sleep(float(parse_qs(url.query)["s"][0]))
+                payload = json.dumps({"target": target,
+                                      "sha256": hashlib.sha256(body).hexdigest()}).encode()
+                one = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                if url.path == "/double":
+                    other = json.dumps({"target": "/smuggled", "sha256": ""}).encode()
+                    one += (b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                            % (len(other), other))
+                tls.sendall(one)
+                conn = h11.Connection(h11.SERVER)  # (no state carried: a new cycle)
+        except (OSError, ssl.SSLError, h11.ProtocolError, ValueError):
+            return
+        finally:
+            with self.lock:
+                self.socks.discard(raw)
+            with contextlib.suppress(OSError):
+                raw.close()
+
+    def stop(self) -> None:
+        self.stopped = True
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        with self.lock:
+            held = list(self.socks)
+        for s in held:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[ServeEnv, HostileNode]]:
+    evil = socket.create_server(("127.0.0.1", 0), backlog=256)
+    routes = tarpit_route(EVIL_HOST, evil.getsockname()[1])
+    env = ServeEnv.start(tmp_path_factory.mktemp("lane_attacks"), workers=1, limits=LIMITS,
+                         extra_routes=routes)
+    node = HostileNode(evil, str(env.ids.node.cert_path), str(env.ids.node.key_path))
+    try:
+        yield env, node
+    finally:
+        node.stop()
+        env.stop()
+
+
+@pytest.fixture
+def env(world: tuple[ServeEnv, HostileNode]) -> ServeEnv:
+    return world[0].fresh()
+
+
+@pytest.fixture
+def evil(world: tuple[ServeEnv, HostileNode]) -> HostileNode:
+    with world[1].lock:
+        world[1].seen.clear()
+    return world[1]
+
+
+def requests_total(env: ServeEnv) -> float:
+    return sum(float(v) for v in _REQS.findall(env.serve.metrics()))
+
+
+def echoed(body: bytes) -> dict[str, object]:
+    return dict(json.loads(body))
+
+
+def sha(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def chunked(body: bytes, pieces: int = 3) -> bytes:
+    step = max(1, len(body) // pieces)
+    out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + step]), body[i:i + step])
+                   for i in range(0, len(body), step))
+    return out + b"0\r\n\r\n"
+
+
+def chunked_request(target: str, host: str, body: bytes) -> bytes:
+    return (f"POST {target} HTTP/1.1\r\nHost: {host}\r\nContent-Type: text/plain\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode() + chunked(body)
+
+
+def reset(s: socket.socket) -> None:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    forget(s)
+
+
+def full_share_served(env: ServeEnv, host: str, source: str = "127.0.0.1",
+                      path: str = "/share") -> None:
+    """The address's whole in-flight share at once, every request answered by the node."""
+    socks = [tls_socket(env.serve.port, host, source=source, timeout=HANG)
+             for _ in range(IN_FLIGHT)]
+    try:
+        for k, s in enumerate(socks):
+            s.sendall(request_bytes("GET", f"{path}/{k}", host))
+        for k, s in enumerate(socks):
+            resp = read_response(s)
+            assert resp.status == 200, (resp.status, resp.body)
+            assert echoed(resp.body)["target"] == f"{path}/{k}"
+    finally:
+        for s in socks:
+            forget(s)
+
+
+def settled(env: ServeEnv) -> None:
+    assert env.serve.wait_open_connections(0) == 0
+
+
+# -- hostile clients -------------------------------------------------------------------
+
+
+def test_a_pipelined_mix_of_bodies_and_methods_gets_each_its_own_answer(
+        env: ServeEnv) -> None:
+    """One write: GET, small POST, chunked POST, HEAD, POSTs of 65536 and 65537 bytes
+    (the lane's whole-body limit, and one over), GET; each answer is its own."""
+    before = requests_total(env)
+    big, bigger = b"A" * 65536, b"B" * 65537
+    plan = [("GET", "/m/0", b"", None), ("POST", "/m/1", b"small", None),
+            ("POST", "/m/2", b"chunky" * 50, "chunked"), ("HEAD", "/m/3", b"", None),
+            ("POST", "/m/4", big, None), ("POST", "/m/5", bigger, None),
+            ("GET", "/m/6", b"", None)]
+    raw = b"".join(chunked_request(t, OPT_HOST, b) if how == "chunked" else
+                   request_bytes(m, t, OPT_HOST, body=b, content_type="text/plain")
+                   for m, t, b, how in plan)
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(raw)
+        for method, target, body, _ in plan:
+            resp = read_response(s, head_only=method == "HEAD")
+            assert resp.status == 200, (target, resp.status, resp.body)
+            if method != "HEAD":
+                got = echoed(resp.body)
+                assert (got["target"], got["sha256"]) == (target, sha(body))
+    finally:
+        forget(s)
+    settled(env)
+    assert [r.target for r in env.node.requests()] == [t for _, t, _, _ in plan]
+    assert requests_total(env) - before == len(plan)
+
+
+def test_a_request_split_across_tls_records_at_every_offset(env: ServeEnv) -> None:
+    """The same small POST split in two TLS records at every byte offset, one
+    connection each: wherever the split falls, the request is served whole, once."""
+    before = requests_total(env)
+    body = b'{"k": "v"}'
+    raw = request_bytes("POST", "/split", OPT_HOST, body=body, content_type="text/plain")
+    for k in range(1, len(raw)):
+        s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+        try:
+            s.sendall(raw[:k])
+            s.sendall(raw[k:])
+            resp = read_response(s)
+            got = echoed(resp.body)
+            assert resp.status == 200 and got["sha256"] == sha(body), (k, resp.body)
+        finally:
+            forget(s)
+    settled(env)
+    assert len(env.node.requests()) == len(raw) - 1
+    assert requests_total(env) - before == len(raw) - 1
+
+
+def test_expect_continue_in_the_middle_of_a_pipeline(env: ServeEnv) -> None:
+    before = requests_total(env)
+    body = b"e" * 300
+    raw = (request_bytes("GET", "/x/0", OPT_HOST)
+           + request_bytes("POST", "/x/1", OPT_HOST, body=body, content_type="text/plain",
+                           headers=[("Expect", "100-continue")])
+           + request_bytes("GET", "/x/2", OPT_HOST))
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(raw)
+        for target, b in (("/x/0", b""), ("/x/1", body), ("/x/2", b"")):
+            resp = read_response(s)
+            got = echoed(resp.body)
+            assert resp.status == 200 and (got["target"], got["sha256"]) == (target, sha(b))
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == 3
+
+
+def test_a_bad_head_behind_good_ones_is_refused_after_them(env: ServeEnv) -> None:
+    before = requests_total(env)
+    raw = (request_bytes("GET", "/g/0", OPT_HOST)
+           + request_bytes("POST", "/g/1", OPT_HOST, body=b"one", content_type="text/plain")
+           + f"GET /bad HTTP/1.1\r\nHost: {OPT_HOST}\r\nHost: other\r\n\r\n".encode()
+           + request_bytes("GET", "/never", OPT_HOST))
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(raw)
+        assert echoed(read_response(s).body)["target"] == "/g/0"
+        assert echoed(read_response(s).body)["target"] == "/g/1"
+        assert read_response(s).status == 400
+        with pytest.raises((ConnectionError, ssl.SSLError)):
+            read_response(s)
+    finally:
+        forget(s)
+    settled(env)
+    assert [r.target for r in env.node.requests()] == ["/g/0", "/g/1"]
+    # (a refused head is no exchange: neither engine counts it)
+    assert requests_total(env) - before == 2
+
+
+def test_a_request_sent_with_the_tls_finished_is_served(env: ServeEnv) -> None:
+    """The client's Finished and its first request (and a second, pipelined) in one
+    TCP segment."""
+    before = requests_total(env)
+    ctx = client_context()
+    raw = socket.create_connection(("127.0.0.1", env.serve.port), timeout=HANG)
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(inc, out, server_hostname=OPT_HOST)
+    try:
+        deadline = time.monotonic() + HANG
+        while time.monotonic() < deadline:
+            try:
+                obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if out.pending:
+                    raw.sendall(out.read())
+                data = raw.recv(65536)
+                assert data, "closed during the handshake"
+                inc.write(data)
+        obj.write(request_bytes("GET", "/fin/0", OPT_HOST)
+                  + request_bytes("POST", "/fin/1", OPT_HOST, body=b"f",
+                                  content_type="text/plain"))
+        raw.sendall(out.read())  # Finished + the requests, one send
+        plain = b""
+        while plain.count(b"/fin/") < 2 and time.monotonic() < deadline:
+            try:
+                plain += obj.read(65536)
+                continue
+            except ssl.SSLWantReadError:
+                pass
+            data = raw.recv(65536)
+            assert data, plain
+            inc.write(data)
+        assert plain.count(b"HTTP/1.1 200 ") == 2, plain
+        assert plain.index(b"/fin/0") < plain.index(b"/fin/1")
+    finally:
+        raw.close()
+    settled(env)
+    assert requests_total(env) - before == 2
+
+
+def test_half_close_after_a_request_still_gets_the_answer(env: ServeEnv) -> None:
+    before = requests_total(env)
+    for i in range(5):
+        s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+        try:
+            s.sendall(request_bytes("POST", f"/half/{i}", OPT_HOST, body=b"h" * i,
+                                    content_type="text/plain"))
+            socket.socket.shutdown(s, socket.SHUT_WR)
+            resp = read_response(s)
+            assert resp.status == 200 and echoed(resp.body)["target"] == f"/half/{i}"
+        finally:
+            forget(s)
+    settled(env)
+    assert requests_total(env) - before == 5
+
+
+def test_http10_with_and_without_host(env: ServeEnv) -> None:
+    """HTTP/1.0 with Host is served and closed (no keep-alive asked); without Host the
+    edge refuses it (400, as the trio engine does): nothing reaches the node."""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(f"GET /ten HTTP/1.0\r\nHost: {OPT_HOST}\r\n\r\n".encode()
+                  + request_bytes("GET", "/never", OPT_HOST))
+        resp = read_response(s)
+        assert resp.status == 200 and echoed(resp.body)["target"] == "/ten"
+        assert s.recv(100) == b""
+    finally:
+        forget(s)
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(b"GET /nohost HTTP/1.0\r\n\r\n")
+        assert read_response(s).status == 400
+    finally:
+        forget(s)
+    settled(env)
+    assert [r.target for r in env.node.requests()] == ["/ten"]
+    assert requests_total(env) - before == 2
+
+
+def test_connection_close_mid_pipeline_serves_nothing_behind_it(env: ServeEnv) -> None:
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", "/c/0", OPT_HOST)
+                  + request_bytes("GET", "/c/1", OPT_HOST, headers=[("Connection", "close")])
+                  + request_bytes("POST", "/c/2", OPT_HOST, body=b"no",
+                                  content_type="text/plain"))
+        assert echoed(read_response(s).body)["target"] == "/c/0"
+        resp = read_response(s)
+        assert echoed(resp.body)["target"] == "/c/1" and resp.header("connection") == "close"
+        with pytest.raises((ConnectionError, ssl.SSLError)):
+            read_response(s)
+    finally:
+        forget(s)
+    settled(env)
+    assert [r.target for r in env.node.requests()] == ["/c/0", "/c/1"]
+    assert requests_total(env) - before == 2
+
+
+def test_half_close_while_the_node_works_answers_the_pipeline(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """Two requests, the first slow at the node, then the client's half-close: both
+    answered, in order, then the connection ends."""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", "/slow?s=0.3", EVIL_HOST))
+        assert env.node.wait_for(lambda: len(evil.seen) >= 1)
+        s.sendall(request_bytes("POST", "/then", EVIL_HOST, body=b"t",
+                                content_type="text/plain"))
+        socket.socket.shutdown(s, socket.SHUT_WR)
+        assert echoed(read_response(s).body)["target"] == "/slow?s=0.3"
+        got = echoed(read_response(s).body)
+        assert (got["target"], got["sha256"]) == ("/then", sha(b"t"))
+    finally:
+        forget(s)
+    settled(env)
+    assert evil.seen == ["/slow?s=0.3", "/then"]
+    assert requests_total(env) - before == 2
+
+
+def test_unsealed_calls_in_odd_spellings_pipelined_behind_good_ones(env: ServeEnv) -> None:
+    targets = ["https://mcp.attack.test/mcp", "/mcp/../mcp", "/mcp?x=1", "/mcp/",
+               "HTTPS://MCP.ATTACK.TEST:443/mcp", "/./mcp", "/%6Dcp"]
+    for t in targets:
+        s = tls_socket(env.serve.port, HOST, timeout=HANG)
+        try:
+            s.sendall(request_bytes("GET", "/ok", HOST)
+                      + request_bytes("POST", t, HOST, body=unsealed_call_body("odd"))
+                      + request_bytes("GET", "/after", HOST))
+            assert echoed(read_response(s).body)["target"] == "/ok"
+            resp = read_response(s)
+            assert resp.status != 200 or refusal_code(resp.body) is not None, (t, resp.body)
+        except (ConnectionError, ssl.SSLError):
+            pass  # refused by closing is an answer too
+        finally:
+            forget(s)
+    settled(env)
+    assert env.node.unsealed_calls() == []
+
+
+# -- the client leaves at each phase ------------------------------------------------------
+
+
+def test_reset_while_the_node_has_not_answered_gives_the_share_back(
+        env: ServeEnv, evil: HostileNode) -> None:
+    before = requests_total(env)
+    for i in range(IN_FLIGHT + 2):
+        s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+        s.sendall(request_bytes("GET", "/hang", EVIL_HOST))
+        assert env.node.wait_for(lambda i=i: evil.seen.count("/hang") > i)
+        reset(s)
+    settled(env)
+    full_share_served(env, EVIL_HOST)
+    assert requests_total(env) - before == IN_FLIGHT + 2 + IN_FLIGHT
+
+
+def test_reset_while_the_answer_is_being_written(env: ServeEnv) -> None:
+    """A client that takes nothing of a ~60 KB answer and resets."""
+    before = requests_total(env)
+    for i in range(IN_FLIGHT + 2):
+        s = tls_socket(env.serve.port, OPT_HOST, rcvbuf=4096, timeout=HANG)
+        s.sendall(request_bytes("POST", f"/w/{i}", OPT_HOST, body=b"w" * 100,
+                                content_type="text/plain"))
+        s.sendall(request_bytes("GET", "/big?bytes=60000", OPT_HOST))
+        time.sleep(0.1)
+        reset(s)
+    settled(env)
+    full_share_served(env, OPT_HOST)
+    assert requests_total(env) - before >= IN_FLIGHT  # (the resets count as they came)
+
+
+def test_a_node_answering_twice_does_not_answer_the_next_request(
+        env: ServeEnv, evil: HostileNode) -> None:
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        for i in range(5):
+            s.sendall(request_bytes("GET", "/double", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == "/double"
+            s.sendall(request_bytes("GET", f"/next/{i}", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == f"/next/{i}"
+    finally:
+        forget(s)
+    settled(env)
+
+
+# -- floods and reloads -----------------------------------------------------------------
+
+
+def test_a_flood_from_one_address_leaves_another_served_and_gives_everything_back(
+        env: ServeEnv, evil: HostileNode) -> None:
+    before = requests_total(env)
+    port = env.serve.port
+    flood: list[ssl.SSLSocket] = []
+    try:
+        for i in range(40):
+            s = tls_socket(port, EVIL_HOST, source=ATTACKER_IP, timeout=HANG)
+            s.sendall(request_bytes("GET", "/hang", EVIL_HOST)
+                      + request_bytes("GET", f"/behind/{i}", EVIL_HOST))
+            flood.append(s)
+        assert env.node.wait_for(lambda: evil.hanging >= IN_FLIGHT)
+        for i in range(5):
+            other = tls_socket(port, EVIL_HOST, source=BYSTANDER_IP, timeout=HANG)
+            try:
+                other.sendall(request_bytes("GET", f"/by/{i}", EVIL_HOST))
+                assert echoed(read_response(other).body)["target"] == f"/by/{i}"
+            finally:
+                forget(other)
+        refused = 0
+        for s in flood[IN_FLIGHT:]:
+            resp = read_response(s)
+            assert resp.status != 200, resp.body
+            refused += 1
+    finally:
+        for s in flood:
+            reset(s)
+    settled(env)
+    assert evil.seen.count("/hang") == IN_FLIGHT
+    full_share_served(env, EVIL_HOST, source=ATTACKER_IP)
+    made = 5 + IN_FLIGHT + refused  # the /hang ones reset count too, as 499
+    assert requests_total(env) - before >= made
+
+
+def test_reload_while_lane_requests_are_at_the_node(env: ServeEnv, evil: HostileNode) -> None:
+    before = requests_total(env)
+    socks = [tls_socket(env.serve.port, EVIL_HOST, timeout=HANG) for _ in range(3)]
+    try:
+        for k, s in enumerate(socks):
+            s.sendall(request_bytes("POST", f"/slow?s=1&k={k}", EVIL_HOST, body=b"r" * k,
+                                    content_type="text/plain"))
+        assert env.node.wait_for(lambda: len(evil.seen) >= 3)
+        outcome = env.serve.reload(limits={**LIMITS, "max_requests_in_flight_per_ip": 3})
+        assert outcome == "reloaded"
+        for k, s in enumerate(socks):
+            resp = read_response(s)
+            got = echoed(resp.body)
+            assert resp.status == 200 and got["target"] == f"/slow?s=1&k={k}"
+            assert got["sha256"] == sha(b"r" * k)
+            s.sendall(request_bytes("GET", f"/post-reload/{k}", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == f"/post-reload/{k}"
+    finally:
+        for s in socks:
+            forget(s)
+        assert env.serve.reload(limits=LIMITS) == "reloaded"
+    settled(env)
+    full_share_served(env, EVIL_HOST)
+    assert requests_total(env) - before == 6 + IN_FLIGHT
