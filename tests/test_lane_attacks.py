@@ -22,6 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import h11
@@ -34,6 +35,7 @@ from tests.terminate_env import (
     OPT_HOST,
     ServeEnv,
     client_context,
+    closed_by_peer,
     forget,
     read_response,
     refusal_code,
@@ -54,7 +56,10 @@ _REQS = re.compile(r'^pact_ingress_http_requests_total\{[^}]*\} ([0-9.e+]+)$', r
 class HostileNode:
     """An HTTP/1.1 node over TLS (the pinned node identity) that misbehaves by path:
     `/hang` never answers (until the edge closes), `/slow?s=S` answers after S seconds,
-    `/double` answers twice in one write, anything else echoes target and body hash."""
+    `/double` answers twice in one write, `/interim` sends 100 and 103 first, `/brokeoff`
+    closes 10 bytes into a 100-byte body, `/dropnext` and `/408next` answer, then close
+    the connection on the next request (unanswered, or with a 408); anything else
+    echoes target and body hash."""
 
     def __init__(self, listener: socket.socket, cert: str, key: str) -> None:
         self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -83,6 +88,7 @@ class HostileNode:
         try:
             tls = self.ctx.wrap_socket(raw, server_side=True)
             conn = h11.Connection(h11.SERVER)
+            then = ""  # what the next request on this connection gets
             while not self.stopped:
                 req, body = None, b""
                 while True:
@@ -105,6 +111,16 @@ class HostileNode:
                 with self.lock:
                     self.seen.append(target)
                 url = urlsplit(target)
+                if then == "drop":  # read, then the connection closed unanswered
+                    return
+                if then == "408":
+                    tls.sendall(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
+                                b"content-length: 0\r\n\r\n")
+                    return
+                then = {"/dropnext": "drop", "/408next": "408"}.get(url.path, "")
+                if url.path == "/brokeoff":
+                    tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                    return
                 if url.path == "/hang":
                     with self.lock:
                         self.hanging += 1
@@ -121,6 +137,9 @@ class HostileNode:
                                       "sha256": hashlib.sha256(body).hexdigest()}).encode()
                 one = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                        b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                if url.path == "/interim":
+                    one = (b"HTTP/1.1 100 Continue\r\n\r\n"
+                           b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n") + one
                 if url.path == "/double":
                     other = json.dumps({"target": "/smuggled", "sha256": ""}).encode()
                     one += (b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
@@ -146,14 +165,21 @@ class HostileNode:
                 s.shutdown(socket.SHUT_RDWR)
 
 
+def make_world(tmp: Path) -> tuple[ServeEnv, HostileNode]:
+    evil = socket.create_server(("127.0.0.1", 0), backlog=256)
+    routes = tarpit_route(EVIL_HOST, evil.getsockname()[1])
+    try:
+        env = ServeEnv.start(tmp, workers=1, limits=LIMITS, extra_routes=routes)
+    except BaseException:
+        evil.close()
+        raise
+    return env, HostileNode(evil, str(env.ids.node.cert_path), str(env.ids.node.key_path))
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[ServeEnv, HostileNode]]:
-    evil = socket.create_server(("127.0.0.1", 0), backlog=256)
-    routes = tarpit_route(EVIL_HOST, evil.getsockname()[1])
-    env = ServeEnv.start(tmp_path_factory.mktemp("lane_attacks"), workers=1, limits=LIMITS,
-                         extra_routes=routes)
-    node = HostileNode(evil, str(env.ids.node.cert_path), str(env.ids.node.key_path))
+    env, node = make_world(tmp_path_factory.mktemp("lane_attacks"))
     try:
         yield env, node
     finally:
@@ -568,3 +594,167 @@ def test_reload_while_lane_requests_are_at_the_node(env: ServeEnv, evil: Hostile
     settled(env)
     full_share_served(env, EVIL_HOST)
     assert requests_total(env) - before == 6 + IN_FLIGHT
+
+
+def test_a_node_that_drops_a_reused_connection_on_the_next_request(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """The pooled connection dies as the next request crosses it: a GET is sent once
+    more on a fresh connection and answered with its own answer; a POST is not sent
+    again (502)."""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        for i in range(3):
+            s.sendall(request_bytes("GET", "/dropnext", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == "/dropnext"
+            s.sendall(request_bytes("GET", f"/again/{i}", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == f"/again/{i}"
+        s.sendall(request_bytes("GET", "/dropnext", EVIL_HOST))
+        assert echoed(read_response(s).body)["target"] == "/dropnext"
+        s.sendall(request_bytes("POST", "/once", EVIL_HOST, body=b"p",
+                                content_type="text/plain"))
+        assert read_response(s).status == 502
+    finally:
+        forget(s)
+    settled(env)
+    assert evil.seen.count("/once") == 1
+    assert requests_total(env) - before == 8
+    full_share_served(env, EVIL_HOST)
+
+
+def test_a_node_timing_out_a_reused_connection_with_408(
+        env: ServeEnv, evil: HostileNode) -> None:
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        for i in range(3):
+            s.sendall(request_bytes("GET", "/408next", EVIL_HOST))
+            assert echoed(read_response(s).body)["target"] == "/408next"
+            s.sendall(request_bytes("GET", f"/after408/{i}", EVIL_HOST))
+            resp = read_response(s)
+            assert resp.status == 200 and echoed(resp.body)["target"] == f"/after408/{i}"
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == 6
+
+
+def test_interim_answers_and_a_broken_off_body_from_the_node(
+        env: ServeEnv, evil: HostileNode) -> None:
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", "/interim", EVIL_HOST))
+        resp = read_response(s)
+        assert resp.status == 200 and echoed(resp.body)["target"] == "/interim"
+        s.sendall(request_bytes("GET", "/brokeoff", EVIL_HOST)
+                  + request_bytes("GET", "/never", EVIL_HOST))
+        resp = read_response(s, head_only=True)
+        assert resp.status == 502 or resp.header("content-length") == "100"
+        with pytest.raises((ConnectionError, ssl.SSLError)):
+            read_response(s)
+    finally:
+        forget(s)
+    settled(env)
+    assert "/never" not in evil.seen
+    assert requests_total(env) - before == 2
+    full_share_served(env, EVIL_HOST)
+
+
+def test_a_long_pipeline_behind_a_slow_request_is_answered_in_order(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """More than the lane reads ahead (64 KiB) pipelined behind a request the node is
+    slow to answer: reading stops, then resumes; every answer in order, each its own."""
+    before = requests_total(env)
+    n = 700
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", "/slow?s=0.3", EVIL_HOST)
+                  + b"".join(request_bytes("GET", f"/p/{i:04d}", EVIL_HOST)
+                             for i in range(n)))
+        assert echoed(read_response(s).body)["target"] == "/slow?s=0.3"
+        for i in range(n):
+            resp = read_response(s)
+            assert resp.status == 200 and echoed(resp.body)["target"] == f"/p/{i:04d}"
+    finally:
+        forget(s)
+    settled(env)
+    assert len(evil.seen) == n + 1
+    assert requests_total(env) - before == n + 1
+
+
+def test_a_request_trickled_byte_by_byte_while_the_node_works(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """The next request in one-byte TLS records while the first is at the node: each
+    read is charged at least 1 KiB, so reading stops part-way; the rest is read when
+    the first answer is out, and the second answered whole."""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    body = b"q" * 50
+    nxt = request_bytes("POST", "/trickled", EVIL_HOST, body=body, content_type="text/plain")
+    try:
+        s.sendall(request_bytes("GET", "/slow?s=0.5", EVIL_HOST))
+        assert env.node.wait_for(lambda: len(evil.seen) >= 1)
+        for b in nxt[:150]:
+            s.sendall(bytes([b]))
+        s.sendall(nxt[150:])
+        assert echoed(read_response(s).body)["target"] == "/slow?s=0.5"
+        got = echoed(read_response(s).body)
+        assert (got["target"], got["sha256"]) == ("/trickled", sha(body))
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == 2
+
+
+@pytest.mark.parametrize("target", ["/big?bytes=200000"])
+def test_half_close_then_a_relayed_answer_arrives_whole(env: ServeEnv, target: str) -> None:
+    """The client half-closes right after a request whose answer the trio engine relays
+    (RELAY hand-off with the close already seen): the answer still arrives whole. (An
+    event stream is cut at a half-close instead: the trio engine's watch takes it for
+    the client gone, with the lane off too.)"""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", target, OPT_HOST))
+        socket.socket.shutdown(s, socket.SHUT_WR)
+        resp = read_response(s)
+        assert resp.status == 200
+        if target.startswith("/stream"):
+            assert resp.body.count(b"data: tick") == 3
+        else:
+            assert resp.body == b"x" * 200000
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == 1
+
+
+def test_drain_while_lane_requests_are_at_the_node(tmp_path: Path) -> None:
+    """SIGTERM with requests at the node: each is answered with its own answer and
+    `Connection: close`, a connection waiting idle is closed, and the process exits 0."""
+    env, evil = make_world(tmp_path)
+    try:
+        port = env.serve.port
+        idle = tls_socket(port, EVIL_HOST, timeout=HANG)
+        idle.sendall(request_bytes("GET", "/first", EVIL_HOST))
+        assert echoed(read_response(idle).body)["target"] == "/first"
+        busy = [tls_socket(port, EVIL_HOST, timeout=HANG) for _ in range(3)]
+        for k, s in enumerate(busy):
+            s.sendall(request_bytes("POST", f"/slow?s=1&k={k}", EVIL_HOST, body=b"d" * k,
+                                    content_type="text/plain"))
+        assert env.node.wait_for(lambda: len(evil.seen) >= 4)
+        env.serve.proc.send_signal(15)
+        for k, s in enumerate(busy):
+            resp = read_response(s)
+            got = echoed(resp.body)
+            assert (got["target"], got["sha256"]) == (f"/slow?s=1&k={k}", sha(b"d" * k))
+            assert resp.header("connection") == "close"
+        assert closed_by_peer(idle, timeout=HANG)
+        for s in [idle, *busy]:
+            forget(s)
+        assert env.serve.proc.wait(timeout=60) == 0
+    finally:
+        evil.stop()
+        env.stop()
