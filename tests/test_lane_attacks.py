@@ -758,3 +758,100 @@ def test_drain_while_lane_requests_are_at_the_node(tmp_path: Path) -> None:
     finally:
         evil.stop()
         env.stop()
+
+
+def test_half_close_behind_a_pipeline_the_lane_stopped_reading_closes_the_connection(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """More than the lane reads ahead pipelined behind a slow request, then the client's
+    half-close: every request is answered, then the edge closes the connection (it does
+    not wait out the idle timeout, 300 s, for a client that said it sends no more)."""
+    before = requests_total(env)
+    n = 700
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        s.sendall(request_bytes("GET", "/slow?s=0.3", EVIL_HOST)
+                  + b"".join(request_bytes("GET", f"/h/{i:04d}", EVIL_HOST)
+                             for i in range(n)))
+        socket.socket.shutdown(s, socket.SHUT_WR)
+        assert echoed(read_response(s).body)["target"] == "/slow?s=0.3"
+        for i in range(n):
+            assert echoed(read_response(s).body)["target"] == f"/h/{i:04d}"
+        assert closed_by_peer(s, timeout=HANG)
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == n + 1
+
+
+def _bio_client(port: int, host: str, deadline: float
+                ) -> tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = client_context().wrap_bio(inc, out, server_hostname=host)
+    while time.monotonic() < deadline:
+        try:
+            obj.do_handshake()
+            return raw, obj, inc, out
+        except ssl.SSLWantReadError:
+            if out.pending:
+                raw.sendall(out.read())
+            data = raw.recv(65536)
+            assert data, "closed during the handshake"
+            inc.write(data)
+    raise TimeoutError("handshake")
+
+
+def test_close_notify_right_behind_the_requests_still_gets_the_answers(
+        env: ServeEnv) -> None:
+    """The client's requests and its TLS close_notify in one segment (with its
+    Finished): both answers arrive, then the connection ends."""
+    before = requests_total(env)
+    deadline = time.monotonic() + HANG
+    raw, obj, inc, out = _bio_client(env.serve.port, OPT_HOST, deadline)
+    try:
+        obj.write(request_bytes("GET", "/cn/0", OPT_HOST)
+                  + request_bytes("POST", "/cn/1", OPT_HOST, body=b"c",
+                                  content_type="text/plain"))
+        with contextlib.suppress(ssl.SSLWantReadError):
+            obj.unwrap()  # close_notify into `out`
+        raw.sendall(out.read())
+        got = b""
+        while time.monotonic() < deadline:
+            data = raw.recv(65536)
+            if not data:
+                break
+            got += data
+        inc.write(got)
+        plain = b""
+        with contextlib.suppress(ssl.SSLError):
+            while chunk := obj.read(65536):
+                plain += chunk
+        assert plain.count(b"HTTP/1.1 200 ") == 2, plain
+        assert plain.index(b"/cn/0") < plain.index(b"/cn/1")
+    finally:
+        raw.close()
+    settled(env)
+    assert requests_total(env) - before == 2
+
+
+def test_a_chunked_unsealed_call_never_reaches_the_node(env: ServeEnv) -> None:
+    """An unsealed call in a chunked body (chunks cutting the JSON anywhere), pipelined
+    between good requests, at the seal-required host."""
+    body = unsealed_call_body("chunked")
+    for pieces in (1, 2, 5, len(body)):
+        s = tls_socket(env.serve.port, HOST, timeout=HANG)
+        try:
+            s.sendall(request_bytes("GET", "/pre", HOST)
+                      + (f"POST /mcp HTTP/1.1\r\nHost: {HOST}\r\n"
+                         "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+                         "\r\n").encode() + chunked(body, pieces)
+                      + request_bytes("GET", "/post", HOST))
+            assert echoed(read_response(s).body)["target"] == "/pre"
+            resp = read_response(s)
+            assert resp.status != 200 or refusal_code(resp.body) is not None, resp.body
+            assert echoed(read_response(s).body)["target"] == "/post"
+        finally:
+            forget(s)
+    settled(env)
+    assert env.node.unsealed_calls() == []
+    assert [r.target for r in env.node.requests()] == ["/pre", "/post"] * 4
