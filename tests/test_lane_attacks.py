@@ -40,6 +40,7 @@ from tests.terminate_env import (
     read_response,
     refusal_code,
     request_bytes,
+    rpc,
     tarpit_route,
     tls_socket,
     unsealed_call_body,
@@ -55,7 +56,8 @@ _REQS = re.compile(r'^pact_ingress_http_requests_total\{[^}]*\} ([0-9.e+]+)$', r
 
 class HostileNode:
     """An HTTP/1.1 node over TLS (the pinned node identity) that misbehaves by path:
-    `/hang` never answers (until the edge closes), `/slow?s=S` answers after S seconds,
+    `/hang` (or a query of `hang`) never answers (until the edge closes), `/slow?s=S`
+    answers after S seconds,
     `/double` answers twice in one write, `/interim` sends 100 and 103 first, `/brokeoff`
     closes 10 bytes into a 100-byte body, `/dropnext` and `/408next` answer, then close
     the connection on the next request (unanswered, or with a 408); anything else
@@ -121,7 +123,7 @@ class HostileNode:
                 if url.path == "/brokeoff":
                     tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
                     return
-                if url.path == "/hang":
+                if url.path == "/hang" or url.query == "hang":
                     with self.lock:
                         self.hanging += 1
                     try:
@@ -855,3 +857,30 @@ def test_a_chunked_unsealed_call_never_reaches_the_node(env: ServeEnv) -> None:
     settled(env)
     assert env.node.unsealed_calls() == []
     assert [r.target for r in env.node.requests()] == ["/pre", "/post"] * 4
+
+
+def test_mcp_bodies_held_by_reset_exchanges_are_given_back(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """MCP calls with 12 KB bodies (one TLS record each: judged and held in the lane), the
+    client resetting while each is at the node: the body shares and the in-flight share
+    are given back each time (the address is served in full afterwards)."""
+    before = requests_total(env)
+    body = rpc("tools/list", {"pad": "p" * 12_000})
+    raw = request_bytes("POST", "/mcp?hang", EVIL_HOST, body=body)
+    port = env.serve.port
+    rounds = 3 * IN_FLIGHT
+    for i in range(rounds):
+        s = tls_socket(port, EVIL_HOST, source=ATTACKER_IP, timeout=HANG)
+        s.sendall(raw)
+        assert env.node.wait_for(lambda i=i: evil.seen.count("/mcp?hang") > i)
+        reset(s)
+    settled(env)
+    s = tls_socket(port, EVIL_HOST, source=ATTACKER_IP, timeout=HANG)
+    try:
+        s.sendall(request_bytes("POST", "/mcp", EVIL_HOST, body=body))
+        resp = read_response(s)
+        assert resp.status == 200 and echoed(resp.body)["sha256"] == sha(body), resp.body
+    finally:
+        forget(s)
+    full_share_served(env, EVIL_HOST, source=ATTACKER_IP)
+    assert requests_total(env) - before == rounds + 1 + IN_FLIGHT
