@@ -884,3 +884,59 @@ def test_mcp_bodies_held_by_reset_exchanges_are_given_back(
         forget(s)
     full_share_served(env, EVIL_HOST, source=ATTACKER_IP)
     assert requests_total(env) - before == rounds + 1 + IN_FLIGHT
+
+
+def test_reload_moving_the_route_to_another_node_mid_request(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """SIGHUP moves EVIL_HOST's backend to the recording node while lane requests are at
+    the hostile one (its pool retired under them): each gets its own answer, the next
+    requests go to the new node, and nothing stays held."""
+    before = requests_total(env)
+    old_routes = env.serve.extra_routes
+    socks = [tls_socket(env.serve.port, EVIL_HOST, timeout=HANG) for _ in range(3)]
+    try:
+        for k, s in enumerate(socks):
+            s.sendall(request_bytes("GET", f"/slow?s=1&m={k}", EVIL_HOST))
+        assert env.node.wait_for(lambda: len(evil.seen) >= 3)
+        moved_routes = tarpit_route(EVIL_HOST, env.node.port)
+        assert env.serve.reload(extra_routes=moved_routes) == "reloaded"
+        for k, s in enumerate(socks):
+            resp = read_response(s)
+            assert resp.status == 200 and echoed(resp.body)["target"] == f"/slow?s=1&m={k}"
+            s.sendall(request_bytes("GET", f"/moved/{k}", EVIL_HOST))
+            resp = read_response(s)
+            assert resp.status == 200 and echoed(resp.body)["target"] == f"/moved/{k}"
+    finally:
+        for s in socks:
+            forget(s)
+        assert env.serve.reload(extra_routes=old_routes) == "reloaded"
+    settled(env)
+    assert sorted(r.target for r in env.node.requests()) == [f"/moved/{k}" for k in range(3)]
+    full_share_served(env, EVIL_HOST)
+    assert requests_total(env) - before == 6 + IN_FLIGHT
+
+
+def test_an_unsealed_call_cannot_borrow_the_optional_routes_connection(
+        env: ServeEnv) -> None:
+    """On a connection to the seal-optional host, requests naming the seal-required
+    host (by Host, by absolute form, both, in case and port variants), pipelined behind
+    a good one: none reaches the node as a request for the required host."""
+    spellings = [("/mcp", HOST), (f"https://{HOST}/mcp", OPT_HOST),
+                 (f"https://{HOST}/mcp", HOST), ("/mcp", HOST.upper()),
+                 ("/mcp", f"{HOST}:443"), (f"https://{HOST}:443/mcp", None)]
+    for target, host in spellings:
+        s = tls_socket(env.serve.port, OPT_HOST, timeout=HANG)
+        try:
+            s.sendall(request_bytes("GET", "/ok", OPT_HOST)
+                      + request_bytes("POST", target, host, body=unsealed_call_body("b")))
+            assert echoed(read_response(s).body)["target"] == "/ok"
+            with contextlib.suppress(ConnectionError, ssl.SSLError):
+                resp = read_response(s)
+                assert resp.status != 200, (target, host, resp.body)
+        finally:
+            forget(s)
+    settled(env)
+    for r in env.node.requests():
+        named = [*r.header_values("host"), r.target]
+        assert not any(HOST in v.lower() for v in named), (r.target, r.headers)
+    assert [r.target for r in env.node.requests()] == ["/ok"] * len(spellings)
