@@ -58,7 +58,8 @@ class HostileNode:
     """An HTTP/1.1 node over TLS (the pinned node identity) that misbehaves by path:
     `/hang` (or a query of `hang`) never answers (until the edge closes), `/slow?s=S`
     answers after S seconds,
-    `/double` answers twice in one write, `/interim` sends 100 and 103 first, `/brokeoff`
+    `/lagbody?s=S` sends its body S seconds after its head, `/double` answers twice in
+    one write, `/interim` sends 100 and 103 first, `/brokeoff`
     closes 10 bytes into a 100-byte body, `/dropnext` and `/408next` answer, then close
     the connection on the next request (unanswered, or with a 408); anything else
     echoes target and body hash."""
@@ -139,6 +140,10 @@ class HostileNode:
                                       "sha256": hashlib.sha256(body).hexdigest()}).encode()
                 one = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                        b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                if url.path == "/lagbody":  # the head, then the body a moment later
+                    tls.sendall(one[:one.index(b"\r\n\r\n") + 4])
+                    time.sleep(float(parse_qs(url.query)["s"][0]))
+                    one = one[one.index(b"\r\n\r\n") + 4:]
                 if url.path == "/interim":
                     one = (b"HTTP/1.1 100 Continue\r\n\r\n"
                            b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n") + one
@@ -940,3 +945,28 @@ def test_an_unsealed_call_cannot_borrow_the_optional_routes_connection(
         named = [*r.header_values("host"), r.target]
         assert not any(HOST in v.lower() for v in named), (r.target, r.headers)
     assert [r.target for r in env.node.requests()] == ["/ok"] * len(spellings)
+
+
+@pytest.mark.parametrize("lag", ["0.01", "0.4"])
+def test_a_short_body_that_lags_behind_its_head(env: ServeEnv, evil: HostileNode,
+                                                lag: str) -> None:
+    """The node's short answer comes head first, body later (within the lane's grace,
+    or after it: relayed by the trio engine); pipelined requests behind it are each
+    answered with their own, in order."""
+    before = requests_total(env)
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        for i in range(3):
+            s.sendall(request_bytes("GET", f"/lagbody?s={lag}&i={i}", EVIL_HOST)
+                      + request_bytes("POST", f"/behind/{i}", EVIL_HOST, body=b"%d" % i,
+                                      content_type="text/plain"))
+            resp = read_response(s)
+            assert resp.status == 200
+            assert echoed(resp.body)["target"] == f"/lagbody?s={lag}&i={i}"
+            got = echoed(read_response(s).body)
+            assert (got["target"], got["sha256"]) == (f"/behind/{i}", sha(b"%d" % i))
+    finally:
+        forget(s)
+    settled(env)
+    assert requests_total(env) - before == 6
+    full_share_served(env, EVIL_HOST)
