@@ -29,11 +29,13 @@ import h11
 import pytest
 
 from tests.terminate_env import (
+    _READERS,
     ATTACKER_IP,
     BYSTANDER_IP,
     HOST,
     OPT_HOST,
     ServeEnv,
+    _Reader,
     client_context,
     closed_by_peer,
     forget,
@@ -970,3 +972,31 @@ def test_a_short_body_that_lags_behind_its_head(env: ServeEnv, evil: HostileNode
     settled(env)
     assert requests_total(env) - before == 6
     full_share_served(env, EVIL_HOST)
+
+
+def test_a_request_pipelined_as_the_last_of_a_slow_answer_leaves_is_answered(
+        env: ServeEnv) -> None:
+    """A client with a small receive buffer (the lane's answer waits in WRITING) sends
+    its next request at every point while reading the answer: the segment that carries
+    the request also carries the ACK that lets the rest of the answer out, so readiness
+    to write and to read come in one event. The request must still be read and answered
+    (it used to wait for an event that never came: the connection hung)."""
+    before = requests_total(env)
+    made = 0
+    for c in range(3):
+        s = tls_socket(env.serve.port, OPT_HOST, rcvbuf=2048, timeout=5)
+        try:
+            s.sendall(request_bytes("GET", f"/big?bytes=60000&c={c}", OPT_HOST))
+            made += 1
+            for i in range(60):
+                reader = _READERS.setdefault(id(s), _Reader(s))
+                while len(reader.buf) < 1000 * i:  # part of the answer read, then ...
+                    assert reader.fill()
+                s.sendall(request_bytes("GET", f"/big?bytes=60000&c={c}&i={i}", OPT_HOST))
+                made += 1
+                assert len(read_response(s).body) == 60000
+            assert len(read_response(s).body) == 60000
+        finally:
+            forget(s)
+    settled(env)
+    assert requests_total(env) - before == made
