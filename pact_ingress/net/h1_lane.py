@@ -384,7 +384,12 @@ class _Client:
                 return
             if self.phase is Phase.WRITING:
                 self.written()
-                return
+                if self.phase is Phase.ENDED:
+                    return
+                # what this event says is there to read is read now, in the phase the
+                # answer left: the ACK that let the answer out often comes in the
+                # segment of the client's next request, and (edge-triggered) no later
+                # event tells of it
         if mask & _READABLE:
             ended = mask & _HUP
             if self.phase is Phase.HANDSHAKE:
