@@ -379,17 +379,14 @@ class _Client:
     def _event(self, mask: int) -> None:
         if self.phase is Phase.ENDED:
             return
-        if mask & _OUT and self.pending:
-            if not self.flush():
+        if mask & _OUT and self.pending and self.flush() and self.phase is Phase.WRITING:
+            self.written()
+            if self.phase is Phase.ENDED:
                 return
-            if self.phase is Phase.WRITING:
-                self.written()
-                if self.phase is Phase.ENDED:
-                    return
-                # what this event says is there to read is read now, in the phase the
-                # answer left: the ACK that let the answer out often comes in the
-                # segment of the client's next request, and (edge-triggered) no later
-                # event tells of it
+        # what this event says is there to read is read now, whether or not the answer
+        # is all out, in the phase the answer left: the ACK that lets an answer out
+        # often comes in the segment of the client's next request, and (edge-triggered)
+        # no later event tells of it
         if mask & _READABLE:
             ended = mask & _HUP
             if self.phase is Phase.HANDSHAKE:
