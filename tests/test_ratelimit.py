@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from pact_ingress.config import Limits
 from pact_ingress.proto.ratelimit import (
     ALLOWED,
+    SECONDS_PER_HOUR,
     SWEEP_PER_CHECK,
     Allowed,
     Budget,
@@ -224,3 +225,20 @@ def test_never_more_than_burst_plus_elapsed_over_interval(gaps: list[float]) -> 
         now += gap
         admitted += isinstance(limiter.check("192.0.2.1", KEY_A, now), Allowed)
     assert admitted <= 6 + (now - T0) / 60 + 1e-6
+
+
+@pytest.mark.parametrize("ceiling", [1, 2, 7, 60, 3600, 100_000])
+def test_the_ip_unit_fast_path_decides_as_the_general_one(ceiling: int) -> None:
+    """`check_ip_unit` (the edge's per-request unit, `_wait` and `_charge` inline) and
+    the general path (`keys` as a list takes it) agree on every call of a bounded,
+    irregular sequence: the same decisions, the same retry-afters, the same state."""
+    fast, slow = RateLimiter(), RateLimiter()
+    budget = Budget(10, ceiling)
+    now = 1000.0
+    for step in range(400):
+        now += (step * 7919 % 13) / 10 * (SECONDS_PER_HOUR / ceiling) / 3
+        ip = f"10.0.0.{step % 3}"
+        a = fast.check_calls(ip, (None,), now, budget=budget, scope="r")
+        b = slow.check_calls(ip, [None], now, budget=budget, scope="r")
+        assert a == b, (step, a, b)
+    assert dict(fast._tat) == dict(slow._tat)

@@ -757,7 +757,7 @@ class _Client:
                 f"no response headers within {self.t.upstream.header_timeout:g} s"))
 
 
-    def let_node_go(self, reusable: bool) -> None:
+    def let_node_go(self, reusable: bool, now: float | None = None) -> None:
         """The node connection back to its pool (or closed)."""
         node, entry = self.node, self.entry
         self.node_deadline = math.inf
@@ -769,14 +769,14 @@ class _Client:
         if watch is not None:
             watch.lane = None
             watch.readable = True  # whoever waits next tries the socket first
-        if entry is not None and not entry.keep(node, reusable):
+        if entry is not None and not entry.keep(node, reusable, now):
             entry.drop(node)
 
-    def release(self, reusable: bool) -> None:
+    def release(self, reusable: bool, now: float | None = None) -> None:
         """The exchange's hold on the node ends: its connection back to the pool (or
         closed), its count in the pool's `active` and the client's share of the node
         given back."""
-        self.let_node_go(reusable)
+        self.let_node_go(reusable, now)
         entry, self.entry = self.entry, None
         if entry is not None:
             entry.active -= 1
@@ -875,7 +875,7 @@ class _Client:
         data, framing = whole_response(request.method, request.http_version, status,
                                        headers, body, close=close)
         # (a node that answered before it took our whole request: not reused)
-        self.release(parser.keep_alive and not self.node_pending)
+        self.release(parser.keep_alive and not self.node_pending, now)
         self.response = None
         self.answer_with(status, data, close=close or framing is Framing.CLOSE, now=now)
 

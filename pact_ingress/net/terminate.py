@@ -596,8 +596,7 @@ class Terminator:
                 body and not mcp and method in NO_CONTENT_METHODS):
             return None
         budget = self._budgets.get(route.host) or Budget.from_limits(route.limits)
-        ip_unit = limiter.pure.check_calls(conn.client_ip, (None,), now, budget=budget,
-                                           scope=route.host)
+        ip_unit = limiter.pure.check_ip_unit(conn.client, now, budget, route.host)
         if isinstance(ip_unit, Limited):
             mcp_call = method == "POST" and in_mcp_scope(target.path, route.mcp_path)
             return _Answer.refusal(posture.refuse_rate_limited(
@@ -652,8 +651,7 @@ class Terminator:
         budget = self._budgets.get(route.host) or Budget.from_limits(limits)
         limiter = self.limiter
         if type(limiter) is LocalLimiter:  # its own answer at once: no coroutine per request
-            ip_unit = limiter.pure.check_calls(conn.client_ip, (None,), now, budget=budget,
-                                               scope=route.host)
+            ip_unit = limiter.pure.check_ip_unit(client, now, budget, route.host)
         else:
             ip_unit = await limiter.check_calls(conn.client_ip, (None,), now, budget=budget,
                                                 scope=route.host)

@@ -301,6 +301,7 @@ class _Pool:
         self.retired = False
         self.sessions: dict[str, ssl.SSLSession] = {}
         self._freed = trio.lowlevel.ParkingLot()
+        self.waiting = 0  # tasks parked in `_freed` (a number: no call to ask the lot)
         self.now = clock()  # trio.current_time, cheaper
 
     @property
@@ -334,7 +335,11 @@ class _Pool:
                 await self.discard(self.idle.pop(0))
                 continue
             with trio.move_on_at(deadline):
-                await self._freed.park()
+                self.waiting += 1
+                try:
+                    await self._freed.park()
+                finally:
+                    self.waiting -= 1
                 continue
             raise UpstreamTimeout(
                 f"all {MAX_CONNECTIONS_PER_ROUTE} connections to the node are busy")
@@ -416,9 +421,9 @@ class _Pool:
         if not self.keep(conn, reusable):
             await self.discard(conn)
 
-    def keep(self, conn: _Conn, reusable: bool) -> bool:
+    def keep(self, conn: _Conn, reusable: bool, now: float | None = None) -> bool:
         """Put `conn` back on the idle list if it may be reused (True); else the caller
-        must `discard` it."""
+        must `discard` it. `now`: the caller's clock reading, if it has one."""
         if reusable and not self.retired and conn.quiet():
             if not conn.session_saved:
                 # By the end of a response the node's TLS 1.3 tickets have arrived, so
@@ -429,9 +434,9 @@ class _Pool:
                     if len(self.sessions) >= MAX_SESSIONS_PER_POOL:
                         self.sessions.pop(next(iter(self.sessions)))
                     self.sessions[conn.sni] = session
-            conn.idle_since = self.now()
+            conn.idle_since = self.now() if now is None else now
             self.idle.append(conn)
-            if self._freed:
+            if self.waiting:
                 self._freed.unpark()
             return True
         return False

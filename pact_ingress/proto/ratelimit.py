@@ -106,6 +106,11 @@ class Budget:
     def from_limits(cls, limits: Limits) -> Budget:
         return cls(limits.calls_per_hour_per_ip_key, limits.calls_per_hour_per_ip)
 
+    @functools.cached_property
+    def ip_burst(self) -> int:
+        """`burst_for(per_ip_per_hour)`, worked out once per budget."""
+        return burst_for(self.per_ip_per_hour)
+
 
 @dataclass(frozen=True)
 class Allowed:
@@ -202,7 +207,7 @@ class RateLimiter:
         budget = budget or self.default_budget
         if type(keys) is tuple and keys == (None,) and ip is not None and not prepaid:
             # one keyless call from a known IP (the edge's per-request unit): one bucket
-            return self._check_ip_unit(client_bucket(ip), now, budget, scope)
+            return self.check_ip_unit(client_bucket(ip), now, budget, scope)
         demands = self._demands(client_bucket(ip), Counter(keys), budget, scope, prepaid)
         self._sweep(now)
         if not demands:
@@ -220,19 +225,29 @@ class RateLimiter:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _check_ip_unit(self, ip: str | None, now: float, budget: Budget, scope: str
-                       ) -> Decision:
-        """`check_calls(ip, (None,), now)`: what `_demands` would make of it is the IP
-        ceiling's bucket alone, at cost 1."""
+    def check_ip_unit(self, ip: str | None, now: float, budget: Budget, scope: str
+                      ) -> Decision:
+        """`check_calls(ip, (None,), now)` for an `ip` already made `client_bucket(ip)`
+        (the edge's per-request unit, its connection's bucket computed once): what
+        `_demands` would make of it is the IP ceiling's bucket alone, at cost 1. `_wait`
+        and `_charge` inline, on the edge's every request."""
         ceiling = budget.per_ip_per_hour
-        interval, burst = SECONDS_PER_HOUR / ceiling, burst_for(ceiling)
+        interval, burst = SECONDS_PER_HOUR / ceiling, budget.ip_burst
         bucket: BucketId = ("ip", scope, ip, None, ceiling)
         self._sweep(now)
-        wait = self._wait(bucket, 1, interval, burst, 0, now)
+        tat = self._tat
+        start = tat.get(bucket, now)
+        if start < now:
+            start = now
+        wait = start - (burst - 1) * interval - now  # (`_wait` at cost 1: burst ≥ 1)
         if wait > _EPSILON:
             self._touch((bucket,))
             return Limited(max(1, math.ceil(wait - _EPSILON)))
-        self._charge(bucket, max(self._tat.get(bucket, now), now) + interval)
+        if bucket in tat:
+            tat.move_to_end(bucket)
+        elif len(tat) >= self.max_entries:
+            tat.popitem(last=False)  # least recently used
+        tat[bucket] = start + interval
         return ALLOWED
 
     @staticmethod
