@@ -11,9 +11,12 @@ checks pass, an idle pooled connection to the node is there, and the answer come
 in one read. This module serves exactly those, as callbacks of the readiness hub
 (`net/readiness.py`), which already owns an edge-triggered epoll set per trio run: a
 connection here is a small state machine whose socket's `Watch` points at it
-(`Watch.lane`), so the hub calls it with each event and the sweeper
-(`net/deadlines.py`) with each deadline, and one wake-up of the hub serves every
-connection that became ready.
+(`Watch.lane`, the connection's bound method), so the hub calls it with each event,
+and one wake-up of the hub serves every connection that became ready. When no idle
+connection to the node is there, the connection's own parked task gets one from the
+pool (`NeedNode`: `_Pool.acquire` connects and checks the pins as for the trio engine)
+and hands it back (`Lane.connected`); a pooled connection the node had closed is
+replaced the same way, once, for a request that may be sent twice (the pool's rule).
 
 Everything else is the trio engine's, and a connection goes there for good, in one
 step, the moment it needs anything this lane does not do (`Handoff`): its TLS engine
@@ -26,12 +29,12 @@ is queued, and the request in hand, if any, with how far its story got:
   did not parse, a limiter that is not local).
 * `Resume.ANSWER` — the story decided an answer at the edge (rate limited, a seal
   posture refusal, a share refused, a node failure); the trio engine writes it.
-* `Resume.FORWARD` — the checks passed and were charged, but no idle connection to the
-  node could be used (none idle, over a tunnel stream, expired, or the one taken
-  turned out stale before answering a request that may be sent again): the trio engine
-  forwards it (`Terminator._forward`), connecting as it does.
+* `Resume.FORWARD` — the checks passed and were charged, but the pool gave a node
+  connection this lane cannot drive (over a stream, not a socket of ours): the trio
+  engine forwards it (`Terminator._forward`).
 * `Resume.RELAY` — the node's head came but not its whole answer (a stream, SSE, a
-  large body): the trio engine relays the rest (`Upstream.adopt`).
+  large body, or a short one whose rest is later than `BODY_GRACE`): the trio engine
+  relays the rest (`Upstream.adopt`).
 * `Resume.H2` — the client chose HTTP/2 (the handshake is done here).
 * `Resume.LINGER` — the connection closes while the client may still be sending: the
   trio engine's linger (`net/linger.py`) keeps the close from resetting our last
@@ -40,15 +43,20 @@ is queued, and the request in hand, if any, with how far its story got:
 The request story itself is `Terminator.lane_story` (beside `Terminator._story`, in the
 same order: route, target and host, scope, the IP unit, the body's share and the seal
 posture, the caller keys, the share of the node), so the checks cannot differ by path.
-Counting and the access log line are `Terminator._count`, as for the trio engine's
+Counting and the access log line are `Terminator.count`, as for the trio engine's
 exchanges.
 
 Phases (`Phase`, their moves in `_MOVES`): HANDSHAKE → IDLE (between requests) →
-UPSTREAM (the request at the node) → WRITING (the answer not all taken by the kernel
-yet) → IDLE again; ENDED from any of them (closed, or handed over). Deadlines: the
-handshake by the route's `clienthello_timeout`, the wait for the next request by its
-`idle_timeout`, the node's head by the pool's `header_timeout` (504), each write by
-`client_write_timeout`.
+[CONNECTING (the task gets a node connection) →] UPSTREAM (the request at the node) →
+[WRITING (the answer not all taken by the kernel yet) →] IDLE again; ENDED from any of
+them (closed, or handed over). Deadlines, a number per connection fired by one tick of
+the sweeper every `TICK` (`Lane.fire`): the handshake by the route's
+`clienthello_timeout`, the wait for the next request by its `idle_timeout`, the node's
+head by the pool's `header_timeout` (504), each write by `client_write_timeout`.
+
+Reads are bounded: a client's per event by `FILL_BUDGET` (a connection that sends more
+at once goes to the trio engine), the node's one read at a time, each decrypted and
+parsed (with the parser's caps) before the next.
 
 While a request is at the node the client is still read (a request pipelined behind it
 is parsed and queued, at most `MAX_PIPELINED_BYTES`, then reading stops until the
