@@ -357,22 +357,9 @@ def test_a_request_sent_with_the_tls_finished_is_served(env: ServeEnv) -> None:
     """The client's Finished and its first request (and a second, pipelined) in one
     TCP segment."""
     before = requests_total(env)
-    ctx = client_context()
-    raw = socket.create_connection(("127.0.0.1", env.serve.port), timeout=HANG)
-    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = ctx.wrap_bio(inc, out, server_hostname=OPT_HOST)
+    deadline = time.monotonic() + HANG
+    raw, obj, inc, out = _bio_client(env.serve.port, OPT_HOST, deadline)
     try:
-        deadline = time.monotonic() + HANG
-        while time.monotonic() < deadline:
-            try:
-                obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                if out.pending:
-                    raw.sendall(out.read())
-                data = raw.recv(65536)
-                assert data, "closed during the handshake"
-                inc.write(data)
         obj.write(request_bytes("GET", "/fin/0", OPT_HOST)
                   + request_bytes("POST", "/fin/1", OPT_HOST, body=b"f",
                                   content_type="text/plain"))
@@ -794,20 +781,26 @@ def test_half_close_behind_a_pipeline_the_lane_stopped_reading_closes_the_connec
 
 def _bio_client(port: int, host: str, deadline: float
                 ) -> tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]:
+    """A TLS client on memory BIOs over a plain socket, handshake done: its Finished
+    waits in `out`, so the caller's first records leave in the same send."""
     raw = socket.create_connection(("127.0.0.1", port), timeout=HANG)
-    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
-    obj = client_context().wrap_bio(inc, out, server_hostname=host)
-    while time.monotonic() < deadline:
-        try:
-            obj.do_handshake()
-            return raw, obj, inc, out
-        except ssl.SSLWantReadError:
-            if out.pending:
-                raw.sendall(out.read())
-            data = raw.recv(65536)
-            assert data, "closed during the handshake"
-            inc.write(data)
-    raise TimeoutError("handshake")
+    try:
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        obj = client_context().wrap_bio(inc, out, server_hostname=host)
+        while time.monotonic() < deadline:
+            try:
+                obj.do_handshake()
+                return raw, obj, inc, out
+            except ssl.SSLWantReadError:
+                if out.pending:
+                    raw.sendall(out.read())
+                data = raw.recv(65536)
+                assert data, "closed during the handshake"
+                inc.write(data)
+        raise TimeoutError("handshake")
+    except BaseException:
+        raw.close()
+        raise
 
 
 def test_close_notify_right_behind_the_requests_still_gets_the_answers(
