@@ -162,6 +162,29 @@ def test_close_mid_request_is_an_error_and_between_requests_is_not() -> None:
         parser.feed(b"")
 
 
+def test_a_discarded_parser_refuses_more_and_is_freed_without_the_cycle_collector(
+        ) -> None:
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        for feed_again in (False, True):
+            parser = H1ServerParser()
+            parser.feed(b"GET / HTTP/1.1\r\nHost: h\r\n\r\nGET /next HTTP/1.1\r\n")
+            parser.discard()
+            assert parser.closed and not parser.queued
+            if feed_again:  # (the raised error's traceback holds the parser: a cycle)
+                with pytest.raises(ParseError):
+                    parser.feed(b"Host: h\r\n\r\n")
+                return
+            gone = weakref.ref(parser)
+            del parser
+            assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_http10_has_no_keep_alive_and_needs_no_host() -> None:
     parser = H1ServerParser()
     parser.feed(b"GET / HTTP/1.0\r\n\r\n")

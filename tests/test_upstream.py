@@ -540,6 +540,33 @@ def test_parser_bytes_after_response_end_the_connection() -> None:
     assert p.done and p.take_body() == b"hi" and not p.keep_alive
 
 
+@pytest.mark.parametrize(("method", "response"), [
+    ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"),
+    ("GET", b"HTTP/1.1 103 Hints\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked"
+            b"\r\n\r\n2\r\nhi\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n"),
+    ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"),
+])
+def test_a_whole_response_frees_its_parser_without_the_cycle_collector(
+        method: str, response: bytes) -> None:
+    """llhttp's parser and ours refer to each other; once the response is whole the
+    cycle is broken, so neither waits for the collector (one per response otherwise)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        p = ResponseParser(method)
+        p.feed(response)
+        assert p.done
+        p.feed(b"more")  # nothing is parsed after the end
+        assert not p.keep_alive or method == "GET" and response.endswith(b"hi")
+        gone = weakref.ref(p)
+        del p
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_parser_caps() -> None:
     with pytest.raises(ResponseError):
         ResponseParser("GET").feed(b"HTTP/1.1 103 Hints\r\n\r\n" * (MAX_INTERIM + 1))

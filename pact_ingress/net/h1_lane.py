@@ -998,6 +998,10 @@ class _Client:
         self.watch.lane = None
         self.watch.close()
         self.sock.close()
+        # the parser's and this object's own reference cycles, broken: what the
+        # connection held goes now, not at the cyclic collector's next pass
+        self.parser.discard()
+        self.node_side = None  # type: ignore[assignment]
         self.wake(None)
 
     def hand(self, point: Resume, *, answer: _Answer | None = None,
@@ -1006,6 +1010,7 @@ class _Client:
         """Give the connection to the trio engine at `point`."""
         self.lane.handed[point] += 1
         self.deadline = self.node_deadline = math.inf
+        self.node_side = None  # type: ignore[assignment]  # (a cycle: see `close`)
         self.move(Phase.ENDED)
         self.lane.open.discard(self)
         watch = self.watch

@@ -158,6 +158,16 @@ class H1ServerParser:
         if self._broken is None:
             self._broken = ParseError(status, why)
 
+    def discard(self) -> None:
+        """The connection is gone: nothing more is parsed (a feed raises `ParseError`).
+        llhttp's parser holds this object's callbacks and this object holds the parser,
+        a cycle that only the cyclic collector would free; dropping the parser here lets
+        both go by reference counting, as the connection closes."""
+        self._fail(400, "connection discarded")
+        self.closed = True
+        self._events.clear()
+        self._parser = None  # type: ignore[assignment]
+
     def next_event(self) -> Event:
         return self._events.popleft() if self._events else NEED_DATA
 

@@ -69,7 +69,7 @@ class ResponseParser:
     """
 
     def __init__(self, method: str) -> None:
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._head_only = method == "HEAD"
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -187,13 +187,15 @@ class ResponseParser:
             # the edge takes off chunked only; any other coding is hop-by-hop (the
             # client would not be told of it) and its bytes would pass for the content
             raise ResponseError("a transfer coding other than chunked")
-        if version != "1.1" or b"close" in [t.strip() for t in connection.split(b",")]:
+        if version != "1.1" or (connection and b"close" in [
+                t.strip() for t in connection.split(b",")]):
             self.keep_alive = False
         if self._head_only:
             # llhttp would wait for Content-Length bytes that never come. Where the head
             # ended in the fed bytes is not known here, so the connection is not reused.
             self.done = True
             self.keep_alive = False
+            self._parser = None  # (see `on_message_complete`)
             raise _HeadOnly()
         if not framed:
             self._close_delimited = True
@@ -218,3 +220,9 @@ class ResponseParser:
             self._in_interim = False
             return
         self.done = True
+        # llhttp's parser holds this object's callbacks and this object holds the
+        # parser: a cycle per response that only the cyclic collector would free. Once
+        # the response is whole nothing more is parsed (`feed` stops at `done`), so the
+        # cycle is broken here and both go by reference counting. (The running
+        # `feed_data` keeps the parser alive until it returns.)
+        self._parser = None
