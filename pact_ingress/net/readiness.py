@@ -112,8 +112,8 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("_abort_read", "_abort_write", "closed", "ended", "fd", "hub", "lane",
-                 "out", "readable", "reader", "writer")
+    __slots__ = ("closed", "ended", "fd", "hub", "lane", "out", "readable", "reader",
+                 "writer")
 
     def __init__(self, hub: Hub, fd: int) -> None:
         self.hub = hub
@@ -127,17 +127,15 @@ class Watch:
         #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events go to
         #: this call (`lane(mask)`) instead of waking a task
         self.lane: Any = None
-        self._abort_read = self._make_abort(READ)
-        self._abort_write = self._make_abort(WRITE)
 
-    def _make_abort(self, side: int):  # type: ignore[no-untyped-def]
-        def abort(_: object) -> Abort:
-            if side == READ:
-                self.reader = None
-            else:
-                self.writer = None
-            return Abort.SUCCEEDED
-        return abort
+    # (methods, not closures made per socket: most sockets the lane drives never wait)
+    def _abort_read(self, _: object) -> Abort:
+        self.reader = None
+        return Abort.SUCCEEDED
+
+    def _abort_write(self, _: object) -> Abort:
+        self.writer = None
+        return Abort.SUCCEEDED
 
     async def wait_readable(self, deadline: float = math.inf, tried: bool = True) -> None:
         """Until the socket may be readable. `tried`: the caller's recv just said it

@@ -205,6 +205,15 @@ class _Connection:
         self.now = now  # trio.current_time, cheaper (`deadlines.clock`)
 
 
+def _connection_ended(route_host: str, exc: Exception) -> None:
+    """A connection's end by an exception: a debug line when the client or the link
+    went, a warning when anything else ended it."""
+    if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone)):
+        log.debug("terminate_connection_ended", route=route_host, error=repr(exc))
+    else:
+        log.warning("terminate_connection_error", route=route_host, error=repr(exc))
+
+
 class Terminator:
     """Serves terminate-route connections: TLS + HTTP at the edge, pinned mTLS onward."""
 
@@ -320,20 +329,27 @@ class Terminator:
         conn = _Connection(route.host, sni, ip, client_bucket(ip) or ip,
                            request_prefix(route.host, ip), deadlines.clock())
         handed: Handoff | None = None
+        # (`_connection_life`, written out: a generator-based context manager per
+        # connection costs more than the rest of this function)
+        self._open += 1
+        readiness.open_connections += 1
         try:
-            with self._connection_life(route.host):
-                lane = self._lane
-                if lane is None:
-                    lane = self._lane = Lane(self)
-                    if self._draining.is_set():
-                        lane.drain()
-                step = await lane.serve(sock, data, ctx, route, conn)
-                while type(step) is NeedNode:
-                    step = await self._connect_for_lane(lane, step)
-                handed = step  # type: ignore[assignment]
-                if handed is not None:
-                    await self._resume(conn, route, handed)
+            lane = self._lane
+            if lane is None:
+                lane = self._lane = Lane(self)
+                if self._draining.is_set():
+                    lane.drain()
+            step = await lane.serve(sock, data, ctx, route, conn)
+            while type(step) is NeedNode:
+                step = await self._connect_for_lane(lane, step)
+            handed = step  # type: ignore[assignment]
+            if handed is not None:
+                await self._resume(conn, route, handed)
+        except Exception as exc:
+            _connection_ended(route.host, exc)
         finally:
+            self._open -= 1
+            readiness.open_connections -= 1
             if handed is not None:
                 handed.tls.close_unwatched()
             elif sock.fileno() != -1:
@@ -347,10 +363,8 @@ class Terminator:
         readiness.open_connections += 1
         try:
             yield
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone) as exc:
-            log.debug("terminate_connection_ended", route=route_host, error=repr(exc))
         except Exception as exc:
-            log.warning("terminate_connection_error", route=route_host, error=repr(exc))
+            _connection_ended(route_host, exc)
         finally:
             self._open -= 1
             readiness.open_connections -= 1
