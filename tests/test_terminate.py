@@ -181,6 +181,18 @@ def test_response_header_hygiene() -> None:
                                              (b"mcp-session-id", b"s1")]
 
 
+@pytest.mark.parametrize("order", range(6))
+def test_response_header_hygiene_in_any_order(order: int) -> None:
+    """What `Connection` names goes wherever it stands (before or after the field, in a
+    second `Connection`, in any case), and so do pseudo-headers and `proxy-` names."""
+    import itertools
+    fields = [(b"X-Late", b"1"), (b"CONNECTION", b" x-late ,, Keep-Me-Not"),
+              (b"keep-me-not", b"2"), (b":status", b"200"), (b"Proxy-Foo", b"3"),
+              (b"connection", b"x-third"), (b"x-third", b"4"), (b"Vary", b"accept")]
+    shuffled = list(itertools.permutations(fields))[order * 997 % 40320]
+    assert clean_response_headers(shuffled) == [(b"vary", b"accept")]
+
+
 def test_host_matching() -> None:
     exact = Route(host=HOST, tenant="t", mode="terminate", backend=Backend(None))
     wild = replace(exact, host="*.alina.test")

@@ -34,6 +34,8 @@ SPOOFABLE = frozenset({
     b"x-rewrite-url",  # like X-Original-URL: some frameworks route by it, not the target
 })
 SPOOFABLE_PREFIXES = (b"x-forwarded-", b"x-original-", b"x-pact-", b"proxy-")
+#: Response fields dropped by their start: pseudo-headers and every `proxy-` name.
+_DROPPED_PREFIXES = (b":", b"proxy-")
 
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -44,20 +46,19 @@ def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return named
 
 
-def _is_hop_by_hop(name: bytes, named: set[bytes]) -> bool:
-    return name in HOP_BY_HOP or name in named or name.startswith(b"proxy-")
-
-
 def clean_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     """The node's response headers minus hop-by-hop ones (and any pseudo-headers)."""
-    headers = list(headers)
-    named = _connection_tokens(headers)
     out: Headers = []
+    named: set[bytes] | None = None  # what Connection names, once it was seen
     for name, value in headers:
         lname = name.lower()
-        if lname.startswith(b":") or _is_hop_by_hop(lname, named):
+        if lname in HOP_BY_HOP or lname.startswith(_DROPPED_PREFIXES):
+            if lname == b"connection":
+                named = _connection_tokens(((lname, value),)) | (named or set())
             continue
         out.append((lname, value))
+    if named:  # rare: one pass per response otherwise
+        out = [field for field in out if field[0] not in named]
     return out
 
 
