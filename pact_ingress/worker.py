@@ -53,6 +53,7 @@ import socket
 import ssl
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +271,7 @@ class Worker:
                     raise wp.ProtocolError("HANDOFF without exactly one fd")
                 assert self._root is not None
                 self._handling += 1
-                self._runners.start(self._serve, wp.decode_handoff(msg.payload), fds[0])
+                self._start(wp.decode_handoff(msg.payload), fds[0])
                 continue
             for fd in fds:
                 os.close(fd)
@@ -346,25 +347,51 @@ class Worker:
 
     # -- one connection -------------------------------------------------------------
 
-    async def _serve(self, h: wp.Handoff, fd: int) -> None:
+    def _start(self, h: wp.Handoff, fd: int) -> None:
+        """A connection main handed over: a plain terminate one goes to the keep-alive
+        lane without a task of its own (`Terminator.start_lane`), anything else, or one
+        the lane does not take, to a task."""
         try:
             raw = socket.socket(fileno=fd)
         except OSError:
             os.close(fd)
             self._ended(h.conn_id)
             return
+        raw.setblocking(False)
+        if not h.relay:
+            route = self.terminator.route(h.route_host)
+            ctx = self._context(h) if route is not None else None
+            if route is not None and ctx is not None:
+                try:
+                    if self.terminator.start_lane(
+                            raw, h.data, ctx, route, (h.client_ip, h.client_port), h.sni,
+                            self._runners.start, partial(self._lane_ended, raw, h.conn_id)):
+                        return
+                except Exception as exc:  # one connection's bug must not end the worker
+                    self._handler_error(h, exc)
+                    raw.close()
+                    self._ended(h.conn_id)
+                    return
+        self._runners.start(self._serve, h, raw)
+
+    def _lane_ended(self, raw: socket.socket, conn_id: int) -> None:
+        raw.close()
+        self._ended(conn_id)
+
+    def _handler_error(self, h: wp.Handoff, exc: Exception) -> None:
+        self.stats.rejections.labels("handler_error").inc()
+        log.error("handler_error", client_ip=h.client_ip, error=f"{type(exc).__name__}: {exc}")
+
+    async def _serve(self, h: wp.Handoff, raw: socket.socket) -> None:
         try:
             await self._serve_socket(h, raw)
         except Exception as exc:  # one connection's bug must not end the worker
-            self.stats.rejections.labels("handler_error").inc()
-            log.error("handler_error", client_ip=h.client_ip,
-                      error=f"{type(exc).__name__}: {exc}")
+            self._handler_error(h, exc)
         finally:
             raw.close()
             self._ended(h.conn_id)
 
     async def _serve_socket(self, h: wp.Handoff, raw: socket.socket) -> None:
-        raw.setblocking(False)
         if h.relay:
             if self.relay is None or self.relay.host != h.route_host:
                 log.warning("worker_cannot_serve", route=h.route_host, client_ip=h.client_ip,

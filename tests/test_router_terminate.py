@@ -234,3 +234,42 @@ def test_the_shortcut_takes_exactly_what_dispatch_would_terminate(tmp_path: Path
                   _hello(HOST, "acme-tls/1"), _hello(RELAY_HOST),
                   _hello(TUNNEL_HOST, "pact-tunnel/1"), _hello(TUNNEL_HOST, "pact-forward/1")):
         assert router._plain_terminate(hello) is None, hello
+
+
+class _LaneDeclines(_Both):
+    """A terminator whose `start_lane` declines (no lane here) or fails: the router
+    serves the connection with a task as before, or counts it closed."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+        self.asked = 0
+
+    def start_lane(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                   route: Route, client: tuple[str, int], sni: str | None,
+                   spawn: object, ended: object) -> bool:
+        self.asked += 1
+        if self.fail:
+            raise RuntimeError("a bug in the lane's start")
+        return False
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["declines", "fails"])
+async def test_a_lane_that_declines_or_fails_leaves_the_counts_true(
+        nursery: trio.Nursery, tmp_path: Path, fail: bool) -> None:
+    pki = WebPKI()
+    terminator = _LaneDeclines(fail)
+    router, port = await _served(nursery, tmp_path, terminator, pki)
+    client = pki.client_context(alpn=("http/1.1",))
+    for _ in range(3):
+        try:
+            got = await trio.to_thread.run_sync(_echo_once, port, client, b"hi")
+        except (ssl.SSLError, OSError):
+            got = b""
+        assert got == (b"" if fail else b"hi")
+    await _settled(router)
+    assert terminator.asked == 3
+    assert len(terminator.seen) == (0 if fail else 3)
+    if fail:
+        assert router.stats.value("pact_ingress_rejections_total",
+                                  {"reason": "handler_error"}) == 3

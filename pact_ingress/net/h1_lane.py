@@ -250,6 +250,22 @@ class Lane:
         client.start()
         return await self._park(client)
 
+    def start(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext, route: Route,
+              conn: _Connection, first: Callable[[Handoff | NeedNode | None], None]
+              ) -> None:
+        """`serve` without a task: the connection runs here, and its first result goes
+        to `first` (called at once, from whichever callback produced it) instead of a
+        parked task; whoever takes it gives the connection a task if it needs one."""
+        client = _Client(self, sock, data, ctx, route, conn)
+        client.first = first
+        client.start()
+
+    def close_taskless(self) -> None:
+        """Close the connections that have no task (the process is stopping)."""
+        for client in list(self.open):
+            if client.first is not None:
+                client.close(499 if client.request is not None else 0)
+
     async def connected(self, need: NeedNode, node: _Conn | None, reused: bool,
                         error: UpstreamError | None) -> Handoff | NeedNode | None:
         """`serve` again, with the node connection `need` asked for (`reused`: it was
@@ -329,6 +345,8 @@ class _Client:
         self.deadline = math.inf  # the client side's: handshake, next request, a write
         self.task: trio.lowlevel.Task | None = None
         self.result: Any = _PARKED  # for the task, when it came while the task ran
+        #: a connection with no task yet (`Lane.start`): where its first result goes
+        self.first: Callable[[Handoff | NeedNode | None], None] | None = None
         # the exchange in hand
         self.request: Request | None = None
         self.started = 0.0
@@ -1034,5 +1052,10 @@ class _Client:
         task, self.task = self.task, None
         if task is not None:
             reschedule(task, outcome.Value(result))
+            return
+        first = self.first
+        if first is not None:  # no task yet: the result decides whether one is needed
+            self.first = None
+            first(result)
         else:
             self.result = result  # the task is running: `Lane._park` returns it

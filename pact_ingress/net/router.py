@@ -73,6 +73,7 @@ import socket
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -324,8 +325,30 @@ class Router:
                         kind: Tally) -> None:
         """`adopt` for a connection the engine found to be a plain terminate one (what
         `_plain_terminate` would pick): its route comes with it, so nothing is parsed or
-        looked up again, and its socket comes as the engine accepted it."""
+        looked up again, and its socket comes as the engine accepted it. The terminator's
+        keep-alive lane takes it without a task of its own when it can (`start_lane`)."""
+        start_lane = getattr(self.terminator, "start_lane", None)
+        if self.handoff is None and start_lane is not None:
+            ctx = self._served_context(sock, route, client)
+            if ctx is None:
+                sock.close()
+                self._terminate_done(kind, who)
+                return
+            try:
+                if start_lane(sock, data, ctx, route, client, sni, self._runners.start,
+                              partial(self._terminate_done, kind, who)):
+                    return
+            except Exception as exc:  # a bug in one connection's start must not stop the rest
+                self._handler_error(client[0], exc)
+                if sock.fileno() != -1:
+                    sock.close()
+                self._terminate_done(kind, who)
+                return
         self._runners.start(self._handle_terminate, sock, route, sni, data, client, who, kind)
+
+    def _terminate_done(self, kind: Tally, who: str) -> None:
+        self._counts.total -= 1
+        self._counts.drop(kind, who)
 
     async def _handle_terminate(self, sock: _socket.socket, route: Route, sni: str | None,
                                 data: bytes, client: tuple[str, int], who: str,
@@ -344,8 +367,7 @@ class Router:
         finally:
             if sock.fileno() != -1:  # the terminator closes what it served
                 sock.close()
-            self._counts.total -= 1
-            self._counts.drop(kind, who)
+            self._terminate_done(kind, who)
 
     async def _handle_adopted(self, sock: socket.socket, hello: ClientHello | None,
                               data: bytes, client: tuple[str, int], who: str,

@@ -249,6 +249,11 @@ class Terminator:
         stats.before_collect(self._sync_metrics)
         self._open = 0
         self._lane: Lane | None = None  # made on first use, in the trio run
+        #: lane connections with no task of their own yet (`start_lane`), and whether
+        #: the task that stands for them in the router's nursery runs (`_keep_taskless`)
+        self._taskless = 0
+        self._keeping = False
+        self._taskless_gone = trio.Event()  # draining, and none of them is left
 
     def update(self, config: Config) -> None:
         """Take a (re)loaded config: routes and tenants, for open connections too."""
@@ -318,28 +323,107 @@ class Terminator:
             raise
         return self._serve(tls, route, client, sni)
 
-    async def _serve_lane(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
-                          route: Route, client: tuple[str, int], sni: str | None) -> None:
-        """`_serve` with the keep-alive lane (`net/h1_lane.py`) serving the connection
-        for as long as its requests are the usual ones; the trio engine takes it up
-        where the lane hands it over."""
+    def _lane_connection(self, route: Route, client: tuple[str, int], sni: str | None
+                         ) -> tuple[Lane, _Connection]:
         if sni is None and not route.host.startswith("*."):
             sni = route.host
         ip = client[0]
         conn = _Connection(route.host, sni, ip, client_bucket(ip) or ip,
                            request_prefix(route.host, ip), deadlines.clock())
-        handed: Handoff | None = None
-        # (`_connection_life`, written out: a generator-based context manager per
-        # connection costs more than the rest of this function)
+        lane = self._lane
+        if lane is None:
+            lane = self._lane = Lane(self)
+            if self._draining.is_set():
+                lane.drain()
+        return lane, conn
+
+    async def _serve_lane(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                          route: Route, client: tuple[str, int], sni: str | None) -> None:
+        """`_serve` with the keep-alive lane (`net/h1_lane.py`) serving the connection
+        for as long as its requests are the usual ones; the trio engine takes it up
+        where the lane hands it over."""
+        lane, conn = self._lane_connection(route, client, sni)
         self._open += 1
         readiness.open_connections += 1
         try:
-            lane = self._lane
-            if lane is None:
-                lane = self._lane = Lane(self)
-                if self._draining.is_set():
-                    lane.drain()
             step = await lane.serve(sock, data, ctx, route, conn)
+        except BaseException:
+            self._lane_over(sock, None, None)
+            raise
+        await self._lane_on(sock, route, conn, lane, step, None)
+
+    def start_lane(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
+                   route: Route, client: tuple[str, int], sni: str | None,
+                   spawn: Callable[..., None], ended: Callable[[], None]) -> bool:
+        """`serve_socket` without a task: the lane serves the connection from the
+        readiness hub's callbacks, and a task (`spawn(fn, *args)`, the router's handler
+        tasks) is started only when the connection needs one: to connect to the node,
+        or once it goes to the trio engine. `ended()` is called once when the
+        connection is over. False: no lane here (the caller serves it as before).
+        A connection costs no task switch of its own at its start or its end."""
+        if not (LANE and type(self.limiter) is LocalLimiter):
+            return False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass  # a connection already reset fails where it is used, like any other
+        lane, conn = self._lane_connection(route, client, sni)
+        if not self._keeping:
+            spawn(self._keep_taskless)
+            self._keeping = True
+        self._open += 1
+        readiness.open_connections += 1
+        self._taskless += 1
+        try:
+            lane.start(sock, data, ctx, route, conn,
+                       partial(self._lane_first, sock, route, conn, lane, spawn, ended))
+        except Exception as exc:  # (the lane catches its own; this is one before it ran)
+            _connection_ended(route.host, exc)
+            self._untasked()
+            self._lane_over(sock, None, ended)
+        return True
+
+    def _lane_first(self, sock: socket.socket, route: Route, conn: _Connection, lane: Lane,
+                    spawn: Callable[..., None], ended: Callable[[], None],
+                    step: Handoff | NeedNode | None) -> None:
+        """A task-less lane connection's first result: its end (closed), or what needs a
+        task from here on, which it gets."""
+        self._untasked()
+        if step is None:
+            self._lane_over(sock, None, ended)
+            return
+        try:
+            spawn(self._lane_on, sock, route, conn, lane, step, ended)
+        except Exception as exc:  # no task to be had (the process is stopping)
+            _connection_ended(route.host, exc)
+            if type(step) is NeedNode:
+                step.client.close(CLIENT_CLOSED)
+            self._lane_over(sock, step if type(step) is Handoff else None, ended)
+
+    def _untasked(self) -> None:
+        self._taskless -= 1
+        if not self._taskless and self._draining.is_set():
+            self._taskless_gone.set()
+
+    async def _keep_taskless(self) -> None:
+        """Stands for the task-less lane connections in the router's handler nursery:
+        while it runs, a drain waits for them as for any connection's task; cancelled
+        (the drain's deadline, a stop), it closes those still open."""
+        try:
+            await self._taskless_gone.wait()
+        finally:
+            self._keeping = False
+            self._taskless_gone = trio.Event()
+            if self._lane is not None:
+                self._lane.close_taskless()
+
+    async def _lane_on(self, sock: socket.socket, route: Route, conn: _Connection,
+                       lane: Lane, step: Handoff | NeedNode | None,
+                       ended: Callable[[], None] | None) -> None:
+        """A lane connection from its first result on: a connection to the node got for
+        it (as often as it asks), then the trio engine from where the lane handed it."""
+        handed: Handoff | None = None
+        try:
             while type(step) is NeedNode:
                 step = await self._connect_for_lane(lane, step)
             handed = step  # type: ignore[assignment]
@@ -348,12 +432,20 @@ class Terminator:
         except Exception as exc:
             _connection_ended(route.host, exc)
         finally:
-            self._open -= 1
-            readiness.open_connections -= 1
-            if handed is not None:
-                handed.tls.close_unwatched()
-            elif sock.fileno() != -1:
-                sock.close()  # (the lane closes what it ends; this is a failure's)
+            self._lane_over(sock, handed, ended)
+
+    def _lane_over(self, sock: socket.socket, handed: Handoff | None,
+                   ended: Callable[[], None] | None) -> None:
+        """A lane connection's end (`_connection_life`'s, written out: a generator-based
+        context manager per connection cost more than the rest of its bookkeeping)."""
+        self._open -= 1
+        readiness.open_connections -= 1
+        if handed is not None:
+            handed.tls.close_unwatched()
+        elif sock.fileno() != -1:
+            sock.close()  # (the lane closes what it ends; this is a failure's)
+        if ended is not None:
+            ended()
 
     @contextlib.contextmanager
     def _connection_life(self, route_host: str) -> Iterator[None]:
@@ -483,6 +575,8 @@ class Terminator:
         self._draining.set()
         if self._lane is not None:
             self._lane.drain()
+        if not self._taskless:
+            self._taskless_gone.set()
         for scope in list(self._idle_scopes):
             scope.cancel()
 
