@@ -12,11 +12,16 @@ in one read. This module serves exactly those, as callbacks of the readiness hub
 (`net/readiness.py`), which already owns an edge-triggered epoll set per trio run: a
 connection here is a small state machine whose socket's `Watch` points at it
 (`Watch.lane`, the connection's bound method), so the hub calls it with each event,
-and one wake-up of the hub serves every connection that became ready. When no idle
-connection to the node is there, the connection's own parked task gets one from the
-pool (`NeedNode`: `_Pool.acquire` connects and checks the pins as for the trio engine)
-and hands it back (`Lane.connected`); a pooled connection the node had closed is
-replaced the same way, once, for a request that may be sent twice (the pool's rule).
+and one wake-up of the hub serves every connection that became ready. The router
+starts a connection here without a task of its own (`Lane.start`, through
+`Terminator.start_lane`): a connection that is served whole here and closes never
+costs a task switch, at its start or its end. Its first result (`wake`) decides: its
+end is counted on the spot, anything else gets it a task for good. When no idle
+connection to the node is there, that task gets one from the pool (`NeedNode`:
+`_Pool.acquire` connects and checks the pins as for the trio engine) and hands it
+back (`Lane.connected`); a pooled connection the node had closed is replaced the same
+way, once, for a request that may be sent twice (the pool's rule). (`Lane.serve` is
+the same with a task from the start, for a caller that has one.)
 
 Everything else is the trio engine's, and a connection goes there for good, in one
 step, the moment it needs anything this lane does not do (`Handoff`): its TLS engine
