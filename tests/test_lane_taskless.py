@@ -13,26 +13,16 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from pact_ingress.model import Limits, Route
+from pact_ingress.model import Limits
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.router import Router
 from pact_ingress.net.terminate import Terminator
 from pact_ingress.stats import Stats
 from tests.netutil import TEST_TIMEOUT, make_config, route
-from tests.tls_helpers import LOOPBACK, WebPKI, make_identity
+from tests.tls_helpers import LOOPBACK, StaticCerts, WebPKI, make_identity
 
 HOST = "t.example.test"
 
-
-class _Certs:
-    def __init__(self, ctx: ssl.SSLContext) -> None:
-        self.ctx = ctx
-
-    def server_context(self, route: Route) -> ssl.SSLContext | None:
-        return self.ctx
-
-    async def challenge_context(self, host: str) -> ssl.SSLContext | None:
-        return None
 
 
 async def _start(nursery: trio.Nursery, tmp: Path, pki: WebPKI, served: trio.Event
@@ -44,7 +34,7 @@ async def _start(nursery: trio.Nursery, tmp: Path, pki: WebPKI, served: trio.Eve
                             stats=Stats())
     terminator.update(config)
     router = Router(config, stats=Stats(), backends=Backends(), terminator=terminator,
-                    certs=_Certs(pki.server_context(HOST, alpn=("http/1.1",))))
+                    certs=StaticCerts(pki.server_context(HOST, alpn=("http/1.1",))))
     listeners = await trio.open_tcp_listeners(0, host=LOOPBACK)
     port = listeners[0].socket.getsockname()[1]
 

@@ -24,23 +24,13 @@ from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto.clienthello import ClientHello
 from pact_ingress.stats import Stats
 from tests.netutil import TEST_TIMEOUT, make_config, route
-from tests.tls_helpers import LOOPBACK, WebPKI
+from tests.tls_helpers import LOOPBACK, StaticCerts, WebPKI
 
 HOST = "t.example.test"
 PASS_HOST = "p.example.test"
 TUNNEL_HOST = "tunnel.example.test"
 RELAY_HOST = "relay.example.test"
 
-
-class _Certs:
-    def __init__(self, ctx: ssl.SSLContext) -> None:
-        self.ctx = ctx
-
-    def server_context(self, route: Route) -> ssl.SSLContext | None:
-        return self.ctx
-
-    async def challenge_context(self, host: str) -> ssl.SSLContext | None:
-        return None
 
 
 class _StreamOnly:
@@ -98,7 +88,7 @@ async def _served(nursery: trio.Nursery, tmp: Path, terminator: object,
     config = make_config(tmp, [route(HOST, "t", 9, mode="terminate")])
     router = Router(config, stats=Stats(), backends=Backends(),
                     terminator=terminator,  # type: ignore[arg-type]
-                    certs=_Certs(pki.server_context(HOST, alpn=("http/1.1",))))
+                    certs=StaticCerts(pki.server_context(HOST, alpn=("http/1.1",))))
     listeners = await trio.open_tcp_listeners(0, host=LOOPBACK)
     port = listeners[0].socket.getsockname()[1]
     await nursery.start(router.serve, listeners)

@@ -72,6 +72,20 @@ async def serve_loopback(
         await trio.serve_listeners(handler, listeners, handler_nursery=nursery)
 
 
+class StaticCerts:
+    """The router's certificate source, standing in for `CertManager`: one context for
+    every route, no ACME challenge."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
+
+    def server_context(self, route: object) -> ssl.SSLContext | None:
+        return self.ctx
+
+    async def challenge_context(self, host: str) -> ssl.SSLContext | None:
+        return None
+
+
 class LoopbackBackend(httpcore.AsyncNetworkBackend):
     """An httpcore backend that sends every hostname to 127.0.0.1:`port`.
 
