@@ -359,19 +359,18 @@ class Worker:
             return
         raw.setblocking(False)
         if not h.relay:
-            route = self.terminator.route(h.route_host)
-            ctx = self._context(h) if route is not None else None
-            if route is not None and ctx is not None:
-                try:
-                    if self.terminator.start_lane(
-                            raw, h.data, ctx, route, (h.client_ip, h.client_port), h.sni,
-                            self._runners.start, partial(self._lane_ended, raw, h.conn_id)):
-                        return
-                except Exception as exc:  # one connection's bug must not end the worker
-                    self._handler_error(h, exc)
-                    raw.close()
-                    self._ended(h.conn_id)
+            try:
+                route = self.terminator.route(h.route_host)
+                ctx = self._context(h) if route is not None else None
+                if route is not None and ctx is not None and self.terminator.start_lane(
+                        raw, h.data, ctx, route, (h.client_ip, h.client_port), h.sni,
+                        self._runners.start, partial(self._lane_ended, raw, h.conn_id)):
                     return
+            except Exception as exc:  # one connection's bug must not end the worker
+                self._handler_error(h, exc)
+                raw.close()
+                self._ended(h.conn_id)
+                return
         self._runners.start(self._serve, h, raw)
 
     def _lane_ended(self, raw: socket.socket, conn_id: int) -> None:
