@@ -61,9 +61,9 @@ async def _hello_only(pki: WebPKI, port: int) -> trio.socket.SocketType:
     return sock
 
 
-async def _closed(sock: trio.socket.SocketType) -> bool:
-    """Read until the peer closes (True) or `TEST_TIMEOUT` passes (False)."""
-    with trio.move_on_after(TEST_TIMEOUT):
+async def _closed(sock: trio.socket.SocketType, within: float = TEST_TIMEOUT) -> bool:
+    """Read until the peer closes (True) or `within` seconds pass (False)."""
+    with trio.move_on_after(within):
         while True:
             try:
                 if not await sock.recv(65536):
@@ -120,3 +120,54 @@ async def test_a_drain_with_no_taskless_connection_left_ends_at_once(
     with trio.fail_after(100):
         await served.wait()
     assert trio.current_time() - start < 1
+
+
+async def test_a_connection_started_as_the_drain_begins_is_waited_for_not_closed(
+        nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The drain signals the stand-in task that no task-less connection is left; the
+    engine hands over one more hello before that task runs (it still serves hellos it
+    had read). That connection is waited for like the others, until the drain's
+    deadline, not closed by the stand-in task on its way out."""
+    pki = WebPKI()
+    served = trio.Event()
+    router, terminator, port = await _start(nursery, tmp_path, pki, served)
+    route = terminator.route(HOST)
+    ctx = pki.server_context(HOST, alpn=("http/1.1",))
+    ended: list[int] = []
+
+    def start(server: socket.socket) -> None:
+        """A connection whose ClientHello the engine read, started the router's way."""
+        client_inc, client_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        hello = pki.client_context(alpn=("http/1.1",)).wrap_bio(
+            client_inc, client_out, server_hostname=HOST)
+        try:
+            hello.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        server.setblocking(False)
+        assert route is not None
+        assert terminator.start_lane(server, client_out.read(), ctx, route,
+                                     (LOOPBACK, 1), HOST, router._runners.start,
+                                     lambda: ended.append(1))
+
+    first, first_peer = socket.socketpair()
+    start(first)
+    first_peer.close()  # it ends: the stand-in task runs on, with none left
+    with trio.fail_after(TEST_TIMEOUT):
+        while terminator._taskless or not terminator._keeping:
+            await trio.sleep(0.01)
+    assert ended == [1]
+    second, second_peer = socket.socketpair()
+    start_at = trio.current_time()
+    await router.drain(deadline=30)
+    await terminator.drain()  # (no checkpoint in either: the stand-in task has not run)
+    start(second)
+    peer = trio.socket.from_stdlib_socket(second_peer)
+    assert await _closed(peer, within=100)
+    assert 30 <= trio.current_time() - start_at < 31
+    peer.close()
+    with trio.fail_after(100):
+        await served.wait()
+    assert ended == [1, 1]
+    assert terminator._open == terminator._taskless == 0

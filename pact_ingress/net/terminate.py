@@ -410,12 +410,19 @@ class Terminator:
         while it runs, a drain waits for them as for any connection's task; cancelled
         (the drain's deadline, a stop), it closes those still open."""
         try:
-            await self._taskless_gone.wait()
-        finally:
-            self._keeping = False
-            self._taskless_gone = trio.Event()
+            while True:
+                await self._taskless_gone.wait()
+                # a connection may have come between the drain's signal and this wake-up
+                # (the engine still hands over hellos it had read): it is waited for too
+                if not self._taskless:
+                    return
+                self._taskless_gone = trio.Event()
+        except BaseException:
             if self._lane is not None:
                 self._lane.close_taskless()
+            raise
+        finally:
+            self._keeping = False
 
     async def _lane_on(self, sock: socket.socket, route: Route, conn: _Connection,
                        lane: Lane, step: Handoff | NeedNode | None,
