@@ -542,8 +542,8 @@ def test_parser_bytes_after_response_end_the_connection() -> None:
 
 @pytest.mark.parametrize(("method", "response"), [
     ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi"),
-    ("GET", b"HTTP/1.1 103 Hints\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked"
-            b"\r\n\r\n2\r\nhi\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n"),
+    ("GET", (b"HTTP/1.1 103 Hints\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked"
+             b"\r\n\r\n2\r\nhi\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n")),
     ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n"),
 ])
 def test_a_whole_response_frees_its_parser_without_the_cycle_collector(
