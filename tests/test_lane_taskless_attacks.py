@@ -114,7 +114,6 @@ def parallel(fns: list, timeout: float = 40.0) -> list[BaseException]:
     return errs
 
 
-
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_mass_reset_in_every_phase_leaves_nothing_open(
         tmp_path: Path, workers: int) -> None:
@@ -143,7 +142,6 @@ def test_a_mass_reset_in_every_phase_leaves_nothing_open(
         settled_then_stopped(env)
     finally:
         env.stop()
-
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -189,7 +187,6 @@ def test_sigterm_answers_requests_at_the_node_and_closes_the_rest(
         env.stop()
 
 
-
 DEAD_HOST = "dead.attack.test"
 
 
@@ -201,7 +198,6 @@ def test_clients_resetting_while_the_node_refuses_hangs_or_is_slow(
     dead_port = dead.getsockname()[1]
     dead.close()  # nothing listens: connection refused
     env, evil = world(tmp_path, workers, extra=tarpit_route(DEAD_HOST, dead_port))
-    tarpit = socket.create_server(("127.0.0.1", 0), backlog=1)  # never accepts
     try:
         port = env.serve.port
         # refused node: answered (502-ish), not hung
@@ -253,10 +249,8 @@ def test_clients_resetting_while_the_node_refuses_hangs_or_is_slow(
         forget(s)
         settled_then_stopped(env)
     finally:
-        tarpit.close()
         evil.stop()
         env.stop()
-
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -302,7 +296,6 @@ def test_bursts_of_http2_and_pipelined_http1_on_one_route(
         settled_then_stopped(env)
     finally:
         env.stop()
-
 
 
 @pytest.mark.parametrize("workers", [1, 2])
