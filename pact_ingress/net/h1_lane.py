@@ -89,12 +89,10 @@ from pact_ingress.logs import log
 from pact_ingress.net import readiness
 from pact_ingress.net.http1 import BROKE_OFF, MAX_PIPELINED_BYTES, MIN_READ_AHEAD_CHARGE
 from pact_ingress.net.linger import unread
+from pact_ingress.net.node_leg import READ_SIZE, Broke, NodeLeg
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
-    IDEMPOTENT,
     UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
 )
 from pact_ingress.proto.http1_server import (
     INCOMPLETE,
@@ -106,18 +104,14 @@ from pact_ingress.proto.http1_server import (
     whole_response,
 )
 from pact_ingress.proto.http_headers import clean_response_headers
-from pact_ingress.proto.http_request import declared_length, header
-from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
+from pact_ingress.proto.http_upstream import ResponseParser
 
 if TYPE_CHECKING:
     from pact_ingress.model import Route, Tenant
     from pact_ingress.net.terminate import Terminator, _Answer, _Connection
     from pact_ingress.net.upstream import _Conn, _Pool
     from pact_ingress.proto.http_request import Target
-    from pact_ingress.proto.shares import Shares
 
-#: Ciphertext read per syscall.
-READ_SIZE = 64 * 1024
 #: The largest request body served here (read whole with its head, judged inline);
 #: larger ones, which the trio engine streams or judges in a thread, go there.
 MAX_WHOLE_BODY = 64 * 1024
@@ -144,10 +138,6 @@ FILL_BUDGET = 2 * READ_SIZE
 #: How often the lane fires the deadlines that passed: the most one fires late, nothing
 #: next to the seconds-long limits it enforces.
 TICK = 0.25
-#: How long the rest of a short answer (a declared length up to `MAX_WHOLE_BODY`) is
-#: awaited here once its head came; then it is relayed as it comes (the trio engine),
-#: so a body that trickles is not held back.
-BODY_GRACE = 0.1
 #: The status an answer the node broke off is counted with (as the trio engine does).
 NODE_BROKE_OFF = 502
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
@@ -223,10 +213,6 @@ class NeedNode:
     host: str
     deadline: float
     fresh: bool
-
-
-class _Broke(Exception):
-    """A socket or TLS failure on one leg."""
 
 
 class Lane:
@@ -321,8 +307,11 @@ class Lane:
                 client.end()
 
 
-class _Client:
-    """One client connection in the lane: its TLS, its parser, the exchange in hand."""
+class _Client(NodeLeg):
+    """One client connection in the lane: its TLS, its parser, the exchange in hand
+    (its node side: `NodeLeg`)."""
+
+    AT_NODE = Phase.UPSTREAM
 
     def __init__(self, lane: Lane, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
                  route: Route, conn: _Connection) -> None:
@@ -357,20 +346,11 @@ class _Client:
         self.started = 0.0
         self.held = 0
         self.go: LaneGo | None = None
-        self.holding: Shares | None = None  # the client's share of the node, held
         self.for_route: Route | None = None  # the route `shares` and `pool` are for
         self.for_pins: tuple[str, ...] | None = None
         self.shares: Any = None
         self.pool: Any = None
-        self.entry: _Pool | None = None  # the pool, counted in its `active`
-        self.node: _Conn | None = None
-        self.reused = False  # `node` came from the idle list
-        self.node_side = self.node_event_guarded  # the node's `Watch.lane` meanwhile
-        self.node_deadline = math.inf  # the node's head, or the rest of a short body
-        self.node_pending = b""
-        self.response: ResponseParser | None = None
-        self.head_seen = False  # the node's head came (its time noted)
-        self.sent_at = 0.0
+        self.leg_init()  # the node's side: `entry`, `holding`, `node`, `response`, ...
         self.status = 0
         self.close_after = False
         lane.join(self)
@@ -391,7 +371,7 @@ class _Client:
             self.failed(exc)
 
     def failed(self, exc: Exception) -> None:
-        if isinstance(exc, _Broke):  # a leg failed where no step expected it
+        if isinstance(exc, Broke):  # a leg failed where no step expected it
             if self.phase is not Phase.ENDED:
                 self.gone() if self.request is not None else self.close(0)
             return
@@ -548,7 +528,7 @@ class _Client:
                       error=repr(exc))
             try:
                 self.send_out()  # the alert, if any
-            except _Broke:
+            except Broke:
                 pass
             self.close(0)
             return
@@ -670,227 +650,21 @@ class _Client:
         self.node, self.reused = node, reused
         self.send_request(self.conn.now())
 
-    def send_request(self, now: float) -> None:
-        request, go, node = self.request, self.go, self.node
-        assert request is not None and go is not None and node is not None
-        self.response = ResponseParser(request.method)
-        self.head_seen = False
-        self.move(Phase.UPSTREAM)
-        watch = node._watch
-        if watch is None:
-            watch = node._watch = self.lane.hub.watch(node._raw)  # type: ignore[arg-type]
-        watch.lane = self.node_side
-        self.sent_at = now
-        try:
-            head = request_head(request.method, go.target.origin_form, go.headers)
-            node._sslobj.write(head + go.body if go.body else head)
-            self.node_send()
-        except (ValueError, UnicodeEncodeError) as exc:  # (`_frame`'s refusal)
-            self.node_failed(UpstreamProtocolError(f"request cannot be sent: {exc}"))
-            return
-        except (_Broke, ssl.SSLError) as exc:
-            self.node_failed(exc)
-            return
-        self.node_deadline = now + self.t.upstream.header_timeout
+    # -- the node leg's outcomes (`NodeLeg`) ---------------------------------------------
 
-    def node_send(self) -> None:
-        node = self.node
-        assert node is not None
-        data = self.node_pending + node._out.read()
-        self.node_pending = b""
-        while data:
-            try:
-                sent = node._raw.send(data)  # type: ignore[union-attr]
-            except BlockingIOError:
-                self.node_pending = data
-                watch = node._watch
-                assert watch is not None
-                if not watch.out:
-                    watch.hub.ep.modify(watch.fd, _BOTH)
-                    watch.out = True
-                return
-            except OSError as exc:
-                raise _Broke(f"send to the node failed: {exc!r}") from exc
-            data = data[sent:]
+    def retry_fresh(self) -> None:
+        self.connect(fresh=True)
 
-    def node_event_guarded(self, mask: int) -> None:
-        """The hub's call with the node connection's events (`guarded`, inline)."""
-        try:
-            self.node_event(mask)
-        except Exception as exc:  # noqa: BLE001
-            self.failed(exc)
-
-    def node_event(self, mask: int) -> None:
-        node = self.node
-        if self.phase is not Phase.UPSTREAM or node is None:
-            return
-        if mask & _OUT and self.node_pending:
-            try:
-                self.node_send()
-            except _Broke as exc:
-                self.node_failed(exc)
-                return
-        if not mask & _READABLE:
-            return
-        # the node's answer, one read at a time, each decrypted and parsed before the
-        # next (what a node sends is never held beyond one read and the parser's caps),
-        # until it is whole, goes elsewhere, or the socket has nothing more
-        parser = self.response
-        assert parser is not None
-        raw, inc, tls = node._raw, node._in, node._sslobj
-        now = self.conn.now()
-        while True:
-            try:
-                try:
-                    data = raw.recv(READ_SIZE)  # type: ignore[union-attr]
-                except BlockingIOError:
-                    return
-                except OSError as exc:
-                    raise _Broke(f"receive from the node failed: {exc!r}") from exc
-                if data:
-                    inc.write(data)
-                else:
-                    inc.write_eof()
-                while not parser.done:
-                    try:
-                        plain = tls.read(READ_SIZE)
-                    except ssl.SSLWantReadError:
-                        break
-                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                        plain = b""
-                    if plain:
-                        parser.feed(plain)
-                    else:
-                        parser.feed_eof()
-                        break
-            except (_Broke, ResponseError, ssl.SSLError) as exc:
-                if self.head_seen:
-                    self.node_broke_off(exc)
-                else:
-                    self.node_failed(exc)
-                return
-            if parser.head_done and not self.head_seen and not self.node_head(now):
-                return
-            if parser.done:
-                self.node_answered(now)
-                return
-            if len(data) < READ_SIZE:
-                return  # the socket has nothing more now
-
-    def node_expired(self, _: int) -> None:
-        self.node_deadline = math.inf
-        if self.phase is not Phase.UPSTREAM:
-            return
-        if self.head_seen:
-            self.relay()  # the rest of a short body is slow: relayed as it comes
-        else:
-            self.node_failed(UpstreamTimeout(
-                f"no response headers within {self.t.upstream.header_timeout:g} s"))
-
-
-    def let_node_go(self, reusable: bool, now: float | None = None) -> None:
-        """The node connection back to its pool (or closed)."""
-        node, entry = self.node, self.entry
-        self.node_deadline = math.inf
-        self.node = None
-        self.node_pending = b""
-        if node is None:
-            return
-        watch = node._watch
-        if watch is not None:
-            watch.lane = None
-            watch.readable = True  # whoever waits next tries the socket first
-        if entry is not None and not entry.keep(node, reusable, now):
-            entry.drop(node)
-
-    def release(self, reusable: bool, now: float | None = None) -> None:
-        """The exchange's hold on the node ends: its connection back to the pool (or
-        closed), its count in the pool's `active` and the client's share of the node
-        given back."""
-        self.let_node_go(reusable, now)
-        entry, self.entry = self.entry, None
-        if entry is not None:
-            entry.active -= 1
-            up = self.t.upstream
-            if up._retired:
-                trio.lowlevel.spawn_system_task(up._reap_quietly, name="upstream.reap")
-        shares, self.holding = self.holding, None
-        if shares is not None:
-            shares.give(self.conn.client, 1)
-
-    def node_failed(self, exc: Exception) -> None:
-        """The node's connection failed before its head was whole."""
-        request, go, parser = self.request, self.go, self.response
-        assert request is not None and go is not None
-        received = parser.received if parser is not None else 0
-        self.let_node_go(False)
-        self.response = None
-        if (received == 0 and self.reused and request.method in IDEMPOTENT
-                and not isinstance(exc, UpstreamTimeout)):
-            # a pooled connection the node had closed: sent again, once, on a fresh one,
-            # as the trio engine does for a request that may be sent twice
-            self.connect(fresh=True)
-            return
-        self.release(False)
+    def give_up(self, answer: _Answer) -> None:
         self.move(Phase.IDLE)
-        if not isinstance(exc, UpstreamTimeout):
-            exc = UpstreamProtocolError(f"node connection failed: {exc}")
-        self.hand(Resume.ANSWER, answer=self.t.lane_failure(go.route, exc))
+        self.hand(Resume.ANSWER, answer=answer)
 
-    def node_head(self, now: float) -> bool:
-        """The node's head is here (once per exchange): its time noted; True when the
-        lane goes on with the exchange (the rest of a short body is awaited here), False
-        when it went elsewhere (sent again fresh, or to the trio engine to relay)."""
-        request, go, parser = self.request, self.go, self.response
-        assert request is not None and go is not None and parser is not None
-        self.head_seen = True
-        self.node_deadline = math.inf
-        self.t.note_header_time(go.route.host, now - self.sent_at)
-        if parser.status == 408 and self.reused and request.method in IDEMPOTENT:
-            # the node timing the idle connection out as our request crossed it: no
-            # answer to this request (408 says the node took none); once more, fresh
-            self.let_node_go(False)
-            self.response = None
-            self.connect(fresh=True)
-            return False
-        if parser.done:
-            return True
-        length = declared_length(header(parser.headers, b"content-length") or b"")
-        if length is not None and length <= MAX_WHOLE_BODY:
-            # a short answer whose body came in a write of its own, as many servers
-            # send one: awaited here for a moment, then relayed as it comes
-            self.node_deadline = now + BODY_GRACE
-            return True
-        self.relay()
-        return False
-
-    def relay(self) -> None:
-        """The node's head is here, its body not all: the trio engine relays the rest,
-        with the node connection, the pool's count and the client's share (it gives
-        them back when the relay ends)."""
-        node, entry, parser = self.node, self.entry, self.response
-        assert node is not None and entry is not None and parser is not None
-        watch = node._watch
-        if watch is not None:
-            watch.lane = None
-            watch.readable = True
-        self.node_deadline = math.inf
-        if self.node_pending:  # answered before our request was all sent: never reused
-            parser.keep_alive = False
-            self.node_pending = b""
-        self.node = self.entry = self.response = None
-        self.holding = None
+    def relayed(self, entry: _Pool, node: _Conn, response: ResponseParser) -> None:
         self.move(Phase.IDLE)
-        self.hand(Resume.RELAY, entry=entry, node=node, response=parser)
+        self.hand(Resume.RELAY, entry=entry, node=node, response=response)
 
-    def node_broke_off(self, exc: Exception) -> None:
-        """The node's answer broke off after its head (nothing of it sent yet): the
-        client is told so and the connection closes, as the trio engine does."""
-        go = self.go
-        assert go is not None
-        log.warning("upstream_body_failed", route=go.route.host, error=str(exc))
-        self.release(False)
-        self.response = None
+    def broke_off(self) -> None:
+        """The client is told so and the connection closes, as the trio engine does."""
         self.answer_with(NODE_BROKE_OFF, response_head(
             NODE_BROKE_OFF, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
             Framing.LENGTH, close=True) + BROKE_OFF, close=True, now=self.conn.now())
@@ -921,7 +695,7 @@ class _Client:
                 self.move(Phase.WRITING)
                 self.deadline = now + self.limits.client_write_timeout
                 return
-        except (_Broke, ssl.SSLError):
+        except (Broke, ssl.SSLError):
             self.gone()
             return
         self.written(now)
@@ -973,7 +747,7 @@ class _Client:
 
     def flush(self) -> bool:
         """Everything pending to the kernel; False when it has no room for all of it
-        (EPOLLOUT is asked for, and the rest waits in `pending`). `_Broke` on failure."""
+        (EPOLLOUT is asked for, and the rest waits in `pending`). `Broke` on failure."""
         data = self.pending + self.out.read() if self.pending else self.out.read()
         self.pending = b""
         sock = self.sock
@@ -988,7 +762,7 @@ class _Client:
                     watch.out = True
                 return False
             except OSError as exc:
-                raise _Broke(f"send failed: {exc!r}") from exc
+                raise Broke(f"send failed: {exc!r}") from exc
             data = data[sent:]
         return True
 
