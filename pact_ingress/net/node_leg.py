@@ -235,8 +235,8 @@ class NodeLeg:
             if parser.done:
                 self.node_answered(now)
                 return
-            if len(data) < READ_SIZE:
-                return  # the socket has nothing more now
+            if not data or (len(data) < READ_SIZE and not mask & _HUP):
+                return  # the socket has nothing more now (a close it held is read on)
 
     def node_expired(self, _: int) -> None:
         self.node_deadline = math.inf
