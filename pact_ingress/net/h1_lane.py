@@ -168,6 +168,7 @@ class Resume(enum.Enum):
     RELAY = "relay"
     H2 = "h2"
     LINGER = "linger"
+    WRITE = "write"  # an HTTP/2 stream's whole answer, to wait for the client's window
 
 
 @dataclass(slots=True)
@@ -231,6 +232,12 @@ class Lane:
         self.served = 0
         self.connects = 0  # exchanges that had the task get a node connection first
         self.handed = dict.fromkeys(Resume, 0)
+        #: HTTP/2 streams served here (`net/h2_lane.py`): those at the node now, those
+        #: served whole here, and those a stream worker took up, by where
+        self.streams: set[Any] = set()
+        self.h2_served = 0
+        self.h2_aborted = 0  # reset by the client, or their connection ended
+        self.h2_handed = dict.fromkeys(Resume, 0)
 
     async def serve(self, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
                     route: Route, conn: _Connection) -> Handoff | NeedNode | None:
@@ -283,6 +290,13 @@ class Lane:
             self.ticking = True
             self.sweeper.arm(self.now() + TICK, watch=self)
 
+    def join_stream(self, stream: Any) -> None:
+        """An HTTP/2 stream at the node: its deadline fired by the tick too."""
+        self.streams.add(stream)
+        if not self.ticking:
+            self.ticking = True
+            self.sweeper.arm(self.now() + TICK, watch=self)
+
     def fire(self, side: int) -> None:
         """The sweeper's call, every `TICK` while connections are open: every deadline
         that passed, fired (a number per connection, moved with each request, instead
@@ -293,7 +307,10 @@ class Lane:
                 client.guarded(client.expired, 0)
             if client.node_deadline <= now:
                 client.guarded(client.node_expired, 0)
-        if self.open:
+        for stream in list(self.streams):
+            if stream.node_deadline <= now:
+                stream.guarded(stream.node_expired, 0)
+        if self.open or self.streams:
             self.sweeper.arm(now + TICK, watch=self)
         else:
             self.ticking = False

@@ -79,6 +79,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import outcome
 import trio
@@ -234,6 +235,11 @@ class H2Connection:
         self._idle_workers: list[trio.lowlevel.Task] = []
         # the last request header block checked, and the request it makes
         self._split: tuple[object, _Request] | None = None
+        #: the keep-alive lane's start of a stream (`net/h2_lane.py`): True when it
+        #: serves the stream without a worker
+        self.fast: Callable[[H2Exchange], bool] | None = None
+        #: the lane's end of the connection: the streams it still serves end
+        self.fast_close: Callable[[], None] | None = None
 
     async def serve(self, handle: _Handle) -> None:
         self.conn.initiate_connection()
@@ -259,6 +265,8 @@ class H2Connection:
                 finally:
                     self._closing = True  # streams ending from here on leave no trace
                     self._idle_scopes.discard(self._read_scope)
+                    if self.fast_close is not None:
+                        self.fast_close()
                     nursery.cancel_scope.cancel()
             if not (self._broken or self._gone):
                 # with every task of the connection ended: none writes
@@ -355,7 +363,9 @@ class H2Connection:
                 if not self.streams:
                     self._idle_scopes.discard(self._read_scope)
                 self.streams[event.stream_id] = exchange
-                self._start(exchange)
+                fast = self.fast
+                if fast is None or not fast(exchange):
+                    self._start(exchange)
         elif kind is h2.DataReceived:
             if not event.data and not event.ended:
                 self._charge(Flood.EMPTY_DATA)
@@ -418,6 +428,11 @@ class H2Connection:
 
     # -- stream workers -----------------------------------------------------------------
 
+    def start_with(self, exchange: H2Exchange, handle: _Handle) -> None:
+        """A worker serves `exchange` with `handle` (the rest of a story the lane began)."""
+        exchange.then = handle
+        self._start(exchange)
+
     def _start(self, exchange: H2Exchange) -> None:
         if self._idle_workers:
             trio.lowlevel.reschedule(self._idle_workers.pop(), outcome.Value(exchange))
@@ -453,24 +468,29 @@ class H2Connection:
         return exchange
 
     async def _run(self, exchange: H2Exchange) -> None:
-        assert self._handle is not None
+        handle = exchange.then or self._handle
+        assert handle is not None
         try:
-            await self._handle(exchange)
+            await handle(exchange)
         except ClientGone:
             pass
         except Exception as exc:
             log.warning("h2_stream_error", error=repr(exc))
         finally:
-            del self.streams[exchange.stream_id]
-            exchange.release()
-            self.kick()
-            if not self.streams and not self._closing:
-                self._last_read = trio.current_time()  # idle from now
-                if self._draining.is_set() or self._goaway:
-                    # drained, or the client said GOAWAY: the last answer is queued
-                    self._read_scope.cancel()
-                else:
-                    self._idle_scopes.add(self._read_scope)
+            self.stream_done(exchange)
+
+    def stream_done(self, exchange: H2Exchange) -> None:
+        """The stream's exchange is over (a worker's, or the lane's)."""
+        self.streams.pop(exchange.stream_id, None)
+        exchange.release()
+        self.kick()
+        if not self.streams and not self._closing:
+            self._last_read = trio.current_time()  # idle from now
+            if self._draining.is_set() or self._goaway:
+                # drained, or the client said GOAWAY: the last answer is queued
+                self._read_scope.cancel()
+            else:
+                self._idle_scopes.add(self._read_scope)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -622,6 +642,8 @@ class H2Exchange(Exchange):
         self._reset = False  # the client reset the stream
         self._gone: trio.Event | None = None  # for `wait_gone`, made when first asked
         self._unacked = 0
+        self.then: _Handle | None = None  # a worker's handle other than the connection's
+        self.lane: Any = None  # the lane's stream, while the lane serves it
 
     # -- fed by the connection's reader -----------------------------------------------
 
@@ -655,6 +677,8 @@ class H2Exchange(Exchange):
         self._wake()
         if self.scope is not None:
             self.scope.cancel()
+        if self.lane is not None:
+            self.lane.abort()
 
     def release(self) -> None:
         """The exchange ended: hand back the window of DATA nobody took."""
@@ -742,6 +766,12 @@ class H2Exchange(Exchange):
         """The whole answer queued at once and, when the writer is idle, sent by this
         task (`_send_now`): no wake-up of the writer per answer. An answer that has to
         wait (for the window, or for the writer to take the outbox) goes the long way."""
+        if not self.respond_whole_now(status, headers, body):
+            await super().respond_whole(status, headers, body)
+
+    def respond_whole_now(self, status: int, headers: Headers, body: bytes) -> bool:
+        """`respond_whole` when nothing has to wait: False (nothing queued) when the
+        client's window or the outbox cannot take the answer now."""
         c = self.c
         conn = c.conn
         n = len(body)
@@ -749,8 +779,7 @@ class H2Exchange(Exchange):
         try:
             if n and (n > conn.local_flow_control_window(self.stream_id)
                       or n > conn.max_outbound_frame_size or len(conn.out) + n >= FLUSH_BYTES):
-                await super().respond_whole(status, headers, body)
-                return
+                return False
             conn.send_headers(self.stream_id, _sendable_block(conn, status, headers),
                               end_stream=not n)
             if n:
@@ -762,6 +791,7 @@ class H2Exchange(Exchange):
         if self.stopped and not self._ended:
             self._rst(ErrorCode.NO_ERROR)
         c._send_now()
+        return True
 
     async def end(self) -> None:
         self._live()

@@ -74,7 +74,8 @@ from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.h1_lane import Handoff, Lane, LaneGo, NeedNode, Resume
-from pact_ingress.net.http1 import LINGER_BYTES, LINGER_SECONDS, H1Connection
+from pact_ingress.net.h2_lane import H2Lane, Rest
+from pact_ingress.net.http1 import BROKE_OFF, LINGER_BYTES, LINGER_SECONDS, H1Connection
 from pact_ingress.net.http2 import H2Connection
 from pact_ingress.net.http_exchange import (
     BadResponse,
@@ -501,11 +502,15 @@ class Terminator:
                                         held=h.held, started=h.started))
         await h1.serve(partial(self._exchange, conn), first)
 
-    async def _then(self, conn: _Connection, h: Handoff, ex: Exchange) -> int:
+    async def _then(self, conn: _Connection, h: Handoff | Rest, ex: Exchange) -> int:
         """The rest of the story of the request the lane handed over with `h`."""
         if h.point is Resume.ANSWER:
             assert h.answer is not None
             return await self._answer(ex, conn, h.answer)
+        if h.point is Resume.WRITE:  # the node's whole answer, the lane's hold given back
+            assert h.answer is not None
+            await ex.respond_whole(h.answer.status, list(h.answer.headers), h.answer.body)
+            return h.answer.status
         go = h.go
         assert go is not None
         if h.point is Resume.FORWARD:
@@ -560,10 +565,24 @@ class Terminator:
             await self._h1(tls, limits).serve(handle)
 
     def _h2(self, tls: trio.abc.Stream, conn: _Connection, limits: Any) -> H2Connection:
-        return H2Connection(tls, idle_timeout=limits.idle_timeout,
-                            write_timeout=limits.client_write_timeout,
-                            idle_scopes=self._idle_scopes, draining=self._draining,
-                            on_flood=partial(self._flooded, conn))
+        c = H2Connection(tls, idle_timeout=limits.idle_timeout,
+                         write_timeout=limits.client_write_timeout,
+                         idle_scopes=self._idle_scopes, draining=self._draining,
+                         on_flood=partial(self._flooded, conn))
+        if LANE and type(self.limiter) is LocalLimiter and type(tls) is ServerTLS:
+            # the usual stream served without a worker (`net/h2_lane.py`)
+            lane = self._lane
+            if lane is None:
+                lane = self._lane = Lane(self)
+            h2 = H2Lane(lane, conn, c)
+            c.fast, c.fast_close = h2.start, h2.close
+        return c
+
+    def resumed(self, conn: _Connection, rest: Rest, held: int, started: float
+                ) -> Callable[[Exchange], Coroutine[Any, Any, None]]:
+        """The handle a stream worker serves an HTTP/2 stream the lane began with."""
+        return partial(self._exchange, conn, then=partial(self._then, conn, rest),
+                       held=held, started=started)
 
     def _h1(self, tls: trio.abc.Stream, limits: Any, parser: H1ServerParser | None = None,
             deferred: ParseError | None = None) -> H1Connection:
@@ -607,6 +626,16 @@ class Terminator:
                 if handed:
                     self.stats.lane.labels(point.value).inc(handed)
                     lane.handed[point] = 0
+            if lane.h2_served:
+                self.stats.lane.labels("h2_served").inc(lane.h2_served)
+                lane.h2_served = 0
+            if lane.h2_aborted:
+                self.stats.lane.labels("h2_abort").inc(lane.h2_aborted)
+                lane.h2_aborted = 0
+            for point, handed in lane.h2_handed.items():
+                if handed:
+                    self.stats.lane.labels(f"h2_{point.value}").inc(handed)
+                    lane.h2_handed[point] = 0
         answered, self._answered = self._answered, {}
         for (route_host, status), count in answered.items():
             self._labelled(self.stats.requests, route_host, str(status)).inc(count)
@@ -744,6 +773,16 @@ class Terminator:
 
     #: the answer when a client has no share of the node left (the lane's too)
     too_many_in_flight: _Answer
+    #: the lane's answers to an HTTP/2 stream: the node's answer broke off after its
+    #: head; its head is larger than the client takes (as `_from_node` answers them)
+    broke_off_answer: _Answer
+    head_too_large_answer: _Answer
+
+    @staticmethod
+    def node_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes
+                    ) -> _Answer:
+        """The node's whole answer, for a stream worker to write (`Resume.WRITE`)."""
+        return _Answer(status, body, tuple(headers))
 
     def shares_for(self, route: Route) -> Shares:
         """The clients' shares of `route`'s node (`_forward`'s first step takes one)."""
@@ -941,8 +980,7 @@ class Terminator:
             # the node's head is fine, the client's advertised limit is small: its doing
             log.info("response_head_over_client_limit", route=route.host,
                      client=conn.client_ip)
-            return await self._answer(ex, conn, _Answer.text(
-                502, "the home node's response head is larger than your client accepts"))
+            return await self._answer(ex, conn, self.head_too_large_answer)
         except BadResponse as exc:
             log.warning("upstream_bad_response", route=route.host, error=str(exc))
             return await self._answer(ex, conn, _Answer.text(
@@ -1067,6 +1105,9 @@ def _node_headers(headers: list[tuple[bytes, bytes]], client_ip: str, host: str,
 _TOO_MANY_IN_FLIGHT = _Answer.text(429, "too many requests in flight from your address",
                                    (b"retry-after", b"1"))
 Terminator.too_many_in_flight = _TOO_MANY_IN_FLIGHT
+Terminator.broke_off_answer = _Answer.text(NODE_BROKE_OFF, BROKE_OFF.decode().strip())
+Terminator.head_too_large_answer = _Answer.text(
+    502, "the home node's response head is larger than your client accepts")
 
 
 def _busy(refused: Refused) -> _Answer:
