@@ -81,7 +81,10 @@ class Stats:
             "HTTP/1.1 exchanges the keep-alive lane served whole (outcome=served), those "
             "that waited for a new node connection first (outcome=connect), and "
             "connections it handed to the trio engine, by where (outcome=start, answer, "
-            "forward, relay, h2, linger)", ["outcome"], registry=r)
+            "forward, relay, h2, linger); HTTP/2 streams it served whole (h2_served), "
+            "those reset or cut off while at the node (h2_abort), and those a stream "
+            "worker took up, by where (h2_answer, h2_forward, h2_relay, h2_write)",
+            ["outcome"], registry=r)
         self.upstream_seconds = Histogram(
             p + "upstream_response_seconds", "Time to upstream response headers",
             ["route"], registry=r)

@@ -112,15 +112,25 @@ class H2Lane:
         (False: nothing was charged)."""
         if not ex.body_done or self.c._closing or self.lane.draining:
             return False
-        t, conn = self.t, self.conn
+        conn = self.conn
         now = conn.now()
-        step = t.lane_story(conn, _Request(ex), b"", now)  # type: ignore[arg-type]
+        step = self.t.lane_story(conn, _Request(ex), b"", now)  # type: ignore[arg-type]
         if step is None:
             return False
         stream = _Stream(self, ex, now)
+        try:
+            self._go(stream, step, now)
+        except Exception as exc:  # noqa: BLE001
+            # a fault here ends the stream (giving back what it held), never the reader
+            stream.failed(exc)
+        return True
+
+    def _go(self, stream: _Stream, step: LaneGo | _Answer, now: float) -> None:
+        t, conn, ex = self.t, self.conn, stream.ex
+        self.streams.add(stream)
         if type(step) is not LaneGo:
             stream.hand(Rest(Resume.ANSWER, answer=step))  # type: ignore[arg-type]
-            return True
+            return
         stream.go = go = step
         stream.held = go.held
         route = go.route
@@ -130,7 +140,7 @@ class H2Lane:
             self.pool = t.upstream.pool(route, go.tenant.pins)
         if self.shares.take(conn.client, 1) is not None:
             stream.hand(Rest(Resume.ANSWER, answer=self.lane.too_many))
-            return True
+            return
         stream.holding = self.shares
         entry = self.pool
         if entry.retired:
@@ -140,13 +150,11 @@ class H2Lane:
         node = entry.take_idle(go.host, now)
         if node is None:
             stream.retry_fresh()  # the worker gets one from the pool
-            return True
+            return
         stream.node, stream.reused = node, True
-        self.streams.add(stream)
         self.lane.join_stream(stream)
         ex.lane = stream
         stream.send_request(now)
-        return True
 
     def close(self) -> None:
         """The connection is ending: every stream still here ends (499)."""
