@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,19 @@ from tests.terminate_env import (
     H2Conn,
     H2Result,
     ServeEnv,
+    tls_socket,
+)
+from tests.test_h2_attacks import (
+    CANCEL,
+    CONTINUATION,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PROTOCOL_ERROR,
+    RST_STREAM,
+    Raw,
+    frame,
+    u32,
 )
 from tests.test_lane_attacks import (
     EVIL_HOST,
@@ -445,3 +459,86 @@ def test_h2load_many_streams_per_connection_all_answered_and_counted(
     assert got.get("h2_served", 0) >= n * 0.9, got  # (a few may find no idle node link)
     settled(env)
 
+
+
+# -- frame by frame ----------------------------------------------------------------------
+
+
+def test_a_header_block_split_across_continuation_frames_is_served_whole(
+        env: ServeEnv) -> None:
+    r = Raw(None, sock=tls_socket(env.serve.port, OPT_HOST, alpn=("h2",)), host=OPT_HOST)
+    try:
+        r.send(r.headers(1, "/warm"))  # (a node connection left idle for the next)
+        assert r.answer(1)[0] == 200
+        before = lane_counts(env)
+        block = r.block("/split/continuation", extra=[(b"x-pad", b"p" * 300)])
+        r.send(frame(HEADERS, END_STREAM, 3, block[:7]),
+               frame(CONTINUATION, 0, 3, block[7:40]),
+               frame(CONTINUATION, END_HEADERS, 3, block[40:]))
+        status, body = r.answer(3)
+        assert status == 200 and echoed(body)["target"] == "/split/continuation"
+    finally:
+        r.close()
+    settled(env)
+    assert moved(before, lane_counts(env)) == {"h2_served": 1.0}
+
+
+def test_headers_that_end_the_stream_yet_declare_a_body_are_refused_before_the_node(
+        env: ServeEnv) -> None:
+    """HEADERS with END_STREAM and `content-length: 10`: malformed (RFC 9113 §8.1.1),
+    reset by the state machine; neither lane nor node ever sees it."""
+    r = Raw(None, sock=tls_socket(env.serve.port, OPT_HOST, alpn=("h2",)), host=OPT_HOST)
+    try:
+        r.send(r.headers(1, "/warm"))
+        assert r.answer(1)[0] == 200
+        before = lane_counts(env)
+        r.send(r.headers(3, "/liar", extra=[(b"content-length", b"10")]))
+        assert r.reset(3) == PROTOCOL_ERROR
+        r.send(r.headers(5, "/honest"))
+        status, body = r.answer(5)
+        assert status == 200 and echoed(body)["target"] == "/honest"
+    finally:
+        r.close()
+    assert [q.target for q in env.node.requests()] == ["/warm", "/honest"]
+    assert moved(before, lane_counts(env)) == {"h2_served": 1.0}
+
+
+def test_streams_opened_and_reset_in_one_write_leave_nothing_held(
+        env: ServeEnv, evil: HostileNode) -> None:
+    """The HTTP/2 form of pipelining then aborting: on several connections at once,
+    each write opens streams that hang at the node and resets them in the same write
+    (and some at once, some after the node has them). Every reset stream ends in the
+    lane or its worker, every node connection it held is closed, and afterwards the
+    address has its whole share, the node holds nothing and every request was counted
+    exactly once."""
+    warm_pool(env.serve.port, IN_FLIGHT)
+    total, before = requests_total(env), lane_counts(env)
+    raws = [Raw(None, sock=tls_socket(env.serve.port, EVIL_HOST, alpn=("h2",)),
+                host=EVIL_HOST) for _ in range(3)]
+    opened = 0
+    try:
+        for rnd in range(5):
+            for r in raws:
+                sids = [1 + 2 * (rnd * 4 + k) for k in range(4)]
+                r.send(*[r.headers(sid, f"/hang?r={rnd}&s={sid}") for sid in sids[:2]],
+                       *[frame(RST_STREAM, 0, sid, u32(CANCEL)) for sid in sids[:1]],
+                       *[r.headers(sid, f"/hang?r={rnd}&s={sid}") for sid in sids[2:]],
+                       *[frame(RST_STREAM, 0, sid, u32(CANCEL)) for sid in sids[2:3]])
+                opened += 4
+            time.sleep(0.05)
+            for r in raws:  # the rest, once the node may have them
+                r.send(*[frame(RST_STREAM, 0, 1 + 2 * (rnd * 4 + k), u32(CANCEL))
+                         for k in (1, 3)])
+        for r in raws:
+            r.send(r.headers(1 + 2 * 20, "/after/resets"))
+            status, body = r.answer(1 + 2 * 20)
+            # the share may still be held for a moment by streams whose reset is on its way
+            assert status in (200, 429), status
+    finally:
+        for r in raws:
+            r.close()
+    got = moved(before, lane_counts(env))
+    assert got.get("h2_abort", 0) >= 1, got  # (some, at least, were the lane's to end)
+    nothing_held(env, evil)
+    assert env.node.wait_for(lambda: requests_total(env) - total >= opened + 3)
+    assert requests_total(env) - total == opened + 3 + 2 * IN_FLIGHT
