@@ -45,6 +45,9 @@ is queued, and the request in hand, if any, with how far its story got:
   trio engine's linger (`net/linger.py`) keeps the close from resetting our last
   answer away.
 
+(`Resume.WRITE` is an HTTP/2 stream's: `net/h2_lane.py`, which serves the usual HTTP/2
+stream the same way and sends to the node through the same `NodeLeg`.)
+
 The request story itself is `Terminator.lane_story` (beside `Terminator._story`, in the
 same order: route, target and host, scope, the IP unit, the body's share and the seal
 posture, the caller keys, the share of the node), so the checks cannot differ by path.
