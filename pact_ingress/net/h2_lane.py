@@ -79,20 +79,6 @@ class Rest:
     response: ResponseParser | None = None  # RELAY
 
 
-class _Request:
-    """What `Terminator.lane_story` reads of a request, for an HTTP/2 stream."""
-
-    __slots__ = ("chunked", "content_length", "headers", "host", "method", "target")
-
-    def __init__(self, ex: H2Exchange) -> None:
-        self.method = ex.method
-        self.target = ex.target
-        self.headers = ex.headers
-        self.host = ex.authority
-        self.content_length = ex.content_length
-        self.chunked = False
-
-
 class H2Lane:
     """The lane's side of one HTTP/2 connection: the streams it serves here."""
 
@@ -114,7 +100,7 @@ class H2Lane:
             return False
         conn = self.conn
         now = conn.now()
-        step = self.t.lane_story(conn, _Request(ex), b"", now)  # type: ignore[arg-type]
+        step = self.t.lane_story(conn, ex, b"", now)
         if step is None:
             return False
         stream = _Stream(self, ex, now)

@@ -621,6 +621,8 @@ def _request(block: list[tuple[bytes, bytes]]) -> _Request | None:
 
 
 class H2Exchange(Exchange):
+    chunked = False  # (HTTP/2 frames its bodies itself: `Terminator.lane_story` asks)
+
     def __init__(self, connection: H2Connection, stream_id: int, method: str, target: bytes,
                  headers: Headers, authority: bytes | None, content_length: int | None,
                  body_done: bool) -> None:
@@ -629,6 +631,7 @@ class H2Exchange(Exchange):
         self.target = target
         self.headers = headers
         self.authority = authority
+        self.host = authority  # (what `Terminator.lane_story` reads of a request)
         self.content_length = content_length
         self.body_done = body_done
         self.c = connection

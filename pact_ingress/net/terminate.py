@@ -76,7 +76,7 @@ from pact_ingress.net.backends import Backends
 from pact_ingress.net.h1_lane import Handoff, Lane, LaneGo, NeedNode, Resume
 from pact_ingress.net.h2_lane import H2Lane, Rest
 from pact_ingress.net.http1 import BROKE_OFF, LINGER_BYTES, LINGER_SECONDS, H1Connection
-from pact_ingress.net.http2 import H2Connection
+from pact_ingress.net.http2 import H2Connection, H2Exchange
 from pact_ingress.net.http_exchange import (
     BadResponse,
     BodyBuffer,
@@ -709,9 +709,10 @@ class Terminator:
 
     # -- the lane's story -------------------------------------------------------------
 
-    def lane_story(self, conn: _Connection, req: Request, body: bytes,
+    def lane_story(self, conn: _Connection, req: Request | H2Exchange, body: bytes,
                    now: float) -> LaneGo | _Answer | None:
-        """`_story` for a request the lane has whole, as far as the node, in the same
+        """`_story` for a request the lane has whole (an HTTP/1.1 `Request`, or an
+        `H2Exchange`, which has the same fields), as far as the node, in the same
         order: the checks that need no charge first (their failures go to the trio
         engine uncharged: None), then the charges (a refusal: the `_Answer`, the
         charges made), else what the lane forwards."""
