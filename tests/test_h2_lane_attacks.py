@@ -797,8 +797,11 @@ def test_a_head_over_the_clients_limit_is_a_502_whichever_path_writes_it(
     assert lane_on == lane_off, (lane_on, lane_off)
     settled(env)
     got = moved(before, lane_counts(env))
-    assert got.get("h2_answer" if window == 65535 else "h2_write") == 2.0, got
+    # (with the 16-byte window the small answer after them is a worker's to write too)
+    assert (got.get("h2_answer"), got.get("h2_write")) == (
+        (2.0, None) if window == 65535 else (None, 3.0)), got
     assert requests_total(env) - total == 4
+
     def bighead() -> list[object]:
         return [e.get("status") for e in env.serve.log_events()[logged:]
                 if e.get("path") == "/bighead"]

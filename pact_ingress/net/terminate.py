@@ -509,7 +509,11 @@ class Terminator:
             return await self._answer(ex, conn, h.answer)
         if h.point is Resume.WRITE:  # the node's whole answer, the lane's hold given back
             assert h.answer is not None
-            await ex.respond_whole(h.answer.status, list(h.answer.headers), h.answer.body)
+            try:
+                await ex.respond_whole(h.answer.status, list(h.answer.headers),
+                                       h.answer.body)
+            except HeadTooLarge:  # (as `_from_node` answers it)
+                return await self._head_too_large(ex, conn)
             return h.answer.status
         go = h.go
         assert go is not None
@@ -932,6 +936,12 @@ class Terminator:
             raise ClientGone(str(exc)) from None
         return answer.status
 
+    async def _head_too_large(self, ex: Exchange, conn: _Connection) -> int:
+        """The node's head is fine, the client's advertised limit is small: its doing."""
+        log.info("response_head_over_client_limit", route=conn.route_host,
+                 client=conn.client_ip)
+        return await self._answer(ex, conn, self.head_too_large_answer)
+
     # -- forwarding -------------------------------------------------------------------
 
     def _inflight_for(self, route: Route) -> Shares:
@@ -978,10 +988,7 @@ class Terminator:
         except UpstreamError as exc:
             return await self._answer(ex, conn, _upstream_answer(route, exc))
         except HeadTooLarge:
-            # the node's head is fine, the client's advertised limit is small: its doing
-            log.info("response_head_over_client_limit", route=route.host,
-                     client=conn.client_ip)
-            return await self._answer(ex, conn, self.head_too_large_answer)
+            return await self._head_too_large(ex, conn)
         except BadResponse as exc:
             log.warning("upstream_bad_response", route=route.host, error=str(exc))
             return await self._answer(ex, conn, _Answer.text(
