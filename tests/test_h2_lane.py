@@ -16,6 +16,7 @@ Every loop is bounded in count and time; nothing asserts on timing.
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from tests.terminate_env import (
     H2Conn,
     H2Result,
     ServeEnv,
+    closed_by_peer,
     tls_socket,
 )
 from tests.test_h2_attacks import (
@@ -542,3 +544,26 @@ def test_streams_opened_and_reset_in_one_write_leave_nothing_held(
     nothing_held(env, evil)
     assert env.node.wait_for(lambda: requests_total(env) - total >= opened + 3)
     assert requests_total(env) - total == opened + 3 + 2 * IN_FLIGHT
+
+
+def test_bytes_that_are_not_tls_after_the_handshake_end_the_connection_at_once(
+        env: ServeEnv) -> None:
+    """Once the reader waits with the hub reading for it, what the client sends next is
+    read there: plaintext garbage instead of a TLS record ends the connection at once
+    (not at its idle deadline), and the next client is served."""
+    for garbage in (b"GET / HTTP/1.1\r\n\r\n", b"\x17\x03\x03\x00\x05hello", b"\x00" * 64):
+        r = Raw(None, sock=tls_socket(env.serve.port, OPT_HOST, alpn=("h2",)), host=OPT_HOST)
+        try:
+            r.send(r.headers(1, "/before"))
+            status, body = r.answer(1)
+            assert status == 200 and echoed(body)["target"] == "/before"
+            socket.socket.sendall(r.sock, garbage)  # under the TLS layer: not a record
+            assert closed_by_peer(r.sock, timeout=HANG)
+        finally:
+            r.close()
+        c = H2Conn(env.serve.port, OPT_HOST)
+        try:
+            assert echoed(c.request("GET", "/next").body)["target"] == "/next"
+        finally:
+            c.close()
+    settled(env)

@@ -85,6 +85,7 @@ import outcome
 import trio
 
 from pact_ingress.logs import log
+from pact_ingress.net import readiness
 from pact_ingress.net.http_exchange import (
     ClientGone,
     Exchange,
@@ -135,6 +136,9 @@ FLUSH_BYTES = 64 * 1024
 #: full (of frames the state machine handles without us, such as WINDOW_UPDATE) cannot
 #: hold the loop.
 YIELD_EVERY = 8
+#: Reads the hub makes for a parked reader per event (`_take_inline`); a client that
+#: sends more at once has the reader read the rest.
+INLINE_READS = 4
 #: Stream workers kept parked per connection for the next request; more than this many
 #: concurrent streams spawn workers that end with their exchange.
 MAX_IDLE_WORKERS = 8
@@ -235,6 +239,9 @@ class H2Connection:
         self._idle_workers: list[trio.lowlevel.Task] = []
         # the last request header block checked, and the request it makes
         self._split: tuple[object, _Request] | None = None
+        # the reader parked while the hub reads for it (`_read_inline`)
+        self._inline_task: trio.lowlevel.Task | None = None
+        self._inline_watch: readiness.Watch | None = None
         #: the keep-alive lane's start of a stream (`net/h2_lane.py`): True when it
         #: serves the stream without a worker
         self.fast: Callable[[H2Exchange], bool] | None = None
@@ -315,10 +322,23 @@ class H2Connection:
         reads = 0
         tls = self._tls
         data = b""
+        inline = False  # the last wait was `_read_inline`'s: the next read is the reader's
         while not (self._goaway and not self.streams):
             reads += 1
             if reads % YIELD_EVERY == 0:
                 await trio.lowlevel.checkpoint()
+            if tls is not None and not inline and len(data) < TLS_RECORD:
+                watch = tls._watch
+                if (watch is not None and watch.lane is None and not watch.readable
+                        and not watch.ended and not watch.closed and not tls.buffered()):
+                    inline = True
+                    await self._read_inline(watch)
+                    if self._gone or self._refused:
+                        return
+                    if len(self.conn.out) >= FLUSH_BYTES:
+                        await self._wait_room()
+                    continue
+            inline = False
             try:
                 if tls is not None:
                     # less than a full TLS record last time: the socket was most likely
@@ -349,6 +369,92 @@ class H2Connection:
                 return
             if len(self.conn.out) >= FLUSH_BYTES:
                 await self._wait_room()
+
+    async def _read_inline(self, watch: readiness.Watch) -> None:
+        """Wait for the client's next bytes with the reader parked while the hub reads,
+        feeds and dispatches them as they come (`_inline`, called with the socket's
+        events): a client that waits for each answer then costs no wake-up of the reader
+        per request. Returns when the reader has something to do itself: the client's
+        end or a failure, a protocol error or a flood, an outbox to wait on, the last
+        stream answered after a GOAWAY, more than one look at the socket took, or a TLS
+        message of ours to send."""
+        self._inline_watch = watch
+        self._inline_task = trio.lowlevel.current_task()
+        watch.lane = self._inline
+        await trio.lowlevel.wait_task_rescheduled(self._abort_inline)
+
+    def _abort_inline(self, _: object) -> trio.lowlevel.Abort:
+        watch, self._inline_watch = self._inline_watch, None
+        if watch is not None:
+            watch.lane = None
+        self._inline_task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wake_reader(self) -> None:
+        watch, self._inline_watch = self._inline_watch, None
+        if watch is not None:
+            watch.lane = None
+        task, self._inline_task = self._inline_task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    def _inline(self, mask: int) -> None:
+        """The hub's call with the socket's events while the reader is parked inline."""
+        watch = self._inline_watch
+        if watch is None:
+            return
+        if mask & readiness.WAKES_WRITER:
+            writer = watch.writer
+            if writer is not None:
+                watch.writer = None
+                trio.lowlevel.reschedule(writer)
+        if not mask & readiness.WAKES_READER:
+            return
+        if mask & readiness.ENDS:  # the client's end (or a failure): the reader's to read
+            watch.ended = True
+            self._wake_reader()
+            return
+        try:
+            done = self._take_inline()
+        except trio.BrokenResourceError:
+            self._gone = True  # (as the reader's own read ends it)
+            done = False
+        except Exception as exc:  # noqa: BLE001 - never the hub's end
+            log.error("h2_reader_error", error=repr(exc))
+            self._gone = True
+            done = False
+        if not done:
+            watch.readable = True  # (edge-triggered: what is left has no event of its own)
+            self._wake_reader()
+
+    def _take_inline(self) -> bool:
+        """What the socket holds, read, fed and dispatched, as `_read_loop` does; True
+        when all of it was and the reader may stay parked."""
+        tls = self._tls
+        assert tls is not None
+        for _ in range(INLINE_READS):
+            data = tls.read_now(READ_SIZE)
+            if data is None:  # the socket has nothing more
+                return not tls._out.pending
+            if not data:
+                self._gone = True
+                return False
+            try:
+                events = self.conn.receive_data(data)
+            except h2.ConnectionError_:
+                self._refused = True  # GOAWAY is queued
+                return False
+            for event in events:
+                self._dispatch(event)
+                if self._flooded is not None:
+                    break  # the verdict is in: the rest of this read starts nothing
+            self.kick()
+            if self._flooded is not None:
+                self._refused = True
+                return False
+            if len(self.conn.out) >= FLUSH_BYTES or (self._goaway and not self.streams):
+                return False
+        return False
 
     def _dispatch(self, event: h2.Event) -> None:
         kind = type(event)

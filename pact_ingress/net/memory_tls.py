@@ -287,6 +287,41 @@ class MemoryTLS:
                 await self._flush(deadline)
             return data
 
+    def read_now(self, size: int = READ_SIZE) -> bytes | None:
+        """`read` over our socket without waiting: plaintext (at most `size`; b"" when
+        the peer closed), or None when the socket has nothing more now. A caller that
+        finds `_out` pending afterwards (a post-handshake message to send) leaves it to
+        `read`, which flushes it."""
+        ssl_object, incoming, raw = self._sslobj, self._in, self._raw
+        assert raw is not None
+        while True:
+            if not incoming.pending and not incoming.eof and not ssl_object.pending():
+                try:
+                    data = raw.recv(READ_SIZE)
+                except BlockingIOError:
+                    return None
+                except OSError as exc:
+                    raise self._broken(f"receive failed: {exc!r}") from exc
+                if len(data) == READ_SIZE and self._watch is not None:
+                    self._watch.readable = True  # (as `read`: the kernel may hold more)
+                if data:
+                    incoming.write(data)
+                else:
+                    incoming.write_eof()
+            try:
+                return ssl_object.read(size)  # type: ignore[no-any-return]
+            except ssl.SSLWantReadError:
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+            except ssl.SSLError as exc:
+                raise self._broken(f"TLS failed: {exc}") from exc
+
+    def buffered(self) -> bool:
+        """Bytes wait in the TLS engine (to decrypt, or to send)."""
+        return bool(self._in.pending or self._in.eof or self._sslobj.pending()
+                    or self._out.pending)
+
     def read_buffered(self, size: int = READ_SIZE) -> bytes | None:
         """Plaintext from what was already received (b"" at the peer's close), or None
         when that is nothing: the caller then waits in `read(wait_first=True)`. No

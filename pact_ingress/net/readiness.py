@@ -77,6 +77,8 @@ _WAKES_WRITER = _EPOLLOUT | _HUP_ERR
 #: leaves the end unread, and no later event would say so.
 _ENDS = _EPOLLRDHUP | _HUP_ERR
 _READING = _EPOLLIN | _EPOLLRDHUP | _EPOLLET
+#: (for a `Watch.lane` call that stands in for waiting tasks: `H2Connection._inline`)
+WAKES_READER, WAKES_WRITER, ENDS = _WAKES_READER, _WAKES_WRITER, _ENDS
 _BOTH = _READING | _EPOLLOUT
 #: Events taken per `epoll_wait`; more are taken at once in another call.
 MAX_EVENTS = 256
@@ -209,7 +211,7 @@ class Watch:
     def leave(self) -> bool:
         """Out of the hub (its owner waits through trio from now on), if no task waits
         on it; False (still in) otherwise."""
-        if self.reader is not None or self.writer is not None:
+        if self.reader is not None or self.writer is not None or self.lane is not None:
             return False
         self.closed = True
         hub = self.hub
