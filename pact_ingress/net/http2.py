@@ -7,7 +7,14 @@ Theory of operation
 control, the protocol's limits); this module moves bytes. One task reads the connection
 and feeds it; every event is dispatched *in order* before the next read, so a DATA frame
 that arrived in the same read as its HEADERS finds its stream already created (the
-stream exists from `RequestReceived` on). Each request runs the engine's `handle` in a
+stream exists from `RequestReceived` on). When the socket is in the readiness hub and
+the reader has nothing to do but wait, it parks and the hub's call with the socket's
+events reads, feeds and dispatches for it (`_read_inline`), the same steps in the same
+order: a client that sends a request and waits for its answer costs no wake-up of the
+reader; the reader wakes for what it must do itself (the client's end, a failure, a
+flood, back-pressure, more than `INLINE_READS` reads at once). The usual request (its
+HEADERS end the stream) is offered to the keep-alive lane first (`fast`,
+`net/h2_lane.py`), which serves it without a stream worker. Each request runs the engine's `handle` in a
 stream worker: a task of the connection's nursery that, when its exchange is done,
 parks and takes the connection's next request instead of ending, so a keep-alive
 connection does not spawn (and tear down) a task per request. When the connection ends,
@@ -433,6 +440,8 @@ class H2Connection:
         tls = self._tls
         assert tls is not None
         for _ in range(INLINE_READS):
+            if self._inline_task is None:  # (a dispatch ended the wait: a drain's cancel)
+                return False
             data = tls.read_now(READ_SIZE)
             if data is None:  # the socket has nothing more
                 return not tls._out.pending

@@ -36,7 +36,10 @@ caller then sets `readable` itself, so a wait that does not look first returns a
 * The keep-alive lane (`net/h1_lane.py`): a Watch whose `lane` is set belongs to one
   of its connections; the hub calls `lane(mask)` with its events instead of
   waking a task (the lane keeps its deadlines itself). The lane clears `lane` (and
-  marks the Watch readable) before it gives the socket to a task.
+  marks the Watch readable) before it gives the socket to a task. An HTTP/2
+  connection's reader sets `lane` the same way while it is parked and the hub reads for
+  it (`H2Connection._read_inline`); its call wakes a waiting writer itself. A Watch
+  with `lane` set never leaves the hub.
 * Deadlines: armed with the sweeper (`net/deadlines.py`) against the Watch; firing wakes
   the parked task with `trio.TooSlowError`. The socket stays usable.
 * Cancellation: the abort callback takes the task off the Watch.
