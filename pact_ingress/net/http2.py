@@ -14,12 +14,12 @@ order: a client that sends a request and waits for its answer costs no wake-up o
 reader; the reader wakes for what it must do itself (the client's end, a failure, a
 flood, back-pressure, more than `INLINE_READS` reads at once). The usual request (its
 HEADERS end the stream) is offered to the keep-alive lane first (`fast`,
-`net/h2_lane.py`), which serves it without a stream worker. Each request runs the engine's `handle` in a
-stream worker: a task of the connection's nursery that, when its exchange is done,
-parks and takes the connection's next request instead of ending, so a keep-alive
-connection does not spawn (and tear down) a task per request. When the connection ends,
-they all end. A worker keeps one cancel scope for all the exchanges it serves: a reset
-cancels it, and the worker ends with that exchange.
+`net/h2_lane.py`), which serves it without a stream worker. Every other request runs
+the engine's `handle` in a stream worker: a task of the connection's nursery that, when
+its exchange is done, parks and takes the connection's next request instead of ending,
+so a keep-alive connection does not spawn (and tear down) a task per request. When the
+connection ends, they all end. A worker keeps one cancel scope for all the exchanges it
+serves: a reset cancels it, and the worker ends with that exchange.
 
 Request bodies are flow controlled end to end: DATA is queued on its stream and
 acknowledged to the state machine (so WINDOW_UPDATE goes out when one is due: once half
