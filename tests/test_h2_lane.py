@@ -19,12 +19,12 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import h2.settings
 import pytest
 
+from tests import test_lane_attacks as lane_attacks
 from tests.terminate_env import (
     ATTACKER_IP,
     BYSTANDER_IP,
@@ -64,30 +64,10 @@ from tests.test_lane_attacks import (
     settled,
 )
 
+# the hostile world's fixtures, shared: a serve with `EVIL_HOST` routed to the hostile node
+world, env, evil = lane_attacks.world, lane_attacks.env, lane_attacks.evil
+
 _LANE = re.compile(r'^pact_ingress_terminate_lane_total\{outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[ServeEnv, HostileNode]]:
-    env, node = make_world(tmp_path_factory.mktemp("h2_lane"))
-    try:
-        yield env, node
-    finally:
-        node.stop()
-        env.stop()
-
-
-@pytest.fixture
-def env(world: tuple[ServeEnv, HostileNode]) -> ServeEnv:
-    return world[0].fresh()
-
-
-@pytest.fixture
-def evil(world: tuple[ServeEnv, HostileNode]) -> HostileNode:
-    with world[1].lock:
-        world[1].seen.clear()
-    return world[1]
 
 
 def lane_counts(env: ServeEnv) -> dict[str, float]:

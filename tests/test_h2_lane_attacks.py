@@ -23,7 +23,6 @@ import os
 import socket
 import ssl
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ import h2.settings
 import h11
 import pytest
 
+from tests import test_lane_attacks as lane_attacks
 from tests.terminate_env import (
     ATTACKER_IP,
     BYSTANDER_IP,
@@ -59,14 +59,19 @@ from tests.test_lane_attacks import (
     HANG,
     IN_FLIGHT,
     LIMITS,
+    HostileNode,
     echoed,
     forget,
     full_share_served,
     requests_total,
     settled,
 )
+from tests.test_lane_attacks import make_world as lane_world
 
 NO_ERROR, CANCEL = 0, 8
+
+# the fixtures of one test on this module's `world` (its own node)
+env, evil = lane_attacks.env, lane_attacks.evil
 
 
 # -- a node with more ways to answer ----------------------------------------------------
@@ -127,68 +132,24 @@ def _answer(method: str, target: str) -> tuple[bytes, str]:
             b"\r\n\r\n%s" % (tag, len(body), body)), ""
 
 
-class Node:
+class Node(HostileNode):
     """An HTTP/1.1 node over TLS (the pinned node identity) answering by path (see
     `_answer`); `hanging` counts requests it holds unanswered (until the edge closes)."""
-
-    def __init__(self, listener: socket.socket, cert: str, key: str) -> None:
-        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.ctx.load_cert_chain(cert, key)
-        self.ctx.set_alpn_protocols(["http/1.1"])
-        self.listener = listener
-        self.lock = threading.Lock()
-        self.seen: list[str] = []
-        self.hanging = 0
-        self.socks: set[socket.socket] = set()
-        self.stopped = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stopped:
-            try:
-                raw, _ = self.listener.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.socks.add(raw)
-            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
         raw.settimeout(60)
         try:
             tls = self.ctx.wrap_socket(raw, server_side=True)
             while not self.stopped:
-                conn = h11.Connection(h11.SERVER)
-                req = None
-                while True:
-                    ev = conn.next_event()
-                    if ev is h11.NEED_DATA:
-                        data = tls.recv(65536)
-                        if not data:
-                            return
-                        conn.receive_data(data)
-                    elif isinstance(ev, h11.Request):
-                        req = ev
-                    elif isinstance(ev, h11.Data):
-                        pass
-                    elif isinstance(ev, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                assert req is not None
-                target = req.target.decode()
+                got = self._request(tls, h11.Connection(h11.SERVER))
+                if got is None:
+                    return
+                target = got[0].target.decode()
                 with self.lock:
                     self.seen.append(target)
-                out, then = _answer(req.method.decode(), target)
+                out, then = _answer(got[0].method.decode(), target)
                 if then == "hang":
-                    with self.lock:
-                        self.hanging += 1
-                    try:
-                        while tls.recv(65536):
-                            pass
-                    finally:
-                        with self.lock:
-                            self.hanging -= 1
+                    self._hang(tls)
                     return
                 tls.sendall(out)
                 if then == "close":
@@ -201,26 +162,9 @@ class Node:
             with contextlib.suppress(OSError):
                 raw.close()
 
-    def stop(self) -> None:
-        self.stopped = True
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        with self.lock:
-            held = list(self.socks)
-        for s in held:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
 
 def make_world(tmp: Path) -> tuple[ServeEnv, Node]:
-    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
-    routes = tarpit_route(EVIL_HOST, listener.getsockname()[1])
-    try:
-        env = ServeEnv.start(tmp, workers=1, limits=LIMITS, extra_routes=routes)
-    except BaseException:
-        listener.close()
-        raise
-    return env, Node(listener, str(env.ids.node.cert_path), str(env.ids.node.key_path))
+    return lane_world(tmp, Node)  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -250,18 +194,6 @@ def world_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeE
     finally:
         node.stop()
         env.stop()
-
-
-@pytest.fixture
-def env(world: tuple[ServeEnv, Node]) -> ServeEnv:
-    return world[0].fresh()
-
-
-@pytest.fixture
-def evil(world: tuple[ServeEnv, Node]) -> Node:
-    with world[1].lock:
-        world[1].seen.clear()
-    return world[1]
 
 
 def nothing_held(env: ServeEnv, evil: Node) -> None:

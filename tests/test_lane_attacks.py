@@ -95,23 +95,10 @@ class HostileNode:
             conn = h11.Connection(h11.SERVER)
             then = ""  # what the next request on this connection gets
             while not self.stopped:
-                req, body = None, b""
-                while True:
-                    ev = conn.next_event()
-                    if ev is h11.NEED_DATA:
-                        data = tls.recv(65536)
-                        if not data:
-                            return
-                        conn.receive_data(data)
-                    elif isinstance(ev, h11.Request):
-                        req = ev
-                    elif isinstance(ev, h11.Data):
-                        body += ev.data
-                    elif isinstance(ev, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                assert req is not None
+                got = self._request(tls, conn)
+                if got is None:
+                    return
+                req, body = got
                 target = req.target.decode()
                 with self.lock:
                     self.seen.append(target)
@@ -127,14 +114,7 @@ class HostileNode:
                     tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
                     return
                 if url.path == "/hang" or url.query == "hang":
-                    with self.lock:
-                        self.hanging += 1
-                    try:
-                        while tls.recv(65536):
-                            pass
-                    finally:
-                        with self.lock:
-                            self.hanging -= 1
+                    self._hang(tls)
                     return
                 if url.path == "/slow":
                     time.sleep(float(parse_qs(url.query)["s"][0]))
@@ -163,6 +143,38 @@ class HostileNode:
             with contextlib.suppress(OSError):
                 raw.close()
 
+    @staticmethod
+    def _request(tls: ssl.SSLSocket, conn: h11.Connection
+                 ) -> tuple[h11.Request, bytes] | None:
+        """The next request and its body; None when the connection ended or broke."""
+        req, body = None, b""
+        while True:
+            ev = conn.next_event()
+            if ev is h11.NEED_DATA:
+                data = tls.recv(65536)
+                if not data:
+                    return None
+                conn.receive_data(data)
+            elif isinstance(ev, h11.Request):
+                req = ev
+            elif isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                return (req, body) if req is not None else None
+            else:
+                return None
+
+    def _hang(self, tls: ssl.SSLSocket) -> None:
+        """Hold the request unanswered until the edge closes (`hanging` counts it)."""
+        with self.lock:
+            self.hanging += 1
+        try:
+            while tls.recv(65536):
+                pass
+        finally:
+            with self.lock:
+                self.hanging -= 1
+
     def stop(self) -> None:
         self.stopped = True
         with contextlib.suppress(OSError):
@@ -174,7 +186,9 @@ class HostileNode:
                 s.shutdown(socket.SHUT_RDWR)
 
 
-def make_world(tmp: Path) -> tuple[ServeEnv, HostileNode]:
+def make_world(tmp: Path, node: type[HostileNode] = HostileNode
+               ) -> tuple[ServeEnv, HostileNode]:
+    """A serve with `EVIL_HOST` routed to a hostile node (`node`: its class)."""
     evil = socket.create_server(("127.0.0.1", 0), backlog=256)
     routes = tarpit_route(EVIL_HOST, evil.getsockname()[1])
     try:
@@ -182,7 +196,7 @@ def make_world(tmp: Path) -> tuple[ServeEnv, HostileNode]:
     except BaseException:
         evil.close()
         raise
-    return env, HostileNode(evil, str(env.ids.node.cert_path), str(env.ids.node.key_path))
+    return env, node(evil, str(env.ids.node.cert_path), str(env.ids.node.key_path))
 
 
 @pytest.fixture(scope="module")

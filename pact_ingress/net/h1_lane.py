@@ -92,7 +92,7 @@ from pact_ingress.logs import log
 from pact_ingress.net import readiness
 from pact_ingress.net.http1 import BROKE_OFF, MAX_PIPELINED_BYTES, MIN_READ_AHEAD_CHARGE
 from pact_ingress.net.linger import unread
-from pact_ingress.net.node_leg import READ_SIZE, Broke, NodeLeg
+from pact_ingress.net.node_leg import READ_SIZE, Broke, NodeLeg, RouteNodes
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.net.upstream import (
     UpstreamError,
@@ -366,10 +366,7 @@ class _Client(NodeLeg):
         self.started = 0.0
         self.held = 0
         self.go: LaneGo | None = None
-        self.for_route: Route | None = None  # the route `shares` and `pool` are for
-        self.for_pins: tuple[str, ...] | None = None
-        self.shares: Any = None
-        self.pool: Any = None
+        self.nodes = RouteNodes()  # the shares and the pool of the route last used
         self.leg_init()  # the node's side: `entry`, `holding`, `node`, `response`, ...
         self.status = 0
         self.close_after = False
@@ -613,28 +610,13 @@ class _Client(NodeLeg):
             return
         go = self.go = step
         self.held = go.held
-        route = go.route
-        if route is not self.for_route or go.tenant.pins is not self.for_pins:
-            # what this route's requests use, looked up again after a reload only
-            self.for_route, self.for_pins = route, go.tenant.pins
-            self.shares = t.shares_for(route)
-            self.pool = t.upstream.pool(route, go.tenant.pins)
-        shares = self.shares
-        if shares.take(conn.client, 1) is not None:
+        taken = self.take_node(self.nodes, go, now)
+        if taken is None:
             self.hand(Resume.ANSWER, answer=self.lane.too_many)
-            return
-        self.holding = shares
-        entry = self.pool
-        if entry.retired:
-            entry = self.pool = t.upstream.pool(route, go.tenant.pins)
-        self.entry = entry
-        entry.active += 1
-        node = entry.take_idle(go.host, now)
-        if node is None:
+        elif taken:
+            self.send_request(now)
+        else:
             self.connect(fresh=False)
-            return
-        self.node, self.reused = node, True
-        self.send_request(now)
 
     # -- the node's side ---------------------------------------------------------------
 

@@ -47,11 +47,10 @@ from typing import TYPE_CHECKING, Any
 from pact_ingress.logs import log
 from pact_ingress.net.h1_lane import LaneGo, Resume
 from pact_ingress.net.http_exchange import ClientGone, HeadTooLarge
-from pact_ingress.net.node_leg import Broke, NodeLeg
+from pact_ingress.net.node_leg import Broke, NodeLeg, RouteNodes
 from pact_ingress.proto.http_headers import clean_response_headers
 
 if TYPE_CHECKING:
-    from pact_ingress.model import Route
     from pact_ingress.net.h1_lane import Lane
     from pact_ingress.net.http2 import H2Connection, H2Exchange
     from pact_ingress.net.terminate import _Answer, _Connection
@@ -88,10 +87,7 @@ class H2Lane:
         self.conn = conn
         self.c = c
         self.streams: set[_Stream] = set()
-        self.for_route: Route | None = None  # the route `shares` and `pool` are for
-        self.for_pins: tuple[str, ...] | None = None
-        self.shares: Any = None
-        self.pool: Any = None
+        self.nodes = RouteNodes()  # the shares and the pool of the route last used
 
     def start(self, ex: H2Exchange) -> bool:
         """Serve the stream here (True), or leave it to a stream worker from the start
@@ -112,35 +108,21 @@ class H2Lane:
         return True
 
     def _go(self, stream: _Stream, step: LaneGo | _Answer, now: float) -> None:
-        t, conn, ex = self.t, self.conn, stream.ex
         self.streams.add(stream)
         if type(step) is not LaneGo:
             stream.hand(Rest(Resume.ANSWER, answer=step))  # type: ignore[arg-type]
             return
         stream.go = go = step
         stream.held = go.held
-        route = go.route
-        if route is not self.for_route or go.tenant.pins is not self.for_pins:
-            self.for_route, self.for_pins = route, go.tenant.pins
-            self.shares = t.shares_for(route)
-            self.pool = t.upstream.pool(route, go.tenant.pins)
-        if self.shares.take(conn.client, 1) is not None:
+        taken = stream.take_node(self.nodes, go, now)
+        if taken is None:
             stream.hand(Rest(Resume.ANSWER, answer=self.lane.too_many))
-            return
-        stream.holding = self.shares
-        entry = self.pool
-        if entry.retired:
-            entry = self.pool = t.upstream.pool(route, go.tenant.pins)
-        stream.entry = entry
-        entry.active += 1
-        node = entry.take_idle(go.host, now)
-        if node is None:
-            stream.retry_fresh()  # the worker gets one from the pool
-            return
-        stream.node, stream.reused = node, True
-        self.lane.join_stream(stream)
-        ex.lane = stream
-        stream.send_request(now)
+        elif not taken:
+            stream.retry_fresh()  # a worker gets one from the pool
+        else:
+            self.lane.join_stream(stream)
+            stream.ex.lane = stream
+            stream.send_request(now)
 
     def close(self) -> None:
         """The connection is ending: every stream still here ends (499)."""

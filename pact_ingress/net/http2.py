@@ -361,18 +361,7 @@ class H2Connection:
             if not data:
                 self._gone = True
                 return
-            try:
-                events = self.conn.receive_data(data)
-            except h2.ConnectionError_:
-                self._refused = True
-                return  # GOAWAY is queued
-            for event in events:
-                self._dispatch(event)
-                if self._flooded is not None:
-                    break  # the verdict is in: the rest of this read starts nothing
-            self.kick()
-            if self._flooded is not None:
-                self._refused = True
+            if not self._feed(data):
                 return
             if len(self.conn.out) >= FLUSH_BYTES:
                 await self._wait_room()
@@ -448,22 +437,30 @@ class H2Connection:
             if not data:
                 self._gone = True
                 return False
-            try:
-                events = self.conn.receive_data(data)
-            except h2.ConnectionError_:
-                self._refused = True  # GOAWAY is queued
-                return False
-            for event in events:
-                self._dispatch(event)
-                if self._flooded is not None:
-                    break  # the verdict is in: the rest of this read starts nothing
-            self.kick()
-            if self._flooded is not None:
-                self._refused = True
+            if not self._feed(data):
                 return False
             if len(self.conn.out) >= FLUSH_BYTES or (self._goaway and not self.streams):
                 return False
         return False
+
+    def _feed(self, data: bytes) -> bool:
+        """The client's bytes into the state machine, every event dispatched in order;
+        False when the connection is refused (a protocol error or a flood: the GOAWAY
+        is queued)."""
+        try:
+            events = self.conn.receive_data(data)
+        except h2.ConnectionError_:
+            self._refused = True
+            return False
+        for event in events:
+            self._dispatch(event)
+            if self._flooded is not None:
+                break  # the verdict is in: the rest of this read starts nothing
+        self.kick()
+        if self._flooded is not None:
+            self._refused = True
+            return False
+        return True
 
     def _dispatch(self, event: h2.Event) -> None:
         kind = type(event)

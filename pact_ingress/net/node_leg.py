@@ -60,6 +60,20 @@ class Broke(Exception):
     """A socket of the exchange failed (the client's or the node's)."""
 
 
+class RouteNodes:
+    """What one client connection's exchanges use of the route they go to: the clients'
+    shares of its node and its pool of node connections, looked up again only when
+    the route (or its pins) changed, by a reload."""
+
+    __slots__ = ("pins", "pool", "route", "shares")
+
+    def __init__(self) -> None:
+        self.route: Any = None
+        self.pins: tuple[str, ...] | None = None
+        self.shares: Any = None
+        self.pool: Any = None
+
+
 class NodeLeg:
     """The node's side of the exchange in hand. A subclass sets, per exchange: `t`,
     `lane`, `conn`, `request` (anything with `method`), `go`, `entry` (counted in its
@@ -126,6 +140,33 @@ class NodeLeg:
         """The node's answer broke off after its head, nothing of it sent yet (the hold
         on the node ended)."""
         raise NotImplementedError
+
+    # -- the hold on the node, taken ----------------------------------------------------
+
+    def take_node(self, nodes: RouteNodes, go: Any, now: float) -> bool | None:
+        """The client's share of the node and the pool's count taken for `go`, and an
+        idle connection to the node when one can be used: True (`node` is it), False
+        (none: the subclass gets one), None (no share left: nothing taken)."""
+        t = self.t
+        route, pins = go.route, go.tenant.pins
+        if route is not nodes.route or pins is not nodes.pins:
+            nodes.route, nodes.pins = route, pins
+            nodes.shares = t.shares_for(route)
+            nodes.pool = t.upstream.pool(route, pins)
+        shares = nodes.shares
+        if shares.take(self.conn.client, 1) is not None:
+            return None
+        self.holding = shares
+        entry = nodes.pool
+        if entry.retired:
+            entry = nodes.pool = t.upstream.pool(route, pins)
+        self.entry = entry
+        entry.active += 1
+        node = entry.take_idle(go.host, now)
+        if node is None:
+            return False
+        self.node, self.reused = node, True
+        return True
 
     # -- the request out ----------------------------------------------------------------
 

@@ -626,20 +626,17 @@ class Terminator:
             if lane.connects:
                 self.stats.lane.labels("connect").inc(lane.connects)
                 lane.connects = 0
-            for point, handed in lane.handed.items():
-                if handed:
-                    self.stats.lane.labels(point.value).inc(handed)
-                    lane.handed[point] = 0
             if lane.h2_served:
                 self.stats.lane.labels("h2_served").inc(lane.h2_served)
                 lane.h2_served = 0
             if lane.h2_aborted:
                 self.stats.lane.labels("h2_abort").inc(lane.h2_aborted)
                 lane.h2_aborted = 0
-            for point, handed in lane.h2_handed.items():
-                if handed:
-                    self.stats.lane.labels(f"h2_{point.value}").inc(handed)
-                    lane.h2_handed[point] = 0
+            for prefix, table in (("", lane.handed), ("h2_", lane.h2_handed)):
+                for point, handed in table.items():
+                    if handed:
+                        self.stats.lane.labels(prefix + point.value).inc(handed)
+                        table[point] = 0
         answered, self._answered = self._answered, {}
         for (route_host, status), count in answered.items():
             self._labelled(self.stats.requests, route_host, str(status)).inc(count)
