@@ -372,7 +372,7 @@ class H2Connection:
         events): a client that waits for each answer then costs no wake-up of the reader
         per request. Returns when the reader has something to do itself: the client's
         end or a failure, a protocol error or a flood, an outbox to wait on, the last
-        stream answered after a GOAWAY, more than one look at the socket took, or a TLS
+        stream answered after a GOAWAY, more than `INLINE_READS` reads at once, or a TLS
         message of ours to send."""
         self._inline_watch = watch
         self._inline_task = trio.lowlevel.current_task()
