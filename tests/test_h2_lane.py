@@ -67,7 +67,7 @@ from tests.test_lane_attacks import (
 # the hostile world's fixtures, shared: a serve with `EVIL_HOST` routed to the hostile node
 world, env, evil = lane_attacks.world, lane_attacks.env, lane_attacks.evil
 
-_LANE = re.compile(r'^pact_ingress_terminate_lane_total\{outcome="(\w+)"\} ([0-9.e+]+)$', re.M)
+_LANE = re.compile(r'^pact_ingress_terminate_lane_total\{outcome="(\w+)"\} ([0-9.e+]+)$', re.MULTILINE)
 
 
 def lane_counts(env: ServeEnv) -> dict[str, float]:
@@ -513,7 +513,7 @@ def test_streams_opened_and_reset_in_one_write_leave_nothing_held(
                          for k in (1, 3)])
         for r in raws:
             r.send(r.headers(1 + 2 * 20, "/after/resets"))
-            status, body = r.answer(1 + 2 * 20)
+            status, _ = r.answer(1 + 2 * 20)
             # the share may still be held for a moment by streams whose reset is on its way
             assert status in (200, 429), status
     finally:
