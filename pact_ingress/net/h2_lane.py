@@ -167,17 +167,22 @@ class _Stream(NodeLeg):
 
     # -- the ends -----------------------------------------------------------------------
 
-    def done(self, status: int, now: float | None = None) -> None:
-        """The stream's exchange ends here with `status`: counted, logged, the stream
-        given back to its connection."""
+    def _leave(self) -> int:
+        """Out of the lane, whoever ends the stream; returns the body bytes it held."""
         self.phase = StreamPhase.ENDED
         self.node_deadline = math.inf
         self.h2.streams.discard(self)
         self.lane.streams.discard(self)
-        ex = self.ex
-        ex.lane = None
+        self.ex.lane = None
         self.node_side = None  # (a reference cycle through the bound method)
         held, self.held = self.held, 0
+        return held
+
+    def done(self, status: int, now: float | None = None) -> None:
+        """The stream's exchange ends here with `status`: counted, logged, the stream
+        given back to its connection."""
+        held = self._leave()
+        ex = self.ex
         self.t.count(self.conn, ex.method, ex.target, status, self.started, held, now)
         self.h2.c.stream_done(ex)
 
@@ -193,19 +198,11 @@ class _Stream(NodeLeg):
 
     def hand(self, rest: Rest) -> None:
         """A stream worker takes the stream up at `rest.point`."""
-        self.phase = StreamPhase.ENDED
-        self.node_deadline = math.inf
-        self.h2.streams.discard(self)
-        self.lane.streams.discard(self)
+        held = self._leave()
         self.lane.h2_handed[rest.point] += 1
-        ex = self.ex
-        ex.lane = None
-        self.node_side = None
         if rest.go is None:
             rest.go = self.go
-        held, self.held = self.held, 0
-        t, conn = self.t, self.conn
-        self.h2.c.start_with(ex, t.resumed(conn, rest, held, self.started))
+        self.h2.c.start_with(self.ex, self.t.resumed(self.conn, rest, held, self.started))
 
     # -- the node leg's outcomes (`NodeLeg`) --------------------------------------------
 
