@@ -3,7 +3,7 @@
     git archive <commit> pact_ingress | tar -x -C /tmp/before
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
         [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
-        [--upstream h2|http/1.1] [--lean] [--lean-epoll] [--epoll-checked]
+        [--upstream h2|http/1.1] [--peer-h1] [--lean] [--lean-epoll] [--epoll-checked]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -15,14 +15,20 @@ request (per new connection for `new*` phases) and the ratio to HAProxy's, measu
 the same rounds, and the median of the per-round ratios with their range (the paired
 figure: a round's two runs share the host's weather); then each path's µs split into
 user space and kernel (the proxy process's /proc utime and stime, each the median of the
-rounds). `--profile NAME` then records
+rounds), and the TCP segments the machine sent per request during each path's runs (all
+of them on loopback: client, proxy and node; `/proc/net/snmp`'s `OutSegs`, so nothing
+else may run meanwhile): four is one segment per leg and direction, fewer means a leg
+carries several requests per segment. `--profile NAME` then records
 that tree under py-spy during a keep-alive run (`--profile-phase`) and prints the same
 summary `bench_terminate` does (several names, comma-separated: one after the other).
 `--upstream` is the ALPN the node offers, as in `bench_terminate`: by default
 `h2,http/1.1`, so HAProxy re-originates over HTTP/2 (one connection multiplexing every
 client's requests) while pact-ingress speaks HTTP/1.1 to the node; `http/1.1` makes both
 re-originate over HTTP/1.1, which shows how much of HAProxy's lead is its upstream
-protocol. `--lean` adds `tests/bench/lean_proxy.py` as a path (HTTP/1.1 phases only):
+protocol. `--peer-h1` measures both peers in the same rounds instead: a second HAProxy
+(path `haproxy-h1`, the same config but ALPN `http/1.1` towards the node, so it
+re-originates as pact-ingress does) beside the default one, and every tree's ratios to
+both. `--lean` adds `tests/bench/lean_proxy.py` as a path (HTTP/1.1 phases only):
 the plainest terminate proxy on this stack (trio, memory-BIO TLS, llhttp both sides, no
 product checks), so a tree's distance from it is about the product's own work and its
 distance from HAProxy what the stack costs written the plain way (not a lower bound).
@@ -62,8 +68,19 @@ from tests.bench.harness import (
     python_module,
     services,
 )
+from tests.bench.peers import haproxy_argv, haproxy_terminate_cfg
 
 PROFILE_RATE = 400
+#: `--peer-h1`: the path of HAProxy re-originating over HTTP/1.1.
+PEER_H1 = "haproxy-h1"
+
+
+def tcp_segments_sent() -> int:
+    """TCP segments this machine has sent since boot (every namespace-local socket:
+    on loopback, each is also one received)."""
+    names, values = (line.split() for line in Path("/proc/net/snmp").read_text()
+                     .splitlines() if line.startswith("Tcp:"))
+    return int(dict(zip(names, values, strict=True))["OutSegs"])
 
 
 def profile(rig: bt.Rig, name: str, phase: bt.Phase, tmp: Path, keep: Path | None) -> None:
@@ -106,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream", choices=("h2", "http/1.1"), default="h2",
                    help="ALPN the node offers (default h2, falling back to http/1.1; "
                         "http/1.1 makes HAProxy re-originate over HTTP/1.1 too)")
+    p.add_argument("--peer-h1", action="store_true",
+                   help=f"add a second HAProxy ({PEER_H1}) that re-originates over HTTP/1.1, "
+                        "as pact-ingress does, and the ratios to it")
     p.add_argument("--lean", action="store_true",
                    help="add the plain reference proxy (tests/bench/lean_proxy.py) as a path")
     p.add_argument("--lean-epoll", action="store_true",
@@ -130,6 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         rig = bt.build_rig(tmp, started, upstream_alpn)
         yaml = (tmp / "ingress.yaml").read_text()
         paths = [bt.PEER]
+        peers = [bt.PEER]
+        if args.peer_h1:
+            port = free_port()
+            (tmp / "haproxy-h1.cfg").write_text(haproxy_terminate_cfg(
+                port=port, pem=tmp / f"{bt.HOST}.pem", backend_port=rig.ports["node"],
+                client_pem=tmp / "ingress.pem", alpn="http/1.1"))
+            svc = Service(PEER_H1, haproxy_argv(tmp / "haproxy-h1.cfg"), CORE_PROXY,
+                          tmp / "haproxy-h1.log")
+            started.append(svc)
+            svc.start([port])
+            rig.proxies[PEER_H1] = svc
+            rig.ports[PEER_H1] = port
+            paths.append(PEER_H1)
+            peers.append(PEER_H1)
         for name, tree in trees.items():
             port = free_port()
             cfg = tmp / f"{name}.yaml"
@@ -170,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"warm-up {ph.key} via {path} failed:\n{run.raw}")
         cpu: dict[tuple[str, str], list[float]] = {}
         kernel: dict[tuple[str, str], list[float]] = {}
+        segments: dict[tuple[str, str], list[float]] = {}
         for rnd in range(args.rounds):
             for ph in plan:
                 for path in paths:
                     pid = rig.proxies[path].pid
                     system = cpu_seconds(pid, part="system")
+                    sent = tcp_segments_sent()
                     run = bt.run_phase(rig, ph, path, args.seconds)
+                    sent = tcp_segments_sent() - sent
                     system = cpu_seconds(pid, part="system") - system
                     if run.errors or run.non2xx or not run.units:
                         raise SystemExit(f"{ph.key} via {path} failed:\n{run.raw}")
@@ -183,20 +220,22 @@ def main(argv: list[str] | None = None) -> int:
                     assert us is not None
                     cpu.setdefault((ph.key, path), []).append(us)
                     kernel.setdefault((ph.key, path), []).append(system / run.units * 1e6)
+                    segments.setdefault((ph.key, path), []).append(sent / run.units)
                     print(f"round {rnd + 1} {ph.key:5} {path:14} {run.rate:9,.0f}/s "
                           f"{us:8.1f} µs  proxy core {run.core_busy[str(CORE_PROXY)]:.0%}",
                           file=sys.stderr, flush=True)
         names = list(trees) + references
+        pairs = [(n, peer) for peer in peers for n in names]
         print("| phase | " + " | ".join(f"{p} (µs)" for p in paths) + " | "
-              + " | ".join(f"{n} ÷ haproxy" for n in names) + " | "
-              + " | ".join(f"{n} ÷ haproxy, paired" for n in names) + " |")
-        print("|---" * (len(paths) + 2 * len(names) + 1) + "|")
+              + " | ".join(f"{n} ÷ {peer}" for n, peer in pairs) + " | "
+              + " | ".join(f"{n} ÷ {peer}, paired" for n, peer in pairs) + " |")
+        print("|---" * (len(paths) + 2 * len(pairs) + 1) + "|")
         for ph in plan:
             med = {p: statistics.median(cpu[(ph.key, p)]) for p in paths}
             print(f"| {ph.label} | " + " | ".join(f"{med[p]:,.1f}" for p in paths) + " | "
-                  + " | ".join(f"{med[n] / med[bt.PEER]:.2f}×" for n in names) + " | "
-                  + " | ".join(paired(cpu[(ph.key, n)], cpu[(ph.key, bt.PEER)])
-                               for n in names) + " |")
+                  + " | ".join(f"{med[n] / med[peer]:.2f}×" for n, peer in pairs) + " | "
+                  + " | ".join(paired(cpu[(ph.key, n)], cpu[(ph.key, peer)])
+                               for n, peer in pairs) + " |")
         print(f"\nmedian of {args.rounds} rounds of {args.seconds:g} s; load average at "
               f"end {os.getloadavg()[0]:.2f}")
         # where the difference lies: the kernel's work (loopback TCP, epoll) is much the
@@ -210,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                 user = statistics.median(total - sys_us for total, sys_us in rounds)
                 cells.append(f"{user:,.1f} / {statistics.median(kernel[(ph.key, p)]):,.1f}")
             print(f"| {ph.label} | " + " | ".join(cells) + " |")
+        print("\n| phase | " + " | ".join(f"{p}: TCP segments per request" for p in paths)
+              + " |")
+        print("|---" * (len(paths) + 1) + "|")
+        for ph in plan:
+            print(f"| {ph.label} | " + " | ".join(
+                f"{statistics.median(segments[(ph.key, p)]):.2f}" for p in paths) + " |")
         for name in (args.profile or "").split(","):
             if name:
                 profile(rig, name, phases[args.profile_phase], tmp, args.profile_out)
