@@ -183,8 +183,14 @@ def make_dirs(directory: Path) -> None:
         part.mkdir(mode=0o755, exist_ok=True)  # the umask can only take more away
 
 
+#: The name of `atomic_write`'s temp file for NAME: a dot, NAME, a dot and `mkstemp`'s
+#: eight random characters.
+WRITE_LEFTOVER = re.compile(r"\.(.+)\.[a-z0-9_]{8}")
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `path` via a temp file + rename, created with `mode` from the start."""
+    """Write `data` to `path` via a temp file + rename, created with `mode` from the start.
+    A process killed mid-write leaves the temp file behind (`remove_write_leftovers`)."""
     path = Path(path)
     make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -201,6 +207,30 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def remove_write_leftovers(directory: Path, before: float) -> list[Path]:
+    """Remove from `directory` the temp files `atomic_write` left there (a process killed
+    between the temp file and the rename: a partial copy, perhaps of a private key) last
+    modified before `before` (wall clock: a write still under way elsewhere is younger).
+    Returns what was removed; a directory that is not there has none."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        if not WRITE_LEFTOVER.fullmatch(entry.name):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False) or entry.stat(
+                    follow_symlinks=False).st_mtime >= before:
+                continue
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 def cert_path_for(key_path: Path) -> Path:

@@ -213,7 +213,8 @@ async def test_http_listener_real_socket_with_curl(nursery: trio.Nursery) -> Non
 # ------------------------------------------------------------------------------ DNS-01
 def test_tsig_key_file_and_challenge_names(tmp_path: Path) -> None:
     f = tmp_path / "k"
-    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
+    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n'
+                 '\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
     key = read_tsig_key(f)
     assert (key.name, key.algorithm, key.secret) == ("upd.example", "hmac-sha256",
                                                      b"secretsecret")
@@ -233,7 +234,8 @@ def test_a_dns01_failure_names_an_ipv6_server_in_brackets(tmp_path: Path) -> Non
     from tests.netutil import free_port
 
     f = tmp_path / "k"
-    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
+    f.write_text('key "upd.example" {\n\talgorithm hmac-sha256;\n'
+                 '\tsecret "c2VjcmV0c2VjcmV0";\n};\n')
     port = free_port("::1")  # nothing listens there: the update is refused
     solver = Dns01Solver(Dns01(Address("::1", port), "dns.test.", f))
     with pytest.raises(AcmeError) as info:
@@ -537,3 +539,86 @@ def test_serve_without_acme_does_not_load_the_acme_client() -> None:
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+_KILLED_MID_WRITE = """
+import os, sys, threading
+from pathlib import Path
+from pact_ingress.acme.store import Store
+# the fault: the rename after the temp file never comes, so kill -9 lands mid-write
+os.replace = lambda *a, **k: (print("written", flush=True), threading.Event().wait())
+chain, key = Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
+Store(Path(sys.argv[1])).save_cert("k.example", chain, key, directory="d", next_renewal=None)
+"""
+
+
+def _killed_mid_write(tmp_path: Path, state: Path) -> Path:
+    """A real process killed with SIGKILL inside `save_cert`'s first write (the key's):
+    the temp file it leaves behind."""
+    import signal
+    import subprocess
+    import sys
+
+    chain, key, _ = _chain("k.example")
+    (tmp_path / "chain.pem").write_bytes(chain)
+    (tmp_path / "key.pem").write_bytes(key)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(state),
+                             str(tmp_path / "chain.pem"), str(tmp_path / "key.pem")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    d = state / "acme" / "certs" / host_dir_name("k.example")
+    [left] = [p for p in d.iterdir() if p.name.startswith(".")]
+    assert left.read_bytes() == key  # a private key, whole, under a name nobody reads
+    return left
+
+
+def test_a_write_killed_midway_leaves_a_temp_file_the_store_removes_once_old(
+        tmp_path: Path) -> None:
+    from pact_ingress.acme.store import LEFTOVER_AGE
+
+    state = tmp_path / "state"
+    left = _killed_mid_write(tmp_path, state)
+    d = left.parent
+    kept = [d / ".keep", d / ".meta.json.swp", d / ".x.key.short", d / "abc.key.tmp12345"]
+    for p in kept:
+        p.write_bytes(b"not ours")
+    (d / ".dir.key.abcdefgh").mkdir()  # the right name, but a directory
+    store = Store(state)
+    now = time.time()
+    assert store.remove_leftovers(now) == []  # younger than LEFTOVER_AGE: maybe under way
+    assert left.exists()
+    assert store.remove_leftovers(now + LEFTOVER_AGE + 1) == [left]
+    assert not left.exists()
+    assert all(p.exists() for p in kept) and (d / ".dir.key.abcdefgh").is_dir()
+    assert store.remove_leftovers(now + LEFTOVER_AGE + 1) == []
+    # the store's other directories are swept too; one it never made is no error
+    acct = store.account_dir("https://ca/dir")
+    acct.mkdir(parents=True)
+    (acct / ".account.key.a1b2c3_d").write_bytes(b"partial")
+    assert store.remove_leftovers(now + LEFTOVER_AGE + 1) == [acct / ".account.key.a1b2c3_d"]
+    assert Store(tmp_path / "nothing").remove_leftovers(now) == []
+
+
+async def test_the_manager_removes_leftovers_when_it_starts(tmp_path: Path) -> None:
+    """A temp file a killed process left is gone once the manager runs, logged in one
+    line that names no file (the name may be a key's)."""
+    from pact_ingress.acme.store import LEFTOVER_AGE
+
+    state = tmp_path / "state"
+    left = _killed_mid_write(tmp_path, state)
+    m = CertManager(state_dir=state, stats=Stats(),
+                    wall_clock=lambda: time.time() + LEFTOVER_AGE + 1)
+    with package_log() as records:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(m.run)
+            with trio.fail_after(10):
+                while left.exists():
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    [line] = [getattr(r, "fields", {}) for r in records
+              if r.getMessage() == "acme_leftovers_removed"]
+    assert line == {"count": 1}

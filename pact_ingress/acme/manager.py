@@ -63,6 +63,7 @@ from cryptography import x509
 from pact_ingress.acme.kinds import ALL_CHALLENGES, DNS_01, HTTP_01, TLS_ALPN_01
 from pact_ingress.acme.schedule import Policy, SlidingWindow, backoff_delay, renewal_time
 from pact_ingress.acme.store import (
+    LEFTOVER_SWEEP,
     CertInfo,
     OrderElsewhere,
     SharedStateUnavailable,
@@ -387,6 +388,7 @@ class CertManager:
         async with trio.open_nursery() as nursery:
             self._running = True
             nursery.start_soon(self.store.watch, self._serials, self._picked_up)
+            nursery.start_soon(self._remove_leftovers)
             task_status.started()
             try:
                 while True:  # one round per wake-up; each round sleeps (bounded by max_sleep)
@@ -398,6 +400,20 @@ class CertManager:
                         await self._wake.wait()
             finally:
                 self._running = False
+
+    async def _remove_leftovers(self) -> None:
+        """The temp files of store writes a killed process never finished, removed now
+        and every `LEFTOVER_SWEEP` (a partial copy may hold a private key)."""
+        while True:
+            try:
+                removed = await trio.to_thread.run_sync(self.store.remove_leftovers,
+                                                        self._now())
+            except OSError as exc:
+                log.warning("acme_leftovers_not_removed", error=str(exc))
+            else:
+                if removed:
+                    log.info("acme_leftovers_removed", count=len(removed))
+            await trio.sleep(LEFTOVER_SWEEP)
 
     def _start_due(self, nursery: trio.Nursery) -> float | None:
         """Start orders for due hosts; return the wall time the next one becomes due."""

@@ -12,7 +12,10 @@ A certificate and its key are two files, and no rename replaces two files at onc
 files of one issuance are named by the certificate's serial and never rewritten; `meta.json`
 is the commit point: it is replaced atomically (temp file + rename) *after* both files are
 on disk, and names the serial a reader must load. A crash between the steps leaves an
-orphan pair that the next successful save removes; readers never see a half pair.
+orphan pair that the next successful save removes; readers never see a half pair. A
+crash inside one write leaves that write's temp file (`.NAME.xxxxxxxx`), which
+`remove_leftovers` takes away once it is `LEFTOVER_AGE` old: the certificate manager
+calls it when it starts and every `LEFTOVER_SWEEP` after.
 
 Hosts are validated before they become directory names (no path traversal); a wildcard
 `*.x` lives in `_wildcard_.x`. Nothing here touches the network or reads the clock: times
@@ -34,11 +37,19 @@ from typing import Any, Literal
 from cryptography import x509
 
 from pact_ingress.errors import AcmeError
-from pact_ingress.identity import atomic_write
+from pact_ingress.identity import atomic_write, remove_write_leftovers
 
 #: A DNS name (optionally with one leading "*." label), lower case, as config.py stores it.
 HOST_RE = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*"
                      r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+#: How old a write's temp file must be before it counts as left behind (a write takes
+#: milliseconds; the age keeps a sweep away from a write still under way in another
+#: process).
+LEFTOVER_AGE = 60.0
+#: How often a running manager looks for them again (a crash leaves them at most once
+#: per restart; the first look after a quick restart is too early for that crash's).
+LEFTOVER_SWEEP = 3600.0
 
 #: Largest certificate chain file we load back (a real chain is a few KiB).
 MAX_CHAIN_BYTES = 64 * 1024
@@ -261,6 +272,20 @@ class Store:
                     changed: Callable[[str], Awaitable[None]]) -> None:
         """Call `changed(host)` whenever another instance stored a new certificate."""
         await _sleep_forever()
+
+    def remove_leftovers(self, now: float) -> list[Path]:
+        """The temp files of writes that never finished (a process killed mid-write),
+        removed from every directory this store writes, once `LEFTOVER_AGE` old. `now`:
+        the wall clock. Returns what was removed."""
+        removed = []
+        for kind in ("accounts", "certs"):
+            try:
+                dirs = [p for p in (self.root / kind).iterdir() if p.is_dir()]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for d in dirs:
+                removed += remove_write_leftovers(d, now - LEFTOVER_AGE)
+        return removed
 
     @staticmethod
     def _remove_stale(d: Path, keep: str) -> None:
