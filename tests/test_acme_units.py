@@ -622,3 +622,34 @@ async def test_the_manager_removes_leftovers_when_it_starts(tmp_path: Path) -> N
     [line] = [getattr(r, "fields", {}) for r in records
               if r.getMessage() == "acme_leftovers_removed"]
     assert line == {"count": 1}
+
+
+async def test_a_reload_that_drops_a_host_drops_its_certificate_series(
+        tmp_path: Path, nursery: trio.Nursery, fake_ca: FakeCA) -> None:
+    """Failures of a name the config no longer has are not exposed for ever; a name
+    that moves from ACME to certificate files keeps its expiry (from the files)."""
+    fake_ca.fail = "validation"
+    stats = Stats()
+    policy = Policy(backoff_base=0.01, backoff_max=0.01, max_sleep=0.05)
+    m = CertManager(state_dir=tmp_path / "state", stats=stats, policy=policy)
+    m.update(_acme_config(tmp_path, ["v.example", "w.example"]))
+    await nursery.start(m.run)
+    failures = "pact_ingress_certificate_failures_total"
+    with trio.fail_after(WAIT):
+        while not all(stats.value(failures, {"host": h, "reason": "validation"})
+                      for h in ("v.example", "w.example")):
+            await trio.sleep(0.01)
+    files = {"w.example": _files(tmp_path, "w.example")}
+    m.update(_acme_config(tmp_path, [], files))  # v gone, w served from files now
+    await quiet_round(m)
+    for host in ("v.example", "w.example"):
+        assert stats.registry.get_sample_value(
+            failures, {"host": host, "reason": "validation"}) is None, host
+    assert stats.registry.get_sample_value(
+        "pact_ingress_certificate_expiry_timestamp_seconds", {"host": "w.example"})
+    assert stats.registry.get_sample_value(
+        "pact_ingress_certificate_expiry_timestamp_seconds", {"host": "v.example"}) is None
+    m.update(_acme_config(tmp_path, ["v.example"], files))  # back: counted afresh
+    with trio.fail_after(WAIT):
+        while not stats.value(failures, {"host": "v.example", "reason": "validation"}):
+            await trio.sleep(0.01)

@@ -164,6 +164,8 @@ class CertManager:
         self._limiter = trio.CapacityLimiter(policy.max_concurrent_orders)
         self._orders = SlidingWindow(policy.orders_per_window, policy.order_window)
         self._failed: dict[str, SlidingWindow] = {}
+        #: The reasons each host's failures were counted under (their series).
+        self._failure_reasons: dict[str, set[str]] = {}
         #: Hosts a reload removed while their order was running, until it ends.
         self._leaving: dict[str, _Host] = {}
         self._wake = trio.Event()
@@ -301,10 +303,29 @@ class CertManager:
         log.info("cert_issuance_scheduled", host=h.name, why="issued by another ACME CA")
 
     def _forget_metric(self, host: str) -> None:
-        try:
-            self.stats.cert_expiry.remove(host)
-        except KeyError:
-            pass
+        """A host that left one source of certificates: its order failures go once it
+        is no longer ordered by ACME, its expiry once it is not served at all (one that
+        moved between ACME and certificate files keeps the expiry the new source set)."""
+        if host not in self._files and host not in self._hosts:
+            try:
+                self.stats.cert_expiry.remove(host)
+            except KeyError:
+                pass
+        if host in self._hosts:
+            return
+        for reason in self._failure_reasons.pop(host, ()):
+            try:
+                self.stats.cert_failures.remove(host, reason)
+            except KeyError:
+                pass
+
+    def _count_failure(self, h: _Host, reason: str) -> None:
+        """`cert_failures`, for a host still configured (an order a reload left running
+        may fail after its name went: no series comes back for it)."""
+        if self._hosts.get(h.name) is not h:
+            return
+        self._failure_reasons.setdefault(h.name, set()).add(reason)
+        self.stats.cert_failures.labels(host=h.name, reason=reason).inc()
 
     # ---------------------------------------------------------------- hot paths
     def server_context(self, route: Route) -> ssl.SSLContext | None:
@@ -521,7 +542,7 @@ class CertManager:
 
     def _state_lost(self, h: _Host, exc: SharedStateUnavailable) -> None:
         h.retry_at = self._now() + STATE_RETRY
-        self.stats.cert_failures.labels(host=h.name, reason=exc.reason).inc()
+        self._count_failure(h, exc.reason)
         if not self._state_waiting:
             self._state_waiting = True
             log.warning("cert_orders_waiting", host=h.name, error=str(exc),
@@ -666,7 +687,7 @@ class CertManager:
         h.retry_at, h.last_error = now + delay, str(exc)
         if exc.reason == "validation":
             self._failed_window(h.name).record(now)
-        self.stats.cert_failures.labels(host=h.name, reason=exc.reason).inc()
+        self._count_failure(h, exc.reason)
         serving = f"previous certificate until {_iso(h.cert.not_after)}" if h.cert else "none"
         log.warning("cert_order_failed", host=h.name, reason=exc.reason, error=str(exc),
                     failures=h.failures, retry_in=round(delay, 1), serving=serving)
