@@ -934,10 +934,15 @@ class Terminator:
         return answer.status
 
     async def _head_too_large(self, ex: Exchange, conn: _Connection) -> int:
-        """The node's head is fine, the client's advertised limit is small: its doing."""
+        self.note_head_too_large(conn)
+        return await self._answer(ex, conn, self.head_too_large_answer)
+
+    @staticmethod
+    def note_head_too_large(conn: _Connection) -> None:
+        """The node's head is fine, the client's advertised limit is small: its doing,
+        so the line is info (the answer is `head_too_large_answer`)."""
         log.info("response_head_over_client_limit", route=conn.route_host,
                  client=conn.client_ip)
-        return await self._answer(ex, conn, self.head_too_large_answer)
 
     # -- forwarding -------------------------------------------------------------------
 
