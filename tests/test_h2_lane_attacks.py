@@ -40,6 +40,8 @@ from tests.terminate_env import (
     H2Conn,
     H2Result,
     ServeEnv,
+    read_response,
+    request_bytes,
     tarpit_route,
     tls_socket,
 )
@@ -743,3 +745,82 @@ def test_a_head_over_the_clients_limit_is_a_502_whichever_path_writes_it(
     assert bighead() == [502, 502], events
     assert not [e for e in events if e.get("event") == "h2_stream_error"], events
     nothing_held(env, evil)
+
+
+# -- a fault of ours inside the lane ------------------------------------------------------
+
+# The fault cannot be provoked from outside (it stands for a bug): the lane's write of the
+# request to the node raises for targets under /fault, after the client's share and an
+# idle node connection were taken.
+_FAULT = '''\
+import importlib.abc, importlib.machinery, sys
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "pact_ingress.net.node_leg":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+        def exec_module(module, run=run):
+            run(module)
+            send = module.NodeLeg.send_request
+            def send_request(self, now, send=send):
+                if self.go.target.path.startswith("/fault"):
+                    raise RuntimeError("injected fault")
+                return send(self, now)
+            module.NodeLeg.send_request = send_request
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Hook())
+'''
+
+
+def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the lane between taking the node and writing to it: the HTTP/2 stream is
+    reset with INTERNAL_ERROR while its connection's other stream is answered, the
+    HTTP/1.1 connection is closed; each is logged as one `lane_error` line (no
+    traceback) and counted 500, not as the client's loss; the share and the node
+    connection come back (the whole share is served afterwards)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAULT)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    env, evil = make_world(tmp_path / "w")
+    try:
+        warm(env, 2)
+        before = lane_counts(env)
+        c = H2Conn(env.serve.port, EVIL_HOST)
+        try:
+            bad, good = open_ended(c, "/fault/h2"), open_ended(c, "/plain/ok")
+            c.sock.sendall(c.conn.data_to_send())
+            got_bad, got_good = c.wait(bad, timeout=HANG), c.wait(good, timeout=HANG)
+        finally:
+            c.close()
+        assert (got_bad.status, got_bad.reset) == (None, 2), got_bad  # INTERNAL_ERROR
+        assert got_good.status == 200 and header(got_good, "x-target") == "/plain/ok"
+        s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+        try:
+            s.sendall(request_bytes("GET", "/fault/h1", EVIL_HOST))
+            with pytest.raises((ConnectionError, OSError)):
+                read_response(s)
+        finally:
+            forget(s)
+        assert moved(before, lane_counts(env)).get("h2_served") == 1
+        nothing_held(env, evil)
+        def statuses() -> list[int]:  # (access lines are written in batches)
+            return sorted(e.get("status") for e in env.serve.log_events()
+                          if str(e.get("path", "")).startswith("/fault"))
+
+        assert env.node.wait_for(lambda: len(statuses()) == 2), statuses()
+        assert statuses() == [500, 500]
+        faults = [e for e in env.serve.log_events() if e.get("event") == "lane_error"]
+        assert len(faults) == 2 and all("injected fault" in e["error"] for e in faults)
+        assert "Traceback" not in env.serve.logs()
+    finally:
+        evil.stop()
+        env.stop()

@@ -143,6 +143,8 @@ FILL_BUDGET = 2 * READ_SIZE
 TICK = 0.25
 #: The status an answer the node broke off is counted with (as the trio engine does).
 NODE_BROKE_OFF = 502
+#: The status an exchange that ended by a fault of ours (a bug) is counted with.
+INTERNAL_FAULT = 500
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 _PARKED = object()  # no result for the connection's task yet
@@ -395,7 +397,9 @@ class _Client(NodeLeg):
         log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
                   error=f"{type(exc).__name__}: {exc}")
         if self.phase is not Phase.ENDED:
-            self.close(499 if self.request is not None else 0)
+            # a fault of ours: what was sent of an answer cannot be trusted, so the
+            # connection closes; the exchange counts as 500, not as the client's loss
+            self.close(INTERNAL_FAULT if self.request is not None else 0)
 
     def event(self, mask: int) -> None:
         """The hub's call with the socket's events (`guarded`, inline)."""

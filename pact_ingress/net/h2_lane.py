@@ -45,9 +45,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pact_ingress.logs import log
-from pact_ingress.net.h1_lane import LaneGo, Resume
+from pact_ingress.net.h1_lane import INTERNAL_FAULT, LaneGo, Resume
 from pact_ingress.net.http_exchange import ClientGone, HeadTooLarge
 from pact_ingress.net.node_leg import Broke, NodeLeg, RouteNodes
+from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.http_headers import clean_response_headers
 
 if TYPE_CHECKING:
@@ -160,10 +161,12 @@ class _Stream(NodeLeg):
             self.failed(exc)
 
     def failed(self, exc: Exception) -> None:
-        if not isinstance(exc, (Broke, ClientGone)):
-            log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
-                      error=f"{type(exc).__name__}: {exc}")
-        self.abort()
+        if isinstance(exc, (Broke, ClientGone)):
+            self.abort()
+            return
+        log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
+                  error=f"{type(exc).__name__}: {exc}")
+        self.fault()
 
     # -- the ends -----------------------------------------------------------------------
 
@@ -195,6 +198,17 @@ class _Stream(NodeLeg):
         self.response = None
         self.lane.h2_aborted += 1
         self.done(CLIENT_CLOSED)
+
+    def fault(self) -> None:
+        """A fault of ours: the node's connection is closed (not reused), the stream
+        reset with INTERNAL_ERROR (no answer can be trusted now) and counted 500, not
+        as the client's loss."""
+        if self.phase is StreamPhase.ENDED:
+            return
+        self.release(False)
+        self.response = None
+        self.ex.reset(ErrorCode.INTERNAL_ERROR)
+        self.done(INTERNAL_FAULT)
 
     def hand(self, rest: Rest) -> None:
         """A stream worker takes the stream up at `rest.point`."""
@@ -235,8 +249,7 @@ class _Stream(NodeLeg):
             self.done(CLIENT_CLOSED, now)
             return
         except HeadTooLarge:
-            log.info("response_head_over_client_limit", route=self.conn.route_host,
-                     client=self.conn.client_ip)
+            self.t.note_head_too_large(self.conn)
             self.hand(Rest(Resume.ANSWER, answer=self.t.head_too_large_answer))
             return
         if not sent:  # the client's window cannot take it now: the worker writes it

@@ -919,7 +919,11 @@ class H2Exchange(Exchange):
         self.c.kick()
 
     async def abort(self) -> None:
-        self._rst(ErrorCode.INTERNAL_ERROR)
+        self.reset(ErrorCode.INTERNAL_ERROR)
+
+    def reset(self, code: int) -> None:
+        """End the stream with RST_STREAM(`code`) now (nothing if it is closed already)."""
+        self._rst(code)
         self.c.kick()
 
     async def wait_gone(self) -> None:
