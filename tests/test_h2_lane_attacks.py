@@ -751,13 +751,32 @@ def test_a_head_over_the_clients_limit_is_a_502_whichever_path_writes_it(
 
 # The fault cannot be provoked from outside (it stands for a bug): the lane's write of the
 # request to the node raises for targets under /fault, after the client's share and an
-# idle node connection were taken.
+# idle node connection were taken; the trio engine's request to the node raises for
+# targets under /wfault (a request with a body: a worker's from the start).
 _FAULT = '''\
 import importlib.abc, importlib.machinery, sys
 
+def _lane(module):
+    send = module.NodeLeg.send_request
+    def send_request(self, now, send=send):
+        if self.go.target.path.startswith("/fault"):
+            raise RuntimeError("injected fault")
+        return send(self, now)
+    module.NodeLeg.send_request = send_request
+
+def _worker(module):
+    upstream = module.Terminator._upstream
+    async def _upstream(self, ex, conn, route, tenant, host, target, body, up=upstream):
+        if target.path.startswith("/wfault"):
+            raise RuntimeError("injected fault")
+        return await up(self, ex, conn, route, tenant, host, target, body)
+    module.Terminator._upstream = _upstream
+
+_PATCH = {"pact_ingress.net.node_leg": _lane, "pact_ingress.net.terminate": _worker}
+
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "pact_ingress.net.node_leg":
+        if name not in _PATCH:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -765,12 +784,7 @@ class _Hook(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
         def exec_module(module, run=run):
             run(module)
-            send = module.NodeLeg.send_request
-            def send_request(self, now, send=send):
-                if self.go.target.path.startswith("/fault"):
-                    raise RuntimeError("injected fault")
-                return send(self, now)
-            module.NodeLeg.send_request = send_request
+            _PATCH[module.__name__](module)
         spec.loader.exec_module = exec_module
         return spec
 
@@ -820,6 +834,54 @@ def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
         assert statuses() == [500, 500]
         faults = [e for e in env.serve.log_events() if e.get("event") == "lane_error"]
         assert len(faults) == 2 and all("injected fault" in e["error"] for e in faults)
+        assert "Traceback" not in env.serve.logs()
+    finally:
+        evil.stop()
+        env.stop()
+
+
+def test_a_fault_of_ours_in_a_worker_is_a_500_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same fault in the trio engine (requests with a body go there from the start):
+    the HTTP/2 stream is reset with INTERNAL_ERROR beside an answered one, the HTTP/1.1
+    connection closed; each counted 500 and warned of in one line, nothing held."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FAULT)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    env, evil = make_world(tmp_path / "w")
+    try:
+        c = H2Conn(env.serve.port, EVIL_HOST)
+        try:
+            bad = c.request("POST", "/wfault/h2", body=b"x" * 10, content_type="text/plain",
+                            timeout=HANG)
+            good = c.request("POST", "/plain/ok", body=b"y" * 10, content_type="text/plain",
+                             timeout=HANG)
+        finally:
+            c.close()
+        assert (bad.status, bad.reset) == (None, 2), bad  # INTERNAL_ERROR
+        assert good.status == 200 and header(good, "x-target") == "/plain/ok"
+        s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+        try:
+            # (over the lane's whole-body limit: a worker's from the start)
+            s.sendall(request_bytes("POST", "/wfault/h1", EVIL_HOST, body=b"z" * 70_000,
+                                    content_type="text/plain"))
+            with pytest.raises((ConnectionError, OSError)):
+                read_response(s)
+        finally:
+            forget(s)
+        nothing_held(env, evil)
+
+        def statuses() -> list[int]:  # (access lines are written in batches)
+            return sorted(e.get("status") for e in env.serve.log_events()
+                          if str(e.get("path", "")).startswith("/wfault"))
+
+        assert env.node.wait_for(lambda: len(statuses()) == 2), statuses()
+        assert statuses() == [500, 500]
+        events = {e.get("event") for e in env.serve.log_events()
+                  if "injected fault" in str(e.get("error", ""))}
+        assert events == {"h2_stream_error", "terminate_connection_error"}, events
         assert "Traceback" not in env.serve.logs()
     finally:
         evil.stop()

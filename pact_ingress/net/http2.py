@@ -588,6 +588,7 @@ class H2Connection:
             pass
         except Exception as exc:
             log.warning("h2_stream_error", error=repr(exc))
+            exchange.reset(ErrorCode.INTERNAL_ERROR)  # nothing if the answer was whole
         finally:
             self.stream_done(exchange)
 

@@ -73,7 +73,7 @@ from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
-from pact_ingress.net.h1_lane import Handoff, Lane, LaneGo, NeedNode, Resume
+from pact_ingress.net.h1_lane import INTERNAL_FAULT, Handoff, Lane, LaneGo, NeedNode, Resume
 from pact_ingress.net.h2_lane import H2Lane, Rest
 from pact_ingress.net.http1 import BROKE_OFF, LINGER_BYTES, LINGER_SECONDS, H1Connection
 from pact_ingress.net.http2 import H2Connection, H2Exchange
@@ -206,10 +206,15 @@ class _Connection:
         self.now = now  # trio.current_time, cheaper (`deadlines.clock`)
 
 
+#: Exceptions that mean the client (or the link to it) went: anything else that ends an
+#: exchange or a connection is a fault of ours.
+_CLIENT_WENT = (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone)
+
+
 def _connection_ended(route_host: str, exc: Exception) -> None:
     """A connection's end by an exception: a debug line when the client or the link
     went, a warning when anything else ended it."""
-    if isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, ClientGone)):
+    if isinstance(exc, _CLIENT_WENT):
         log.debug("terminate_connection_ended", route=route_host, error=repr(exc))
     else:
         log.warning("terminate_connection_error", route=route_host, error=repr(exc))
@@ -680,6 +685,10 @@ class Terminator:
             status = NODE_BROKE_OFF
         except ClientGone:
             status = CLIENT_CLOSED
+        except Exception as exc:
+            if not isinstance(exc, _CLIENT_WENT):
+                status = INTERNAL_FAULT  # a fault of ours (a bug), not the client's loss
+            raise
         finally:
             self.count(conn, ex.method, ex.target, status, started, shares[0])
 
