@@ -33,6 +33,7 @@ import h11
 import pytest
 
 from tests import test_lane_attacks as lane_attacks
+from tests.inject import inject
 from tests.terminate_env import (
     ATTACKER_IP,
     BYSTANDER_IP,
@@ -635,27 +636,11 @@ def test_reload_moving_the_route_while_lane_streams_are_at_the_node(
 
 # -- a drain whose deadline passes ----------------------------------------------------------
 
-_SHORT_DRAIN = '''\
-import importlib.abc, importlib.machinery, sys
-
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in ("pact_ingress.app", "pact_ingress.worker"):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-        def exec_module(module, run=run, name=name):
-            run(module)
-            module.DRAIN_DEADLINE = {deadline}
-            if name == "pact_ingress.app":
-                module.Ingress.stop.__defaults__ = ({deadline},)
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, _Hook())
-'''
+def _short_drain(deadline: float) -> dict[str, str]:
+    """The drain's deadline made `deadline` seconds, in main and in the workers."""
+    worker = f"def patch(module):\n    module.DRAIN_DEADLINE = {deadline}\n"
+    app = worker + f"    module.Ingress.stop.__defaults__ = ({deadline},)\n"
+    return {"pact_ingress.app": app, "pact_ingress.worker": worker}
 
 
 def test_drain_deadline_passing_with_lane_streams_hanging_at_the_node(
@@ -663,11 +648,7 @@ def test_drain_deadline_passing_with_lane_streams_hanging_at_the_node(
     """SIGTERM while lane streams hang at the node, and the drain's deadline (made 2 s
     here) passes: the process exits 0, every node connection is closed, and the serve
     log holds no traceback and no lane error."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_SHORT_DRAIN.format(deadline=2.0))
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
+    inject(tmp_path, monkeypatch, _short_drain(2.0))
     env, evil = make_world(tmp_path / "w")
     try:
         warm(env, IN_FLIGHT)
@@ -753,43 +734,26 @@ def test_a_head_over_the_clients_limit_is_a_502_whichever_path_writes_it(
 # request to the node raises for targets under /fault, after the client's share and an
 # idle node connection were taken; the trio engine's request to the node raises for
 # targets under /wfault (a request with a body: a worker's from the start).
-_FAULT = '''\
-import importlib.abc, importlib.machinery, sys
-
-def _lane(module):
+_FAULT = {
+    "pact_ingress.net.node_leg": """\
+def patch(module):
     send = module.NodeLeg.send_request
     def send_request(self, now, send=send):
         if self.go.target.path.startswith("/fault"):
             raise RuntimeError("injected fault")
         return send(self, now)
     module.NodeLeg.send_request = send_request
-
-def _worker(module):
+""",
+    "pact_ingress.net.terminate": """\
+def patch(module):
     upstream = module.Terminator._upstream
     async def _upstream(self, ex, conn, route, tenant, host, target, body, up=upstream):
         if target.path.startswith("/wfault"):
             raise RuntimeError("injected fault")
         return await up(self, ex, conn, route, tenant, host, target, body)
     module.Terminator._upstream = _upstream
-
-_PATCH = {"pact_ingress.net.node_leg": _lane, "pact_ingress.net.terminate": _worker}
-
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in _PATCH:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-        def exec_module(module, run=run):
-            run(module)
-            _PATCH[module.__name__](module)
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, _Hook())
-'''
+""",
+}
 
 
 def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
@@ -799,11 +763,7 @@ def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
     HTTP/1.1 connection is closed; each is logged as one `lane_error` line (no
     traceback) and counted 500, not as the client's loss; the share and the node
     connection come back (the whole share is served afterwards)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_FAULT)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
+    inject(tmp_path, monkeypatch, _FAULT)
     env, evil = make_world(tmp_path / "w")
     try:
         warm(env, 2)
@@ -845,11 +805,7 @@ def test_a_fault_of_ours_in_a_worker_is_a_500_too(
     """The same fault in the trio engine (requests with a body go there from the start):
     the HTTP/2 stream is reset with INTERNAL_ERROR beside an answered one, the HTTP/1.1
     connection closed; each counted 500 and warned of in one line, nothing held."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_FAULT)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
-    monkeypatch.setenv("PYTHONPATH", path)
+    inject(tmp_path, monkeypatch, _FAULT)
     env, evil = make_world(tmp_path / "w")
     try:
         c = H2Conn(env.serve.port, EVIL_HOST)
