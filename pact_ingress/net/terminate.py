@@ -686,8 +686,10 @@ class Terminator:
         except ClientGone:
             status = CLIENT_CLOSED
         except Exception as exc:
-            if not isinstance(exc, _CLIENT_WENT):
-                status = INTERNAL_FAULT  # a fault of ours (a bug), not the client's loss
+            # a fault of ours (a bug), not the client's loss; a socket's error or a
+            # deadline that escaped unnamed is still taken for the client's
+            if not isinstance(exc, (*_CLIENT_WENT, OSError, trio.TooSlowError)):
+                status = INTERNAL_FAULT
             raise
         finally:
             self.count(conn, ex.method, ex.target, status, started, shares[0])
