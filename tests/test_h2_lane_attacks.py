@@ -756,6 +756,27 @@ def patch(module):
 }
 
 
+def closed_unanswered(env: ServeEnv, raw: bytes) -> None:
+    """`raw` on a new HTTP/1.1 connection: the edge closes it with no answer."""
+    s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
+    try:
+        s.sendall(raw)
+        with pytest.raises((ConnectionError, OSError)):
+            read_response(s)
+    finally:
+        forget(s)
+
+
+def counted_500(env: ServeEnv, prefix: str, n: int) -> None:
+    """`n` access lines for paths under `prefix`, each with status 500."""
+    def statuses() -> list[int]:  # (access lines are written in batches)
+        return sorted(e.get("status") for e in env.serve.log_events()
+                      if str(e.get("path", "")).startswith(prefix))
+
+    assert env.node.wait_for(lambda: len(statuses()) == n), statuses()
+    assert statuses() == [500] * n
+
+
 def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the lane between taking the node and writing to it: the HTTP/2 stream is
@@ -777,21 +798,10 @@ def test_a_fault_of_ours_in_the_lane_is_a_500_that_holds_nothing(
             c.close()
         assert (got_bad.status, got_bad.reset) == (None, 2), got_bad  # INTERNAL_ERROR
         assert got_good.status == 200 and header(got_good, "x-target") == "/plain/ok"
-        s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
-        try:
-            s.sendall(request_bytes("GET", "/fault/h1", EVIL_HOST))
-            with pytest.raises((ConnectionError, OSError)):
-                read_response(s)
-        finally:
-            forget(s)
+        closed_unanswered(env, request_bytes("GET", "/fault/h1", EVIL_HOST))
         assert moved(before, lane_counts(env)).get("h2_served") == 1
         nothing_held(env, evil)
-        def statuses() -> list[int]:  # (access lines are written in batches)
-            return sorted(e.get("status") for e in env.serve.log_events()
-                          if str(e.get("path", "")).startswith("/fault"))
-
-        assert env.node.wait_for(lambda: len(statuses()) == 2), statuses()
-        assert statuses() == [500, 500]
+        counted_500(env, "/fault/", 2)
         faults = [e for e in env.serve.log_events() if e.get("event") == "lane_error"]
         assert len(faults) == 2 and all("injected fault" in e["error"] for e in faults)
         assert "Traceback" not in env.serve.logs()
@@ -818,23 +828,11 @@ def test_a_fault_of_ours_in_a_worker_is_a_500_too(
             c.close()
         assert (bad.status, bad.reset) == (None, 2), bad  # INTERNAL_ERROR
         assert good.status == 200 and header(good, "x-target") == "/plain/ok"
-        s = tls_socket(env.serve.port, EVIL_HOST, timeout=HANG)
-        try:
-            # (over the lane's whole-body limit: a worker's from the start)
-            s.sendall(request_bytes("POST", "/wfault/h1", EVIL_HOST, body=b"z" * 70_000,
-                                    content_type="text/plain"))
-            with pytest.raises((ConnectionError, OSError)):
-                read_response(s)
-        finally:
-            forget(s)
+        # (over the lane's whole-body limit: a worker's from the start)
+        closed_unanswered(env, request_bytes("POST", "/wfault/h1", EVIL_HOST,
+                                             body=b"z" * 70_000, content_type="text/plain"))
         nothing_held(env, evil)
-
-        def statuses() -> list[int]:  # (access lines are written in batches)
-            return sorted(e.get("status") for e in env.serve.log_events()
-                          if str(e.get("path", "")).startswith("/wfault"))
-
-        assert env.node.wait_for(lambda: len(statuses()) == 2), statuses()
-        assert statuses() == [500, 500]
+        counted_500(env, "/wfault/", 2)
         events = {e.get("event") for e in env.serve.log_events()
                   if "injected fault" in str(e.get("error", ""))}
         assert events == {"h2_stream_error", "terminate_connection_error"}, events
