@@ -89,52 +89,11 @@ class HostileNode:
             threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
 
     def _serve(self, raw: socket.socket) -> None:
+        """One connection of the edge's: its exchanges (`_exchanges`) until either end
+        stops, then the socket closed and forgotten."""
         raw.settimeout(60)
         try:
-            tls = self.ctx.wrap_socket(raw, server_side=True)
-            conn = h11.Connection(h11.SERVER)
-            then = ""  # what the next request on this connection gets
-            while not self.stopped:
-                got = self._request(tls, conn)
-                if got is None:
-                    return
-                req, body = got
-                target = req.target.decode()
-                with self.lock:
-                    self.seen.append(target)
-                url = urlsplit(target)
-                if then == "drop":  # read, then the connection closed unanswered
-                    return
-                if then == "408":
-                    tls.sendall(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
-                                b"content-length: 0\r\n\r\n")
-                    return
-                then = {"/dropnext": "drop", "/408next": "408"}.get(url.path, "")
-                if url.path == "/brokeoff":
-                    tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
-                    return
-                if url.path == "/hang" or url.query == "hang":
-                    self._hang(tls)
-                    return
-                if url.path == "/slow":
-                    time.sleep(float(parse_qs(url.query)["s"][0]))
-                payload = json.dumps({"target": target,
-                                      "sha256": hashlib.sha256(body).hexdigest()}).encode()
-                one = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                       b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-                if url.path == "/lagbody":  # the head, then the body a moment later
-                    tls.sendall(one[:one.index(b"\r\n\r\n") + 4])
-                    time.sleep(float(parse_qs(url.query)["s"][0]))
-                    one = one[one.index(b"\r\n\r\n") + 4:]
-                if url.path == "/interim":
-                    one = (b"HTTP/1.1 100 Continue\r\n\r\n"
-                           b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n") + one
-                if url.path == "/double":
-                    other = json.dumps({"target": "/smuggled", "sha256": ""}).encode()
-                    one += (b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
-                            % (len(other), other))
-                tls.sendall(one)
-                conn = h11.Connection(h11.SERVER)  # (no state carried: a new cycle)
+            self._exchanges(self.ctx.wrap_socket(raw, server_side=True))
         except (OSError, ssl.SSLError, h11.ProtocolError, ValueError):
             return
         finally:
@@ -142,6 +101,51 @@ class HostileNode:
                 self.socks.discard(raw)
             with contextlib.suppress(OSError):
                 raw.close()
+
+    def _exchanges(self, tls: ssl.SSLSocket) -> None:
+        conn = h11.Connection(h11.SERVER)
+        then = ""  # what the next request on this connection gets
+        while not self.stopped:
+            got = self._request(tls, conn)
+            if got is None:
+                return
+            req, body = got
+            target = req.target.decode()
+            with self.lock:
+                self.seen.append(target)
+            url = urlsplit(target)
+            if then == "drop":  # read, then the connection closed unanswered
+                return
+            if then == "408":
+                tls.sendall(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
+                            b"content-length: 0\r\n\r\n")
+                return
+            then = {"/dropnext": "drop", "/408next": "408"}.get(url.path, "")
+            if url.path == "/brokeoff":
+                tls.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+                return
+            if url.path == "/hang" or url.query == "hang":
+                self._hang(tls)
+                return
+            if url.path == "/slow":
+                time.sleep(float(parse_qs(url.query)["s"][0]))
+            payload = json.dumps({"target": target,
+                                  "sha256": hashlib.sha256(body).hexdigest()}).encode()
+            one = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+            if url.path == "/lagbody":  # the head, then the body a moment later
+                tls.sendall(one[:one.index(b"\r\n\r\n") + 4])
+                time.sleep(float(parse_qs(url.query)["s"][0]))
+                one = one[one.index(b"\r\n\r\n") + 4:]
+            if url.path == "/interim":
+                one = (b"HTTP/1.1 100 Continue\r\n\r\n"
+                       b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n") + one
+            if url.path == "/double":
+                other = json.dumps({"target": "/smuggled", "sha256": ""}).encode()
+                one += (b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(other), other))
+            tls.sendall(one)
+            conn = h11.Connection(h11.SERVER)  # (no state carried: a new cycle)
 
     @staticmethod
     def _request(tls: ssl.SSLSocket, conn: h11.Connection
