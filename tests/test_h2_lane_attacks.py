@@ -20,12 +20,12 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import ssl
 import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import h2.settings
@@ -139,31 +139,21 @@ class Node(HostileNode):
     """An HTTP/1.1 node over TLS (the pinned node identity) answering by path (see
     `_answer`); `hanging` counts requests it holds unanswered (until the edge closes)."""
 
-    def _serve(self, raw: socket.socket) -> None:
-        raw.settimeout(60)
-        try:
-            tls = self.ctx.wrap_socket(raw, server_side=True)
-            while not self.stopped:
-                got = self._request(tls, h11.Connection(h11.SERVER))
-                if got is None:
-                    return
-                target = got[0].target.decode()
-                with self.lock:
-                    self.seen.append(target)
-                out, then = _answer(got[0].method.decode(), target)
-                if then == "hang":
-                    self._hang(tls)
-                    return
-                tls.sendall(out)
-                if then == "close":
-                    return
-        except (OSError, ssl.SSLError, h11.ProtocolError, ValueError):
-            return
-        finally:
+    def _exchanges(self, tls: ssl.SSLSocket) -> None:
+        while not self.stopped:
+            got = self._request(tls, h11.Connection(h11.SERVER))
+            if got is None:
+                return
+            target = got[0].target.decode()
             with self.lock:
-                self.socks.discard(raw)
-            with contextlib.suppress(OSError):
-                raw.close()
+                self.seen.append(target)
+            out, then = _answer(got[0].method.decode(), target)
+            if then == "hang":
+                self._hang(tls)
+                return
+            tls.sendall(out)
+            if then == "close":
+                return
 
 
 def make_world(tmp: Path) -> tuple[ServeEnv, Node]:
@@ -569,6 +559,21 @@ def test_many_connections_of_many_streams_from_one_address_leave_another_served(
 # -- reloads --------------------------------------------------------------------------------
 
 
+def reload_with_three_at_the_node(env: ServeEnv, evil: Node, c: H2Conn, tag: str,
+                                  **changes: Any) -> None:
+    """Three lane streams on `c` held at the node (one second each) while serve reloads
+    with `changes`: the reload goes through, and each stream gets its own answer."""
+    before = lane_counts(env)
+    sids = [open_ended(c, f"/slow?s=1&{tag}={k}") for k in range(3)]
+    c.sock.sendall(c.conn.data_to_send())
+    assert env.node.wait_for(lambda: len(evil.seen) >= 6)
+    assert moved(before, lane_counts(env)) == {}  # at the node: nothing counted yet
+    assert env.serve.reload(**changes) == "reloaded"
+    for k, sid in enumerate(sids):
+        got = c.wait(sid, timeout=HANG)
+        assert got.status == 200 and echoed(got.body)["target"] == f"/slow?s=1&{tag}={k}"
+
+
 def test_reload_while_lane_streams_are_at_the_node(env: ServeEnv, evil: Node) -> None:
     """SIGHUP (a smaller in-flight share) while three lane streams are at the node: each
     gets its own answer, the connection goes on with new streams, nothing held."""
@@ -577,15 +582,8 @@ def test_reload_while_lane_streams_are_at_the_node(env: ServeEnv, evil: Node) ->
     c = H2Conn(env.serve.port, EVIL_HOST)
     try:
         before = lane_counts(env)
-        sids = [open_ended(c, f"/slow?s=1&h={k}") for k in range(3)]
-        c.sock.sendall(c.conn.data_to_send())
-        assert env.node.wait_for(lambda: len(evil.seen) >= 6)
-        assert moved(before, lane_counts(env)) == {}
-        assert env.serve.reload(limits={**LIMITS, "max_requests_in_flight_per_ip": 3}) == \
-            "reloaded"
-        for k, sid in enumerate(sids):
-            got = c.wait(sid, timeout=HANG)
-            assert got.status == 200 and echoed(got.body)["target"] == f"/slow?s=1&h={k}"
+        reload_with_three_at_the_node(env, evil, c, "h", limits={
+            **LIMITS, "max_requests_in_flight_per_ip": 3})
         for k in range(4):
             got = c.request("GET", f"/post-reload/{k}")
             assert got.status == 200 and echoed(got.body)["target"] == f"/post-reload/{k}"
@@ -612,16 +610,8 @@ def test_reload_moving_the_route_while_lane_streams_are_at_the_node(
     old = env.serve.extra_routes
     c = H2Conn(env.serve.port, EVIL_HOST)
     try:
-        before = lane_counts(env)
-        sids = [open_ended(c, f"/slow?s=1&m={k}") for k in range(3)]
-        c.sock.sendall(c.conn.data_to_send())
-        assert env.node.wait_for(lambda: len(evil.seen) >= 6)
-        assert moved(before, lane_counts(env)) == {}
-        assert env.serve.reload(extra_routes=tarpit_route(EVIL_HOST, env.node.port)) == \
-            "reloaded"
-        for k, sid in enumerate(sids):
-            got = c.wait(sid, timeout=HANG)
-            assert got.status == 200 and echoed(got.body)["target"] == f"/slow?s=1&m={k}"
+        reload_with_three_at_the_node(env, evil, c, "m",
+                                      extra_routes=tarpit_route(EVIL_HOST, env.node.port))
         for k in range(3):
             got = c.request("GET", f"/moved/{k}")
             assert got.status == 200 and echoed(got.body)["target"] == f"/moved/{k}"
