@@ -98,8 +98,9 @@ from pact_ingress.net.upstream import (
     UpstreamError,
 )
 from pact_ingress.proto.http1_server import (
+    FRAMING_CLOSE,
+    FRAMING_LENGTH,
     INCOMPLETE,
-    Framing,
     H1ServerParser,
     ParseError,
     Request,
@@ -133,6 +134,13 @@ class Phase(enum.Enum):
     UPSTREAM = "upstream"  # a request at the node
     WRITING = "writing"  # an answer the kernel has not taken all of yet
     ENDED = "ended"  # closed, or handed to the trio engine
+
+
+#: The members as plain globals, for the per-request steps below: on Python 3.11 an Enum
+#: class attribute (`Phase.IDLE`) goes through the metaclass's `__getattr__` hook, about
+#: ten times the cost of a global load.
+HANDSHAKE, IDLE, CONNECTING, UPSTREAM, WRITING, ENDED = (
+    Phase.HANDSHAKE, Phase.IDLE, Phase.CONNECTING, Phase.UPSTREAM, Phase.WRITING, Phase.ENDED)
 
 
 #: Bytes one fill reads at most: a whole request of the largest body served here, with
@@ -274,7 +282,7 @@ class Lane:
         """`serve` again, with the node connection `need` asked for (`reused`: it was
         idle in the pool) or why there is none."""
         client = need.client
-        if client.phase is Phase.ENDED:
+        if client.phase is ENDED:
             # the client left while the task connected: the connection stays pooled
             if node is not None and not need.entry.keep(node, True):
                 need.entry.drop(node)
@@ -325,7 +333,7 @@ class Lane:
         answer with `Connection: close` and close after it."""
         self.draining = True
         for client in list(self.open):
-            if client.phase is Phase.IDLE and client.parser.whole_message() is None:
+            if client.phase is IDLE and client.parser.whole_message() is None:
                 client.end()
 
 
@@ -333,7 +341,7 @@ class _Client(NodeLeg):
     """One client connection in the lane: its TLS, its parser, the exchange in hand
     (its node side: `NodeLeg`)."""
 
-    AT_NODE = Phase.UPSTREAM
+    AT_NODE = UPSTREAM
 
     def __init__(self, lane: Lane, sock: socket.socket, data: bytes, ctx: ssl.SSLContext,
                  route: Route, conn: _Connection) -> None:
@@ -349,7 +357,7 @@ class _Client(NodeLeg):
             self.inc.write(data)
         self.watch = lane.hub.watch(sock)
         self.watch.lane = self.event
-        self.phase = Phase.HANDSHAKE
+        self.phase = HANDSHAKE
         self.pending = b""  # ciphertext the kernel did not take yet
         self.parser = H1ServerParser()
         self.deferred: ParseError | None = None
@@ -391,12 +399,12 @@ class _Client(NodeLeg):
 
     def failed(self, exc: Exception) -> None:
         if isinstance(exc, Broke):  # a leg failed where no step expected it
-            if self.phase is not Phase.ENDED:
+            if self.phase is not ENDED:
                 self.gone() if self.request is not None else self.close(0)
             return
         log.error("lane_error", route=self.conn.route_host, client=self.conn.client_ip,
                   error=f"{type(exc).__name__}: {exc}")
-        if self.phase is not Phase.ENDED:
+        if self.phase is not ENDED:
             # a fault of ours: what was sent of an answer cannot be trusted, so the
             # connection closes; the exchange counts as 500, not as the client's loss
             self.close(INTERNAL_FAULT if self.request is not None else 0)
@@ -409,11 +417,11 @@ class _Client(NodeLeg):
             self.failed(exc)
 
     def _event(self, mask: int) -> None:
-        if self.phase is Phase.ENDED:
+        if self.phase is ENDED:
             return
-        if mask & _OUT and self.pending and self.flush() and self.phase is Phase.WRITING:
+        if mask & _OUT and self.pending and self.flush() and self.phase is WRITING:
             self.written()
-            if self.phase is Phase.ENDED:
+            if self.phase is ENDED:
                 return
         # what this event says is there to read is read now, whether or not the answer
         # is all out, in the phase the answer left: the ACK that lets an answer out
@@ -421,10 +429,10 @@ class _Client(NodeLeg):
         # no later event tells of it
         if mask & _READABLE:
             ended = mask & _HUP
-            if self.phase is Phase.HANDSHAKE:
+            if self.phase is HANDSHAKE:
                 self.fill(ended)
                 self.handshake()
-            elif self.phase is Phase.IDLE:
+            elif self.phase is IDLE:
                 self.fill(ended)
                 self.take()
                 self.next()
@@ -435,11 +443,11 @@ class _Client(NodeLeg):
 
     def expired(self, _: int) -> None:
         self.deadline = math.inf
-        if self.phase is Phase.WRITING:
+        if self.phase is WRITING:
             self.gone()  # the client did not take the answer in time
-        elif self.phase is Phase.HANDSHAKE:
+        elif self.phase is HANDSHAKE:
             self.close(0)
-        elif self.phase is Phase.IDLE:
+        elif self.phase is IDLE:
             self.end()
 
     def start(self) -> None:
@@ -448,7 +456,7 @@ class _Client(NodeLeg):
     def abort(self, _: object) -> Abort:
         """The parked task was cancelled (the process is stopping): close here."""
         self.task = None
-        if self.phase is not Phase.ENDED:
+        if self.phase is not ENDED:
             self.close(499 if self.request is not None else 0)
         return Abort.SUCCEEDED
 
@@ -554,7 +562,7 @@ class _Client(NodeLeg):
             self.close(0)
             return
         self.deadline = math.inf
-        self.move(Phase.IDLE)
+        self.move(IDLE)
         if self.ssl.selected_alpn_protocol() == "h2":
             self.hand(Resume.H2)
             return
@@ -570,7 +578,7 @@ class _Client(NodeLeg):
     def next(self) -> None:
         """In IDLE: serve the next request if it is here whole; hand the connection
         over if what is here needs the trio engine; else wait for more."""
-        if self.phase is not Phase.IDLE:
+        if self.phase is not IDLE:
             return
         parser = self.parser
         whole = parser.whole_message()
@@ -629,7 +637,7 @@ class _Client(NodeLeg):
         (`NeedNode`), connecting as the trio engine does, and comes back with it."""
         go, entry = self.go, self.entry
         assert go is not None and entry is not None
-        self.move(Phase.CONNECTING)
+        self.move(CONNECTING)
         self.lane.connects += 1
         self.reused = False
         self.wake(NeedNode(self, entry, go.host,
@@ -639,10 +647,10 @@ class _Client(NodeLeg):
                    error: UpstreamError | None) -> None:
         """What the task's `_Pool.acquire` gave (`Lane.connected`)."""
         entry, go = self.entry, self.go
-        assert self.phase is Phase.CONNECTING and entry is not None and go is not None
+        assert self.phase is CONNECTING and entry is not None and go is not None
         if error is not None:
             self.release(False)
-            self.move(Phase.IDLE)
+            self.move(IDLE)
             self.hand(Resume.ANSWER, answer=self.t.lane_failure(go.route, error))
             return
         assert node is not None
@@ -650,7 +658,7 @@ class _Client(NodeLeg):
             if not entry.keep(node, True):
                 entry.drop(node)
             self.release(False)
-            self.move(Phase.IDLE)
+            self.move(IDLE)
             self.hand(Resume.FORWARD)
             return
         self.node, self.reused = node, reused
@@ -662,18 +670,18 @@ class _Client(NodeLeg):
         self.connect(fresh=True)
 
     def give_up(self, answer: _Answer) -> None:
-        self.move(Phase.IDLE)
+        self.move(IDLE)
         self.hand(Resume.ANSWER, answer=answer)
 
     def relayed(self, entry: _Pool, node: _Conn, response: ResponseParser) -> None:
-        self.move(Phase.IDLE)
+        self.move(IDLE)
         self.hand(Resume.RELAY, entry=entry, node=node, response=response)
 
     def broke_off(self) -> None:
         """The client is told so and the connection closes, as the trio engine does."""
         self.answer_with(NODE_BROKE_OFF, response_head(
             NODE_BROKE_OFF, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
-            Framing.LENGTH, close=True) + BROKE_OFF, close=True, now=self.conn.now())
+            FRAMING_LENGTH, close=True) + BROKE_OFF, close=True, now=self.conn.now())
 
     def node_answered(self, now: float) -> None:
         """The node's whole answer is here: to the client in one write."""
@@ -688,7 +696,7 @@ class _Client(NodeLeg):
         # (a node that answered before it took our whole request: not reused)
         self.release(parser.keep_alive and not self.node_pending, now)
         self.response = None
-        self.answer_with(status, data, close=close or framing is Framing.CLOSE, now=now)
+        self.answer_with(status, data, close=close or framing is FRAMING_CLOSE, now=now)
 
     def answer_with(self, status: int, data: bytes, *, close: bool, now: float) -> None:
         """The answer to the client: done when the kernel takes it at once (the usual
@@ -698,7 +706,7 @@ class _Client(NodeLeg):
         try:
             self.tls.write(data)
             if not self.flush():
-                self.move(Phase.WRITING)
+                self.move(WRITING)
                 self.deadline = now + self.limits.client_write_timeout
                 return
         except (Broke, ssl.SSLError):
@@ -717,7 +725,7 @@ class _Client(NodeLeg):
             self.end()
             return
         self.deadline = now + self.limits.idle_timeout
-        self.move(Phase.IDLE)
+        self.move(IDLE)
         if self.paused:  # what the client sent since was left in the kernel: read it now
             self.paused = False
             self.fill()
@@ -779,12 +787,12 @@ class _Client(NodeLeg):
     def end(self) -> None:
         """Close between requests: lingering (in the trio engine) when the client may
         still be sending, so the close does not reset our last answer away."""
-        if self.phase is Phase.ENDED:
+        if self.phase is ENDED:
             return
         if not (self.eof or self.parser.closed) and (
                 self.parser.queued or self.inc.pending or unread(self.sock.fileno())):
-            if self.phase is not Phase.IDLE:
-                self.move(Phase.IDLE)
+            if self.phase is not IDLE:
+                self.move(IDLE)
             self.hand(Resume.LINGER)
             return
         self.close(0)
@@ -796,7 +804,7 @@ class _Client(NodeLeg):
         if self.request is not None:
             self.finish(status or 499)
         self.deadline = math.inf
-        self.phase = Phase.ENDED
+        self.phase = ENDED
         self.lane.open.discard(self)
         self.watch.lane = None
         self.watch.close()
@@ -814,7 +822,7 @@ class _Client(NodeLeg):
         self.lane.handed[point] += 1
         self.deadline = self.node_deadline = math.inf
         self.node_side = None  # type: ignore[assignment]  # (a cycle: see `close`)
-        self.move(Phase.ENDED)
+        self.move(ENDED)
         self.lane.open.discard(self)
         watch = self.watch
         watch.lane = None

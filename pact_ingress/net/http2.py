@@ -103,7 +103,7 @@ from pact_ingress.net.http_exchange import (
 from pact_ingress.net.linger import linger
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto import h2_server as h2
-from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, Flood, FloodGuard
+from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, WINDOW_UPDATE, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
 from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.http_request import declared_length, header
@@ -849,7 +849,7 @@ class H2Exchange(Exchange):
                     len(conn.out) + n < FLUSH_BYTES):
                 # the usual case: the whole chunk in one DATA frame, nothing to wait for
                 conn.send_data(self.stream_id, chunk)
-                self.c._guard.credit(Flood.WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
+                self.c._guard.credit(WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
                 self.c.kick()
                 return
         view = memoryview(chunk)
@@ -869,7 +869,7 @@ class H2Exchange(Exchange):
                 self.c.conn.send_data(self.stream_id, piece)
             except h2.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
-            self.c._guard.credit(Flood.WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
+            self.c._guard.credit(WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
             self.c.kick()
             if len(self.c.conn.out) >= FLUSH_BYTES:
@@ -903,7 +903,7 @@ class H2Exchange(Exchange):
         except h2.StreamClosed as exc:
             raise ClientGone("stream or connection closed") from exc
         if n:
-            c._guard.credit(Flood.WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
+            c._guard.credit(WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
         if self.stopped and not self._ended:
             self._rst(ErrorCode.NO_ERROR)
         c._send_now()

@@ -102,9 +102,9 @@ from pact_ingress.proto.h2_guard import Flood
 from pact_ingress.proto.http1_server import H1ServerParser, ParseError, Request
 from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
 from pact_ingress.proto.http_request import (
+    MCP_POST,
     NO_CONTENT_METHODS,
     BadRequest,
-    Scope,
     Target,
     check_host,
     check_single_valued,
@@ -746,7 +746,7 @@ class Terminator:
                                   if method == "POST" else None))
         except BadRequest:
             return None
-        mcp = scope is Scope.MCP_POST
+        mcp = scope is MCP_POST
         if len(body) > min(route.limits.max_body_bytes, INLINE_PARSE_BYTES) or (
                 body and not mcp and method in NO_CONTENT_METHODS):
             return None
@@ -850,7 +850,7 @@ class Terminator:
             return await self._answer(ex, conn, self._too_large(route))
         body_deadline = now + BODY_TIMEOUT
         body: bytes | AsyncIterator[bytes]
-        if scope is Scope.MCP_POST:
+        if scope is MCP_POST:
             read = await self._read_mcp_body(ex, route, client, held, body_deadline)
             if isinstance(read, _Answer):
                 return await self._answer(ex, conn, read)

@@ -31,6 +31,12 @@ class Flood(enum.Enum):
     __hash__ = object.__hash__
 
 
+#: The member charged or credited per answer, as a plain global: on Python 3.11 an Enum
+#: class attribute goes through the metaclass's `__getattr__` hook, about ten times the
+#: cost of a global load.
+WINDOW_UPDATE = Flood.WINDOW_UPDATE
+
+
 @dataclass(frozen=True)
 class Allowance:
     burst: float  # frames accepted at once

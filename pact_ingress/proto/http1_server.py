@@ -105,11 +105,17 @@ class _Phase(enum.Enum):
     BODY = "body"  # body arriving
 
 
+#: The members as plain globals, for the callbacks below that run for every request: on
+#: Python 3.11 an Enum class attribute (`_Phase.HEAD`) goes through the metaclass's
+#: `__getattr__` hook, about ten times the cost of a global load.
+_IDLE, _HEAD, _BODY = _Phase.IDLE, _Phase.HEAD, _Phase.BODY
+
+
 class H1ServerParser:
     def __init__(self) -> None:
         self._parser = httptools.HttpRequestParser(self)
         self._events: collections.deque[Request | Data | EndOfMessage] = collections.deque()
-        self._phase = _Phase.IDLE
+        self._phase = _IDLE
         self._head_bytes = 0
         self._head_size = 0  # of the current head as parsed, whatever the reads were
         self._target = bytearray()
@@ -128,11 +134,11 @@ class H1ServerParser:
             raise self._broken
         if not data:
             self.closed = True
-            if self._phase is not _Phase.IDLE:
+            if self._phase is not _IDLE:
                 self._fail(400, "connection closed mid-request")
                 raise self._broken  # type: ignore[misc]
             return
-        if self._phase is not _Phase.BODY:
+        if self._phase is not _BODY:
             self._head_bytes += len(data)
         else:
             self._body_phase_bytes += len(data)
@@ -144,11 +150,11 @@ class H1ServerParser:
             self._fail(400, f"malformed request: {exc}")
         if self._broken is not None:
             raise self._broken
-        if self._phase is not _Phase.BODY and self._head_bytes > MAX_HEAD_BYTES:
+        if self._phase is not _BODY and self._head_bytes > MAX_HEAD_BYTES:
             self._fail(431, "request head too large")
             raise self._broken  # type: ignore[misc]
-        if self._phase is _Phase.BODY and (self._body_phase_bytes - self._body_bytes
-                                           > MAX_HEAD_BYTES + self._body_bytes):
+        if self._phase is _BODY and (self._body_phase_bytes - self._body_bytes
+                                     > MAX_HEAD_BYTES + self._body_bytes):
             # chunk framing and trailers beyond any real client's: llhttp would go on
             # accumulating a trailer value of any size, quadratically
             self._fail(431, "chunk framing or trailer section too large")
@@ -178,7 +184,7 @@ class H1ServerParser:
         arriving, what is left of one); None when nothing is."""
         events = self._events
         if len(events) < 2:
-            return INCOMPLETE if events or self._phase is _Phase.HEAD else None
+            return INCOMPLETE if events or self._phase is _HEAD else None
         request = events[0]
         if not isinstance(request, Request):
             return INCOMPLETE
@@ -208,12 +214,12 @@ class H1ServerParser:
     @property
     def in_head(self) -> bool:
         """A request head has begun and is not complete yet."""
-        return self._phase is _Phase.HEAD
+        return self._phase is _HEAD
 
     # -- llhttp callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._phase = _Phase.HEAD
+        self._phase = _HEAD
         self._head_size = 0
         self._target.clear()
         self._fields = []
@@ -236,7 +242,7 @@ class H1ServerParser:
         raise self._broken  # type: ignore[misc]  # stops llhttp at this message
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._phase is not _Phase.HEAD:  # a trailer field: counted, then dropped
+        if self._phase is not _HEAD:  # a trailer field: counted, then dropped
             self._trailer_fields += 1
             if self._trailer_fields > MAX_FIELDS:
                 self._fail(431, "too many trailer fields")
@@ -250,7 +256,7 @@ class H1ServerParser:
         self._fields.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self._phase = _Phase.BODY
+        self._phase = _BODY
         self._head_bytes = 0
         fields = self._fields
         hosts = 0
@@ -297,7 +303,7 @@ class H1ServerParser:
         self._events.append(Data(bytes(body)))
 
     def on_message_complete(self) -> None:
-        self._phase = _Phase.IDLE
+        self._phase = _IDLE
         self._events.append(END_OF_MESSAGE)
 
 
@@ -314,6 +320,12 @@ class Framing(enum.Enum):
     CLOSE = "close"  # HTTP/1.0 client, no length: the body ends with the connection
 
 
+#: The members as plain globals, for the same reason as `_Phase`'s: every answer is
+#: framed here.
+FRAMING_NONE, FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_CLOSE = (
+    Framing.NONE, Framing.LENGTH, Framing.CHUNKED, Framing.CLOSE)
+
+
 _REASONS = {int(s): s.phrase.encode("ascii") for s in http.HTTPStatus}
 
 
@@ -324,11 +336,11 @@ def reason(status: int) -> bytes:
 def response_framing(request_method: str, http_version: str, status: int,
                      headers: Headers) -> Framing:
     if request_method == "HEAD" or status < 200 or status in (204, 304):
-        return Framing.NONE
+        return FRAMING_NONE
     for name, _ in headers:
         if name == b"content-length":
-            return Framing.LENGTH
-    return Framing.CHUNKED if http_version == "1.1" else Framing.CLOSE
+            return FRAMING_LENGTH
+    return FRAMING_CHUNKED if http_version == "1.1" else FRAMING_CLOSE
 
 
 #: Status lines by status, made on first use.
@@ -343,16 +355,16 @@ def response_head(status: int, headers: Headers, framing: Framing, *, close: boo
         if 100 <= status <= 999:
             _STATUS_LINES[status] = line
     parts = [line]
-    if framing is Framing.LENGTH:
+    if framing is FRAMING_LENGTH:
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
     else:
         for name, value in headers:
             if name != b"content-length":
                 parts += (name, b": ", value, b"\r\n")
-        if framing is Framing.CHUNKED:
+        if framing is FRAMING_CHUNKED:
             parts.append(b"transfer-encoding: chunked\r\n")
-    if close or framing is Framing.CLOSE:
+    if close or framing is FRAMING_CLOSE:
         parts.append(b"connection: close\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)
@@ -363,9 +375,9 @@ def whole_response(request_method: str, http_version: str, status: int, headers:
     """A whole answer's bytes for one write, and the framing it got."""
     framing = response_framing(request_method, http_version, status, headers)
     head = response_head(status, headers, framing, close=close)
-    if framing is Framing.LENGTH or framing is Framing.CLOSE:
+    if framing is FRAMING_LENGTH or framing is FRAMING_CLOSE:
         return (head + body if body else head), framing
-    if framing is Framing.CHUNKED:
+    if framing is FRAMING_CHUNKED:
         return (head + chunk(body) + LAST_CHUNK if body else head + LAST_CHUNK), framing
     return head, framing
 
