@@ -353,3 +353,35 @@ def test_a_content_length_past_any_body_is_refused_as_llhttp_reads_it() -> None:
         parser.feed(b"POST / HTTP/1.1\r\nHost: h.test\r\nContent-Length: "
                     + b"9" * 5000 + b"\r\n\r\n")
     assert refused.value.status == 400 and "callback" not in refused.value.why, refused.value
+
+
+_CONNECTION_FIELDS = [b"", b"Connection: keep-alive\r\n", b"Connection: close\r\n",
+                      b"Connection: x, keep-alive\r\n", b"Proxy-Connection: keep-alive\r\n",
+                      b"Proxy-Connection: close\r\n",
+                      b"Connection: close\r\nProxy-Connection: keep-alive\r\n"]
+
+
+@pytest.mark.parametrize("version", [b"0.9", b"1.0", b"1.1", b"2.0"])
+@pytest.mark.parametrize("fields", _CONNECTION_FIELDS)
+def test_version_is_what_llhttp_parsed_whatever_the_connection_fields(
+        version: bytes, fields: bytes) -> None:
+    """The request's version (told without asking llhttp for its text where keep-alive
+    already says it) is llhttp's own, for every version llhttp takes and every spelling
+    of the fields that change keep-alive; keep-alive is llhttp's too."""
+    import httptools
+
+    raw = b"GET / HTTP/" + version + b"\r\nHost: h.test\r\n" + fields + b"\r\n"
+    seen: list[tuple[str, bool]] = []
+
+    class Probe:
+        def on_headers_complete(self) -> None:
+            seen.append((probe.get_http_version(), probe.should_keep_alive()))
+
+    probe = httptools.HttpRequestParser(Probe())
+    probe.feed_data(raw)
+    parser = H1ServerParser()
+    parser.feed(raw)
+    request = parser.next_event()
+    assert isinstance(request, Request)
+    assert (request.http_version, request.keep_alive) == seen[0]
+    assert request.http_version == version.decode()

@@ -534,6 +534,26 @@ def test_parser_refuses_ambiguous_framing() -> None:
             ResponseParser("GET").feed(head)
 
 
+@pytest.mark.parametrize("version", [b"0.9", b"1.0", b"1.1", b"2.0"])
+@pytest.mark.parametrize("fields", [
+    b"", b"Connection: keep-alive\r\n", b"Connection: close\r\n",
+    b"Connection: x, Close\r\n", b"Proxy-Connection: keep-alive\r\n",
+    b"Proxy-Connection: close\r\n", b"Connection: close\r\nProxy-Connection: keep-alive\r\n"])
+@pytest.mark.parametrize("framing", [b"Content-Length: 2\r\n", b""])
+def test_parser_version_and_reuse_whatever_the_connection_fields(
+        version: bytes, fields: bytes, framing: bytes) -> None:
+    """The response's version is the one it was sent with (told without asking llhttp
+    for its text where keep-alive already says it), and the connection is reused only
+    after an HTTP/1.1 response, framed, that did not say close."""
+    p = ResponseParser("GET")
+    p.feed(b"HTTP/" + version + b" 200 OK\r\n" + fields + framing + b"\r\nhi")
+    if not framing:  # close-delimited: the end is the node's close
+        p.feed_eof()
+    assert p.done and p.version == "HTTP/" + version.decode()
+    says_close = b"close" in fields.split(b"Proxy-Connection")[0].lower()
+    assert p.keep_alive == (version == b"1.1" and bool(framing) and not says_close)
+
+
 def test_parser_bytes_after_response_end_the_connection() -> None:
     p = ResponseParser("GET")
     p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhiHTTP/1.1 200 OK\r\n")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import httptools
 
+from pact_ingress.proto import llhttp
 from pact_ingress.proto.http_request import declared_length
 
 #: A request head larger than this is refused with 431; MCP and browser heads are a few
@@ -261,6 +262,7 @@ class H1ServerParser:
         fields = self._fields
         hosts = 0
         length = transfer = expect = host = None
+        connection = False
         for name, value in fields:
             if name == b"host":
                 hosts += 1
@@ -273,8 +275,11 @@ class H1ServerParser:
                 transfer = value if transfer is None else transfer + b"," + value
             elif name == b"expect":
                 expect = value
+            elif name == b"connection" or name == b"proxy-connection":
+                connection = True
         parser = self._parser
-        version = parser.get_http_version()
+        keep_alive = parser.should_keep_alive()
+        version = llhttp.version(parser, keep_alive, connection)
         if hosts > 1:
             self._fail(400, "more than one Host field")
         elif transfer is not None and [t.strip() for t in transfer.lower().split(b",")] != [
@@ -296,7 +301,7 @@ class H1ServerParser:
             name = method.decode("ascii")
         self._events.append(Request(
             name, bytes(self._target), fields, version, length, transfer is not None,
-            expect is not None and version == "1.1", parser.should_keep_alive(), host))
+            expect is not None and version == "1.1", keep_alive, host))
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)

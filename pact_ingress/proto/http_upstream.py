@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import httptools
 
+from pact_ingress.proto import llhttp
+
 #: Bytes of response head (interim 1xx heads included) we accept before the final head
 #: is complete: generous for any real node, small enough that a node cannot make the
 #: edge hold megabytes per connection before a single body byte.
@@ -169,14 +171,15 @@ class ResponseParser:
         self.status = status
         self.head_done = True
         self._progress = True
-        version = self._parser.get_http_version()
-        self.version = f"HTTP/{version}"
         connection = b""
         codings = b""
         framed = status in (204, 304)
+        proxy_connection = False
         for name, value in self.headers:
             if name == b"connection":
                 connection += b"," + value.lower()
+            elif name == b"proxy-connection":
+                proxy_connection = True
             elif name == b"content-length":
                 framed = True
             elif name == b"transfer-encoding":
@@ -187,6 +190,9 @@ class ResponseParser:
             # the edge takes off chunked only; any other coding is hop-by-hop (the
             # client would not be told of it) and its bytes would pass for the content
             raise ResponseError("a transfer coding other than chunked")
+        version = llhttp.version(self._parser, self._parser.should_keep_alive(),
+                                 bool(connection) or proxy_connection)
+        self.version = f"HTTP/{version}"
         if version != "1.1" or (connection and b"close" in [
                 t.strip() for t in connection.split(b",")]):
             self.keep_alive = False
