@@ -53,6 +53,9 @@ def _json_line(created: float, level: str, event: str, fields: dict[str, Any]) -
 #: Below this magnitude a float rounded to 3 decimals prints as those 3 decimals: doubles
 #: there are closer together than 0.0005, so no shorter decimal names the same double.
 _MS_EXACT = 1e12
+#: The same for one decimal (a request's milliseconds, `EventLogger.request`): doubles
+#: there are closer together than 0.05.
+_TENTHS_EXACT = 1e14
 
 
 #: Below this magnitude a text is kept for the interval of (positive) floats that print
@@ -263,19 +266,23 @@ class EventLogger:
     def request(self, prefix: str, method: str, path: str, status: int, ms: float) -> None:
         """The terminate engine's access line of one request: the same line as
         `access("request", **fields)` with `fields` = `request_fields(route, client_ip)`
-        then method, path, status and ms, built as one string. `prefix` is what
-        `request_prefix` made of the connection's constant fields (once per connection,
-        not per request)."""
+        then method, path, status and `round(ms, 1)`, built as one string. `prefix` is
+        what `request_prefix` made of the connection's constant fields (once per
+        connection, not per request).
+        The milliseconds are written with format `.1f`, the text `repr(round(ms, 1))`
+        gives below `_TENTHS_EXACT` (both are the correctly rounded decimal), for half
+        the cost: `round` and `repr` each run the arbitrary-precision conversion."""
         handler = _direct
         handlers = _LOGGER.handlers
         if (handler is None or len(handlers) != 1 or handlers[0] is not handler
-                or _bound_overlaps_request or not _LOGGER.isEnabledFor(logging.INFO)):
+                or _bound_overlaps_request or not _LOGGER.isEnabledFor(logging.INFO)
+                or not -_TENTHS_EXACT < ms < _TENTHS_EXACT):
             self.access("request", **json.loads("{" + prefix + "}"), method=method,
-                        path=path, status=status, ms=ms)
+                        path=path, status=status, ms=round(ms, 1))
             return
         line = (f'{{"ts":{ts_repr(time.time())},"level":"info","event":"request",'
                 f'{_bound_members}{prefix},"method":{_quote(method)},"path":{_quote(path)},'
-                f'"status":{status!r},"ms":{ms!r}}}\n')
+                f'"status":{status!r},"ms":{ms:.1f}}}\n')
         self._access.append(line)
         self._access_bytes += len(line)
         if self._access_bytes >= ACCESS_BUFFER_BYTES:

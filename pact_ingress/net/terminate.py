@@ -707,7 +707,7 @@ class Terminator:
         if len(path) > LOG_PATH_MAX:
             path = path[:LOG_PATH_MAX]
         log.request(conn.log_prefix, method, path.decode("latin-1"), status,
-                    round(((conn.now() if now is None else now) - started) * 1000, 1))
+                    ((conn.now() if now is None else now) - started) * 1000)
 
     def note_header_time(self, route_host: str, seconds: float) -> None:
         """How long the node took to its response head (into the histogram at the next
