@@ -20,6 +20,8 @@ import httpcore
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from pact_ingress.config import Address, Backend, Config, Limits, Listen, Route, Tenant
@@ -191,6 +193,65 @@ def test_response_header_hygiene_in_any_order(order: int) -> None:
               (b"connection", b"x-third"), (b"x-third", b"4"), (b"Vary", b"accept")]
     shuffled = list(itertools.permutations(fields))[order * 997 % 40320]
     assert clean_response_headers(shuffled) == [(b"vary", b"accept")]
+
+
+_NAME_PARTS = [b"x-forwarded-", b"proxy-", b":", b"x-pact-", b"_", b"-", b"te", b"host",
+               b"connection", b"keep-alive", b"forwarded", b"accept", b"Content-Length",
+               b"X-Real-IP", b"via", b"upgrade", b"expect", b"a", b"Z"]
+
+
+def _old_request_hygiene(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request rule as it reads, judged field by field (what the remembered
+    verdicts must always agree with)."""
+    from pact_ingress.proto.http_headers import HOP_BY_HOP, is_spoofable
+    out, named = [], set()
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"connection":
+            named |= {t.strip().lower() for t in value.split(b",") if t.strip()}
+        elif not (lname in (b"host", b"content-length", b"te") or lname.startswith(b":")
+                  or lname in HOP_BY_HOP or is_spoofable(lname)):
+            out.append((lname, value))
+    return [f for f in out if f[0] not in named]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(_NAME_PARTS), min_size=1, max_size=4)
+                          .map(b"".join), st.sampled_from([b"1", b"x-pact-caller, accept"])),
+                max_size=12))
+def test_header_hygiene_by_remembered_verdicts_is_the_rule(
+        fields: list[tuple[bytes, bytes]]) -> None:
+    """Each direction's fields are judged by a verdict remembered per name; whatever
+    names came before (the table warm, cold or full), what reaches the node and the
+    client is what the rule says, field by field."""
+    from pact_ingress.proto import http_headers
+    for warm in (False, True):
+        out = clean_request_headers(fields, client_ip="192.0.2.7", host=HOST)
+        assert out[0] == (b"host", HOST.encode()) and out[-1][0] == b"forwarded"
+        assert out[1:-1] == _old_request_hygiene(fields), warm
+        spoofed = [name for name, _ in out[1:-1] if http_headers.is_spoofable(name)]
+        assert not spoofed
+        answer = clean_response_headers(fields)
+        assert all(not (n in http_headers.HOP_BY_HOP or n.startswith((b":", b"proxy-")))
+                   for n, _ in answer)
+    assert len(http_headers._request_verdicts) <= http_headers.MAX_VERDICTS
+    assert len(http_headers._response_verdicts) <= http_headers.MAX_VERDICTS
+
+
+def test_verdicts_kept_are_bounded_and_the_rest_judged_each_time() -> None:
+    """A client inventing names cannot grow the table past its cap, and names past the
+    cap are still judged right (spoofable ones dropped)."""
+    from pact_ingress.proto import http_headers
+    for i in range(http_headers.MAX_VERDICTS + 50):
+        clean_request_headers([(b"x-made-up-%d" % i, b"1")], client_ip="192.0.2.7",
+                              host=HOST)
+        clean_response_headers([(b"x-made-up-%d" % i, b"1")])
+    assert len(http_headers._request_verdicts) <= http_headers.MAX_VERDICTS
+    assert len(http_headers._response_verdicts) <= http_headers.MAX_VERDICTS
+    late = [(b"x_forwarded_for", b"6.6.6.6"), (b"x-forwarded-host", b"evil"),
+            (b"proxy-connection", b"keep-alive"), (b"x-late-but-fine", b"ok")]
+    out = clean_request_headers(late, client_ip="192.0.2.7", host=HOST)
+    assert [name for name, _ in out] == [b"host", b"x-late-but-fine", b"forwarded"]
 
 
 def test_host_matching() -> None:

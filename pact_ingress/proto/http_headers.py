@@ -37,6 +37,49 @@ SPOOFABLE_PREFIXES = (b"x-forwarded-", b"x-original-", b"x-pact-", b"proxy-")
 #: Response fields dropped by their start: pseudo-headers and every `proxy-` name.
 _DROPPED_PREFIXES = (b":", b"proxy-")
 
+# What becomes of a field, by its lower-case name, in each direction. Every field of
+# every request and answer is judged, and the judgement (set lookups, prefix tests, the
+# underscore search) is several times the cost of a dict lookup, so verdicts are kept
+# by name; a client can invent names without end, so only the first `MAX_VERDICTS`
+# are kept (the rest are judged each time, as before).
+KEEP, DROP, TE, CONNECTION = 0, 1, 2, 3
+MAX_VERDICTS = 2048
+_request_verdicts: dict[bytes, int] = {}
+_response_verdicts: dict[bytes, int] = {}
+
+
+def request_verdict(lname: bytes) -> int:
+    """What becomes of a request field named `lname` on its way to the node."""
+    verdict = _request_verdicts.get(lname)
+    if verdict is None:
+        if lname == b"te":
+            verdict = TE
+        elif lname == b"connection":
+            verdict = CONNECTION
+        elif (lname in (b"host", b"content-length") or lname.startswith(b":")
+              or lname in HOP_BY_HOP or is_spoofable(lname)):
+            verdict = DROP  # (every proxy- name is spoofable)
+        else:
+            verdict = KEEP
+        if len(_request_verdicts) < MAX_VERDICTS:
+            _request_verdicts[lname] = verdict
+    return verdict
+
+
+def response_verdict(lname: bytes) -> int:
+    """What becomes of an answer's field named `lname` on its way to the client."""
+    verdict = _response_verdicts.get(lname)
+    if verdict is None:
+        if lname == b"connection":
+            verdict = CONNECTION
+        elif lname in HOP_BY_HOP or lname.startswith(_DROPPED_PREFIXES):
+            verdict = DROP
+        else:
+            verdict = KEEP
+        if len(_response_verdicts) < MAX_VERDICTS:
+            _response_verdicts[lname] = verdict
+    return verdict
+
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     named: set[bytes] = set()
@@ -52,11 +95,11 @@ def clean_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     named: set[bytes] | None = None  # what Connection names, once it was seen
     for name, value in headers:
         lname = name.lower()
-        if lname in HOP_BY_HOP or lname.startswith(_DROPPED_PREFIXES):
-            if lname == b"connection":
-                named = _connection_tokens(((lname, value),)) | (named or set())
-            continue
-        out.append((lname, value))
+        verdict = response_verdict(lname)
+        if verdict == KEEP:
+            out.append((lname, value))
+        elif verdict == CONNECTION:
+            named = _connection_tokens(((lname, value),)) | (named or set())
     if named:  # rare: one pass per response otherwise
         out = [field for field in out if field[0] not in named]
     return out
@@ -88,7 +131,8 @@ def forwarded_value(client_ip: str, host: str) -> bytes:
 def is_spoofable(name: bytes) -> bool:
     """Would a node trust this (lower-case) request header to mean something about the
     caller that only the edge may say?"""
-    return name in SPOOFABLE or name.startswith(SPOOFABLE_PREFIXES) or b"_" in name
+    return (name in SPOOFABLE or name.startswith(SPOOFABLE_PREFIXES)
+            or name.find(b"_") != -1)  # (`find`: `bytes in bytes` builds a TypeError first)
 
 
 def clean_request_headers(
@@ -104,17 +148,13 @@ def clean_request_headers(
     named: set[bytes] | None = None  # what Connection names, once it was seen
     for name, value in headers:
         lname = name.lower()
-        if lname == b"te":
+        verdict = request_verdict(lname)
+        if verdict == KEEP:
+            out.append((lname, value))
+        elif verdict == TE:
             wants_trailers |= b"trailers" in [t.strip().lower() for t in value.split(b",")]
-            continue
-        if lname in (b"host", b"content-length") or lname.startswith(b":"):
-            continue
-        if lname == b"connection":
+        elif verdict == CONNECTION:
             named = _connection_tokens(((lname, value),)) | (named or set())
-            continue
-        if lname in HOP_BY_HOP or is_spoofable(lname):  # (every proxy- name is spoofable)
-            continue
-        out.append((lname, value))
     if named:  # rare: one pass per request otherwise
         out = [field for field in out if field[0] not in named or field[0] == b"host"]
     if wants_trailers:
