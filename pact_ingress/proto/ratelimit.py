@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import itertools
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
@@ -298,8 +297,21 @@ class RateLimiter:
         self._tat[bucket] = tat
 
     def _sweep(self, now: float) -> None:
-        """Drop the expired among the SWEEP_PER_CHECK coldest entries."""
-        coldest = list(itertools.islice(self._tat.items(), SWEEP_PER_CHECK))
-        for bucket, tat in coldest:
-            if tat <= now:
-                del self._tat[bucket]
+        """Drop the expired among the SWEEP_PER_CHECK coldest entries. (A counted loop,
+        not a list of an `islice`: this runs on every check, and those two objects cost
+        more than looking at the one or two entries a quiet table holds.)"""
+        tat = self._tat
+        expired: list[BucketId] | None = None
+        left = SWEEP_PER_CHECK
+        for bucket, until in tat.items():
+            if until <= now:
+                if expired is None:
+                    expired = [bucket]
+                else:
+                    expired.append(bucket)
+            left -= 1
+            if not left:
+                break
+        if expired is not None:
+            for bucket in expired:
+                del tat[bucket]
