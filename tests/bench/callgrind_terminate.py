@@ -8,6 +8,8 @@ cannot move.
 `--keepalive N` counts instructions per keep-alive request instead: 8 client threads
 (`--threads`), each on one connection, `N` requests in all (`GET /`, each answer read
 before the next request is sent, as wrk does).
+`--keepalive N --h2` counts them over HTTP/2 instead: `h2load` with `--threads`
+connections, one stream at a time on each, `N` requests in all.
 
 CPU time per connection (`ab_terminate`) swings by tens of percent while other work
 shares the cores; the number of instructions the process executes per connection does
@@ -139,6 +141,19 @@ def _keepalive(port: int, count: int) -> int:
     return ok[0]
 
 
+def _keepalive_h2(port: int, count: int) -> int:
+    """`count` requests over HTTP/2 on THREADS connections, one stream at a time on
+    each (h2load); how many got a 2xx."""
+    out = subprocess.run(
+        ["taskset", "-c", str(CORE_LOAD), "h2load", "-t1", f"-c{THREADS}", "-m1",
+         f"-n{count}", f"https://{bt.HOST}:{port}/"], capture_output=True, text=True,
+        timeout=1800).stdout
+    m = re.search(r"status codes: (\d+) 2xx", out)
+    if m is None:
+        raise SystemExit(f"h2load gave no status counts:\n{out[-800:]}")
+    return int(m.group(1))
+
+
 def _by_object(dump: Path) -> Counter[str]:
     out = subprocess.run(["callgrind_annotate", "--threshold=100", str(dump)],
                          capture_output=True, text=True, check=True).stdout
@@ -194,26 +209,27 @@ def counted(tmp: Path, name: str) -> Counter[str]:
 
 
 def measure(name: str, tree: Path, yaml: str, rig: bt.Rig, tmp: Path, conns: int,
-            keepalive: int = 0) -> Counter[str]:
+            keepalive: int = 0, h2: bool = False) -> Counter[str]:
     port = free_port()
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.replace(f'127.0.0.1:{rig.ports[bt.SUBJECT]}"', f'127.0.0.1:{port}"')
                    .replace(f"state_dir: {tmp}/state", f"state_dir: {tmp}/state-{name}"))
     proc = serve_under_callgrind(name, tree, cfg, tmp, port)
-    return _count(proc, name, port, tmp, conns, keepalive)
+    return _count(proc, name, port, tmp, conns, keepalive, h2)
 
 
 def _count(proc: subprocess.Popen[bytes], name: str, port: int, tmp: Path, conns: int,
-           keepalive: int) -> Counter[str]:
-    """Warm `proc` up, count `conns` new connections (or `keepalive` requests) with
-    collection on, stop it; its instructions by shared object."""
+           keepalive: int, h2: bool = False) -> Counter[str]:
+    """Warm `proc` up, count `conns` new connections (or `keepalive` requests, over
+    HTTP/2 with `h2`) with collection on, stop it; its instructions by shared object."""
+    requests = _keepalive_h2 if h2 else _keepalive
     try:
         _connections(port, 8 * THREADS)  # warm: pools filled, every path run once
         if keepalive:
-            _keepalive(port, 8 * THREADS)
+            requests(port, 8 * THREADS)
         collect(proc, True)
         if keepalive:
-            ok, conns = _keepalive(port, keepalive), keepalive
+            ok, conns = requests(port, keepalive), keepalive
         else:
             ok = _connections(port, conns)
         collect(proc, False)
@@ -295,9 +311,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="also count tests/bench/lean_epoll_proxy.py, the same way")
     p.add_argument("--epoll-checked", action="store_true",
                    help="also count tests/bench/epoll_checked_proxy.py, the same way")
+    p.add_argument("--h2", action="store_true",
+                   help="with --keepalive: the requests over HTTP/2 (h2load), pact-ingress only")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
+    if args.h2 and (not args.keepalive or args.haproxy or args.lean or args.lean_epoll
+                    or args.epoll_checked):
+        p.error("--h2 counts keep-alive requests (--keepalive N) of pact-ingress trees only")
     globals()["THREADS"] = args.threads
     require_valgrind()
     if (os.cpu_count() or 1) >= 2:
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         yaml = (tmp / "ingress.yaml").read_text()
         for name, tree in (t.split("=", 1) for t in args.trees):
             rows[name] = measure(name, Path(tree).resolve(), yaml, rig, tmp, args.conns,
-                                 args.keepalive)
+                                 args.keepalive, args.h2)
         for name in bt.REFERENCES:  # `--lean` etc.: the flag is the path's name
             if getattr(args, name.replace("-", "_")):
                 rows[name] = measure_reference(rig, tmp, args.conns, args.keepalive, name)
