@@ -554,6 +554,45 @@ def test_parser_version_and_reuse_whatever_the_connection_fields(
     assert p.keep_alive == (version == b"1.1" and bool(framing) and not says_close)
 
 
+_ANSWERS = [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n0\r\nT: x\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
+    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nX-A: 1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nProxy-Connection: close\r\nContent-Length: 1\r\n\r\nz",
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\ny",
+    b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\nw",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nvHTTP/1.1 200 OK\r\n\r\n",  # bytes after
+    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nuvw",
+]
+
+
+def _outcome(p: ResponseParser, data: bytes, method: str) -> tuple[object, ...]:
+    try:
+        for i in range(0, len(data), 7):  # in pieces, as reads come
+            p.feed(data[i:i + 7])
+    except ResponseError as exc:
+        return ("error", str(exc))
+    return (p.status, p.headers, p.version, p.take_body(), p.done, p.keep_alive, method)
+
+
+@pytest.mark.parametrize("start", range(len(_ANSWERS)))
+def test_parser_restarted_after_each_answer_parses_as_a_new_one(start: int) -> None:
+    """One `keep` parser restarted for answer after answer (what the keep-alive lane
+    does with a client's exchanges) reads each exactly as a new parser would, whatever
+    came before: answers that leave llhttp closed (Connection or Proxy-Connection
+    close, HTTP/1.0, bytes after the answer), interim answers, chunked trailers, HEAD."""
+    kept = ResponseParser("GET", keep=True)
+    order = _ANSWERS[start:] + _ANSWERS[:start]
+    for n, data in enumerate(order * 2):
+        method = "HEAD" if n % 5 == 4 else "GET"
+        if n:
+            kept.restart(method)
+        assert _outcome(kept, data, method) == _outcome(ResponseParser(method), data, method)
+    kept.discard()
+    assert kept._parser is None and not kept.keep
+
+
 def test_parser_bytes_after_response_end_the_connection() -> None:
     p = ResponseParser("GET")
     p.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhiHTTP/1.1 200 OK\r\n")

@@ -377,6 +377,8 @@ class _Client(NodeLeg):
         self.held = 0
         self.go: LaneGo | None = None
         self.nodes = RouteNodes()  # the shares and the pool of the route last used
+        #: the last answer's parser, kept for the next one (`new_response`)
+        self.spare: ResponseParser | None = None
         self.leg_init()  # the node's side: `entry`, `holding`, `node`, `response`, ...
         self.status = 0
         self.close_after = False
@@ -683,6 +685,16 @@ class _Client(NodeLeg):
             NODE_BROKE_OFF, [_TEXT, (b"content-length", b"%d" % len(BROKE_OFF))],
             FRAMING_LENGTH, close=True) + BROKE_OFF, close=True, now=self.conn.now())
 
+    def new_response(self, method: str) -> ResponseParser:
+        """The last answer's parser when it ended whole and clean (llhttp waits at the
+        start of a message: `ResponseParser.restart`), else a new one; kept parsers keep
+        their cycle with llhttp's, broken when the connection ends (`close`, `hand`)."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return ResponseParser(method, keep=True)
+        spare.restart(method)
+        return spare
+
     def node_answered(self, now: float) -> None:
         """The node's whole answer is here: to the client in one write."""
         request, parser = self.request, self.response
@@ -696,6 +708,11 @@ class _Client(NodeLeg):
         # (a node that answered before it took our whole request: not reused)
         self.release(parser.keep_alive and not self.node_pending, now)
         self.response = None
+        if parser.keep_alive:
+            parser.set_aside()
+            self.spare = parser
+        else:
+            parser.discard()
         self.answer_with(status, data, close=close or framing is FRAMING_CLOSE, now=now)
 
     def answer_with(self, status: int, data: bytes, *, close: bool, now: float) -> None:
@@ -800,7 +817,8 @@ class _Client(NodeLeg):
     def close(self, status: int) -> None:
         """Close the connection here; an exchange in hand ends with `status`."""
         self.release(False)
-        self.response = None
+        self.drop_response()
+        self.drop_spare()
         if self.request is not None:
             self.finish(status or 499)
         self.deadline = math.inf
@@ -820,6 +838,7 @@ class _Client(NodeLeg):
              response: ResponseParser | None = None) -> None:
         """Give the connection to the trio engine at `point`."""
         self.lane.handed[point] += 1
+        self.drop_spare()
         self.deadline = self.node_deadline = math.inf
         self.node_side = None  # type: ignore[assignment]  # (a cycle: see `close`)
         self.move(ENDED)
@@ -840,6 +859,11 @@ class _Client(NodeLeg):
                           answer=answer, go=self.go, entry=entry, node=node,
                           response=response))
         self.go = None
+
+    def drop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.discard()
 
     def wake(self, result: Handoff | NeedNode | None) -> None:
         task, self.task = self.task, None

@@ -170,10 +170,22 @@ class NodeLeg:
 
     # -- the request out ----------------------------------------------------------------
 
+    def new_response(self, method: str) -> ResponseParser:
+        """The parser for the node's answer to the request in hand (a subclass that
+        serves one exchange after another may give the last one's again)."""
+        return ResponseParser(method)
+
+    def drop_response(self) -> None:
+        """The answer in hand is parsed no further here."""
+        parser, self.response = self.response, None
+        if parser is not None:
+            parser.discard()
+
+
     def send_request(self, now: float) -> None:
         request, go, node = self.request, self.go, self.node
         assert request is not None and go is not None and node is not None
-        self.response = ResponseParser(request.method)
+        self.response = self.new_response(request.method)
         self.head_seen = False
         self.move(self.AT_NODE)
         watch = node._watch
@@ -329,7 +341,7 @@ class NodeLeg:
         assert request is not None and go is not None
         received = parser.received if parser is not None else 0
         self.let_node_go(False)
-        self.response = None
+        self.drop_response()
         if (received == 0 and self.reused and request.method in IDEMPOTENT
                 and not isinstance(exc, UpstreamTimeout)):
             # a pooled connection the node had closed: sent again, once, on a fresh one,
@@ -354,7 +366,7 @@ class NodeLeg:
             # the node timing the idle connection out as our request crossed it: no
             # answer to this request (408 says the node took none); once more, fresh
             self.let_node_go(False)
-            self.response = None
+            self.drop_response()
             self.retry_fresh()
             return False
         if parser.done:
@@ -380,6 +392,7 @@ class NodeLeg:
         if self.node_pending:  # answered before our request was all sent: never reused
             parser.keep_alive = False
             self.node_pending = b""
+        parser.keep = False  # its holder from now on is not this leg (see `discard`)
         self.node = self.entry = self.response = None
         self.holding = None
         self.relayed(entry, node, parser)
@@ -390,5 +403,5 @@ class NodeLeg:
         assert go is not None
         log.warning("upstream_body_failed", route=go.route.host, error=str(exc))
         self.release(False)
-        self.response = None
+        self.drop_response()
         self.broke_off()

@@ -72,8 +72,23 @@ class ResponseParser:
     `keep_alive` says whether the connection may be pooled afterwards.
     """
 
-    def __init__(self, method: str) -> None:
-        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+    def __init__(self, method: str, *, keep: bool = False) -> None:
+        self._parser: httptools.HttpResponseParser | None = None
+        #: the llhttp parser stays when the answer ends, for the next one (`restart`);
+        #: whoever holds this parser then breaks the cycle itself (`discard`)
+        self.keep = keep
+        self.restart(method)
+
+    def restart(self, method: str) -> None:
+        """Ready for the next answer, to a request with `method`. After an answer that
+        ended whole and left llhttp waiting at the start of a message (`keep` parsers,
+        `keep_alive`, and llhttp's own keep-alive: it closes on fields this parser does
+        not read, such as `Proxy-Connection: close`), llhttp's parser goes on: making it
+        anew (its callbacks looked up, its C state allocated) is a good part of a small
+        answer's whole parse. Otherwise a new one parses."""
+        if self._parser is None or not (self._resumable and self.keep_alive):
+            self._parser = httptools.HttpResponseParser(self)
+        self._resumable = False  # llhttp waits at a message's start after this answer
         self._head_only = method == "HEAD"
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -149,6 +164,7 @@ class ResponseParser:
             # another message after the response: nothing of it is parsed (its body
             # would join this one's), and nothing may follow on this connection
             self.keep_alive = False
+            self._resumable = False
             raise ResponseError("bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -192,7 +208,8 @@ class ResponseParser:
             # the edge takes off chunked only; any other coding is hop-by-hop (the
             # client would not be told of it) and its bytes would pass for the content
             raise ResponseError("a transfer coding other than chunked")
-        version = llhttp.version(self._parser, self._parser.should_keep_alive(),
+        llhttp_keeps = self._parser.should_keep_alive()
+        version = llhttp.version(self._parser, llhttp_keeps,
                                  bool(connection) or proxy_connection)
         self.version = f"HTTP/{version}"
         if version != "1.1" or (connection and b"close" in [
@@ -208,6 +225,7 @@ class ResponseParser:
         if not framed:
             self._close_delimited = True
             self.keep_alive = False
+        self._llhttp_keeps = llhttp_keeps
 
     def on_body(self, body: bytes) -> None:
         if self._in_interim:
@@ -228,9 +246,23 @@ class ResponseParser:
             self._in_interim = False
             return
         self.done = True
+        self._resumable = self.keep_alive and self._llhttp_keeps
         # llhttp's parser holds this object's callbacks and this object holds the
         # parser: a cycle per response that only the cyclic collector would free. Once
         # the response is whole nothing more is parsed (`feed` stops at `done`), so the
-        # cycle is broken here and both go by reference counting. (The running
-        # `feed_data` keeps the parser alive until it returns.)
+        # cycle is broken here and both go by reference counting (unless it is kept for
+        # the next answer: its holder breaks it). (The running `feed_data` keeps the
+        # parser alive until it returns.)
+        if not self.keep:
+            self._parser = None
+
+    def set_aside(self) -> None:
+        """Kept between answers (`keep`): what the last one left (its fields, however
+        large the node made them) goes now, not at the next `restart`."""
+        self.headers = []
+        self._pieces = []
+
+    def discard(self) -> None:
+        """Nothing more is parsed here: the cycle with llhttp's parser broken now."""
+        self.keep = False
         self._parser = None
