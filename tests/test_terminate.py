@@ -133,7 +133,8 @@ async def post_mcp(client: httpcore.AsyncConnectionPool, body: bytes, host: str 
                                 content=body)
 
 
-def sealed_call_args(env: Env, inner: dict[str, Any], *, msg_id: str = "m-1", now: float | None = None,
+def sealed_call_args(env: Env, inner: dict[str, Any], *, msg_id: str = "m-1",
+                     now: float | None = None,
                      ts: int | None = None, exp: int | None = None) -> dict[str, str]:
     now = time.time() if now is None else now
     payload = {**inner, "spk": b64url(spki_der(env.caller_id.key.public_key()))}
@@ -177,7 +178,8 @@ def test_forwarded_names_a_link_local_client_without_its_zone(zone: str) -> None
 
 def test_response_header_hygiene() -> None:
     dirty = [(b"Connection", b"close, X-Node-Hop"), (b"x-node-hop", b"1"), (b"keep-alive", b"5"),
-             (b"transfer-encoding", b"chunked"), (b"upgrade", b"h2c"), (b"proxy-authenticate", b"x"),
+             (b"transfer-encoding", b"chunked"), (b"upgrade", b"h2c"),
+             (b"proxy-authenticate", b"x"),
              (b"content-type", b"text/event-stream"), (b"Mcp-Session-Id", b"s1")]
     assert clean_response_headers(dirty) == [(b"content-type", b"text/event-stream"),
                                              (b"mcp-session-id", b"s1")]
@@ -382,7 +384,8 @@ def _bad_envelopes(env: Env) -> dict[str, dict[str, str]]:
 async def test_invalid_envelopes_refused_at_edge(env: Env) -> None:
     async with env.client() as client:
         for name, args in _bad_envelopes(env).items():
-            r = await post_mcp(client, rpc("tools/call", {"name": "sealed_call", "arguments": args}))
+            r = await post_mcp(client, rpc("tools/call",
+                                           {"name": "sealed_call", "arguments": args}))
             result = json.loads(r.content)["result"]
             assert result["structuredContent"] == {"code": "envelope_invalid"}, name
     assert env.node.requests == []
@@ -505,7 +508,8 @@ async def test_forwarded_headers_reach_node_clean(env: Env) -> None:
 
 
 @pytest.mark.parametrize("http2", [True, False])
-async def test_413_declared_and_streamed(nursery: trio.Nursery, tmp_path: Path, http2: bool) -> None:
+async def test_413_declared_and_streamed(nursery: trio.Nursery, tmp_path: Path,
+                                         http2: bool) -> None:
     env = await start_env(nursery, tmp_path, limits=Limits(max_body_bytes=1000))
     async with env.client(http2=http2, http1=not http2) as client:
         r = await client.request("POST", f"https://{HOST}/_demo/upload", content=b"x" * 1001)
@@ -606,7 +610,8 @@ async def test_rate_limit_per_ip_key_with_mock_clock(
     async with env.client() as client:
         for n in range(6):
             args = sealed_call_args(env, send_message_inner(msg_id=f"i{n}"), msg_id=f"m{n}")
-            r = await post_mcp(client, rpc("tools/call", {"name": "sealed_call", "arguments": args}, n))
+            r = await post_mcp(client, rpc("tools/call",
+                                           {"name": "sealed_call", "arguments": args}, n))
             result = json.loads(r.content)["result"]
             statuses.append(result.get("structuredContent", {}).get("code", "ok")
                             if result.get("isError") else "ok")
