@@ -41,7 +41,9 @@ _DROPPED_PREFIXES = (b":", b"proxy-")
 # every request and answer is judged, and the judgement (set lookups, prefix tests, the
 # underscore search) is several times the cost of a dict lookup, so verdicts are kept
 # by name; a client can invent names without end, so only the first `MAX_VERDICTS`
-# are kept (the rest are judged each time, as before).
+# are kept (the rest are judged each time, as before). The verdicts are plain ints, not
+# an Enum: on Python 3.11 each load of an Enum member goes through the metaclass's
+# `__getattr__` hook, and these are read once per field.
 KEEP, DROP, TE, CONNECTION = 0, 1, 2, 3
 MAX_VERDICTS = 2048
 _request_verdicts: dict[bytes, int] = {}

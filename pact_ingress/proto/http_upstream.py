@@ -88,7 +88,9 @@ class ResponseParser:
         answer's whole parse. Otherwise a new one parses."""
         if self._parser is None or not (self._resumable and self.keep_alive):
             self._parser = httptools.HttpResponseParser(self)
-        self._resumable = False  # llhttp waits at a message's start after this answer
+        # (both set as this answer's head and end are parsed: llhttp's own keep-alive,
+        # and whether llhttp then waits at the start of a message)
+        self._llhttp_keeps = self._resumable = False
         self._head_only = method == "HEAD"
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
