@@ -87,7 +87,7 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 async def _state(nursery: trio.Nursery, server: RedisServer) -> RedisState:
     settings = RedisSettings(host=server.host, port=server.port, db=0,
-                             encryption_key_file=Path("/nonexistent"), deadline=0.5)
+                             encryption_key_file=Path("/nonexistent"), deadline=2.0)
     state = RedisState(settings, Stats(), probe_interval=0.05)
     await nursery.start(lambda task_status: state.run(task_status=task_status))
     assert state.healthy

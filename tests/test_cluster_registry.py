@@ -49,7 +49,7 @@ def _calls(redis: RedisServer) -> int:
 
 
 async def _state(redis: RedisServer, nursery: trio.Nursery) -> RedisState:
-    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=0.5,
+    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=2.0,
                              encryption_key_file=Path("/nonexistent"))
     state = RedisState(settings, Stats(), probe_interval=30)  # no probe during a beat
     await nursery.start(lambda task_status: state.run(task_status=task_status))

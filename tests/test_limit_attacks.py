@@ -382,7 +382,7 @@ async def test_shared_budget_admits_a_batch_larger_than_the_burst_too(
         redis: RedisServer) -> None:
     """The same promise kept in Redis: the head's prepaid unit, then a batch over the
     burst from a full bucket, is admitted once and leaves a debt."""
-    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=0.5,
+    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=2.0,
                              encryption_key_file=Path("/nonexistent"))
     state = RedisState(settings, Stats(), probe_interval=0.05)
     budget = Budget(RATE, RATE)
@@ -650,7 +650,7 @@ def test_a_client_following_retry_after_is_served() -> None:
 
 async def test_a_client_following_retry_after_is_served_by_the_shared_budget(
         redis: RedisServer) -> None:
-    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=0.5,
+    settings = RedisSettings(host=redis.host, port=redis.port, db=0, deadline=2.0,
                              encryption_key_file=Path("/nonexistent"))
     state = RedisState(settings, Stats(), probe_interval=0.05)
     budget = Budget(RATE, RATE)

@@ -30,7 +30,7 @@ async def open_store(nursery: trio.Nursery, server: RedisServer,
     instance of a cluster has)."""
     state = RedisState(RedisSettings(
         host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
-        key_prefix=prefix or f"r{next(_prefixes)}:", deadline=0.5), Stats(),
+        key_prefix=prefix or f"r{next(_prefixes)}:", deadline=2.0), Stats(),
         probe_interval=0.05)
     await nursery.start(state.run)
     store = state.relay_store(Relay(host="relay.test", cert="acme", store=Path("/unused"),

@@ -86,7 +86,7 @@ async def make(kind: str, request: pytest.FixtureRequest, tmp_path: Path,
         server: RedisServer = request.getfixturevalue("redis")
         state = RedisState(RedisSettings(
             host=server.host, port=server.port, db=0, encryption_key_file=Path("/nonexistent"),
-            key_prefix=f"t{next(_prefixes)}:", deadline=0.5), Stats(), probe_interval=0.05)
+            key_prefix=f"t{next(_prefixes)}:", deadline=2.0), Stats(), probe_interval=0.05)
         await nursery.start(state.run)
         backend = state
 

@@ -86,7 +86,7 @@ async def test_noscript_is_reloaded_after_script_flush(redis: RedisServer) -> No
 
 
 async def test_limiter_survives_script_flush(nursery: trio.Nursery, redis: RedisServer) -> None:
-    state = RedisState(_settings(redis.host, redis.port, deadline=0.5), Stats(),
+    state = RedisState(_settings(redis.host, redis.port, deadline=2.0), Stats(),
                        probe_interval=60)
     await nursery.start(lambda task_status: state.run(task_status=task_status))
     assert state.healthy
