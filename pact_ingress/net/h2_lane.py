@@ -201,7 +201,7 @@ class _Stream(NodeLeg):
         if self.phase is S_ENDED:
             return
         self.release(False)
-        self.response = None
+        self.drop_response()
         self.lane.h2_aborted += 1
         self.done(CLIENT_CLOSED)
 
@@ -212,7 +212,7 @@ class _Stream(NodeLeg):
         if self.phase is S_ENDED:
             return
         self.release(False)
-        self.response = None
+        self.drop_response()
         self.ex.reset(ErrorCode.INTERNAL_ERROR)
         self.done(INTERNAL_FAULT)
 
