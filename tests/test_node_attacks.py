@@ -24,6 +24,7 @@ import contextlib
 import json
 import socket
 import ssl
+import struct
 import subprocess
 import threading
 import time
@@ -361,9 +362,7 @@ TARPIT_HOST = "tarpit.attack.test"
 REFUSED_HOST = "refused.attack.test"
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    tmp = tmp_path_factory.mktemp("node_attacks")
+def _rig(tmp: Path) -> Iterator[Rig]:
     ids = make_identities(tmp)
     node = ScriptNode(ids.node, ids.ingress, scripts())
     tarpit = socket.create_server((LOOPBACK, 0), backlog=64)
@@ -381,6 +380,29 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     serve.stop()
     node.stop()
     tarpit.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    yield from _rig(tmp_path_factory.mktemp("node_attacks"))
+
+
+@pytest.fixture(scope="module")
+def trio_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """`rig` with the keep-alive lane switched off (`PACT_INGRESS_LANE=0`): every
+    connection is the trio engine's from its start, and its socket joins no readiness
+    hub while the process has few connections."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PACT_INGRESS_LANE", "0")
+        rigs = _rig(tmp_path_factory.mktemp("node_attacks_trio"))
+        started = next(rigs)
+    yield started
+    next(rigs, None)
+
+
+#: Which engine serves a request: the keep-alive lane (a `GET`), the trio engine after
+#: the lane handed the connection over (a 200 KB upload), the trio engine alone.
+ENGINES = {"lane": ("rig", 0), "streamed": ("rig", 200_000), "trio": ("trio_rig", 0)}
 
 
 def h1(port: int, method: str, target: str, *, sock: ssl.SSLSocket | None = None,
@@ -994,31 +1016,93 @@ def test_an_early_answer_the_node_closes_after_is_relayed_whole(rig: Rig, leg: s
     settled(rig)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not fixed: while the edge connects to the node, an HTTP/1.1 client's close shows "
-    "only as the end of its input, which a client that half-closed after its request "
-    "(and still waits for the answer: tests/test_terminate_hub.py) sends too; reading "
-    "that FIN through TLS to notice it also leaves the TLS session unable to write the "
-    "answer (OpenSSL 3 takes an EOF without close_notify as fatal). Telling the two "
-    "apart needs a look at the socket below TLS (a peeking recv) plus a bounded grace "
-    "for a half-closed client: more than a small change"))
-def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(rig: Rig) -> None:
+def _reset(sock: socket.socket) -> None:
+    """Leave as a client that gives up does: its connection reset (an abortive close,
+    or a close with bytes of ours left unread). A bare FIN is not leaving: it is what a
+    client that half-closed after its request and still waits for the answer sends."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(
+        request: pytest.FixtureRequest, engine: str) -> None:
     """An HTTP/1.1 client sends a request to a route whose node never completes the TLS
-    handshake, then closes: the edge gives up on the node at once, not at its 10 s
-    connect timeout, and the connection is no longer counted (HTTP/2 gets this from its
-    reader; HTTP/1.1 must look for the close while it waits on the node)."""
+    handshake, then leaves (its connection reset): the edge gives up on the node at
+    once, not at its 10 s connect timeout, and the connection is no longer counted.
+    Every engine (`ENGINES`): the lane cancels its task's connect when it sees the
+    reset, the trio engine watches for one while the node is asked. (A bare FIN cannot
+    be told from a client that half-closed after its request and still waits for the
+    answer, which the edge serves: the next test.)"""
+    fixture, body = ENGINES[engine]
+    rig = request.getfixturevalue(fixture)
     assert rig.serve.wait_open_connections(0) == 0
     sock = tls_socket(rig.serve.port, TARPIT_HOST)
     try:
-        sock.sendall(request_bytes("GET", "/hangs", TARPIT_HOST))
+        data = request_bytes("POST" if body else "GET", f"/hangs?{engine}", TARPIT_HOST,
+                             body=b"b" * body, content_type="application/octet-stream")
+        sock.sendall(data[:len(data) - body // 2])  # (an upload still under way)
         assert rig.serve.wait_open_connections(1) == 1
         time.sleep(0.3)  # the edge is in its handshake with the node by now
+        _reset(sock)
     finally:
         forget(sock)
     # well under the connect timeout, and past it it would reach 0 anyway
     assert rig.serve.wait_open_connections(0, timeout=5.0) == 0
-    status, body = h1(rig.serve.port, "GET", "/plain?after=tarpit")
-    assert own_answer("/plain?after=tarpit", status, body)
+    status, answer = h1(rig.serve.port, "GET", "/plain?after=tarpit")
+    assert own_answer("/plain?after=tarpit", status, answer)
+    settled(rig)
+
+
+@pytest.mark.parametrize("how", ["reset", "half-close"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_a_client_that_resets_while_the_node_thinks_is_let_go(
+        request: pytest.FixtureRequest, engine: str, how: str) -> None:
+    """The node has the whole request and takes its time over the answer. A client that
+    resets its connection meanwhile is let go at once (499 in the access log, the
+    connection no longer counted), not when the node answers (4 s) or at the header
+    timeout; one that only half-closes still gets the answer. The lane sees the reset
+    on the client's socket; the trio engine watches for it while the node is asked
+    (through the readiness hub when the socket is in it, else with a task)."""
+    fixture, body = ENGINES[engine]
+    rig = request.getfixturevalue(fixture)
+    path = f"/thinks-{engine}-{how}"
+    released = threading.Event()
+
+    def thinks(conn: Conn, req: Req) -> bool:
+        released.wait(4.0)
+        conn.send(answer(req.target))
+        return True
+
+    rig.node.scripts[path] = thinks
+    try:
+        assert rig.serve.wait_open_connections(0) == 0
+        sock = tls_socket(rig.serve.port, OPT_HOST)
+        try:
+            sock.sendall(request_bytes("POST" if body else "GET", path, OPT_HOST,
+                                       body=b"b" * body,
+                                       content_type="application/octet-stream"))
+            deadline = time.monotonic() + WAIT
+            while not any(r.target == path for r in rig.node.requests):
+                assert time.monotonic() < deadline, "the node never got the request"
+                time.sleep(0.02)
+            if how == "reset":
+                _reset(sock)
+            else:
+                # the FIN alone, below TLS (on a copy of the descriptor: the TLS
+                # socket's own shutdown would drop its TLS state)
+                with socket.fromfd(sock.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+                    dup.shutdown(socket.SHUT_WR)
+                time.sleep(0.3)  # the edge has seen it by now
+                released.set()
+                resp = read_response(sock)
+                assert resp.status == 200 and json.loads(resp.body) == {"target": path}
+        finally:
+            forget(sock)
+        assert rig.serve.wait_open_connections(0, timeout=2.0) == 0
+        wanted = (499,) if how == "reset" else (200,)
+        assert answers_logged(rig.serve, path, wanted) == set(wanted)
+    finally:
+        released.set()
     settled(rig)
 
 
@@ -1308,3 +1392,4 @@ def test_an_early_answer_on_one_h2_stream_leaves_a_concurrent_upload_whole(rig: 
     got = [r for r in rig.node.requests if r.target == f"{plain}?c=1"]
     assert [len(r.body) for r in got] == [sizes["a"]], [len(r.body) for r in got]
     settled(rig)
+

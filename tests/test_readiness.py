@@ -4,6 +4,7 @@ ready, at their deadline, on cancellation or close, and never for another socket
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -315,3 +316,50 @@ def test_crowded_and_sparse_follow_the_open_connections(
     # joins from 4, leaves below 2: between, a socket stays where it is
     assert seen == [(False, True), (False, True), (False, False), (False, False),
                     (True, False), (True, False)]
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected loopback TCP pair (server side non-blocking), as a client leg is."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    server.setblocking(False)
+    return server, client
+
+
+def _reset(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+async def test_on_fail_outlasts_input_and_a_half_close_and_comes_at_a_reset() -> None:
+    """`Watch.on_fail` (the trio engine's exchange while the node is asked): an upload
+    still coming and a half-close (a client waiting for its answer) do not call it and
+    are left unread; the peer's reset does, once. A Watch with it set does not leave."""
+    server, client = _tcp_pair()
+    with server, client:
+        watch = readiness.hub().watch(server)
+        calls: list[int] = []
+        watch.on_fail = lambda: calls.append(1)
+        client.sendall(b"x" * 50_000)  # input
+        client.shutdown(socket.SHUT_WR)  # and its end
+        await trio.sleep(0.2)  # (the hub has taken these events by now)
+        assert watch.ended and not watch.failed and not calls
+        assert server.recv(65536, socket.MSG_PEEK)  # nothing was read
+        assert not watch.leave()  # armed: the hub keeps it
+        _reset(client)
+        with trio.fail_after(5):
+            while not calls:
+                await trio.sleep(0.01)
+        assert calls == [1] and watch.failed and watch.on_fail is None
+        assert watch.leave()  # disarmed: it may go
+
+
+async def test_close_disarms_on_fail() -> None:
+    server, client = _tcp_pair()
+    with client:
+        watch = readiness.hub().watch(server)
+        watch.on_fail = lambda: pytest.fail("called after close")
+        watch.close()
+        server.close()
+        assert watch.on_fail is None

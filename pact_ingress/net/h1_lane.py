@@ -371,6 +371,10 @@ class _Client(NodeLeg):
         self.result: Any = _PARKED  # for the task, when it came while the task ran
         #: a connection with no task yet (`Lane.start`): where its first result goes
         self.first: Callable[[Handoff | NeedNode | None], None] | None = None
+        #: while the task gets a node connection (`NeedNode`): its scope, cancelled when
+        #: the connection closes meanwhile (the client reset or broke it), so that the
+        #: node's connect or handshake is given up at once, not at its timeout
+        self.connecting: trio.CancelScope | None = None
         # the exchange in hand
         self.request: Request | None = None
         self.started = 0.0
@@ -823,6 +827,8 @@ class _Client(NodeLeg):
             self.finish(status or 499)
         self.deadline = math.inf
         self.phase = ENDED
+        if self.connecting is not None:
+            self.connecting.cancel()
         self.lane.open.discard(self)
         self.watch.lane = None
         self.watch.close()

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from pact_ingress.net import deadlines
+from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.http_exchange import ClientGone, Exchange, Headers, send_to_client
 from pact_ingress.net.linger import linger, unread
 from pact_ingress.net.memory_tls import ServerStream
@@ -448,6 +448,15 @@ class H1Exchange(Exchange):
         except ClientGone:
             self.broken = True
             raise
+
+    def reset_watch(self) -> readiness.Watch | None:
+        # (while the node is asked, nothing reads this connection: the body reader only
+        # as the node takes the body, the read-ahead only while an answer streams)
+        tls = self.c._tls
+        return tls.joined() if tls is not None else None
+
+    def connection_scope(self) -> trio.CancelScope | None:
+        return self.c._idle
 
     def needs_watch(self, response_headers: Headers) -> bool:
         """A response of declared length is relayed as fast as the node sends it, and a

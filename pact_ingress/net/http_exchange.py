@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import trio
 
+from pact_ingress.net import readiness
 from pact_ingress.net.memory_tls import ServerStream
 
 Headers = list[tuple[bytes, bytes]]
@@ -90,6 +91,18 @@ class Exchange(abc.ABC):
     @abc.abstractmethod
     async def wait_gone(self) -> None:
         """Return once the client is known to have gone (used while a response streams)."""
+
+    def reset_watch(self) -> readiness.Watch | None:
+        """The client socket's Watch in the readiness hub (joined now if need be), for
+        the hub to see a reset while the node is asked (connected to, sent the request,
+        awaited), when nothing else would notice one then: None where something does
+        (an HTTP/2 connection's reader ends its streams itself)."""
+        return None
+
+    def connection_scope(self) -> trio.CancelScope | None:
+        """The scope of the connection's serving, which ends it when cancelled; None if
+        it has none (yet)."""
+        return None
 
     def needs_watch(self, response_headers: Headers) -> bool:
         """Must `wait_gone` be watched while this response is relayed? Only where nothing

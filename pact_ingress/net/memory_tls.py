@@ -87,6 +87,18 @@ class MemoryTLS:
             watch = self._watch = None
         return watch
 
+    def joined(self) -> readiness.Watch | None:
+        """The socket's Watch in this run's hub, joining it now whatever the crowd, for
+        a caller that needs the hub to see the socket's events while no task waits on
+        it (`Watch.on_fail`; a Watch with it set does not leave). None when this
+        stream's waits never go through the hub."""
+        if not self._hubbed or self._raw is None:
+            return None
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = readiness.hub().watch(self._raw)  # type: ignore[arg-type]
+        return watch
+
     def _close_watch(self) -> None:
         """Before the socket closes under tasks that may wait on it: they are woken with
         `trio.ClosedResourceError` (trio's own waiters by `notify_closing`)."""

@@ -119,8 +119,8 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("closed", "ended", "fd", "hub", "lane", "out", "readable", "reader",
-                 "writer")
+    __slots__ = ("closed", "ended", "failed", "fd", "hub", "lane", "on_fail", "out",
+                 "readable", "reader", "writer")
 
     def __init__(self, hub: Hub, fd: int) -> None:
         self.hub = hub
@@ -129,6 +129,13 @@ class Watch:
         self.writer: trio.lowlevel.Task | None = None
         self.readable = False  # an event came that no reader took yet
         self.ended = False  # the peer closed or the socket failed: reads never block again
+        #: EPOLLERR or EPOLLHUP came (a reset or an error; or both directions ended,
+        #: which a socket whose owner has not shut its side down sees only so)
+        self.failed = False
+        #: called (once, then cleared) when such an event comes while no `lane` takes
+        #: the socket's events: the trio engine's exchange, while the node is asked,
+        #: ends its connection when the client resets it (`Terminator._upstream`)
+        self.on_fail: Any = None
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
         #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events go to
@@ -214,7 +221,8 @@ class Watch:
     def leave(self) -> bool:
         """Out of the hub (its owner waits through trio from now on), if no task waits
         on it; False (still in) otherwise."""
-        if self.reader is not None or self.writer is not None or self.lane is not None:
+        if (self.reader is not None or self.writer is not None or self.lane is not None
+                or self.on_fail is not None):
             return False
         self.closed = True
         hub = self.hub
@@ -232,6 +240,7 @@ class Watch:
         if self.closed:
             return
         self.closed = True
+        self.on_fail = None
         hub = self.hub
         if hub.watches.get(self.fd) is self:
             del hub.watches[self.fd]
@@ -290,6 +299,12 @@ class Hub:
                         if mask & _WAKES_READER:
                             if mask & _ENDS:
                                 watch.ended = True
+                                if mask & _HUP_ERR:
+                                    watch.failed = True
+                                    fail = watch.on_fail
+                                    if fail is not None:
+                                        watch.on_fail = None
+                                        fail()
                             task = watch.reader
                             if task is None:
                                 watch.readable = True

@@ -73,6 +73,7 @@ from pact_ingress.logs import log, request_prefix
 from pact_ingress.model import Config, Route, Tenant
 from pact_ingress.net import deadlines, readiness
 from pact_ingress.net.backends import Backends
+from pact_ingress.net.h1_lane import ENDED as LANE_ENDED
 from pact_ingress.net.h1_lane import INTERNAL_FAULT, Handoff, Lane, LaneGo, NeedNode, Resume
 from pact_ingress.net.h2_lane import H2Lane, Rest
 from pact_ingress.net.http1 import BROKE_OFF, LINGER_BYTES, LINGER_SECONDS, H1Connection
@@ -484,14 +485,21 @@ class Terminator:
         one (`_Pool.acquire`: waits for a slot, connects, checks the pins)."""
         node = error = None
         reused = False
-        try:
-            node, reused = await need.entry.acquire(need.host, need.deadline,
-                                                    fresh=need.fresh)
-        except UpstreamError as exc:
-            error = exc
-        except BaseException:
-            need.client.close(CLIENT_CLOSED)  # cancelled: the process is stopping
-            raise
+        client = need.client
+        # (the client's connection closing meanwhile cancels this scope: `connected`
+        # then finds it ended, with no node connection)
+        with trio.CancelScope() as client.connecting:
+            try:
+                node, reused = await need.entry.acquire(need.host, need.deadline,
+                                                        fresh=need.fresh)
+            except UpstreamError as exc:
+                error = exc
+            except BaseException:
+                if client.phase is not LANE_ENDED:
+                    client.close(CLIENT_CLOSED)  # cancelled: the process is stopping
+                raise
+            finally:
+                client.connecting = None
         return await lane.connected(need, node, reused, error)
 
     async def _resume(self, conn: _Connection, route: Route, h: Handoff) -> None:
@@ -981,9 +989,33 @@ class Terminator:
         """The request to the node and its answer relayed (a node failure answered)."""
         out = _node_headers(ex.headers, conn.client_ip, host, ex.method, ex.content_length,
                             body)
-        return await self._from_node(ex, conn, route, self.upstream.request(
+        watch = ex.reset_watch()
+        if watch is not None and watch.failed:
+            raise ClientGone("the client's connection failed before the node was asked")
+        asked = self._from_node(ex, conn, route, self.upstream.request(
             route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
             headers=out, body=body, idle_timeout=route.limits.idle_timeout), conn.now())
+        if watch is None:
+            return await asked
+        # a client that resets its connection meanwhile gives the node's request up at
+        # once (its connect, handshake, upload or head), not at the node's timeouts: the
+        # hub sees the reset and cancels the connection's scope (the exchange counts as
+        # the client's loss), or a scope of the request's own on a connection that has
+        # none yet (its first request, served before it ever waited)
+        scope = ex.connection_scope()
+        if scope is not None:
+            watch.on_fail = scope.cancel
+            try:
+                return await asked
+            finally:
+                watch.on_fail = None
+        with trio.CancelScope() as own:
+            watch.on_fail = own.cancel
+            try:
+                return await asked
+            finally:
+                watch.on_fail = None
+        raise ClientGone("the client's connection failed while the node was asked")
 
     async def _from_node(self, ex: Exchange, conn: _Connection, route: Route,
                          request: AbstractAsyncContextManager[UpstreamResponse],
