@@ -1053,6 +1053,41 @@ def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(
     settled(rig)
 
 
+def test_a_client_that_closes_before_reading_anything_is_let_go(rig: Rig) -> None:
+    """A client whose TLS Finished and first request arrive in one write (the edge keeps
+    its session tickets to leave with the answer, so the client has nothing of ours to
+    read) closes with a bare FIN while the edge connects to a node whose handshake
+    hangs. The FIN alone could be a half-close, so the edge sends what it held: this
+    client's kernel answers with a reset, and the node's connect is given up at once,
+    not at its 10 s timeout."""
+    assert rig.serve.wait_open_connections(0) == 0
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["http/1.1"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=TARPIT_HOST)
+    sock = socket.create_connection((LOOPBACK, rig.serve.port), timeout=WAIT)
+    try:
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                data = sock.recv(65536)
+                assert data, "the edge closed during the handshake"
+                incoming.write(data)
+        tls.write(request_bytes("GET", "/hangs?finished-and-request", TARPIT_HOST))
+        sock.sendall(outgoing.read())  # the Finished and the request in one write
+        assert rig.serve.wait_open_connections(1) == 1
+        time.sleep(0.3)  # the edge is in its handshake with the node by now
+    finally:
+        sock.close()  # nothing unread: a FIN
+    assert rig.serve.wait_open_connections(0, timeout=5.0) == 0
+    settled(rig)
+
+
 @pytest.mark.parametrize("how", ["reset", "half-close"])
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_a_client_that_resets_while_the_node_thinks_is_let_go(

@@ -446,6 +446,14 @@ class _Client(NodeLeg):
                 self.gone()
             elif not self.paused:
                 self.read_ahead(ended)
+                if self.eof and self.out.pending:
+                    # the client's FIN while the exchange runs: what the TLS engine holds
+                    # for it (the session tickets kept to leave with the first answer)
+                    # goes now. A client that half-closed and waits for its answer takes
+                    # it as it would have then; one that closed for good has its kernel
+                    # answer with a reset, which the next event brings (`_FAILED_HARD`):
+                    # the exchange ends then, its node's request given up
+                    self.send_out()
 
     def expired(self, _: int) -> None:
         self.deadline = math.inf
