@@ -1053,13 +1053,16 @@ def test_a_client_that_leaves_while_the_node_handshake_hangs_is_let_go(
     settled(rig)
 
 
-def test_a_client_that_closes_before_reading_anything_is_let_go(rig: Rig) -> None:
+@pytest.mark.parametrize("engine", ["lane", "trio"])
+def test_a_client_that_closes_before_reading_anything_is_let_go(
+        request: pytest.FixtureRequest, engine: str) -> None:
     """A client whose TLS Finished and first request arrive in one write (the edge keeps
     its session tickets to leave with the answer, so the client has nothing of ours to
     read) closes with a bare FIN while the edge connects to a node whose handshake
     hangs. The FIN alone could be a half-close, so the edge sends what it held: this
     client's kernel answers with a reset, and the node's connect is given up at once,
-    not at its 10 s timeout."""
+    not at its 10 s timeout. Both engines (`ENGINES`)."""
+    rig = request.getfixturevalue(ENGINES[engine][0])
     assert rig.serve.wait_open_connections(0) == 0
     ctx = ssl.create_default_context()
     ctx.check_hostname = False

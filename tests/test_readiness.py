@@ -363,3 +363,30 @@ async def test_close_disarms_on_fail() -> None:
         watch.close()
         server.close()
         assert watch.on_fail is None
+
+
+async def test_on_fin_comes_at_a_half_close_only_once_and_not_for_input() -> None:
+    """`Watch.on_fin`: input does not call it, the peer's FIN does (once), and a reset
+    after it calls `on_fail`, not `on_fin` again."""
+    server, client = _tcp_pair()
+    with server, client:
+        watch = readiness.hub().watch(server)
+        fins: list[int] = []
+        fails: list[int] = []
+        watch.on_fin = lambda: fins.append(1)
+        watch.on_fail = lambda: fails.append(1)
+        client.sendall(b"x" * 1000)
+        await trio.sleep(0.2)
+        assert not fins and not fails
+        assert not watch.leave()  # armed: the hub keeps it
+        client.shutdown(socket.SHUT_WR)
+        with trio.fail_after(5):
+            while not fins:
+                await trio.sleep(0.01)
+        assert fins == [1] and watch.on_fin is None and not fails
+        server.send(b"y")
+        client.close()  # with "y" unread: a reset
+        with trio.fail_after(5):
+            while not fails:
+                await trio.sleep(0.01)
+        assert fins == [1] and fails == [1]

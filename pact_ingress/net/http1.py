@@ -453,7 +453,10 @@ class H1Exchange(Exchange):
         # (while the node is asked, nothing reads this connection: the body reader only
         # as the node takes the body, the read-ahead only while an answer streams)
         tls = self.c._tls
-        return tls.joined() if tls is not None else None
+        watch = tls.joined() if tls is not None else None
+        if watch is not None:
+            watch.on_fin = tls.send_held_nowait  # type: ignore[union-attr]
+        return watch
 
     def connection_scope(self) -> trio.CancelScope | None:
         return self.c._idle

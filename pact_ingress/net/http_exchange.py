@@ -96,7 +96,9 @@ class Exchange(abc.ABC):
         """The client socket's Watch in the readiness hub (joined now if need be), for
         the hub to see a reset while the node is asked (connected to, sent the request,
         awaited), when nothing else would notice one then: None where something does
-        (an HTTP/2 connection's reader ends its streams itself)."""
+        (an HTTP/2 connection's reader ends its streams itself). Its `on_fin` is set:
+        at the client's FIN, what the TLS engine held for it is sent, which a client
+        that closed for good answers with a reset. The caller clears both hooks."""
         return None
 
     def connection_scope(self) -> trio.CancelScope | None:

@@ -400,6 +400,20 @@ class MemoryTLS:
             raise self._broken(f"send failed: {exc!r}") from exc
         return records[sent:] if sent < len(records) else b""
 
+    def send_held_nowait(self) -> None:
+        """What the outgoing BIO holds (the session tickets a handshake kept back,
+        `hold_tail`) to the socket now, without awaiting, when no task is sending and
+        nothing is held already; what the kernel does not take is held for the next
+        `_flush`. For a peer whose FIN came while no write of ours was due
+        (`Watch.on_fin`): one that closed for good answers it with a reset. A send that
+        fails is left for the next read or write to find."""
+        if self._raw is None or self._sending or self._held or not self._out.pending:
+            return
+        try:
+            self._held = self._send_out()
+        except trio.BrokenResourceError:
+            pass
+
     def discard_unsent(self) -> None:
         """Drop the ciphertext not sent yet (the outgoing BIO and what `write_nowait`
         held): after the peer closed, it can never be sent, and a later read must not

@@ -119,8 +119,8 @@ class Watch:
     """One socket in the hub: the task waiting to read, the one waiting to write, and
     the events that arrived while nobody waited."""
 
-    __slots__ = ("closed", "ended", "failed", "fd", "hub", "lane", "on_fail", "out",
-                 "readable", "reader", "writer")
+    __slots__ = ("closed", "ended", "failed", "fd", "hub", "lane", "on_fail", "on_fin",
+                 "out", "readable", "reader", "writer")
 
     def __init__(self, hub: Hub, fd: int) -> None:
         self.hub = hub
@@ -136,6 +136,10 @@ class Watch:
         #: the socket's events: the trio engine's exchange, while the node is asked,
         #: ends its connection when the client resets it (`Terminator._upstream`)
         self.on_fail: Any = None
+        #: the same for the peer's FIN alone (EPOLLRDHUP): that exchange sends what its
+        #: TLS engine held for the client, which a client that closed for good answers
+        #: with a reset (`MemoryTLS.send_held_nowait`)
+        self.on_fin: Any = None
         self.out = False  # EPOLLOUT is in the set for this socket
         self.closed = False
         #: a connection the keep-alive lane drives (`net/h1_lane.py`): its events go to
@@ -222,7 +226,7 @@ class Watch:
         """Out of the hub (its owner waits through trio from now on), if no task waits
         on it; False (still in) otherwise."""
         if (self.reader is not None or self.writer is not None or self.lane is not None
-                or self.on_fail is not None):
+                or self.on_fail is not None or self.on_fin is not None):
             return False
         self.closed = True
         hub = self.hub
@@ -240,7 +244,7 @@ class Watch:
         if self.closed:
             return
         self.closed = True
-        self.on_fail = None
+        self.on_fail = self.on_fin = None
         hub = self.hub
         if hub.watches.get(self.fd) is self:
             del hub.watches[self.fd]
@@ -301,10 +305,13 @@ class Hub:
                                 watch.ended = True
                                 if mask & _HUP_ERR:
                                     watch.failed = True
-                                    fail = watch.on_fail
-                                    if fail is not None:
+                                    hook = watch.on_fail
+                                    if hook is not None:
                                         watch.on_fail = None
-                                        fail()
+                                        hook()
+                                elif watch.on_fin is not None:
+                                    hook, watch.on_fin = watch.on_fin, None
+                                    hook()
                             task = watch.reader
                             if task is None:
                                 watch.readable = True

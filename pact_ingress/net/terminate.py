@@ -991,12 +991,16 @@ class Terminator:
                             body)
         watch = ex.reset_watch()
         if watch is not None and watch.failed:
+            watch.on_fin = None
             raise ClientGone("the client's connection failed before the node was asked")
         asked = self._from_node(ex, conn, route, self.upstream.request(
             route, tenant.pins, method=ex.method, host=host, target=target.origin_form,
             headers=out, body=body, idle_timeout=route.limits.idle_timeout), conn.now())
         if watch is None:
             return await asked
+        if watch.ended and watch.on_fin is not None:  # its FIN came already
+            hook, watch.on_fin = watch.on_fin, None
+            hook()
         # a client that resets its connection meanwhile gives the node's request up at
         # once (its connect, handshake, upload or head), not at the node's timeouts: the
         # hub sees the reset and cancels the connection's scope (the exchange counts as
@@ -1008,13 +1012,13 @@ class Terminator:
             try:
                 return await asked
             finally:
-                watch.on_fail = None
+                watch.on_fail = watch.on_fin = None
         with trio.CancelScope() as own:
             watch.on_fail = own.cancel
             try:
                 return await asked
             finally:
-                watch.on_fail = None
+                watch.on_fail = watch.on_fin = None
         raise ClientGone("the client's connection failed while the node was asked")
 
     async def _from_node(self, ex: Exchange, conn: _Connection, route: Route,
