@@ -343,8 +343,10 @@ async def test_on_fail_outlasts_input_and_a_half_close_and_comes_at_a_reset() ->
         watch.on_fail = lambda: calls.append(1)
         client.sendall(b"x" * 50_000)  # input
         client.shutdown(socket.SHUT_WR)  # and its end
-        await trio.sleep(0.2)  # (the hub has taken these events by now)
-        assert watch.ended and not watch.failed and not calls
+        with trio.fail_after(5):
+            while not watch.ended:  # (the hub has taken these events)
+                await trio.sleep(0.01)
+        assert not watch.failed and not calls
         assert server.recv(65536, socket.MSG_PEEK)  # nothing was read
         assert not watch.leave()  # armed: the hub keeps it
         _reset(client)
@@ -376,7 +378,9 @@ async def test_on_fin_comes_at_a_half_close_only_once_and_not_for_input() -> Non
         watch.on_fin = lambda: fins.append(1)
         watch.on_fail = lambda: fails.append(1)
         client.sendall(b"x" * 1000)
-        await trio.sleep(0.2)
+        with trio.fail_after(5):
+            while not watch.readable:  # (the hub has taken the input's event)
+                await trio.sleep(0.01)
         assert not fins and not fails
         assert not watch.leave()  # armed: the hub keeps it
         client.shutdown(socket.SHUT_WR)
