@@ -61,6 +61,9 @@ class Stats:
             ["route", "mode", "outcome"], registry=r)
         self.open_connections = Gauge(
             p + "open_connections", "Client connections currently open", registry=r)
+        self.splice_pipes_free = Gauge(
+            p + "splice_pipes_free", "Drained splice pipes kept for reuse (two fds each)",
+            registry=r)
         self.bytes = Counter(
             p + "bytes", "Bytes relayed by route and direction (up = client to backend)",
             ["route", "direction"], registry=r)

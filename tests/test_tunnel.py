@@ -71,9 +71,12 @@ def keys(tmp_path: Path) -> Keys:
                   ("ingress", "alina", "bob", "stranger", "caller", "home")))
 
 
-def config(tmp_path: Path, keys: Keys, *, alina_pinned: bool = True):  # type: ignore[no-untyped-def]
+def config(tmp_path: Path, keys: Keys, *, alina_pinned: bool = True,  # type: ignore[no-untyped-def]
+           alina_pins: tuple[str, ...] | None = None):
     pins = {"bob": (keys.bob.fingerprint,)}
-    if alina_pinned:
+    if alina_pins is not None:
+        pins["alina"] = alina_pins
+    elif alina_pinned:
         pins["alina"] = (keys.alina.fingerprint,)
     routes = [route("alina.test", "alina", None), route("bob.test", "bob", None)]
     return make_config(tmp_path, routes, pins=pins, tunnel_hostname=TUNNEL_HOST)
@@ -963,6 +966,58 @@ async def test_connector_drain_finishes_streams_and_stops_new_ones(
         with trio.fail_after(TEST_TIMEOUT):
             await done.wait()
         assert connector.active_streams == 0 and connector.idle_data == 0
+    ing.scope.cancel()
+
+
+async def tag_server(nursery: trio.Nursery, tag: bytes) -> int:
+    """Answers every read with `tag` + the bytes read: which node a stream reached."""
+    async def answer(s: trio.SocketStream) -> None:
+        try:
+            while data := await s.receive_some(1 << 16):
+                await s.send_all(tag + data)
+        except (trio.BrokenResourceError, OSError):
+            pass
+
+    listeners = await nursery.start(trio.serve_tcp, answer, 0)
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_a_revoked_key_s_streams_are_cut_and_the_other_key_s_run_on(
+        tmp_path: Path, keys: Keys, nursery: trio.Nursery) -> None:
+    """alina has two pinned keys, each with a connector, and streams open through both.
+    The reload that leaves only one pinned cuts every stream of the other (its callers
+    read an end of stream) and none of the kept key's, which go on answering."""
+    both = (keys.alina.fingerprint, keys.stranger.fingerprint)
+    async with ingress(nursery, keys, config(tmp_path, keys, alina_pins=both)) as ing:
+        for ident, tag in ((keys.alina, b"old:"), (keys.stranger, b"new:")):
+            (tmp_path / tag.decode()[:-1]).mkdir()
+            cfg = connector_config(tmp_path / tag.decode()[:-1], ident,
+                                   keys.ingress.fingerprint, ing.tunnel_port,
+                                   await tag_server(nursery, tag))
+            await start_connector(nursery, cfg)
+        await eventually(lambda: ing.server.live_tunnels("alina") == 4)
+        streams: dict[bytes, list[trio.SocketStream]] = {b"old:": [], b"new:": []}
+        with trio.fail_after(TEST_TIMEOUT):
+            while min(len(v) for v in streams.values()) < 3:
+                caller = await trio.open_tcp_stream("127.0.0.1", ing.caller_ports["alina"])
+                await caller.send_all(b"hi")
+                reply = await caller.receive_some(64)
+                streams[reply[:4]].append(caller)
+        ing.server.update(config(tmp_path, keys, alina_pins=both[1:]))
+        with trio.fail_after(TEST_TIMEOUT):
+            for caller in streams[b"old:"]:
+                try:
+                    assert await caller.receive_some(64) == b""
+                except trio.BrokenResourceError:
+                    pass  # reset: cut as well
+        for caller in streams[b"new:"]:
+            await caller.send_all(b"again")
+            with trio.fail_after(TEST_TIMEOUT):
+                assert await caller.receive_some(64) == b"new:again"
+        assert events(ing.stats, "alina", "stream_cut") == len(streams[b"old:"])
+        for caller in streams[b"old:"] + streams[b"new:"]:
+            await caller.aclose()
+        await eventually(lambda: ing.server.open_streams("alina") == 0)
     ing.scope.cancel()
 
 

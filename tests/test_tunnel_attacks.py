@@ -35,7 +35,7 @@ from pact_ingress.proto.tunnel import frames as tf
 from tests import cluster_env
 from tests.cluster_env import serve_until_ready
 from tests.netutil import free_port
-from tests.terminate_env import RecordingNode, json_events
+from tests.terminate_env import RecordingNode, json_events, read_response
 
 LOOPBACK = "127.0.0.1"
 TUNNEL = "tunnel.attack.test"
@@ -151,7 +151,10 @@ class World:
         self.proc: subprocess.Popen[bytes] | None = None
         self.connectors: dict[str, Connect] = {}
 
-    def write_config(self, *, bob: bool) -> None:
+    def write_config(self, *, bob: bool, alina_pins: list[str] | None = None) -> None:
+        """Both tenants (bob only with `bob`); alina's pins are her key's unless given."""
+        if alina_pins is None:
+            alina_pins = [self.alina_key.fingerprint]
         bob_tenant = f"""\
   - name: bob
     pins: ["{self.bob_key.fingerprint}"]
@@ -173,7 +176,7 @@ limits:
   clienthello_timeout: 2s
 tenants:
   - name: alina
-    pins: ["{self.alina_key.fingerprint}"]
+    pins: [{", ".join(f'"{pin}"' for pin in alina_pins)}]
     routes:
       - host: {PT}
         mode: passthrough
@@ -271,7 +274,10 @@ tenants:
         assert self.proc is not None
         # a terminate route's tunnel stream opened for a worker is a socketpair between
         # main and the worker (one fd each); the worker's upstream pool keeps some alive
-        upstream = 2 * self.tunnels().get("bob", (0, 0))[1]
+        doc = self.status()
+        upstream = 2 * {t["tenant"]: t["streams"] for t in doc["tunnels"]}.get("bob", 0)
+        # and the splice keeps drained pipes for reuse, as many as ran at once so far
+        pipes = 2 * int(doc["counters"].get("splice_pipes_free", 0))
         pooled = connector_sockets(self.port)
         total = 0
         for pid in pids_of(self.proc):
@@ -281,7 +287,7 @@ tenants:
                         link = os.readlink(f"/proc/{pid}/fd/{fd}")
                         if link not in pooled and link != "anon_inode:[eventpoll]":
                             total += 1
-        return total - upstream
+        return total - upstream - pipes
 
     # -- invariants -----------------------------------------------------------------------
 
@@ -923,30 +929,59 @@ def test_connector_killed_and_restarted_during_traffic(fresh: World) -> None:
     assert 200 in alina_results
 
 
-def test_reload_drops_and_readds_a_tenant_while_its_streams_run(fresh: World) -> None:
+#: A body far larger than every buffer between node and caller (a caller reading 1 KiB
+#: through a small receive buffer): a stream carrying it is still in flight at a reload.
+ENDLESS = 256 << 20
+
+
+def mid_download(w: World, host: str, source: str) -> ssl.SSLSocket:
+    """A caller that asked `host` for an ENDLESS body and read the first bytes of it."""
+    s = tls_client(w.port, host, source=source, rcvbuf=16384)
+    s.sendall(big_request(host, ENDLESS))
+    assert s.recv(1024)
+    return s
+
+
+def read_to_end(sock: socket.socket, limit: float = 10.0) -> tuple[int, bool]:
+    """Read until the connection ends (EOF, a reset, a TLS error) or `limit` passed: the
+    bytes read, and whether it ended."""
+    got = 0
+    deadline = time.monotonic() + limit
+    sock.settimeout(1)
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        except (OSError, ssl.SSLError):
+            return got, True
+        if not chunk:
+            return got, True
+        got += len(chunk)
+    return got, False
+
+
+def test_reload_drops_and_readds_a_tenant_cutting_its_streams(fresh: World) -> None:
     """SIGHUP with bob gone while bob's callers are mid-answer and alina's keep coming;
-    then SIGHUP with bob back: alina is served throughout, bob's connector is told its key
-    is unpinned and comes back after the re-add, and no stream or count is left over."""
+    then SIGHUP with bob back: alina is served throughout, bob's streams are cut at the
+    reload (nothing more flows between his node and his callers), his connector is told
+    its key is unpinned and comes back after the re-add, and no stream or count is left
+    over."""
     w = fresh
     alina = Traffic(w, PT, "127.0.0.2")
     mid = []
     try:
-        for _ in range(2):
-            s = tls_client(w.port, TM, source="127.0.0.3")
-            s.sendall(big_request(TM, 4 << 20))
-            s.recv(1024)
-            mid.append(s)
+        mid = [mid_download(w, TM, "127.0.0.3") for _ in range(2)]
         w.write_config(bob=False)
         reload(w)
         wait_for(lambda: "bob" not in w.tunnels(), "bob's tunnel gone from /status")
+        for s in mid:
+            got, ended = read_to_end(s)
+            assert ended and got < ENDLESS // 4, (got, ended)
         assert get_status(w.port, TM, source="127.0.0.3", timeout=5) is None
         w.write_config(bob=True)
         reload(w)
         wait_for(lambda: w.tunnels().get("bob", (0, 0))[0] == 2, "bob's connector back")
-        for s in mid:  # a stream handed out outlives its tenant's tunnel: it completes
-            rest = (4 << 20) - 1024  # the body, less what the first read may have taken
-            assert read_at_least(s, rest) >= rest
-            s.close()
     finally:
         results = alina.stop()
         for s in mid:
@@ -955,6 +990,50 @@ def test_reload_drops_and_readds_a_tenant_while_its_streams_run(fresh: World) ->
     refused = [e for e in json_events(w.connectors["bob"].logs())
                if e.get("event") == "tunnel_key_refused"]
     assert refused and refused[0]["code"] == "KEY_UNPINNED"
+    cut = [e for e in w.events("tunnel_streams_cut") if e["tenant"] == "bob"]
+    assert cut and all(e["fingerprint"] == w.bob_key.fingerprint for e in cut), cut
+    assert sum(e["streams"] for e in cut) >= len(mid), cut
+
+
+def test_a_revoked_key_s_streams_are_cut_and_the_other_tenant_s_run_on(
+        fresh: World) -> None:
+    """alina's pin is replaced by another key while her callers hold passthrough
+    connections through her tunnel: one mid-download, one idle after an answer (end-to-end
+    TLS the edge cannot read). The reload cuts both, through whichever process holds
+    them, while bob's caller mid-download on the same edge gets his whole body. Her pin
+    back, her connector returns by itself."""
+    w = fresh
+    bob = tls_client(w.port, TM, source="127.0.0.4", rcvbuf=16384)
+    held: list[ssl.SSLSocket] = []
+    try:
+        size = 8 << 20
+        bob.sendall(big_request(TM, size))
+        assert bob.recv(1024)
+        held.append(mid_download(w, PT, "127.0.0.2"))
+        idle = tls_client(w.port, PT, source="127.0.0.3")
+        held.append(idle)
+        idle.sendall(f"GET /ping HTTP/1.1\r\nHost: {PT}\r\n\r\n".encode())
+        assert read_response(idle).status == 200
+        before = len(w.events("tunnel_streams_cut"))
+        w.write_config(bob=True, alina_pins=[w.stranger.fingerprint])
+        reload(w)
+        for s in held:
+            got, ended = read_to_end(s)
+            assert ended and got < ENDLESS // 4, (got, ended)
+        assert get_status(w.port, PT, source="127.0.0.2", timeout=5) != 200
+        rest = size - 1024
+        assert read_at_least(bob, rest) >= rest  # the other tenant's stream runs on
+        cut = [e for e in w.events("tunnel_streams_cut")[before:]
+               if e["tenant"] == "alina"]
+        assert cut and all(e["fingerprint"] == w.alina_key.fingerprint for e in cut), cut
+        assert sum(e["streams"] for e in cut) >= len(held), cut
+        assert all(e["tenant"] == "alina" for e in w.events("tunnel_streams_cut")[before:])
+    finally:
+        for s in held + [bob]:
+            s.close()
+        w.write_config(bob=True)
+        reload(w)
+    wait_for(lambda: w.tunnels().get("alina", (0, 0))[0] == 2, "alina's connector back")
 
 
 def reload(w: World) -> None:

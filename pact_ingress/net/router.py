@@ -85,6 +85,7 @@ from pact_ingress.net.backends import Backends
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.runners import Runners
 from pact_ingress.net.shortage import ACCEPT_BACKOFF, CAPACITY_ERRNOS, ShortageEpisode
+from pact_ingress.net.splice import POOL as splice_pipes
 from pact_ingress.net.splice import relay, relay_sockets
 from pact_ingress.proto import tls_alert
 from pact_ingress.proto.clienthello import (
@@ -259,6 +260,7 @@ class Router:
         self.accept_episode = ShortageEpisode()
         # The gauge reads the count when scraped: no lock taken twice per connection.
         stats.open_connections.set_function(lambda: self._counts.total)
+        stats.splice_pipes_free.set_function(splice_pipes.free)
         self.update(config)
 
     def update(self, config: Config) -> None:

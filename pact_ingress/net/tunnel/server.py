@@ -96,7 +96,16 @@ middlebox costs only the switch to TLS data connections (CPU, not security).
 Liveness: each side pings every `heartbeat` seconds and declares the control connection
 dead after HEARTBEAT_MISSES intervals without any frame; a dead session's idle pool is
 closed (its path is dead too). Streams already handed out are independent TCP
-connections and end on their own. Several sessions per tenant coexist (the connector's
+connections and end on their own: a dead control connection says nothing about them.
+
+Revocation: a reload that leaves a key no tenant's pin (or moves it, or drops its
+tenant) ends that key's sessions with GOAWAY(KEY_UNPINNED) and also cuts every stream
+handed out through them, in flight or idle in an upstream pool (`update`). Each stream
+remembers the key of the session that gave it, and a cut is `shutdown(SHUT_RDWR)` on the
+socket: that reaches whoever holds it, here or spliced on for a worker process, which
+sees an end of stream at once. Letting them finish would let the holder of a revoked
+key keep serving (and reading) a long-lived passthrough session or stream for as long
+as its callers stay. Several sessions per tenant coexist (the connector's
 `connections`, plus a restarted connector while the old session times out); a newer one
 never displaces an older one. No live session → `open_stream` raises BackendError, which
 the router answers like a dead backend; the next session to connect is used at once.
@@ -202,6 +211,16 @@ class _Refused(Exception):
         self.goaway = goaway
 
 
+@dataclass(eq=False, slots=True)
+class _HandedOut:
+    """A stream `open_stream` gave away: its socket, the key of the session it came
+    from, and whether a revocation cut it already."""
+
+    sock: trio.socket.SocketType
+    fingerprint: str
+    cut: bool = False
+
+
 @dataclass(eq=False)
 class _Session:
     """One live control connection of one tenant's connector."""
@@ -280,7 +299,8 @@ class TunnelServer:
         self._arrival: dict[str, trio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._rr: dict[str, int] = {}
-        self._streams: dict[str, list[trio.socket.SocketType]] = {}
+        #: tenant → streams handed out and not yet closed (a revoked key's are cut)
+        self._streams: dict[str, list[_HandedOut]] = {}
         # per tenant: (streams gauge, stream_open counter), looked up once — prometheus
         # `labels()` hashes and locks on every call, and these are on every open
         self._stream_metrics: dict[str, tuple[Any, Any]] = {}
@@ -316,6 +336,29 @@ class TunnelServer:
                 self._event(session.tenant, "unpinned")
                 session.kill(tf.Goaway(tf.GoawayCode.KEY_UNPINNED, 0,
                                        "key no longer pinned for this tenant"))
+        self._cut_unpinned(tenant_of)
+
+    def _cut_unpinned(self, tenant_of: dict[str, str | None]) -> None:
+        """Cut the handed-out streams whose session's key `tenant_of` no longer gives
+        their tenant; whoever holds one (a splice, a pooled node connection, a worker's
+        socketpair behind a splice) reads an end of stream and ends it. A cut stream is
+        counted until its holder closes it, as any other."""
+        for tenant, streams in self._streams.items():
+            cut: dict[str, int] = {}
+            for out in streams:
+                if out.cut or out.sock.fileno() == -1 or tenant_of.get(
+                        out.fingerprint) == tenant:
+                    continue
+                out.cut = True
+                try:
+                    out.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the peer went first: it is ending anyway
+                cut[out.fingerprint] = cut.get(out.fingerprint, 0) + 1
+            for fingerprint, n in cut.items():
+                self.stats.tunnel_events.labels(tenant, "stream_cut").inc(n)
+                log.warning("tunnel_streams_cut", tenant=tenant, fingerprint=fingerprint,
+                            streams=n)
 
     def _all_sessions(self) -> list[_Session]:
         return [s for group in self._sessions.values() for s in group]
@@ -754,13 +797,14 @@ class TunnelServer:
                 session.replacing.append(now)
             if not replaced or len(session.idle) < POOL_MIN:
                 session.poke()
-            return self._hand_out(tenant, raw)
+            return self._hand_out(tenant, raw, session.fingerprint)
         return None
 
-    def _hand_out(self, tenant: str, raw: socket.socket) -> trio.SocketStream:
+    def _hand_out(self, tenant: str, raw: socket.socket, fingerprint: str
+                  ) -> trio.SocketStream:
         sock = trio.socket.from_stdlib_socket(raw)
         streams = self._streams.setdefault(tenant, [])
-        streams.append(sock)
+        streams.append(_HandedOut(sock, fingerprint))
         gauge, opens = self._metrics(tenant)
         gauge.set(len(streams))
         opens.inc()
@@ -771,7 +815,7 @@ class TunnelServer:
         streams = self._streams.get(tenant)
         if streams is None:
             return
-        streams[:] = [s for s in streams if s.fileno() != -1]
+        streams[:] = [out for out in streams if out.sock.fileno() != -1]
         self._metrics(tenant)[0].set(len(streams))
 
     def _metrics(self, tenant: str) -> tuple[Any, Any]:
