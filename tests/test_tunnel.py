@@ -1004,6 +1004,15 @@ async def test_a_revoked_key_s_streams_are_cut_and_the_other_key_s_run_on(
                 reply = await caller.receive_some(64)
                 streams[reply[:4]].append(caller)
         ing.server.update(config(tmp_path, keys, alina_pins=both[1:]))
+        # streams opened right after the reload, before the revoked sessions' tasks ran
+        # again (taken from idle pools, `open_stream` does not yield), come from the kept
+        # key only
+        opened = [await ing.server.open_stream("alina") for _ in range(4)]
+        for stream in opened:
+            with trio.fail_after(TEST_TIMEOUT):
+                await stream.send_all(b"now")
+                assert await stream.receive_some(64) == b"new:now"
+            await stream.aclose()
         with trio.fail_after(TEST_TIMEOUT):
             for caller in streams[b"old:"]:
                 try:

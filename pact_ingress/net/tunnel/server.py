@@ -330,12 +330,18 @@ class TunnelServer:
                 tenant_of[pin] = tenant.name if known == tenant.name else None
         self._tenant_of = tenant_of
         for session in self._all_sessions():
+            if session.closed:
+                continue  # cut by an earlier reload, its task not yet through
             if tenant_of.get(session.fingerprint) != session.tenant:
                 log.warning("tunnel_key_unpinned", tenant=session.tenant,
                             fingerprint=session.fingerprint, session=session.sid)
                 self._event(session.tenant, "unpinned")
                 session.kill(tf.Goaway(tf.GoawayCode.KEY_UNPINNED, 0,
                                        "key no longer pinned for this tenant"))
+                # out of service now, not once its task runs: an `open_stream` or a data
+                # connection scheduled before that task would still find it live
+                session.closed = True
+                session.close_idle()
         self._cut_unpinned(tenant_of)
 
     def _cut_unpinned(self, tenant_of: dict[str, str | None]) -> None:
