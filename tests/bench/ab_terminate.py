@@ -4,6 +4,7 @@
     python -m tests.bench.ab_terminate before=/tmp/before after=. \\
         [--phases ka8,ka32,ka1,new8] [--rounds 3] [--seconds 2] [--profile after] \\
         [--upstream h2|http/1.1] [--peer-h1] [--lean] [--lean-epoll] [--epoll-checked]
+        [--epoll-checked-h2up]
 
 On a shared machine two separate bench runs cannot be compared: what other work takes
 from the proxy core moves every figure by tens of percent. This runs the rig of
@@ -38,7 +39,10 @@ machines (the passthrough engine's shape), for how cheap Python can make it.
 `--epoll-checked` adds `tests/bench/epoll_checked_proxy.py`: that loop with the
 product's per-request work done by the product's own sans-I/O pieces (its parsers, the
 rate check, target and Host checks, header hygiene, counts, the access log line), for
-what a terminate engine of that shape would cost.
+what a terminate engine of that shape would cost. `--epoll-checked-h2up` adds
+`tests/bench/epoll_checked_h2up_proxy.py`: the same with the node leg on one HTTP/2
+connection, its frames sent once per batch of events, as HAProxy re-originates (the node
+must offer h2: the default `--upstream`), for what a multiplexed node leg would save.
 
 A tree is a directory holding the `pact_ingress` package; `python -m pact_ingress` runs
 with it as the working directory, which puts it first on `sys.path`.
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epoll-checked", action="store_true",
                    help="add the one-epoll-loop reference with the product's per-request "
                         "work (tests/bench/epoll_checked_proxy.py)")
+    p.add_argument("--epoll-checked-h2up", action="store_true",
+                   help="add that reference speaking HTTP/2 to the node over one "
+                        "connection (tests/bench/epoll_checked_h2up_proxy.py)")
     p.add_argument("--profile-out", type=Path,
                    help="also keep py-spy's raw stacks (FILE gets -NAME before its suffix)")
     args = p.parse_args(argv)
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             rig.proxies[name] = svc
             rig.ports[name] = port
             paths.append(name)
-        # `--lean`, `--lean-epoll`, `--epoll-checked`: the flag is the path's name
+        # `--lean`, `--lean-epoll`, `--epoll-checked[-h2up]`: the flag is the path's name
         references = [n for n in bt.REFERENCES if getattr(args, n.replace("-", "_"))]
         for ref in references:
             if any(ph.h2 for ph in plan):

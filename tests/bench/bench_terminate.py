@@ -118,7 +118,8 @@ HOST = "localhost"
 #: path name -> module. The plain trio proxy, the same job on one epoll loop, and that
 #: loop with the product's per-request work.
 REFERENCES = {"lean": "tests.bench.lean_proxy", "lean-epoll": "tests.bench.lean_epoll_proxy",
-              "epoll-checked": "tests.bench.epoll_checked_proxy"}
+              "epoll-checked": "tests.bench.epoll_checked_proxy",
+              "epoll-checked-h2up": "tests.bench.epoll_checked_h2up_proxy"}
 #: Size of the node's answer body ("a 1 KiB-ish response").
 BODY_BYTES = 1024
 #: Budgets nothing in a run can exhaust: the limiter is charged but never refuses.

@@ -31,7 +31,8 @@ its own): how many instructions the peer spends on the same work, next to each t
 `--lean` counts `tests/bench/lean_proxy.py` too (see `ab_terminate --lean`), and
 `--lean-epoll` `tests/bench/lean_epoll_proxy.py` (the same job on one epoll loop, no trio),
 and `--epoll-checked` `tests/bench/epoll_checked_proxy.py` (that loop with the product's
-per-request work).
+per-request work), `--epoll-checked-h2up` `tests/bench/epoll_checked_h2up_proxy.py` (the
+same speaking HTTP/2 to the node over one connection).
 Needs valgrind (Debian: apt-get install valgrind); one run takes about a minute a tree.
 """
 
@@ -311,13 +312,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="also count tests/bench/lean_epoll_proxy.py, the same way")
     p.add_argument("--epoll-checked", action="store_true",
                    help="also count tests/bench/epoll_checked_proxy.py, the same way")
+    p.add_argument("--epoll-checked-h2up", action="store_true",
+                   help="add that reference speaking HTTP/2 to the node over one "
+                        "connection (tests/bench/epoll_checked_h2up_proxy.py)")
     p.add_argument("--h2", action="store_true",
                    help="with --keepalive: the requests over HTTP/2 (h2load), pact-ingress only")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="client threads (keep-alive: connections)")
     args = p.parse_args(argv)
     if args.h2 and (not args.keepalive or args.haproxy or args.lean or args.lean_epoll
-                    or args.epoll_checked):
+                    or args.epoll_checked or args.epoll_checked_h2up):
         p.error("--h2 counts keep-alive requests (--keepalive N) of pact-ingress trees only")
     globals()["THREADS"] = args.threads
     require_valgrind()
