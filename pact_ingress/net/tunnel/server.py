@@ -101,11 +101,14 @@ connections and end on their own: a dead control connection says nothing about t
 Revocation: a reload that leaves a key no tenant's pin (or moves it, or drops its
 tenant) ends that key's sessions with GOAWAY(KEY_UNPINNED) and also cuts every stream
 handed out through them, in flight or idle in an upstream pool (`update`). Each stream
-remembers the key of the session that gave it, and a cut is `shutdown(SHUT_RDWR)` on the
-socket: that reaches whoever holds it, here or spliced on for a worker process, which
-sees an end of stream at once. Letting them finish would let the holder of a revoked
-key keep serving (and reading) a long-lived passthrough session or stream for as long
-as its callers stay. Several sessions per tenant coexist (the connector's
+remembers the key of the session that gave it, and a cut resets its socket in place
+(`net/abort.py`): what either side had queued is thrown away, the connector's side gets
+a RST, and whoever holds the socket here (a splice, a pooled node connection, the splice
+onto a worker's socketpair) fails its next read or write. A polite `shutdown` would
+leave the receive queue readable, so a holder would relay megabytes the revoked node had
+already sent. Letting streams finish would let the holder of a revoked key keep serving
+(and reading) a long-lived passthrough session or stream for as long as its callers
+stay. Several sessions per tenant coexist (the connector's
 `connections`, plus a restarted connector while the old session times out); a newer one
 never displaces an older one. No live session → `open_stream` raises BackendError, which
 the router answers like a dead backend; the next session to connect is used at once.
@@ -133,6 +136,7 @@ from pact_ingress.errors import BackendError, RemoteProtocolError
 from pact_ingress.identity import Identity
 from pact_ingress.logs import log
 from pact_ingress.model import Config
+from pact_ingress.net.abort import abort
 from pact_ingress.net.ossl_stream import OpenSSLStream, server_context
 from pact_ingress.net.replay import ReplayStream
 from pact_ingress.net.tunnel.common import (
@@ -345,10 +349,10 @@ class TunnelServer:
         self._cut_unpinned(tenant_of)
 
     def _cut_unpinned(self, tenant_of: dict[str, str | None]) -> None:
-        """Cut the handed-out streams whose session's key `tenant_of` no longer gives
-        their tenant; whoever holds one (a splice, a pooled node connection, a worker's
-        socketpair behind a splice) reads an end of stream and ends it. A cut stream is
-        counted until its holder closes it, as any other."""
+        """Cut (reset) the handed-out streams whose session's key `tenant_of` no
+        longer gives their tenant; whoever holds one (a splice, a pooled node
+        connection, a worker's socketpair behind a splice) fails on it and ends. A cut
+        stream is counted until its holder closes it, as any other."""
         for tenant, streams in self._streams.items():
             cut: dict[str, int] = {}
             for out in streams:
@@ -357,9 +361,9 @@ class TunnelServer:
                     continue
                 out.cut = True
                 try:
-                    out.sock.shutdown(socket.SHUT_RDWR)
+                    abort(out.sock.fileno())
                 except OSError:
-                    pass  # the peer went first: it is ending anyway
+                    pass  # closed meanwhile: it is ending anyway
                 cut[out.fingerprint] = cut.get(out.fingerprint, 0) + 1
             for fingerprint, n in cut.items():
                 self.stats.tunnel_events.labels(tenant, "stream_cut").inc(n)
