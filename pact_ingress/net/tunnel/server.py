@@ -97,6 +97,10 @@ Liveness: each side pings every `heartbeat` seconds and declares the control con
 dead after HEARTBEAT_MISSES intervals without any frame; a dead session's idle pool is
 closed (its path is dead too). Streams already handed out are independent TCP
 connections and end on their own: a dead control connection says nothing about them.
+Several sessions per tenant coexist (the connector's
+`connections`, plus a restarted connector while the old session times out); a newer one
+never displaces an older one. No live session → `open_stream` raises BackendError, which
+the router answers like a dead backend; the next session to connect is used at once.
 
 Revocation: a reload that leaves a key no tenant's pin (or moves it, or drops its
 tenant) ends that key's sessions with GOAWAY(KEY_UNPINNED) and also cuts every stream
@@ -108,10 +112,7 @@ onto a worker's socketpair) fails its next read or write. A polite `shutdown` wo
 leave the receive queue readable, so a holder would relay megabytes the revoked node had
 already sent. Letting streams finish would let the holder of a revoked key keep serving
 (and reading) a long-lived passthrough session or stream for as long as its callers
-stay. Several sessions per tenant coexist (the connector's
-`connections`, plus a restarted connector while the old session times out); a newer one
-never displaces an older one. No live session → `open_stream` raises BackendError, which
-the router answers like a dead backend; the next session to connect is used at once.
+stay.
 
 Shutdown (`aclose`) sends GOAWAY(SHUTDOWN, retry_after) so connectors reconnect later
 instead of hammering a restarting ingress.
