@@ -37,26 +37,11 @@ import time
 
 import hpack
 
-from pact_ingress.logs import log, setup
-from pact_ingress.net.terminate import LOG_PATH_MAX, MAX_PENDING_TIMES
+from pact_ingress.logs import setup
 from pact_ingress.proto import h2_hpack
 from pact_ingress.proto.http1_server import (
-    END_OF_MESSAGE,
-    ParseError,
     Request,
-    response_framing,
-    response_head,
 )
-from pact_ingress.proto.http_headers import clean_request_headers, clean_response_headers
-from pact_ingress.proto.http_request import (
-    BadRequest,
-    check_host,
-    check_single_valued,
-    header,
-    judge_scope,
-    parse_target,
-)
-from pact_ingress.proto.ratelimit import Limited
 from tests.bench import epoll_checked_proxy as checked
 from tests.bench import lean_epoll_proxy as lean
 from tests.bench import lean_proxy
@@ -71,6 +56,7 @@ _U32 = struct.Struct(">L")
 _HOP = frozenset({b"host", b"connection", b"keep-alive", b"proxy-connection",
                   b"transfer-encoding", b"upgrade", b"te"})
 _CACHE_MAX = 256
+_AUTHORITY = checked.ROUTE.encode()  # what check_host let through
 
 
 def _b(value: str | bytes) -> bytes:
@@ -87,66 +73,12 @@ class _Client(checked._Client):
     HTTP/2 node connection."""
 
     def forward_request(self, req: Request) -> None:
-        checks = self.checks
-        now = self.started = time.monotonic()
-        self.deadline = now + checked.IDLE_TIMEOUT
-        if req.chunked or req.content_length:
-            raise ParseError(400, "a request body: not in this reference")
-        if self.h1.next_event() is not END_OF_MESSAGE:
-            raise AssertionError("llhttp completes a body-less message with its head")
-        if isinstance(checks.limiter.check_calls(self.ip, (None,), now,
-                                                 budget=checked.BUDGET,
-                                                 scope=checked.ROUTE), Limited):
-            raise BadRequest("rate limited", 429)
-        target = parse_target(req.target)
-        host = check_host(req.host, target, checked.ROUTE, checked.ROUTE)
-        check_single_valued(req.headers)
-        judge_scope(req.method, target, checked.MCP_PATH, has_body=False, content_type=None,
-                    content_encoding=(header(req.headers, b"content-encoding")
-                                      if req.method == "POST" else None))
-        if checks.inflight.take(self.bucket, 1) is not None:
-            raise BadRequest("too many requests in flight", 429)
-        self.holding = True
-        out = clean_request_headers(req.headers, client_ip=self.ip, host=host)
-        self.request = req
-        self.closing = not req.keep_alive
-        self.state = lean.WAITING
+        target, out = self.check_request(req)
         self.sent_at = time.monotonic()
         fields = [(b":method", _b(req.method)), (b":scheme", b"https"),
-                  (b":path", _b(target.origin_form)), (b":authority", _b(host))]
+                  (b":path", _b(target.origin_form)), (b":authority", _AUTHORITY)]
         fields += [(n.lower(), v) for n, v in out if n.lower() not in _HOP]
-        checks.h2node().request(self, h2_hpack.encode(fields))
-
-    def answer_h2(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        checks, req = self.checks, self.request
-        assert req is not None
-        self._give()
-        now = time.monotonic()
-        times = checks.header_times
-        times.append((checked.ROUTE, now - self.sent_at))
-        if len(times) >= MAX_PENDING_TIMES:
-            times.clear()
-        if self.closed:
-            return
-        headers = clean_response_headers(headers)
-        framing = response_framing(req.method, req.http_version, status, headers)
-        head = response_head(status, headers, framing, close=self.closing)
-        key = (checked.ROUTE, status)
-        checks.answered[key] = checks.answered.get(key, 0) + 1
-        path = req.target.split(b"?", 1)[0][:LOG_PATH_MAX].decode("latin-1")
-        log.request(self.prefix, req.method, path, status,
-                    round((now - self.started) * 1000, 1))
-        try:
-            self.tls.write(head + body if body else head)
-            self.flush()
-            if self.closing:
-                self.close()
-                return
-            self.state = lean.REQUEST
-            self.deadline = now + checked.IDLE_TIMEOUT
-            self.advance()
-        except checked._FAILED:
-            self.close()
+        self.checks.h2node().request(self, h2_hpack.encode(fields))
 
 
 class _Stream:
@@ -298,7 +230,7 @@ class _H2Node(lean._Leg):
     def finish(self, sid: int) -> None:
         stream = self.streams.pop(sid)
         body = stream.body[0] if len(stream.body) == 1 else b"".join(stream.body)
-        stream.client.answer_h2(stream.status, stream.headers, body)
+        stream.client.answer_with(stream.status, stream.headers, body)
 
     def close(self) -> None:
         if self.closed:
@@ -330,31 +262,14 @@ class H2UpProxy(checked.CheckedProxy):
     def client(self, sock: socket.socket) -> lean._Client:
         return _Client(self, sock)
 
-    def run(self) -> None:
-        poll, legs, ended, dirty = self.ep.poll, self.legs, self.ended, self.dirty
-        lfd = self.listener.fileno()
-        while True:
-            for fd, mask in poll():
-                if fd == lfd:
-                    self.accept()
-                    continue
-                leg = legs.get(fd)
-                if leg is None:
-                    continue
-                try:
-                    leg.event(mask)
-                except checked._FAILED:
-                    leg.close()
-            while dirty:
-                node = dirty.pop()
-                try:
-                    node.send_frames()
-                except checked._FAILED:
-                    node.close()
-            if ended:
-                for sock in ended:
-                    sock.close()
-                ended.clear()
+    def batch_done(self) -> None:
+        dirty = self.dirty
+        while dirty:
+            node = dirty.pop()
+            try:
+                node.send_frames()
+            except checked._FAILED:
+                node.close()
 
 
 def main(port: int, cert: str, key: str, node_port: int, client_cert: str,

@@ -36,6 +36,7 @@ import socket
 import ssl
 import sys
 import time
+from typing import Any
 
 from pact_ingress.logs import log, request_prefix, setup
 from pact_ingress.net.terminate import LOG_PATH_MAX, MAX_PENDING_TIMES, UNBOUNDED
@@ -96,6 +97,25 @@ class _Client(lean._Client):
             raise ParseError(400, "a request body: not in this reference")
 
     def forward_request(self, req: Request) -> None:
+        target, out = self.check_request(req)
+        checks = self.checks
+        idle = checks.idle
+        node = idle.pop() if idle else None
+        try:
+            if node is None:
+                node = _Node(checks)
+            self.node = node
+            node.parsed = ResponseParser(req.method)
+            self.sent_at = time.monotonic()
+            node.send(self, request_head(req.method, target.origin_form, out))
+        except _FAILED:
+            if node is not None:
+                node.close()
+            self.close()
+
+    def check_request(self, req: Request) -> tuple[Any, list[tuple[bytes, bytes]]]:
+        """The product's checks of a whole request head, then its share taken and its
+        headers cleaned: (the parsed target, the headers for the node)."""
         checks = self.checks
         now = self.started = time.monotonic()
         self.deadline = now + IDLE_TIMEOUT
@@ -119,24 +139,17 @@ class _Client(lean._Client):
         self.request = req
         self.closing = not req.keep_alive
         self.state = lean.WAITING
-        idle = checks.idle
-        node = idle.pop() if idle else None
-        try:
-            if node is None:
-                node = _Node(checks)
-            self.node = node
-            node.parsed = ResponseParser(req.method)
-            self.sent_at = time.monotonic()
-            node.send(self, request_head(req.method, target.origin_form, out))
-        except _FAILED:
-            if node is not None:
-                node.close()
-            self.close()
+        return target, out
 
     def answer_parsed(self, parsed: ResponseParser) -> None:
+        self.node = None
+        self.answer_with(parsed.status, parsed.headers, parsed.take_body())
+
+    def answer_with(self, status: int, headers: list[tuple[bytes, bytes]],
+                    body: bytes) -> None:
+        """The node's answer, through the product's response work, to the client."""
         checks, req = self.checks, self.request
         assert req is not None
-        self.node = None
         self._give()
         now = time.monotonic()
         times = checks.header_times
@@ -145,14 +158,13 @@ class _Client(lean._Client):
             times.clear()  # the product folds them into its histogram here
         if self.closed:
             return
-        headers = clean_response_headers(parsed.headers)
-        framing = response_framing(req.method, req.http_version, parsed.status, headers)
-        body = parsed.take_body()
-        head = response_head(parsed.status, headers, framing, close=self.closing)
-        key = (ROUTE, parsed.status)
+        headers = clean_response_headers(headers)
+        framing = response_framing(req.method, req.http_version, status, headers)
+        head = response_head(status, headers, framing, close=self.closing)
+        key = (ROUTE, status)
         checks.answered[key] = checks.answered.get(key, 0) + 1
         path = req.target.split(b"?", 1)[0][:LOG_PATH_MAX].decode("latin-1")
-        log.request(self.prefix, req.method, path, parsed.status,
+        log.request(self.prefix, req.method, path, status,
                     round((now - self.started) * 1000, 1))
         try:
             self.tls.write(head + body if body else head)

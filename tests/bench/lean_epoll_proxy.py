@@ -340,10 +340,15 @@ class Proxy:
                     leg.event(mask)
                 except _FAILED:
                     leg.close()
+            self.batch_done()
             if ended:
                 for sock in ended:
                     sock.close()  # closing the fd also takes it out of the epoll set
                 ended.clear()
+
+    def batch_done(self) -> None:
+        """Called once per batch of events, before the batch's closed sockets are
+        closed: a subclass that collects writes sends them here."""
 
 
 def main(port: int, cert: str, key: str, node_port: int, client_cert: str,
