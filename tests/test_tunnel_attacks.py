@@ -135,6 +135,7 @@ class World:
     tmp: Path
     port: int = field(default_factory=free_port)
     admin: int = field(default_factory=free_port)
+    workers: int = 2
 
     def __post_init__(self) -> None:
         d = self.tmp
@@ -186,8 +187,8 @@ tenants:
     # -- processes ----------------------------------------------------------------------
 
     def start_serve(self) -> None:
-        self.proc, ready = serve_until_ready(self.tmp, self.config, ["--workers", "2"],
-                                             self._log)
+        self.proc, ready = serve_until_ready(self.tmp, self.config,
+                                             ["--workers", str(self.workers)], self._log)
         if not ready:
             raise AssertionError(f"serve not READY:\n{self.logs()[-3000:]}")
 
@@ -1041,6 +1042,41 @@ def test_a_revoked_key_s_streams_are_cut_and_the_other_tenant_s_run_on(
         w.write_config(bob=True)
         reload(w)
     wait_for(lambda: w.tunnels().get("alina", (0, 0))[0] == 2, "alina's connector back")
+
+
+def test_a_revoked_key_s_streams_are_cut_in_a_single_process(tmp_path: Path) -> None:
+    """serve --workers 1: main's own lane holds bob's node connections over his tunnel
+    streams, and main's router splices alina's. One reload revoking both keys cuts every
+    stream: each stalled caller ends having read less than RESIDUE after the cut, the
+    broken node bodies are one warning line each (no traceback), and once re-pinned both
+    tenants are served again with no fd left over."""
+    w = World(tmp_path, workers=1)
+    try:
+        w.start_serve()
+        w.start_connectors()
+        w.served()
+        fds = w.fds()
+        mid = [mid_download(w, TM, "127.0.0.3") for _ in range(2)]
+        mid.append(mid_download(w, PT, "127.0.0.4"))
+        time.sleep(1.0)  # the callers stall: every buffer on the way fills
+        w.write_config(bob=False, alina_pins=[w.stranger.fingerprint])
+        reload(w)
+        ends = [read_to_end(s) for s in mid]
+        for s in mid:
+            s.close()
+        assert all(ended and got < RESIDUE for got, ended in ends), ends
+        cut = {e["tenant"]: e["streams"] for e in w.events("tunnel_streams_cut")}
+        assert cut.get("bob", 0) >= 2 and cut.get("alina", 0) >= 1, cut
+        broken = w.events("upstream_body_failed")
+        assert broken and all(e["route"] == TM for e in broken), broken
+        w.write_config(bob=True)
+        reload(w)
+        w.wait_settled("both connectors back after the re-pin")
+        w.served()
+        wait_for(lambda: w.fds() <= fds, f"fds back to {fds} (now {w.fds()})")
+        w.clean_logs()
+    finally:
+        w.close()
 
 
 def reload(w: World) -> None:
