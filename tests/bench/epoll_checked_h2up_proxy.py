@@ -114,7 +114,6 @@ class _H2Node(lean._Leg):
         self.decoder = hpack.Decoder()
         self.decoder.max_allowed_table_size = 0
         self.blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
-        self.decoded = 0  # blocks decoded, not found in `blocks`
         self.advance()
 
     def request(self, client: _Client, block: bytes) -> None:
@@ -122,10 +121,7 @@ class _H2Node(lean._Leg):
         self.next_id += 2
         self.streams[sid] = _Stream(client)
         client.node = None
-        self.frames.append(_frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
-        if not self.dirty:
-            self.dirty = True
-            self.h2proxy.dirty.append(self)
+        self.queue(_frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
 
     def send_frames(self) -> None:
         """Everything collected during the batch: one TLS write, one send."""
@@ -196,7 +192,6 @@ class _H2Node(lean._Leg):
         block = bytes(payload)
         fields = self.blocks.get(block)
         if fields is None:
-            self.decoded += 1
             table = self.decoder.header_table
             empty = not table.dynamic_entries
             fields = [(bytes(n), bytes(v)) for n, v in self.decoder.decode(block, raw=True)]
