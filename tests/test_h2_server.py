@@ -15,6 +15,7 @@ import h2.events
 import hpack
 import pytest
 
+from pact_ingress.proto import h2_frames
 from pact_ingress.proto import h2_server as hs
 from pact_ingress.proto.h2_server import ErrorCode, H2Server
 
@@ -168,7 +169,7 @@ def test_send_window_exhaustion_and_growth() -> None:
     client.increment_flow_control_window(5, stream_id=1)
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 20})
     events = server.receive_data(client.data_to_send())
-    assert {type(e) for e in events} == {hs.WindowUpdated, hs.SettingsChanged}
+    assert {type(e) for e in events} == {hs.WindowUpdated, h2_frames.SettingsChanged}
     assert server.local_flow_control_window(1) == 15 and server.local_flow_control_window(3) == 20
     # the connection window bounds every stream
     server.send_headers(3, [(b":status", b"200")])
@@ -450,7 +451,7 @@ def test_preface_and_first_frame() -> None:
     server = H2Server()
     assert server.receive_data(hs.PREFACE[:5]) == []
     assert [type(e) for e in server.receive_data(hs.PREFACE[5:] + _frame(hs.SETTINGS, 0, 0))] \
-        == [hs.SettingsChanged]
+        == [h2_frames.SettingsChanged]
 
 
 def test_table_size_update_starts_the_first_block_and_follows_a_settings_change() -> None:

@@ -102,6 +102,7 @@ from pact_ingress.net.http_exchange import (
 )
 from pact_ingress.net.linger import linger
 from pact_ingress.net.tls_server import ServerTLS
+from pact_ingress.proto import h2_frames
 from pact_ingress.proto import h2_server as h2
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, WINDOW_UPDATE, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
@@ -499,16 +500,17 @@ class H2Connection:
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
-        elif kind is h2.WindowUpdated or kind is h2.SettingsChanged:
-            self._charge(Flood.SETTINGS if kind is h2.SettingsChanged else Flood.WINDOW_UPDATE)
+        elif kind is h2.WindowUpdated or kind is h2_frames.SettingsChanged:
+            self._charge(Flood.SETTINGS if kind is h2_frames.SettingsChanged
+                         else Flood.WINDOW_UPDATE)
             if self._window is not None:
                 self._window.set()
                 self._window = None
-        elif kind is h2.SettingsAcked:
+        elif kind is h2_frames.SettingsAcked:
             self._charge(Flood.SETTINGS)
         elif kind is h2.PingReceived:
             self._charge(Flood.PING)
-        elif kind is h2.PriorityReceived:
+        elif kind is h2_frames.PriorityReceived:
             self._charge(Flood.PRIORITY)
         elif kind is h2.UnknownFrame:
             self._charge(Flood.UNKNOWN)

@@ -47,68 +47,65 @@ it). A stream error queues RST_STREAM and reports `StreamReset(remote=False)`.
 
 from __future__ import annotations
 
-import enum
-import struct
 from collections.abc import Iterable
 
 import hpack
 
 from pact_ingress.proto import h2_hpack
+from pact_ingress.proto.h2_frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    GOAWAY_HEAD,
+    HEAD,
+    HEADERS,
+    MAX_BLOCK_BYTES,
+    MAX_CONTINUATIONS,
+    MAX_WINDOW,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PRIORITY_RECEIVED,
+    PUSH_PROMISE,
+    RESET_MEMORY,
+    RST_STREAM,
+    SETTING,
+    SETTINGS,
+    SETTINGS_ACKED,
+    SETTINGS_CHANGED,
+    U32,
+    WINDOW_UPDATE,
+    ConnectionError_,
+    DataReceived,
+    ErrorCode,
+    Event,
+    PingReceived,
+    Setting,
+    StreamClosed,
+    StreamEnded,
+    StreamReset,
+    UnknownFrame,
+    WindowUpdated,
+    frame,
+    unpad,
+)
 from pact_ingress.proto.http_request import declared_length
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# frame types
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
-    CONTINUATION = range(10)
-# flags
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
 #: Not a wire flag: set on a header block whose HEADERS frame made the stream depend on
 #: itself (outside the 8 bits a frame's flags take).
 SELF_DEPENDENT = 0x100
 
-DEFAULT_WINDOW = 65535
-DEFAULT_MAX_FRAME = 16384
-MAX_WINDOW = 2**31 - 1
-#: A compressed header block may take this many bytes, or this many CONTINUATION frames,
-#: before the connection is ended; both far beyond a block whose header list fits the cap.
-MAX_BLOCK_BYTES = 64 * 1024
 #: A header list up to this many times `max_header_list_size` is refused on its stream
 #: (431); beyond, the connection ends (ENHANCE_YOUR_CALM).
 OVERSIZED_LISTS = 4
-MAX_CONTINUATIONS = 64
 #: Decoded header blocks remembered per connection (see `_decode`).
 DECODED_CACHE = 32
-#: Streams we reset whose late frames are still ignored rather than ending the connection
-#: (a client sends at most `max_concurrent_streams` streams' worth before it sees them).
-RESET_MEMORY = 256
-
-_HEAD = struct.Struct(">I B I")  # length << 8 | type, flags, stream id
-_U32 = struct.Struct(">I")
-_SETTING = struct.Struct(">HI")
-_GOAWAY = struct.Struct(">II")
-
-
-class ErrorCode(enum.IntEnum):
-    NO_ERROR = 0x0
-    PROTOCOL_ERROR = 0x1
-    INTERNAL_ERROR = 0x2
-    FLOW_CONTROL_ERROR = 0x3
-    SETTINGS_TIMEOUT = 0x4
-    STREAM_CLOSED = 0x5
-    FRAME_SIZE_ERROR = 0x6
-    REFUSED_STREAM = 0x7
-    CANCEL = 0x8
-    COMPRESSION_ERROR = 0x9
-    CONNECT_ERROR = 0xA
-    ENHANCE_YOUR_CALM = 0xB
-    INADEQUATE_SECURITY = 0xC
-    HTTP_1_1_REQUIRED = 0xD
-
 
 #: No response header list the edge sends is this large (a node's head is capped at
 #: 64 KiB and 128 fields on its own leg, `proto.http_upstream`): a client advertising at
@@ -116,33 +113,7 @@ class ErrorCode(enum.IntEnum):
 _ANY_LIST = 64 * 1024 + 32 * 130
 
 
-class Setting(enum.IntEnum):
-    HEADER_TABLE_SIZE = 0x1
-    ENABLE_PUSH = 0x2
-    MAX_CONCURRENT_STREAMS = 0x3
-    INITIAL_WINDOW_SIZE = 0x4
-    MAX_FRAME_SIZE = 0x5
-    MAX_HEADER_LIST_SIZE = 0x6
-    ENABLE_CONNECT_PROTOCOL = 0x8
-
-
-class ConnectionError_(Exception):  # noqa: N801 - not the builtin
-    """The client broke the protocol; GOAWAY with `code` is queued."""
-
-    def __init__(self, code: ErrorCode, why: str) -> None:
-        super().__init__(why)
-        self.code = code
-
-
-class StreamClosed(Exception):
-    """Nothing more can be sent on this stream (reset, ended, or the connection closed)."""
-
-
-# -- events ---------------------------------------------------------------------------
-
-class Event:
-    __slots__ = ()
-
+# -- events of this end ---------------------------------------------------------------
 
 class RequestReceived(Event):
     __slots__ = ("stream_id", "headers", "ended")
@@ -151,74 +122,11 @@ class RequestReceived(Event):
         self.stream_id, self.headers, self.ended = stream_id, headers, ended
 
 
-class DataReceived(Event):
-    """`flow_length` (payload and padding) is owed back through `acknowledge`."""
-    __slots__ = ("stream_id", "data", "flow_length", "ended")
-
-    def __init__(self, stream_id: int, data: bytes, flow_length: int, ended: bool):
-        self.stream_id, self.data, self.flow_length, self.ended = (
-            stream_id, data, flow_length, ended)
-
-
-class StreamEnded(Event):
-    """The request ended with trailers (which are dropped: the next hop gets none)."""
-    __slots__ = ("stream_id",)
-
-    def __init__(self, stream_id: int):
-        self.stream_id = stream_id
-
-
-class StreamReset(Event):
-    """By the client (`remote`), or by us for a stream error (RST_STREAM queued)."""
-    __slots__ = ("stream_id", "code", "remote")
-
-    def __init__(self, stream_id: int, code: int, remote: bool):
-        self.stream_id, self.code, self.remote = stream_id, code, remote
-
-
-class WindowUpdated(Event):
-    __slots__ = ("stream_id",)
-
-    def __init__(self, stream_id: int):
-        self.stream_id = stream_id
-
-
-class SettingsChanged(Event):
-    __slots__ = ()
-
-
-class PingReceived(Event):
-    __slots__ = ("ack",)
-
-    def __init__(self, ack: bool):
-        self.ack = ack
-
-
-class PriorityReceived(Event):
-    __slots__ = ()
-
-
-class UnknownFrame(Event):
-    __slots__ = ("kind",)
-
-    def __init__(self, kind: int):
-        self.kind = kind
-
-
 class GoAwayReceived(Event):
     __slots__ = ("code",)
 
     def __init__(self, code: int):
         self.code = code
-
-
-class SettingsAcked(Event):
-    __slots__ = ()
-
-
-_SETTINGS_CHANGED = SettingsChanged()
-_SETTINGS_ACKED = SettingsAcked()
-_PRIORITY = PriorityReceived()
 
 
 # -- streams --------------------------------------------------------------------------
@@ -237,10 +145,6 @@ class Stream:
         self.recv_processed = 0  # acknowledged since the last WINDOW_UPDATE
         self.content_length: int | None = None
         self.received = 0
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return _HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 def _all_indexed(block: bytes) -> bool:
@@ -317,18 +221,18 @@ class H2Server:
 
     def initiate_connection(self) -> None:
         """Queue our SETTINGS (the server preface)."""
-        payload = b"".join(_SETTING.pack(code, value) for code, value in (
+        payload = b"".join(SETTING.pack(code, value) for code, value in (
             (Setting.ENABLE_PUSH, 0),
             (Setting.MAX_CONCURRENT_STREAMS, self.max_concurrent_streams),
             (Setting.INITIAL_WINDOW_SIZE, self._recv_initial),
             (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
         ))
-        self._write(_frame(SETTINGS, 0, 0, payload))
+        self._write(frame(SETTINGS, 0, 0, payload))
         raise_by = self._conn_recv_target - self._conn_recv_window
         if raise_by > 0:
             # no setting carries the connection window: only a WINDOW_UPDATE raises it
             self._conn_recv_window += raise_by
-            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(raise_by)))
+            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(raise_by)))
 
     def data_to_send(self) -> bytes:
         data = bytes(self.out)
@@ -367,7 +271,7 @@ class H2Server:
         end = len(buf)
         try:
             while end - pos >= 9:
-                head, flags, stream_id = _HEAD.unpack_from(buf, pos)
+                head, flags, stream_id = HEAD.unpack_from(buf, pos)
                 length = head >> 8
                 if length > DEFAULT_MAX_FRAME:
                     self._fail(ErrorCode.FRAME_SIZE_ERROR, "frame larger than allowed")
@@ -413,22 +317,22 @@ class H2Server:
             if len(payload) != 8:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "PING not 8 bytes")
             if not flags & ACK:
-                self._write(_frame(PING, ACK, 0, payload))
+                self._write(frame(PING, ACK, 0, payload))
             events.append(PingReceived(bool(flags & ACK)))
         elif kind == PRIORITY:
             if not sid:
                 self._fail(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY not 5 bytes")
-            if _U32.unpack_from(payload)[0] & 0x7FFFFFFF == sid:
+            if U32.unpack_from(payload)[0] & 0x7FFFFFFF == sid:
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
-            events.append(_PRIORITY)
+            events.append(PRIORITY_RECEIVED)
         elif kind == GOAWAY:
             if sid:
                 self._fail(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
             if len(payload) < 8:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
-            events.append(GoAwayReceived(_GOAWAY.unpack_from(payload)[1]))
+            events.append(GoAwayReceived(GOAWAY_HEAD.unpack_from(payload)[1]))
         elif kind == CONTINUATION:
             self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
         elif kind == PUSH_PROMISE:
@@ -436,24 +340,16 @@ class H2Server:
         else:
             events.append(UnknownFrame(kind))  # ignored (RFC 9113 §4.1), but counted
 
-    @staticmethod
-    def _unpad(flags: int, payload: bytes) -> bytes | None:
-        if not flags & PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            return None
-        return payload[1:len(payload) - payload[0]]
-
     def _headers(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         if not sid or not sid & 1:
             self._fail(ErrorCode.PROTOCOL_ERROR, "HEADERS on an even stream id")
-        block = self._unpad(flags, payload)
+        block = unpad(flags, payload)
         if block is None:
             self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
-            if _U32.unpack_from(block)[0] & 0x7FFFFFFF == sid:
+            if U32.unpack_from(block)[0] & 0x7FFFFFFF == sid:
                 # a stream cannot depend on itself (RFC 9113 §5.3.1): the block is still
                 # decoded below, so that the table stays the client's, then reset
                 flags |= SELF_DEPENDENT
@@ -542,7 +438,7 @@ class H2Server:
         if flags & SELF_DEPENDENT or len(self.streams) >= self.max_concurrent_streams:
             code = (ErrorCode.PROTOCOL_ERROR if flags & SELF_DEPENDENT
                     else ErrorCode.REFUSED_STREAM)
-            self._write(_frame(RST_STREAM, 0, sid, _U32.pack(code)))
+            self._write(frame(RST_STREAM, 0, sid, U32.pack(code)))
             self._note_reset(sid)
             # reported, so the caller's flood meters see refusals a client keeps provoking
             events.append(StreamReset(sid, code, False))
@@ -576,7 +472,7 @@ class H2Server:
         if length > self._conn_recv_window:
             self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self._conn_recv_window -= length
-        data = self._unpad(flags, payload)
+        data = unpad(flags, payload)
         if data is None:
             self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
         stream = self.streams.get(sid)
@@ -608,7 +504,7 @@ class H2Server:
     def _window_update(self, sid: int, payload: bytes, events: list[Event]) -> None:
         if len(payload) != 4:
             self._fail(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
-        increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
         if not sid:
             if not increment:
                 self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
@@ -638,12 +534,12 @@ class H2Server:
         if flags & ACK:
             if payload:
                 self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-            events.append(_SETTINGS_ACKED)
+            events.append(SETTINGS_ACKED)
             return
         if len(payload) % 6:
             self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
         for pos in range(0, len(payload), 6):
-            code, value = _SETTING.unpack_from(payload, pos)
+            code, value = SETTING.unpack_from(payload, pos)
             if code == Setting.HEADER_TABLE_SIZE:
                 self._table_reset = True
             elif code in (Setting.ENABLE_PUSH, Setting.ENABLE_CONNECT_PROTOCOL):
@@ -664,8 +560,8 @@ class H2Server:
                 self.max_outbound_frame_size = value
             elif code == Setting.MAX_HEADER_LIST_SIZE:
                 self.peer_max_header_list_size = value
-        self._write(_frame(SETTINGS, ACK, 0))
-        events.append(_SETTINGS_CHANGED)
+        self._write(frame(SETTINGS, ACK, 0))
+        events.append(SETTINGS_CHANGED)
 
     def _rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
         if len(payload) != 4:
@@ -673,7 +569,7 @@ class H2Server:
         if not sid or sid > self.highest_inbound_stream_id:
             self._fail(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
         self.streams.pop(sid, None)
-        events.append(StreamReset(sid, _U32.unpack(payload)[0], True))
+        events.append(StreamReset(sid, U32.unpack(payload)[0], True))
 
     def _stream_error(self, sid: int, code: ErrorCode, events: list[Event]) -> None:
         self.reset_stream(sid, code)
@@ -696,7 +592,7 @@ class H2Server:
                 self._conn_recv_window == 0 and processed > 1024):
             self._conn_recv_processed = 0
             self._conn_recv_window += processed
-            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(processed)))
+            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(processed)))
         stream = self.streams.get(stream_id)
         if stream is None or not stream.remote_open:
             return
@@ -706,7 +602,7 @@ class H2Server:
                 stream.recv_window == 0 and processed > min(1024, self._recv_initial // 4)):
             stream.recv_processed = 0
             stream.recv_window += processed
-            self._write(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(processed)))
+            self._write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(processed)))
 
     # -- sending ----------------------------------------------------------------------
 
@@ -737,14 +633,14 @@ class H2Server:
         flags = END_STREAM if end_stream else 0
         limit = self.max_outbound_frame_size
         if len(block) <= limit:
-            self._write(_HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS,
+            self._write(HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS,
                                         stream_id) + block)
         else:
             pieces = [block[i:i + limit] for i in range(0, len(block), limit)]
-            self._write(_frame(HEADERS, flags, stream_id, pieces[0]))
+            self._write(frame(HEADERS, flags, stream_id, pieces[0]))
             for piece in pieces[1:-1]:
-                self._write(_frame(CONTINUATION, 0, stream_id, piece))
-            self._write(_frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
+                self._write(frame(CONTINUATION, 0, stream_id, piece))
+            self._write(frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
         stream.headers_sent = True
         if end_stream:
             self._local_end(stream)
@@ -765,7 +661,7 @@ class H2Server:
             raise StreamClosed("DATA before the response head")
         stream.send_window -= n
         self.conn_send_window -= n
-        self._write(_HEAD.pack(n << 8 | DATA, END_STREAM if end_stream else 0,
+        self._write(HEAD.pack(n << 8 | DATA, END_STREAM if end_stream else 0,
                                     stream_id))
         if n:
             self._write(data)
@@ -784,7 +680,7 @@ class H2Server:
         """RST_STREAM, when the stream is open and the connection too; else nothing."""
         if self.closed or self.streams.pop(stream_id, None) is None:
             return
-        self._write(_frame(RST_STREAM, 0, stream_id, _U32.pack(code)))
+        self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
         self._note_reset(stream_id)
 
     def _note_reset(self, stream_id: int) -> None:
@@ -802,5 +698,5 @@ class H2Server:
         if self.closed:
             return
         last = self.highest_inbound_stream_id if last_stream_id is None else last_stream_id
-        self._write(_frame(GOAWAY, 0, 0, _GOAWAY.pack(last, code)))
+        self._write(frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(last, code)))
         self.closed = True
