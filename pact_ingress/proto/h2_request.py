@@ -29,15 +29,16 @@ from collections.abc import Iterable
 
 Header = tuple[bytes, bytes]
 
-#: One or more lower-case tokens separated by commas: every field name of a block at once.
-_TOKENS = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+(?:,[!#$%&'*+.^_`|~0-9a-z-]+)*")
-#: A control character other than HTAB, in any value of a block at once (joined by HTAB).
+#: One or more lower-case tokens separated by commas: every field name of a block at once
+#: (the node side's response check, `proto.h2_client`, uses these rules too).
+FIELD_NAMES = re.compile(rb"[!#$%&'*+.^_`|~0-9a-z-]+(?:,[!#$%&'*+.^_`|~0-9a-z-]+)*")
 #: A method (RFC 9110 §9.1): a token, in any case. It becomes the next hop's request line.
 _METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_WS = (b" ", b"\t")
+#: A control character other than HTAB, in any value of a block at once (joined by HTAB).
+CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+WHITESPACE = (b" ", b"\t")
 _PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path", b":protocol"})
-_CONNECTION_SPECIFIC = frozenset({
+CONNECTION_SPECIFIC = frozenset({
     b"connection", b"proxy-connection", b"keep-alive", b"transfer-encoding", b"upgrade",
 })
 
@@ -56,7 +57,7 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
     host: bytes | None = None
     length: bytes | None = None
     for name, value in headers:
-        if value[:1] in _WS or value[-1:] in _WS:
+        if value[:1] in WHITESPACE or value[-1:] in WHITESPACE:
             raise MalformedRequest(f"whitespace around the value of {name!r}")
         if name[:1] == b":":
             if fields or cookies:
@@ -69,7 +70,7 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
         elif name == b"cookie":
             cookies.append(value)
         else:
-            if name in _CONNECTION_SPECIFIC:
+            if name in CONNECTION_SPECIFIC:
                 raise MalformedRequest(f"connection-specific field {name!r}")
             if name == b"te" and value.lower() != b"trailers":
                 raise MalformedRequest("TE other than trailers")
@@ -83,12 +84,12 @@ def split_request(headers: Iterable[Header]) -> tuple[dict[bytes, bytes], list[H
                     raise MalformedRequest("Content-Length fields differ")
                 length = value
             fields.append((name, value))
-    if fields and not _TOKENS.fullmatch(b",".join([n for n, _ in fields])):
+    if fields and not FIELD_NAMES.fullmatch(b",".join([n for n, _ in fields])):
         raise MalformedRequest("a field name is not a lower-case token")
     values = [v for _, v in fields]
     values += pseudo.values()
     values += cookies
-    if _CTL.search(b"\t".join(values)):
+    if CONTROL.search(b"\t".join(values)):
         raise MalformedRequest("a control character in a field value")
     crumbs = [c for c in cookies if c]  # an empty one would leave a dangling "; "
     if crumbs:

@@ -1,0 +1,745 @@
+"""The client side of an HTTP/2 connection (RFC 9113) to a node, as a state machine.
+Sans-I/O.
+
+Requests go in (`send_request`, `send_data`), frames come out (`take_output`); bytes
+from the node go in (`receive_data`), events come out. Nothing here reads a clock or a
+socket. It is the node leg's end of the protocol whose front end is `proto.h2_server`;
+both take the wire's vocabulary from `proto.h2_frames`.
+
+Written here rather than driving the `h2` library for the reason the server side is:
+h2 makes some 900 Python calls per request for its two ends together, more than a whole
+HTTP/1.1 exchange costs at the edge. Only what a client that never accepts a push needs
+is here. Request blocks are encoded by `proto.h2_hpack` (no dynamic table, no Huffman);
+response blocks are decoded by `hpack.Decoder`, and we ask the node for a dynamic table
+of 0 bytes (SETTINGS_HEADER_TABLE_SIZE), so that after its first block every block
+stands alone: the same bytes mean the same header list, and a node's repeated answers
+are decoded and checked once (`_decode`, a small cache per connection).
+
+What is enforced, and how it fails:
+
+- the node's preface is a SETTINGS frame; frame sizes against the 16,384 bytes we take
+  and the fixed sizes of PRIORITY, RST_STREAM, PING, WINDOW_UPDATE and SETTINGS
+  (FRAME_SIZE_ERROR); padding longer than its frame; SETTINGS values in range, and
+  ENABLE_PUSH never 1 from a server;
+- stream ids: the node may only answer streams we opened. HEADERS or DATA on an even
+  id or an id we never used, PUSH_PROMISE (push is off), CONTINUATION out of place or
+  interleaved are connection errors (PROTOCOL_ERROR); a frame on a stream that ended
+  both ways is STREAM_CLOSED. Frames on a stream we reset are ignored for a while
+  (`RESET_MEMORY`): the node may have sent them before it saw the reset;
+- header blocks: a cap on the compressed block and on its CONTINUATION frames
+  (ENHANCE_YOUR_CALM), on the decoded list (`max_header_list_size`, as the HTTP/1.1 node
+  leg caps a head: over it the stream is reset, far over it the connection ends), a
+  block that cannot be decoded is a COMPRESSION_ERROR. Every block is decoded, even on
+  a stream we reset, so the decoder stays in step with the node;
+- the response itself (`split_response`): one `:status`, three digits, first; names
+  lower-case tokens; no control character but HTAB in a value, none starting or ending
+  with whitespace (the head may go on to an HTTP/1.1 client, where a CR or LF would
+  split it); no connection-specific field; Content-Length fields that agree. Then: no
+  DATA before the final head, none on a HEAD request or a 204/304, the DATA received
+  against Content-Length, trailers that end the stream and carry no pseudo-header,
+  informational (1xx) heads at most `MAX_INTERIM` and never 101. A malformed response
+  is a stream error (RST_STREAM(PROTOCOL_ERROR), reported as `StreamReset(remote=False)`),
+  so the node's other streams go on;
+- flow control both ways: DATA beyond the windows we advertised is a FLOW_CONTROL_ERROR;
+  our windows go back to the node (WINDOW_UPDATE) only as the caller acknowledges what
+  it passed on (`acknowledge`), so a caller that stops taking a stream's answer stops
+  the node sending it; what we send keeps to the node's windows: request bodies wait in
+  the stream (`pending`) until a WINDOW_UPDATE or a larger initial window lets them go;
+- concurrency: a stream is opened only while the node's SETTINGS_MAX_CONCURRENT_STREAMS
+  (and our own `max_concurrent_streams`) allow it (`can_open`); after GOAWAY none is,
+  and the streams the node says it never processed are handed back
+  (`GoAwayReceived.unprocessed`), as is a stream it refused (RST_STREAM with
+  REFUSED_STREAM): both may be sent again on another connection.
+
+A connection error queues GOAWAY and raises `ConnectionError_` (no frame is read after
+it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import hpack
+
+from pact_ingress.proto import h2_hpack
+from pact_ingress.proto.h2_frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    GOAWAY_HEAD,
+    HEAD,
+    HEADERS,
+    MAX_BLOCK_BYTES,
+    MAX_CONTINUATIONS,
+    MAX_STREAM_ID,
+    MAX_WINDOW,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PRIORITY_RECEIVED,
+    PUSH_PROMISE,
+    RESET_MEMORY,
+    RST_STREAM,
+    SETTING,
+    SETTINGS,
+    SETTINGS_ACKED,
+    SETTINGS_CHANGED,
+    U32,
+    WINDOW_UPDATE,
+    ConnectionError_,
+    DataReceived,
+    ErrorCode,
+    Event,
+    PingReceived,
+    Setting,
+    StreamClosed,
+    StreamEnded,
+    StreamReset,
+    UnknownFrame,
+    WindowUpdated,
+    frame,
+    settings_frame,
+    unpad,
+)
+from pact_ingress.proto.h2_request import (
+    CONNECTION_SPECIFIC,
+    CONTROL,
+    FIELD_NAMES,
+    WHITESPACE,
+)
+from pact_ingress.proto.http_request import declared_length
+from pact_ingress.proto.http_upstream import MAX_HEAD_BYTES, MAX_HEADERS, MAX_INTERIM
+
+Header = tuple[bytes, bytes]
+
+#: The header list we take, counted as SETTINGS_MAX_HEADER_LIST_SIZE is (each field's
+#: name and value plus 32): what the HTTP/1.1 node leg takes as a head.
+MAX_HEADER_LIST = MAX_HEAD_BYTES + 32 * MAX_HEADERS
+#: A list up to this many times the cap is decoded whole (the decoder stays in step) and
+#: only its stream reset; beyond, the decoder stops mid-block and the connection ends.
+OVERSIZED_LISTS = 4
+#: Decoded and checked response blocks remembered per connection (see `_decode`).
+DECODED_CACHE = 64
+#: Responses without a body (RFC 9110 §6.4.1), whatever their Content-Length says.
+_NO_CONTENT = frozenset({204, 304})
+
+
+class MalformedResponse(ValueError):
+    """The response header block breaks a rule of RFC 9113 §8.2/§8.3."""
+
+
+def split_response(headers: Iterable[Header]) -> tuple[int, list[Header], int | None]:
+    """The status, the ordinary fields (in order) and the Content-Length (None when
+    there is none) of a well-formed response header block; `MalformedResponse`
+    otherwise."""
+    status: bytes | None = None
+    fields: list[Header] = []
+    length: bytes | None = None
+    for name, value in headers:
+        if value[:1] in WHITESPACE or value[-1:] in WHITESPACE:
+            raise MalformedResponse(f"whitespace around the value of {name!r}")
+        if name[:1] == b":":
+            if fields:
+                raise MalformedResponse(f"pseudo-header {name!r} after a regular field")
+            if name != b":status":
+                raise MalformedResponse(f"pseudo-header {name!r} not allowed in a response")
+            if status is not None:
+                raise MalformedResponse(":status repeated")
+            status = value
+            continue
+        if name in CONNECTION_SPECIFIC:
+            raise MalformedResponse(f"connection-specific field {name!r}")
+        if name == b"content-length":
+            if length is not None and value != length:
+                raise MalformedResponse("Content-Length fields differ")
+            length = value
+        fields.append((name, value))
+    if status is None or len(status) != 3 or not status.isdigit():
+        raise MalformedResponse("no :status of three digits")
+    if fields and not FIELD_NAMES.fullmatch(b",".join([n for n, _ in fields])):
+        raise MalformedResponse("a field name is not a lower-case token")
+    if CONTROL.search(b"\t".join([status, *(v for _, v in fields)])):
+        raise MalformedResponse("a control character in a field value")
+    declared = None
+    if length is not None:
+        declared = declared_length(length)
+        if declared is None:
+            raise MalformedResponse("Content-Length is not a number")
+    return int(status), fields, declared
+
+
+# -- events of this end ---------------------------------------------------------------
+
+class ResponseReceived(Event):
+    """The final response head of a stream (informational ones are not reported)."""
+    __slots__ = ("stream_id", "status", "headers", "ended")
+
+    def __init__(self, stream_id: int, status: int, headers: list[Header], ended: bool):
+        self.stream_id, self.status, self.headers, self.ended = (
+            stream_id, status, headers, ended)
+
+
+class GoAwayReceived(Event):
+    """The node takes no new stream. `unprocessed`: our streams above its last stream
+    id, which it never acted on; they are closed here and may be sent again elsewhere."""
+    __slots__ = ("code", "last_stream_id", "unprocessed")
+
+    def __init__(self, code: int, last_stream_id: int, unprocessed: list[int]):
+        self.code, self.last_stream_id, self.unprocessed = code, last_stream_id, unprocessed
+
+
+# -- streams --------------------------------------------------------------------------
+
+class Stream:
+    __slots__ = ("id", "bodiless", "local_open", "remote_open", "send_window",
+                 "recv_window", "recv_processed", "pending", "pending_end", "status",
+                 "interim", "content_length", "received")
+
+    def __init__(self, stream_id: int, bodiless: bool, send_window: int,
+                 recv_window: int) -> None:
+        self.id = stream_id
+        self.bodiless = bodiless  # a HEAD request: its answer carries no DATA
+        self.local_open = True  # we may still send
+        self.remote_open = True  # the node may still send
+        self.send_window = send_window
+        self.recv_window = recv_window  # what we still let the node send
+        self.recv_processed = 0  # acknowledged since the last WINDOW_UPDATE
+        self.pending = bytearray()  # request body waiting for the node's windows
+        self.pending_end = False  # and END_STREAM after it
+        self.status = 0  # the final status, once its head came
+        self.interim = 0  # informational heads so far
+        self.content_length: int | None = None
+        self.received = 0
+
+
+class H2Client:
+    def __init__(self, *, max_concurrent_streams: int = 100,
+                 max_header_list_size: int = MAX_HEADER_LIST,
+                 initial_window: int = 256 * 1024,
+                 connection_window: int = 16 * 1024 * 1024) -> None:
+        if not DEFAULT_WINDOW <= connection_window <= MAX_WINDOW:
+            raise ValueError("the connection window starts at 65535 and can only grow")
+        if not 0 <= initial_window <= MAX_WINDOW:
+            raise ValueError("a stream window is at most 2**31 - 1")
+        self.max_concurrent_streams = max_concurrent_streams
+        self.max_header_list_size = max_header_list_size
+        self.streams: dict[int, Stream] = {}  # open in at least one direction
+        self.next_stream_id = 1
+        self.closed = False  # GOAWAY sent: nothing more is sent or taken
+        self.going_away = False  # GOAWAY received: no new stream
+        #: frames queued for the node; the I/O side takes them (`take_output`)
+        self.out = bytearray()
+        self._buf = b""
+        self._settings_seen = False
+        # receiving
+        self._decoder = hpack.Decoder(
+            max_header_list_size=max_header_list_size * OVERSIZED_LISTS)
+        self._decoder.max_allowed_table_size = 0  # what our SETTINGS ask for
+        self._decoded: dict[bytes, tuple[list[Header], bool]] = {}
+        self._recv_initial = initial_window
+        self._conn_recv_window = DEFAULT_WINDOW
+        self._conn_recv_target = connection_window
+        self._conn_recv_processed = 0
+        self._block: list[bytes] | None = None  # header block fragments being gathered
+        self._block_stream = 0
+        self._block_flags = 0
+        self._block_bytes = 0
+        self._continuations = 0
+        self._reset_by_us: dict[int, None] = {}  # oldest first, at most RESET_MEMORY
+        # sending
+        self._send_initial = DEFAULT_WINDOW
+        self.conn_send_window = DEFAULT_WINDOW
+        self.max_outbound_frame_size = DEFAULT_MAX_FRAME
+        #: the node's SETTINGS_MAX_CONCURRENT_STREAMS; unlimited until it names one
+        self.peer_max_concurrent_streams = MAX_STREAM_ID
+        self._blocked: dict[int, None] = {}  # streams whose body waits for a window
+        self._table_reset = True  # start the next block with a table size update to 0
+
+    # -- set-up and output ------------------------------------------------------------
+
+    def initiate_connection(self) -> None:
+        """Queue the client preface: the magic, our SETTINGS, the connection window."""
+        self.out += PREFACE
+        self.out += settings_frame((
+            (Setting.HEADER_TABLE_SIZE, 0),
+            (Setting.ENABLE_PUSH, 0),
+            (Setting.INITIAL_WINDOW_SIZE, self._recv_initial),
+            (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
+        ))
+        raise_by = self._conn_recv_target - self._conn_recv_window
+        if raise_by > 0:
+            self._conn_recv_window += raise_by
+            self.out += frame(WINDOW_UPDATE, 0, 0, U32.pack(raise_by))
+
+    def take_output(self) -> bytearray:
+        """The queued frames, handed over without a copy (`out` starts empty again)."""
+        data = self.out
+        self.out = bytearray()
+        return data
+
+    # -- opening streams ----------------------------------------------------------------
+
+    def can_open(self) -> bool:
+        """May a new stream be opened on this connection now?"""
+        return (not self.closed and not self.going_away
+                and self.next_stream_id <= MAX_STREAM_ID
+                and len(self.streams) < min(self.peer_max_concurrent_streams,
+                                            self.max_concurrent_streams))
+
+    def send_request(self, headers: list[Header], end_stream: bool = True) -> int:
+        """Open a stream with the request head `headers` (pseudo-header fields first,
+        names lower case, as the caller built them); its id. `StreamClosed` when no
+        stream can be opened (see `can_open`)."""
+        if not self.can_open():
+            raise StreamClosed("no new stream on this connection")
+        sid = self.next_stream_id
+        self.next_stream_id += 2
+        bodiless = (b":method", b"HEAD") in headers
+        stream = Stream(sid, bodiless, self._send_initial, self._recv_initial)
+        self.streams[sid] = stream
+        block = h2_hpack.encode(headers)
+        if self._table_reset:
+            self._table_reset = False
+            block = h2_hpack.TABLE_SIZE_ZERO + block
+        flags = END_STREAM if end_stream else 0
+        limit = self.max_outbound_frame_size
+        if len(block) <= limit:
+            self.out += HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS, sid)
+            self.out += block
+        else:
+            pieces = [block[i:i + limit] for i in range(0, len(block), limit)]
+            self.out += frame(HEADERS, flags, sid, pieces[0])
+            for piece in pieces[1:-1]:
+                self.out += frame(CONTINUATION, 0, sid, piece)
+            self.out += frame(CONTINUATION, END_HEADERS, sid, pieces[-1])
+        if end_stream:
+            self._local_end(stream)
+        return sid
+
+    # -- sending a request body -------------------------------------------------------
+
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        """Queue `data` (and END_STREAM) on the stream: what the node's windows allow
+        goes out now, the rest when they open (`pending`)."""
+        stream = self.streams.get(stream_id)
+        if stream is None or not stream.local_open or stream.pending_end or self.closed:
+            raise StreamClosed(f"stream {stream_id} takes no more data")
+        stream.pending += data
+        stream.pending_end = end_stream
+        self._flush(stream)
+
+    def pending(self, stream_id: int) -> int:
+        """Bytes of the stream's body still waiting for the node's windows."""
+        stream = self.streams.get(stream_id)
+        return len(stream.pending) if stream is not None else 0
+
+    def _flush(self, stream: Stream) -> None:
+        pending = stream.pending
+        while pending:
+            n = min(len(pending), stream.send_window, self.conn_send_window,
+                    self.max_outbound_frame_size)
+            if n <= 0:
+                self._blocked[stream.id] = None
+                return
+            last = n == len(pending) and stream.pending_end
+            self.out += HEAD.pack(n << 8 | DATA, END_STREAM if last else 0, stream.id)
+            self.out += pending[:n]
+            del pending[:n]
+            stream.send_window -= n
+            self.conn_send_window -= n
+            if last:
+                self._blocked.pop(stream.id, None)
+                self._local_end(stream)
+                return
+        self._blocked.pop(stream.id, None)
+        if stream.pending_end and stream.local_open:
+            self.out += HEAD.pack(0 << 8 | DATA, END_STREAM, stream.id)
+            self._local_end(stream)
+
+    def _flush_blocked(self) -> None:
+        for sid in list(self._blocked):
+            stream = self.streams.get(sid)
+            if stream is None:
+                self._blocked.pop(sid, None)
+                continue
+            if self.conn_send_window <= 0:
+                return
+            self._flush(stream)
+
+    # -- receiving --------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        """Events for the frames completed by `data`; `ConnectionError_` (GOAWAY queued)
+        when the node broke the protocol."""
+        if self.closed:
+            return []
+        buf = self._buf + data if self._buf else data
+        pos, end = 0, len(buf)
+        events: list[Event] = []
+        try:
+            while end - pos >= 9:
+                head, flags, stream_id = HEAD.unpack_from(buf, pos)
+                length = head >> 8
+                if length > DEFAULT_MAX_FRAME:
+                    self._fail(ErrorCode.FRAME_SIZE_ERROR, "frame larger than allowed")
+                if end - pos - 9 < length:
+                    break
+                payload = buf[pos + 9:pos + 9 + length]
+                pos += 9 + length
+                self._frame(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload, events)
+        except ConnectionError_:
+            self._buf = b""
+            raise
+        self._buf = buf[pos:] if pos < end else b""
+        if self._blocked and not self.closed:
+            self._flush_blocked()
+        return events
+
+    def _fail(self, code: ErrorCode, why: str) -> None:
+        self.close_connection(code)
+        raise ConnectionError_(code, why)
+
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes,
+               events: list[Event]) -> None:
+        if self._block is not None:
+            if kind != CONTINUATION or sid != self._block_stream:
+                self._fail(ErrorCode.PROTOCOL_ERROR, "header block interrupted")
+            self._continuation(flags, payload, events)
+            return
+        if not self._settings_seen:
+            if kind != SETTINGS or flags & ACK:
+                self._fail(ErrorCode.PROTOCOL_ERROR, "the preface must be SETTINGS")
+            self._settings_seen = True
+        if kind == DATA:
+            self._data(flags, sid, payload, events)
+        elif kind == HEADERS:
+            self._headers(flags, sid, payload, events)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload, events)
+        elif kind == SETTINGS:
+            self._settings(flags, sid, payload, events)
+        elif kind == RST_STREAM:
+            self._rst_stream(sid, payload, events)
+        elif kind == PING:
+            if sid:
+                self._fail(ErrorCode.PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PING not 8 bytes")
+            if not flags & ACK:
+                self.out += frame(PING, ACK, 0, payload)
+            events.append(PingReceived(bool(flags & ACK)))
+        elif kind == GOAWAY:
+            self._goaway(sid, payload, events)
+        elif kind == PRIORITY:
+            if not sid:
+                self._fail(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:
+                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY not 5 bytes")
+            events.append(PRIORITY_RECEIVED)
+        elif kind == CONTINUATION:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
+        elif kind == PUSH_PROMISE:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE, but push is off")
+        else:
+            events.append(UnknownFrame(kind))  # ignored (RFC 9113 §4.1), but counted
+
+    def _ours(self, sid: int, what: str) -> None:
+        """A frame on stream `sid` names a stream we opened, or the node broke the
+        protocol."""
+        if not sid & 1 or sid >= self.next_stream_id:
+            self._fail(ErrorCode.PROTOCOL_ERROR, f"{what} on a stream we never opened")
+
+    def _headers(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
+        self._ours(sid, "HEADERS")
+        block = unpad(flags, payload)
+        if block is None:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
+        if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                self._fail(ErrorCode.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            block = block[5:]
+        if flags & END_HEADERS:
+            self._header_block(sid, flags, block, events)
+            return
+        self._block = [block]
+        self._block_stream = sid
+        self._block_flags = flags
+        self._block_bytes = len(block)
+        self._continuations = 0
+
+    def _continuation(self, flags: int, payload: bytes, events: list[Event]) -> None:
+        assert self._block is not None
+        self._block.append(payload)
+        self._block_bytes += len(payload)
+        self._continuations += 1
+        if self._block_bytes > MAX_BLOCK_BYTES or self._continuations > MAX_CONTINUATIONS:
+            self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & END_HEADERS:
+            block, self._block = b"".join(self._block), None
+            self._header_block(self._block_stream, self._block_flags, block, events)
+
+    def _decode(self, block: bytes) -> tuple[list[Header], bool]:
+        """The header list of `block`, and whether it is over `max_header_list_size`
+        (or `MAX_HEADERS` fields). While the decoder's dynamic table is empty before and
+        after a block, the same bytes mean the same list, so it is remembered; with the
+        table of 0 bytes we ask for, that is every block after the node's first."""
+        known = self._decoded.get(block)
+        if known is not None:
+            return known
+        table = self._decoder.header_table
+        empty = not table.dynamic_entries
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError:
+            self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header list too large")
+        except (hpack.HPACKError, IndexError, ValueError, TypeError):
+            self._fail(ErrorCode.COMPRESSION_ERROR, "header block cannot be decoded")
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        known = headers, size > self.max_header_list_size or len(headers) > MAX_HEADERS + 1
+        if empty and not table.dynamic_entries:
+            if len(self._decoded) >= DECODED_CACHE:
+                self._decoded.clear()
+            self._decoded[block] = known
+        return known
+
+    def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
+        headers, oversized = self._decode(block)
+        ended = bool(flags & END_STREAM)
+        stream = self.streams.get(sid)
+        if stream is None or not stream.remote_open:
+            if sid in self._reset_by_us:
+                events.append(UnknownFrame(HEADERS))  # sent before the node saw our reset
+                return
+            self._fail(ErrorCode.STREAM_CLOSED, "HEADERS on a stream that ended")
+        if oversized:
+            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+            return
+        if stream.status:  # trailers
+            if not ended or any(name[:1] == b":" for name, _ in headers):
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+                return
+            if not self._length_kept(stream, ended=True):
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+                return
+            self._remote_end(stream)
+            events.append(StreamEnded(sid))
+            return
+        try:
+            status, fields, length = split_response(headers)
+        except MalformedResponse:
+            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+            return
+        if status < 200:
+            stream.interim += 1
+            if ended or status == 101 or status < 100 or stream.interim > MAX_INTERIM:
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+            return  # informational: the final head is still to come
+        stream.status = status
+        if stream.bodiless or status in _NO_CONTENT:
+            stream.bodiless = True
+        else:
+            stream.content_length = length
+        if ended:
+            if not self._length_kept(stream, ended=True):
+                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+                return
+            self._remote_end(stream)
+        events.append(ResponseReceived(sid, status, fields, ended))
+
+    @staticmethod
+    def _length_kept(stream: Stream, ended: bool) -> bool:
+        """Does the DATA received so far agree with the answer's Content-Length?"""
+        expected = stream.content_length
+        if expected is None:
+            return True
+        return stream.received == expected if ended else stream.received <= expected
+
+    def _data(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
+        if not sid:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
+        self._ours(sid, "DATA")
+        length = len(payload)
+        if length > self._conn_recv_window:
+            self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._conn_recv_window -= length
+        data = unpad(flags, payload)
+        if data is None:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
+        stream = self.streams.get(sid)
+        if stream is None or not stream.remote_open:
+            if sid not in self._reset_by_us:
+                self._fail(ErrorCode.STREAM_CLOSED, "DATA on a stream that ended")
+            # reset by us, and the node had not seen it yet: its window given back at
+            # once; reported with nothing owed, so the caller's meters still see it
+            self.acknowledge(length, sid)
+            events.append(DataReceived(sid, data, 0, bool(flags & END_STREAM)))
+            return
+        if length > stream.recv_window:
+            self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the stream window")
+        stream.recv_window -= length
+        stream.received += len(data)
+        ended = bool(flags & END_STREAM)
+        if (not stream.status or (stream.bodiless and stream.received)
+                or not self._length_kept(stream, ended)):
+            self.acknowledge(length, sid)
+            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+            return
+        if ended:
+            self._remote_end(stream)
+        events.append(DataReceived(sid, data, length, ended))
+
+    def _window_update(self, sid: int, payload: bytes, events: list[Event]) -> None:
+        if len(payload) != 4:
+            self._fail(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
+        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if not sid:
+            if not increment:
+                self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.conn_send_window += increment
+            if self.conn_send_window > MAX_WINDOW:
+                self._fail(ErrorCode.FLOW_CONTROL_ERROR, "connection window overflow")
+            events.append(WindowUpdated(0))
+            return
+        self._ours(sid, "WINDOW_UPDATE")
+        stream = self.streams.get(sid)
+        if stream is None:
+            events.append(WindowUpdated(sid))  # a closed stream: ignored, but counted
+            return
+        if not increment:
+            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
+            return
+        stream.send_window += increment
+        if stream.send_window > MAX_WINDOW:
+            self._stream_error(sid, ErrorCode.FLOW_CONTROL_ERROR, events)
+            return
+        events.append(WindowUpdated(sid))
+
+    def _settings(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
+        if sid:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            events.append(SETTINGS_ACKED)
+            return
+        if len(payload) % 6:
+            self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
+        for pos in range(0, len(payload), 6):
+            code, value = SETTING.unpack_from(payload, pos)
+            if code == Setting.HEADER_TABLE_SIZE:
+                self._table_reset = True
+            elif code == Setting.ENABLE_PUSH:
+                if value != 0:  # a server may only say 0 (RFC 9113 §6.5.2)
+                    self._fail(ErrorCode.PROTOCOL_ERROR, "ENABLE_PUSH from a server")
+            elif code == Setting.ENABLE_CONNECT_PROTOCOL:
+                if value > 1:
+                    self._fail(ErrorCode.PROTOCOL_ERROR, "a boolean setting not 0 or 1")
+            elif code == Setting.MAX_CONCURRENT_STREAMS:
+                self.peer_max_concurrent_streams = value
+            elif code == Setting.INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    self._fail(ErrorCode.FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self._send_initial
+                self._send_initial = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:
+                        self._fail(ErrorCode.FLOW_CONTROL_ERROR, "stream window overflow")
+                    if delta > 0 and stream.pending:
+                        self._blocked[stream.id] = None
+            elif code == Setting.MAX_FRAME_SIZE:
+                if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
+                    self._fail(ErrorCode.PROTOCOL_ERROR, "max frame size out of range")
+                self.max_outbound_frame_size = value
+        self.out += frame(SETTINGS, ACK, 0)
+        events.append(SETTINGS_CHANGED)
+
+    def _rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
+        if len(payload) != 4:
+            self._fail(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
+        if not sid:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        self._ours(sid, "RST_STREAM")
+        if self.streams.pop(sid, None) is None:
+            return  # it had ended, or we had reset it too
+        self._blocked.pop(sid, None)
+        events.append(StreamReset(sid, U32.unpack(payload)[0], True))
+
+    def _goaway(self, sid: int, payload: bytes, events: list[Event]) -> None:
+        if sid:
+            self._fail(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
+        if len(payload) < 8:
+            self._fail(ErrorCode.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
+        last, code = GOAWAY_HEAD.unpack_from(payload)
+        last &= 0x7FFFFFFF
+        self.going_away = True
+        unprocessed = [s for s in self.streams if s > last]
+        for s in unprocessed:
+            del self.streams[s]
+            self._blocked.pop(s, None)
+        events.append(GoAwayReceived(code, last, unprocessed))
+
+    def _stream_error(self, sid: int, code: ErrorCode, events: list[Event]) -> None:
+        self.reset_stream(sid, code)
+        events.append(StreamReset(sid, code, False))
+
+    def _remote_end(self, stream: Stream) -> None:
+        stream.remote_open = False
+        if not stream.local_open:
+            del self.streams[stream.id]
+
+    def _local_end(self, stream: Stream) -> None:
+        stream.local_open = False
+        if not stream.remote_open:
+            del self.streams[stream.id]
+
+    # -- flow control of what we receive ----------------------------------------------
+
+    def acknowledge(self, length: int, stream_id: int) -> None:
+        """`length` flow-controlled bytes were passed on: give the windows back when
+        due (half a window consumed, or a window drained)."""
+        if not length:
+            return
+        self._conn_recv_processed += length
+        processed = self._conn_recv_processed
+        if processed >= self._conn_recv_target // 2 or (
+                self._conn_recv_window == 0 and processed > 1024):
+            self._conn_recv_processed = 0
+            self._conn_recv_window += processed
+            self.out += frame(WINDOW_UPDATE, 0, 0, U32.pack(processed))
+        stream = self.streams.get(stream_id)
+        if stream is None or not stream.remote_open:
+            return
+        stream.recv_processed += length
+        processed = stream.recv_processed
+        if processed >= self._recv_initial // 2 or (
+                stream.recv_window == 0 and processed > min(1024, self._recv_initial // 4)):
+            stream.recv_processed = 0
+            stream.recv_window += processed
+            self.out += frame(WINDOW_UPDATE, 0, stream_id, U32.pack(processed))
+
+    # -- ending -------------------------------------------------------------------------
+
+    def reset_stream(self, stream_id: int, code: int) -> None:
+        """RST_STREAM, when the stream is open and the connection too; else nothing."""
+        if self.closed or self.streams.pop(stream_id, None) is None:
+            return
+        self._blocked.pop(stream_id, None)
+        self.out += frame(RST_STREAM, 0, stream_id, U32.pack(code))
+        reset = self._reset_by_us
+        reset[stream_id] = None
+        if len(reset) > RESET_MEMORY:
+            del reset[next(iter(reset))]
+
+    def close_connection(self, code: int = ErrorCode.NO_ERROR) -> None:
+        """GOAWAY (the node opens no streams, so the last one we took is 0)."""
+        if self.closed:
+            return
+        self.out += frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(0, code))
+        self.closed = True
