@@ -218,6 +218,17 @@ class Stream:
         self.received = 0
 
 
+class _Block:
+    """A decoded header block: its list, whether over the cap, and once asked for, its
+    reading as a response head (`split_response`'s result, or None: malformed)."""
+    __slots__ = ("headers", "oversized", "response")
+
+    def __init__(self, headers: list[Header], oversized: bool) -> None:
+        self.headers = headers
+        self.oversized = oversized
+        self.response: tuple[int, list[Header], int | None] | None | bool = False
+
+
 class H2Client:
     def __init__(self, *, max_concurrent_streams: int = 100,
                  max_header_list_size: int = MAX_HEADER_LIST,
@@ -241,7 +252,7 @@ class H2Client:
         self._decoder = hpack.Decoder(
             max_header_list_size=max_header_list_size * OVERSIZED_LISTS)
         self._decoder.max_allowed_table_size = 0  # what our SETTINGS ask for
-        self._decoded: dict[bytes, tuple[list[Header], bool]] = {}
+        self._decoded: dict[bytes, _Block] = {}
         self._recv_initial = initial_window
         self._conn_recv_window = DEFAULT_WINDOW
         self._conn_recv_target = connection_window
@@ -296,11 +307,15 @@ class H2Client:
         """Open a stream with the request head `headers` (pseudo-header fields first,
         names lower case, as the caller built them); its id. `StreamClosed` when no
         stream can be opened (see `can_open`)."""
-        if not self.can_open():
-            raise StreamClosed("no new stream on this connection")
         sid = self.next_stream_id
+        if (self.closed or self.going_away or sid > MAX_STREAM_ID  # `can_open`, inline
+                or len(self.streams) >= self.peer_max_concurrent_streams
+                or len(self.streams) >= self.max_concurrent_streams):
+            raise StreamClosed("no new stream on this connection")
         self.next_stream_id += 2
-        bodiless = (b":method", b"HEAD") in headers
+        method = headers[0]  # the pseudo-header fields come first, `:method` usually so
+        bodiless = (method == (b":method", b"HEAD") if method[0] == b":method"
+                    else (b":method", b"HEAD") in headers)
         stream = Stream(sid, bodiless, self._send_initial, self._recv_initial)
         self.streams[sid] = stream
         block = h2_hpack.encode(headers)
@@ -392,7 +407,15 @@ class H2Client:
                     break
                 payload = buf[pos + 9:pos + 9 + length]
                 pos += 9 + length
-                self._frame(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload, events)
+                kind = head & 0xFF
+                # the frames of every answer go straight to their handler; the rest,
+                # and anything while a header block is gathered, through `_frame`
+                if kind == DATA and self._block is None and self._settings_seen:
+                    self._data(flags, stream_id & 0x7FFFFFFF, payload, events)
+                elif kind == HEADERS and self._block is None and self._settings_seen:
+                    self._headers(flags, stream_id & 0x7FFFFFFF, payload, events)
+                else:
+                    self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload, events)
         except ConnectionError_:
             self._buf = b""
             raise
@@ -484,11 +507,12 @@ class H2Client:
             block, self._block = b"".join(self._block), None
             self._header_block(self._block_stream, self._block_flags, block, events)
 
-    def _decode(self, block: bytes) -> tuple[list[Header], bool]:
+    def _decode(self, block: bytes) -> _Block:
         """The header list of `block`, and whether it is over `max_header_list_size`
         (or `MAX_HEADERS` fields). While the decoder's dynamic table is empty before and
-        after a block, the same bytes mean the same list, so it is remembered; with the
-        table of 0 bytes we ask for, that is every block after the node's first."""
+        after a block, the same bytes mean the same list, so it is remembered, with its
+        reading as a response head once made; with the table of 0 bytes we ask for,
+        that is every block after the node's first."""
         known = self._decoded.get(block)
         if known is not None:
             return known
@@ -501,7 +525,8 @@ class H2Client:
         except (hpack.HPACKError, IndexError, ValueError, TypeError):
             self._fail(ErrorCode.COMPRESSION_ERROR, "header block cannot be decoded")
         size = sum(len(name) + len(value) + 32 for name, value in headers)
-        known = headers, size > self.max_header_list_size or len(headers) > MAX_HEADERS + 1
+        known = _Block(headers, size > self.max_header_list_size
+                       or len(headers) > MAX_HEADERS + 1)
         if empty and not table.dynamic_entries:
             if len(self._decoded) >= DECODED_CACHE:
                 self._decoded.clear()
@@ -509,7 +534,7 @@ class H2Client:
         return known
 
     def _header_block(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
-        headers, oversized = self._decode(block)
+        decoded = self._decode(block)
         ended = bool(flags & END_STREAM)
         stream = self.streams.get(sid)
         if stream is None or not stream.remote_open:
@@ -517,11 +542,11 @@ class H2Client:
                 events.append(UnknownFrame(HEADERS))  # sent before the node saw our reset
                 return
             self._fail(ErrorCode.STREAM_CLOSED, "HEADERS on a stream that ended")
-        if oversized:
+        if decoded.oversized:
             self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
             return
         if stream.status:  # trailers
-            if not ended or any(name[:1] == b":" for name, _ in headers):
+            if not ended or any(name[:1] == b":" for name, _ in decoded.headers):
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
                 return
             if not self._length_kept(stream, ended=True):
@@ -530,11 +555,17 @@ class H2Client:
             self._remote_end(stream)
             events.append(StreamEnded(sid))
             return
-        try:
-            status, fields, length = split_response(headers)
-        except MalformedResponse:
+        response = decoded.response
+        if response is False:
+            try:
+                response = split_response(decoded.headers)
+            except MalformedResponse:
+                response = None
+            decoded.response = response
+        if response is None:
             self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
             return
+        status, fields, length = response  # type: ignore[misc]
         if status < 200:
             stream.interim += 1
             if ended or status == 101 or status < 100 or stream.interim > MAX_INTERIM:
@@ -550,7 +581,7 @@ class H2Client:
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
                 return
             self._remote_end(stream)
-        events.append(ResponseReceived(sid, status, fields, ended))
+        events.append(ResponseReceived(sid, status, list(fields), ended))
 
     @staticmethod
     def _length_kept(stream: Stream, ended: bool) -> bool:
@@ -561,9 +592,8 @@ class H2Client:
         return stream.received == expected if ended else stream.received <= expected
 
     def _data(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
-        if not sid:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "DATA on stream 0")
-        self._ours(sid, "DATA")
+        if not sid & 1 or sid >= self.next_stream_id:  # `_ours`, inline: every answer's
+            self._fail(ErrorCode.PROTOCOL_ERROR, "DATA on a stream we never opened")
         length = len(payload)
         if length > self._conn_recv_window:
             self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
@@ -585,8 +615,10 @@ class H2Client:
         stream.recv_window -= length
         stream.received += len(data)
         ended = bool(flags & END_STREAM)
+        expected = stream.content_length
         if (not stream.status or (stream.bodiless and stream.received)
-                or not self._length_kept(stream, ended)):
+                or (expected is not None and (stream.received > expected
+                                              or (ended and stream.received != expected)))):
             self.acknowledge(length, sid)
             self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
             return
