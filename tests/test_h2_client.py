@@ -13,6 +13,7 @@ servers and against a hostile node.
 from __future__ import annotations
 
 import hashlib
+import random
 import select
 import socket
 import ssl
@@ -38,6 +39,9 @@ from pact_ingress.proto.h2_client import (
     split_response,
 )
 from pact_ingress.proto.h2_frames import (
+    ACK as ACK_FLAG,
+)
+from pact_ingress.proto.h2_frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -46,7 +50,9 @@ from pact_ingress.proto.h2_frames import (
     GOAWAY_HEAD,
     HEAD,
     HEADERS,
+    PADDED,
     PING,
+    PRIORITY,
     PUSH_PROMISE,
     RST_STREAM,
     SETTING,
@@ -731,3 +737,126 @@ def test_a_repeated_answer_block_is_decoded_once() -> None:
                                      for sid in (1, 3, 5)))
     assert [(e.stream_id, e.status) for e in events] == [(1, 200), (3, 200), (5, 200)]
     assert list(c._decoded) == [block]
+
+
+# -- any bytes at all ------------------------------------------------------------------
+
+def test_an_answer_cut_anywhere_reads_the_same_as_in_one_piece() -> None:
+    """The same wire fed whole and byte by byte (frame heads and blocks split at every
+    position) gives the same events and the same frames back."""
+    wire = (settings_frame(((Setting.MAX_CONCURRENT_STREAMS, 10),))
+            + head(1, OK + [(b"content-length", b"6")])
+            + frame(DATA, 0, 1, b"abc") + frame(PING, 0, 0, b"pingpong")
+            + frame(DATA, END_STREAM, 1, b"def")
+            + frame(HEADERS, 0, 3, encoded(OK)[:1]) + frame(CONTINUATION, END_HEADERS, 3,
+                                                           encoded(OK)[1:])
+            + frame(RST_STREAM, 0, 3, U32.pack(ErrorCode.CANCEL)))
+
+    def run(pieces: list[bytes]) -> tuple[list[tuple], bytes]:
+        c = H2Client()
+        c.initiate_connection()
+        c.send_request(GET)
+        c.send_request(GET)
+        c.take_output()
+        events = [e for piece in pieces for e in c.receive_data(piece)]
+        return ([(type(e).__name__, *(getattr(e, s) for s in e.__slots__)) for e in events],
+                bytes(c.take_output()))
+
+    whole = run([wire])
+    assert [e[0] for e in whole[0]] == ["SettingsChanged", "ResponseReceived", "DataReceived",
+                                        "PingReceived", "DataReceived", "ResponseReceived",
+                                        "StreamReset"]
+    assert run([wire[i:i + 1] for i in range(len(wire))]) == whole
+
+
+def _plausible_frame(rng: random.Random, c: H2Client) -> bytes:
+    """A frame a node could send: mostly well-formed for its type, mostly on a stream
+    still open; one in a hundred on any stream id, one in a hundred garbled in every
+    field, one in a hundred a GOAWAY."""
+    sid = rng.choice(list(c.streams) or [1]) if rng.random() < 0.99 else rng.randrange(1, 40)
+    kind = rng.choice(["head", "data", "data", "trailers", "priority", "rst", "settings",
+                       "ack", "ping", "window", "window", "unknown"])
+    if rng.random() < 0.01:
+        kind = "garbage"
+    elif rng.random() < 0.01:
+        kind = "goaway"
+    if kind == "head":
+        return head(sid, rng.choice([OK, OK + [(b"content-length", b"3")],
+                                     [(b":status", b"103")], [(b":status", b"204")],
+                                     OK + [(b"x-bad", b"a\rb")]]), end=rng.random() < 0.3)
+    if kind == "data":
+        flags = rng.choice([0, 0, END_STREAM, PADDED])
+        body = b"x" * rng.randrange(4)
+        return frame(DATA, flags, sid, b"\x01" + body + b"\x00" if flags == PADDED else body)
+    if kind == "trailers":
+        return head(sid, [(b"x-sum", b"1")], end=rng.random() < 0.9)
+    if kind == "priority":
+        return frame(PRIORITY, 0, sid, U32.pack(rng.choice([0, sid])) + b"\x10")
+    if kind == "rst":
+        return frame(RST_STREAM, 0, sid, U32.pack(rng.choice(list(ErrorCode))))
+    if kind == "settings":
+        return settings_frame(tuple(rng.choice([
+            (Setting.HEADER_TABLE_SIZE, 4096), (Setting.MAX_CONCURRENT_STREAMS, 3),
+            (Setting.MAX_CONCURRENT_STREAMS, 100), (Setting.INITIAL_WINDOW_SIZE, 100),
+            (Setting.INITIAL_WINDOW_SIZE, 1 << 20), (Setting.MAX_FRAME_SIZE, 1 << 15)])
+            for _ in range(rng.randrange(3))))
+    if kind == "ack":
+        return frame(SETTINGS, ACK_FLAG, 0)
+    if kind == "ping":
+        return frame(PING, rng.choice([0, ACK_FLAG]), 0, b"p" * 8)
+    if kind == "window":
+        return frame(WINDOW_UPDATE, 0, rng.choice([0, sid]), U32.pack(rng.randrange(1, 5000)))
+    if kind == "unknown":
+        return frame(rng.randrange(0x0A, 0xFF), rng.randrange(256), sid, b"?" * rng.randrange(9))
+    if kind == "goaway":
+        return frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(rng.choice([0, 7, 15, 99]), 0))
+    return frame(rng.randrange(10), rng.randrange(256), rng.randrange(20),  # garbage
+                 bytes(rng.randrange(256) for _ in range(rng.randrange(10))))
+
+
+#: How many frames each seed's client took before its connection ended, by seed.
+REACHED: dict[int, int] = {}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_node_sending_random_frames_gets_events_or_goaway_and_nothing_grows(seed) -> None:
+    """Frames of every type a node could send, mostly well-formed, with new streams
+    opened as the node allows: the client answers with events or a connection error
+    (`ConnectionError_`, GOAWAY queued), never another exception; its buffer never holds
+    more than one frame, its streams never more than it may open."""
+    rng = random.Random(seed)
+    c = H2Client(max_concurrent_streams=8)
+    c.initiate_connection()
+    c.receive_data(settings_frame(()))
+    for _ in range(8):
+        c.send_request(GET)
+    c.take_output()
+    fed, total = 0, 300
+    for i in range(total):
+        wire = _plausible_frame(rng, c)
+        try:
+            for at in range(0, len(wire), 7):  # split inside frame heads and payloads
+                c.receive_data(wire[at:at + 7])
+        except ConnectionError_ as exc:
+            assert c.closed and isinstance(exc.code, ErrorCode)
+            assert c.receive_data(head(1, OK)) == []
+            break
+        fed = i + 1
+        assert len(c._buf) <= 9 + 16384
+        assert len(c.streams) <= 8 and all(s & 1 for s in c.streams)
+        while c.can_open():
+            c.send_request(GET)
+        c.take_output()
+        if not c.streams:  # after GOAWAY, every stream answered: the connection is done
+            break
+    assert len(c._reset_by_us) <= 256
+    REACHED[seed] = fed
+
+
+def test_the_random_frames_went_deep() -> None:
+    """The fuzz above is worth something only if clients got well into their frames."""
+    if len(REACHED) < 40:
+        for seed in range(40):
+            test_a_node_sending_random_frames_gets_events_or_goaway_and_nothing_grows(seed)
+    reached = sorted(REACHED.values())
+    assert reached[len(reached) // 2] >= 30, reached
