@@ -90,6 +90,8 @@ from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from pact_ingress.logs import log
 from pact_ingress.net import readiness
+from pact_ingress.net.h2_node import H2, HTTP1, TRYING, UNTRIED, NodeSession, StreamRelay
+from pact_ingress.net.h2_node import move as move_protocol
 from pact_ingress.net.http1 import BROKE_OFF, MAX_PIPELINED_BYTES, MIN_READ_AHEAD_CHARGE
 from pact_ingress.net.linger import unread
 from pact_ingress.net.node_leg import READ_SIZE, Broke, NodeLeg, RouteNodes
@@ -108,6 +110,7 @@ from pact_ingress.proto.http1_server import (
     whole_response,
 )
 from pact_ingress.proto.http_headers import clean_response_headers
+from pact_ingress.proto.http_request import header
 from pact_ingress.proto.http_upstream import ResponseParser
 
 if TYPE_CHECKING:
@@ -201,6 +204,7 @@ class Handoff:
     entry: _Pool | None = None  # RELAY: the pool, counted in its `active`
     node: _Conn | None = None  # RELAY: the node connection, the head read
     response: ResponseParser | None = None  # RELAY
+    stream: StreamRelay | None = None  # RELAY of an HTTP/2 stream's answer (no `node`)
 
 
 @dataclass(slots=True)
@@ -227,6 +231,7 @@ class NeedNode:
     host: str
     deadline: float
     fresh: bool
+    offer_h2: bool = False  # a new connection offering h2: the node's session, if it takes it
 
 
 class Lane:
@@ -282,12 +287,31 @@ class Lane:
         """`serve` again, with the node connection `need` asked for (`reused`: it was
         idle in the pool) or why there is none."""
         client = need.client
+        session = None
+        if need.offer_h2:
+            entry = need.entry
+            if node is None:
+                move_protocol(entry, UNTRIED)  # tried again by a later exchange
+            elif node.ssl_object.selected_alpn_protocol() != "h2":
+                move_protocol(entry, HTTP1)  # an HTTP/1.1 connection like any other
+            elif node._raw is None or entry.retired:
+                # (over a stream the hub cannot drive: this node stays on HTTP/1.1)
+                move_protocol(entry, HTTP1 if node._raw is None else UNTRIED)
+                await entry.discard(node)
+                node = None
+                if client.phase is not ENDED:
+                    client.guarded(lambda _: client.connect(fresh=True), 0)
+                return await self._park(client)
+            else:
+                session = entry.session = NodeSession(entry, node, self.hub)
+                move_protocol(entry, H2)
+                node = None
         if client.phase is ENDED:
             # the client left while the task connected: the connection stays pooled
             if node is not None and not need.entry.keep(node, True):
                 need.entry.drop(node)
         else:
-            client.guarded(lambda _: client.node_ready(node, reused, error), 0)
+            client.guarded(lambda _: client.node_ready(node, reused, error, session), 0)
         return await self._park(client)
 
     async def _park(self, client: _Client) -> Handoff | NeedNode | None:
@@ -338,6 +362,8 @@ class Lane:
 
 
 class _Client(NodeLeg):
+    MULTIPLEX = True
+
     """One client connection in the lane: its TLS, its parser, the exchange in hand
     (its node side: `NodeLeg`)."""
 
@@ -654,14 +680,23 @@ class _Client(NodeLeg):
         self.move(CONNECTING)
         self.lane.connects += 1
         self.reused = False
+        offer_h2 = (not fresh and not go.body and entry.protocol is UNTRIED
+                    and not entry.retired)
+        if offer_h2:
+            move_protocol(entry, TRYING)  # one exchange tries; the others go on as they did
         self.wake(NeedNode(self, entry, go.host,
-                           self.conn.now() + self.t.upstream.header_timeout, fresh))
+                           self.conn.now() + self.t.upstream.header_timeout, fresh, offer_h2))
 
     def node_ready(self, node: _Conn | None, reused: bool,
-                   error: UpstreamError | None) -> None:
-        """What the task's `_Pool.acquire` gave (`Lane.connected`)."""
+                   error: UpstreamError | None, session: NodeSession | None = None) -> None:
+        """What the task's `_Pool.acquire` gave (`Lane.connected`): a connection, or
+        the node's new HTTP/2 session."""
         entry, go = self.entry, self.go
         assert self.phase is CONNECTING and entry is not None and go is not None
+        if session is not None:
+            self.session, self.reused = session, False
+            self.send_request(self.conn.now())
+            return
         if error is not None:
             self.release(False)
             self.move(IDLE)
@@ -690,6 +725,26 @@ class _Client(NodeLeg):
     def relayed(self, entry: _Pool, node: _Conn, response: ResponseParser) -> None:
         self.move(IDLE)
         self.hand(Resume.RELAY, entry=entry, node=node, response=response)
+
+    def relayed_stream(self, relay: StreamRelay) -> None:
+        self.move(IDLE)
+        self.hand(Resume.RELAY, entry=relay.entry, stream=relay)
+
+    def stream_answered(self, now: float) -> None:
+        """The stream's whole answer is here: to the client in one write."""
+        request = self.request
+        assert request is not None
+        headers = clean_response_headers(self.h2_headers)
+        parts, self.parts = self.parts, []
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        status = self.h2_status
+        if body and header(headers, b"content-length") is None:
+            headers.append((b"content-length", b"%d" % len(body)))
+        close = not request.keep_alive or self.lane.draining
+        data, framing = whole_response(request.method, request.http_version, status,
+                                       headers, body, close=close)
+        self.release(True, now)
+        self.answer_with(status, data, close=close or framing is FRAMING_CLOSE, now=now)
 
     def broke_off(self) -> None:
         """The client is told so and the connection closes, as the trio engine does."""
@@ -849,7 +904,8 @@ class _Client(NodeLeg):
 
     def hand(self, point: Resume, *, answer: _Answer | None = None,
              entry: _Pool | None = None, node: _Conn | None = None,
-             response: ResponseParser | None = None) -> None:
+             response: ResponseParser | None = None,
+             stream: StreamRelay | None = None) -> None:
         """Give the connection to the trio engine at `point`."""
         self.lane.handed[point] += 1
         self.drop_spare()
@@ -871,7 +927,7 @@ class _Client(NodeLeg):
         self.wake(Handoff(point, tls, self.parser, self.deferred, self.answered,
                           request=request, started=self.started, held=held,
                           answer=answer, go=self.go, entry=entry, node=node,
-                          response=response))
+                          response=response, stream=stream))
         self.go = None
 
     def drop_spare(self) -> None:

@@ -83,6 +83,7 @@ class Rest:
     entry: _Pool | None = None  # RELAY: the pool, counted in its `active`
     node: _Conn | None = None  # RELAY: the node connection, the head read
     response: ResponseParser | None = None  # RELAY
+    stream: None = None  # (an HTTP/2 node stream's relay: the HTTP/1.1 lane's only)
 
 
 class H2Lane:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from pact_ingress.logs import log
+from pact_ingress.net.h2_node import H2, UNTRIED, StreamRelay, request_fields
 from pact_ingress.net.upstream import (
     IDEMPOTENT,
     UpstreamProtocolError,
@@ -36,6 +37,7 @@ from pact_ingress.proto.http_request import declared_length, header
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
 
 if TYPE_CHECKING:
+    from pact_ingress.net.h2_node import NodeSession
     from pact_ingress.net.terminate import Terminator, _Answer, _Connection
     from pact_ingress.net.upstream import _Conn, _Pool
     from pact_ingress.proto.shares import Shares
@@ -81,6 +83,10 @@ class NodeLeg:
     and `phase`, which is `AT_NODE` while the request is at the node."""
 
     AT_NODE: Any  # the subclass's phase for "the request is at the node"
+    #: Whether the exchanges may go as streams of a node's HTTP/2 session
+    #: (`net/h2_node.py`); the subclass then implements `stream_answered` and
+    #: `relayed_stream` too.
+    MULTIPLEX = False
 
     t: Terminator
     lane: Any
@@ -98,6 +104,11 @@ class NodeLeg:
     response: ResponseParser | None
     head_seen: bool
     sent_at: float
+    session: NodeSession | None  # the exchange is a stream of this session
+    sid: int
+    parts: list[bytes]  # the stream's answer body so far
+    h2_status: int
+    h2_headers: list[tuple[bytes, bytes]]
 
     def leg_init(self) -> None:
         self.entry = None
@@ -110,6 +121,11 @@ class NodeLeg:
         self.response = None
         self.head_seen = False  # the node's head came (its time noted)
         self.sent_at = 0.0
+        self.session = None
+        self.sid = 0
+        self.parts = []
+        self.h2_status = 0
+        self.h2_headers = []
 
     # -- the hooks ----------------------------------------------------------------------
 
@@ -141,6 +157,15 @@ class NodeLeg:
         on the node ended)."""
         raise NotImplementedError
 
+    def stream_answered(self, now: float) -> None:
+        """The stream's whole answer is here (`h2_status`, `h2_headers`, `parts`)."""
+        raise NotImplementedError
+
+    def relayed_stream(self, relay: StreamRelay) -> None:
+        """The trio engine relays the rest of the stream's answer from `relay` (which
+        gives back the pool's count when it ends; the client's share is the lane's)."""
+        raise NotImplementedError
+
     # -- the hold on the node, taken ----------------------------------------------------
 
     def take_node(self, nodes: RouteNodes, go: Any, now: float) -> bool | None:
@@ -162,6 +187,15 @@ class NodeLeg:
             entry = nodes.pool = t.upstream.pool(route, pins)
         self.entry = entry
         entry.active += 1
+        if self.MULTIPLEX and not go.body:  # (a request with a body: see `net/h2_node.py`)
+            protocol = entry.protocol
+            if protocol is H2:
+                session = entry.session
+                if session is not None and session.usable():
+                    self.session, self.reused = session, True
+                    return True
+            elif protocol is UNTRIED and not entry.retired:
+                return False  # the node is tried for HTTP/2 first (`connect`)
         node = entry.take_idle(go.host, now)
         if node is None:
             return False
@@ -183,6 +217,9 @@ class NodeLeg:
 
 
     def send_request(self, now: float) -> None:
+        if self.session is not None:
+            self.send_stream(now)
+            return
         request, go, node = self.request, self.go, self.node
         assert request is not None and go is not None and node is not None
         self.response = self.new_response(request.method)
@@ -204,6 +241,83 @@ class NodeLeg:
             self.node_failed(exc)
             return
         self.node_deadline = now + self.t.upstream.header_timeout
+
+    def send_stream(self, now: float) -> None:
+        """The request as a new stream of `session`."""
+        request, go, session = self.request, self.go, self.session
+        assert request is not None and go is not None and session is not None
+        self.head_seen = False
+        self.parts = []
+        self.move(self.AT_NODE)
+        self.sent_at = now
+        self.sid = session.open(self, request_fields(request.method, go.target.origin_form,
+                                                     go.headers), go.body)
+        self.node_deadline = now + self.t.upstream.header_timeout
+
+    # -- a stream's answer in (the session's calls) ----------------------------------------
+
+    def h2_head(self, status: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        if self.phase is not self.AT_NODE or self.session is None:
+            return
+        now = self.conn.now()
+        self.head_seen = True
+        self.node_deadline = math.inf
+        go = self.go
+        assert go is not None
+        self.t.note_header_time(go.route.host, now - self.sent_at)
+        self.h2_status, self.h2_headers = status, headers
+        if ended:
+            self.stream_done(now)
+            return
+        length = declared_length(header(headers, b"content-length") or b"")
+        if length is not None and length <= MAX_WHOLE_BODY:
+            # a short answer whose body comes in frames of its own: awaited here for a
+            # moment, then relayed as it comes
+            self.node_deadline = now + BODY_GRACE
+            return
+        self.relay()
+
+    def h2_data(self, data: bytes, flow: int, ended: bool) -> None:
+        session = self.session
+        if self.phase is not self.AT_NODE or session is None:
+            return
+        session.acknowledge(flow, self.sid)  # held here: at most MAX_WHOLE_BODY
+        if data:
+            self.parts.append(data)
+        if ended:
+            self.stream_done(self.conn.now())
+
+    def h2_end(self) -> None:
+        if self.phase is self.AT_NODE and self.session is not None:
+            self.stream_done(self.conn.now())
+
+    def h2_reset(self, code: int, retryable: bool) -> None:
+        """The node reset the stream (`retryable`: it never processed it)."""
+        if self.phase is not self.AT_NODE or self.session is None:
+            return
+        if retryable and not self.head_seen:
+            self.let_node_go(False)
+            self.retry_fresh()  # over HTTP/1.1, on a new connection
+            return
+        exc = UpstreamProtocolError(f"the node reset the stream ({code})")
+        self.reused = False  # it saw the request: not sent again
+        if self.head_seen:
+            self.node_broke_off(exc)
+        else:
+            self.node_failed(exc)
+
+    def h2_broken(self, exc: Exception) -> None:
+        """The session ended with the stream open."""
+        if self.phase is not self.AT_NODE or self.session is None:
+            return
+        if self.head_seen:
+            self.node_broke_off(exc)
+        else:
+            self.node_failed(exc)
+
+    def stream_done(self, now: float) -> None:
+        self.node_deadline = math.inf
+        self.stream_answered(now)
 
     def node_send(self) -> None:
         node = self.node
@@ -295,6 +409,13 @@ class NodeLeg:
         self.node_deadline = math.inf
         if self.phase is not self.AT_NODE:
             return
+        if self.session is not None:
+            if self.head_seen:
+                self.relay()
+            else:
+                self.node_failed(UpstreamTimeout(
+                    f"no response headers within {self.t.upstream.header_timeout:g} s"))
+            return
         if self.head_seen:
             self.relay()  # the rest of a short body is slow: relayed as it comes
         else:
@@ -304,7 +425,13 @@ class NodeLeg:
     # -- the hold on the node -----------------------------------------------------------
 
     def let_node_go(self, reusable: bool, now: float | None = None) -> None:
-        """The node connection back to its pool (or closed)."""
+        """The node connection back to its pool (or closed); a stream given up."""
+        session = self.session
+        if session is not None:
+            self.session = None
+            self.node_deadline = math.inf
+            session.cancel(self.sid)  # (nothing, when it ended)
+            return
         node, entry = self.node, self.entry
         self.node_deadline = math.inf
         self.node = None
@@ -382,6 +509,18 @@ class NodeLeg:
 
     def relay(self) -> None:
         """The node's head is here, its body not all: the trio engine relays the rest."""
+        session = self.session
+        if session is not None:
+            entry = self.entry
+            assert entry is not None
+            relay = StreamRelay(session, self.sid, entry, self.h2_status, self.h2_headers,
+                                self.parts, False, self.go.route.limits.idle_timeout)
+            self.session = self.entry = None
+            self.holding = None
+            self.node_deadline = math.inf
+            self.parts = []
+            self.relayed_stream(relay)
+            return
         node, entry, parser = self.node, self.entry, self.response
         assert node is not None and entry is not None and parser is not None
         watch = node._watch

@@ -61,6 +61,7 @@ import math
 import os
 import select
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import outcome
@@ -260,6 +261,12 @@ class Hub:
     def __init__(self) -> None:
         self.ep = select.epoll()
         self.watches: dict[int, Watch] = {}
+        #: called once each, then forgotten, when the events in hand were all served:
+        #: what several callbacks of one wake-up queued goes out in one write (the
+        #: multiplexed node sessions, `net/h2_node.py`); only while `serving` (a caller
+        #: outside the hub's callbacks acts at once instead: no wake-up may follow)
+        self.after: list[Callable[[], None]] = []
+        self.serving = False
         self.sweeper = deadlines.sweeper()
         trio.lowlevel.spawn_system_task(self._run, name="pact_ingress.readiness")
 
@@ -289,6 +296,7 @@ class Hub:
                     events = poll(0, MAX_EVENTS)
                     if not events:
                         break
+                    self.serving = True
                     for fd, mask in events:
                         watch = watches.get(fd)
                         if watch is None:
@@ -323,6 +331,14 @@ class Hub:
                             if task is not None:
                                 watch.writer = None
                                 reschedule(task)
+                    after = self.after
+                    while after:
+                        hook = after.pop()
+                        try:
+                            hook()  # (it catches its own failures)
+                        except Exception as exc:  # noqa: BLE001 - never the hub's end
+                            log.error("lane_event_failed", error=repr(exc))
+                    self.serving = False
                     # what arrived while these were served is taken now, a few times
                     # over: a look costs one epoll_wait, a trip back through trio's
                     # loop to learn of the same events three syscalls and a task switch

@@ -491,7 +491,8 @@ class Terminator:
         with trio.CancelScope() as client.connecting:
             try:
                 node, reused = await need.entry.acquire(need.host, need.deadline,
-                                                        fresh=need.fresh)
+                                                        fresh=need.fresh,
+                                                        offer_h2=need.offer_h2)
             except UpstreamError as exc:
                 error = exc
             except BaseException:
@@ -537,10 +538,14 @@ class Terminator:
         if h.point is Resume.FORWARD:
             return await self._forward(ex, conn, go.route, go.tenant, conn.client, go.host,
                                        go.target, go.body)
-        assert h.entry is not None and h.node is not None and h.response is not None
+        if h.stream is not None:  # RELAY of an HTTP/2 stream's answer
+            answer: AbstractAsyncContextManager[UpstreamResponse] = h.stream
+        else:
+            assert h.entry is not None and h.node is not None and h.response is not None
+            answer = self.upstream.adopt(h.entry, h.node, h.response,
+                                         go.route.limits.idle_timeout)
         try:  # RELAY: the lane holds the client's share of the node for it
-            return await self._from_node(ex, conn, go.route, self.upstream.adopt(
-                h.entry, h.node, h.response, go.route.limits.idle_timeout), None)
+            return await self._from_node(ex, conn, go.route, answer, None)
         finally:
             self.lane_give(conn, go.route)
 

@@ -76,6 +76,7 @@ can stay open for as long as bytes keep flowing.
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import ssl
@@ -91,6 +92,7 @@ from pact_ingress.logs import log
 from pact_ingress.model import Route
 from pact_ingress.net.backends import Backends
 from pact_ingress.net.deadlines import clock
+from pact_ingress.net.h2_node import HTTP1, UNTRIED, NodeProtocol, NodeSession
 from pact_ingress.net.memory_tls import READ_SIZE, WRITE_SLICE, MemoryTLS
 from pact_ingress.net.shortage import ShortageEpisode
 from pact_ingress.proto.http_upstream import ResponseError, ResponseParser, request_head
@@ -114,6 +116,11 @@ MAX_KNOWN_ROUTES = 4096
 MAX_SESSIONS_PER_POOL = 64
 
 ALPN = ("http/1.1",)
+#: What the keep-alive lane offers when it tries a node for HTTP/2 (`net/h2_node.py`).
+ALPN_H2 = ("h2", "http/1.1")
+#: Whether the lane tries nodes for HTTP/2 at all; `PACT_INGRESS_NODE_H2=0` keeps every
+#: node leg on HTTP/1.1.
+NODE_H2 = os.environ.get("PACT_INGRESS_NODE_H2", "1") != "0"
 
 
 class UpstreamError(BackendError):
@@ -299,6 +306,9 @@ class _Pool:
         self.open = 0  # connections open, idle or carrying a request
         self.active = 0  # requests in flight
         self.retired = False
+        #: what the node speaks to the lane (`net/h2_node.py`), and its HTTP/2 session
+        self.protocol: NodeProtocol = UNTRIED if NODE_H2 else HTTP1
+        self.session: NodeSession | None = None
         self.sessions: dict[str, ssl.SSLSession] = {}
         self._freed = trio.lowlevel.ParkingLot()
         self.waiting = 0  # tasks parked in `_freed` (a number: no call to ask the lot)
@@ -309,9 +319,13 @@ class _Pool:
         """The idle connections (for tests and status)."""
         return list(self.idle)
 
-    async def acquire(self, sni: str, deadline: float, *, fresh: bool) -> tuple[_Conn, bool]:
+    async def acquire(self, sni: str, deadline: float, *, fresh: bool,
+                      offer_h2: bool = False) -> tuple[_Conn, bool]:
         """A connection for `sni` and whether it was reused; waits for a slot until
-        `deadline` (→ UpstreamTimeout)."""
+        `deadline` (→ UpstreamTimeout). `offer_h2`: a new connection, offering `h2` as
+        well (the lane's try for a session; the caller looks at what the node chose)."""
+        if offer_h2:
+            fresh = True
         while True:
             idle = self.idle
             if idle:
@@ -326,7 +340,7 @@ class _Pool:
             if self.open < MAX_CONNECTIONS_PER_ROUTE:
                 self.open += 1
                 try:
-                    return await self._connect(sni), False
+                    return await self._connect(sni, offer_h2), False
                 except BaseException:
                     self.open -= 1
                     self._freed.unpark()
@@ -385,7 +399,7 @@ class _Pool:
                 return idle.pop(i)
         return None
 
-    async def _connect(self, sni: str) -> _Conn:
+    async def _connect(self, sni: str, offer_h2: bool = False) -> _Conn:
         up = self.upstream
         try:
             with trio.fail_after(up.connect_timeout):
@@ -399,7 +413,13 @@ class _Pool:
             raise NodeUnreachable(str(exc)) from exc
         if up.shortage.failures:
             up.shortage.accepted(trio.current_time())
-        conn = _Conn(stream, up.context, sni, self.sessions.get(sni))
+        if offer_h2:
+            conn = _Conn(stream, up.context_h2, sni, None)
+            # (a TLS session resumes only under the context that made it: this one's is
+            # not kept for the pool's HTTP/1.1 connections)
+            conn.session_saved = True
+        else:
+            conn = _Conn(stream, up.context, sni, self.sessions.get(sni))
         try:
             with trio.fail_after(up.connect_timeout):
                 await conn.handshake()
@@ -453,6 +473,9 @@ class _Pool:
             await self.discard(idle.pop(0))
 
     async def close_idle(self) -> None:
+        session = self.session
+        if session is not None and not session.holders:
+            session.close()
         while self.idle:
             await self.discard(self.idle.pop())
 
@@ -492,6 +515,7 @@ class Upstream:
         self.header_timeout = header_timeout
         self.connect_timeout = connect_timeout
         self.context = pinned_client_context(identity, alpn=ALPN)
+        self.context_h2 = pinned_client_context(identity, alpn=ALPN_H2)
         #: node connections that found no fd: one line when that starts, one when it ends
         self.shortage = ShortageEpisode("upstream_no_fds", backoff=False,
                                         resumed="upstream_fds_back")
@@ -512,7 +536,7 @@ class Upstream:
             entry = self._pools.pop(key)
             entry.retired = True
             self._retired.append(entry)
-            idle = idle or bool(entry.idle)
+            idle = idle or bool(entry.idle) or entry.session is not None
         if idle:
             # Now, not when a later request happens to end in this process: a pin
             # removed is a key revoked, and its node keeps no connection from us.
