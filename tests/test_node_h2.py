@@ -259,6 +259,35 @@ def test_answers_of_every_size_arrive_whole(rig: Rig, size: int) -> None:
     assert r.headers["content-length"] == str(size)
 
 
+def test_more_requests_than_the_node_takes_per_connection_are_all_answered(
+        rig: Rig) -> None:
+    """hypercorn stops answering on a connection after 1,000 requests; the edge makes a
+    new session every 500 streams, so 1,700 requests in a row (16,000 bytes each, whole
+    in the lane) are all answered over HTTP/2, on at least four node connections."""
+    want = (b"0123456789abcdef" * 1000)[:16000]
+    before = len(rig.seen()["seen"])
+    with client() as c:
+        for i in range(1700):
+            r = get(c, rig.serve, "/big/16000")
+            assert r.status_code == 200 and r.content == want, i
+    seen = rig.seen()["seen"][before:]
+    assert len(seen) == 1700 and {s[0] for s in seen} == {"2"}
+    assert len({s[1] for s in seen}) >= 4  # (the first may have served some already)
+
+
+def test_a_relayed_answer_larger_than_the_session_window_arrives_whole(rig: Rig) -> None:
+    """30 MB through the relay: more than the session's whole window (25.6 MB), so it
+    stalls unless our window is given back as the client takes the answer."""
+    from pact_ingress.net.h2_node import SESSION_WINDOW
+
+    size = 30_000_000
+    assert size > SESSION_WINDOW
+    r = rig.get(f"/big/{size}")
+    want = (b"0123456789abcdef" * (size // 16 + 1))[:size]
+    assert r.status_code == 200 and len(r.content) == size
+    assert hashlib.sha256(r.content).digest() == hashlib.sha256(want).digest()
+
+
 def test_an_answer_without_length_is_framed_for_the_client(rig: Rig) -> None:
     r = rig.get("/nolength")
     assert r.status_code == 200 and json.loads(r.content)["path"] == "/nolength"

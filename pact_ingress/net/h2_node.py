@@ -37,8 +37,9 @@ in `_MOVES`): UNTRIED → TRYING (a lane exchange needs a node connection: its t
 connects offering `h2` and `http/1.1`) → H2 (the node selected `h2`: the session serves
 every lane exchange it has room for) or HTTP1 (it selected HTTP/1.1, or the connection
 cannot be driven from the hub: pooled HTTP/1.1 as before, for the pool's life); a
-session that ends (the node's GOAWAY, a failure, a reload) takes the pool back to
-UNTRIED, a failed try too. Exchanges that find no room on a session (the node's stream
+session that ends (the node's GOAWAY, a failure, a reload, or its
+`MAX_STREAMS_PER_SESSION` streams served) takes the pool back to UNTRIED, a failed try
+too. Exchanges that find no room on a session (the node's stream
 limit), and everything the trio engine sends, go over pooled HTTP/1.1 connections.
 
 What goes wrong, and what the client gets: a stream the node refused (REFUSED_STREAM) or
@@ -82,6 +83,12 @@ STREAM_WINDOW = 256 * 1024
 #: lane sends at once to one node (beyond, exchanges go over HTTP/1.1).
 MAX_STREAMS = 100
 SESSION_WINDOW = STREAM_WINDOW * MAX_STREAMS
+#: Streams one session carries before the next exchange makes a new one. Some HTTP/2
+#: servers stop answering on a connection after a number of requests: hypercorn, at
+#: its `keep_alive_max_requests` (1,000 by default), takes the next request and then
+#: sends GOAWAY with it counted as processed, so its answer never comes (a 504 after
+#: the header timeout). A new TLS connection per 500 requests costs next to nothing.
+MAX_STREAMS_PER_SESSION = 500
 
 _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 _HUP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
@@ -184,6 +191,8 @@ class NodeSession:
             h2.send_data(sid, body, end_stream=True)
         self.holders[sid] = holder
         self.served += 1
+        if self.served >= MAX_STREAMS_PER_SESSION:
+            self.going_away()  # its last stream: closed once its streams ended
         self.queue()
         return sid
 
@@ -319,9 +328,13 @@ class NodeSession:
                     self.fail(f"the node broke HTTP/2: {exc} ({exc.code.name})")
                     return
                 self.dispatch(events)
+                if not inc.pending and not tls.pending():
+                    break  # (what a further read would say without its exception)
             if not data:
                 self.fail("the node closed the connection")
                 return
+            if len(data) < READ_SIZE and not mask & _HUP:
+                break  # the socket had nothing more: a new edge announces what comes
         if h2.out:
             self.queue()
 
@@ -342,7 +355,7 @@ class NodeSession:
                 if holder is not None:
                     if e.ended:
                         del holders[e.stream_id]
-                    holder.h2_head(e.status, e.headers, e.ended)
+                    holder.h2_head(e.status, e.headers, e.ended, e.length)
             elif kind is StreamEnded:
                 holder = holders.pop(e.stream_id, None)
                 if holder is not None:
@@ -434,7 +447,8 @@ class StreamRelay:
         if self.waiter is not None:
             self.waiter.set()
 
-    def h2_head(self, status: int, headers: list[Header], ended: bool) -> None:
+    def h2_head(self, status: int, headers: list[Header], ended: bool,
+                length: int | None) -> None:
         self.ended = self.ended or ended
         self._wake()
 

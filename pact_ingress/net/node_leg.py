@@ -256,7 +256,8 @@ class NodeLeg:
 
     # -- a stream's answer in (the session's calls) ----------------------------------------
 
-    def h2_head(self, status: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+    def h2_head(self, status: int, headers: list[tuple[bytes, bytes]], ended: bool,
+                length: int | None) -> None:
         if self.phase is not self.AT_NODE or self.session is None:
             return
         now = self.conn.now()
@@ -269,7 +270,6 @@ class NodeLeg:
         if ended:
             self.stream_done(now)
             return
-        length = declared_length(header(headers, b"content-length") or b"")
         if length is not None and length <= MAX_WHOLE_BODY:
             # a short answer whose body comes in frames of its own: awaited here for a
             # moment, then relayed as it comes

@@ -177,12 +177,15 @@ def split_response(headers: Iterable[Header]) -> tuple[int, list[Header], int | 
 # -- events of this end ---------------------------------------------------------------
 
 class ResponseReceived(Event):
-    """The final response head of a stream (informational ones are not reported)."""
-    __slots__ = ("stream_id", "status", "headers", "ended")
+    """The final response head of a stream (informational ones are not reported);
+    `length`: its Content-Length, checked against the DATA (None: none, or an answer
+    that carries no body)."""
+    __slots__ = ("stream_id", "status", "headers", "ended", "length")
 
-    def __init__(self, stream_id: int, status: int, headers: list[Header], ended: bool):
-        self.stream_id, self.status, self.headers, self.ended = (
-            stream_id, status, headers, ended)
+    def __init__(self, stream_id: int, status: int, headers: list[Header], ended: bool,
+                 length: int | None = None):
+        self.stream_id, self.status, self.headers, self.ended, self.length = (
+            stream_id, status, headers, ended, length)
 
 
 class GoAwayReceived(Event):
@@ -581,7 +584,8 @@ class H2Client:
                 self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
                 return
             self._remote_end(stream)
-        events.append(ResponseReceived(sid, status, list(fields), ended))
+        events.append(ResponseReceived(sid, status, list(fields), ended,
+                                       stream.content_length))
 
     @staticmethod
     def _length_kept(stream: Stream, ended: bool) -> bool:
