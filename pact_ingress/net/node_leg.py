@@ -191,7 +191,7 @@ class NodeLeg:
             protocol = entry.protocol
             if protocol is H2:
                 session = entry.session
-                if session is not None and session.usable():
+                if session is not None and not session.closed and session.h2.can_open():
                     self.session, self.reused = session, True
                     return True
             elif protocol is UNTRIED and not entry.retired:
@@ -285,7 +285,8 @@ class NodeLeg:
         if data:
             self.parts.append(data)
         if ended:
-            self.stream_done(self.conn.now())
+            self.node_deadline = math.inf
+            self.stream_answered(self.conn.now())
 
     def h2_end(self) -> None:
         if self.phase is self.AT_NODE and self.session is not None:

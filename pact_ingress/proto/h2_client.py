@@ -78,6 +78,7 @@ from pact_ingress.proto.h2_frames import (
     MAX_CONTINUATIONS,
     MAX_STREAM_ID,
     MAX_WINDOW,
+    PADDED,
     PING,
     PREFACE,
     PRIORITY,
@@ -483,7 +484,7 @@ class H2Client:
 
     def _headers(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         self._ours(sid, "HEADERS")
-        block = unpad(flags, payload)
+        block = unpad(flags, payload) if flags & PADDED else payload
         if block is None:
             self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
         if flags & PRIORITY_FLAG:
@@ -602,7 +603,7 @@ class H2Client:
         if length > self._conn_recv_window:
             self._fail(ErrorCode.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self._conn_recv_window -= length
-        data = unpad(flags, payload)
+        data = unpad(flags, payload) if flags & PADDED else payload
         if data is None:
             self._fail(ErrorCode.PROTOCOL_ERROR, "padding longer than the frame")
         stream = self.streams.get(sid)
