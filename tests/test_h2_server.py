@@ -15,7 +15,7 @@ import h2.events
 import hpack
 import pytest
 
-from pact_ingress.proto import h2_frames
+from pact_ingress.proto import h2_frames as hf
 from pact_ingress.proto import h2_server as hs
 from pact_ingress.proto.h2_server import ErrorCode, H2Server
 
@@ -66,7 +66,7 @@ def test_request_and_response_round_trip() -> None:
     client.send_headers(1, REQUEST + [(b"content-length", b"5")])
     client.send_data(1, b"hello", end_stream=True)
     events = server.receive_data(client.data_to_send())  # HEADERS + DATA in one read
-    assert [type(e) for e in events] == [hs.RequestReceived, hs.DataReceived]
+    assert [type(e) for e in events] == [hs.RequestReceived, hf.DataReceived]
     assert list(events[0].headers[:4]) == REQUEST[:4] and not events[0].ended
     assert (events[1].data, events[1].flow_length, events[1].ended) == (b"hello", 5, True)
     extra = [(b"x-id", b"abc"), (b"set-cookie", b"s=1"), (b"date", b"Mon, 30 Nov 2026")]
@@ -108,9 +108,9 @@ def test_continuation_in_and_out() -> None:
     client, server = _pair()
     block = hpack.Encoder().encode(REQUEST + [(b"x-long", b"v" * 300)])
     parts = [block[:10], block[10:200], block[200:]]
-    wire = (_frame(hs.HEADERS, hs.END_STREAM, 1, parts[0])
-            + _frame(hs.CONTINUATION, 0, 1, parts[1])
-            + _frame(hs.CONTINUATION, hs.END_HEADERS, 1, parts[2]))
+    wire = (_frame(hf.HEADERS, hf.END_STREAM, 1, parts[0])
+            + _frame(hf.CONTINUATION, 0, 1, parts[1])
+            + _frame(hf.CONTINUATION, hf.END_HEADERS, 1, parts[2]))
     events = server.receive_data(wire)
     assert [type(e) for e in events] == [hs.RequestReceived]
     assert events[0].headers[-1] == (b"x-long", b"v" * 300) and events[0].ended
@@ -121,7 +121,7 @@ def test_continuation_in_and_out() -> None:
     _respond(server, 3, b"", big)
     wire = server.data_to_send()
     kinds = [kind for kind, _ in _frames(wire)]
-    assert kinds[0] == hs.HEADERS and kinds[1:-1] == [hs.CONTINUATION] * (len(kinds) - 2)
+    assert kinds[0] == hf.HEADERS and kinds[1:-1] == [hf.CONTINUATION] * (len(kinds) - 2)
     assert len(kinds) > 2
     got = [e for e in client.receive_data(wire) if isinstance(e, h2.events.ResponseReceived)]
     assert isinstance(got[0], h2.events.ResponseReceived) and got[0].headers[2:] == big
@@ -129,16 +129,16 @@ def test_continuation_in_and_out() -> None:
 
 def test_continuation_flood_and_interleaving_end_the_connection() -> None:
     _, server = _pair()
-    wire = _frame(hs.HEADERS, 0, 1, b"\x82")
-    wire += b"".join(_frame(hs.CONTINUATION, 0, 1) for _ in range(hs.MAX_CONTINUATIONS + 1))
-    with pytest.raises(hs.ConnectionError_) as caught:
+    wire = _frame(hf.HEADERS, 0, 1, b"\x82")
+    wire += b"".join(_frame(hf.CONTINUATION, 0, 1) for _ in range(hf.MAX_CONTINUATIONS + 1))
+    with pytest.raises(hf.ConnectionError_) as caught:
         server.receive_data(wire)
     assert caught.value.code == ErrorCode.ENHANCE_YOUR_CALM
     assert _goaway(server.data_to_send()) == ErrorCode.ENHANCE_YOUR_CALM
-    for other in (_frame(hs.PING, 0, 0, b"x" * 8), _frame(hs.CONTINUATION, hs.END_HEADERS, 3)):
+    for other in (_frame(hf.PING, 0, 0, b"x" * 8), _frame(hf.CONTINUATION, hf.END_HEADERS, 3)):
         _, server = _pair()
-        with pytest.raises(hs.ConnectionError_) as caught:
-            server.receive_data(_frame(hs.HEADERS, 0, 1, b"\x82") + other)
+        with pytest.raises(hf.ConnectionError_) as caught:
+            server.receive_data(_frame(hf.HEADERS, 0, 1, b"\x82") + other)
         assert caught.value.code == ErrorCode.PROTOCOL_ERROR
 
 
@@ -147,7 +147,7 @@ def _goaway(data: bytes) -> int | None:
     code, pos = None, 0
     while pos + 9 <= len(data):
         head, _, _ = struct.unpack_from(">I B I", data, pos)
-        if head & 0xFF == hs.GOAWAY:
+        if head & 0xFF == hf.GOAWAY:
             code = struct.unpack_from(">I", data, pos + 13)[0]
         pos += 9 + (head >> 8)
     return code
@@ -169,7 +169,7 @@ def test_send_window_exhaustion_and_growth() -> None:
     client.increment_flow_control_window(5, stream_id=1)
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 20})
     events = server.receive_data(client.data_to_send())
-    assert {type(e) for e in events} == {hs.WindowUpdated, h2_frames.SettingsChanged}
+    assert {type(e) for e in events} == {hf.WindowUpdated, hf.SettingsChanged}
     assert server.local_flow_control_window(1) == 15 and server.local_flow_control_window(3) == 20
     # the connection window bounds every stream
     server.send_headers(3, [(b":status", b"200")])
@@ -184,7 +184,7 @@ def test_send_window_exhaustion_and_growth() -> None:
         for sid in (1, 3):  # the client keeps the streams open but not the connection
             client.increment_flow_control_window(100, stream_id=sid)
         server.receive_data(client.data_to_send())
-    assert sent == hs.DEFAULT_WINDOW - 10
+    assert sent == hf.DEFAULT_WINDOW - 10
     assert server.local_flow_control_window(1) == server.local_flow_control_window(3) == 0
 
 
@@ -196,10 +196,10 @@ def test_receive_window_is_enforced_and_given_back_as_acknowledged() -> None:
     while window := client.local_flow_control_window(1):  # fill the stream's window
         client.send_data(1, b"d" * min(window, 16384))
         taken += sum(e.flow_length for e in server.receive_data(client.data_to_send())
-                     if isinstance(e, hs.DataReceived))
+                     if isinstance(e, hf.DataReceived))
     assert server.data_to_send() == b""  # nothing acknowledged: no WINDOW_UPDATE
-    over = _frame(hs.DATA, 0, 1, b"d" * (hs.DEFAULT_WINDOW - taken + 1))
-    with pytest.raises(hs.ConnectionError_) as caught:
+    over = _frame(hf.DATA, 0, 1, b"d" * (hf.DEFAULT_WINDOW - taken + 1))
+    with pytest.raises(hf.ConnectionError_) as caught:
         H2Server.receive_data(_copy(server), over)
     assert caught.value.code == ErrorCode.FLOW_CONTROL_ERROR
     server.acknowledge(taken, 1)
@@ -216,14 +216,14 @@ def test_connection_window_raised_at_the_start_holds_every_stream_window() -> No
     past a stream's window is still a FLOW_CONTROL_ERROR, and so is one past the
     connection's. Acknowledging gives back both windows as before."""
     client = _client()
-    server = H2Server(connection_window=3 * hs.DEFAULT_WINDOW)
+    server = H2Server(connection_window=3 * hf.DEFAULT_WINDOW)
     server.initiate_connection()
     server.receive_data(client.data_to_send())
     events = client.receive_data(server.data_to_send())
     raised = [e for e in events if isinstance(e, h2.events.WindowUpdated)]
-    assert [(e.stream_id, e.delta) for e in raised] == [(0, 2 * hs.DEFAULT_WINDOW)]
+    assert [(e.stream_id, e.delta) for e in raised] == [(0, 2 * hf.DEFAULT_WINDOW)]
     server.receive_data(client.data_to_send())  # the SETTINGS ACK
-    assert client.outbound_flow_control_window == 3 * hs.DEFAULT_WINDOW
+    assert client.outbound_flow_control_window == 3 * hf.DEFAULT_WINDOW
     for sid in (1, 3, 5):
         client.send_headers(sid, REQUEST)
     server.receive_data(client.data_to_send())
@@ -232,25 +232,25 @@ def test_connection_window_raised_at_the_start_holds_every_stream_window() -> No
         while window := client.local_flow_control_window(sid):
             client.send_data(sid, b"d" * min(window, 16384))
             taken[sid] += sum(e.flow_length for e in server.receive_data(client.data_to_send())
-                              if isinstance(e, hs.DataReceived))
-    assert taken == dict.fromkeys((1, 3, 5), hs.DEFAULT_WINDOW)
+                              if isinstance(e, hf.DataReceived))
+    assert taken == dict.fromkeys((1, 3, 5), hf.DEFAULT_WINDOW)
     assert server.data_to_send() == b""  # nothing taken, nothing given back
     past_stream = _copy(server)  # stream 1's window is spent
-    with pytest.raises(hs.ConnectionError_) as caught:
-        past_stream.receive_data(_frame(hs.DATA, 0, 1, b"x"))
+    with pytest.raises(hf.ConnectionError_) as caught:
+        past_stream.receive_data(_frame(hf.DATA, 0, 1, b"x"))
     assert caught.value.code == ErrorCode.FLOW_CONTROL_ERROR
     past_connection = _copy(server)  # a fourth stream has its window, the connection not
     client.send_headers(7, REQUEST)
     past_connection.receive_data(client.data_to_send())
-    with pytest.raises(hs.ConnectionError_) as caught:
-        past_connection.receive_data(_frame(hs.DATA, 0, 7, b"x"))
+    with pytest.raises(hf.ConnectionError_) as caught:
+        past_connection.receive_data(_frame(hf.DATA, 0, 7, b"x"))
     assert caught.value.code == ErrorCode.FLOW_CONTROL_ERROR
-    server.acknowledge(hs.DEFAULT_WINDOW, 3)
+    server.acknowledge(hf.DEFAULT_WINDOW, 3)
     updates = [(e.stream_id, e.delta) for e in client.receive_data(server.data_to_send())
                if isinstance(e, h2.events.WindowUpdated)]
-    assert sorted(updates) == [(0, hs.DEFAULT_WINDOW), (3, hs.DEFAULT_WINDOW)]
+    assert sorted(updates) == [(0, hf.DEFAULT_WINDOW), (3, hf.DEFAULT_WINDOW)]
     with pytest.raises(ValueError):
-        H2Server(connection_window=hs.DEFAULT_WINDOW - 1)
+        H2Server(connection_window=hf.DEFAULT_WINDOW - 1)
 
 
 def _copy(server: H2Server) -> H2Server:
@@ -267,10 +267,10 @@ def test_reset_mid_response() -> None:
     client.receive_data(server.data_to_send())
     client.reset_stream(1)
     events = server.receive_data(client.data_to_send())
-    assert [(type(e), e.remote) for e in events] == [(hs.StreamReset, True)]
-    with pytest.raises(hs.StreamClosed):
+    assert [(type(e), e.remote) for e in events] == [(hf.StreamReset, True)]
+    with pytest.raises(hf.StreamClosed):
         server.send_data(1, b"more")
-    with pytest.raises(hs.StreamClosed):
+    with pytest.raises(hf.StreamClosed):
         server.end_stream(1)
     server.reset_stream(1, ErrorCode.CANCEL)  # already closed: nothing queued
     assert server.data_to_send() == b""
@@ -279,10 +279,10 @@ def test_reset_mid_response() -> None:
     server.receive_data(client.data_to_send())
     server.reset_stream(3, ErrorCode.NO_ERROR)
     server.data_to_send()
-    late = b"".join(_frame(hs.DATA, 0, 3, b"q" * 16000) for _ in range(5))
+    late = b"".join(_frame(hf.DATA, 0, 3, b"q" * 16000) for _ in range(5))
     events = server.receive_data(late)
-    assert [(type(e), e.flow_length) for e in events] == [(hs.DataReceived, 0)] * 5  # nothing owed
-    updates = [f for f in _frames(server.data_to_send()) if f[0] == hs.WINDOW_UPDATE]
+    assert [(type(e), e.flow_length) for e in events] == [(hf.DataReceived, 0)] * 5  # nothing owed
+    updates = [f for f in _frames(server.data_to_send()) if f[0] == hf.WINDOW_UPDATE]
     assert updates and all(sid == 0 for _, sid in updates)
 
 
@@ -300,24 +300,24 @@ def test_stream_errors_reset_only_their_stream() -> None:
     client.send_headers(1, REQUEST + [(b"content-length", b"3")])
     client.send_headers(3, REQUEST, end_stream=True)
     server.receive_data(client.data_to_send())
-    events = server.receive_data(_frame(hs.DATA, hs.END_STREAM, 1, b"abcd"))  # over the length
+    events = server.receive_data(_frame(hf.DATA, hf.END_STREAM, 1, b"abcd"))  # over the length
     assert [(type(e), e.code, e.remote) for e in events] == [
-        (hs.StreamReset, ErrorCode.PROTOCOL_ERROR, False)]
-    assert _frames(server.data_to_send())[0] == (hs.RST_STREAM, 1)
+        (hf.StreamReset, ErrorCode.PROTOCOL_ERROR, False)]
+    assert _frames(server.data_to_send())[0] == (hf.RST_STREAM, 1)
     assert server.is_open(3) and not server.is_open(1)
     # trailers without END_STREAM
     client.send_headers(5, REQUEST)
     server.receive_data(client.data_to_send())
     block = hpack.Encoder().encode([(b"x-trailer", b"1")])
-    events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS, 5, block))
-    assert [type(e) for e in events] == [hs.StreamReset]
+    events = server.receive_data(_frame(hf.HEADERS, hf.END_HEADERS, 5, block))
+    assert [type(e) for e in events] == [hf.StreamReset]
     # trailers with a pseudo-header (RFC 9113 §8.1)
     client.send_headers(7, REQUEST)
     server.receive_data(client.data_to_send())
     block = client.encoder.encode([(b":path", b"/other")])
-    events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM, 7, block))
+    events = server.receive_data(_frame(hf.HEADERS, hf.END_HEADERS | hf.END_STREAM, 7, block))
     assert [(type(e), e.stream_id, e.code) for e in events] == [
-        (hs.StreamReset, 7, ErrorCode.PROTOCOL_ERROR)]
+        (hf.StreamReset, 7, ErrorCode.PROTOCOL_ERROR)]
 
 
 def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
@@ -328,7 +328,7 @@ def test_concurrent_stream_limit_refuses_the_extra_stream() -> None:
     events = server.receive_data(client.data_to_send())
     assert [e.stream_id for e in events if isinstance(e, hs.RequestReceived)] == [1, 3]
     # the refusal is reported too, so the caller can meter a client that keeps provoking it
-    refused = [e for e in events if isinstance(e, hs.StreamReset)]
+    refused = [e for e in events if isinstance(e, hf.StreamReset)]
     assert [(e.stream_id, e.code, e.remote) for e in refused] == [
         (5, ErrorCode.REFUSED_STREAM, False)]
     got = client.receive_data(server.data_to_send())
@@ -344,17 +344,17 @@ def test_late_frames_on_reset_streams_are_ignored_within_a_bound() -> None:
     server.max_concurrent_streams = 1
     client.send_headers(1, REQUEST)  # held open: every later stream is refused
     server.receive_data(client.data_to_send())
-    refused = list(range(3, 3 + 2 * (hs.RESET_MEMORY + 1), 2))
+    refused = list(range(3, 3 + 2 * (hf.RESET_MEMORY + 1), 2))
     events = server.receive_data(b"".join(
-        _frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM, sid, client.encoder.encode(REQUEST))
+        _frame(hf.HEADERS, hf.END_HEADERS | hf.END_STREAM, sid, client.encoder.encode(REQUEST))
         for sid in refused))
-    assert len([e for e in events if isinstance(e, hs.StreamReset)]) == len(refused)
+    assert len([e for e in events if isinstance(e, hf.StreamReset)]) == len(refused)
     trailer = hpack.Encoder().encode([(b"x-t", b"1")])
-    events = server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM,
+    events = server.receive_data(_frame(hf.HEADERS, hf.END_HEADERS | hf.END_STREAM,
                                         refused[-1], trailer))
-    assert [type(e) for e in events] == [hs.UnknownFrame]  # remembered: ignored, metered
-    with pytest.raises(hs.ConnectionError_) as caught:  # forgotten: a passed stream id
-        server.receive_data(_frame(hs.HEADERS, hs.END_HEADERS | hs.END_STREAM,
+    assert [type(e) for e in events] == [hf.UnknownFrame]  # remembered: ignored, metered
+    with pytest.raises(hf.ConnectionError_) as caught:  # forgotten: a passed stream id
+        server.receive_data(_frame(hf.HEADERS, hf.END_HEADERS | hf.END_STREAM,
                                    refused[0], trailer))
     assert caught.value.code == ErrorCode.PROTOCOL_ERROR
 
@@ -363,15 +363,15 @@ def test_headers_depending_on_their_own_stream_reset_it() -> None:
     client, server = _pair()
     block = client.encoder.encode(REQUEST)
     events = server.receive_data(_frame(
-        hs.HEADERS, hs.END_HEADERS | hs.END_STREAM | hs.PRIORITY_FLAG, 1,
+        hf.HEADERS, hf.END_HEADERS | hf.END_STREAM | hf.PRIORITY_FLAG, 1,
         struct.pack(">I", 1) + b"\x10" + block))
     assert [(type(e), e.stream_id, e.code) for e in events] == [
-        (hs.StreamReset, 1, ErrorCode.PROTOCOL_ERROR)]
-    assert _frames(server.data_to_send()) == [(hs.RST_STREAM, 1)]
+        (hf.StreamReset, 1, ErrorCode.PROTOCOL_ERROR)]
+    assert _frames(server.data_to_send()) == [(hf.RST_STREAM, 1)]
     assert server.highest_inbound_stream_id == 1 and not server.is_open(1)
     # a dependency on another stream is fine
     events = server.receive_data(_frame(
-        hs.HEADERS, hs.END_HEADERS | hs.END_STREAM | hs.PRIORITY_FLAG, 3,
+        hf.HEADERS, hf.END_HEADERS | hf.END_STREAM | hf.PRIORITY_FLAG, 3,
         struct.pack(">I", 1) + b"\x10" + client.encoder.encode(REQUEST)))
     assert [type(e) for e in events] == [hs.RequestReceived]
 
@@ -379,10 +379,10 @@ def test_headers_depending_on_their_own_stream_reset_it() -> None:
 def _block_frames(sid: int, block: bytes, flags: int = 0) -> bytes:
     """`block` as HEADERS and as many CONTINUATIONs as the default frame size needs."""
     pieces = [block[i:i + 16384] for i in range(0, len(block), 16384)] or [b""]
-    wire = _frame(hs.HEADERS, flags | (hs.END_HEADERS if len(pieces) == 1 else 0), sid,
+    wire = _frame(hf.HEADERS, flags | (hf.END_HEADERS if len(pieces) == 1 else 0), sid,
                   pieces[0])
     for i, piece in enumerate(pieces[1:], 2):
-        wire += _frame(hs.CONTINUATION, hs.END_HEADERS if i == len(pieces) else 0, sid, piece)
+        wire += _frame(hf.CONTINUATION, hf.END_HEADERS if i == len(pieces) else 0, sid, piece)
     return wire
 
 
@@ -395,16 +395,16 @@ def test_header_list_over_the_cap_is_431_on_its_stream() -> None:
     encoder = hpack.Encoder()
     wire = _block_frames(1, encoder.encode(REQUEST + fat))
     events = server.receive_data(wire)
-    assert [(type(e), e.stream_id) for e in events] == [(hs.StreamReset, 1)]
+    assert [(type(e), e.stream_id) for e in events] == [(hf.StreamReset, 1)]
     kinds = _frames(server.data_to_send())
-    assert kinds == [(hs.HEADERS, 1), (hs.RST_STREAM, 1)], kinds
+    assert kinds == [(hf.HEADERS, 1), (hf.RST_STREAM, 1)], kinds
     # DATA the client had already sent for it is dropped
-    events = server.receive_data(_frame(hs.DATA, hs.END_STREAM, 1, b"late"))
+    events = server.receive_data(_frame(hf.DATA, hf.END_STREAM, 1, b"late"))
     assert not [e for e in events if isinstance(e, hs.RequestReceived)]
     small = REQUEST + [(b"x-19", b"v19" * 500)]  # in the table since the oversized block
     block = encoder.encode(small)
     assert len(block) < 100, len(block)  # sent as an index into the table
-    events = server.receive_data(_block_frames(3, block, hs.END_STREAM))
+    events = server.receive_data(_block_frames(3, block, hf.END_STREAM))
     got = [e for e in events if isinstance(e, hs.RequestReceived)]
     assert len(got) == 1 and got[0].headers == small, events
     assert not server.closed
@@ -413,45 +413,45 @@ def test_header_list_over_the_cap_is_431_on_its_stream() -> None:
 def test_header_list_far_over_the_cap_ends_the_connection() -> None:
     _, server = _pair()
     big = REQUEST + [(b"x-%d" % i, random.randbytes(1500).hex().encode()) for i in range(24)]
-    with pytest.raises(hs.ConnectionError_) as caught:
+    with pytest.raises(hf.ConnectionError_) as caught:
         server.receive_data(_block_frames(1, hpack.Encoder().encode(big)))
     assert caught.value.code == ErrorCode.ENHANCE_YOUR_CALM
 
 
 @pytest.mark.parametrize(("wire", "code"), [
-    (_frame(hs.PING, 0, 0, b"short"), ErrorCode.FRAME_SIZE_ERROR),
-    (_frame(hs.PING, 0, 1, b"x" * 8), ErrorCode.PROTOCOL_ERROR),
-    (_frame(hs.WINDOW_UPDATE, 0, 0, b"\0\0\0\0"), ErrorCode.PROTOCOL_ERROR),
-    (_frame(hs.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)),
+    (_frame(hf.PING, 0, 0, b"short"), ErrorCode.FRAME_SIZE_ERROR),
+    (_frame(hf.PING, 0, 1, b"x" * 8), ErrorCode.PROTOCOL_ERROR),
+    (_frame(hf.WINDOW_UPDATE, 0, 0, b"\0\0\0\0"), ErrorCode.PROTOCOL_ERROR),
+    (_frame(hf.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)),
      ErrorCode.FLOW_CONTROL_ERROR),
-    (_frame(hs.DATA, 0, 9, b"x"), ErrorCode.PROTOCOL_ERROR),  # idle stream
-    (_frame(hs.HEADERS, hs.END_HEADERS, 2, b"\x82"), ErrorCode.PROTOCOL_ERROR),
-    (_frame(hs.RST_STREAM, 0, 7, b"\0\0\0\0"), ErrorCode.PROTOCOL_ERROR),
-    (_frame(hs.PUSH_PROMISE, hs.END_HEADERS, 1, b"\0\0\0\2"), ErrorCode.PROTOCOL_ERROR),
-    (_frame(hs.SETTINGS, 0, 0, b"\0\5\0\0\0\1"), ErrorCode.PROTOCOL_ERROR),  # frame size
-    (_frame(hs.SETTINGS, 0, 0, b"\0\4\x80\0\0\0"), ErrorCode.FLOW_CONTROL_ERROR),
-    (_frame(hs.SETTINGS, 0, 0, b"\0\4"), ErrorCode.FRAME_SIZE_ERROR),
-    (_frame(hs.DATA, 0, 1, b"x" * 16385), ErrorCode.FRAME_SIZE_ERROR),
-    (_frame(hs.HEADERS, hs.END_HEADERS, 1, b"\xff\xff\xff\xff"), ErrorCode.COMPRESSION_ERROR),
+    (_frame(hf.DATA, 0, 9, b"x"), ErrorCode.PROTOCOL_ERROR),  # idle stream
+    (_frame(hf.HEADERS, hf.END_HEADERS, 2, b"\x82"), ErrorCode.PROTOCOL_ERROR),
+    (_frame(hf.RST_STREAM, 0, 7, b"\0\0\0\0"), ErrorCode.PROTOCOL_ERROR),
+    (_frame(hf.PUSH_PROMISE, hf.END_HEADERS, 1, b"\0\0\0\2"), ErrorCode.PROTOCOL_ERROR),
+    (_frame(hf.SETTINGS, 0, 0, b"\0\5\0\0\0\1"), ErrorCode.PROTOCOL_ERROR),  # frame size
+    (_frame(hf.SETTINGS, 0, 0, b"\0\4\x80\0\0\0"), ErrorCode.FLOW_CONTROL_ERROR),
+    (_frame(hf.SETTINGS, 0, 0, b"\0\4"), ErrorCode.FRAME_SIZE_ERROR),
+    (_frame(hf.DATA, 0, 1, b"x" * 16385), ErrorCode.FRAME_SIZE_ERROR),
+    (_frame(hf.HEADERS, hf.END_HEADERS, 1, b"\xff\xff\xff\xff"), ErrorCode.COMPRESSION_ERROR),
 ])
 def test_connection_errors(wire: bytes, code: ErrorCode) -> None:
     _, server = _pair()
-    with pytest.raises(hs.ConnectionError_) as caught:
+    with pytest.raises(hf.ConnectionError_) as caught:
         server.receive_data(wire)
     assert caught.value.code == code
     assert _goaway(server.data_to_send()) == code
-    assert server.receive_data(_frame(hs.PING, 0, 0, b"x" * 8)) == []  # nothing after it
+    assert server.receive_data(_frame(hf.PING, 0, 0, b"x" * 8)) == []  # nothing after it
 
 
 def test_preface_and_first_frame() -> None:
-    with pytest.raises(hs.ConnectionError_):
+    with pytest.raises(hf.ConnectionError_):
         H2Server().receive_data(b"GET / HTTP/1.1\r\n\r\n")
-    with pytest.raises(hs.ConnectionError_):
-        H2Server().receive_data(hs.PREFACE + _frame(hs.PING, 0, 0, b"x" * 8))
+    with pytest.raises(hf.ConnectionError_):
+        H2Server().receive_data(hf.PREFACE + _frame(hf.PING, 0, 0, b"x" * 8))
     server = H2Server()
-    assert server.receive_data(hs.PREFACE[:5]) == []
-    assert [type(e) for e in server.receive_data(hs.PREFACE[5:] + _frame(hs.SETTINGS, 0, 0))] \
-        == [h2_frames.SettingsChanged]
+    assert server.receive_data(hf.PREFACE[:5]) == []
+    assert [type(e) for e in server.receive_data(hf.PREFACE[5:] + _frame(hf.SETTINGS, 0, 0))] \
+        == [hf.SettingsChanged]
 
 
 def test_table_size_update_starts_the_first_block_and_follows_a_settings_change() -> None:
@@ -472,7 +472,7 @@ def test_table_size_update_starts_the_first_block_and_follows_a_settings_change(
     _respond(server, 5, b"c")
     third = server.data_to_send()
     frames = _frames(third)
-    assert (hs.HEADERS, 5) in frames
+    assert (hf.HEADERS, 5) in frames
     got = client.receive_data(third)
     assert any(isinstance(e, h2.events.ResponseReceived) for e in got)
 
@@ -543,7 +543,7 @@ def test_mangled_input_fails_only_as_a_protocol_error() -> None:
     for _ in range(1500):
         data = bytearray(wire)
         for _ in range(rng.randint(1, 4)):
-            pos = rng.randrange(0 if rng.random() < 0.05 else len(hs.PREFACE), len(data))
+            pos = rng.randrange(0 if rng.random() < 0.05 else len(hf.PREFACE), len(data))
             action = rng.random()
             if action < 0.6:
                 data[pos] = rng.randrange(256)
@@ -557,13 +557,13 @@ def test_mangled_input_fails_only_as_a_protocol_error() -> None:
             for start in range(0, len(data), 97):
                 server.receive_data(bytes(data[start:start + 97]))
             outcomes["events"] += 1
-        except hs.ConnectionError_ as exc:
+        except hf.ConnectionError_ as exc:
             assert _goaway(server.data_to_send()) == exc.code
             outcomes["error"] += 1
         assert len(server.streams) <= 3
-        assert server.conn_send_window <= hs.MAX_WINDOW
+        assert server.conn_send_window <= hf.MAX_WINDOW
         for stream in server.streams.values():
-            assert stream.recv_window >= 0 and stream.send_window <= hs.MAX_WINDOW
+            assert stream.recv_window >= 0 and stream.send_window <= hf.MAX_WINDOW
         for sid, stream in list(server.streams.items()):  # answering never breaks
             if stream.local_open and not server.closed:
                 _respond(server, sid, b"")

@@ -48,7 +48,7 @@ from pact_ingress.logs import log
 from pact_ingress.net.h1_lane import INTERNAL_FAULT, LaneGo, Resume
 from pact_ingress.net.http_exchange import ClientGone, HeadTooLarge
 from pact_ingress.net.node_leg import Broke, NodeLeg, RouteNodes
-from pact_ingress.proto.h2_server import ErrorCode
+from pact_ingress.proto.h2_frames import ErrorCode
 from pact_ingress.proto.http_headers import clean_response_headers
 
 if TYPE_CHECKING:

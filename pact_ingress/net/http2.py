@@ -104,9 +104,9 @@ from pact_ingress.net.linger import linger
 from pact_ingress.net.tls_server import ServerTLS
 from pact_ingress.proto import h2_frames
 from pact_ingress.proto import h2_server as h2
+from pact_ingress.proto.h2_frames import ErrorCode
 from pact_ingress.proto.h2_guard import WINDOW_CREDIT_BYTES, WINDOW_UPDATE, Flood, FloodGuard
 from pact_ingress.proto.h2_request import MalformedRequest, split_request
-from pact_ingress.proto.h2_server import ErrorCode
 from pact_ingress.proto.http_request import declared_length, header
 
 #: Streams one client connection may have open at once (RFC 9113 suggests ≥ 100).
@@ -115,7 +115,7 @@ MAX_CONCURRENT_STREAMS = 100
 MAX_HEADER_LIST_SIZE = 16 * 1024
 #: A stream's receive window (SETTINGS_INITIAL_WINDOW_SIZE, the protocol's default): the
 #: most of its request body a stream can have waiting here before the engine takes it.
-STREAM_WINDOW = h2.DEFAULT_WINDOW
+STREAM_WINDOW = h2_frames.DEFAULT_WINDOW
 #: The connection's receive window, raised from 65535 at the start: every stream's whole
 #: window at once. DATA is acknowledged only when the engine takes it, so a stream whose
 #: body waits (for a node connection, for a node that reads slowly) holds its own window;
@@ -450,7 +450,7 @@ class H2Connection:
         is queued)."""
         try:
             events = self.conn.receive_data(data)
-        except h2.ConnectionError_:
+        except h2_frames.ConnectionError_:
             self._refused = True
             return False
         for event in events:
@@ -463,7 +463,7 @@ class H2Connection:
             return False
         return True
 
-    def _dispatch(self, event: h2.Event) -> None:
+    def _dispatch(self, event: h2_frames.Event) -> None:
         kind = type(event)
         if kind is h2.RequestReceived:
             if self._last_stream is not None and event.stream_id > self._last_stream:
@@ -479,7 +479,7 @@ class H2Connection:
                 fast = self.fast
                 if fast is None or not fast(exchange):
                     self._start(exchange)
-        elif kind is h2.DataReceived:
+        elif kind is h2_frames.DataReceived:
             if not event.data and not event.ended:
                 self._charge(Flood.EMPTY_DATA)
             exchange = self.streams.get(event.stream_id)
@@ -489,18 +489,18 @@ class H2Connection:
                 exchange.feed(event.data, event.flow_length)
             if event.ended and exchange is not None:
                 exchange.end_of_body()
-        elif kind is h2.StreamEnded:
+        elif kind is h2_frames.StreamEnded:
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.end_of_body()
-        elif kind is h2.StreamReset:
+        elif kind is h2_frames.StreamReset:
             # ours too: a reset the client provokes (a malformed frame, a stream beyond
             # the limit) frees its stream as cheaply as one it sends itself
             self._charge(Flood.RESET)
             exchange = self.streams.get(event.stream_id)
             if exchange is not None:
                 exchange.reset_by_client()
-        elif kind is h2.WindowUpdated or kind is h2_frames.SettingsChanged:
+        elif kind is h2_frames.WindowUpdated or kind is h2_frames.SettingsChanged:
             self._charge(Flood.SETTINGS if kind is h2_frames.SettingsChanged
                          else Flood.WINDOW_UPDATE)
             if self._window is not None:
@@ -508,11 +508,11 @@ class H2Connection:
                 self._window = None
         elif kind is h2_frames.SettingsAcked:
             self._charge(Flood.SETTINGS)
-        elif kind is h2.PingReceived:
+        elif kind is h2_frames.PingReceived:
             self._charge(Flood.PING)
         elif kind is h2_frames.PriorityReceived:
             self._charge(Flood.PRIORITY)
-        elif kind is h2.UnknownFrame:
+        elif kind is h2_frames.UnknownFrame:
             self._charge(Flood.UNKNOWN)
         elif kind is h2.GoAwayReceived:
             self._goaway = True
@@ -835,7 +835,7 @@ class H2Exchange(Exchange):
         block = _sendable_block(self.c.conn, status, headers)
         try:
             self.c.conn.send_headers(self.stream_id, block)
-        except h2.StreamClosed as exc:
+        except h2_frames.StreamClosed as exc:
             raise ClientGone("stream or connection closed") from exc
         self.c.kick()
 
@@ -845,7 +845,7 @@ class H2Exchange(Exchange):
         if not self._reset and not self.c._broken:
             try:
                 window = conn.local_flow_control_window(self.stream_id)
-            except h2.StreamClosed as exc:
+            except h2_frames.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             if 0 < n <= window and n <= conn.max_outbound_frame_size and (
                     len(conn.out) + n < FLUSH_BYTES):
@@ -861,7 +861,7 @@ class H2Exchange(Exchange):
             try:
                 window = min(self.c.conn.local_flow_control_window(self.stream_id),
                              self.c.conn.max_outbound_frame_size)
-            except h2.StreamClosed as exc:
+            except h2_frames.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             if window <= 0:
                 await self.c.wait_window(deadline)
@@ -869,7 +869,7 @@ class H2Exchange(Exchange):
             piece = chunk if window >= len(view) == len(chunk) else bytes(view[:window])
             try:
                 self.c.conn.send_data(self.stream_id, piece)
-            except h2.StreamClosed as exc:
+            except h2_frames.StreamClosed as exc:
                 raise ClientGone("stream closed") from exc
             self.c._guard.credit(WINDOW_UPDATE, len(piece) / WINDOW_CREDIT_BYTES)
             view = view[window:]
@@ -902,7 +902,7 @@ class H2Exchange(Exchange):
                               end_stream=not n)
             if n:
                 conn.send_data(self.stream_id, body, end_stream=True)
-        except h2.StreamClosed as exc:
+        except h2_frames.StreamClosed as exc:
             raise ClientGone("stream or connection closed") from exc
         if n:
             c._guard.credit(WINDOW_UPDATE, n / WINDOW_CREDIT_BYTES)
@@ -915,7 +915,7 @@ class H2Exchange(Exchange):
         self._live()
         try:
             self.c.conn.end_stream(self.stream_id)
-        except h2.StreamClosed as exc:
+        except h2_frames.StreamClosed as exc:
             raise ClientGone("stream closed") from exc
         if self.stopped and not self._ended:
             self._rst(ErrorCode.NO_ERROR)

@@ -4,7 +4,8 @@ Sans-I/O.
 Requests go in (`send_request`, `send_data`), frames come out (`take_output`); bytes
 from the node go in (`receive_data`), events come out. Nothing here reads a clock or a
 socket. It is the node leg's end of the protocol whose front end is `proto.h2_server`;
-both take the wire's vocabulary from `proto.h2_frames`.
+both take the wire's vocabulary from `proto.h2_frames` and what they do alike from
+`proto.h2_endpoint`; this module is what only a client does.
 
 Written here rather than driving the `h2` library for the reason the server side is:
 h2 makes some 900 Python calls per request for its two ends together, more than a whole
@@ -61,50 +62,27 @@ from collections.abc import Iterable
 
 import hpack
 
-from pact_ingress.proto import h2_hpack
+from pact_ingress.proto.h2_endpoint import Endpoint
 from pact_ingress.proto.h2_frames import (
-    ACK,
-    CONTINUATION,
     DATA,
-    DEFAULT_MAX_FRAME,
-    DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
-    GOAWAY,
     GOAWAY_HEAD,
     HEAD,
     HEADERS,
-    MAX_BLOCK_BYTES,
-    MAX_CONTINUATIONS,
     MAX_STREAM_ID,
     MAX_WINDOW,
     PADDED,
-    PING,
     PREFACE,
-    PRIORITY,
     PRIORITY_FLAG,
-    PRIORITY_RECEIVED,
-    PUSH_PROMISE,
-    RESET_MEMORY,
-    RST_STREAM,
-    SETTING,
-    SETTINGS,
-    SETTINGS_ACKED,
-    SETTINGS_CHANGED,
-    U32,
-    WINDOW_UPDATE,
     ConnectionError_,
     DataReceived,
     ErrorCode,
     Event,
-    PingReceived,
     Setting,
     StreamClosed,
     StreamEnded,
-    StreamReset,
     UnknownFrame,
-    WindowUpdated,
-    frame,
     settings_frame,
     unpad,
 )
@@ -233,48 +211,26 @@ class _Block:
         self.response: tuple[int, list[Header], int | None] | None | bool = False
 
 
-class H2Client:
+class H2Client(Endpoint):
+    PUSH_MAX = 0  # a server may only say 0 (RFC 9113 §6.5.2)
+    PUSH_PROMISE_WHY = "PUSH_PROMISE, but push is off"
+
     def __init__(self, *, max_concurrent_streams: int = 100,
                  max_header_list_size: int = MAX_HEADER_LIST,
                  initial_window: int = 256 * 1024,
                  connection_window: int = 16 * 1024 * 1024) -> None:
-        if not DEFAULT_WINDOW <= connection_window <= MAX_WINDOW:
-            raise ValueError("the connection window starts at 65535 and can only grow")
         if not 0 <= initial_window <= MAX_WINDOW:
             raise ValueError("a stream window is at most 2**31 - 1")
+        self._endpoint_init(initial_window, connection_window, connection_window // 2)
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = max_header_list_size
-        self.streams: dict[int, Stream] = {}  # open in at least one direction
         self.next_stream_id = 1
-        self.closed = False  # GOAWAY sent: nothing more is sent or taken
         self.going_away = False  # GOAWAY received: no new stream
-        #: frames queued for the node; the I/O side takes them (`take_output`)
-        self.out = bytearray()
-        self._buf = b""
-        self._settings_seen = False
-        # receiving
         self._decoder = hpack.Decoder(
             max_header_list_size=max_header_list_size * OVERSIZED_LISTS)
         self._decoder.max_allowed_table_size = 0  # what our SETTINGS ask for
         self._decoded: dict[bytes, _Block] = {}
-        self._recv_initial = initial_window
-        self._conn_recv_window = DEFAULT_WINDOW
-        self._conn_recv_target = connection_window
-        self._conn_recv_processed = 0
-        self._block: list[bytes] | None = None  # header block fragments being gathered
-        self._block_stream = 0
-        self._block_flags = 0
-        self._block_bytes = 0
-        self._continuations = 0
-        self._reset_by_us: dict[int, None] = {}  # oldest first, at most RESET_MEMORY
-        # sending
-        self._send_initial = DEFAULT_WINDOW
-        self.conn_send_window = DEFAULT_WINDOW
-        self.max_outbound_frame_size = DEFAULT_MAX_FRAME
-        #: the node's SETTINGS_MAX_CONCURRENT_STREAMS; unlimited until it names one
-        self.peer_max_concurrent_streams = MAX_STREAM_ID
         self._blocked: dict[int, None] = {}  # streams whose body waits for a window
-        self._table_reset = True  # start the next block with a table size update to 0
 
     # -- set-up and output ------------------------------------------------------------
 
@@ -287,16 +243,7 @@ class H2Client:
             (Setting.INITIAL_WINDOW_SIZE, self._recv_initial),
             (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
         ))
-        raise_by = self._conn_recv_target - self._conn_recv_window
-        if raise_by > 0:
-            self._conn_recv_window += raise_by
-            self.out += frame(WINDOW_UPDATE, 0, 0, U32.pack(raise_by))
-
-    def take_output(self) -> bytearray:
-        """The queued frames, handed over without a copy (`out` starts empty again)."""
-        data = self.out
-        self.out = bytearray()
-        return data
+        self._raise_connection_window()
 
     # -- opening streams ----------------------------------------------------------------
 
@@ -322,21 +269,7 @@ class H2Client:
                     else (b":method", b"HEAD") in headers)
         stream = Stream(sid, bodiless, self._send_initial, self._recv_initial)
         self.streams[sid] = stream
-        block = h2_hpack.encode(headers)
-        if self._table_reset:
-            self._table_reset = False
-            block = h2_hpack.TABLE_SIZE_ZERO + block
-        flags = END_STREAM if end_stream else 0
-        limit = self.max_outbound_frame_size
-        if len(block) <= limit:
-            self.out += HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS, sid)
-            self.out += block
-        else:
-            pieces = [block[i:i + limit] for i in range(0, len(block), limit)]
-            self.out += frame(HEADERS, flags, sid, pieces[0])
-            for piece in pieces[1:-1]:
-                self.out += frame(CONTINUATION, 0, sid, piece)
-            self.out += frame(CONTINUATION, END_HEADERS, sid, pieces[-1])
+        self._send_head(sid, headers, end_stream)
         if end_stream:
             self._local_end(stream)
         return sid
@@ -399,82 +332,16 @@ class H2Client:
         if self.closed:
             return []
         buf = self._buf + data if self._buf else data
-        pos, end = 0, len(buf)
         events: list[Event] = []
         try:
-            while end - pos >= 9:
-                head, flags, stream_id = HEAD.unpack_from(buf, pos)
-                length = head >> 8
-                if length > DEFAULT_MAX_FRAME:
-                    self._fail(ErrorCode.FRAME_SIZE_ERROR, "frame larger than allowed")
-                if end - pos - 9 < length:
-                    break
-                payload = buf[pos + 9:pos + 9 + length]
-                pos += 9 + length
-                kind = head & 0xFF
-                # the frames of every answer go straight to their handler; the rest,
-                # and anything while a header block is gathered, through `_frame`
-                if kind == DATA and self._block is None and self._settings_seen:
-                    self._data(flags, stream_id & 0x7FFFFFFF, payload, events)
-                elif kind == HEADERS and self._block is None and self._settings_seen:
-                    self._headers(flags, stream_id & 0x7FFFFFFF, payload, events)
-                else:
-                    self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload, events)
+            pos = self._frames(buf, 0, events)
         except ConnectionError_:
             self._buf = b""
             raise
-        self._buf = buf[pos:] if pos < end else b""
+        self._buf = buf[pos:] if pos < len(buf) else b""
         if self._blocked and not self.closed:
             self._flush_blocked()
         return events
-
-    def _fail(self, code: ErrorCode, why: str) -> None:
-        self.close_connection(code)
-        raise ConnectionError_(code, why)
-
-    def _frame(self, kind: int, flags: int, sid: int, payload: bytes,
-               events: list[Event]) -> None:
-        if self._block is not None:
-            if kind != CONTINUATION or sid != self._block_stream:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "header block interrupted")
-            self._continuation(flags, payload, events)
-            return
-        if not self._settings_seen:
-            if kind != SETTINGS or flags & ACK:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "the preface must be SETTINGS")
-            self._settings_seen = True
-        if kind == DATA:
-            self._data(flags, sid, payload, events)
-        elif kind == HEADERS:
-            self._headers(flags, sid, payload, events)
-        elif kind == WINDOW_UPDATE:
-            self._window_update(sid, payload, events)
-        elif kind == SETTINGS:
-            self._settings(flags, sid, payload, events)
-        elif kind == RST_STREAM:
-            self._rst_stream(sid, payload, events)
-        elif kind == PING:
-            if sid:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "PING on a stream")
-            if len(payload) != 8:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PING not 8 bytes")
-            if not flags & ACK:
-                self.out += frame(PING, ACK, 0, payload)
-            events.append(PingReceived(bool(flags & ACK)))
-        elif kind == GOAWAY:
-            self._goaway(sid, payload, events)
-        elif kind == PRIORITY:
-            if not sid:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
-            if len(payload) != 5:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY not 5 bytes")
-            events.append(PRIORITY_RECEIVED)
-        elif kind == CONTINUATION:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
-        elif kind == PUSH_PROMISE:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE, but push is off")
-        else:
-            events.append(UnknownFrame(kind))  # ignored (RFC 9113 §4.1), but counted
 
     def _ours(self, sid: int, what: str) -> None:
         """A frame on stream `sid` names a stream we opened, or the node broke the
@@ -494,22 +361,7 @@ class H2Client:
         if flags & END_HEADERS:
             self._header_block(sid, flags, block, events)
             return
-        self._block = [block]
-        self._block_stream = sid
-        self._block_flags = flags
-        self._block_bytes = len(block)
-        self._continuations = 0
-
-    def _continuation(self, flags: int, payload: bytes, events: list[Event]) -> None:
-        assert self._block is not None
-        self._block.append(payload)
-        self._block_bytes += len(payload)
-        self._continuations += 1
-        if self._block_bytes > MAX_BLOCK_BYTES or self._continuations > MAX_CONTINUATIONS:
-            self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & END_HEADERS:
-            block, self._block = b"".join(self._block), None
-            self._header_block(self._block_stream, self._block_flags, block, events)
+        self._gather(sid, flags, block)
 
     def _decode(self, block: bytes) -> _Block:
         """The header list of `block`, and whether it is over `max_header_list_size`
@@ -631,88 +483,13 @@ class H2Client:
             self._remote_end(stream)
         events.append(DataReceived(sid, data, length, ended))
 
-    def _window_update(self, sid: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
-        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
-        if not sid:
-            if not increment:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self.conn_send_window += increment
-            if self.conn_send_window > MAX_WINDOW:
-                self._fail(ErrorCode.FLOW_CONTROL_ERROR, "connection window overflow")
-            events.append(WindowUpdated(0))
-            return
-        self._ours(sid, "WINDOW_UPDATE")
-        stream = self.streams.get(sid)
-        if stream is None:
-            events.append(WindowUpdated(sid))  # a closed stream: ignored, but counted
-            return
-        if not increment:
-            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
-            return
-        stream.send_window += increment
-        if stream.send_window > MAX_WINDOW:
-            self._stream_error(sid, ErrorCode.FLOW_CONTROL_ERROR, events)
-            return
-        events.append(WindowUpdated(sid))
-
     def _settings(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
-        if sid:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            if payload:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-            events.append(SETTINGS_ACKED)
-            return
-        if len(payload) % 6:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
-        for pos in range(0, len(payload), 6):
-            code, value = SETTING.unpack_from(payload, pos)
-            if code == Setting.HEADER_TABLE_SIZE:
-                self._table_reset = True
-            elif code == Setting.ENABLE_PUSH:
-                if value != 0:  # a server may only say 0 (RFC 9113 §6.5.2)
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "ENABLE_PUSH from a server")
-            elif code == Setting.ENABLE_CONNECT_PROTOCOL:
-                if value > 1:
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "a boolean setting not 0 or 1")
-            elif code == Setting.MAX_CONCURRENT_STREAMS:
-                self.peer_max_concurrent_streams = value
-            elif code == Setting.INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    self._fail(ErrorCode.FLOW_CONTROL_ERROR, "initial window too large")
-                delta = value - self._send_initial
-                self._send_initial = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        self._fail(ErrorCode.FLOW_CONTROL_ERROR, "stream window overflow")
-                    if delta > 0 and stream.pending:
-                        self._blocked[stream.id] = None
-            elif code == Setting.MAX_FRAME_SIZE:
-                if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "max frame size out of range")
-                self.max_outbound_frame_size = value
-        self.out += frame(SETTINGS, ACK, 0)
-        events.append(SETTINGS_CHANGED)
+        super()._settings(flags, sid, payload, events)
+        for stream in self.streams.values():
+            if stream.pending:  # (a larger initial window may let it go)
+                self._blocked[stream.id] = None
 
-    def _rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
-        if not sid:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on stream 0")
-        self._ours(sid, "RST_STREAM")
-        if self.streams.pop(sid, None) is None:
-            return  # it had ended, or we had reset it too
-        self._blocked.pop(sid, None)
-        events.append(StreamReset(sid, U32.unpack(payload)[0], True))
-
-    def _goaway(self, sid: int, payload: bytes, events: list[Event]) -> None:
-        if sid:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
-        if len(payload) < 8:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
+    def _goaway(self, payload: bytes, events: list[Event]) -> None:
         last, code = GOAWAY_HEAD.unpack_from(payload)
         last &= 0x7FFFFFFF
         self.going_away = True
@@ -722,61 +499,13 @@ class H2Client:
             self._blocked.pop(s, None)
         events.append(GoAwayReceived(code, last, unprocessed))
 
-    def _stream_error(self, sid: int, code: ErrorCode, events: list[Event]) -> None:
-        self.reset_stream(sid, code)
-        events.append(StreamReset(sid, code, False))
+    # -- the hooks of `Endpoint` --------------------------------------------------------
 
-    def _remote_end(self, stream: Stream) -> None:
-        stream.remote_open = False
-        if not stream.local_open:
-            del self.streams[stream.id]
+    def _idle(self, sid: int) -> bool:
+        return not sid & 1 or sid >= self.next_stream_id
 
-    def _local_end(self, stream: Stream) -> None:
-        stream.local_open = False
-        if not stream.remote_open:
-            del self.streams[stream.id]
+    def _forget(self, sid: int) -> None:
+        self._blocked.pop(sid, None)
 
-    # -- flow control of what we receive ----------------------------------------------
-
-    def acknowledge(self, length: int, stream_id: int) -> None:
-        """`length` flow-controlled bytes were passed on: give the windows back when
-        due (half a window consumed, or a window drained)."""
-        if not length:
-            return
-        self._conn_recv_processed += length
-        processed = self._conn_recv_processed
-        if processed >= self._conn_recv_target // 2 or (
-                self._conn_recv_window == 0 and processed > 1024):
-            self._conn_recv_processed = 0
-            self._conn_recv_window += processed
-            self.out += frame(WINDOW_UPDATE, 0, 0, U32.pack(processed))
-        stream = self.streams.get(stream_id)
-        if stream is None or not stream.remote_open:
-            return
-        stream.recv_processed += length
-        processed = stream.recv_processed
-        if processed >= self._recv_initial // 2 or (
-                stream.recv_window == 0 and processed > min(1024, self._recv_initial // 4)):
-            stream.recv_processed = 0
-            stream.recv_window += processed
-            self.out += frame(WINDOW_UPDATE, 0, stream_id, U32.pack(processed))
-
-    # -- ending -------------------------------------------------------------------------
-
-    def reset_stream(self, stream_id: int, code: int) -> None:
-        """RST_STREAM, when the stream is open and the connection too; else nothing."""
-        if self.closed or self.streams.pop(stream_id, None) is None:
-            return
-        self._blocked.pop(stream_id, None)
-        self.out += frame(RST_STREAM, 0, stream_id, U32.pack(code))
-        reset = self._reset_by_us
-        reset[stream_id] = None
-        if len(reset) > RESET_MEMORY:
-            del reset[next(iter(reset))]
-
-    def close_connection(self, code: int = ErrorCode.NO_ERROR) -> None:
-        """GOAWAY (the node opens no streams, so the last one we took is 0)."""
-        if self.closed:
-            return
-        self.out += frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(0, code))
-        self.closed = True
+    def _last_stream_id(self) -> int:
+        return 0  # the node opens no streams

@@ -4,6 +4,11 @@ Bytes from the client go in (`receive_data`), events come out; calls that answer
 (`send_headers`, `send_data`, `end_stream`, `reset_stream`, `close_connection`, ...)
 queue frames that `data_to_send` hands over. Nothing here reads a clock or a socket.
 
+What both ends of a connection do alike (reading frames, CONTINUATION, PING, SETTINGS,
+WINDOW_UPDATE, RST_STREAM, our windows given back, resets) is `proto.h2_endpoint`, which
+the node leg's client end (`proto.h2_client`) shares; this module is what only a
+server does.
+
 Written here rather than driving the `h2` library because, at an edge that handles every
 request of a connection, h2's generality (a frame object per frame, a generic event
 machinery, Huffman-coding every response header, per-frame debug formatting) was most of
@@ -51,47 +56,30 @@ from collections.abc import Iterable
 
 import hpack
 
-from pact_ingress.proto import h2_hpack
+from pact_ingress.proto.h2_endpoint import Endpoint
 from pact_ingress.proto.h2_frames import (
-    ACK,
-    CONTINUATION,
     DATA,
-    DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
-    GOAWAY,
     GOAWAY_HEAD,
     HEAD,
     HEADERS,
-    MAX_BLOCK_BYTES,
-    MAX_CONTINUATIONS,
-    MAX_WINDOW,
-    PING,
     PREFACE,
-    PRIORITY,
     PRIORITY_FLAG,
-    PRIORITY_RECEIVED,
-    PUSH_PROMISE,
-    RESET_MEMORY,
     RST_STREAM,
     SETTING,
     SETTINGS,
-    SETTINGS_ACKED,
-    SETTINGS_CHANGED,
     U32,
-    WINDOW_UPDATE,
     ConnectionError_,
     DataReceived,
     ErrorCode,
     Event,
-    PingReceived,
     Setting,
     StreamClosed,
     StreamEnded,
     StreamReset,
     UnknownFrame,
-    WindowUpdated,
     frame,
     unpad,
 )
@@ -170,24 +158,19 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-class H2Server:
+class H2Server(Endpoint):
+    PUSH_MAX = 1
+    PUSH_PROMISE_WHY = "PUSH_PROMISE from a client"
+
     def __init__(self, *, max_concurrent_streams: int = 100,
                  max_header_list_size: int = 16 * 1024,
                  initial_window: int = DEFAULT_WINDOW,
                  connection_window: int = DEFAULT_WINDOW) -> None:
-        if not DEFAULT_WINDOW <= connection_window <= MAX_WINDOW:
-            raise ValueError("the connection window starts at 65535 and can only grow")
+        self._endpoint_init(initial_window, connection_window, DEFAULT_WINDOW // 2)
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = max_header_list_size
-        self.streams: dict[int, Stream] = {}  # open in at least one direction
         self.highest_inbound_stream_id = 0
-        self.closed = False  # GOAWAY sent: nothing more is sent or taken
-        #: frames queued for the client; the I/O side takes it whole (`take_output`)
-        self.out = bytearray()
-        self._buf = b""
         self._preface = True  # the client preface is still expected
-        self._settings_seen = False
-        # receiving
         # A list over `max_header_list_size` is still decoded whole, up to
         # `OVERSIZED_LISTS` times it, so the table stays the client's and only that
         # request is lost (431); past that the decoder stops mid-block and the
@@ -196,26 +179,6 @@ class H2Server:
             max_header_list_size=max_header_list_size * OVERSIZED_LISTS)
         # blocks decoded lately: the header list, its Content-Length, whether over the cap
         self._decoded: dict[bytes, tuple[list[tuple[bytes, bytes]], int | None, bool]] = {}
-        self._recv_initial = initial_window
-        # the connection window is 65535 until our first WINDOW_UPDATE raises it to
-        # `connection_window` (`initiate_connection`); DATA up to the raised figure is
-        # taken from then on (a client cannot send beyond 65535 before it sees it)
-        self._conn_recv_window = DEFAULT_WINDOW
-        self._conn_recv_target = connection_window
-        self._conn_recv_processed = 0
-        self._block: list[bytes] | None = None  # header block fragments being gathered
-        self._block_stream = 0
-        self._block_flags = 0
-        self._block_bytes = 0
-        self._continuations = 0
-        self._reset_by_us: dict[int, None] = {}  # oldest first, at most RESET_MEMORY
-        # sending
-        self._send_initial = DEFAULT_WINDOW
-        self.conn_send_window = DEFAULT_WINDOW
-        self.max_outbound_frame_size = DEFAULT_MAX_FRAME
-        #: the client's SETTINGS_MAX_HEADER_LIST_SIZE: None until it names one (unlimited)
-        self.peer_max_header_list_size: int | None = None
-        self._table_reset = True  # start the next block with a table size update to 0
 
     # -- set-up and output ------------------------------------------------------------
 
@@ -228,21 +191,11 @@ class H2Server:
             (Setting.MAX_HEADER_LIST_SIZE, self.max_header_list_size),
         ))
         self._write(frame(SETTINGS, 0, 0, payload))
-        raise_by = self._conn_recv_target - self._conn_recv_window
-        if raise_by > 0:
-            # no setting carries the connection window: only a WINDOW_UPDATE raises it
-            self._conn_recv_window += raise_by
-            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(raise_by)))
+        self._raise_connection_window()
 
     def data_to_send(self) -> bytes:
         data = bytes(self.out)
         self.out.clear()
-        return data
-
-    def take_output(self) -> bytearray:
-        """The queued frames, handed over without a copy (`out` starts empty again)."""
-        data = self.out
-        self.out = bytearray()
         return data
 
     def _write(self, frame: bytes) -> None:
@@ -268,77 +221,13 @@ class H2Server:
             self._preface = False
             pos = len(PREFACE)
         events: list[Event] = []
-        end = len(buf)
         try:
-            while end - pos >= 9:
-                head, flags, stream_id = HEAD.unpack_from(buf, pos)
-                length = head >> 8
-                if length > DEFAULT_MAX_FRAME:
-                    self._fail(ErrorCode.FRAME_SIZE_ERROR, "frame larger than allowed")
-                if end - pos - 9 < length:
-                    break
-                payload = buf[pos + 9:pos + 9 + length]
-                pos += 9 + length
-                self._frame(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload, events)
+            pos = self._frames(buf, pos, events)
         except ConnectionError_:
             self._buf = b""
             raise
-        self._buf = buf[pos:] if pos < end else b""
+        self._buf = buf[pos:] if pos < len(buf) else b""
         return events
-
-    def _fail(self, code: ErrorCode, why: str) -> None:
-        self.close_connection(code)
-        raise ConnectionError_(code, why)
-
-    def _frame(self, kind: int, flags: int, sid: int, payload: bytes,
-               events: list[Event]) -> None:
-        if self._block is not None:
-            if kind != CONTINUATION or sid != self._block_stream:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "header block interrupted")
-            self._continuation(flags, payload, events)
-            return
-        if not self._settings_seen:
-            if kind != SETTINGS or flags & ACK:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "the preface must end with SETTINGS")
-            self._settings_seen = True
-        if kind == HEADERS:
-            self._headers(flags, sid, payload, events)
-        elif kind == DATA:
-            self._data(flags, sid, payload, events)
-        elif kind == WINDOW_UPDATE:
-            self._window_update(sid, payload, events)
-        elif kind == SETTINGS:
-            self._settings(flags, sid, payload, events)
-        elif kind == RST_STREAM:
-            self._rst_stream(sid, payload, events)
-        elif kind == PING:
-            if sid:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "PING on a stream")
-            if len(payload) != 8:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PING not 8 bytes")
-            if not flags & ACK:
-                self._write(frame(PING, ACK, 0, payload))
-            events.append(PingReceived(bool(flags & ACK)))
-        elif kind == PRIORITY:
-            if not sid:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "PRIORITY on stream 0")
-            if len(payload) != 5:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "PRIORITY not 5 bytes")
-            if U32.unpack_from(payload)[0] & 0x7FFFFFFF == sid:
-                self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
-            events.append(PRIORITY_RECEIVED)
-        elif kind == GOAWAY:
-            if sid:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "GOAWAY on a stream")
-            if len(payload) < 8:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
-            events.append(GoAwayReceived(GOAWAY_HEAD.unpack_from(payload)[1]))
-        elif kind == CONTINUATION:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "CONTINUATION without a header block")
-        elif kind == PUSH_PROMISE:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-        else:
-            events.append(UnknownFrame(kind))  # ignored (RFC 9113 §4.1), but counted
 
     def _headers(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
         if not sid or not sid & 1:
@@ -357,22 +246,7 @@ class H2Server:
         if flags & END_HEADERS:
             self._header_block(sid, flags, block, events)
             return
-        self._block = [block]
-        self._block_stream = sid
-        self._block_flags = flags
-        self._block_bytes = len(block)
-        self._continuations = 0
-
-    def _continuation(self, flags: int, payload: bytes, events: list[Event]) -> None:
-        assert self._block is not None
-        self._block.append(payload)
-        self._block_bytes += len(payload)
-        self._continuations += 1
-        if self._block_bytes > MAX_BLOCK_BYTES or self._continuations > MAX_CONTINUATIONS:
-            self._fail(ErrorCode.ENHANCE_YOUR_CALM, "header block too large")
-        if flags & END_HEADERS:
-            block, self._block = b"".join(self._block), None
-            self._header_block(self._block_stream, self._block_flags, block, events)
+        self._gather(sid, flags, block)
 
     def _decode(self, block: bytes) -> tuple[list[tuple[bytes, bytes]], int | None, bool]:
         """The header list of `block`. A block made only of indexed fields leaves the
@@ -501,108 +375,16 @@ class H2Server:
             self._remote_end(stream)
         events.append(DataReceived(sid, data, length, ended))
 
-    def _window_update(self, sid: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "WINDOW_UPDATE not 4 bytes")
-        increment = U32.unpack(payload)[0] & 0x7FFFFFFF
-        if not sid:
-            if not increment:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self.conn_send_window += increment
-            if self.conn_send_window > MAX_WINDOW:
-                self._fail(ErrorCode.FLOW_CONTROL_ERROR, "connection window overflow")
-            events.append(WindowUpdated(0))
-            return
-        stream = self.streams.get(sid)
-        if stream is None:
-            if sid > self.highest_inbound_stream_id:
-                self._fail(ErrorCode.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
-            events.append(WindowUpdated(sid))  # a closed stream: ignored, but counted
-            return
-        if not increment:
-            self._stream_error(sid, ErrorCode.PROTOCOL_ERROR, events)
-            return
-        stream.send_window += increment
-        if stream.send_window > MAX_WINDOW:
-            self._stream_error(sid, ErrorCode.FLOW_CONTROL_ERROR, events)
-            return
-        events.append(WindowUpdated(sid))
+    # -- the hooks of `Endpoint` --------------------------------------------------------
 
-    def _settings(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
-        if sid:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            if payload:
-                self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-            events.append(SETTINGS_ACKED)
-            return
-        if len(payload) % 6:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "SETTINGS not a multiple of 6 bytes")
-        for pos in range(0, len(payload), 6):
-            code, value = SETTING.unpack_from(payload, pos)
-            if code == Setting.HEADER_TABLE_SIZE:
-                self._table_reset = True
-            elif code in (Setting.ENABLE_PUSH, Setting.ENABLE_CONNECT_PROTOCOL):
-                if value > 1:
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "a boolean setting not 0 or 1")
-            elif code == Setting.INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    self._fail(ErrorCode.FLOW_CONTROL_ERROR, "initial window too large")
-                delta = value - self._send_initial
-                self._send_initial = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        self._fail(ErrorCode.FLOW_CONTROL_ERROR, "stream window overflow")
-            elif code == Setting.MAX_FRAME_SIZE:
-                if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
-                    self._fail(ErrorCode.PROTOCOL_ERROR, "max frame size out of range")
-                self.max_outbound_frame_size = value
-            elif code == Setting.MAX_HEADER_LIST_SIZE:
-                self.peer_max_header_list_size = value
-        self._write(frame(SETTINGS, ACK, 0))
-        events.append(SETTINGS_CHANGED)
+    def _idle(self, sid: int) -> bool:
+        return sid > self.highest_inbound_stream_id
 
-    def _rst_stream(self, sid: int, payload: bytes, events: list[Event]) -> None:
-        if len(payload) != 4:
-            self._fail(ErrorCode.FRAME_SIZE_ERROR, "RST_STREAM not 4 bytes")
-        if not sid or sid > self.highest_inbound_stream_id:
-            self._fail(ErrorCode.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
-        self.streams.pop(sid, None)
-        events.append(StreamReset(sid, U32.unpack(payload)[0], True))
+    def _goaway(self, payload: bytes, events: list[Event]) -> None:
+        events.append(GoAwayReceived(GOAWAY_HEAD.unpack_from(payload)[1]))
 
-    def _stream_error(self, sid: int, code: ErrorCode, events: list[Event]) -> None:
-        self.reset_stream(sid, code)
-        events.append(StreamReset(sid, code, False))
-
-    def _remote_end(self, stream: Stream) -> None:
-        stream.remote_open = False
-        if not stream.local_open:
-            del self.streams[stream.id]
-
-    # -- flow control of what we receive ----------------------------------------------
-
-    def acknowledge(self, length: int, stream_id: int) -> None:
-        """`length` flow-controlled bytes were taken: give the windows back when due."""
-        if not length:
-            return
-        self._conn_recv_processed += length
-        processed = self._conn_recv_processed
-        if processed >= DEFAULT_WINDOW // 2 or (
-                self._conn_recv_window == 0 and processed > 1024):
-            self._conn_recv_processed = 0
-            self._conn_recv_window += processed
-            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(processed)))
-        stream = self.streams.get(stream_id)
-        if stream is None or not stream.remote_open:
-            return
-        stream.recv_processed += length
-        processed = stream.recv_processed
-        if processed >= self._recv_initial // 2 or (
-                stream.recv_window == 0 and processed > min(1024, self._recv_initial // 4)):
-            stream.recv_processed = 0
-            stream.recv_window += processed
-            self._write(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(processed)))
+    def _last_stream_id(self) -> int:
+        return self.highest_inbound_stream_id
 
     # -- sending ----------------------------------------------------------------------
 
@@ -611,9 +393,6 @@ class H2Server:
         if stream is None or not stream.local_open or self.closed:
             raise StreamClosed(f"stream {stream_id} is closed")
         return stream
-
-    def is_open(self, stream_id: int) -> bool:
-        return stream_id in self.streams
 
     def fits_peer(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Is a header list within what the client said it takes (RFC 9113 §6.5.2:
@@ -626,21 +405,7 @@ class H2Server:
     def send_headers(self, stream_id: int, headers: Iterable[tuple[bytes, bytes]],
                      end_stream: bool = False) -> None:
         stream = self._sendable(stream_id)
-        block = h2_hpack.encode(headers)
-        if self._table_reset:
-            self._table_reset = False
-            block = h2_hpack.TABLE_SIZE_ZERO + block
-        flags = END_STREAM if end_stream else 0
-        limit = self.max_outbound_frame_size
-        if len(block) <= limit:
-            self._write(HEAD.pack(len(block) << 8 | HEADERS, flags | END_HEADERS,
-                                        stream_id) + block)
-        else:
-            pieces = [block[i:i + limit] for i in range(0, len(block), limit)]
-            self._write(frame(HEADERS, flags, stream_id, pieces[0]))
-            for piece in pieces[1:-1]:
-                self._write(frame(CONTINUATION, 0, stream_id, piece))
-            self._write(frame(CONTINUATION, END_HEADERS, stream_id, pieces[-1]))
+        self._send_head(stream_id, headers, end_stream)
         stream.headers_sent = True
         if end_stream:
             self._local_end(stream)
@@ -670,33 +435,3 @@ class H2Server:
 
     def end_stream(self, stream_id: int) -> None:
         self.send_data(stream_id, b"", end_stream=True)
-
-    def _local_end(self, stream: Stream) -> None:
-        stream.local_open = False
-        if not stream.remote_open:
-            del self.streams[stream.id]
-
-    def reset_stream(self, stream_id: int, code: int) -> None:
-        """RST_STREAM, when the stream is open and the connection too; else nothing."""
-        if self.closed or self.streams.pop(stream_id, None) is None:
-            return
-        self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-        self._note_reset(stream_id)
-
-    def _note_reset(self, stream_id: int) -> None:
-        """Remember a stream we reset: the client may still send on it what it had sent
-        before it saw the reset, which is ignored rather than an error. The oldest are
-        forgotten past a bound; late frames on those end the connection."""
-        reset = self._reset_by_us
-        reset[stream_id] = None
-        if len(reset) > RESET_MEMORY:
-            del reset[next(iter(reset))]
-
-    def close_connection(self, code: int = ErrorCode.NO_ERROR,
-                         last_stream_id: int | None = None) -> None:
-        """GOAWAY naming the last stream we took (by default the highest opened)."""
-        if self.closed:
-            return
-        last = self.highest_inbound_stream_id if last_stream_id is None else last_stream_id
-        self._write(frame(GOAWAY, 0, 0, GOAWAY_HEAD.pack(last, code)))
-        self.closed = True
