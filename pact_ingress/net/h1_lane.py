@@ -303,9 +303,18 @@ class Lane:
                     client.guarded(lambda _: client.connect(fresh=True), 0)
                 return await self._park(client)
             else:
-                session = entry.session = NodeSession(entry, node, self.hub)
-                move_protocol(entry, H2)
+                session = NodeSession(entry, node, self.hub)
                 node = None
+                if session.usable():
+                    entry.session = session
+                    move_protocol(entry, H2)
+                else:  # it ended as it began (a GOAWAY or a close in its first flight)
+                    session.close()
+                    session = None
+                    move_protocol(entry, UNTRIED)
+                    if client.phase is not ENDED:
+                        client.guarded(lambda _: client.connect(fresh=True), 0)
+                    return await self._park(client)
         if client.phase is ENDED:
             # the client left while the task connected: the connection stays pooled
             if node is not None and not need.entry.keep(node, True):

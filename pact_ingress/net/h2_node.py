@@ -174,8 +174,8 @@ class NodeSession:
         self.h2.initiate_connection()
         self.queue()
         if conn._in.pending or conn._sslobj.pending() or watch.readable:
-            # what came with the handshake (the node's SETTINGS) is read now: no new
-            # edge of the socket will announce it
+            # what came with the handshake (the node's SETTINGS, even a GOAWAY) is read
+            # now: no new edge of the socket will announce it
             watch.readable = False
             self.event(_IN)
 
@@ -218,8 +218,12 @@ class NodeSession:
             return
         if (pool.session is self and not pool.retired and conn._raw is not None
                 and conn.ssl_object.selected_alpn_protocol() == "h2"):
-            pool.session = NodeSession(pool, conn, self.hub)
-            self.retire_if_done()
+            successor = NodeSession(pool, conn, self.hub)
+            if successor.usable() and pool.session is self:
+                pool.session = successor
+                self.retire_if_done()
+            else:  # (it ended as it began: a GOAWAY or a close in its first flight)
+                successor.close()
             return
         await pool.discard(conn)
 
@@ -321,8 +325,12 @@ class NodeSession:
         if not mask & _READABLE:
             return
         conn = self.conn
-        raw, inc, tls, h2 = conn._raw, conn._in, conn._sslobj, self.h2
+        raw, inc, tls = conn._raw, conn._in, conn._sslobj
         assert raw is not None
+        # what the TLS engine holds already (it came with the handshake's last flight,
+        # or behind a record read before) first: no edge of the socket announces it
+        if (inc.pending or tls.pending()) and not self.plaintext():
+            return
         while not self.closed:
             try:
                 data = raw.recv(READ_SIZE)
@@ -335,35 +343,44 @@ class NodeSession:
                 inc.write(data)
             else:
                 inc.write_eof()
-            while True:
-                try:
-                    plain = tls.read(READ_SIZE)
-                except ssl.SSLWantReadError:
-                    break
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    plain = b""
-                except ssl.SSLError as exc:
-                    self.fail(f"TLS from the node failed: {exc!r}")
-                    return
-                if not plain:
-                    self.fail("the node closed the connection")
-                    return
-                try:
-                    events = h2.receive_data(plain)
-                except ConnectionError_ as exc:
-                    self.queue()  # the GOAWAY, if the socket still takes it
-                    self.fail(f"the node broke HTTP/2: {exc} ({exc.code.name})")
-                    return
-                self.dispatch(events)
-                if not inc.pending and not tls.pending():
-                    break  # (what a further read would say without its exception)
+            if not self.plaintext():
+                return
             if not data:
                 self.fail("the node closed the connection")
                 return
             if len(data) < READ_SIZE and not mask & _HUP:
                 break  # the socket had nothing more: a new edge announces what comes
-        if h2.out:
+        if self.h2.out:
             self.queue()
+
+    def plaintext(self) -> bool:
+        """Everything the TLS engine can decrypt now, to the protocol and its events to
+        their holders; False when the session ended."""
+        conn = self.conn
+        inc, tls, h2 = conn._in, conn._sslobj, self.h2
+        while not self.closed:
+            try:
+                plain = tls.read(READ_SIZE)
+            except ssl.SSLWantReadError:
+                return True
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                plain = b""
+            except ssl.SSLError as exc:
+                self.fail(f"TLS from the node failed: {exc!r}")
+                return False
+            if not plain:
+                self.fail("the node closed the connection")
+                return False
+            try:
+                events = h2.receive_data(plain)
+            except ConnectionError_ as exc:
+                self.queue()  # the GOAWAY, if the socket still takes it
+                self.fail(f"the node broke HTTP/2: {exc} ({exc.code.name})")
+                return False
+            self.dispatch(events)
+            if not inc.pending and not tls.pending():
+                return True  # (what a further read would say without its exception)
+        return False
 
     def dispatch(self, events: list[Any]) -> None:
         holders = self.holders
