@@ -288,6 +288,36 @@ def test_a_relayed_answer_larger_than_the_session_window_arrives_whole(rig: Rig)
     assert hashlib.sha256(r.content).digest() == hashlib.sha256(want).digest()
 
 
+def test_clients_that_leave_mid_relay_do_not_starve_the_session(rig: Rig) -> None:
+    """110 clients ask for a 3 MB answer, read its head, stop reading and reset: each
+    relay had up to a stream window (256 KiB) of the answer waiting, 28 MB in all, more
+    than the session's whole window. What they left must go back to the node's window:
+    a request after them is answered at once, over the same session."""
+    import concurrent.futures
+    import struct
+
+    def leave_mid_answer(i: int) -> None:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        raw = socket.create_connection((LOOPBACK, rig.serve.port), timeout=20)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        tls = ctx.wrap_socket(raw, server_hostname=OPT_HOST)
+        tls.sendall(f"GET /big/3000000?leave={i} HTTP/1.1\r\nHost: {OPT_HOST}\r\n\r\n"
+                    .encode())
+        assert tls.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(0.3)  # the relay's stream window fills while nothing is read
+        tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        tls.close()  # a reset
+
+    assert rig.get("/before-leavers").json()["version"] == "2"
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        list(pool.map(leave_mid_answer, range(110)))
+    start = time.monotonic()
+    r = rig.get("/after-leavers")
+    assert r.status_code == 200 and r.json()["version"] == "2"
+    assert time.monotonic() - start < 5  # (a starved session: the 30 s header timeout)
+
+
 def test_an_answer_without_length_is_framed_for_the_client(rig: Rig) -> None:
     r = rig.get("/nolength")
     assert r.status_code == 200 and json.loads(r.content)["path"] == "/nolength"

@@ -522,6 +522,12 @@ class StreamRelay:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if not self.complete:
+            # what came and was not taken is given back first: held here, it would be
+            # lost to the session's window for good (a stream's worth per client that
+            # leaves mid-answer)
+            owed = sum(flow for _, flow in self.pieces)
+            self.pieces.clear()
+            self.session.acknowledge(owed, self.sid)
             self.session.cancel(self.sid)
         entry = self.entry
         entry.active -= 1
