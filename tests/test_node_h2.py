@@ -518,3 +518,138 @@ def test_with_the_switch_off_the_node_is_spoken_to_over_http1(h1_rig: Rig) -> No
     with client() as c:
         versions = {get(c, h1_rig.serve, f"/off/{i}").json()["version"] for i in range(5)}
     assert versions == {"1.1"}
+
+
+class FirstFlightNode:
+    """A node limited to TLS 1.2 whose HTTP/2 preface (SETTINGS) leaves in the same
+    segment as its handshake's Finished, so it is in our TLS engine before the session
+    exists; `mode` "close_once" / "goaway_once": its first HTTP/2 connection then closes
+    / says GOAWAY(0) in that same flight, and later ones serve. It answers over HTTP/2
+    with `h2`'s server end (`{"path": ..., "version": "2"}`) and over HTTP/1.1 too."""
+
+    def __init__(self, cert: Path, key: Path, mode: str) -> None:
+        import threading
+
+        self.mode = mode
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(str(cert), str(key))
+        self.ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        self.ctx.set_alpn_protocols(["h2", "http/1.1"])
+        self.sock = socket.create_server((LOOPBACK, 0), backlog=64)
+        self.port = self.sock.getsockname()[1]
+        self.h2_connections = 0
+        self.seen: list[tuple[str, str]] = []  # (version, path)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+
+    def _serve(self, s: socket.socket) -> None:
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = self.ctx.wrap_bio(inc, out, server_side=True)
+        s.settimeout(20)
+        try:
+            while True:
+                try:
+                    tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    s.sendall(out.read())
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    inc.write(data)
+            h2_mode = tls.selected_alpn_protocol() == "h2"
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(
+                client_side=False, header_encoding=None))
+            if h2_mode:
+                self.h2_connections += 1
+                first = self.h2_connections == 1
+                conn.initiate_connection()
+                if first and self.mode == "goaway_once":
+                    conn.close_connection(last_stream_id=0)
+                tls.write(conn.data_to_send())
+                s.sendall(out.read())  # the Finished and the preface: one segment
+                if first and self.mode in ("close_once", "goaway_once"):
+                    return
+            else:
+                s.sendall(out.read())  # the handshake's last flight
+            buf = b""
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    return
+                inc.write(data)
+                plain = b""
+                try:
+                    while True:
+                        plain += tls.read(65536)
+                except ssl.SSLWantReadError:
+                    pass
+                if h2_mode:
+                    for e in conn.receive_data(plain):
+                        if isinstance(e, h2.events.RequestReceived):
+                            path = dict(e.headers)[b":path"].decode()
+                            self.seen.append(("2", path))
+                            body = json.dumps({"path": path, "version": "2"}).encode()
+                            conn.send_headers(e.stream_id, [
+                                (b":status", b"200"),
+                                (b"content-length", str(len(body)).encode())])
+                            conn.send_data(e.stream_id, body, end_stream=True)
+                    tls.write(conn.data_to_send())
+                else:
+                    buf += plain
+                    while b"\r\n\r\n" in buf:
+                        head, buf = buf.split(b"\r\n\r\n", 1)
+                        path = head.split(b" ")[1].decode()
+                        self.seen.append(("1.1", path))
+                        body = json.dumps({"path": path, "version": "1.1"}).encode()
+                        tls.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n"
+                                  % len(body) + body)
+                if out.pending:
+                    s.sendall(out.read())
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            s.close()
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["serve", "close_once", "goaway_once"])
+def test_a_node_whose_preface_comes_with_its_finished_gets_a_session(
+        tmp_path: Path, mode: str) -> None:
+    """The node's SETTINGS are in our TLS engine when the session is made (TLS 1.2 sends
+    them with the Finished): the session reads them at once and serves. A first
+    connection that closes or says GOAWAY in that flight is not installed: that request
+    goes over HTTP/1.1, and the next ones over a new session."""
+    ids = make_identities(tmp_path)
+    node = FirstFlightNode(ids.node.cert_path, ids.node.key_path, mode)
+    serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
+                  limits={"calls_per_hour_per_ip": 1000000})
+    try:
+        with client() as c:
+            answers = [get(c, serve, f"/ff/{i}") for i in range(5)]
+        assert [a.status_code for a in answers] == [200] * 5
+        assert [a.json()["path"] for a in answers] == [f"/ff/{i}" for i in range(5)]
+        versions = [a.json()["version"] for a in answers]
+        if mode == "serve":
+            assert versions == ["2"] * 5
+        else:
+            assert versions[1:] == ["2"] * 4
+        assert "lane_error" not in serve.logs()
+    finally:
+        serve.stop()
+        node.stop()

@@ -298,9 +298,8 @@ class Lane:
                 # (over a stream the hub cannot drive: this node stays on HTTP/1.1)
                 move_protocol(entry, HTTP1 if node._raw is None else UNTRIED)
                 await entry.discard(node)
-                node = None
-                if client.phase is not ENDED:
-                    client.guarded(lambda _: client.connect(fresh=True), 0)
+                if client.phase is not ENDED:  # (still CONNECTING) over HTTP/1.1, fresh
+                    return NeedNode(client, entry, need.host, need.deadline, True)
                 return await self._park(client)
             else:
                 session = NodeSession(entry, node, self.hub)
@@ -312,8 +311,8 @@ class Lane:
                     session.close()
                     session = None
                     move_protocol(entry, UNTRIED)
-                    if client.phase is not ENDED:
-                        client.guarded(lambda _: client.connect(fresh=True), 0)
+                    if client.phase is not ENDED:  # (still CONNECTING) over HTTP/1.1
+                        return NeedNode(client, entry, need.host, need.deadline, True)
                     return await self._park(client)
         if client.phase is ENDED:
             # the client left while the task connected: the connection stays pooled

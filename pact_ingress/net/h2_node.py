@@ -163,6 +163,9 @@ class NodeSession:
                            connection_window=SESSION_WINDOW)
         self.holders: dict[int, Any] = {}  # stream id -> its holder
         self.closed = False
+        #: it takes no new stream (its last was opened, a successor took over, or the
+        #: node said GOAWAY): it closes once its streams ended (`retire_if_done`)
+        self.retiring = False
         self.queued = False  # a flush is due when the hub's batch is done
         self.pending = b""  # ciphertext the kernel did not take yet
         self.served = 0  # streams opened
@@ -183,7 +186,7 @@ class NodeSession:
 
     def usable(self) -> bool:
         """May a new exchange go as a stream now?"""
-        return not self.closed and self.h2.can_open()
+        return not self.closed and not self.retiring and self.h2.can_open()
 
     def open(self, holder: Any, fields: list[Header], body: bytes) -> int:
         """Send a request as a new stream held by `holder`; its id. The caller checked
@@ -221,6 +224,7 @@ class NodeSession:
             successor = NodeSession(pool, conn, self.hub)
             if successor.usable() and pool.session is self:
                 pool.session = successor
+                self.retiring = True
                 self.retire_if_done()
             else:  # (it ended as it began: a GOAWAY or a close in its first flight)
                 successor.close()
@@ -420,6 +424,7 @@ class NodeSession:
 
     def going_away(self) -> None:
         """No new stream here: the pool's next exchange makes a new session."""
+        self.retiring = True
         pool = self.pool
         if pool.session is self:
             pool.session = None
@@ -427,8 +432,7 @@ class NodeSession:
 
     def retire_if_done(self) -> None:
         """A session that takes no new stream closes once its last stream ended."""
-        if not self.holders and not self.closed and (
-                self.h2.going_away or self.pool.retired or self.pool.session is not self):
+        if not self.holders and not self.closed and (self.retiring or self.pool.retired):
             self.close()
 
     def close(self) -> None:
