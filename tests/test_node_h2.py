@@ -434,10 +434,11 @@ def test_a_client_that_leaves_has_its_stream_reset_at_the_node(rig: Rig) -> None
     assert rig.get("/after-leave").json()["version"] == "2"
 
 
-async def test_a_late_head_is_504_and_the_session_goes_on(nursery, tmp_path: Path) -> None:
+async def test_a_late_head_is_504_and_a_new_session_serves_on(nursery, tmp_path: Path) -> None:
     """In process, with the lane serving and a node header timeout of 1 s: the demo node
-    (hypercorn, which offers h2) stalls one request; that client gets 504 and the stream
-    is given up, and the session serves the next requests."""
+    (hypercorn, which offers h2) stalls one request; that client gets 504, the stream is
+    given up and its session retires (closed once it has no stream), and the next
+    requests are served over a new session."""
     import trio
 
     from tests.test_terminate import HOST as DEMO_HOST
@@ -476,13 +477,15 @@ async def test_a_late_head_is_504_and_the_session_goes_on(nursery, tmp_path: Pat
         assert (await exchange(headers_get)).startswith(b"HTTP/1.1 200")
         pool = next(iter(env.terminator.upstream._pools.values()))
         assert pool.session is not None  # the node took h2
+        session = pool.session
         stalled = await exchange(f"GET /_demo/stall HTTP/1.1\r\nHost: {DEMO_HOST}\r\n\r\n"
                                  .encode())
         assert stalled.startswith(b"HTTP/1.1 504")
-        session = pool.session
+        # the session that let a head wait retires; the next exchange makes a new one
         for _ in range(3):
             assert (await exchange(headers_get)).startswith(b"HTTP/1.1 200")
-        assert pool.session is session and not session.holders  # the same session
+        assert pool.session is not None and pool.session is not session
+        assert session.closed and not pool.session.holders
     await env.terminator.aclose()
 
 

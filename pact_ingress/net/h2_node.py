@@ -46,7 +46,8 @@ What goes wrong, and what the client gets: a stream the node refused (REFUSED_ST
 never processed (GOAWAY) is sent again on a fresh HTTP/1.1 connection; a session that
 fails before an answer's head gives a retry to a request that may be sent twice, a 502
 to others; a stream reset after its head ends the client's answer as a broken body
-would; the node's head late is 504, as over HTTP/1.1.
+would; the node's head late is 504, as over HTTP/1.1, and the session takes no new
+stream (a node stuck as a whole would hold every later request the same way).
 """
 
 from __future__ import annotations
@@ -453,8 +454,11 @@ class NodeSession:
         self.closed = True
         self.going_away()
         if why is not None:
-            log.warning("node_session_ended", route=self.pool.route.host, error=why,
-                        streams=len(self.holders))
+            # with streams in flight a failure; with none, most often a node closing a
+            # connection it found idle (hypercorn does after 5 s): not worth a warning
+            (log.warning if self.holders else log.debug)(
+                "node_session_ended", route=self.pool.route.host, error=why,
+                streams=len(self.holders))
         holders, self.holders = self.holders, {}
         watch = self.watch
         watch.lane = None

@@ -410,10 +410,14 @@ class NodeLeg:
         self.node_deadline = math.inf
         if self.phase is not self.AT_NODE:
             return
-        if self.session is not None:
+        session = self.session
+        if session is not None:
             if self.head_seen:
                 self.relay()
             else:
+                # a node that let a head wait this long may be stuck as a whole: the
+                # next exchange makes a new session rather than queue behind this one
+                session.going_away()
                 self.node_failed(UpstreamTimeout(
                     f"no response headers within {self.t.upstream.header_timeout:g} s"))
             return
