@@ -48,6 +48,12 @@ is queued, and the request in hand, if any, with how far its story got:
 (`Resume.WRITE` is an HTTP/2 stream's: `net/h2_lane.py`, which serves the usual HTTP/2
 stream the same way and sends to the node through the same `NodeLeg`.)
 
+A node that selects `h2` gets this lane's requests without a body as streams of one
+session instead of pooled connections (`net/h2_node.py`): `NeedNode.offer_h2` is the
+exchange that tries the node for it, `Lane.connected` installs the session, and an
+answer that is not whole goes to the trio engine as `Resume.RELAY` with a
+`StreamRelay` in place of the node connection.
+
 The request story itself is `Terminator.lane_story` (beside `Terminator._story`, in the
 same order: route, target and host, scope, the IP unit, the body's share and the seal
 posture, the caller keys, the share of the node), so the checks cannot differ by path.

@@ -279,9 +279,11 @@ class NodeLeg:
 
     def h2_data(self, data: bytes, flow: int, ended: bool) -> None:
         session = self.session
-        if self.phase is not self.AT_NODE or session is None:
+        if session is None:
             return
-        session.acknowledge(flow, self.sid)  # held here: at most MAX_WHOLE_BODY
+        session.acknowledge(flow, self.sid)  # held here (at most MAX_WHOLE_BODY), or not
+        if self.phase is not self.AT_NODE:
+            return
         if data:
             self.parts.append(data)
         if ended:
