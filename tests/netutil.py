@@ -255,3 +255,20 @@ def limited(nofile: int | None) -> list[str]:
     """The command prefix that runs a command under RLIMIT_NOFILE `nofile` (prlimit(1)
     execs it: the pid stays the command's; not preexec_fn, unsafe in a threaded test)."""
     return [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
+
+
+def bio_handshake(sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+                  outgoing: ssl.MemoryBIO) -> bool:
+    """A memory-BIO TLS handshake (either side) over a blocking socket; False when the
+    peer closed first. What the last flight left in `outgoing` is the caller's to send
+    (a test that wants it in one write with what follows sends them together)."""
+    while True:
+        try:
+            tls.do_handshake()
+            return True
+        except ssl.SSLWantReadError:
+            sock.sendall(outgoing.read())
+            data = sock.recv(65536)
+            if not data:
+                return False
+            incoming.write(data)

@@ -38,7 +38,7 @@ import h2.settings
 import pytest
 
 from pact_ingress.identity import Identity
-from tests.netutil import free_port
+from tests.netutil import bio_handshake, free_port
 from tests.terminate_env import (
     LOOPBACK,
     OPT_HOST,
@@ -1072,15 +1072,7 @@ def test_a_client_that_closes_before_reading_anything_is_let_go(
     tls = ctx.wrap_bio(incoming, outgoing, server_hostname=TARPIT_HOST)
     sock = socket.create_connection((LOOPBACK, rig.serve.port), timeout=WAIT)
     try:
-        while True:
-            try:
-                tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                sock.sendall(outgoing.read())
-                data = sock.recv(65536)
-                assert data, "the edge closed during the handshake"
-                incoming.write(data)
+        assert bio_handshake(sock, tls, incoming, outgoing), "the edge closed in the handshake"
         tls.write(request_bytes("GET", "/hangs?finished-and-request", TARPIT_HOST))
         sock.sendall(outgoing.read())  # the Finished and the request in one write
         assert rig.serve.wait_open_connections(1) == 1

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.netutil import free_port
+from tests.netutil import bio_handshake, free_port
 from tests.terminate_env import (
     HOST,
     LOOPBACK,
@@ -563,16 +563,8 @@ class FirstFlightNode:
         tls = self.ctx.wrap_bio(inc, out, server_side=True)
         s.settimeout(20)
         try:
-            while True:
-                try:
-                    tls.do_handshake()
-                    break
-                except ssl.SSLWantReadError:
-                    s.sendall(out.read())
-                    data = s.recv(65536)
-                    if not data:
-                        return
-                    inc.write(data)
+            if not bio_handshake(s, tls, inc, out):
+                return
             h2_mode = tls.selected_alpn_protocol() == "h2"
             conn = h2.connection.H2Connection(h2.config.H2Configuration(
                 client_side=False, header_encoding=None))

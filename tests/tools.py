@@ -12,7 +12,8 @@ PACKAGES = {
     "named": "bind9", "nsupdate": "bind9-utils", "chromium": "chromium",
     "gnutls-cli": "gnutls-bin", "systemd-analyze": "systemd", "curl": "curl",
     "openssl": "openssl", "ssh": "openssh-client", "sshd": "openssh-server",
-    "nghttp": "nghttp2-client", "h2load": "nghttp2-client", "nghttpd": "nghttp2-server", "node": "nodejs",
+    "nghttp": "nghttp2-client", "h2load": "nghttp2-client", "nghttpd": "nghttp2-server",
+    "node": "nodejs",
     "redis-server": "redis-server",
 }
 
