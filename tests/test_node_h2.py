@@ -629,7 +629,9 @@ def test_a_node_whose_preface_comes_with_its_finished_gets_a_session(
     """The node's SETTINGS are in our TLS engine when the session is made (TLS 1.2 sends
     them with the Finished): the session reads them at once and serves. A first
     connection that closes or says GOAWAY in that flight is not installed: that request
-    goes over HTTP/1.1, and the next ones over a new session."""
+    goes over HTTP/1.1 (or, when a close comes after the session took it, gets the 502
+    of a node that failed a new connection; never an edge error), and the next ones over
+    a new session."""
     ids = make_identities(tmp_path)
     node = FirstFlightNode(ids.node.cert_path, ids.node.key_path, mode)
     serve = Serve(tmp_path, node, ids.node.fingerprint, workers=1,  # type: ignore[arg-type]
@@ -637,13 +639,17 @@ def test_a_node_whose_preface_comes_with_its_finished_gets_a_session(
     try:
         with client() as c:
             answers = [get(c, serve, f"/ff/{i}") for i in range(5)]
-        assert [a.status_code for a in answers] == [200] * 5
-        assert [a.json()["path"] for a in answers] == [f"/ff/{i}" for i in range(5)]
+        if mode == "close_once" and answers[0].status_code == 502:
+            # the close came after the session took the request: a node that fails a
+            # new connection, a 502 as over HTTP/1.1 (nothing says it did not act)
+            answers = answers[1:]
+        assert {a.status_code for a in answers} == {200}
+        assert [a.json()["path"] for a in answers] == [f"/ff/{i}" for i in range(5)][-len(
+            answers):]
         versions = [a.json()["version"] for a in answers]
+        assert versions[-4:] == ["2"] * 4
         if mode == "serve":
             assert versions == ["2"] * 5
-        else:
-            assert versions[1:] == ["2"] * 4
         assert "lane_error" not in serve.logs()
     finally:
         serve.stop()
